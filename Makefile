@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the whole test suite.
+# Each creates .venv, installs torch==2.13.0 (the on-disk CPU wheel) only if no torch is importable there,
+# then installs gradsync with its dev extras.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gradsync-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gradsync demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gradsync tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/plan_scaling.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

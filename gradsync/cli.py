@@ -1,0 +1,178 @@
+"""The ``gradsync`` command: one entry point, one subcommand per stage (``topo``, ``plan``, ``demo``).
+
+Choices come from the registries, so ``--help`` lists them. Bad input prints one line
+``gradsync: error: ...`` naming the fix and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gradsync.errors import GradsyncError
+from gradsync.plan import SYNTHESIZERS, PlanOptions, evaluate, limits, synthesize
+from gradsync.topology import BUILDERS, get_topology, save
+
+__all__ = ["main", "parse_size", "DEMO_TOPOLOGIES"]
+
+#: What ``gradsync demo`` plans: one of each built-in family, at sizes a laptop plans in seconds.
+DEMO_TOPOLOGIES = (
+    "p3.16xlarge", "p3.8xlarge", "p2.16xlarge", "p2.8xlarge", "minsky:2",
+    "ring:8", "full:8", "switch:8", "p3.16xlarge[0,1,2,3,7]",
+)
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> float:
+    """``548MB``, ``1GiB``, ``4096``, ``1e9`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m[2].upper() not in _UNITS:
+        raise GradsyncError(f"cannot read size {text!r}; write bytes like 4096, 548MB or 1GiB")
+    value = float(m[1]) * _UNITS[m[2].upper()]
+    if value <= 0:
+        raise GradsyncError(f"size {text!r} must be positive")
+    return value
+
+
+def _emit_json(obj: object) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+# ---- topo ----------------------------------------------------------------------------------------------
+def cmd_topo(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        for name, entry in BUILDERS.items():
+            alias = BUILDERS.aliases_of(name)
+            label = entry.example + (f" (alias {', '.join(alias)})" if alias else "")
+            print(f"{label:28s} {entry.summary}")
+        print("\nAny of these accepts a rank selection, e.g. p3.16xlarge[0,1,2,3,7]; or give a .json/.yaml file.")
+        return 0
+    if not args.spec:
+        raise GradsyncError(f"'gradsync topo {args.action}' needs a topology, e.g. 'gradsync topo {args.action} p3.16xlarge'")
+    topo = get_topology(args.spec)
+    if args.action == "show":
+        if args.json:
+            _emit_json(topo.to_dict())
+        else:
+            print(topo.summary())
+            print("ranks: " + " ".join(topo.ranks))
+            for lk in topo.links:
+                print(f"  {lk.a:>10s} -- {lk.b:<10s} {lk.bandwidth_GBps:8.2f} GB/s  {lk.kind}")
+        return 0
+    if args.action == "export":
+        out = Path(args.output or f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', topo.name)}.yaml")
+        save(topo, out)
+        print(f"wrote {out}")
+        return 0
+    if args.action == "draw":
+        from gradsync.topology.draw import draw
+
+        out = Path(args.output or f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', topo.name)}.png")
+        draw(topo, out)
+        print(f"wrote {out}")
+        return 0
+    raise GradsyncError(f"unknown topo action {args.action!r}")  # pragma: no cover - argparse restricts it
+
+
+# ---- plan ----------------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    topo = get_topology(args.topology)
+    options = PlanOptions(pipeline=args.pipeline, size_bytes=parse_size(args.size), latency_s=args.latency)
+    schedule = synthesize(args.algorithm, topo, options)
+    report = evaluate(schedule, topo, options.size_bytes, options.latency_s)
+    if args.output:
+        schedule.save(args.output)
+    if args.json:
+        _emit_json(report.to_dict())
+        return 0
+    b = report.limits
+    print(f"{report.algorithm} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link {report.unit_bandwidth_GBps:g} GB/s)")
+    print(f"  lower bound {report.lower_bound:.6g} (gap {report.gap:.2%}); any-switch cut bound {b.cut:.6g}")
+    if b.optimum is not None:
+        print(f"  Lemma 2.1: max c_e {b.max_link_cost:.6g} >= C(T_MWST) {b.tree:.6g} >= C(G) {b.optimum:.6g} >= (n-1)/sum 1/c_e {b.sum_bound:.6g}")
+    print(f"  allreduce of {report.size_bytes:.6g} B: {report.time_s * 1e3:.4g} ms, algbw {report.algbw_GBps:.4g} GB/s")
+    print(f"  {report.chunks} chunks, {report.transfers} transfers, {report.steps} steps, {len(report.trees)} trees")
+    print("  link class       links  max busy (C units)  max util  mean util")
+    for kind, c in sorted(report.link_classes.items()):
+        print(f"  {kind:16s} {c['links']:5d}  {c['max_busy_cost']:18.6g}  {c['max_utilisation']:8.1%}  {c['mean_utilisation']:9.1%}")
+    if args.output:
+        print(f"  schedule written to {args.output}")
+    return 0
+
+
+# ---- demo ----------------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    size = parse_size(args.size)
+    algorithms = [a for a in SYNTHESIZERS.names() if a != "auto"]
+    rows = []
+    print(f"gradsync demo: every built-in topology x every applicable algorithm, allreduce of {args.size}")
+    print(f"{'topology':24s} {'bound':>8s} " + " ".join(f"{a:>9s}" for a in algorithms) + "   best   algbw GB/s")
+    for spec in DEMO_TOPOLOGIES:
+        topo = get_topology(spec)
+        bounds = limits(topo)
+        cells = {}
+        for alg in algorithms:
+            if SYNTHESIZERS.get(alg).applicable(topo):
+                continue
+            schedule = synthesize(alg, topo)
+            cells[alg] = evaluate(schedule, topo, size, bounds=bounds)
+        best = min(cells, key=lambda a: cells[a].time_s)
+        print(f"{topo.name:24s} {bounds.lower_bound:8.4f} "
+              + " ".join(f"{cells[a].cost:9.4f}" if a in cells else f"{'-':>9s}" for a in algorithms)
+              + f"   {best:5s}  {cells[best].algbw_GBps:10.2f}", flush=True)
+        rows.append({"topology": topo.name, "lower_bound": bounds.lower_bound,
+                     "cost": {a: r.cost for a, r in cells.items()},
+                     "time_s": {a: r.time_s for a, r in cells.items()}, "best": best})
+    print("costs are the seed's C: time of the allreduce in units of sending the buffer once over the unit link.")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"type": "gradsync.demo", "size_bytes": size, "rows": rows}, indent=2))
+        print(f"wrote {args.output}")
+    return 0
+
+
+# ---- parser --------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("topo", help="list, show, export or draw a topology")
+    t.add_argument("action", choices=["list", "show", "export", "draw"])
+    t.add_argument("spec", nargs="?", help="registry name (" + ", ".join(BUILDERS.names()) + ") or a .json/.yaml file")
+    t.add_argument("-o", "--output", help="file to write (export: .json/.yaml; draw: .png/.svg)")
+    t.add_argument("--json", action="store_true", help="show as JSON")
+    t.set_defaults(func=cmd_topo)
+
+    pl = sub.add_parser("plan", help="plan an allreduce schedule and report its cost, bounds and time")
+    pl.add_argument("--topology", "-t", required=True, help="registry spec or .json/.yaml file")
+    pl.add_argument("--algorithm", "-a", default="lp", choices=SYNTHESIZERS.names())
+    pl.add_argument("--size", default="100MB", help="message size in bytes (e.g. 548MB, 1GiB)")
+    pl.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")
+    pl.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.add_argument("-o", "--output", help="also write the schedule as tagged JSON to this file")
+    pl.set_defaults(func=cmd_plan)
+
+    d = sub.add_parser("demo", help="plan every built-in topology with every applicable algorithm")
+    d.add_argument("--size", default="100MB")
+    d.add_argument("-o", "--output", help="write the table as JSON")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except GradsyncError as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Errors gradsync raises for bad input.
+
+Every error says which value was wrong and how to fix it. They subclass ``ValueError`` so callers that
+already catch ``ValueError`` keep working; the CLI turns them into a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GradsyncError", "TopologyError", "ScheduleError", "PlanError"]
+
+
+class GradsyncError(ValueError):
+    """Base class: bad input to gradsync (a name, a file, a size, a schedule)."""
+
+
+class TopologyError(GradsyncError):
+    """A topology is malformed: unknown device, bad bandwidth, disconnected ranks, bad file."""
+
+
+class ScheduleError(GradsyncError):
+    """A schedule fails its self-check: a rank misses a contribution, counts one twice, or a route is broken."""
+
+
+class PlanError(GradsyncError):
+    """A synthesizer cannot plan for this topology, or an option is out of range."""

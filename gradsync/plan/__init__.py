@@ -1,0 +1,29 @@
+"""Planning: the Schedule representation, synthesizers in a registry, and physical limits (seeds 000-002)."""
+
+from gradsync.plan.limits import Limits, limits
+from gradsync.plan.lp import TreePacking, bottleneck_tree, pack_trees, partition_bound
+from gradsync.plan.report import PlanReport, evaluate, predicted_time
+from gradsync.plan.schedule import COLLECTIVES, Chunk, LinkLoads, Schedule, Transfer, Tree
+from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions, Synthesizer, synthesize
+
+__all__ = [
+    "COLLECTIVES",
+    "SYNTHESIZERS",
+    "Chunk",
+    "LinkLoads",
+    "Limits",
+    "PlanOptions",
+    "PlanReport",
+    "Schedule",
+    "Synthesizer",
+    "Transfer",
+    "Tree",
+    "TreePacking",
+    "bottleneck_tree",
+    "evaluate",
+    "limits",
+    "pack_trees",
+    "partition_bound",
+    "predicted_time",
+    "synthesize",
+]

@@ -1,0 +1,84 @@
+"""Physical limits of allreduce on a topology (seed 000 Lemma 2.1 and the Nash-Williams-Tutte optimum).
+
+All values are in the seed's cost units (``c_e = unit_bw / bw_e``; the allreduce of S bytes takes at least
+``value * S / unit_bw`` with reduce and broadcast overlapped on duplex links).
+
+* Lemma 2.1: ``max_e c_e >= C(T_MWST) >= C(G) >= (n - 1) / sum_e c_e^-1`` on switch-free graphs.
+* Switch-free optimum: ``C(G) = max over partitions P of (|P| - 1) / sum_{e crossing P} c_e^-1`` (the
+  fractional spanning-tree packing number, Nash-Williams-Tutte). The ``lp`` schedule attains it; its
+  column generation returns it with a certificate.
+* With switches there are two bounds:
+
+  - ``cut``: the same partition formula over partitions of *all* devices in which every part holds a rank.
+    Each element must leave every part but the root's once (reduce) and enter it once (broadcast), so
+    every partition is crossed ``|P| - 1`` times per direction. This holds for *any* schedule, even one
+    whose switches could aggregate (in-network reduction), so it is the hardware's limit.
+  - ``no_aggregation``: the column-generation certificate ``min_T sum_e y_e c_e L_eT`` with duals ``y``
+    (``y >= 0``, ``sum y = 1``). It bounds every schedule in which switches only forward: each element is
+    reduced along a tree of ranks and broadcast back along it, and by the symmetry of duplex links mixing a
+    schedule with its mirror image never hurts, so such schedules are mixes of routed trees. The ``lp``
+    schedule attains it; the gap between the two bounds is the price of switches that cannot aggregate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from gradsync.plan.lp import bottleneck_tree, pack_trees, partition_bound
+from gradsync.topology.model import Topology
+
+__all__ = ["Limits", "limits"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds in cost units; ``None`` where a bound does not apply to this kind of topology."""
+
+    #: Best lower bound for schedules whose switches only forward (what gradsync's schedules are).
+    lower_bound: float
+    #: Partition bound valid for any schedule, even with aggregating switches.
+    cut: float
+    #: Lemma 2.1 quantities (switch-free graphs only).
+    max_link_cost: float | None
+    tree: float | None
+    optimum: float | None
+    sum_bound: float | None
+
+    def to_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+def _singleton_cut(topology: Topology) -> float:
+    """Cut bound of 'every rank alone, forwarding devices with their nearest rank' partitions."""
+    if topology.world_size < 2:
+        return 0.0
+    best = 0.0
+    # Forwarders join the part of one rank; try each rank as the collector of all forwarders.
+    for collector in topology.ranks:
+        part_of = {r: i for i, r in enumerate(topology.ranks)}
+        for d in topology.devices:
+            if d.name not in part_of:
+                part_of[d.name] = part_of[collector]
+        best = max(best, partition_bound(topology, part_of))
+    return best
+
+
+def limits(topology: Topology) -> Limits:
+    """Compute every bound of the module docstring for ``topology``."""
+    packing = pack_trees(topology)
+    cut = _singleton_cut(topology)
+    if topology.has_forwarders:
+        return Limits(packing.lower_bound, max(cut, 0.0), None, None, None, None)
+    costs = topology.costs
+    n = topology.world_size
+    tree = bottleneck_tree(topology)
+    return Limits(
+        lower_bound=packing.lower_bound,
+        cut=max(cut, packing.lower_bound),
+        max_link_cost=float(costs.max()) if costs.size else 0.0,
+        tree=float((costs * tree.loads).max()) if costs.size else 0.0,
+        optimum=packing.cost,
+        sum_bound=(n - 1) / float(np.sum(1.0 / costs)) if costs.size else 0.0,
+    )

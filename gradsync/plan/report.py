@@ -1,0 +1,145 @@
+"""What ``gradsync plan`` prints: cost, bounds, predicted time and per-link utilisation of a schedule.
+
+Time model (bandwidth-only, streaming): links are duplex, the reduce and the broadcast run at once, and
+chunks stream through every route, so an allreduce of S bytes takes ``cost * S / unit_bw``. With a latency
+(from ``--latency`` or the links' own ``latency_s``), each step of the schedule adds the slowest route's
+latency in that step. The simulator gives the exact event-driven time; this is the planner's estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradsync.plan.limits import Limits, limits
+from gradsync.plan.schedule import Schedule
+from gradsync.topology.model import Topology
+
+__all__ = ["PlanReport", "evaluate", "predicted_time", "latency_term"]
+
+
+def latency_term(schedule: Schedule, topology: Topology, latency_s: float | None) -> float:
+    """Sum over steps of the largest route latency in that step (``latency_s`` per hop overrides links)."""
+    per_step: dict[int, float] = {}
+    cache: dict[tuple[str, ...], float] = {}
+    for t in schedule.transfers:
+        lat = cache.get(t.route)
+        if lat is None:
+            hops = topology.route_links(t.route)
+            lat = len(hops) * latency_s if latency_s is not None else sum(topology.links[e].latency_s for e, _ in hops)
+            cache[t.route] = lat
+        per_step[t.step] = max(per_step.get(t.step, 0.0), lat)
+    return sum(per_step.values())
+
+
+def predicted_time(schedule: Schedule, topology: Topology, size_bytes: float, latency_s: float | None = None) -> float:
+    cost = schedule.link_loads(topology).cost(topology.costs)
+    assert topology.unit_bandwidth_GBps is not None
+    return cost * size_bytes / (topology.unit_bandwidth_GBps * 1e9) + latency_term(schedule, topology, latency_s)
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The numbers of one planned schedule on one topology for one message size."""
+
+    topology: str
+    algorithm: str
+    size_bytes: float
+    unit_bandwidth_GBps: float
+    cost: float
+    aggregation_cost: float
+    half_duplex_cost: float
+    limits: Limits
+    time_s: float
+    algbw_GBps: float
+    steps: int
+    chunks: int
+    transfers: int
+    links: list[dict[str, Any]] = field(default_factory=list)
+    link_classes: dict[str, dict[str, float]] = field(default_factory=dict)
+    trees: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lower_bound(self) -> float:
+        return self.limits.lower_bound
+
+    @property
+    def gap(self) -> float:
+        """Relative distance of ``cost`` above the lower bound (0 means provably optimal)."""
+        return self.cost / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "gradsync.plan",
+            "topology": self.topology,
+            "algorithm": self.algorithm,
+            "size_bytes": self.size_bytes,
+            "unit_bandwidth_GBps": self.unit_bandwidth_GBps,
+            "cost": self.cost,
+            "aggregation_cost": self.aggregation_cost,
+            "half_duplex_cost": self.half_duplex_cost,
+            "lower_bound": self.lower_bound,
+            "gap": self.gap,
+            "bounds": self.limits.to_dict(),
+            "time_s": self.time_s,
+            "algbw_GBps": self.algbw_GBps,
+            "steps": self.steps,
+            "chunks": self.chunks,
+            "transfers": self.transfers,
+            "link_classes": self.link_classes,
+            "links": self.links,
+            "trees": self.trees,
+            "meta": self.meta,
+        }
+
+
+def evaluate(
+    schedule: Schedule,
+    topology: Topology,
+    size_bytes: float,
+    latency_s: float | None = None,
+    bounds: Limits | None = None,
+) -> PlanReport:
+    """Cost in the seed's units, bounds, predicted time and utilisation per link and per link class."""
+    costs = topology.costs
+    loads = schedule.link_loads(topology)
+    cost = loads.cost(costs)
+    unit = float(topology.unit_bandwidth_GBps or 1.0)
+    time_s = predicted_time(schedule, topology, size_bytes, latency_s)
+    links = []
+    classes: dict[str, dict[str, float]] = {}
+    for i, lk in enumerate(topology.links):
+        busy = float(loads.directed[i].max() * costs[i])
+        util = busy / cost if cost > 0 else 0.0
+        links.append({
+            "a": lk.a, "b": lk.b, "kind": lk.kind, "bandwidth_GBps": lk.bandwidth_GBps,
+            "load_ab": float(loads.directed[i, 0]), "load_ba": float(loads.directed[i, 1]),
+            "busy_cost": busy, "utilisation": util,
+        })
+        cls = classes.setdefault(lk.kind, {"links": 0, "max_busy_cost": 0.0, "max_utilisation": 0.0, "mean_utilisation": 0.0})
+        cls["links"] += 1
+        cls["max_busy_cost"] = max(cls["max_busy_cost"], busy)
+        cls["max_utilisation"] = max(cls["max_utilisation"], util)
+        cls["mean_utilisation"] += util
+    for cls in classes.values():
+        cls["mean_utilisation"] /= cls["links"]
+    return PlanReport(
+        topology=topology.name,
+        algorithm=schedule.algorithm,
+        size_bytes=float(size_bytes),
+        unit_bandwidth_GBps=unit,
+        cost=cost,
+        aggregation_cost=loads.aggregation_cost(costs),
+        half_duplex_cost=loads.half_duplex_cost(costs),
+        limits=bounds or limits(topology),
+        time_s=time_s,
+        algbw_GBps=size_bytes / time_s / 1e9 if time_s > 0 else float("inf"),
+        steps=schedule.num_steps,
+        chunks=len(schedule.chunks),
+        transfers=len(schedule.transfers),
+        links=links,
+        link_classes=classes,
+        trees=[t.to_dict(schedule.ranks) for t in schedule.trees],
+        meta=dict(schedule.meta),
+    )

@@ -1,0 +1,307 @@
+"""Schedule synthesizers: a registry from algorithm name to ``(topology, options) -> Schedule``.
+
+Every synthesizer returns a schedule that passes :meth:`Schedule.check`; the simulator and the runtime
+accept any of them. Later issues register more (``bml``, ``hierarchical``, ``multiring``) the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+from scipy.optimize import linprog
+
+from gradsync.errors import PlanError
+from gradsync.plan.lp import bottleneck_tree, pack_trees
+from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree, tree_transfers
+from gradsync.plan.trees import root_tree
+from gradsync.registry import Registry
+from gradsync.topology.model import Topology
+
+__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "synthesize", "shortest_route", "ring_transfers"]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Options every synthesizer accepts.
+
+    ``pipeline``: sub-chunks per tree or ring chunk, so a tree streams (seed 000 §2) and the runtime can
+    overlap hops. ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time).
+    """
+
+    pipeline: int = 1
+    size_bytes: float = 1e8
+    latency_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pipeline, int) or self.pipeline < 1:
+            raise PlanError(f"pipeline={self.pipeline!r} must be an integer >= 1 (sub-chunks per tree)")
+        if not self.size_bytes > 0:
+            raise PlanError(f"size_bytes={self.size_bytes!r} must be positive")
+        if self.latency_s is not None and not self.latency_s >= 0:
+            raise PlanError(f"latency_s={self.latency_s!r} must be >= 0 seconds")
+
+
+@dataclass(frozen=True)
+class Synthesizer:
+    name: str
+    fn: Callable[[Topology, PlanOptions], Schedule]
+    summary: str
+    #: Returns ``None`` when the synthesizer applies to the topology, else the reason it does not.
+    applicable: Callable[[Topology], str | None]
+
+
+SYNTHESIZERS: Registry[Synthesizer] = Registry("algorithm", PlanError)
+
+
+def _always(_: Topology) -> str | None:
+    return None
+
+
+def synthesizer(name: str, applicable: Callable[[Topology], str | None] = _always) -> Callable:
+    def deco(fn: Callable[[Topology, PlanOptions], Schedule]) -> Callable[[Topology, PlanOptions], Schedule]:
+        summary = (fn.__doc__ or "").strip().splitlines()[0]
+        SYNTHESIZERS.add(name, Synthesizer(name, fn, summary, applicable))
+        return fn
+
+    return deco
+
+
+def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None = None, *, check: bool = True) -> Schedule:
+    """Plan ``algorithm`` on ``topology``; the result has passed its self-check unless ``check=False``."""
+    entry = SYNTHESIZERS.get(algorithm)
+    reason = entry.applicable(topology)
+    if reason:
+        raise PlanError(f"algorithm {entry.name!r} does not apply to {topology.name!r}: {reason}")
+    schedule = entry.fn(topology, options or PlanOptions())
+    if check:
+        schedule.check(topology)
+    return schedule
+
+
+# ---- helpers shared by synthesizers ------------------------------------------------------------------
+def shortest_route(topology: Topology, src: str, dst: str) -> tuple[str, ...]:
+    """Fastest path by ``c_e`` (ties: fewest hops), the route a flow takes through switches or relays."""
+    g = topology.graph
+    costs = topology.costs
+    path = nx.shortest_path(g, src, dst, weight=lambda u, v, d: costs[d["index"]] + 1e-9)
+    return tuple(path)
+
+
+def _split(weights: Sequence[float], pipeline: int) -> tuple[list[Chunk], list[list[int]]]:
+    """Chunks for consecutive shares of the buffer, each split into ``pipeline`` equal sub-chunks."""
+    chunks: list[Chunk] = []
+    ids: list[list[int]] = []
+    offset = 0.0
+    for w in weights:
+        mine = []
+        for _ in range(pipeline):
+            mine.append(len(chunks))
+            chunks.append(Chunk(offset, w / pipeline))
+            offset += w / pipeline
+        ids.append(mine)
+    # Absorb float drift so chunks tile [0, 1) exactly.
+    if chunks:
+        last = chunks[-1]
+        chunks[-1] = Chunk(last.offset, 1.0 - last.offset)
+    return chunks, ids
+
+
+def _tree_schedule(algorithm: str, topology: Topology, trees: Sequence[Tree], pipeline: int, meta: dict) -> Schedule:
+    chunks, ids = _split([t.weight for t in trees], pipeline)
+    transfers: list[Transfer] = []
+    for tree, chunk_ids in zip(trees, ids):
+        for c in chunk_ids:
+            chunks[c] = Chunk(chunks[c].offset, chunks[c].size, tree.root)
+        transfers += tree_transfers(tree, chunk_ids, topology.ranks)
+    return Schedule(algorithm, topology.name, topology.ranks, tuple(chunks), tuple(transfers), trees=tuple(trees), meta=meta)
+
+
+def ring_transfers(order: Sequence[int], chunk_ids: Sequence[int], routes: Sequence[tuple[str, ...]]) -> tuple[list[Transfer], dict[int, int]]:
+    """Reduce-scatter then allgather around a directed ring (Baidu/Horovod ring allreduce).
+
+    ``chunk_ids`` has one chunk per ring position; ``routes[i]`` is the path from ``order[i]`` to
+    ``order[i + 1]``. At reduce-scatter step s position i sends chunk (i - s) to position i + 1, so chunk j
+    completes at position j - 1 after N - 1 steps; allgather then forwards it N - 1 more hops. Returns the
+    transfers and the root rank of each chunk.
+    """
+    n = len(order)
+    out: list[Transfer] = []
+    roots: dict[int, int] = {}
+    for s in range(n - 1):
+        for i in range(n):
+            j = chunk_ids[(i - s) % n]
+            out.append(Transfer(j, order[i], order[(i + 1) % n], routes[i], True, s))
+    for s in range(n - 1):
+        for i in range(n):
+            j = chunk_ids[(i - s + 1) % n]
+            out.append(Transfer(j, order[i], order[(i + 1) % n], routes[i], False, n - 1 + s))
+    for p in range(n):
+        roots[chunk_ids[p]] = order[(p - 1) % n]
+    return out, roots
+
+
+def _hamiltonian_cycles(topology: Topology, limit: int = 2000, seconds: float = 1.0) -> list[tuple[int, ...]]:
+    """Hamiltonian cycles over the ranks of a switch-free graph (each once, not its reverse), capped."""
+    n = topology.world_size
+    idx = topology.rank_index
+    adj = [sorted(idx[v] for v in topology.graph[r]) for r in topology.ranks]
+    found: list[tuple[int, ...]] = []
+    deadline = time.perf_counter() + seconds
+    path = [0]
+    used = [False] * n
+    used[0] = True
+
+    def dfs() -> bool:
+        if len(found) >= limit or time.perf_counter() > deadline:
+            return False
+        v = path[-1]
+        if len(path) == n:
+            if 0 in adj[v] and path[1] < path[-1]:
+                found.append(tuple(path))
+            return True
+        for u in adj[v]:
+            if not used[u]:
+                used[u] = True
+                path.append(u)
+                ok = dfs()
+                path.pop()
+                used[u] = False
+                if not ok:
+                    return False
+        return True
+
+    dfs()
+    return found
+
+
+def _dfs_order(topology: Topology) -> list[int]:
+    """Ranks in depth-first order of the device graph, so ring neighbours are physically close."""
+    idx = topology.rank_index
+    order = [idx[v] for v in nx.dfs_preorder_nodes(topology.graph, topology.ranks[0]) if v in idx]
+    return order
+
+
+# ---- the synthesizers ----------------------------------------------------------------------------------
+@synthesizer("ring")
+def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
+    """Ring allreduce on the best ring(s): an LP mix of Hamiltonian cycles, each run in both directions."""
+    n = topology.world_size
+    if n == 1:
+        return Schedule("ring", topology.name, topology.ranks, (Chunk(0.0, 1.0, 0),), ())
+    cycles: list[tuple[int, ...]] = []
+    if not topology.has_forwarders and n >= 3:
+        cycles = _hamiltonian_cycles(topology)
+    weights: list[float]
+    if cycles:
+        # min t  s.t.  for each link e: c_e * (n-1)/n * sum_{cycles H containing e} beta_H <= t,  sum beta = 1
+        m = len(topology.links)
+        a = np.zeros((m, len(cycles)))
+        for k, cyc in enumerate(cycles):
+            for i in range(n):
+                e, _ = topology.directed_link(topology.ranks[cyc[i]], topology.ranks[cyc[(i + 1) % n]])
+                a[e, k] = topology.costs[e] * (n - 1) / n
+        c = np.r_[np.zeros(len(cycles)), 1.0]
+        res = linprog(
+            c, A_ub=np.hstack([a, -np.ones((m, 1))]), b_ub=np.zeros(m),
+            A_eq=np.r_[np.ones(len(cycles)), 0.0][None, :], b_eq=[1.0], bounds=[(0, None)] * (len(cycles) + 1),
+            method="highs",
+        )
+        if not res.success:  # pragma: no cover
+            raise PlanError(f"HiGHS failed on the ring-mix LP: {res.message}")
+        keep = [(float(b), cyc) for b, cyc in zip(res.x[:-1], cycles) if b > 1e-12]
+        total = sum(b for b, _ in keep)
+        rings = [(b / total, list(cyc)) for b, cyc in keep]
+    else:
+        rings = [(1.0, _dfs_order(topology))]
+    directed: list[tuple[float, list[int]]] = []
+    for beta, order in rings:
+        if n == 2:
+            directed.append((beta, order))
+        else:
+            directed += [(beta / 2, order), (beta / 2, [order[0], *reversed(order[1:])])]
+    weights = [beta / n for beta, _ in directed for _ in range(n)]
+    chunks, ids = _split(weights, options.pipeline)
+    transfers: list[Transfer] = []
+    roots: dict[int, int] = {}
+    for k, (_, order) in enumerate(directed):
+        names = [topology.ranks[v] for v in order]
+        routes = [shortest_route(topology, names[i], names[(i + 1) % n]) for i in range(n)]
+        for sub in range(options.pipeline):
+            chunk_ids = [ids[k * n + p][sub] for p in range(n)]
+            ts, rs = ring_transfers(order, chunk_ids, routes)
+            transfers += ts
+            roots.update(rs)
+    chunks = [Chunk(ch.offset, ch.size, roots.get(i)) for i, ch in enumerate(chunks)]
+    meta = {"rings": [{"weight": b, "order": [topology.ranks[v] for v in o]} for b, o in directed]}
+    return Schedule("ring", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)
+
+
+@synthesizer("ps")
+def plan_ps(topology: Topology, options: PlanOptions) -> Schedule:
+    """Co-located parameter server (BML's P2P PS): rank i aggregates 1/N of the buffer and sends it back."""
+    n = topology.world_size
+    chunks, ids = _split([1.0 / n] * n, options.pipeline)
+    transfers: list[Transfer] = []
+    routes = {}
+    for owner in range(n):
+        for c in ids[owner]:
+            chunks[c] = Chunk(chunks[c].offset, chunks[c].size, owner)
+            for r in range(n):
+                if r == owner:
+                    continue
+                key = (r, owner)
+                if key not in routes:
+                    routes[key] = shortest_route(topology, topology.ranks[r], topology.ranks[owner])
+                route = routes[key]
+                transfers.append(Transfer(c, r, owner, route, True, 0))
+                transfers.append(Transfer(c, owner, r, tuple(reversed(route)), False, 1))
+    return Schedule("ps", topology.name, topology.ranks, tuple(chunks), tuple(transfers))
+
+
+@synthesizer("tree")
+def plan_tree(topology: Topology, options: PlanOptions) -> Schedule:
+    """The best single spanning tree: the bottleneck (minimum-weight) spanning tree, C(T_MWST) of seed 000."""
+    best = bottleneck_tree(topology)
+    if topology.has_forwarders:
+        # With switches a tree's cost depends on how many routes share a link; the MST is no longer
+        # guaranteed best, so also try the LP's trees and keep the one with the smallest max load.
+        candidates = [best] + [t for _, t in pack_trees(topology).trees]
+        best = min(candidates, key=lambda t: float((topology.costs * t.loads).max()))
+    tree = root_tree(best, 1.0)
+    return _tree_schedule("tree", topology, [tree], options.pipeline, {})
+
+
+@synthesizer("lp")
+def plan_lp(topology: Topology, options: PlanOptions) -> Schedule:
+    """Seed 000's optimal multi-tree schedule: min max_e c_e P_e over (routed) spanning trees, exact."""
+    packing = pack_trees(topology)
+    trees = [root_tree(t, w) for w, t in packing.trees]
+    meta = {"lp_cost": packing.cost, "lp_lower_bound": packing.lower_bound, "lp_iterations": packing.iterations}
+    return _tree_schedule("lp", topology, trees, options.pipeline, meta)
+
+
+@synthesizer("auto")
+def plan_auto(topology: Topology, options: PlanOptions) -> Schedule:
+    """The applicable algorithm with the least predicted time for ``size_bytes`` (and ``latency_s``)."""
+    from gradsync.plan.report import predicted_time  # local: report imports this module
+
+    best: tuple[float, Schedule] | None = None
+    times: dict[str, float] = {}
+    for name, entry in SYNTHESIZERS.items():
+        if name == "auto" or entry.applicable(topology):
+            continue
+        schedule = entry.fn(topology, options)
+        t = predicted_time(schedule, topology, options.size_bytes, options.latency_s)
+        times[name] = t
+        if best is None or t < best[0] * (1 - 1e-9):
+            best = (t, schedule)
+    assert best is not None
+    chosen = best[1]
+    meta = {**dict(chosen.meta), "auto": {"chosen": chosen.algorithm, "predicted_time_s": times}}
+    return Schedule(chosen.algorithm, chosen.topology, chosen.ranks, chosen.chunks, chosen.transfers,
+                    chosen.collective, chosen.trees, meta)
+

@@ -1,0 +1,137 @@
+"""Load and save topologies as JSON or YAML, and resolve ``--topology`` specs.
+
+The file format (documented in the README) is the minimal form
+
+    name: my-box
+    devices: [{name: gpu0, kind: gpu}, {name: gpu1, kind: gpu}, {name: plx0, kind: switch}]
+    links: [{a: gpu0, b: plx0, bandwidth_GBps: 12, latency_s: 0.0}, {a: gpu1, b: plx0, bandwidth_GBps: 12}]
+
+plus optional ``ranks``, ``unit_bandwidth_GBps``, per-link ``kind`` and per-device ``attrs``. YAML is read
+with ``safe_load`` (no code execution); unknown keys are errors so typos do not pass silently.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gradsync.errors import TopologyError
+from gradsync.topology.builders import BUILDERS
+from gradsync.topology.model import Device, Link, Topology
+
+__all__ = ["from_dict", "load", "save", "get_topology", "parse_spec"]
+
+_TOP_KEYS = {"type", "version", "name", "devices", "links", "ranks", "unit_bandwidth_GBps", "attrs"}
+_DEVICE_KEYS = {"name", "kind", "attrs"}
+_LINK_KEYS = {"a", "b", "bandwidth_GBps", "latency_s", "kind"}
+_SPEC = re.compile(r"^(?P<name>[A-Za-z][\w.\-]*)(?::(?P<args>[0-9,\s]+))?(?:\[(?P<sel>[0-9,\s]*)\])?$")
+
+
+def _where(source: str) -> str:
+    return f" in {source}" if source else ""
+
+
+def _check_keys(obj: Any, allowed: set[str], what: str, source: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise TopologyError(f"{what}{_where(source)} must be a mapping, got {type(obj).__name__}: {obj!r}")
+    extra = sorted(set(obj) - allowed)
+    if extra:
+        raise TopologyError(f"{what}{_where(source)} has unknown field(s) {extra}; allowed: {sorted(allowed)}")
+    return obj
+
+
+def from_dict(data: Any, source: str = "") -> Topology:
+    """Build a validated :class:`Topology` from the documented plain-data form."""
+    data = _check_keys(data, _TOP_KEYS, "topology", source)
+    if data.get("type", "gradsync.topology") != "gradsync.topology":
+        raise TopologyError(f"file{_where(source)} has type {data['type']!r}, expected 'gradsync.topology'")
+    for key in ("name", "devices", "links"):
+        if key not in data:
+            raise TopologyError(f"topology{_where(source)} is missing the required field {key!r}")
+    if not isinstance(data["devices"], list) or not isinstance(data["links"], list):
+        raise TopologyError(f"topology{_where(source)}: 'devices' and 'links' must be lists")
+    devices = []
+    for i, d in enumerate(data["devices"]):
+        d = _check_keys(d, _DEVICE_KEYS, f"devices[{i}]", source)
+        if "name" not in d:
+            raise TopologyError(f"devices[{i}]{_where(source)} has no 'name'")
+        devices.append(Device(str(d["name"]), d.get("kind", "gpu"), dict(d.get("attrs") or {})))
+    links = []
+    for i, lk in enumerate(data["links"]):
+        lk = _check_keys(lk, _LINK_KEYS, f"links[{i}]", source)
+        for key in ("a", "b", "bandwidth_GBps"):
+            if key not in lk:
+                raise TopologyError(f"links[{i}]{_where(source)} is missing {key!r}")
+        links.append(
+            Link(str(lk["a"]), str(lk["b"]), lk["bandwidth_GBps"], lk.get("latency_s", 0.0), lk.get("kind", "link"))
+        )
+    ranks = data.get("ranks") or ()
+    if not isinstance(ranks, (list, tuple)):
+        raise TopologyError(f"topology{_where(source)}: 'ranks' must be a list of device names")
+    return Topology(
+        str(data["name"]),
+        tuple(devices),
+        tuple(links),
+        ranks=tuple(str(r) for r in ranks),
+        unit_bandwidth_GBps=data.get("unit_bandwidth_GBps"),
+        attrs=dict(data.get("attrs") or {}),
+    )
+
+
+def load(path: str | Path) -> Topology:
+    """Read a ``.json``, ``.yaml`` or ``.yml`` topology file."""
+    p = Path(path)
+    if not p.is_file():
+        raise TopologyError(f"topology file {str(p)!r} does not exist")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0]
+        raise TopologyError(f"topology file {str(p)!r} is not valid {p.suffix[1:].upper() or 'YAML'}: {first}") from None
+    return from_dict(data, source=str(p))
+
+
+def save(topology: Topology, path: str | Path) -> Path:
+    """Write JSON (``.json``) or YAML (anything else) in the documented format."""
+    p = Path(path)
+    data = topology.to_dict()
+    if p.suffix == ".json":
+        p.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        p.write_text(yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+def parse_spec(spec: str) -> tuple[str, tuple[int, ...], tuple[int, ...] | None]:
+    """Split ``name[:a,b][[i,j]]`` into (name, args, selection)."""
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise TopologyError(
+            f"cannot read topology spec {spec!r}; write NAME, NAME:ARGS or NAME[RANKS] "
+            f"(e.g. 'ring:8', 'p3.16xlarge[0,1,2,3,7]') or give a .json/.yaml file"
+        )
+    args = tuple(int(a) for a in (m["args"] or "").split(",") if a.strip())
+    sel = None if m["sel"] is None else tuple(int(a) for a in m["sel"].split(",") if a.strip())
+    return m["name"], args, sel
+
+
+def get_topology(spec: str | Topology) -> Topology:
+    """Resolve a registry spec (``p3.16xlarge``, ``switch:9``, ``dgx1[0,1,2,3,7]``) or a file path."""
+    if isinstance(spec, Topology):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"topology must be a spec string or a Topology, got {type(spec).__name__}")
+    if spec.endswith((".json", ".yaml", ".yml")) or Path(spec).is_file():
+        return load(spec)
+    name, args, sel = parse_spec(spec)
+    entry = BUILDERS.get(name)
+    topo = entry.build(args)
+    if sel is not None:
+        base = topo.name
+        topo = topo.select(sel, name=f"{base}[{','.join(map(str, sel))}]")
+    return topo

@@ -1,0 +1,106 @@
+"""The real ``gradsync`` command, run as a subprocess in a temporary directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gradsync", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def plan_json(*args: str) -> dict:
+    p = run("plan", *args, "--json")
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_plan_dgx1_lp_json():
+    out = plan_json("--topology", "p3.16xlarge", "--algorithm", "lp", "--size", "1000000000")
+    assert out["type"] == "gradsync.plan"
+    assert out["cost"] == pytest.approx(7 / 24, abs=1e-6) and out["lower_bound"] == pytest.approx(7 / 24, abs=1e-6)
+    assert out["algbw_GBps"] == pytest.approx(85.714, abs=1e-3)
+    assert out["time_s"] == pytest.approx(1e9 / (85.714285714e9), rel=1e-6)
+    assert out["trees"] and sum(t["weight"] for t in out["trees"]) == pytest.approx(1.0)
+    assert all(len(t["edges"]) == 7 for t in out["trees"])
+
+
+def test_plan_tree_and_p3_8xlarge():
+    assert plan_json("--topology", "p3.16xlarge", "--algorithm", "tree")["cost"] == pytest.approx(0.5)
+    out = plan_json("--topology", "p3.8xlarge", "--algorithm", "lp")
+    assert out["cost"] == pytest.approx(1 / 3, abs=1e-6) and out["algbw_GBps"] == pytest.approx(75.0, abs=1e-6)
+
+
+def test_plan_p2_reports_link_classes_and_writes_schedule(tmp_path):
+    out_file = tmp_path / "s.json"
+    out = plan_json("--topology", "p2.16xlarge", "--algorithm", "lp", "-o", str(out_file))
+    assert set(out["link_classes"]) == {"pcie-card", "pcie-board", "pcie-central"}
+    saved = json.loads(out_file.read_text())
+    assert saved["type"] == "gradsync.schedule" and saved["topology"] == "p2.16xlarge"
+
+
+def test_plan_from_yaml_file_and_latency(tmp_path):
+    f = tmp_path / "box.yaml"
+    f.write_text(
+        "name: my-box\n"
+        "devices: [{name: gpu0, kind: gpu}, {name: gpu1, kind: gpu}, {name: plx0, kind: switch}]\n"
+        "links: [{a: gpu0, b: plx0, bandwidth_GBps: 12, latency_s: 0.0}, {a: gpu1, b: plx0, bandwidth_GBps: 12}]\n"
+    )
+    base = plan_json("--topology", str(f), "--algorithm", "ps", "--size", "12GB")
+    assert base["cost"] == pytest.approx(1.0) and base["time_s"] == pytest.approx(1.0)
+    lat = plan_json("--topology", str(f), "--algorithm", "ps", "--size", "12GB", "--latency", "0.5")
+    assert lat["time_s"] == pytest.approx(1.0 + 2 * 2 * 0.5)  # two steps, two hops each
+
+
+def test_human_output_mentions_bounds():
+    p = run("plan", "-t", "dgx1", "-a", "lp")
+    assert p.returncode == 0 and "Lemma 2.1" in p.stdout and "85.71" in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "-t", "nosuch"], "unknown topology 'nosuch'"),
+    (["plan", "-t", "ring:4", "--size", "lots"], "cannot read size 'lots'"),
+    (["plan", "-t", "ring:4", "--pipeline", "0"], "pipeline=0"),
+    (["topo", "show"], "needs a topology"),
+])
+def test_errors_are_one_line_with_exit_2(args, message):
+    p = run(*args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradsync: error:") and message in lines[0]
+
+
+def test_bad_files_exit_2(tmp_path):
+    disconnected = tmp_path / "d.yaml"
+    disconnected.write_text("name: d\ndevices: [{name: a}, {name: b}]\nlinks: []\n")
+    malformed = tmp_path / "m.json"
+    malformed.write_text("{oops")
+    for f, message in [(disconnected, "disconnected"), (malformed, "not valid JSON")]:
+        p = run("plan", "-t", str(f))
+        assert p.returncode == 2 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_topo_list_show_export_draw(tmp_path):
+    p = run("topo", "list")
+    assert p.returncode == 0 and "p3.16xlarge" in p.stdout and "dgx1" in p.stdout and "minsky:2" in p.stdout
+    shown = json.loads(run("topo", "show", "dgx1", "--json").stdout)
+    assert shown["type"] == "gradsync.topology" and len(shown["links"]) == 16
+    p = run("topo", "export", "p2.8xlarge", "-o", "p2.yaml", cwd=tmp_path)
+    assert p.returncode == 0 and (tmp_path / "p2.yaml").exists()
+    again = plan_json("-t", str(tmp_path / "p2.yaml"), "-a", "lp")
+    assert again["cost"] == pytest.approx(plan_json("-t", "p2.8xlarge", "-a", "lp")["cost"])
+    p = run("topo", "draw", "p2.16xlarge", "-o", "p2.png", cwd=tmp_path)
+    assert p.returncode == 0 and (tmp_path / "p2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_runs(tmp_path):
+    p = run("demo", "-o", "demo.json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads((tmp_path / "demo.json").read_text())["rows"]
+    dgx = next(r for r in rows if r["topology"] == "p3.16xlarge")
+    assert dgx["cost"]["lp"] == pytest.approx(7 / 24, abs=1e-6)
+    assert all(r["cost"]["lp"] <= min(r["cost"].values()) + 1e-9 for r in rows)

@@ -1,0 +1,197 @@
+"""The planner against independent expectations: the seed's closed forms and brute force on small graphs."""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import linprog
+
+from gradsync.cli import DEMO_TOPOLOGIES
+from gradsync.errors import PlanError
+from gradsync.plan import SYNTHESIZERS, PlanOptions, evaluate, limits, pack_trees, synthesize
+from gradsync.topology import get_topology
+
+from .conftest import random_topology
+
+
+# ---- independent brute force ---------------------------------------------------------------------------
+def set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first, *part[i]]] + part[i + 1:]
+        yield [[first], *part]
+
+
+def nash_williams_optimum(topology) -> float:
+    """max over partitions P of (|P| - 1) / sum of 1/c_e over links crossing P, by enumeration."""
+    names = [d.name for d in topology.devices]
+    best = 0.0
+    for parts in set_partitions(names):
+        if len(parts) < 2:
+            continue
+        where = {v: i for i, p in enumerate(parts) for v in p}
+        cap = sum(1 / c for lk, c in zip(topology.links, topology.costs) if where[lk.a] != where[lk.b])
+        best = max(best, (len(parts) - 1) / cap)
+    return best
+
+
+def all_trees_optimum(topology) -> float:
+    """The seed's LP with every spanning tree as a column (no column generation)."""
+    g = nx.Graph()
+    for i, lk in enumerate(topology.links):
+        g.add_edge(lk.a, lk.b, index=i)
+    cols = []
+    for tree in nx.SpanningTreeIterator(g):
+        col = np.zeros(len(topology.links))
+        for u, v in tree.edges:
+            col[g.edges[u, v]["index"]] = 1
+        cols.append(col * topology.costs)
+    a = np.array(cols).T
+    m, k = a.shape
+    res = linprog(np.r_[np.zeros(k), 1], A_ub=np.hstack([a, -np.ones((m, 1))]), b_ub=np.zeros(m),
+                  A_eq=np.r_[np.ones(k), 0][None], b_eq=[1], bounds=[(0, None)] * (k + 1), method="highs")
+    return float(res.fun)
+
+
+# ---- the seed's numbers ----------------------------------------------------------------------------------
+def test_dgx1_lp_is_seven_twentyfourths():
+    t = get_topology("p3.16xlarge")
+    r = evaluate(synthesize("lp", t), t, 1e9)
+    assert r.cost == pytest.approx(7 / 24, abs=1e-6)
+    assert r.aggregation_cost == pytest.approx(7 / 24, abs=1e-6)
+    assert r.lower_bound == pytest.approx(7 / 24, abs=1e-6)
+    assert r.algbw_GBps == pytest.approx(25 * 24 / 7, rel=1e-6)  # 85.7 GB/s
+    assert r.time_s == pytest.approx(7 / 24 * 1e9 / 25e9, rel=1e-6)
+
+
+def test_dgx1_single_tree_is_one_half_and_p3_8xlarge_one_third():
+    t = get_topology("p3.16xlarge")
+    assert evaluate(synthesize("tree", t), t, 1e9).cost == pytest.approx(0.5, abs=1e-9)
+    t8 = get_topology("p3.8xlarge")
+    r = evaluate(synthesize("lp", t8), t8, 1e9)
+    assert r.cost == pytest.approx(1 / 3, abs=1e-6) and r.algbw_GBps == pytest.approx(75.0, rel=1e-6)
+
+
+def test_lemma_2_1_chain_on_switch_free_builtins():
+    for spec in ["p3.16xlarge", "p3.8xlarge", "ring:6", "full:5", "p3.16xlarge[0,1,2,3,7]"]:
+        b = limits(get_topology(spec))
+        assert b.max_link_cost >= b.tree - 1e-12 >= b.optimum - 2e-12 >= b.sum_bound - 3e-12
+        assert b.lower_bound == pytest.approx(b.optimum, rel=1e-8)
+
+
+def test_ring_closed_form_on_a_cycle():
+    # A cycle's spanning trees are paths; the uniform mix loads every link (n-1)/n.
+    for n in [3, 5, 8]:
+        t = get_topology(f"ring:{n}")
+        assert pack_trees(t).cost == pytest.approx((n - 1) / n, rel=1e-9)
+        assert evaluate(synthesize("ring", t), t, 1e6).cost == pytest.approx((n - 1) / n, rel=1e-9)
+
+
+def test_switch_closed_form():
+    # n hosts on a non-aggregating switch: each host link carries 2(n-1)/n (ring, PS and the optimum).
+    for n in [2, 3, 6]:
+        t = get_topology(f"switch:{n}")
+        for alg in ["ring", "ps", "lp"]:
+            assert evaluate(synthesize(alg, t), t, 1e6).cost == pytest.approx(2 * (n - 1) / n, rel=1e-9), alg
+        assert limits(t).lower_bound == pytest.approx(2 * (n - 1) / n, rel=1e-9)
+
+
+def test_p2_16xlarge_bottleneck_is_inside_the_cards():
+    t = get_topology("p2.16xlarge")
+    r = evaluate(synthesize("lp", t), t, 1e9)
+    classes = r.link_classes
+    # Each tree has 15 edges with two GPU-link hops each over 16 GPU links: 30/16 = 15/8 is forced.
+    assert r.cost == pytest.approx(15 / 8, rel=1e-9) and r.lower_bound == pytest.approx(15 / 8, rel=1e-9)
+    assert classes["pcie-card"]["max_busy_cost"] == pytest.approx(15 / 8, rel=1e-9)
+    assert classes["pcie-central"]["max_busy_cost"] < 15 / 8 - 0.1  # not the link between the halves
+    assert classes["pcie-central"]["max_utilisation"] < 1.0
+    assert limits(t).cut == pytest.approx(1.0)  # what an aggregating switch fabric could reach
+
+
+# ---- exactness on small graphs (property tests) --------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 7), extra=st.integers(0, 12), seed=st.integers(0, 10**6))
+def test_lp_equals_nash_williams_brute_force(n, extra, seed):
+    t = random_topology(n, extra, seed)
+    packing = pack_trees(t)
+    expected = nash_williams_optimum(t)
+    assert packing.cost == pytest.approx(expected, rel=1e-6)
+    assert packing.lower_bound <= packing.cost + 1e-12
+    assert packing.lower_bound == pytest.approx(expected, rel=1e-6)
+    s = synthesize("lp", t)
+    assert evaluate(s, t, 1e6).cost == pytest.approx(expected, rel=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(3, 6), extra=st.integers(0, 6), seed=st.integers(0, 10**6))
+def test_lp_equals_all_spanning_trees_lp(n, extra, seed):
+    t = random_topology(n, extra, seed)
+    assert pack_trees(t).cost == pytest.approx(all_trees_optimum(t), rel=1e-6)
+
+
+def test_partition_enumeration_is_bell_numbers():
+    assert [sum(1 for _ in set_partitions(list(range(k)))) for k in range(1, 7)] == [1, 2, 5, 15, 52, 203]
+
+
+# ---- every synthesizer on every built-in -----------------------------------------------------------------
+@pytest.mark.parametrize("spec", DEMO_TOPOLOGIES)
+def test_lp_never_worse_and_all_schedules_check(spec):
+    t = get_topology(spec)
+    costs = {}
+    for name in SYNTHESIZERS.names():
+        s = synthesize(name, t, PlanOptions(pipeline=2))  # synthesize() runs the self-check
+        costs[name] = evaluate(s, t, 1e8).cost
+    for other in ["ring", "ps", "tree"]:
+        assert costs["lp"] <= costs[other] + 1e-9, (other, costs)
+    assert costs["auto"] <= min(costs[a] for a in ["ring", "ps", "tree", "lp"]) + 1e-9
+    assert costs["lp"] >= limits(t).lower_bound - 1e-9
+
+
+def test_duplex_model_vs_half_duplex():
+    # Trees load both directions equally, so a half-duplex link would take twice as long.
+    t = get_topology("p3.16xlarge")
+    r = evaluate(synthesize("lp", t), t, 1e9)
+    assert r.half_duplex_cost == pytest.approx(2 * r.cost, rel=1e-9)
+    # A unidirectional ring uses one direction only: 2(n-1)/n there, nothing back.
+    t2 = get_topology("full:2")
+    assert evaluate(synthesize("ring", t2), t2, 1e9).cost == pytest.approx(1.0)
+
+
+def test_latency_adds_per_step():
+    t = get_topology("ring:4")
+    s = synthesize("ring", t)
+    base = evaluate(s, t, 1e6).time_s
+    with_lat = evaluate(s, t, 1e6, latency_s=1e-3).time_s
+    assert with_lat - base == pytest.approx(s.num_steps * 1e-3)
+    assert s.num_steps == 2 * (4 - 1)  # reduce-scatter + allgather
+
+
+def test_single_rank_is_trivial():
+    t = get_topology("switch:1")
+    for name in ["ring", "ps", "tree", "lp"]:
+        s = synthesize(name, t)
+        assert s.transfers == () and evaluate(s, t, 1e6).time_s == 0.0
+
+
+def test_bad_options():
+    with pytest.raises(PlanError, match="pipeline"):
+        PlanOptions(pipeline=0)
+    with pytest.raises(PlanError, match="unknown algorithm 'nope'; known: ring, ps"):
+        synthesize("nope", get_topology("ring:3"))
+
+
+def test_all_pairs_helper_sanity():
+    # Guard the brute force itself: K4 with unit links has 16 spanning trees and optimum 3/6.
+    t = get_topology("full:4")
+    assert sum(1 for _ in nx.SpanningTreeIterator(t.graph)) == 16
+    assert nash_williams_optimum(t) == pytest.approx(0.5) and all_trees_optimum(t) == pytest.approx(0.5)
+    assert len(list(itertools.combinations(range(4), 2))) == len(t.links)
