@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from gradsync.plan.lp import bottleneck_tree, pack_trees, partition_bound
+from gradsync.plan.lp import bottleneck_tree, optimal_packing, partition_bound
 from gradsync.topology.model import Topology
 
 __all__ = ["Limits", "limits"]
@@ -67,7 +67,7 @@ def _singleton_cut(topology: Topology) -> float:
 
 def limits(topology: Topology) -> Limits:
     """Compute every bound of the module docstring for ``topology``."""
-    packing = pack_trees(topology)
+    packing = optimal_packing(topology)
     cut = _singleton_cut(topology)
     if topology.has_forwarders:
         return Limits(packing.lower_bound, max(cut, 0.0), None, None, None, None)

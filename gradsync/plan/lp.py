@@ -23,6 +23,7 @@ with a certified gap ``(upper - lower) / upper <= tol``. SciPy's HiGHS solves ev
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ from gradsync.errors import PlanError
 from gradsync.plan.trees import RoutedTree, cheapest_tree
 from gradsync.topology.model import Topology
 
-__all__ = ["TreePacking", "bottleneck_tree", "pack_trees", "partition_bound"]
+__all__ = ["TreePacking", "bottleneck_tree", "optimal_packing", "pack_trees", "partition_bound"]
 
 
 @dataclass(frozen=True)
@@ -210,3 +211,13 @@ def pack_trees(topology: Topology, *, tol: float = 1e-9, max_iter: int = 10_000,
     loads = sum(w * t.loads for w, t in trees)
     cost = float((costs * loads).max())
     return TreePacking(cost, min(lower, cost), trees, it, len(columns), y)
+
+
+@functools.lru_cache(maxsize=32)
+def optimal_packing(topology: Topology) -> TreePacking:
+    """:func:`pack_trees` with default settings, memoised per (immutable) topology.
+
+    The ``lp`` and ``tree`` synthesizers and :func:`gradsync.plan.limits.limits` all need the same packing;
+    one ``gradsync plan`` would otherwise solve the LP two or three times.
+    """
+    return pack_trees(topology)

@@ -15,7 +15,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from gradsync.errors import PlanError
-from gradsync.plan.lp import bottleneck_tree, pack_trees
+from gradsync.plan.lp import bottleneck_tree, optimal_packing
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree, tree_transfers
 from gradsync.plan.trees import root_tree
 from gradsync.registry import Registry
@@ -269,7 +269,7 @@ def plan_tree(topology: Topology, options: PlanOptions) -> Schedule:
     if topology.has_forwarders:
         # With switches a tree's cost depends on how many routes share a link; the MST is no longer
         # guaranteed best, so also try the LP's trees and keep the one with the smallest max load.
-        candidates = [best] + [t for _, t in pack_trees(topology).trees]
+        candidates = [best] + [t for _, t in optimal_packing(topology).trees]
         best = min(candidates, key=lambda t: float((topology.costs * t.loads).max()))
     tree = root_tree(best, 1.0)
     return _tree_schedule("tree", topology, [tree], options.pipeline, {})
@@ -278,7 +278,7 @@ def plan_tree(topology: Topology, options: PlanOptions) -> Schedule:
 @synthesizer("lp")
 def plan_lp(topology: Topology, options: PlanOptions) -> Schedule:
     """Seed 000's optimal multi-tree schedule: min max_e c_e P_e over (routed) spanning trees, exact."""
-    packing = pack_trees(topology)
+    packing = optimal_packing(topology)
     trees = [root_tree(t, w) for w, t in packing.trees]
     meta = {"lp_cost": packing.cost, "lp_lower_bound": packing.lower_bound, "lp_iterations": packing.iterations}
     return _tree_schedule("lp", topology, trees, options.pipeline, meta)
