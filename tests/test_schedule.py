@@ -121,3 +121,17 @@ def test_dependencies_follow_steps():
     first_bcast = next(i for i, tr in enumerate(s.transfers) if not tr.reduce and tr.src == root)
     into_root = {i for i, tr in enumerate(s.transfers) if tr.reduce and tr.dst == root}
     assert set(deps[first_bcast]) == into_root
+
+
+def test_pieces_split_every_tensor_by_the_chunk_fractions():
+    s = synthesize("ps", get_topology("switch:4"))  # four chunks of 1/4
+    numels = [10, 3, 0, 1000]
+    pieces = s.pieces(numels)
+    assert len(pieces) == 4
+    # Every element of every tensor is covered exactly once.
+    for i, n in enumerate(numels):
+        covered = sorted((a, b) for chunk in pieces for (t, a, b) in chunk if t == i)
+        assert sum(b - a for a, b in covered) == n
+        assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))
+    # Shares stay balanced: each chunk gets 1/4 of the big layer, not whole layers.
+    assert [sum(b - a for t, a, b in chunk if t == 3) for chunk in pieces] == [250, 250, 250, 250]

@@ -169,6 +169,20 @@ class Schedule:
         edges = [round(c.offset * numel) for c in self.chunks] + [numel]
         return [(min(edges[i], numel), min(max(edges[i], edges[i + 1]), numel)) for i in range(len(self.chunks))]
 
+    def pieces(self, numels: Sequence[int]) -> list[list[tuple[int, int, int]]]:
+        """Per-layer splitting (seed 001 §4.1): chunk c of a tensor list is piece c of *every* tensor.
+
+        Returns, for each chunk, the ``(tensor index, start, end)`` element ranges it covers. Splitting
+        each layer into the algorithm's pieces (instead of placing whole layers) keeps every rank's share
+        equal to the chunk fractions however uneven the layers are; a transfer of chunk c moves all of
+        its pieces as one message.
+        """
+        per_tensor = [self.chunk_bounds(int(n)) for n in numels]
+        return [
+            [(i, *bounds[c]) for i, bounds in enumerate(per_tensor) if bounds[c][1] > bounds[c][0]]
+            for c in range(len(self.chunks))
+        ]
+
     def dependencies(self) -> list[list[int]]:
         """For every transfer, the transfers it waits for (derived from steps; see module docstring)."""
         arr = self.arrays
