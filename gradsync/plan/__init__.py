@@ -1,5 +1,6 @@
 """Planning: the Schedule representation, synthesizers in a registry, and physical limits (seeds 000-002)."""
 
+from gradsync.plan import bml, hierarchical  # noqa: F401  (register the bml and hierarchical synthesizers)
 from gradsync.plan.limits import Limits, limits
 from gradsync.plan.lp import TreePacking, bottleneck_tree, pack_trees, partition_bound
 from gradsync.plan.report import PlanReport, evaluate, predicted_time

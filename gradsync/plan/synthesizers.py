@@ -16,12 +16,13 @@ from scipy.optimize import linprog
 
 from gradsync.errors import PlanError
 from gradsync.plan.lp import bottleneck_tree, optimal_packing
+from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree, tree_transfers
 from gradsync.plan.trees import root_tree
 from gradsync.registry import Registry
 from gradsync.topology.model import Topology
 
-__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "synthesize", "shortest_route", "ring_transfers"]
+__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "synthesize", "ring_transfers"]
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,6 @@ def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None =
 
 
 # ---- helpers shared by synthesizers ------------------------------------------------------------------
-def shortest_route(topology: Topology, src: str, dst: str) -> tuple[str, ...]:
-    """Fastest path by ``c_e`` (ties: fewest hops), the route a flow takes through switches or relays."""
-    g = topology.graph
-    costs = topology.costs
-    path = nx.shortest_path(g, src, dst, weight=lambda u, v, d: costs[d["index"]] + 1e-9)
-    return tuple(path)
-
-
 def _split(weights: Sequence[float], pipeline: int) -> tuple[list[Chunk], list[list[int]]]:
     """Chunks for consecutive shares of the buffer, each split into ``pipeline`` equal sub-chunks."""
     chunks: list[Chunk] = []
@@ -227,9 +220,10 @@ def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
     chunks, ids = _split(weights, options.pipeline)
     transfers: list[Transfer] = []
     roots: dict[int, int] = {}
+    route = router_for(topology)
     for k, (_, order) in enumerate(directed):
         names = [topology.ranks[v] for v in order]
-        routes = [shortest_route(topology, names[i], names[(i + 1) % n]) for i in range(n)]
+        routes = [route(names[i], names[(i + 1) % n]) for i in range(n)]
         for sub in range(options.pipeline):
             chunk_ids = [ids[k * n + p][sub] for p in range(n)]
             ts, rs = ring_transfers(order, chunk_ids, routes)
@@ -246,19 +240,16 @@ def plan_ps(topology: Topology, options: PlanOptions) -> Schedule:
     n = topology.world_size
     chunks, ids = _split([1.0 / n] * n, options.pipeline)
     transfers: list[Transfer] = []
-    routes = {}
+    route = router_for(topology)
     for owner in range(n):
         for c in ids[owner]:
             chunks[c] = Chunk(chunks[c].offset, chunks[c].size, owner)
             for r in range(n):
                 if r == owner:
                     continue
-                key = (r, owner)
-                if key not in routes:
-                    routes[key] = shortest_route(topology, topology.ranks[r], topology.ranks[owner])
-                route = routes[key]
-                transfers.append(Transfer(c, r, owner, route, True, 0))
-                transfers.append(Transfer(c, owner, r, tuple(reversed(route)), False, 1))
+                up = route(topology.ranks[r], topology.ranks[owner])
+                transfers.append(Transfer(c, r, owner, up, True, 0))
+                transfers.append(Transfer(c, owner, r, tuple(reversed(up)), False, 1))
     return Schedule("ps", topology.name, topology.ranks, tuple(chunks), tuple(transfers))
 
 
