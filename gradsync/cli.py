@@ -1,4 +1,4 @@
-"""The ``gradsync`` command: one entry point, one subcommand per stage (``topo``, ``plan``, ``demo``).
+"""The ``gradsync`` command: one entry point, one subcommand per stage (``topo``, ``plan``, ``simulate``, ``demo``, ``bench``).
 
 Choices come from the registries, so ``--help`` lists them. Bad input prints one line
 ``gradsync: error: ...`` naming the fix and exits with code 2.
@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gradsync.errors import GradsyncError
-from gradsync.plan import SYNTHESIZERS, PlanOptions, evaluate, limits, synthesize
+from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.topology import BUILDERS, get_topology, save
 
-__all__ = ["main", "parse_size", "DEMO_TOPOLOGIES"]
+__all__ = ["main", "parse_size", "parse_sizes", "DEMO_TOPOLOGIES"]
 
 #: What ``gradsync demo`` plans: one of each built-in family, at sizes a laptop plans in seconds.
 DEMO_TOPOLOGIES = (
@@ -36,6 +36,14 @@ def parse_size(text: str) -> float:
     if value <= 0:
         raise GradsyncError(f"size {text!r} must be positive")
     return value
+
+
+def parse_sizes(text: str) -> list[float]:
+    """``548MB`` -> one buffer; ``4MB,16MB,1MB`` -> a tensor list (per-layer pieces)."""
+    parts = [p for p in str(text).split(",")]
+    if any(not p.strip() for p in parts):
+        raise GradsyncError(f"cannot read sizes {text!r}; write one size (548MB) or a comma-separated list (4MB,16MB)")
+    return [parse_size(p) for p in parts]
 
 
 def _emit_json(obj: object) -> None:
@@ -91,7 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     b = report.limits
     print(f"{report.algorithm} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link {report.unit_bandwidth_GBps:g} GB/s)")
-    print(f"  lower bound {report.lower_bound:.6g} (gap {report.gap:.2%}); any-switch cut bound {b.cut:.6g}")
+    how = "" if b.method == "lp" else " (cut bound only: too many ranks for the LP)"
+    print(f"  lower bound {report.lower_bound:.6g}{how} (gap {report.gap:.2%}); any-switch cut bound {b.cut:.6g}")
     if b.optimum is not None:
         print(f"  Lemma 2.1: max c_e {b.max_link_cost:.6g} >= C(T_MWST) {b.tree:.6g} >= C(G) {b.optimum:.6g} >= (n-1)/sum 1/c_e {b.sum_bound:.6g}")
     print(f"  allreduce of {report.size_bytes:.6g} B: {report.time_s * 1e3:.4g} ms, algbw {report.algbw_GBps:.4g} GB/s")
@@ -102,6 +111,68 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         print(f"  schedule written to {args.output}")
     return 0
+
+
+# ---- simulate ------------------------------------------------------------------------------------------
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from gradsync.sim import plot_timeline, simulate
+
+    topo = get_topology(args.topology)
+    sizes = parse_sizes(args.size)
+    if args.timeline and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise GradsyncError(f"--timeline {args.timeline!r} must end in .png, .svg or .pdf")
+    total = sum(sizes)
+    if args.latency is not None and not args.latency >= 0:
+        raise GradsyncError(f"--latency {args.latency!r} must be >= 0 seconds (per hop)")
+    if args.schedule:
+        schedule = Schedule.load(args.schedule)
+        schedule.check(topo)
+    else:
+        schedule = synthesize(args.algorithm, topo, PlanOptions(pipeline=args.pipeline, size_bytes=total, latency_s=args.latency))
+    result = simulate(
+        schedule, topo, sizes if len(sizes) > 1 else total, streaming=not args.store_and_forward,
+        latency_s=args.latency, merge_tensors=not args.per_tensor, fairness=args.fairness,
+        progress=True if args.progress else None,
+    )
+    cost = schedule.link_loads(topo).cost(topo.costs)
+    planned_s = predicted_time(schedule, topo, total, args.latency)
+    if args.timeline:
+        plot_timeline(result, args.timeline, by=args.timeline_by)
+    if args.json:
+        out = result.to_dict()
+        out["planned"] = {"cost": cost, "time_s": planned_s, "gst_over_tf": planned_s / result.t_f_s}
+        out["sim_over_planned"] = result.time_s / planned_s if planned_s > 0 else None
+        if args.timeline:
+            out["timeline"] = str(args.timeline)
+        _emit_json(out)
+        return 0
+    mode = "streaming" if result.streaming else "store-and-forward"
+    lat = "links' own latency" if args.latency is None else f"latency {args.latency:g} s per hop"
+    print(f"{schedule.algorithm} on {topo.name}, {total:.6g} B in {len(sizes)} tensor(s), {mode}, {lat}")
+    print(f"  simulated {result.time_s * 1e3:.6g} ms = {result.gst_over_tf:.6g} T_F "
+          f"(T_F = {result.t_f_s * 1e3:.6g} ms at {result.unit_bandwidth_GBps:g} GB/s)")
+    print(f"  planner   {planned_s * 1e3:.6g} ms = {planned_s / result.t_f_s:.6g} T_F (cost C = {cost:.6g}); "
+          f"simulated / planned = {result.time_s / planned_s if planned_s > 0 else float('nan'):.6g}")
+    print(f"  {result.num_flows} flows, {result.max_active_flows} active at once, {result.events} events, "
+          f"simulated in {result.wall_s:.3g} s")
+    print("  link class       links  max util  mean util")
+    for kind, c in sorted(result.link_classes().items()):
+        print(f"  {kind:16s} {c['links']:5d}  {c['max_utilisation']:8.1%}  {c['mean_utilisation']:9.1%}")
+    if args.timeline:
+        print(f"  timeline written to {args.timeline}")
+    return 0
+
+
+# ---- bench ---------------------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gradsync.sim.bench import BENCHMARKS
+
+    if not args.name:
+        for name, entry in BENCHMARKS.items():
+            print(f"{name:16s} {entry.summary}")
+        print("\nRun one with 'gradsync bench NAME [its options]'; 'gradsync bench NAME --help' lists them.")
+        return 0
+    return BENCHMARKS.get(args.name).run(args.args)
 
 
 # ---- demo ----------------------------------------------------------------------------------------------
@@ -155,6 +226,28 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("-o", "--output", help="also write the schedule as tagged JSON to this file")
     pl.set_defaults(func=cmd_plan)
+
+    sm = sub.add_parser("simulate", help="simulate a schedule on the flow-level network simulator and compare with the planner")
+    sm.add_argument("--topology", "-t", required=True, help="registry spec or .json/.yaml file")
+    sm.add_argument("--algorithm", "-a", default="lp", choices=SYNTHESIZERS.names())
+    sm.add_argument("--schedule", help="simulate this saved schedule (from 'gradsync plan -o') instead of planning")
+    sm.add_argument("--size", default="100MB", help="bytes (548MB, 1GiB) or a tensor list (4MB,16MB,1MB)")
+    sm.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")
+    sm.add_argument("--store-and-forward", action="store_true", help="a transfer waits for its inputs to finish (default: streaming)")
+    sm.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")
+    sm.add_argument("--fairness", default="size", choices=["size", "flow"],
+                    help="link sharing: max-min fair per byte (default) or per flow")
+    sm.add_argument("--per-tensor", action="store_true", help="a flow per (tensor, transfer) instead of merged tensors")
+    sm.add_argument("--timeline", help="write a Gantt chart (.png/.svg/.pdf)")
+    sm.add_argument("--timeline-by", default="link", choices=["link", "rank"], help="timeline rows (default link)")
+    sm.add_argument("--progress", action="store_true", help="progress line on stderr every 2 s (default: only on a terminal)")
+    sm.add_argument("--json", action="store_true", help="print one JSON object")
+    sm.set_defaults(func=cmd_simulate)
+
+    bn = sub.add_parser("bench", help="list or run a named benchmark", add_help=True)
+    bn.add_argument("name", nargs="?", help="benchmark name; leave out to list them")
+    bn.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    bn.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="plan every built-in topology with every applicable algorithm")
     d.add_argument("--size", default="100MB")

@@ -6,7 +6,7 @@ already catch ``ValueError`` keep working; the CLI turns them into a one-line me
 
 from __future__ import annotations
 
-__all__ = ["GradsyncError", "TopologyError", "ScheduleError", "PlanError"]
+__all__ = ["GradsyncError", "TopologyError", "ScheduleError", "PlanError", "SimulationError"]
 
 
 class GradsyncError(ValueError):
@@ -23,3 +23,7 @@ class ScheduleError(GradsyncError):
 
 class PlanError(GradsyncError):
     """A synthesizer cannot plan for this topology, or an option is out of range."""
+
+
+class SimulationError(GradsyncError):
+    """A simulation cannot run: bad sizes or options, or a schedule the simulator cannot order."""

@@ -1,0 +1,277 @@
+"""Named benchmarks for ``gradsync bench``, and the simulator's own: ``sim-scaling``.
+
+The registry maps a name to a ``target``, ``"package.module:function"`` or ``"path/to/file.py:function"``
+(relative to the source checkout), loaded only when run, so registering costs nothing and a benchmark's
+heavy imports stay out of the CLI. The function takes ``argv`` (the arguments after the name) and returns
+an exit code. Other issues add theirs with :func:`register_benchmark` (e.g. ``bml-fig5``).
+
+``sim-scaling`` measures :func:`gradsync.sim.simulate` on large step-synchronous schedules: BML on BCube
+(when the ``bml`` synthesizer is registered), the parameter server on ``switch:N`` and ring allreduce on
+``ring:N``, each streaming and store-and-forward, without and with a per-hop latency. The goal is a schedule
+of ~250k transfers with ~60k flows active at once simulated in < 30 s on 2 cores (planning not counted).
+It writes ``sim_scaling.json`` and ``sim_scaling.png`` to ``--out``::
+
+    gradsync bench sim-scaling                 # default cases (about a minute)
+    gradsync bench sim-scaling --quick         # small cases, seconds
+    gradsync bench sim-scaling --large         # also BML on BCube(32, 2): 4.2M transfers, needs ~8 GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import GradsyncError
+from gradsync.registry import Registry
+
+__all__ = ["Benchmark", "BENCHMARKS", "register_benchmark", "SimCase", "SIM_CASES", "sim_scaling_main"]
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A named benchmark: ``target`` is ``module:function`` or ``file.py:function`` (from the checkout root)."""
+
+    name: str
+    target: str
+    summary: str
+
+    def load(self) -> Callable[[Sequence[str] | None], int]:
+        where, _, func = self.target.rpartition(":")
+        if not where or not func:
+            raise GradsyncError(f"benchmark {self.name!r} has target {self.target!r}; write module:function")
+        if where.endswith(".py"):
+            path = _ROOT / where
+            if not path.is_file():
+                raise GradsyncError(
+                    f"benchmark {self.name!r} lives in {where}, which this installation does not have; "
+                    f"run it from a source checkout"
+                )
+            spec = importlib.util.spec_from_file_location(f"gradsync_bench_{path.stem}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        fn = getattr(module, func, None)
+        if not callable(fn):
+            raise GradsyncError(f"benchmark {self.name!r}: {where} has no function {func!r}")
+        return fn
+
+    def run(self, argv: Sequence[str]) -> int:
+        return int(self.load()(list(argv)) or 0)
+
+
+BENCHMARKS: Registry[Benchmark] = Registry("benchmark", GradsyncError)
+
+
+def register_benchmark(name: str, target: str, summary: str) -> Benchmark:
+    """Add a benchmark to ``gradsync bench``; ``target`` is resolved only when it runs."""
+    return BENCHMARKS.add(name, Benchmark(name, target, summary))
+
+
+register_benchmark("sim-scaling", "gradsync.sim.bench:sim_scaling_main",
+                   "simulator time on large schedules (BML/BCube, ps, ring); writes sim_scaling.{json,png}")
+register_benchmark("plan-scaling", "benchmarks/plan_scaling.py:main",
+                   "lp planner time as topologies grow; writes plan_scaling.{json,png}")
+
+
+# ---- sim-scaling -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimCase:
+    """One schedule to simulate: ``algorithm`` on ``topology`` with ``pipeline`` sub-chunks."""
+
+    name: str
+    topology: str
+    algorithm: str
+    pipeline: int = 1
+
+
+SIM_CASES: dict[str, tuple[SimCase, ...]] = {
+    "quick": (
+        SimCase("bml-bcube4", "bcube:4,2", "bml"),
+        SimCase("ps-switch16", "switch:16", "ps"),
+        SimCase("ring-ring16", "ring:16", "ring"),
+    ),
+    "default": (
+        SimCase("bml-bcube16", "bcube:16,2", "bml"),
+        SimCase("ps-switch128", "switch:128", "ps"),
+        SimCase("ring-ring250", "ring:250", "ring"),
+        SimCase("ring-switch64-p8", "switch:64", "ring", 8),
+    ),
+    "large": (SimCase("bml-bcube32", "bcube:32,2", "bml"),),
+}
+GOAL_S = 30.0
+GOAL_TRANSFERS = 200_000
+RESULT_TYPE = "gradsync.bench.sim_scaling"
+
+
+@dataclass
+class SimRun:
+    case: str
+    topology: str
+    algorithm: str
+    pipeline: int
+    mode: str
+    latency_s: float
+    transfers: int = 0
+    flows: int = 0
+    max_active_flows: int = 0
+    events: int = 0
+    fill_rounds: int = 0
+    plan_s: float = 0.0
+    sim_s: float = 0.0
+    gst_over_tf: float = 0.0
+    planned_cost: float = 0.0
+    planned_time_s: float = 0.0
+    time_s: float = 0.0
+    skipped: str | None = None
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="gradsync bench sim-scaling",
+        description="Time gradsync.sim.simulate on large schedules (BML/BCube, ps, ring), both modes, with and "
+                    "without latency; goal: ~250k transfers in < 30 s on 2 cores.",
+    )
+    p.add_argument("--quick", action="store_true", help="small cases only (seconds)")
+    p.add_argument("--large", action="store_true", help="also BML on BCube(32, 2) (4.2M transfers, minutes, ~8 GB)")
+    p.add_argument("--cases", default="", help="comma-separated case names (see --list); default: the default set")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--latency", type=float, default=1e-6, help="per-hop latency of the latency runs (s, default 1e-6)")
+    p.add_argument("--size", type=float, default=1e9, help="allreduce size in bytes (default 1e9)")
+    p.add_argument("--modes", default="streaming,store-and-forward", help="modes to run (default both)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output directory")
+    return p.parse_args(argv)
+
+
+def _machine() -> dict[str, Any]:
+    import numpy as np
+    import scipy
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "numpy": np.__version__, "scipy": scipy.__version__}
+
+
+def _count(n: int) -> str:
+    """4190208 -> 4.2M, 261120 -> 261k, 1200 -> 1.2k, 480 -> 480."""
+    if n >= 1_000_000:
+        return f"{n / 1e6:.1f}M"
+    if n >= 10_000:
+        return f"{n / 1e3:.0f}k"
+    return f"{n / 1e3:.1f}k" if n >= 1000 else str(n)
+
+
+def _plot(path: Path, runs: Sequence[SimRun]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if r.skipped is None]
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.32 * max(len(done), 3)))
+    mode = {"streaming": "stream", "store-and-forward": "s&f"}
+    labels = [f"{r.case} {mode[r.mode]}{' +α' if r.latency_s else ''} ({_count(r.transfers)} transfers, "
+              f"{_count(r.max_active_flows)} active)" for r in done]
+    colors = ["tab:blue" if r.mode == "streaming" else "tab:orange" for r in done]
+    ax.barh(range(len(done)), [max(r.sim_s, 1e-3) for r in done], color=colors)
+    ax.axvline(GOAL_S, color="gray", ls="--", lw=1)
+    ax.text(GOAL_S, -0.6, f" goal {GOAL_S:g} s", color="gray", fontsize=8, va="bottom")
+    ax.set_yticks(range(len(done)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("simulate() wall time (s), planning excluded")
+    ax.set_title("gradsync.sim: simulate() time\nblue: streaming, orange: store-and-forward; +α: per-hop latency", fontsize=10)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sim_scaling_main(argv: Sequence[str] | None = None) -> int:
+    """Run the sim-scaling cases; print one line per run and a summary; write JSON and PNG."""
+    from gradsync.plan import SYNTHESIZERS, PlanOptions, predicted_time, synthesize
+    from gradsync.sim.engine import simulate
+    from gradsync.topology import BUILDERS, get_topology
+
+    args = _parse(argv)
+    every = {c.name: c for group in SIM_CASES.values() for c in group}
+    if args.list:
+        for group, cases in SIM_CASES.items():
+            for c in cases:
+                print(f"{c.name:18s} {group:8s} {c.algorithm} on {c.topology}" + (f", pipeline {c.pipeline}" if c.pipeline > 1 else ""))
+        return 0
+    if args.cases:
+        unknown = [n for n in args.cases.split(",") if n not in every]
+        if unknown:
+            raise GradsyncError(f"unknown sim-scaling case(s) {unknown}; known: {', '.join(every)}")
+        cases = [every[n] for n in args.cases.split(",")]
+    else:
+        cases = list(SIM_CASES["quick" if args.quick else "default"]) + (list(SIM_CASES["large"]) if args.large else [])
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("streaming", "store-and-forward") for m in modes):
+        raise GradsyncError(f"--modes {args.modes!r}: use streaming and/or store-and-forward")
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    print(" ".join(f"{k}={v}" for k, v in config.items()), flush=True)
+    print(f"{'case':18s} {'mode':18s} {'alpha':>7s} {'transfers':>9s} {'max act':>8s} {'events':>6s} "
+          f"{'plan_s':>7s} {'sim_s':>7s} {'GST/T_F':>9s} {'planned':>9s}", flush=True)
+    runs: list[SimRun] = []
+    for case in cases:
+        if case.algorithm not in SYNTHESIZERS or case.topology.split(":")[0] not in BUILDERS:
+            runs.append(SimRun(case.name, case.topology, case.algorithm, case.pipeline, "-", 0.0,
+                               skipped=f"{case.algorithm} or {case.topology} is not registered"))
+            print(f"{case.name:18s} SKIPPED ({runs[-1].skipped})", flush=True)
+            continue
+        topo = get_topology(case.topology)
+        t0 = time.perf_counter()
+        schedule = synthesize(case.algorithm, topo, PlanOptions(pipeline=case.pipeline), check=False)
+        plan_s = time.perf_counter() - t0
+        cost = schedule.link_loads(topo).cost(topo.costs)
+        for mode in modes:
+            for lat in (0.0, args.latency):
+                run = SimRun(case.name, case.topology, case.algorithm, case.pipeline, mode, lat,
+                             transfers=len(schedule.transfers), plan_s=plan_s, planned_cost=cost,
+                             planned_time_s=predicted_time(schedule, topo, args.size, lat))
+                t0 = time.perf_counter()
+                r = simulate(schedule, topo, args.size, streaming=mode == "streaming", latency_s=lat, progress=False)
+                run.sim_s = time.perf_counter() - t0
+                run.flows, run.max_active_flows, run.events = r.num_flows, r.max_active_flows, r.events
+                run.fill_rounds, run.gst_over_tf, run.time_s = r.fill_rounds, r.gst_over_tf, r.time_s
+                runs.append(run)
+                print(f"{case.name:18s} {mode:18s} {lat:7.1e} {run.transfers:9d} {run.max_active_flows:8d} "
+                      f"{run.events:6d} {plan_s:7.2f} {run.sim_s:7.2f} {run.gst_over_tf:9.5f} {cost:9.5f}", flush=True)
+                del r
+    big = [r for r in runs if r.skipped is None and r.transfers >= GOAL_TRANSFERS]
+    if big:
+        worst = max(big, key=lambda r: r.sim_s)
+        verdict = "yes" if worst.sim_s < GOAL_S else "NO"
+        summary = (f"SUMMARY: schedules with >= {GOAL_TRANSFERS // 1000}k transfers simulate in < {GOAL_S:g} s: {verdict} "
+                   f"(slowest {worst.case} {worst.mode} α={worst.latency_s:g}: {worst.sim_s:.2f} s, "
+                   f"{worst.transfers} transfers, {worst.max_active_flows} active at once)")
+    else:
+        summary = f"SUMMARY: no case with >= {GOAL_TRANSFERS // 1000}k transfers was run"
+    json_path, png_path = args.out / "sim_scaling.json", args.out / "sim_scaling.png"
+    json_path.write_text(json.dumps({"type": RESULT_TYPE, "machine": _machine(), "config": config,
+                                     "goal": {"seconds": GOAL_S, "transfers": GOAL_TRANSFERS},
+                                     "runs": [asdict(r) for r in runs], "summary": summary}, indent=2) + "\n")
+    _plot(png_path, runs)
+    print(f"wrote {json_path} and {png_path}", flush=True)
+    print(summary, flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(sim_scaling_main())

@@ -1,0 +1,585 @@
+"""A flow-level, event-driven network simulator for any :class:`~gradsync.plan.schedule.Schedule`.
+
+Model (fluid, α–β):
+
+* Every transfer is a flow of ``chunk.size * bytes`` along its route. A link direction ``e`` moves
+  ``C_e = bandwidth_e * 1e9`` bytes/s, shared by its flows **max-min fairly** by progressive filling
+  (water-filling): all unfrozen flows rise with one level λ, flow f at rate ``λ w_f``; when a link direction
+  saturates (``used_e + λ W_e = C_e``, ``W_e`` its unfrozen weight) its unfrozen flows freeze; repeat until
+  every flow is frozen. ``fairness="size"`` (default) weights flows by their bytes, so flows that share a
+  bottleneck finish together: the planner's proportional model, under which every schedule streams in
+  exactly its planned cost ``max_e load_e c_e`` (a multi-tree ``lp`` mix gives each tree its weight's share).
+  ``fairness="flow"`` (``w_f = 1``) is plain per-flow max-min, TCP-like; trees of unequal weight then lose.
+* Latency: a route's latency ``α_f`` is the **sum of its hops' latencies** (per hop, like the planner's
+  ``latency_term``: a 2-hop route through a switch pays 2α). It is a delay added at the end of the flow:
+  the last byte leaves at ``sent_f`` and arrives at ``finish_f = max(sent_f, max_{d in deps} finish_d) + α_f``
+  (the last byte can leave only after the last byte of every dependency has arrived).
+* Store-and-forward (``streaming=False``): a flow starts when all its dependencies have *finished*,
+  ``start_t = max_d finish_d``; that is the per-step α–β model, so ring allreduce on N ranks takes
+  ``2(N-1) (bytes/N / β + α_route)``.
+* Streaming (default; seed 000's aggregation streams through trees): a flow may start once every
+  dependency has *started*, ``start_t = max_d (start_d + α_d)`` (its first byte arrives α_d after it
+  left), and it can never have sent more bytes than any unfinished dependency: ``x_t <= min_d x_d``
+  (same chunk, so the same size). In progressive filling a flow that is *caught up* with a dependency
+  (``x_t == x_d``, d unfinished) freezes when that dependency freezes, at its rate. The lag between a
+  dependency's bytes leaving and arriving is applied exactly at both ends of a flow (start and finish,
+  above) but not to the cap in between (we use ``x_t <= x_d(τ)`` rather than ``x_d(τ - α_d)``): a
+  simple, documented approximation that keeps the cap a pure rate constraint. With α = 0 it is exact.
+  Consequence: store-and-forward ring pays exactly ``2(N-1)`` route latencies (the planner's α term),
+  while streaming hides most of them behind bandwidth (between one and ``2(N-1)``); a chain of h hops
+  streams in ``M/β + h α`` (cut-through) against ``h (M/β + α)`` store-and-forward.
+
+Events: a flow drains (its bytes are all sent), a flow catches up with its dependencies' envelope
+``min_d x_d`` (or the envelope's slowest member changes), a flow becomes startable. Rates are recomputed at
+every event; all flows that drain or start at the same instant (to 1e-9 relative) are one batch, which is
+what makes step-synchronous schedules (ring, ps, BML) cheap: one event per step, not per transfer.
+Everything is vectorised with numpy over the active flows (a scipy sparse flows x link-directions
+incidence) and over dependency groups (:mod:`gradsync.sim.flows`), never byte by byte.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import numpy as np
+import scipy.sparse as sp
+
+from gradsync.plan.schedule import Schedule
+from gradsync.sim.flows import FlowSet, SimulationError, _ranges, build_flows, by_step, tensor_sizes
+from gradsync.topology.model import Topology
+
+__all__ = ["FAIRNESS", "SimResult", "simulate"]
+
+#: How flows share a link direction: max-min fair in bytes/s per byte of flow, or per flow.
+FAIRNESS = ("size", "flow")
+
+#: Tests set this to assert the model's invariants after every event (link capacity, x_t <= min_d x_d).
+_DEBUG = False
+_PROGRESS_EVERY_S = 2.0  # seconds between progress lines
+_REL = 1e-9  # relative tolerance on bytes and times: what counts as "the same instant" / "caught up"
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """The simulated time of one schedule, per-link busy time, and every flow's timeline.
+
+    ``gst_over_tf`` is the synchronisation time in units of ``T_F = bytes / (unit_bandwidth * 1e9)``, the
+    planner's cost units, so it is directly comparable with ``evaluate(...).cost``. Link arrays are
+    ``(links, 2)``: column 0 is ``a -> b``. Flow arrays have one entry per flow: per transfer when the
+    tensors were merged (``flow_tensor == -1``), else per (tensor, transfer).
+    """
+
+    topology: str
+    algorithm: str
+    tensor_sizes: tuple[float, ...]
+    streaming: bool
+    merged: bool
+    fairness: str
+    #: Per-hop latency override (``None``: the links' own; ``0.0`` also when latency was turned off).
+    latency_s: float | None
+    time_s: float
+    t_f_s: float
+    gst_over_tf: float
+    unit_bandwidth_GBps: float
+    events: int
+    fill_rounds: int
+    max_active_flows: int
+    wall_s: float
+    links: tuple[tuple[str, str, str], ...] = field(repr=False)
+    link_bandwidth_GBps: np.ndarray = field(repr=False)
+    link_busy_s: np.ndarray = field(repr=False)
+    link_utilisation: np.ndarray = field(repr=False)
+    start_s: np.ndarray = field(repr=False)
+    sent_s: np.ndarray = field(repr=False)
+    finish_s: np.ndarray = field(repr=False)
+    flow_transfer: np.ndarray = field(repr=False)
+    flow_tensor: np.ndarray = field(repr=False)
+    flow_chunk: np.ndarray = field(repr=False)
+    flow_step: np.ndarray = field(repr=False)
+    flow_src: np.ndarray = field(repr=False)
+    flow_dst: np.ndarray = field(repr=False)
+    flow_link_ptr: np.ndarray = field(repr=False)
+    flow_link_idx: np.ndarray = field(repr=False)
+
+    @property
+    def size_bytes(self) -> float:
+        return float(sum(self.tensor_sizes))
+
+    @property
+    def num_flows(self) -> int:
+        return int(self.start_s.shape[0])
+
+    @property
+    def link_bytes(self) -> np.ndarray:
+        """Bytes that crossed every link direction, ``(links, 2)`` (busy time times bandwidth)."""
+        return self.link_busy_s * self.link_bandwidth_GBps[:, None] * 1e9
+
+    def transfer_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per transfer of the schedule: (first start, last finish) over its tensors' flows."""
+        n = int(self.flow_transfer.max()) + 1 if self.flow_transfer.size else 0
+        start = np.full(n, np.inf)
+        finish = np.full(n, -np.inf)
+        np.minimum.at(start, self.flow_transfer, self.start_s)
+        np.maximum.at(finish, self.flow_transfer, self.finish_s)
+        return start, finish
+
+    def link_classes(self) -> dict[str, dict[str, float]]:
+        """Per link kind: link count, max and mean utilisation over link directions."""
+        out: dict[str, dict[str, float]] = {}
+        for i, (_, _, kind) in enumerate(self.links):
+            u = float(self.link_utilisation[i].max())
+            cls = out.setdefault(kind, {"links": 0, "max_utilisation": 0.0, "mean_utilisation": 0.0})
+            cls["links"] += 1
+            cls["max_utilisation"] = max(cls["max_utilisation"], u)
+            cls["mean_utilisation"] += u
+        for cls in out.values():
+            cls["mean_utilisation"] /= cls["links"]
+        return out
+
+    def to_dict(self, *, links: bool = True) -> dict[str, Any]:
+        """Tagged JSON form (``type: gradsync.simulation``); flow timelines are left out (use the arrays)."""
+        out: dict[str, Any] = {
+            "type": "gradsync.simulation",
+            "topology": self.topology,
+            "algorithm": self.algorithm,
+            "size_bytes": self.size_bytes,
+            "tensor_sizes": list(self.tensor_sizes),
+            "mode": "streaming" if self.streaming else "store-and-forward",
+            "merged_tensors": self.merged,
+            "fairness": self.fairness,
+            "latency_s_per_hop": self.latency_s,
+            "time_s": self.time_s,
+            "t_f_s": self.t_f_s,
+            "gst_over_tf": self.gst_over_tf,
+            "unit_bandwidth_GBps": self.unit_bandwidth_GBps,
+            "algbw_GBps": self.size_bytes / self.time_s / 1e9 if self.time_s > 0 else None,
+            "flows": self.num_flows,
+            "events": self.events,
+            "fill_rounds": self.fill_rounds,
+            "max_active_flows": self.max_active_flows,
+            "wall_s": self.wall_s,
+            "link_classes": self.link_classes(),
+        }
+        if links:
+            out["links"] = [
+                {
+                    "a": a, "b": b, "kind": kind, "bandwidth_GBps": float(self.link_bandwidth_GBps[i]),
+                    "busy_ab_s": float(self.link_busy_s[i, 0]), "busy_ba_s": float(self.link_busy_s[i, 1]),
+                    "utilisation_ab": float(self.link_utilisation[i, 0]),
+                    "utilisation_ba": float(self.link_utilisation[i, 1]),
+                }
+                for i, (a, b, kind) in enumerate(self.links)
+            ]
+        return out
+
+
+class _Engine:
+    """The event loop over one :class:`FlowSet` in step order (:func:`by_step`); see the module docstring.
+
+    Flow state: 0 waiting, 1 active (started, bytes left), 2 drained (all bytes sent). A dependency
+    group ``g`` (the flows that share one list of dependencies) becomes ready when all its dependencies
+    have started (streaming) or finished (store-and-forward); its members then start at ``ready_g``.
+    Flows are numbered by step, so the flows that have started and not drained lie in a window
+    ``[lo, hi)``; per-event work is on views of that window, with the waiting and drained flows inside
+    it masked out.
+    """
+
+    def __init__(self, fs: FlowSet, streaming: bool, weight: np.ndarray, progress: TextIO | None, label: str) -> None:
+        n, ng = fs.num_flows, fs.num_groups
+        self.fs = fs
+        self.streaming = streaming
+        self.weight = weight
+        self.progress = progress
+        self.label = label
+        self.state = np.zeros(n, np.int8)
+        self.x = np.zeros(n)
+        self.start = np.full(n, np.nan)
+        self.sent = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.ready_at = np.zeros(n)
+        self.tol_all = fs.size * _REL + 1e-12
+        self.gneed = np.diff(fs.gdep_ptr)  # dependencies not yet started (streaming) / finished (s&f)
+        self.gready = np.zeros(ng)  # max over dependencies of start + α (streaming) / finish (s&f)
+        self.gfinish = np.zeros(ng)  # max finish over the dependencies drained so far
+        self.gown = np.repeat(np.arange(ng, dtype=np.int64), self.gneed)
+        self.dgrp_cnt = np.diff(fs.dgrp_ptr)
+        self.gmem_cnt = np.diff(fs.gmem_ptr)
+        self.inc_ptr = fs.incidence.indptr.astype(np.int64)
+        self.pending = np.flatnonzero(fs.group < 0)
+        self.busy = np.zeros(fs.capacity.shape[0])
+        self.scratch = np.zeros(max(n, ng), np.int64)
+        self.lo = self.hi = 0
+        self.nact = 0
+        self.now = 0.0
+        self.events = 0
+        self.fill_rounds = 0
+        self.drained = 0
+        self.max_active = 0
+        self.changed = True
+        self.any_latency = bool(np.any(fs.latency_s > 0))
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def _dedupe(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` without repeats (one occurrence of each kept), in O(len) with a scratch array, no sort."""
+        if ids.size < 2:
+            return ids
+        k = np.arange(ids.size, dtype=np.int64)
+        self.scratch[ids] = k  # of repeated ids one write wins; keep exactly that occurrence
+        return ids[self.scratch[ids] == k]
+
+    def _release(self, ids: np.ndarray, at: np.ndarray) -> None:
+        """``ids`` started (streaming) or finished (store-and-forward): their groups may go at ``at``."""
+        fs = self.fs
+        cnt = self.dgrp_cnt[ids]
+        if not cnt.any():
+            return
+        gs = fs.dgrp_idx[_ranges(fs.dgrp_ptr[ids], cnt)]
+        np.maximum.at(self.gready, gs, np.repeat(at, cnt))
+        np.add.at(self.gneed, gs, -1)
+        ready = self._dedupe(gs[self.gneed[gs] == 0])
+        if ready.size:
+            mcnt = self.gmem_cnt[ready]
+            members = fs.gmem_idx[_ranges(fs.gmem_ptr[ready], mcnt)]
+            self.ready_at[members] = np.repeat(self.gready[ready], mcnt)
+            self.pending = np.concatenate([self.pending, members])
+
+    def _start_ready(self) -> None:
+        """Start every pending flow whose time has come, cascading through zero-delay dependents."""
+        fs = self.fs
+        while self.pending.size:
+            go = self.ready_at[self.pending] <= self.now * (1 + _REL) + 1e-300
+            if not go.any():
+                return
+            ids = self.pending[go]
+            self.pending = self.pending[~go]
+            self.start[ids] = np.minimum(self.ready_at[ids], self.now)
+            self.state[ids] = 1
+            self.hi = max(self.hi, int(ids.max()) + 1)
+            self.changed = True
+            if self.streaming:
+                self._release(ids, self.start[ids] + fs.latency_s[ids])
+            empty = ids[fs.size[ids] <= 0]
+            if empty.size:
+                self._drain(empty)
+
+    def _deps_of(self, ids: np.ndarray) -> np.ndarray:
+        fs = self.fs
+        g = fs.group[ids]
+        g = g[g >= 0]
+        return fs.gdep_idx[_ranges(fs.gdep_ptr[g], fs.gdep_ptr[g + 1] - fs.gdep_ptr[g])]
+
+    def _drain(self, ids: np.ndarray) -> None:
+        """``ids`` have sent their last byte now; set sent/finish times and release dependents."""
+        fs = self.fs
+        self.state[ids] = 2
+        if self.streaming:
+            # x_t <= x_d: an active dependency of a drained flow has drained too (to rounding).
+            new = ids
+            while True:
+                deps = self._deps_of(new)
+                new = self._dedupe(deps[self.state[deps] == 1])
+                if not new.size:
+                    break
+                self.state[new] = 2
+                ids = np.concatenate([ids, new])
+        self.x[ids] = fs.size[ids]
+        self.sent[ids] = self.now
+        self.drained += ids.size
+        self.changed = True
+        if not self.streaming or not self.any_latency:
+            # Store-and-forward: dependencies finished before the flow started. Streaming without latency:
+            # dependencies drained no later than the flow (x_t <= x_d), so the max below is now.
+            self.finish[ids] = self.now + fs.latency_s[ids]
+        else:
+            steps = fs.step[ids]
+            for s in np.unique(steps):  # dependencies first: they have lower steps
+                g_ids = ids[steps == s] if steps.size > 1 else ids
+                grp = fs.group[g_ids]
+                last = np.where(grp >= 0, np.maximum(self.gfinish[np.maximum(grp, 0)], self.now), self.now)
+                self.finish[g_ids] = last + fs.latency_s[g_ids]
+                cnt = self.dgrp_cnt[g_ids]
+                if cnt.any():
+                    gs = fs.dgrp_idx[_ranges(fs.dgrp_ptr[g_ids], cnt)]
+                    np.maximum.at(self.gfinish, gs, np.repeat(self.finish[g_ids], cnt))
+        if not self.streaming:
+            self._release(ids, self.finish[ids])
+
+    # ---- rates -----------------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Window views: active mask, incidence rows, and the window groups' live dependencies."""
+        fs = self.fs
+        if self.lo < self.hi:
+            open_ = np.flatnonzero(self.state[self.lo:self.hi] != 2)
+            self.lo = self.lo + int(open_[0]) if open_.size else self.hi
+        lo, hi = self.lo, self.hi
+        w = hi - lo
+        self.act = self.state[lo:hi] == 1
+        self.nact = int(np.count_nonzero(self.act))
+        self.max_active = max(self.max_active, self.nact)
+        p0, p1 = self.inc_ptr[lo], self.inc_ptr[hi]
+        inc = fs.incidence
+        self.R = sp.csr_matrix((inc.data[p0:p1], inc.indices[p0:p1], self.inc_ptr[lo:hi + 1] - p0),
+                               shape=(w, inc.shape[1]))
+        self.RT = self.R.T
+        self.w = np.where(self.act, self.weight[lo:hi], 0.0)
+        self.tol = self.tol_all[lo:hi]
+        self.size_w = fs.size[lo:hi]
+        self.has_caps = False
+        self.changed = False
+        if not (self.streaming and self.nact):
+            return
+        gw = fs.group[lo:hi]
+        cap = self.act & (gw >= 0)
+        if not cap.any():
+            return
+        gsel = gw[cap]
+        glo, ghi = int(gsel.min()), int(gsel.max()) + 1
+        e0, e1 = int(fs.gdep_ptr[glo]), int(fs.gdep_ptr[ghi])
+        e_d = fs.gdep_idx[e0:e1] - lo
+        inside = (e_d >= 0) & (e_d < w)
+        self.e_d = np.where(inside, e_d, 0)
+        self.live = inside & self.act[self.e_d]  # dependencies that are active (started, not drained)
+        if not self.live.any():
+            return
+        self.e_g = self.gown[e0:e1] - glo
+        self.seg = fs.gdep_ptr[glo:ghi] - e0  # every group has a dependency: no empty segment
+        seg_len = np.diff(fs.gdep_ptr[glo:ghi + 1])
+        self.seg_max = int(seg_len.max())
+        self.seg_more: list[tuple[np.ndarray, np.ndarray]] = []
+        if self.seg_max <= 8:
+            for k in range(1, self.seg_max):
+                more = np.flatnonzero(seg_len > k)
+                self.seg_more.append((more, self.seg[more] + k))
+        self.t_g = np.where(cap, gw - glo, 0)
+        self.cap = cap
+        self.gact = np.zeros(ghi - glo, bool)
+        self.gact[self.t_g[cap]] = True
+        self.has_caps = True
+
+    def _seg_min(self, values: np.ndarray) -> np.ndarray:
+        """Min of ``values`` (one per dependency of the window's groups) per group.
+
+        ``np.minimum.reduceat`` pays per segment; groups usually have a handful of dependencies, so for
+        short segments a few vectorised passes over the k-th member of every group are faster.
+        """
+        if self.seg_max > 8:
+            return np.minimum.reduceat(values, self.seg)
+        out = values[self.seg]
+        for more, kth in self.seg_more:
+            out[more] = np.minimum(out[more], values[kth])
+        return out
+
+    def _rates(self, xw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Weighted max-min fair rates with the streaming caps (progressive filling), and link usage.
+
+        Every unfrozen flow has rate ``λ w_f``; link direction e saturates at ``λ_e = (C_e - used_e) / W_e``
+        with ``W_e`` the unfrozen weight on it. A flow caught up with its group's slowest dependencies
+        (``x_t == X_g = min_d x_d``) freezes when one of those *tight* dependencies freezes, at its rate
+        (same size and weight): so ``r_t <= min`` over tight dependencies and ``x_t <= X_g`` holds.
+        """
+        cap_e = self.fs.capacity
+        caught_any = False
+        if self.has_caps:
+            xd = xw[self.e_d]
+            self.X = self._seg_min(np.where(self.live, xd, np.inf))
+            self.Xt = self.X[self.t_g]
+            self.capped = self.cap & np.isfinite(self.Xt)
+            self.caught = self.capped & (xw >= self.Xt - self.tol)
+            self.tight = self.live & (xd <= self.X[self.e_g] + self.tol[self.e_d])
+            caught_any = bool(self.caught.any())
+        rate = np.zeros(xw.shape[0])
+        free = self.act.copy()
+        used = np.zeros(cap_e.shape[0])
+        level = 0.0
+        left = self.nact
+        while left:
+            self.fill_rounds += 1
+            weight_e = self.RT @ np.where(free, self.w, 0.0)
+            on = weight_e > 0
+            lam_e = np.full(cap_e.shape[0], np.inf)
+            lam_e[on] = (cap_e[on] - used[on]) / weight_e[on]
+            level = max(level, float(lam_e.min()))
+            sat = on & (lam_e <= level * (1 + 1e-12))
+            newly = free & ((self.R @ sat.astype(float)) > 0)
+            if caught_any:
+                frontier = newly
+                while True:
+                    hit_g = np.zeros(self.gact.shape[0], bool)
+                    hit_g[self.e_g[self.tight & frontier[self.e_d]]] = True
+                    hit = free & ~newly & self.caught & hit_g[self.t_g]
+                    if not hit.any():
+                        break
+                    newly |= hit
+                    frontier = hit
+            k = int(np.count_nonzero(newly))
+            if k == 0:  # pragma: no cover - a saturated link always has an unfrozen flow
+                raise SimulationError(f"simulation of {self.label}: progressive filling made no progress")
+            rate[newly] = level * self.w[newly]
+            used += self.RT @ np.where(newly, rate, 0.0)
+            free &= ~newly
+            left -= k
+        return rate, used
+
+    def _catch_up_dt(self, xw: np.ndarray, rate: np.ndarray) -> float:
+        """Time until a capped flow reaches its group's envelope ``min_d x_d(τ)``, or the envelope bends."""
+        if not self.has_caps:
+            return np.inf
+        rd = rate[self.e_d]
+        slope = self._seg_min(np.where(self.tight, rd, np.inf))  # the envelope's slope now
+        dt = np.inf
+        # A live, non-tight dependency slower than the envelope will become the minimum.
+        s = slope[self.e_g]
+        bend = self.live & ~self.tight & self.gact[self.e_g] & (rd < s * (1 - 1e-12))
+        if bend.any():
+            gap = xw[self.e_d[bend]] - self.X[self.e_g[bend]]
+            dt = min(dt, float((gap / (s[bend] - rd[bend])).min()))
+        # A flow that is behind and faster than the envelope catches up.
+        st = slope[self.t_g]
+        closing = self.capped & ~self.caught & (rate > st * (1 + 1e-12))
+        if closing.any():
+            gap = self.Xt[closing] - xw[closing]
+            dt = min(dt, float((gap / (rate[closing] - st[closing])).min()))
+        return dt
+
+    def _check(self, xw: np.ndarray, used: np.ndarray) -> None:
+        """Invariants of the model (only under ``_DEBUG``): capacities hold and no flow overtakes a dependency."""
+        assert np.all(used <= self.fs.capacity * (1 + 1e-9)), "a link direction carries more than its bandwidth"
+        if self.has_caps:
+            x_min = self._seg_min(np.where(self.live, xw[self.e_d], np.inf))[self.t_g]
+            over = np.where(self.cap & np.isfinite(x_min), xw - x_min, 0.0)
+            assert np.all(over <= 1e-6 * self.size_w), f"a flow overtook its dependency by {over.max()} B"
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def run(self, max_events: int | None) -> None:
+        fs = self.fs
+        last_report = time.monotonic()
+        while True:
+            self._start_ready()
+            if self.changed:
+                self._rebuild()
+            if self.nact == 0:
+                if not self.pending.size:
+                    break
+                self.now = max(self.now, float(self.ready_at[self.pending].min()))
+                continue
+            self.events += 1
+            if max_events is not None and self.events > max_events:
+                raise SimulationError(f"simulation of {self.label} passed max_events={max_events} at t={self.now:.6g} s")
+            xw = self.x[self.lo:self.hi]  # a view: advancing it advances the flows
+            rate, used = self._rates(xw)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                t_drain = np.where(rate > 0, (self.size_w - xw) / rate, np.inf)
+            dt = min(float(t_drain.min()), self._catch_up_dt(xw, rate))
+            if self.pending.size:
+                dt = min(dt, float(self.ready_at[self.pending].min()) - self.now)
+            if not math.isfinite(dt):
+                raise SimulationError(
+                    f"simulation of {self.label} is stuck at t={self.now:.6g} s: {self.nact} active flows have no rate"
+                )
+            dt = max(dt, 0.0)
+            xw += rate * dt
+            self.busy += used * dt
+            self.now += dt
+            if _DEBUG:
+                self._check(xw, used)
+            done = self.act & ((t_drain <= dt * (1 + _REL)) | (self.size_w - xw <= self.tol))
+            if done.any():
+                self._drain(self.lo + np.flatnonzero(done))
+            if self.progress is not None and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+                last_report = time.monotonic()
+                print(
+                    f"gradsync simulate: {self.label}: t={self.now:.6g} s, {self.drained}/{fs.num_flows} flows done, "
+                    f"{self.nact} active, {self.events} events",
+                    file=self.progress, flush=True,
+                )
+        if self.drained != fs.num_flows:  # pragma: no cover - steps are acyclic, so every flow starts
+            raise SimulationError(f"simulation of {self.label}: {fs.num_flows - self.drained} flows never started")
+
+
+def simulate(
+    schedule: Schedule,
+    topology: Topology,
+    size_bytes: float | Sequence[float] | np.ndarray,
+    *,
+    streaming: bool = True,
+    latency: bool = True,
+    latency_s: float | None = None,
+    merge_tensors: bool = True,
+    fairness: str = "size",
+    progress: bool | TextIO | None = None,
+    max_events: int | None = None,
+) -> SimResult:
+    """Simulate ``schedule`` on ``topology`` for ``size_bytes`` (one buffer, or a list of tensor sizes).
+
+    * ``streaming``: inputs stream through a transfer (default) or it waits for them (store-and-forward).
+    * ``latency``: honour the links' ``latency_s``; ``latency_s`` overrides every hop's (seconds per hop).
+    * ``merge_tensors``: a tensor list moves as one flow per transfer (default) or one per (tensor, transfer).
+    * ``fairness``: ``"size"`` shares links max-min fairly per byte of flow (default), ``"flow"`` per flow.
+    * ``progress``: a line on stderr every 2 s; ``None``: only when stderr is a terminal; or a stream.
+    * ``max_events``: stop with :class:`SimulationError` after this many events (default: no limit).
+
+    Returns a :class:`SimResult`; the model is in this module's docstring.
+    """
+    sizes = tensor_sizes(size_bytes)
+    if fairness not in FAIRNESS:
+        raise SimulationError(f"fairness={fairness!r}; use one of {list(FAIRNESS)}")
+    wall = time.perf_counter()
+    fs = build_flows(schedule, topology, sizes, merge=merge_tensors, latency=latency, latency_s=latency_s)
+    stream: TextIO | None
+    if progress is None:
+        stream = sys.stderr if sys.stderr.isatty() else None
+    elif progress is True:
+        stream = sys.stderr
+    elif progress is False:
+        stream = None
+    else:
+        stream = progress
+    label = f"{schedule.algorithm} on {topology.name}"
+    weight = fs.size / max(float(fs.size.max()), 1e-300) if fairness == "size" and fs.num_flows else np.ones(fs.num_flows)
+    ordered, perm = by_step(fs)
+    eng = _Engine(ordered, streaming, weight[perm], stream, label)
+    eng.run(max_events)
+    back = np.empty_like(perm)  # flow in schedule order -> its index in step order
+    back[perm] = np.arange(perm.shape[0], dtype=np.int64)
+    time_s = float(eng.finish.max()) if fs.num_flows else 0.0
+    unit = float(topology.unit_bandwidth_GBps or 1.0)
+    t_f = sum(sizes) / (unit * 1e9)
+    busy_s = (eng.busy / fs.capacity).reshape(-1, 2)
+    inc = fs.incidence
+    return SimResult(
+        topology=topology.name,
+        algorithm=schedule.algorithm,
+        tensor_sizes=sizes,
+        streaming=streaming,
+        merged=merge_tensors,
+        fairness=fairness,
+        latency_s=(latency_s if latency else 0.0),
+        time_s=time_s,
+        t_f_s=t_f,
+        gst_over_tf=time_s / t_f,
+        unit_bandwidth_GBps=unit,
+        events=eng.events,
+        fill_rounds=eng.fill_rounds,
+        max_active_flows=eng.max_active,
+        wall_s=time.perf_counter() - wall,
+        links=tuple((lk.a, lk.b, lk.kind) for lk in topology.links),
+        link_bandwidth_GBps=np.array([lk.bandwidth_GBps for lk in topology.links], float),
+        link_busy_s=busy_s,
+        link_utilisation=busy_s / time_s if time_s > 0 else np.zeros_like(busy_s),
+        start_s=eng.start[back],
+        sent_s=eng.sent[back],
+        finish_s=eng.finish[back],
+        flow_transfer=fs.transfer,
+        flow_tensor=fs.tensor,
+        flow_chunk=fs.chunk,
+        flow_step=fs.step,
+        flow_src=fs.src,
+        flow_dst=fs.dst,
+        flow_link_ptr=inc.indptr.astype(np.int64),
+        flow_link_idx=inc.indices.astype(np.int64),
+    )
