@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from gradsync.errors import PlanError
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
-from gradsync.plan.synthesizers import PlanOptions, synthesizer
+from gradsync.plan.synthesizers import PlanOptions, synthesizer, unless_raises
 from gradsync.topology.bcube import bcube_digits, bcube_switch_name
 from gradsync.topology.model import Topology
 
@@ -122,14 +122,6 @@ def bcube_shape(topology: Topology) -> BCubeShape:
     return shape
 
 
-def _not_bcube(topology: Topology) -> str | None:
-    try:
-        bcube_shape(topology)
-    except PlanError as exc:
-        return str(exc)
-    return None
-
-
 # ---- Algorithm 1, literally --------------------------------------------------------------------------------
 def check_digits(g: Sequence[int], s: Sequence[int], w: int, t: int, k: int) -> bool:
     """Algorithm 1, lines 21-25: piece ``g`` (``g[k]`` its thread) belongs to thread ``t`` and agrees with
@@ -178,7 +170,7 @@ def bml_closed_form(n: int, k: int) -> float:
     return 2 * (big_n - 1) / (k * big_n)
 
 
-@synthesizer("bml", applicable=_not_bcube)
+@synthesizer("bml", applicable=unless_raises(bcube_shape))
 def plan_bml(topology: Topology, options: PlanOptions) -> Schedule:
     """BML on BCube(n,k) (seed 001 Algorithm 1): k threads, k*N pieces, k aggregation then k broadcast steps."""
     shape = bcube_shape(topology)

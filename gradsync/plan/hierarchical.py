@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from gradsync.errors import PlanError
 from gradsync.plan.bml import bcube_shape
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
-from gradsync.plan.synthesizers import PlanOptions, synthesizer
+from gradsync.plan.synthesizers import PlanOptions, synthesizer, unless_raises
 from gradsync.topology.fattree import aggregation_switch_name, core_switch_name, edge_switch_name
 from gradsync.topology.model import Topology
 
@@ -184,15 +184,7 @@ def hierarchy_of(topology: Topology) -> Hierarchy:
     return make(topology)
 
 
-def _no_hierarchy(topology: Topology) -> str | None:
-    try:
-        hierarchy_of(topology)
-    except PlanError as exc:
-        return str(exc)
-    return None
-
-
-@synthesizer("hierarchical", applicable=_no_hierarchy)
+@synthesizer("hierarchical", applicable=unless_raises(hierarchy_of))
 def plan_hierarchical(topology: Topology, options: PlanOptions) -> Schedule:
     """Reduce within switch groups, then between groups, then broadcast back (seed 001 §3.3; Fat-Tree, BCube)."""
     hier = hierarchy_of(topology)

@@ -22,7 +22,7 @@ from gradsync.plan.trees import root_tree
 from gradsync.registry import Registry
 from gradsync.topology.model import Topology
 
-__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "synthesize", "ring_transfers"]
+__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "ring_transfers", "synthesize", "unless_raises"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,19 @@ SYNTHESIZERS: Registry[Synthesizer] = Registry("algorithm", PlanError)
 
 def _always(_: Topology) -> str | None:
     return None
+
+
+def unless_raises(probe: Callable[[Topology], object]) -> Callable[[Topology], str | None]:
+    """An ``applicable`` predicate from a function that raises :class:`PlanError` saying why not."""
+
+    def applicable(topology: Topology) -> str | None:
+        try:
+            probe(topology)
+        except PlanError as exc:
+            return str(exc)
+        return None
+
+    return applicable
 
 
 def synthesizer(name: str, applicable: Callable[[Topology], str | None] = _always) -> Callable:
