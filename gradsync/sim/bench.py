@@ -61,6 +61,8 @@ class Benchmark:
             spec = importlib.util.spec_from_file_location(f"gradsync_bench_{path.stem}", path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
+            # Registered before running, as a normal import is: dataclasses resolve annotations through it.
+            sys.modules[spec.name] = module
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
@@ -85,6 +87,8 @@ register_benchmark("sim-scaling", "gradsync.sim.bench:sim_scaling_main",
                    "simulator time on large schedules (BML/BCube, ps, ring); writes sim_scaling.{json,png}")
 register_benchmark("plan-scaling", "benchmarks/plan_scaling.py:main",
                    "lp planner time as topologies grow; writes plan_scaling.{json,png}")
+register_benchmark("bml-fig5", "benchmarks/bml_fig5.py:main",
+                   "seed 001 Fig. 5: GST of BML/PS on BCube vs hierarchical/PS on Fat-Tree; writes bml_fig5.{json,png}")
 
 
 # ---- sim-scaling -----------------------------------------------------------------------------------------

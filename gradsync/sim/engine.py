@@ -270,7 +270,9 @@ class _Engine:
     def _deps_of(self, ids: np.ndarray) -> np.ndarray:
         fs = self.fs
         g = fs.group[ids]
-        g = g[g >= 0]
+        # Many flows share a dependency group (PS: ~1M broadcasts over N groups); expand each group once,
+        # or the index array grows to flows x fan-in (18 GB on PS over BCube(32,2)).
+        g = np.unique(g[g >= 0])
         return fs.gdep_idx[_ranges(fs.gdep_ptr[g], fs.gdep_ptr[g + 1] - fs.gdep_ptr[g])]
 
     def _drain(self, ids: np.ndarray) -> None:
