@@ -22,7 +22,7 @@ __all__ = ["main", "parse_size", "parse_sizes", "DEMO_TOPOLOGIES"]
 #: What ``gradsync demo`` plans: one of each built-in family, at sizes a laptop plans in seconds.
 DEMO_TOPOLOGIES = (
     "p3.16xlarge", "p3.8xlarge", "p2.16xlarge", "p2.8xlarge", "minsky:2",
-    "ring:8", "full:8", "switch:8", "p3.16xlarge[0,1,2,3,7]",
+    "ring:8", "full:8", "switch:8", "p3.16xlarge[0,1,2,3,7]", "bcube:3,2", "fattree:4",
 )
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -181,7 +181,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     algorithms = [a for a in SYNTHESIZERS.names() if a != "auto"]
     rows = []
     print(f"gradsync demo: every built-in topology x every applicable algorithm, allreduce of {args.size}")
-    print(f"{'topology':24s} {'bound':>8s} " + " ".join(f"{a:>9s}" for a in algorithms) + "   best   algbw GB/s")
+    width = {a: max(9, len(a)) for a in algorithms}
+    print(f"{'topology':24s} {'bound':>8s} " + " ".join(f"{a:>{width[a]}s}" for a in algorithms) + "   best          algbw GB/s")
     for spec in DEMO_TOPOLOGIES:
         topo = get_topology(spec)
         bounds = limits(topo)
@@ -193,8 +194,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             cells[alg] = evaluate(schedule, topo, size, bounds=bounds)
         best = min(cells, key=lambda a: cells[a].time_s)
         print(f"{topo.name:24s} {bounds.lower_bound:8.4f} "
-              + " ".join(f"{cells[a].cost:9.4f}" if a in cells else f"{'-':>9s}" for a in algorithms)
-              + f"   {best:5s}  {cells[best].algbw_GBps:10.2f}", flush=True)
+              + " ".join(f"{cells[a].cost:{width[a]}.4f}" if a in cells else f"{'-':>{width[a]}s}" for a in algorithms)
+              + f"   {best:12s}  {cells[best].algbw_GBps:10.2f}", flush=True)
         rows.append({"topology": topo.name, "lower_bound": bounds.lower_bound,
                      "cost": {a: r.cost for a, r in cells.items()},
                      "time_s": {a: r.time_s for a, r in cells.items()}, "best": best})
