@@ -135,7 +135,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         progress=True if args.progress else None,
     )
     cost = schedule.link_loads(topo).cost(topo.costs)
-    planned_s = predicted_time(schedule, topo, total, args.latency)
+    planned_s = predicted_time(schedule, topo, total, args.latency, cost=cost)
     if args.timeline:
         plot_timeline(result, args.timeline, by=args.timeline_by)
     if args.json:

@@ -32,8 +32,12 @@ def latency_term(schedule: Schedule, topology: Topology, latency_s: float | None
     return sum(per_step.values())
 
 
-def predicted_time(schedule: Schedule, topology: Topology, size_bytes: float, latency_s: float | None = None) -> float:
-    cost = schedule.link_loads(topology).cost(topology.costs)
+def predicted_time(
+    schedule: Schedule, topology: Topology, size_bytes: float, latency_s: float | None = None, *, cost: float | None = None
+) -> float:
+    """Planner's time estimate (module docstring); pass ``cost`` when the link loads are already summed."""
+    if cost is None:
+        cost = schedule.link_loads(topology).cost(topology.costs)
     assert topology.unit_bandwidth_GBps is not None
     return cost * size_bytes / (topology.unit_bandwidth_GBps * 1e9) + latency_term(schedule, topology, latency_s)
 
@@ -106,7 +110,7 @@ def evaluate(
     loads = schedule.link_loads(topology)
     cost = loads.cost(costs)
     unit = float(topology.unit_bandwidth_GBps or 1.0)
-    time_s = predicted_time(schedule, topology, size_bytes, latency_s)
+    time_s = predicted_time(schedule, topology, size_bytes, latency_s, cost=cost)
     links = []
     classes: dict[str, dict[str, float]] = {}
     for i, lk in enumerate(topology.links):
