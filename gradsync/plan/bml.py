@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gradsync.errors import PlanError
-from gradsync.plan.schedule import Chunk, Schedule, Transfer
-from gradsync.plan.synthesizers import PlanOptions, synthesizer, unless_raises
+from gradsync.plan.schedule import Schedule, Transfer
+from gradsync.plan.synthesizers import PlanOptions, split_chunks, synthesizer, unless_raises
 from gradsync.topology.bcube import bcube_digits, bcube_switch_name
 from gradsync.topology.model import Topology
 
@@ -177,10 +177,7 @@ def plan_bml(topology: Topology, options: PlanOptions) -> Schedule:
     n, k, big_n = shape.n, shape.k, shape.servers
     sub = options.pipeline
     pieces = k * big_n
-    total = pieces * sub
-    chunks = [Chunk(i / total, 1.0 / total, (i // sub) % big_n) for i in range(total)]
-    last = chunks[-1]
-    chunks[-1] = Chunk(last.offset, 1.0 - last.offset, last.root)
+    chunks, _ = split_chunks([1.0 / pieces] * pieces, sub, [p % big_n for p in range(pieces)])
     routes: dict[tuple[int, int], tuple[str, str, str]] = {}
 
     def route(a: int, s: int, level: int) -> tuple[str, str, str]:

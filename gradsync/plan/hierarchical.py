@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from gradsync.errors import PlanError
 from gradsync.plan.bml import bcube_shape
-from gradsync.plan.schedule import Chunk, Schedule, Transfer
-from gradsync.plan.synthesizers import PlanOptions, synthesizer, unless_raises
+from gradsync.plan.schedule import Schedule, Transfer
+from gradsync.plan.synthesizers import PlanOptions, split_chunks, synthesizer, unless_raises
 from gradsync.topology.fattree import aggregation_switch_name, core_switch_name, edge_switch_name
 from gradsync.topology.model import Topology
 
@@ -189,10 +189,7 @@ def plan_hierarchical(topology: Topology, options: PlanOptions) -> Schedule:
     """Reduce within switch groups, then between groups, then broadcast back (seed 001 §3.3; Fat-Tree, BCube)."""
     hier = hierarchy_of(topology)
     n, sub = topology.world_size, options.pipeline
-    total = n * sub
-    chunks = [Chunk(i / total, 1.0 / total, i // sub) for i in range(total)]
-    last = chunks[-1]
-    chunks[-1] = Chunk(last.offset, 1.0 - last.offset, last.root)
+    chunks, _ = split_chunks([1.0 / n] * n, sub, range(n))
     transfers = hierarchical_transfers(hier, sub)
     meta = {"hierarchy": {"levels": list(hier.levels), "radices": list(hier.radices)}}
     return Schedule("hierarchical", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)

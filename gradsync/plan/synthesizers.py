@@ -22,7 +22,7 @@ from gradsync.plan.trees import root_tree
 from gradsync.registry import Registry
 from gradsync.topology.model import Topology
 
-__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "ring_transfers", "synthesize", "unless_raises"]
+__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "ring_transfers", "split_chunks", "synthesize", "unless_raises"]
 
 
 @dataclass(frozen=True)
@@ -97,31 +97,35 @@ def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None =
 
 
 # ---- helpers shared by synthesizers ------------------------------------------------------------------
-def _split(weights: Sequence[float], pipeline: int) -> tuple[list[Chunk], list[list[int]]]:
-    """Chunks for consecutive shares of the buffer, each split into ``pipeline`` equal sub-chunks."""
+def split_chunks(
+    weights: Sequence[float], pipeline: int, roots: Sequence[int | None] | None = None
+) -> tuple[list[Chunk], list[list[int]]]:
+    """Chunks for consecutive shares of the buffer, each split into ``pipeline`` equal sub-chunks.
+
+    Share ``i``'s sub-chunks get root ``roots[i]`` (the rank where its reduction completes). Returns the
+    chunks and, per share, its chunk ids. The last chunk absorbs float drift so chunks tile [0, 1) exactly.
+    """
     chunks: list[Chunk] = []
     ids: list[list[int]] = []
     offset = 0.0
-    for w in weights:
+    for i, w in enumerate(weights):
+        root = roots[i] if roots is not None else None
         mine = []
         for _ in range(pipeline):
             mine.append(len(chunks))
-            chunks.append(Chunk(offset, w / pipeline))
+            chunks.append(Chunk(offset, w / pipeline, root))
             offset += w / pipeline
         ids.append(mine)
-    # Absorb float drift so chunks tile [0, 1) exactly.
     if chunks:
         last = chunks[-1]
-        chunks[-1] = Chunk(last.offset, 1.0 - last.offset)
+        chunks[-1] = Chunk(last.offset, 1.0 - last.offset, last.root)
     return chunks, ids
 
 
 def _tree_schedule(algorithm: str, topology: Topology, trees: Sequence[Tree], pipeline: int, meta: dict) -> Schedule:
-    chunks, ids = _split([t.weight for t in trees], pipeline)
+    chunks, ids = split_chunks([t.weight for t in trees], pipeline, [t.root for t in trees])
     transfers: list[Transfer] = []
     for tree, chunk_ids in zip(trees, ids):
-        for c in chunk_ids:
-            chunks[c] = Chunk(chunks[c].offset, chunks[c].size, tree.root)
         transfers += tree_transfers(tree, chunk_ids, topology.ranks)
     return Schedule(algorithm, topology.name, topology.ranks, tuple(chunks), tuple(transfers), trees=tuple(trees), meta=meta)
 
@@ -230,7 +234,7 @@ def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
         else:
             directed += [(beta / 2, order), (beta / 2, [order[0], *reversed(order[1:])])]
     weights = [beta / n for beta, _ in directed for _ in range(n)]
-    chunks, ids = _split(weights, options.pipeline)
+    chunks, ids = split_chunks(weights, options.pipeline)
     transfers: list[Transfer] = []
     roots: dict[int, int] = {}
     route = router_for(topology)
@@ -251,12 +255,11 @@ def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
 def plan_ps(topology: Topology, options: PlanOptions) -> Schedule:
     """Co-located parameter server (BML's P2P PS): rank i aggregates 1/N of the buffer and sends it back."""
     n = topology.world_size
-    chunks, ids = _split([1.0 / n] * n, options.pipeline)
+    chunks, ids = split_chunks([1.0 / n] * n, options.pipeline, range(n))
     transfers: list[Transfer] = []
     route = router_for(topology)
     for owner in range(n):
         for c in ids[owner]:
-            chunks[c] = Chunk(chunks[c].offset, chunks[c].size, owner)
             for r in range(n):
                 if r == owner:
                     continue
