@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from gradsync.errors import PlanError
 from gradsync.plan.bml import bcube_shape
+from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import Schedule, Transfer
 from gradsync.plan.synthesizers import PlanOptions, split_chunks, synthesizer, unless_raises
-from gradsync.topology.fattree import aggregation_switch_name, core_switch_name, edge_switch_name
 from gradsync.topology.model import Topology
 
 __all__ = ["Hierarchy", "bcube_hierarchy", "fattree_hierarchy", "hierarchy_of", "hierarchical_transfers", "plan_hierarchical"]
@@ -144,17 +144,10 @@ def fattree_hierarchy(topology: Topology) -> Hierarchy:
             )
         digits.append(d)
     names = topology.ranks
+    via = router_for(topology)  # D-mod-k: level 1 climbs to aggregation switch `port`, level 2 to core `core{port}.{edge}`
 
     def route(a: int, s: int, level: int) -> tuple[str, ...]:
-        (x, e, p), (_, e2, p2) = digits[a], digits[s]
-        if level == 0:
-            return (names[a], edge_switch_name(p, e), names[s])
-        if level == 1:
-            return (names[a], edge_switch_name(p, e), aggregation_switch_name(p, x), edge_switch_name(p, e2), names[s])
-        return (
-            names[a], edge_switch_name(p, e), aggregation_switch_name(p, x), core_switch_name(x, e),
-            aggregation_switch_name(p2, x), edge_switch_name(p2, e), names[s],
-        )
+        return via(names[a], names[s])
 
     return Hierarchy((half, half, k), tuple(digits), route, ("edge", "aggregation", "pod"))
 
