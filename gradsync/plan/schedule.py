@@ -213,6 +213,14 @@ class Schedule:
                 np.add.at(reduce_directed, hops, w)
         return LinkLoads(directed, reduce_directed)
 
+    def require_topology(self, topology: Topology) -> None:
+        """Raise unless ``topology`` has exactly the ranks (in order) this schedule was planned for."""
+        if tuple(topology.ranks) != self.ranks:
+            raise ScheduleError(
+                f"schedule was planned for ranks {list(self.ranks)[:8]}... of {self.topology!r}, "
+                f"not for {topology.name!r}; plan it again for this topology"
+            )
+
     # ---- self-check ------------------------------------------------------------------------------
     def check(self, topology: Topology | None = None) -> None:
         """Replay the chunk movement; raise :class:`ScheduleError` naming the rank and chunk on failure.
@@ -230,11 +238,8 @@ class Schedule:
         n, c = len(self.ranks), len(self.chunks)
         if n == 0:
             raise ScheduleError("schedule has no ranks")
-        if topology is not None and tuple(topology.ranks) != self.ranks:
-            raise ScheduleError(
-                f"schedule was planned for ranks {list(self.ranks)[:8]}... of {self.topology!r}, "
-                f"not for {topology.name!r}; plan it again for this topology"
-            )
+        if topology is not None:
+            self.require_topology(topology)
         pos = 0.0
         for i, ch in enumerate(self.chunks):
             if not (ch.size >= 0 and math.isfinite(ch.size)) or abs(ch.offset - pos) > 1e-6:

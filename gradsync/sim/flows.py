@@ -194,11 +194,7 @@ def build_flows(
 
     ``latency_s`` (per hop) overrides every link's own latency; ``latency=False`` zeroes them.
     """
-    if tuple(topology.ranks) != tuple(schedule.ranks):
-        raise ScheduleError(
-            f"schedule was planned for ranks {list(schedule.ranks)[:8]} of {schedule.topology!r}, "
-            f"not for {topology.name!r}; plan it again for this topology"
-        )
+    schedule.require_topology(topology)
     if latency_s is not None and not (isinstance(latency_s, (int, float)) and math.isfinite(latency_s) and latency_s >= 0):
         raise SimulationError(f"latency_s={latency_s!r} must be a number of seconds >= 0 (per hop)")
     c = _columns(schedule)
