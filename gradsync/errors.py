@@ -6,7 +6,7 @@ already catch ``ValueError`` keep working; the CLI turns them into a one-line me
 
 from __future__ import annotations
 
-__all__ = ["GradsyncError", "TopologyError", "ScheduleError", "PlanError", "SimulationError"]
+__all__ = ["GradsyncError", "TopologyError", "ScheduleError", "PlanError", "SimulationError", "CommError", "PeerError"]
 
 
 class GradsyncError(ValueError):
@@ -27,3 +27,18 @@ class PlanError(GradsyncError):
 
 class SimulationError(GradsyncError):
     """A simulation cannot run: bad sizes or options, or a schedule the simulator cannot order."""
+
+
+class CommError(RuntimeError):
+    """A collective failed while running (not bad input): a transport error, a timeout, a lost peer."""
+
+
+class PeerError(CommError):
+    """A specific peer failed: it closed its connection (crashed) or sent nothing within the timeout.
+
+    ``peer`` is the process rank of that peer, so a survivor can report exactly who is gone.
+    """
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer

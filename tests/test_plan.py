@@ -187,7 +187,7 @@ def test_single_rank_is_trivial():
 def test_bad_options():
     with pytest.raises(PlanError, match="pipeline"):
         PlanOptions(pipeline=0)
-    with pytest.raises(PlanError, match="unknown algorithm 'nope'; known: ring, ps"):
+    with pytest.raises(PlanError, match="unknown algorithm 'nope'; known: ring, multiring, ps"):
         synthesize("nope", get_topology("ring:3"))
 
 

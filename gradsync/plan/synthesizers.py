@@ -30,18 +30,22 @@ class PlanOptions:
     """Options every synthesizer accepts.
 
     ``pipeline``: sub-chunks per tree or ring chunk, so a tree streams (seed 000 §2) and the runtime can
-    overlap hops. ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time).
+    overlap hops. ``rings``: how many rings ``multiring`` splits the buffer over (seed 002 Fig. 9).
+    ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time).
     """
 
     pipeline: int = 1
     size_bytes: float = 1e8
     latency_s: float | None = None
+    rings: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.pipeline, int) or self.pipeline < 1:
             raise PlanError(f"pipeline={self.pipeline!r} must be an integer >= 1 (sub-chunks per tree)")
         if not self.size_bytes > 0:
             raise PlanError(f"size_bytes={self.size_bytes!r} must be positive")
+        if not isinstance(self.rings, int) or self.rings < 1:
+            raise PlanError(f"rings={self.rings!r} must be an integer >= 1 (rings multiring splits the buffer over)")
         if self.latency_s is not None and not self.latency_s >= 0:
             raise PlanError(f"latency_s={self.latency_s!r} must be >= 0 seconds")
 
@@ -249,6 +253,40 @@ def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
     chunks = [Chunk(ch.offset, ch.size, roots.get(i)) for i, ch in enumerate(chunks)]
     meta = {"rings": [{"weight": b, "order": [topology.ranks[v] for v in o]} for b, o in directed]}
     return Schedule("ring", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)
+
+
+@synthesizer("multiring")
+def plan_multiring(topology: Topology, options: PlanOptions) -> Schedule:
+    """MXNET-MPI's multi-ring allreduce: the buffer split over ``rings`` rings whose reductions overlap.
+
+    Seed 002 §6.3.2, Fig. 9: within one ring the next send waits for the previous reduction, so the
+    buffer is split equally over several rings on the best ring order and the rings take turns: while
+    ring r's arrival is being added, ring r+1's transfer is on the wire. Here ring r owns chunks
+    ``r*n .. r*n+n-1`` and is rotated by r positions (its reductions complete on different ranks); the
+    executor waits in (step, chunk) order, which interleaves the rings exactly as Fig. 9 does.
+    """
+    n = topology.world_size
+    base = plan_ring(topology, PlanOptions(pipeline=1))
+    if n == 1:
+        return Schedule("multiring", topology.name, topology.ranks, base.chunks, ())
+    heaviest = max(base.meta["rings"], key=lambda r: r["weight"])
+    order = [topology.rank_index[d] for d in heaviest["order"]]
+    route = router_for(topology)
+    names = [topology.ranks[v] for v in order]
+    routes = [route(names[i], names[(i + 1) % n]) for i in range(n)]
+    rings = options.rings
+    chunks, ids = split_chunks([1.0 / (rings * n)] * (rings * n), options.pipeline)
+    transfers: list[Transfer] = []
+    roots: dict[int, int] = {}
+    for r in range(rings):
+        for sub in range(options.pipeline):
+            chunk_ids = [ids[r * n + (p + r) % n][sub] for p in range(n)]
+            ts, rs = ring_transfers(order, chunk_ids, routes)
+            transfers += ts
+            roots.update(rs)
+    chunks = [Chunk(ch.offset, ch.size, roots.get(i)) for i, ch in enumerate(chunks)]
+    meta = {"rings": [{"weight": 1.0 / rings, "order": names} for _ in range(rings)], "num_rings": rings}
+    return Schedule("multiring", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)
 
 
 @synthesizer("ps")

@@ -1,0 +1,51 @@
+"""The runtime: run any planned schedule on real processes (seeds 000, 001, 002).
+
+Follow a tensor from planner to wire: :func:`init` plans a :class:`~gradsync.plan.schedule.Schedule` for
+the job's topology; :class:`Executor` compiles this rank's phases of it; a :class:`Transport`
+(``torch.distributed`` gloo/NCCL, MPI, or in-process) moves each chunk; the DDP hook and
+:class:`DistributedOptimizer` feed gradients in as backward produces them.
+"""
+
+from gradsync.comm.executor import OPS, ExecStats, Executor, RankProgram, compile_program, process_mapping
+from gradsync.comm.hooks import GradsyncHookState, allreduce_hook
+from gradsync.comm.local import LocalFabric, LocalTransport, run_ranks
+from gradsync.comm.optimizer import DistributedOptimizer
+from gradsync.comm.runtime import (
+    Runtime,
+    Work,
+    allreduce,
+    allreduce_async,
+    get_runtime,
+    init,
+    is_initialized,
+    shutdown,
+)
+from gradsync.comm.transport import TRANSPORTS, Handle, TorchTransport, Transport, create_transport
+
+__all__ = [
+    "OPS",
+    "TRANSPORTS",
+    "DistributedOptimizer",
+    "ExecStats",
+    "Executor",
+    "GradsyncHookState",
+    "Handle",
+    "LocalFabric",
+    "LocalTransport",
+    "RankProgram",
+    "Runtime",
+    "TorchTransport",
+    "Transport",
+    "Work",
+    "allreduce",
+    "allreduce_async",
+    "allreduce_hook",
+    "compile_program",
+    "create_transport",
+    "get_runtime",
+    "init",
+    "is_initialized",
+    "process_mapping",
+    "run_ranks",
+    "shutdown",
+]

@@ -1,0 +1,354 @@
+"""Execute any planned :class:`~gradsync.plan.schedule.Schedule` on a point-to-point transport.
+
+The schedule is the program. For its own rank the executor compiles, per chunk, a list of *phases* (the
+steps at which this rank sends or receives that chunk) and then runs them as a dataflow:
+
+* a phase starts as soon as the previous phase of the same chunk has finished, so chunks never wait for
+  each other and a tree or ring streams (seed 000 §2, seed 002 Fig. 9): while one chunk's reduction is
+  being added, other chunks' messages are on the wire;
+* sends go straight from the caller's tensor (no copy) when the chunk is one contiguous piece; a chunk that
+  spans several tensors (a "tensor collective", seed 002 §6; per-layer pieces, seed 001 §4.1) is packed
+  into one message of the chunk's size;
+* a reducing receive lands in a chunk-sized scratch buffer and is added in place; a copying receive lands
+  directly in the caller's tensor. No full-size copy of the buffer is ever made.
+
+Waiting: gloo's p2p work objects cannot be polled, and a timed-out wait closes the connection, so the
+executor blocks on one message at a time: the in-flight message with the smallest key
+``(step, priority, chunk, transfer index)``. Every dependency of a transfer has a smaller key (same
+chunk, earlier step), so the globally smallest unfinished transfer always has both ends posted and
+waited on; by induction the run cannot deadlock, whatever the schedule. Each wait has a timeout, and a
+failed or silent peer surfaces as :class:`~gradsync.errors.PeerError` naming that rank.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gradsync.comm.transport import Handle, Transport
+from gradsync.errors import GradsyncError, PeerError
+from gradsync.plan.schedule import Schedule
+
+__all__ = ["Action", "Phase", "RankProgram", "ExecStats", "Executor", "compile_program", "process_mapping", "OPS"]
+
+#: Reduction ops the executor applies after the sum: ``avg`` divides by the world size in place.
+OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One side of one transfer, seen from this rank."""
+
+    index: int  # transfer index in the schedule
+    chunk: int
+    step: int
+    priority: int
+    peer: int  # process rank of the other side
+    tag: int  # sequence number of this transfer among the transfers of its ordered (src, dst) pair
+    send: bool
+    reduce: bool
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.step, self.priority, self.chunk, self.index)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Everything this rank does to one chunk at one step: all sends read the pre-step value."""
+
+    step: int
+    sends: tuple[Action, ...]
+    recvs: tuple[Action, ...]
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """One rank's part of a schedule: per chunk, its phases in step order."""
+
+    rank: int  # schedule rank
+    process: int  # process rank
+    phases: tuple[tuple[Phase, ...], ...]
+
+    @property
+    def num_messages(self) -> int:
+        return sum(len(p.sends) + len(p.recvs) for ps in self.phases for p in ps)
+
+
+@dataclass
+class ExecStats:
+    """What the last run moved and how long it took (for demos and benchmarks)."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0
+    runs: int = 0
+    history: list[float] = field(default_factory=list)
+
+
+def process_mapping(schedule: Schedule, mapping: Sequence[int] | Mapping[str, int] | None, world_size: int) -> list[int]:
+    """Process rank of every schedule rank.
+
+    ``mapping`` is ``None`` (schedule rank i runs on process i), a list ``proc_of[schedule_rank]``, or a dict
+    from device name (as in the topology) to process rank.
+    """
+    n = schedule.world_size
+    if n != world_size:
+        raise GradsyncError(
+            f"the schedule has {n} ranks ({schedule.topology!r}) but the process group has world_size={world_size}; "
+            f"plan for a topology with {world_size} ranks, e.g. 'switch:{world_size}'"
+        )
+    if mapping is None:
+        proc = list(range(n))
+    elif isinstance(mapping, Mapping):
+        unknown = sorted(set(mapping) - set(schedule.ranks))
+        if unknown:
+            raise GradsyncError(f"mapping names devices {unknown} that are not ranks of {schedule.topology!r}: {list(schedule.ranks)}")
+        missing = [d for d in schedule.ranks if d not in mapping]
+        if missing:
+            raise GradsyncError(f"mapping gives no process for devices {missing}; map every rank device to a process rank")
+        proc = [int(mapping[d]) for d in schedule.ranks]
+    else:
+        proc = [int(p) for p in mapping]
+    if sorted(proc) != list(range(n)):
+        raise GradsyncError(f"mapping {proc} must assign each of the process ranks 0..{n - 1} exactly once")
+    return proc
+
+
+def _pair_tags(schedule: Schedule) -> np.ndarray:
+    """Per transfer: its position among the transfers of the same ordered (src, dst) pair, in key order."""
+    a = schedule.arrays
+    m = len(schedule.transfers)
+    if m == 0:
+        return np.zeros(0, np.int64)
+    prio = np.fromiter((t.priority for t in schedule.transfers), np.int64, m)
+    idx = np.arange(m)
+    order = np.lexsort((idx, a["chunk"], prio, a["step"], a["dst"], a["src"]))
+    pair = a["src"][order] * schedule.world_size + a["dst"][order]
+    starts = np.r_[0, np.flatnonzero(np.diff(pair)) + 1]
+    group_start = np.repeat(starts, np.diff(np.r_[starts, m]))
+    tags = np.empty(m, np.int64)
+    tags[order] = np.arange(m) - group_start
+    return tags
+
+
+def compile_program(schedule: Schedule, rank: int, proc_of: Sequence[int] | None = None) -> RankProgram:
+    """Compile schedule rank ``rank``'s phases; ``proc_of`` maps schedule ranks to process ranks."""
+    n = schedule.world_size
+    if not 0 <= rank < n:
+        raise GradsyncError(f"rank {rank} is outside the schedule's ranks 0..{n - 1}")
+    proc = list(range(n)) if proc_of is None else list(proc_of)
+    tags = _pair_tags(schedule)
+    a = schedule.arrays
+    mine = np.flatnonzero((a["src"] == rank) | (a["dst"] == rank))
+    per_chunk: list[dict[int, tuple[list[Action], list[Action]]]] = [{} for _ in schedule.chunks]
+    for i in mine.tolist():
+        t = schedule.transfers[i]
+        send = t.src == rank
+        act = Action(i, t.chunk, t.step, t.priority, proc[t.dst if send else t.src], int(tags[i]), send, t.reduce)
+        sends, recvs = per_chunk[t.chunk].setdefault(t.step, ([], []))
+        (sends if send else recvs).append(act)
+    phases = tuple(
+        tuple(
+            Phase(step, tuple(sorted(s, key=lambda x: x.key)), tuple(sorted(r, key=lambda x: x.key)))
+            for step, (s, r) in sorted(steps.items())
+        )
+        for steps in per_chunk
+    )
+    return RankProgram(rank, proc[rank], phases)
+
+
+class _Ordered:
+    """Posts each (peer, direction)'s messages in tag order, for backends that match by posting order."""
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[int, bool], int] = {}
+        self._held: dict[tuple[int, bool], dict[int, Callable[[], None]]] = {}
+
+    def post(self, action: Action, thunk: Callable[[], None]) -> None:
+        lane = (action.peer, action.send)
+        held = self._held.setdefault(lane, {})
+        held[action.tag] = thunk
+        nxt = self._next.get(lane, 0)
+        while nxt in held:
+            held.pop(nxt)()
+            nxt += 1
+        self._next[lane] = nxt
+
+
+class Executor:
+    """Runs one schedule, again and again, on one transport. Not thread-safe: one run at a time.
+
+    ``mapping`` places schedule ranks (topology devices) on process ranks; see :func:`process_mapping`.
+    ``timeout_s`` bounds every wait: a peer that crashed or stalls raises :class:`PeerError` instead of a hang.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        transport: Transport,
+        *,
+        mapping: Sequence[int] | Mapping[str, int] | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if not timeout_s > 0:
+            raise GradsyncError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        self.schedule = schedule
+        self.transport = transport
+        self.timeout_s = float(timeout_s)
+        self.proc_of = process_mapping(schedule, mapping, transport.world_size)
+        self.rank = self.proc_of.index(transport.rank)  # this process's schedule rank
+        self.program = compile_program(schedule, self.rank, self.proc_of)
+        self._device_of_proc = {p: schedule.ranks[r] for r, p in enumerate(self.proc_of)}
+        self.stats = ExecStats()
+        self._pieces: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
+
+    # ---- public -------------------------------------------------------------------------------------
+    def run(self, tensors: torch.Tensor | Sequence[torch.Tensor], op: str = "sum") -> torch.Tensor | list[torch.Tensor]:
+        """All-reduce ``tensors`` (one tensor or a list: one tensor collective) in place and return them.
+
+        Every rank must call ``run`` with tensors of the same numels and dtype, in the same order.
+        """
+        single = isinstance(tensors, torch.Tensor)
+        tlist = [tensors] if single else list(tensors)
+        flats = _flat_views(tlist)
+        if op not in OPS:
+            raise GradsyncError(f"op={op!r} is not one of {OPS}")
+        if op == "avg" and flats and not (flats[0].is_floating_point() or flats[0].is_complex()):
+            raise TypeError(f"op='avg' needs a floating-point tensor, got {flats[0].dtype}; use op='sum' or convert first")
+        t0 = time.perf_counter()
+        self._execute(flats)
+        if op == "avg" and self.schedule.collective == "allreduce":
+            for f in flats:
+                f.div_(self.schedule.world_size)
+        dt = time.perf_counter() - t0
+        self.stats.seconds += dt
+        self.stats.runs += 1
+        self.stats.history.append(dt)
+        return tensors if single else tlist
+
+    # ---- the dataflow ---------------------------------------------------------------------------------
+    def _execute(self, flats: list[torch.Tensor]) -> None:
+        schedule, transport, program = self.schedule, self.transport, self.program
+        numels = tuple(int(f.numel()) for f in flats)
+        pieces = self._pieces.get(numels)
+        if pieces is None:
+            if len(self._pieces) > 256:  # DDP buckets and layer lists repeat; bound the cache anyway
+                self._pieces.clear()
+            pieces = self._pieces[numels] = schedule.pieces(numels)
+        views = [[flats[i][s:e] for i, s, e in pieces[c]] for c in range(len(schedule.chunks))]
+        sizes = [sum(e - s for _, s, e in pieces[c]) for c in range(len(schedule.chunks))]
+        like = flats[0] if flats else None
+        ordered = _Ordered() if transport.ordered else None
+        heap: list[tuple[tuple[int, int, int, int], bool, Action, Handle, torch.Tensor | None]] = []
+        position = [0] * len(program.phases)
+        pending = [0] * len(program.phases)
+        stats = self.stats
+
+        def post(act: Action, chunk_views: list[torch.Tensor], size: int) -> None:
+            assert like is not None
+            if act.send:
+                buf = chunk_views[0] if len(chunk_views) == 1 else torch.cat(chunk_views)
+                handle = transport.isend(buf, act.peer, act.tag)
+                stats.bytes_sent += size * like.element_size()
+            else:
+                direct = not act.reduce and len(chunk_views) == 1
+                buf = chunk_views[0] if direct else torch.empty(size, dtype=like.dtype, device=like.device)
+                handle = transport.irecv(buf, act.peer, act.tag)
+                stats.bytes_received += size * like.element_size()
+                if direct:
+                    buf = None  # landed in place: nothing to apply
+            stats.messages += 1
+            heapq.heappush(heap, (act.key, act.send, act, handle, buf))
+
+        def start(chunk: int) -> None:
+            """Start phases of ``chunk`` until one has messages in flight."""
+            phases = program.phases[chunk]
+            size = sizes[chunk]
+            while position[chunk] < len(phases):
+                phase = phases[position[chunk]]
+                acts = phase.sends + phase.recvs
+                if size == 0:  # nothing to move; keep ordered lanes' tag sequence intact
+                    if ordered is not None:
+                        for act in acts:
+                            ordered.post(act, lambda: None)
+                    position[chunk] += 1
+                    continue
+                pending[chunk] = len(acts)
+                for act in acts:
+                    if ordered is None:
+                        post(act, views[chunk], size)
+                    else:
+                        ordered.post(act, lambda act=act: post(act, views[chunk], size))
+                return
+
+        for c in range(len(program.phases)):
+            start(c)
+        while heap:
+            _, _, act, handle, buf = heapq.heappop(heap)
+            try:
+                handle.wait(self.timeout_s)
+            except PeerError as exc:
+                raise self._context(act, exc) from exc
+            if not act.send and buf is not None:
+                _apply(views[act.chunk], buf, act.reduce)
+            pending[act.chunk] -= 1
+            if pending[act.chunk] == 0:
+                position[act.chunk] += 1
+                start(act.chunk)
+
+    def _context(self, act: Action, exc: PeerError) -> PeerError:
+        """Name this rank, the transfer, and the rank that failed first according to the failure board."""
+        me = self.transport.rank
+        verb, prep = ("sending", "to") if act.send else ("receiving", "from")
+        board = getattr(self.transport, "failures", None)
+        reports = board.read() if board is not None else {}
+        # A rank that already lost a peer is itself not the culprit; blame the first peer no survivor reported.
+        culprits = sorted({peer for reporter, (peer, _) in reports.items() if peer not in reports and peer != me})
+        failed = culprits[0] if culprits else exc.peer
+        if board is not None:
+            board.post(me, failed, str(exc))
+        blame = "" if failed == exc.peer else f"; rank {failed} ({self._device_of_proc[failed]}) failed first, as other ranks reported"
+        return PeerError(
+            f"rank {me} ({self._device_of_proc[me]}), {self.schedule.algorithm} allreduce: {verb} chunk {act.chunk} "
+            f"(step {act.step}) {prep} rank {act.peer} ({self._device_of_proc[act.peer]}) failed: {exc}{blame}",
+            failed,
+        )
+
+
+def _apply(chunk_views: list[torch.Tensor], buf: torch.Tensor, reduce: bool) -> None:
+    """Add (reduce) or copy an arrived message into the chunk's pieces."""
+    offset = 0
+    for v in chunk_views:
+        n = v.numel()
+        part = buf[offset : offset + n]
+        if reduce:
+            v.add_(part)
+        else:
+            v.copy_(part)
+        offset += n
+
+
+def _flat_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D views of the caller's tensors, validated: same dtype and device, contiguous."""
+    flats = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {i} is a {type(t).__name__}; pass torch.Tensor objects")
+        if not t.is_contiguous():
+            raise TypeError(f"tensor {i} (shape {tuple(t.shape)}) is not contiguous; pass t.contiguous() and copy back")
+        if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
+            raise TypeError(
+                f"tensor {i} is {t.dtype} on {t.device} but tensor 0 is {tensors[0].dtype} on {tensors[0].device}; "
+                f"a tensor collective moves one dtype on one device: group tensors by dtype first"
+            )
+        flats.append(t.view(-1))
+    return flats
+
+

@@ -1,0 +1,135 @@
+"""An in-process transport: N ranks as threads exchanging tensors through mailboxes.
+
+It follows the same matching rule as the real engines (a message is matched by source, destination and
+tag, first in first out) and copies on send the way a network would, so the executor's correctness can
+be checked for every synthesizer and many world sizes in one process, in milliseconds. It also lets a
+test kill a rank (``fail(rank)``) and watch the survivors' errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from gradsync.comm.transport import FailureBoard
+from gradsync.errors import PeerError
+
+__all__ = ["LocalFabric", "LocalTransport", "run_ranks"]
+
+T = TypeVar("T")
+
+
+class LocalFabric:
+    """Mailboxes shared by the ranks of one in-process group."""
+
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.world_size = world_size
+        self._boxes: dict[tuple[int, int, int], deque[torch.Tensor]] = {}
+        self._cv = threading.Condition()
+        self._failed: set[int] = set()
+        self.reports: dict[int, tuple[int, str]] = {}
+
+    def transport(self, rank: int) -> LocalTransport:
+        return LocalTransport(self, rank)
+
+    def fail(self, rank: int) -> None:
+        """Mark ``rank`` dead: its peers' pending receives from it raise :class:`PeerError`."""
+        with self._cv:
+            self._failed.add(rank)
+            self._cv.notify_all()
+
+    def _put(self, src: int, dst: int, tag: int, payload: torch.Tensor) -> None:
+        with self._cv:
+            self._boxes.setdefault((src, dst, tag), deque()).append(payload)
+            self._cv.notify_all()
+
+    def _take(self, src: int, dst: int, tag: int, timeout_s: float) -> torch.Tensor:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                box = self._boxes.get((src, dst, tag))
+                if box:
+                    return box.popleft()
+                if src in self._failed:
+                    raise PeerError(f"rank {src} closed its connection (marked failed)", src)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerError(f"rank {src} sent nothing for {timeout_s:g} s", src)
+                self._cv.wait(left)
+
+
+class _Done:
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class _Recv:
+    __slots__ = ("_fabric", "_key", "_out")
+
+    def __init__(self, fabric: LocalFabric, key: tuple[int, int, int], out: torch.Tensor) -> None:
+        self._fabric, self._key, self._out = fabric, key, out
+
+    def wait(self, timeout_s: float) -> None:
+        payload = self._fabric._take(*self._key, timeout_s)
+        if payload.numel() != self._out.numel():
+            raise RuntimeError(f"message {self._key} has {payload.numel()} elements, the receive expects {self._out.numel()}")
+        self._out.copy_(payload)
+
+
+class _LocalBoard(FailureBoard):
+    def __init__(self, fabric: LocalFabric) -> None:
+        self._fabric = fabric
+
+    def post(self, reporter: int, peer: int, message: str) -> None:
+        self._fabric.reports[reporter] = (peer, message)
+
+    def read(self) -> dict[int, tuple[int, str]]:
+        return dict(self._fabric.reports)
+
+
+class LocalTransport:
+    """One rank's view of a :class:`LocalFabric`."""
+
+    ordered = False
+
+    def __init__(self, fabric: LocalFabric, rank: int) -> None:
+        self.fabric = fabric
+        self.rank = rank
+        self.world_size = fabric.world_size
+        self.name = "local"
+        self.failures = _LocalBoard(fabric)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _Done:
+        self.fabric._put(self.rank, peer, tag, tensor.detach().clone())
+        return _Done()
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> _Recv:
+        return _Recv(self.fabric, (peer, self.rank, tag), tensor)
+
+
+def run_ranks(world_size: int, fn: Callable[[LocalTransport], T], timeout_s: float = 60.0) -> list[T | BaseException]:
+    """Run ``fn(transport)`` for every rank in its own thread; return each rank's result or exception."""
+    fabric = LocalFabric(world_size)
+    results: list[T | BaseException] = [RuntimeError("rank did not finish")] * world_size
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(fabric.transport(rank))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            results[rank] = exc
+            fabric.fail(rank)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return results
+

@@ -1,0 +1,230 @@
+"""The runtime a training job talks to: ``gradsync.init()``, ``gradsync.allreduce()``, and async work.
+
+A :class:`Runtime` owns a transport, the topology the job runs on, one planned schedule (and executor)
+per algorithm, and one communication thread. Every collective, synchronous or not, is queued to that
+thread in call order: all ranks issue collectives in the same order, so the queue keeps them matched,
+and backward can go on while gradients travel (wait-free backprop, Horovod's design).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradsync.comm.executor import OPS, Executor
+from gradsync.comm.transport import Transport, create_transport
+from gradsync.errors import CommError, GradsyncError
+from gradsync.plan.schedule import Schedule
+from gradsync.plan.synthesizers import PlanOptions, synthesize
+from gradsync.topology.io import get_topology
+from gradsync.topology.model import Topology
+
+__all__ = ["Runtime", "Work", "init", "allreduce", "allreduce_async", "get_runtime", "is_initialized", "shutdown"]
+
+Tensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+@dataclass
+class Work:
+    """A queued collective. ``wait()`` returns its tensors or raises the error the collective hit."""
+
+    future: torch.futures.Future
+    name: str = ""
+
+    def wait(self) -> Any:
+        return self.future.wait()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+_STOP = object()
+
+
+class Runtime:
+    """Transport + topology + planned schedules + one communication thread. Build with :func:`init`."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        topology: Topology | str | None = None,
+        algorithm: str = "auto",
+        *,
+        options: PlanOptions | None = None,
+        mapping: Sequence[int] | Mapping[str, int] | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.transport = transport
+        if topology is None:
+            topology = os.environ.get("GRADSYNC_TOPOLOGY") or f"switch:{transport.world_size}"
+        self.topology = topology if isinstance(topology, Topology) else get_topology(str(topology))
+        if self.topology.world_size != transport.world_size:
+            raise GradsyncError(
+                f"topology {self.topology.name!r} has {self.topology.world_size} ranks but the job has "
+                f"world_size={transport.world_size}; pass a topology with {transport.world_size} ranks "
+                f"(e.g. 'switch:{transport.world_size}') or select ranks like 'p3.16xlarge[0,1,2,3]'"
+            )
+        self.algorithm = algorithm
+        self.options = options or PlanOptions()
+        self.mapping = mapping
+        self.timeout_s = timeout_s
+        self._executors: dict[str, Executor] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._failed: BaseException | None = None
+        self.comm_seconds = 0.0  # time the communication thread spent running collectives
+        self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
+        self._thread.start()
+        self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
+
+    # ---- planning ---------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    def executor(self, algorithm: str | None = None) -> Executor:
+        """The executor for ``algorithm`` (default: the runtime's), planned once and cached."""
+        name = algorithm or self.algorithm
+        ex = self._executors.get(name)
+        if ex is None:
+            schedule = synthesize(name, self.topology, self.options)
+            ex = self._executors[name] = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s)
+        return ex
+
+    def schedule(self, algorithm: str | None = None) -> Schedule:
+        return self.executor(algorithm).schedule
+
+    # ---- collectives ---------------------------------------------------------------------------------------
+    def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
+        """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once."""
+        if op not in OPS:
+            raise GradsyncError(f"op={op!r} is not one of {OPS}")
+        ex = self.executor(algorithm)
+        fut: torch.futures.Future = torch.futures.Future()
+        if self._failed is not None:
+            fut.set_exception(CommError(f"the gradsync runtime failed earlier and cannot run more collectives: {self._failed}"))
+        else:
+            self._queue.put((ex, tensors, op, fut))
+        return Work(fut, ex.schedule.algorithm)
+
+    def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
+        """All-reduce in place and return ``tensors``; raises :class:`~gradsync.errors.PeerError` on a lost peer."""
+        return self.allreduce_async(tensors, op, algorithm).wait()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            ex, tensors, op, fut = item
+            if self._failed is not None:
+                fut.set_exception(CommError(f"the gradsync runtime failed earlier: {self._failed}"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = ex.run(tensors, op)
+            except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
+                self._failed = exc
+                fut.set_exception(exc)
+                continue
+            finally:
+                self.comm_seconds += time.perf_counter() - t0
+            fut.set_result(result)
+
+    def shutdown(self) -> None:
+        """Stop the communication thread once queued work is done. Does not destroy the process group."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(self.timeout_s)
+
+
+_RUNTIME: Runtime | None = None
+
+
+def _init_process_group(backend: str | None, timeout_s: float) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise GradsyncError(
+            f"environment variables {missing} are not set; launch with torchrun (or `gradsync launch`), "
+            f"or call torch.distributed.init_process_group() yourself and pass group=..."
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init(
+    topology: Topology | str | None = None,
+    algorithm: str = "auto",
+    *,
+    transport: str = "torch",
+    backend: str | None = None,
+    group: Any = None,
+    mapping: Sequence[int] | Mapping[str, int] | None = None,
+    options: PlanOptions | None = None,
+    timeout_s: float = 60.0,
+) -> Runtime:
+    """Start gradsync in this process and return the runtime (also kept as the default).
+
+    ``transport="torch"`` initialises ``torch.distributed`` from the torchrun variables (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) unless it already is, and uses ``group`` (default: the world).
+    ``transport="mpi"`` uses ``mpi4py``'s COMM_WORLD. ``topology`` defaults to ``$GRADSYNC_TOPOLOGY`` or
+    ``switch:<world_size>``; ``mapping`` places topology ranks on process ranks (default: in order).
+    """
+    global _RUNTIME
+    if not timeout_s > 0:
+        raise GradsyncError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    if transport in ("torch", "gloo", "nccl"):
+        _init_process_group(backend or (transport if transport != "torch" else None), timeout_s)
+        tr = create_transport("torch", group=group, timeout_s=timeout_s)
+    else:
+        tr = create_transport(transport, timeout_s=timeout_s)
+    if _RUNTIME is not None:
+        _RUNTIME.shutdown()
+    _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s)
+    return _RUNTIME
+
+
+def is_initialized() -> bool:
+    return _RUNTIME is not None
+
+
+def get_runtime() -> Runtime:
+    if _RUNTIME is None:
+        raise GradsyncError("gradsync is not initialised in this process; call gradsync.init() first")
+    return _RUNTIME
+
+
+def allreduce(tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
+    """All-reduce ``tensors`` in place with the default runtime's planned schedule (see :func:`init`)."""
+    return get_runtime().allreduce(tensors, op, algorithm)
+
+
+def allreduce_async(tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
+    return get_runtime().allreduce_async(tensors, op, algorithm)
+
+
+def shutdown() -> None:
+    """Stop the default runtime's communication thread (the process group stays up)."""
+    global _RUNTIME
+    if _RUNTIME is not None:
+        _RUNTIME.shutdown()
+        _RUNTIME = None

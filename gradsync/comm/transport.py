@@ -1,0 +1,193 @@
+"""Point-to-point transports the executor runs schedules on.
+
+A transport does one thing: start a send or a receive of a contiguous tensor to or from a peer process,
+and return a handle to wait on. The executor never asks a transport to reduce or to collect, so one
+executor drives every engine (``torch.distributed`` with gloo or NCCL, MPI through ``mpi4py``, and an
+in-process fabric for tests) and runs every schedule the planner writes.
+
+Tags: a message is matched by ``(peer, tag)``. The executor numbers the transfers of each ordered pair
+of ranks, so tags stay small (MPI guarantees only 32767) and never collide inside one collective.
+Backends that ignore tags and match by posting order (NCCL) set ``ordered = True``; the executor then
+posts each pair's messages in tag order.
+
+Failures: ``wait`` raises :class:`~gradsync.errors.PeerError` naming the peer when it closed its
+connection or sent nothing within the timeout, so survivors report who is gone instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from gradsync.errors import CommError, GradsyncError, PeerError
+from gradsync.registry import Registry
+
+__all__ = ["FailureBoard", "Handle", "Transport", "TorchTransport", "TRANSPORTS", "TransportEntry", "create_transport"]
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """A started send or receive."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; raise :class:`PeerError` if the peer is gone or silent for ``timeout_s``."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Non-blocking point-to-point messages between the processes of one group (ranks 0..world_size-1)."""
+
+    name: str
+    rank: int
+    world_size: int
+    #: True when the backend matches messages by posting order instead of by tag (NCCL).
+    ordered: bool
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+
+
+class FailureBoard:
+    """Where ranks post which peer they lost, so every survivor can name the rank that actually failed.
+
+    Gloo waits cannot be interrupted, so a survivor stuck behind another survivor only sees a timeout or
+    a closed connection from that survivor; reading the board turns it into "rank 2 crashed". Transports
+    without a shared store use this no-op version.
+    """
+
+    def post(self, reporter: int, peer: int, message: str) -> None:
+        return None
+
+    def read(self) -> dict[int, tuple[int, str]]:
+        """reporter -> (failed peer, message)."""
+        return {}
+
+
+class _StoreBoard(FailureBoard):
+    """A board on torch.distributed's key-value store (the rendezvous store every rank already has)."""
+
+    def __init__(self, store: Any, world_size: int, prefix: str) -> None:
+        self._store, self._n, self._prefix = store, world_size, prefix
+
+    def post(self, reporter: int, peer: int, message: str) -> None:
+        try:
+            self._store.set(f"{self._prefix}/{reporter}", f"{peer}|{message}")
+        except Exception:  # noqa: BLE001 - the store may have died with rank 0; the local error still stands
+            pass
+
+    def read(self) -> dict[int, tuple[int, str]]:
+        out: dict[int, tuple[int, str]] = {}
+        try:
+            for r in range(self._n):
+                key = f"{self._prefix}/{r}"
+                if self._store.check([key]):
+                    peer, _, msg = self._store.get(key).decode().partition("|")
+                    out[r] = (int(peer), msg)
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+
+def _classify(exc: BaseException, peer: int, what: str, timeout_s: float) -> PeerError:
+    """Turn a backend's exception text into an error that names the peer and says what likely happened."""
+    text = str(exc)
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        why = f"rank {peer} sent nothing for {timeout_s:g} s (stalled, or waiting on a failed rank)"
+    elif "closed" in low or "reset" in low or "broken pipe" in low or "crash" in low:
+        why = f"rank {peer} closed its connection (the process exited or crashed)"
+    else:
+        why = f"the {what} with rank {peer} failed"
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return PeerError(f"{why}: {first_line}", peer)
+
+
+class _TorchHandle:
+    __slots__ = ("_work", "_peer", "_what")
+
+    def __init__(self, work: Any, peer: int, what: str) -> None:
+        self._work, self._peer, self._what = work, peer, what
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise _classify(exc, self._peer, self._what, timeout_s) from exc
+
+
+class TorchTransport:
+    """``torch.distributed`` p2p on one process group (gloo on CPU, NCCL on GPU).
+
+    Owns a dedicated group by default so gradsync's tags never meet the user's own p2p traffic.
+    """
+
+    def __init__(self, group: Any = None, *, dedicated: bool = True, timeout_s: float = 60.0) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise GradsyncError(
+                "torch.distributed is not initialised; call gradsync.init() (it reads RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT as torchrun sets them) or dist.init_process_group() first"
+            )
+        base = group if group is not None else dist.group.WORLD
+        if dedicated:
+            ranks = dist.get_process_group_ranks(base)
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=dist.get_backend(base))
+        else:
+            group = base
+        self._dist = dist
+        self.group = group
+        self.backend = str(dist.get_backend(group))
+        self.name = f"torch-{self.backend}"
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.ordered = self.backend == "nccl"
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.failures: FailureBoard = FailureBoard()
+        try:  # the rendezvous store is not public API; without it errors still name the direct peer
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.failures = _StoreBoard(_get_default_store(), self.world_size, f"gradsync/failed/{getattr(group, 'group_name', 'world')}")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        return _TorchHandle(self._dist.isend(tensor, self._global[peer], group=self.group, tag=tag), peer, "send")
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        return _TorchHandle(self._dist.irecv(tensor, self._global[peer], group=self.group, tag=tag), peer, "receive")
+
+
+@dataclass(frozen=True)
+class TransportEntry:
+    name: str
+    factory: Callable[..., Transport]
+    summary: str
+
+
+TRANSPORTS: Registry[TransportEntry] = Registry("transport", GradsyncError)
+TRANSPORTS.add("torch", TransportEntry("torch", TorchTransport, "torch.distributed p2p (gloo on CPU, NCCL on GPU)"),
+               aliases=("gloo", "nccl"))
+
+
+def _mpi_factory(**kwargs: Any) -> Transport:
+    from gradsync.comm.mpi import MPITransport  # optional dependency: import only when asked for
+
+    return MPITransport(**kwargs)
+
+
+TRANSPORTS.add("mpi", TransportEntry("mpi", _mpi_factory, "MPI through mpi4py (pip install 'gradsync[mpi]')"))
+
+
+def create_transport(name: str, **kwargs: Any) -> Transport:
+    """Build a registered transport; ``CommError`` if its engine cannot start."""
+    entry = TRANSPORTS.get(name)
+    try:
+        return entry.factory(**kwargs)
+    except ImportError as exc:
+        raise CommError(f"transport {entry.name!r} needs a package that is not installed: {exc}") from exc

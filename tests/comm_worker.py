@@ -1,0 +1,165 @@
+"""Worker program for test_comm_dist.py, launched once per rank with torchrun's environment.
+
+``python tests/comm_worker.py SCENARIO OUT_DIR``: runs the scenario, writes ``OUT_DIR/rank{R}.json`` with
+what it observed (the test process asserts on it), exits 0. Each scenario computes its expectation
+independently of the executor: closed-form sums of known inputs, or a single-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import gradsync
+from gradsync.plan import SYNTHESIZERS
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def _inputs(rank: int, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    return [((torch.arange(n, dtype=torch.float64) % 89) * (rank + 1) - 7 * i).to(dtype) for i, n in enumerate(numels)]
+
+
+def scenario_sums(topology: str, only: str = "") -> dict:
+    """Every applicable synthesizer (or those in ``only``): the result equals the exact sum on every rank."""
+    rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=60)
+    checked, failures = [], []
+    for alg in SYNTHESIZERS.names():
+        if SYNTHESIZERS.get(alg).applicable(rt.topology) or (only and alg not in only.split(",")):
+            continue
+        for dtype in (torch.float32, torch.float64):
+            for numels in ([0], [1], [2], [13], [1009], [65537], [7, 0, 31, 2]):
+                xs = _inputs(RANK, numels, dtype)
+                rt.allreduce(xs if len(xs) > 1 else xs[0], algorithm=alg)
+                exp = [sum(_inputs(r, numels, torch.float64)[i] for r in range(WORLD)) for i in range(len(numels))]
+                if not all(torch.equal(x.to(torch.float64), e) for x, e in zip(xs, exp)):
+                    failures.append(f"{alg} {dtype} {numels}")
+        checked.append(alg)
+    x = torch.ones(10, dtype=torch.float64) * (RANK + 1)
+    gradsync.allreduce(x, op="avg")
+    if not torch.allclose(x, torch.full((10,), (WORLD + 1) / 2, dtype=torch.float64)):
+        failures.append("avg")
+    gradsync.shutdown()
+    return {"checked": checked, "failures": failures}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 16),
+        torch.nn.ReLU(), torch.nn.Linear(16, 3),
+    )
+
+
+def _batch(n: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(42)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _shard(x: torch.Tensor) -> torch.Tensor:
+    per = x.shape[0] // WORLD
+    return x[RANK * per : (RANK + 1) * per]
+
+
+def scenario_ddp(topology: str) -> dict:
+    """DDP with the gradsync hook gives the same gradients as DDP without it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rt = gradsync.init(topology=topology, algorithm="lp", timeout_s=60)
+    x, y = _batch()
+    grads = {}
+    for use_hook in (False, True):
+        for dtype in (torch.float32, torch.float64):
+            model = DDP(_model().to(dtype), bucket_cap_mb=0.002)  # tiny buckets: several buckets per backward
+            if use_hook:
+                model.register_comm_hook(gradsync.GradsyncHookState(rt), gradsync.allreduce_hook)
+            loss = torch.nn.functional.cross_entropy(model(_shard(x).to(dtype)), _shard(y))
+            loss.backward()
+            grads[(use_hook, str(dtype))] = [p.grad.clone() for p in model.parameters()]
+    out = {}
+    for dtype, tol in (("torch.float32", 1e-6), ("torch.float64", 1e-12)):
+        a, b = grads[(False, dtype)], grads[(True, dtype)]
+        out[dtype] = max(float((ga - gb).abs().max() / (ga.abs().max() + 1e-30)) for ga, gb in zip(a, b))
+        out[dtype + "_ok"] = out[dtype] <= tol
+    gradsync.shutdown()
+    return out
+
+
+def scenario_optimizer(topology: str) -> dict:
+    """3 steps with DistributedOptimizer == single-process training on the union batch, on every rank."""
+    rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=60)
+    x, y = _batch()
+    result = {}
+    for bucket_bytes in (0, 2000):
+        model = _model().double()
+        ref = _model().double()
+        opt = gradsync.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
+            runtime=rt, bucket_bytes=bucket_bytes,
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            xs, ys = x + step, y
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(_shard(xs).double()), _shard(ys)).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            # the mean over shards of per-shard means is the union-batch mean (equal shards)
+            torch.nn.functional.cross_entropy(ref(xs[: WORLD * (xs.shape[0] // WORLD)].double()), ys[: WORLD * (xs.shape[0] // WORLD)]).backward()
+            ref_opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        ref_flat = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+        everyone = [torch.zeros_like(flat) for _ in range(WORLD)]
+        dist.all_gather(everyone, flat)
+        result[str(bucket_bytes)] = {
+            "vs_reference": float((flat - ref_flat).abs().max()),
+            "across_ranks": float(max((e - flat).abs().max() for e in everyone)),
+        }
+        opt.remove_hooks()
+    gradsync.shutdown()
+    return result
+
+
+def scenario_kill(topology: str) -> dict:
+    """The last rank dies in the middle of an allreduce; survivors must raise PeerError naming it."""
+    victim = WORLD - 1
+    timeout_s = 10.0
+    rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=timeout_s)
+    x = torch.ones(2_000_000)
+    rt.allreduce(x)  # everyone is connected and warm
+    dist.barrier()
+    if RANK == victim:
+        threading.Timer(0.3, lambda: os._exit(17)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(10_000):
+            rt.allreduce(x)
+    except gradsync.PeerError as exc:
+        out = {"error": str(exc), "peer": exc.peer, "seconds": time.monotonic() - t0 - 0.3, "timeout_s": timeout_s}
+        time.sleep(1.0)  # let the other survivor see the victim too before this process's sockets close
+        return out
+    return {"error": None}
+
+
+SCENARIOS = {"sums": scenario_sums, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    name, out_dir, topology, *rest = sys.argv[1:]
+    result = SCENARIOS[name](topology, *rest)
+    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo teardown: a dead peer can make destroy_process_group hang
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Launch a worker script once per rank with torchrun's environment and collect what each rank reports.
+
+A small launcher of our own (no ``torch.testing._internal``): free port on loopback, one subprocess per
+rank, a deadline after which every rank is killed, and each rank's stderr in the failure message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: float = 240,
+           allow_exit: dict[int, int] | None = None) -> list[dict | None]:
+    """Run ``python script *args`` on ``world`` ranks; return each rank's ``rank{r}.json`` (None if absent).
+
+    ``allow_exit`` maps ranks to the exit code they are expected to end with (a killed rank); every other
+    rank must exit 0.
+    """
+    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = []
+    logs = []
+    for r in range(world):
+        log = open(out_dir / f"rank{r}.log", "w+")
+        env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        logs.append(log)
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    expected = allow_exit or {}
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != expected.get(r, 0)]
+    if bad:
+        text = []
+        for r, code in bad:
+            logs[r].seek(0)
+            text.append(f"--- rank {r} exited {code} ---\n{logs[r].read()[-3000:]}")
+        raise AssertionError("worker ranks failed:\n" + "\n".join(text))
+    for log in logs:
+        log.close()
+    out = []
+    for r in range(world):
+        f = out_dir / f"rank{r}.json"
+        out.append(json.loads(f.read_text()) if f.exists() else None)
+    return out

@@ -1,0 +1,58 @@
+"""The runtime on real processes over gloo (loopback): sums, DDP hook, DistributedOptimizer, dead peers."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync.plan import SYNTHESIZERS
+from gradsync.topology.io import get_topology
+from tests.dist_launch import launch
+
+WORKER = "tests/comm_worker.py"
+
+
+def _applicable(topology: str) -> list[str]:
+    topo = get_topology(topology)
+    return [a for a in SYNTHESIZERS.names() if not SYNTHESIZERS.get(a).applicable(topo)]
+
+
+@pytest.mark.parametrize("world,topology", [(2, "switch:2"), (3, "switch:3"), (4, "bcube:2,2")])
+def test_every_synthesizer_sums_on_processes(tmp_path, world, topology):
+    reports = launch(WORKER, ["sums", str(tmp_path), topology], world, tmp_path)
+    expected = _applicable(topology)
+    if world == 4:
+        assert {"bml", "hierarchical", "multiring", "lp"} <= set(expected)
+    for rank, rep in enumerate(reports):
+        assert rep is not None, f"rank {rank} wrote no report"
+        assert rep["checked"] == expected
+        assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
+
+
+def test_bml_on_bcube_3_2_with_nine_processes(tmp_path):
+    reports = launch(WORKER, ["sums", str(tmp_path), "bcube:3,2", "bml"], 9, tmp_path, timeout_s=280)
+    for rank, rep in enumerate(reports):
+        assert rep is not None and rep["checked"] == ["bml"] and rep["failures"] == [], (rank, rep)
+
+
+def test_ddp_hook_matches_ddp_without_hook(tmp_path):
+    reports = launch(WORKER, ["ddp", str(tmp_path), "p3.8xlarge[0,1,2]"], 3, tmp_path)
+    for rank, rep in enumerate(reports):
+        assert rep["torch.float32_ok"] and rep["torch.float64_ok"], (rank, rep)
+
+
+def test_distributed_optimizer_equals_union_batch_training(tmp_path):
+    reports = launch(WORKER, ["optimizer", str(tmp_path), "switch:3"], 3, tmp_path)
+    for rank, rep in enumerate(reports):
+        for bucket, r in rep.items():
+            assert r["across_ranks"] == 0.0, (rank, bucket, r)  # every rank holds the same bits
+            assert r["vs_reference"] < 1e-12, (rank, bucket, r)
+
+
+def test_killed_rank_is_named_by_survivors_within_timeout(tmp_path):
+    reports = launch(WORKER, ["kill", str(tmp_path), "switch:3"], 3, tmp_path, allow_exit={2: 17})
+    assert reports[2] is None
+    for rank in (0, 1):
+        rep = reports[rank]
+        assert rep["error"] is not None, f"rank {rank} finished without noticing rank 2 died"
+        assert rep["peer"] == 2 and "rank 2" in rep["error"], rep
+        assert rep["seconds"] <= rep["timeout_s"] + 2.0, rep
