@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradsync-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean sysdeps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/gradsync demo
 
-test: $(STAMP)
+# The testbed (network namespaces) needs iproute2; install it when we are root and it is missing,
+# otherwise the testbed tests skip and say why.
+sysdeps:
+	@command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null) \
+	    || echo "note: iproute2 missing and not root; testbed tests will skip"; }
+
+test: $(STAMP) sysdeps
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gradsync.errors import GradsyncError
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
+from gradsync.testbed.cli import add_parser as add_testbed_parser
 from gradsync.topology import BUILDERS, get_topology, save
 
 __all__ = ["main", "parse_size", "parse_sizes", "DEMO_TOPOLOGIES"]
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("name", nargs="?", help="benchmark name; leave out to list them")
     bn.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     bn.set_defaults(func=cmd_bench)
+
+    add_testbed_parser(sub)
 
     d = sub.add_parser("demo", help="plan every built-in topology with every applicable algorithm")
     d.add_argument("--size", default="100MB")

@@ -1,0 +1,140 @@
+"""``gradsync testbed up|run|down|probe|status``: :func:`add_parser` plugs these into the main CLI.
+
+Each handler returns the exit code; errors are :class:`~gradsync.testbed.errors.TestbedError` (a
+``GradsyncError``), which the main CLI prints as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from gradsync.testbed.errors import TestbedError
+
+__all__ = ["add_parser", "cmd_testbed", "parse_pairs"]
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """``0-1,2-3`` -> ``[(0, 1), (2, 3)]``."""
+    out = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition("-")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+            raise TestbedError(f"cannot read pairs {text!r}; write SRC-DST pairs of ranks like 0-1,0-3")
+        out.append((int(a), int(b)))
+    return out
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from gradsync.testbed.control import resolve_state_path, up
+
+    plan = up(args.topology, args.rate, args.delay, state_path=args.state)
+    nics = sum(len(s.nics) for s in plan.servers)
+    print(f"testbed {plan.topology}: {plan.world_size} servers, {len(plan.bridges)} bridges, {nics} NICs "
+          f"at {plan.rate_mbit:g} Mbit/s" + (f", {plan.delay_ms:g} ms delay" if plan.delay_ms else ""))
+    if plan.dropped:
+        print(f"  {len(plan.dropped)} redundant switch links left out (STP is off; one L2 tree per domain)")
+    for s in plan.servers:
+        print(f"  rank {s.rank:<3} {s.device:<12} {s.namespace:<8} " + " ".join(f"{n.ifname}={n.address}" for n in s.nics))
+    print(f"MASTER_ADDR={plan.master_addr}; state in {resolve_state_path(args.state)}")
+    print("next: gradsync testbed probe | gradsync testbed run -- python train.py | gradsync testbed down")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from gradsync.testbed.runner import run
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise TestbedError("nothing to run: write 'gradsync testbed run -- python train.py'")
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
+    return run(cmd, timeout=args.timeout, ranks=ranks, state_path=args.state)
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from gradsync.testbed.control import down
+
+    removed = down(state_path=args.state)
+    print(f"removed {len(removed['namespaces'])} namespaces and {len(removed['links'])} interfaces"
+          + (f"; killed {len(removed['killed'])} leftover processes" if removed["killed"] else ""))
+    return 0
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from gradsync.testbed.probe import probe
+
+    pairs = parse_pairs(args.pairs) if args.pairs else None
+    rows = probe(pairs, args.seconds, state_path=args.state, tolerance=args.tolerance)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from gradsync.testbed.control import status
+
+    info: dict[str, Any] = status(state_path=args.state)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    stray = info["leftovers"]["namespaces"] + info["leftovers"]["links"]
+    if "topology" not in info:
+        print(f"no testbed is up (no state file {info['state']})")
+    else:
+        print(f"testbed {info['topology']} ({'up' if info['up'] else 'BROKEN: namespaces missing'}), "
+              f"{info['rate_mbit']:g} Mbit/s per unit link, MASTER_ADDR={info['master_addr']}, state {info['state']}")
+        for s in info["servers"]:
+            nics = " ".join(f"{n['ifname']}={n['address']}" for n in s["nics"])
+            print(f"  rank {s['rank']:<3} {s['namespace']:<8} {'ok ' if s['present'] else 'GONE'} {nics}")
+    if stray:
+        print(f"leftovers not in the state file: {' '.join(stray)}; remove with 'gradsync testbed down'")
+    return 0
+
+
+def cmd_testbed(args: argparse.Namespace) -> int:
+    """Dispatch ``gradsync testbed ACTION``."""
+    return int(args.testbed_func(args))
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``testbed`` (with ``up``, ``run``, ``down``, ``probe``, ``status``) to the main CLI's subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--state", default=None, metavar="PATH",
+                        help="state file (default $GRADSYNC_TESTBED or /run/gradsync-testbed/state.json)")
+    tb = subparsers.add_parser(
+        "testbed", help="emulate a cluster on this machine (namespaces, veth, bridges, tc); needs root",
+        description="An emulated cluster: one network namespace per server, veth NICs, Linux bridges as switches, "
+                    "tc shaping every NIC in both directions. Needs root and iproute2.",
+    )
+    tb.set_defaults(func=cmd_testbed)
+    sub = tb.add_subparsers(dest="testbed_action", required=True, metavar="ACTION")
+
+    u = sub.add_parser("up", parents=[common], help="build the emulated cluster for a topology")
+    u.add_argument("--topology", "-t", required=True, help="switch:N, bcube:n,k, fattree:k, ring:n or a file")
+    u.add_argument("--rate", "-r", default="200mbit", help="rate of a unit link per direction, tc syntax (200mbit)")
+    u.add_argument("--delay", "-d", default=None, help="extra one-way delay per server egress (netem), e.g. 1ms")
+    u.set_defaults(testbed_func=_cmd_up)
+
+    r = sub.add_parser("run", parents=[common], help="run a command once per server, torchrun-style")
+    r.add_argument("--timeout", type=float, default=None, help="seconds before all workers are stopped (exit 124)")
+    r.add_argument("--ranks", default=None, help="servers to use, e.g. 0,1 (default: all)")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    r.set_defaults(testbed_func=_cmd_run)
+
+    d = sub.add_parser("down", parents=[common], help="remove every gs- namespace, bridge and veth (idempotent)")
+    d.set_defaults(testbed_func=_cmd_down)
+
+    p = sub.add_parser("probe", parents=[common], help="measure the rate between pairs of servers")
+    p.add_argument("--pairs", default=None, help="SRC-DST pairs, e.g. 0-1,0-3 (default: all, or a sample)")
+    p.add_argument("--seconds", type=float, default=1.0, help="seconds per pair")
+    p.add_argument("--tolerance", type=float, default=0.15, help="allowed relative deviation from the expected rate")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.set_defaults(testbed_func=_cmd_probe)
+
+    s = sub.add_parser("status", parents=[common], help="show the testbed that is up")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(testbed_func=_cmd_status)
+    return tb

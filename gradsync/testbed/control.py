@@ -1,0 +1,205 @@
+"""Bring the emulated cluster up and down, and keep the state file that says what was made.
+
+``up`` builds the plan of :mod:`gradsync.testbed.build` with ``ip``/``tc``; on any failure it tears down
+what it made. ``down`` does not trust the state file: it removes every namespace and root-namespace
+interface named with the ``gs-`` prefix, so it also cleans up after a crash, and it is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from gradsync.testbed import netns
+from gradsync.testbed.build import TestbedPlan, build_plan
+from gradsync.testbed.errors import TestbedError
+from gradsync.topology.io import get_topology
+from gradsync.topology.model import Topology
+
+__all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "resolve_state_path", "load_state", "up", "down", "status"]
+
+#: Where the state file goes unless a path or ``$GRADSYNC_TESTBED`` says otherwise (/run is tmpfs: a reboot,
+#: which also removes every namespace, removes the state too).
+DEFAULT_STATE_PATH = Path("/run/gradsync-testbed/state.json")
+#: Environment variable naming the state file; ``run`` sets it for every worker so programs find the testbed.
+STATE_ENV = "GRADSYNC_TESTBED"
+#: tbf queue: how long a packet may wait for tokens (bounds the queue, so latency stays small).
+_TBF_LATENCY = "25ms"
+
+
+def resolve_state_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """The state file: ``path``, else ``$GRADSYNC_TESTBED``, else :data:`DEFAULT_STATE_PATH`."""
+    if path:
+        return Path(path)
+    env = os.environ.get(STATE_ENV)
+    return Path(env) if env else DEFAULT_STATE_PATH
+
+
+def load_state(path: str | os.PathLike[str] | None = None) -> TestbedPlan:
+    """The plan of the testbed that is up, read from its state file."""
+    p = resolve_state_path(path)
+    if not p.is_file():
+        raise TestbedError(f"no testbed is up (no state file {p}); start one with "
+                           f"'gradsync testbed up --topology switch:3 --rate 200mbit'")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TestbedError(f"cannot read testbed state {p}: {exc}; run 'gradsync testbed down' and start again") from None
+    return TestbedPlan.from_dict(data)
+
+
+def _shape(ifname: str, rate_mbit: float, delay_ms: float | None = None, ns: str | None = None) -> None:
+    """Egress shaping on one interface: tbf at the rate, optionally netem delay inside it."""
+    rate_bytes = rate_mbit * 1e6 / 8
+    burst = max(15140, int(rate_bytes * 0.004))  # >= 10 MTU frames and >= 4 ms of tokens (covers HZ=250)
+    netns.tc("qdisc", "replace", "dev", ifname, "root", "handle", "1:", "tbf", "rate",
+             f"{max(1, round(rate_mbit * 1000))}kbit", "burst", str(burst), "latency", _TBF_LATENCY, ns=ns)
+    if delay_ms:
+        netns.tc("qdisc", "add", "dev", ifname, "parent", "1:1", "handle", "10:", "netem", "delay",
+                 f"{delay_ms * 1000:.0f}us", ns=ns)
+
+
+def _sysctls(forwarding: bool) -> dict[str, str]:
+    base = "/proc/sys/net"
+    return {
+        f"{base}/ipv4/ip_forward": "1" if forwarding else "0",
+        # Relayed replies may arrive on another NIC than the one the route to their source uses.
+        f"{base}/ipv4/conf/all/rp_filter": "0",
+        f"{base}/ipv4/conf/default/rp_filter": "0",
+        # No IPv6 chatter (router solicitations, DAD) on the emulated links: counters show only our traffic.
+        f"?{base}/ipv6/conf/all/disable_ipv6": "1",
+        f"?{base}/ipv6/conf/default/disable_ipv6": "1",
+    }
+
+
+def _build(plan: TestbedPlan) -> None:
+    for s in plan.servers:
+        try:
+            netns.ip("netns", "add", s.namespace)
+        except TestbedError as exc:
+            raise TestbedError(f"cannot create network namespace {s.namespace}: {exc}") from None
+        netns.write_sysctls(s.namespace, _sysctls(s.forwarding))
+        netns.ip("link", "set", "lo", "up", ns=s.namespace)
+    for b in plan.bridges:
+        netns.ip("link", "add", "name", b.name, "type", "bridge", "stp_state", "0")
+        netns.ip("link", "set", b.name, "addrgenmode", "none", "up")
+    for t in plan.trunks:
+        netns.ip("link", "add", t.a_ifname, "type", "veth", "peer", "name", t.b_ifname)
+        for end, br in ((t.a_ifname, t.a), (t.b_ifname, t.b)):
+            netns.ip("link", "set", end, "master", br, "addrgenmode", "none", "up")
+            _shape(end, t.rate_mbit)
+    for s in plan.servers:
+        for nic in s.nics:
+            netns.ip("link", "add", nic.host_ifname, "type", "veth", "peer", "name", nic.ifname, "netns", s.namespace)
+            netns.ip("link", "set", nic.host_ifname, "master", nic.bridge, "addrgenmode", "none", "up")
+            netns.ip("addr", "add", nic.cidr, "dev", nic.ifname, ns=s.namespace)
+            netns.ip("link", "set", nic.ifname, "up", ns=s.namespace)
+            _shape(nic.host_ifname, nic.rate_mbit)  # bridge -> server
+            _shape(nic.ifname, nic.rate_mbit, plan.delay_ms, ns=s.namespace)  # server -> bridge
+    for s in plan.servers:
+        for r in s.routes:
+            netns.ip("route", "add", r.dest, "via", r.via, "dev", r.dev, ns=s.namespace)
+
+
+def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | float | None = None, *,
+       state_path: str | os.PathLike[str] | None = None) -> TestbedPlan:
+    """Build the emulated cluster for ``topology`` (spec or object) and write its state file.
+
+    ``rate`` is each unit link's rate in each direction (tc syntax: ``200mbit``); ``delay`` adds netem delay
+    on every server's egress. Refuses to run over leftovers of another testbed.
+    """
+    netns.require()
+    topo = get_topology(topology)
+    plan = build_plan(topo, rate, delay)
+    left = netns.leftovers(plan.prefix)
+    if left["namespaces"] or left["links"]:
+        found = ", ".join(left["namespaces"] + left["links"])
+        raise TestbedError(f"a testbed (or its leftovers) is already up: {found}; run 'gradsync testbed down' first")
+    path = resolve_state_path(state_path)
+    try:
+        _build(plan)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        down(state_path=path)
+        raise
+    return plan
+
+
+def down(*, state_path: str | os.PathLike[str] | None = None, wait_s: float = 10.0) -> dict[str, list[str]]:
+    """Remove every ``gs-`` namespace and interface (and kill processes left inside); idempotent.
+
+    Returns what was removed. Waits until the kernel has really released the interfaces, so a following
+    ``up`` does not trip over them.
+    """
+    if os.geteuid() != 0:
+        raise TestbedError("removing the testbed needs root: run 'sudo gradsync testbed down'")
+    if shutil.which("ip") is None:
+        raise TestbedError("'ip' not found on PATH; install iproute2: apt-get install -y iproute2")
+    prefix = netns.PREFIX
+    removed: dict[str, list[str]] = {"namespaces": [], "links": [], "killed": []}
+    for ns in netns.list_netns(prefix):
+        removed["killed"] += [str(p) for p in netns.kill_netns_pids(ns)]
+        netns.ip("netns", "del", ns, check=False)
+        removed["namespaces"].append(ns)
+    deadline = time.monotonic() + wait_s
+    while True:
+        links = netns.list_links(prefix)
+        namespaces = netns.list_netns(prefix)
+        if not links and not namespaces:
+            break
+        for ns in namespaces:
+            netns.ip("netns", "del", ns, check=False)
+        # Bridges last would leave enslaved veths dangling for a moment; order does not matter to the kernel.
+        for link in links:
+            if netns.ip("link", "del", link, check=False).returncode == 0 and link not in removed["links"]:
+                removed["links"].append(link)
+        if time.monotonic() > deadline:
+            rest = netns.list_links(prefix) + netns.list_netns(prefix)
+            if rest:
+                raise TestbedError(f"could not remove {rest} within {wait_s:g} s; processes may still hold them "
+                                   f"(see 'ip netns pids'); run 'gradsync testbed down' again")
+            break
+        time.sleep(0.05)
+    p = resolve_state_path(state_path)
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        pass
+    return removed
+
+
+def status(*, state_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """What is up: the state file's plan plus whether each namespace still exists, and any strays."""
+    p = resolve_state_path(state_path)
+    left = netns.leftovers() if os.geteuid() == 0 else {"namespaces": [], "links": []}
+    if not p.is_file():
+        return {"up": False, "state": str(p), "leftovers": left}
+    plan = load_state(p)
+    present = set(left["namespaces"])
+    return {
+        "up": all(ns in present for ns in plan.namespaces),
+        "state": str(p),
+        "topology": plan.topology,
+        "rate_mbit": plan.rate_mbit,
+        "delay_ms": plan.delay_ms,
+        "master_addr": plan.master_addr,
+        "servers": [
+            {"rank": s.rank, "device": s.device, "namespace": s.namespace, "address": s.address,
+             "present": s.namespace in present,
+             "nics": [{"ifname": n.ifname, "address": n.address, "bridge": n.bridge, "peer": n.peer,
+                       "rate_mbit": n.rate_mbit} for n in s.nics]}
+            for s in plan.servers
+        ],
+        "bridges": len(plan.bridges),
+        "trunks": len(plan.trunks),
+        "dropped_links": [list(d) for d in plan.dropped],
+        "leftovers": {k: [x for x in v if x not in set(plan.namespaces) | set(plan.interface_names())]
+                      for k, v in left.items()},
+    }

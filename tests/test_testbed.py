@@ -1,0 +1,358 @@
+"""The emulated cluster (gradsync.testbed): the build plan without root, then real namespaces when root.
+
+The root tests bring up ``switch:3`` and ``bcube:2,2`` at 100 Mbit/s, run gloo all_reduce across the
+namespaces, probe rates and read interface counters; every testbed is removed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gradsync.errors import GradsyncError
+from gradsync.testbed import (
+    TestbedError,
+    TestbedPlan,
+    available,
+    build_plan,
+    down,
+    leftovers,
+    parse_delay,
+    parse_rate,
+    probe,
+    run,
+    sample_pairs,
+    up,
+)
+from gradsync.testbed import netns as tb_netns
+from gradsync.testbed.cli import add_parser, parse_pairs
+from gradsync.topology import get_topology
+
+SPECS = ("switch:3", "switch:9", "bcube:2,2", "bcube:3,2", "bcube:2,3", "fattree:4", "ring:2", "ring:5")
+
+_REASON = available()
+needs_root = pytest.mark.skipif(_REASON is not None, reason=f"testbed unavailable: {_REASON}")
+
+ALLREDUCE = """
+import datetime, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+r, w = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(r + 1)])
+dist.all_reduce(t)
+print("sum", t.item(), flush=True)
+assert t.item() == w * (w + 1) / 2, t.item()
+dist.destroy_process_group()
+"""
+
+
+def plan_for(spec: str, rate: str = "100mbit") -> TestbedPlan:
+    return build_plan(get_topology(spec), rate)
+
+
+# ---- pure: the build plan -------------------------------------------------------------------------------
+def test_parse_rate_and_delay() -> None:
+    assert parse_rate("200mbit") == 200
+    assert parse_rate("1gbit") == 1000
+    assert parse_rate("500kbit") == 0.5
+    assert parse_rate(50) == 50
+    for bad in ("100mbps", "fast", "0mbit"):
+        with pytest.raises(TestbedError):
+            parse_rate(bad)
+    assert parse_delay(None) is None and parse_delay("0ms") is None
+    assert parse_delay("5ms") == 5 and parse_delay("200us") == pytest.approx(0.2) and parse_delay("0.1s") == 100
+    with pytest.raises(TestbedError, match="delay"):
+        parse_delay("soon")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_plan_addresses_unique_names_short_every_nic_rated(spec: str) -> None:
+    plan = plan_for(spec)
+    topo = get_topology(spec)
+    assert plan.world_size == len(topo.ranks)
+    addresses = [n.address for s in plan.servers for n in s.nics]
+    assert len(addresses) == len(set(addresses))
+    assert all(a.startswith("10.213.") for a in addresses)
+    assert len({s.namespace for s in plan.servers}) == plan.world_size
+    names = plan.interface_names()
+    assert len(names) == len(set(names))
+    assert all(len(x) <= 15 and x.startswith("gs-") for x in names + [n.ifname for s in plan.servers for n in s.nics])
+    assert all(n.rate_mbit == pytest.approx(100) for s in plan.servers for n in s.nics)
+    assert all(t.rate_mbit == pytest.approx(100) for t in plan.trunks)
+    # A subnet is one L2 domain: every NIC on it hangs off a bridge of that subnet.
+    subnet_of_bridge = {b.name: b.subnet for b in plan.bridges}
+    assert all(subnet_of_bridge[n.bridge] == n.subnet for s in plan.servers for n in s.nics)
+    # Every server reaches every other one through the planned routes, at the NIC rate.
+    for a, b in sample_pairs(plan, 40):
+        assert plan.path(a, b)[-1] == b and plan.path(b, a)[-1] == a
+        assert plan.expected_mbit(a, b) == pytest.approx(100)
+
+
+def test_bcube22_four_servers_two_nics_level_subnets() -> None:
+    plan = plan_for("bcube:2,2")
+    assert plan.world_size == 4
+    for s in plan.servers:
+        assert len(s.nics) == 2 and s.forwarding
+        assert [n.peer[:2] for n in s.nics] == ["L0", "L1"]  # NIC l is the level-l port
+    assert len(plan.bridges) == 4 and not plan.trunks
+    assert plan.master_addr == plan.servers[0].nics[0].address == "10.213.0.1"
+
+
+def test_bcube_routes_relay_and_neighbours_use_the_shared_level() -> None:
+    plan = plan_for("bcube:2,2")  # s00=0, s01=1, s10=2, s11=3
+    assert plan.path(0, 1) == [0, 1] and plan.path(0, 2) == [0, 2]
+    assert plan.path(0, 3) == [0, 2, 3]  # highest digit first: 00 -> 10 -> 11, relayed by s10
+    assert plan.path(1, 2) == [1, 3, 2]
+    (out, into), = plan.hops(0, 1)
+    assert out.ifname == "gs-nic0" and into.rank == 1  # level-0 neighbours: level-0 NIC
+    (out, into), = plan.hops(0, 2)
+    assert out.ifname == "gs-nic1" and into.ifname == "gs-nic1"  # level-1 neighbours: level-1 NIC
+    routes = {r.dest: r for r in plan.servers[0].routes}
+    assert routes[f"{plan.servers[2].address}/32"].dev == "gs-nic1"  # /32 to the neighbour's primary address
+    assert routes[f"{plan.servers[3].address}/32"].via == plan.servers[2].nics[1].address
+    relay = plan.hops(0, 3)
+    assert [(a.rank, a.ifname) for a, _ in relay] == [(0, "gs-nic1"), (2, "gs-nic0")]
+    bigger = plan_for("bcube:3,2")
+    assert bigger.path(0, 8) == [0, 6, 8]  # s00 -> s20 -> s22
+
+
+def test_fattree_is_one_loop_free_l2_tree_and_ring_relays() -> None:
+    plan = plan_for("fattree:4")
+    topo = get_topology("fattree:4")
+    switches = [d for d in topo.devices if d.kind == "switch"]
+    switch_links = [lk for lk in topo.links if lk.kind != "host"]
+    assert len(plan.bridges) == len(switches) and len(plan.trunks) == len(switches) - 1
+    assert len(plan.trunks) + len(plan.dropped) == len(switch_links)
+    assert {n.subnet for s in plan.servers for n in s.nics} == {0}
+    assert all(not s.routes and not s.forwarding for s in plan.servers)
+    ring = plan_for("ring:5")
+    assert all(len(s.nics) == 2 and s.forwarding for s in ring.servers)
+    assert ring.path(0, 2) == [0, 1, 2] and ring.path(0, 3) == [0, 4, 3]
+
+
+def test_plan_round_trips_through_json_and_scales_rates() -> None:
+    plan = plan_for("bcube:3,2", "50mbit")
+    again = TestbedPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and again.path(0, 8) == plan.path(0, 8)
+    data = plan.to_dict()
+    assert data["ranks"]["0"]["address"] == data["master_addr"] == "10.213.0.1"
+    # A link of twice the unit bandwidth gets twice the rate (p3.16xlarge: 2 NVLinks = 50 GB/s).
+    dgx = plan_for("p3.16xlarge")
+    assert {n.rate_mbit for s in dgx.servers for n in s.nics} == {100.0, 200.0}
+
+
+def test_unsupported_topology_and_bad_state_are_clear_errors() -> None:
+    with pytest.raises(TestbedError, match="neither a rank nor a switch"):
+        plan_for("minsky:2")
+    with pytest.raises(TestbedError, match="testbed down"):
+        TestbedPlan.from_dict({"type": "gradsync.testbed"})
+    assert issubclass(TestbedError, GradsyncError)
+
+
+def test_not_root_or_no_iproute2_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    tb_netns.available.cache_clear()
+    try:
+        monkeypatch.setattr(tb_netns.os, "geteuid", lambda: 1000)
+        assert "run as root" in (tb_netns.available() or "")
+        tb_netns.available.cache_clear()
+        with pytest.raises(TestbedError, match="root"):
+            tb_netns.require()
+        with pytest.raises(TestbedError, match="root"):
+            down()
+        monkeypatch.setattr(tb_netns.os, "geteuid", lambda: 0)
+        monkeypatch.setattr(tb_netns.shutil, "which", lambda name: None)
+        tb_netns.available.cache_clear()
+        assert "apt-get install -y iproute2" in (tb_netns.available() or "")
+    finally:
+        tb_netns.available.cache_clear()
+    with pytest.raises(TestbedError, match="iproute2"):
+        tb_netns.sh(["gs-no-such-binary-here", "x"])
+    with pytest.raises(TestbedError, match=r"command failed \(exit 1\): .*false"):
+        tb_netns.sh(["false"])
+
+
+def test_cli_parser_builds_every_subcommand() -> None:
+    parser = argparse.ArgumentParser(prog="gradsync")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    a = parser.parse_args(["testbed", "up", "--topology", "bcube:2,2", "--rate", "100mbit", "--delay", "1ms"])
+    assert (a.testbed_action, a.topology, a.rate, a.delay) == ("up", "bcube:2,2", "100mbit", "1ms")
+    a = parser.parse_args(["testbed", "run", "--timeout", "5", "--", "python", "-c", "print(1)"])
+    assert a.cmd[-3:] == ["python", "-c", "print(1)"] and a.timeout == 5
+    for action in ("down", "probe", "status"):
+        assert parser.parse_args(["testbed", action, "--state", "/tmp/x.json"]).testbed_action == action
+    assert parse_pairs("0-1,2-3") == [(0, 1), (2, 3)]
+    with pytest.raises(TestbedError):
+        parse_pairs("0:1")
+
+
+# ---- root: real namespaces --------------------------------------------------------------------------------
+def _no_gs_objects() -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    found = [line.split()[0] for line in ns.splitlines() if line.startswith("gs-")]
+    found += [line.split(": ")[1].split("@")[0] for line in links.splitlines() if ": gs-" in line]
+    return found
+
+
+@contextlib.contextmanager
+def _bring_up(spec: str, state: Path) -> Iterator[TestbedPlan]:
+    left = leftovers()
+    if left["namespaces"] or left["links"]:
+        pytest.skip(f"a gs- testbed is already up ({left}); run 'gradsync testbed down' to run these tests")
+    try:
+        yield up(spec, "100mbit", state_path=state)
+    finally:
+        down(state_path=state)
+
+
+def _tx(ns: str, ifname: str, what: str = "tx_bytes") -> int:
+    path = f"/sys/class/net/{ifname}/statistics/{what}"
+    return int(subprocess.run(["ip", "netns", "exec", ns, "cat", path], capture_output=True, text=True, check=True).stdout)
+
+
+@pytest.fixture(scope="class")
+def switch3_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestbedPlan, Path]]:
+    state = tmp_path_factory.mktemp("testbed") / "state.json"
+    with _bring_up("switch:3", state) as plan:
+        yield plan, state
+
+
+@needs_root
+@pytest.mark.timeout(180)
+class TestSwitch3:
+
+    def test_up_writes_state_and_refuses_a_second_testbed(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = switch3_bed
+        data = json.loads(state.read_text())
+        assert data["namespaces"] == ["gs-h0", "gs-h1", "gs-h2"] and data["master_addr"] == "10.213.0.1"
+        with pytest.raises(TestbedError, match="gradsync testbed down"):
+            up("switch:2", "100mbit", state_path=state.with_name("other.json"))
+
+    def test_gloo_all_reduce_across_namespaces(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = switch3_bed
+        out = io.StringIO()
+        rc = run([sys.executable, "-c", ALLREDUCE], ranks=[0, 1], timeout=120, state_path=state, stream=out)
+        text = out.getvalue()
+        assert rc == 0, text
+        assert "[rank 0] sum 3.0" in text and "[rank 1] sum 3.0" in text
+
+    def test_run_sets_torchrun_env_and_returns_the_worst_exit_code(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = switch3_bed
+        prog = ("import os, sys; e = os.environ; print(e['RANK'], e['WORLD_SIZE'], e['MASTER_ADDR'], "
+                "e['GLOO_SOCKET_IFNAME'], e['GRADSYNC_TESTBED'], e['EXTRA']); sys.exit(3 if e['RANK'] == '2' else 0)")
+        out = io.StringIO()
+        rc = run([sys.executable, "-S", "-c", prog], env={"EXTRA": "yes"}, timeout=60, state_path=state, stream=out)
+        assert rc == 3
+        for r in range(3):
+            assert f"[rank {r}] {r} 3 10.213.0.1 gs-nic0 {state.resolve()} yes" in out.getvalue()
+        assert run([sys.executable, "-S", "-c", "import time; time.sleep(30)"], timeout=1, state_path=state,
+                   stream=io.StringIO()) == 124
+
+    def test_probe_is_within_15_percent_of_100mbit(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = switch3_bed
+        out = io.StringIO()
+        (row,) = probe([(0, 1)], seconds=1.0, state_path=state, stream=out)
+        assert row["expected_mbit"] == 100
+        assert abs(row["measured_mbit"] - 100) <= 15, out.getvalue()
+        assert row["ok"] and "1/1 pairs" in out.getvalue()
+
+    def test_down_leaves_nothing_behind_and_is_idempotent(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = switch3_bed
+        removed = down(state_path=state)
+        assert sorted(removed["namespaces"]) == ["gs-h0", "gs-h1", "gs-h2"]
+        assert _no_gs_objects() == [] and not state.exists()
+        assert down(state_path=state) == {"namespaces": [], "links": [], "killed": []}
+
+
+@pytest.fixture(scope="class")
+def bcube22_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestbedPlan, Path]]:
+    state = tmp_path_factory.mktemp("testbed") / "state.json"
+    with _bring_up("bcube:2,2", state) as plan:
+        yield plan, state
+
+
+@needs_root
+@pytest.mark.timeout(180)
+class TestBcube22:
+
+    def test_level0_neighbours_use_the_level0_nic(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = bcube22_bed
+        before = {i: _tx("gs-h0", f"gs-nic{i}") for i in (0, 1)}
+        (row,) = probe([(0, 1)], seconds=0.5, state_path=state, stream=io.StringIO())
+        sent = {i: _tx("gs-h0", f"gs-nic{i}") - before[i] for i in (0, 1)}
+        assert row["ok"], row
+        assert sent[0] >= row["bytes"] and sent[1] < 0.1 * row["bytes"], (sent, row)
+
+    def test_non_neighbours_are_relayed(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = bcube22_bed
+        watch = [("gs-h0", "gs-nic1"), ("gs-h2", "gs-nic0"), ("gs-h0", "gs-nic0"), ("gs-h1", "gs-nic0"),
+                 ("gs-h1", "gs-nic1")]
+        before = {w: _tx(*w) for w in watch}
+        (row,) = probe([(0, 3)], seconds=0.5, state_path=state, stream=io.StringIO())
+        sent = {w: _tx(*w) - before[w] for w in watch}
+        assert row["path"] == [0, 2, 3] and row["ok"], row
+        # Data: s00 -> (level 1) -> s10 relays -> (level 0) -> s11. BCube routing is not symmetric: the ACKs
+        # go s11 -> s01 -> s00, so s01's level-0 NIC carries a few percent (ACKs) and the rest stay quiet.
+        assert sent[("gs-h0", "gs-nic1")] >= row["bytes"]
+        assert sent[("gs-h2", "gs-nic0")] >= row["bytes"]
+        for quiet in watch[2:]:
+            assert sent[quiet] < 0.1 * row["bytes"], (quiet, sent, row)
+
+    def test_gloo_all_reduce_over_relays(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = bcube22_bed
+        out = io.StringIO()
+        rc = run([sys.executable, "-c", ALLREDUCE], timeout=150, state_path=state, stream=out)
+        assert rc == 0, out.getvalue()
+        assert all(f"[rank {r}] sum 10.0" in out.getvalue() for r in range(4))
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_delay_needs_netem_or_cleans_up(tmp_path: Path) -> None:
+    """With sch_netem the delay is installed; without it ``up`` fails with the fix and leaves nothing."""
+    left = leftovers()
+    if left["namespaces"] or left["links"]:
+        pytest.skip(f"a gs- testbed is already up ({left})")
+    state = tmp_path / "state.json"
+    try:
+        plan = up("switch:2", "100mbit", delay="2ms", state_path=state)
+    except TestbedError as exc:
+        assert "netem" in str(exc)
+        assert _no_gs_objects() == [] and not state.exists()
+        return
+    try:
+        assert plan.delay_ms == 2
+        qdisc = subprocess.run(["tc", "-n", "gs-h0", "qdisc", "show", "dev", "gs-nic0"], capture_output=True,
+                               text=True).stdout
+        assert "netem" in qdisc and "tbf" in qdisc
+    finally:
+        down(state_path=state)
+    assert _no_gs_objects() == []
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_down_cleans_up_after_a_crash_without_state(tmp_path: Path) -> None:
+    """A crashed session leaves namespaces, veths and a worker behind; ``down`` finds them by name."""
+    left = leftovers()
+    if left["namespaces"] or left["links"]:
+        pytest.skip(f"a gs- testbed is already up ({left})")
+    state = tmp_path / "state.json"
+    try:
+        up("ring:3", "100mbit", state_path=state)
+        worker = subprocess.Popen(["ip", "netns", "exec", "gs-h1", sys.executable, "-S", "-c", "import time; time.sleep(60)"])
+        state.unlink()
+        removed = down(state_path=state)
+        assert sorted(removed["namespaces"]) == ["gs-h0", "gs-h1", "gs-h2"]
+        assert str(worker.pid) in removed["killed"]
+        assert worker.wait(timeout=10) != 0
+        assert _no_gs_objects() == []
+    finally:
+        down(state_path=state)
