@@ -10,34 +10,16 @@ grace period (a collective would otherwise hang until its timeout), like torchru
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from gradsync.launch import TIMEOUT_EXIT, free_port, run_workers
 from gradsync.testbed import netns
 from gradsync.testbed.build import TestbedPlan
 from gradsync.testbed.control import STATE_ENV, load_state, resolve_state_path
 from gradsync.testbed.errors import TestbedError
 
 __all__ = ["run", "worker_env", "TIMEOUT_EXIT"]
-
-#: Exit code ``run`` returns when the timeout stopped the workers (as coreutils ``timeout`` does).
-TIMEOUT_EXIT = 124
-#: Seconds the other workers get to finish on their own after one failed.
-_GRACE_S = 5.0
-
-
-def _free_port() -> int:
-    """A port nobody listens on; the namespaces are fresh, so one free here is free in rank 0's namespace too
-    unless two runs share the testbed at the same moment."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_env(plan: TestbedPlan, rank: int, world: Sequence[int], master_port: int, state: str,
@@ -63,18 +45,6 @@ def worker_env(plan: TestbedPlan, rank: int, world: Sequence[int], master_port: 
     return env
 
 
-def _pump(proc: subprocess.Popen[str], label: str, stream: TextIO, lock: threading.Lock) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        with lock:
-            stream.write(f"{label} {line if line.endswith(chr(10)) else line + chr(10)}")
-            stream.flush()
-
-
-def _exit_code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc  # killed by signal N -> 128 + N, as a shell reports it
-
-
 def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None, *,
         ranks: Sequence[int] | None = None, state_path: str | os.PathLike[str] | None = None,
         stream: TextIO | None = None, master_port: int | None = None) -> int:
@@ -97,71 +67,12 @@ def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float
     missing = [ns for ns in (plan.server(r).namespace for r in world) if ns not in netns.list_netns(plan.prefix)]
     if missing:
         raise TestbedError(f"namespaces {missing} are gone; run 'gradsync testbed down' and 'up' again")
-    port = master_port or _free_port()
-    out = stream or sys.stdout
-    lock = threading.Lock()
+    port = master_port or free_port()
     extra = dict(env or {})
-    procs: list[subprocess.Popen[str]] = []
-    pumps: list[threading.Thread] = []
-    try:
-        for i, server_rank in enumerate(world):
-            base = {**os.environ, **extra}
-            wenv = worker_env(plan, i, world, port, str(path.resolve()), base)
-            wenv.update(extra)
-            proc = subprocess.Popen(
-                netns.ns_exec(plan.server(server_rank).namespace, list(cmd)), env=wenv, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
-            )
-            procs.append(proc)
-            t = threading.Thread(target=_pump, args=(proc, f"[rank {i}]", out, lock), daemon=True)
-            t.start()
-            pumps.append(t)
-        codes = _wait(procs, timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
-        for t in pumps:
-            t.join(timeout=5)
-    worst = 0
-    for c in codes:
-        if abs(c) > abs(worst):
-            worst = c
-    return worst
-
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _wait(procs: list[subprocess.Popen[str]], timeout: float | None) -> list[int]:
-    """Exit codes once all are done. On timeout the still-running ones count as 124; after a failure the
-    ones stopped by us are left out, so the code that is reported is the real failure's."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    failed_at: float | None = None
-    while True:
-        rcs = [p.poll() for p in procs]
-        if all(rc is not None for rc in rcs):
-            return [_exit_code(rc) for rc in rcs if rc is not None]
-        now = time.monotonic()
-        if failed_at is None and any(rc not in (None, 0) for rc in rcs):
-            failed_at = now
-        timed_out = deadline is not None and now > deadline
-        if timed_out or (failed_at is not None and now - failed_at > _GRACE_S):
-            codes = []
-            for p, rc in zip(procs, rcs):
-                if rc is None:
-                    _kill(p)
-                    if timed_out:
-                        codes.append(TIMEOUT_EXIT)
-                else:
-                    codes.append(_exit_code(rc))
-            return codes
-        time.sleep(0.05)
+    commands, envs = [], []
+    for i, server_rank in enumerate(world):
+        wenv = worker_env(plan, i, world, port, str(path.resolve()), {**os.environ, **extra})
+        wenv.update(extra)
+        commands.append(netns.ns_exec(plan.server(server_rank).namespace, list(cmd)))
+        envs.append(wenv)
+    return run_workers(commands, envs, timeout=timeout, stream=stream)
