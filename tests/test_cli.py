@@ -97,10 +97,37 @@ def test_topo_list_show_export_draw(tmp_path):
     assert p.returncode == 0 and (tmp_path / "p2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_demo_trains_on_workers(tmp_path):
+    """The main job's training part, shortened: 2 workers, two algorithms and the torch baseline."""
+    p = run("demo", "--no-train", cwd=tmp_path)
+    assert p.returncode == 0
+    p = run("demo", "--workers", "2", "--steps", "40", "--algorithms", "torch.all_reduce,ring,lp", "-o", "d.json",
+            "--plot", "d.png", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    train = json.loads((tmp_path / "d.json").read_text())["training"]
+    res = train["results"]
+    assert list(res) == ["torch.all_reduce", "ring", "lp"]
+    for name, r in res.items():
+        assert r["replicas_identical"], name
+        # same data, same initial weights: the algorithms differ only in summation order
+        assert abs(r["accuracy"] - res["torch.all_reduce"]["accuracy"]) <= 0.03, (name, r["accuracy"])
+        assert r["accuracy"] > 0.7, (name, r)
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "replicas equal" in p.stdout
+
+
 def test_demo_runs(tmp_path):
-    p = run("demo", "-o", "demo.json", cwd=tmp_path)
+    p = run("demo", "--no-train", "-o", "demo.json", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     rows = json.loads((tmp_path / "demo.json").read_text())["rows"]
     dgx = next(r for r in rows if r["topology"] == "p3.16xlarge")
     assert dgx["cost"]["lp"] == pytest.approx(7 / 24, abs=1e-6)
     assert all(r["cost"]["lp"] <= min(r["cost"].values()) + 1e-9 for r in rows)
+
+
+def test_models_lists_the_registry(tmp_path):
+    p = run("models", "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)["models"]}
+    assert rows["lenet5"]["params"] == 61706 and rows["resnet50"]["params"] == 25557032
+    assert "vgg16" in run("models", cwd=tmp_path).stdout
