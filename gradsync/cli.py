@@ -176,6 +176,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return BENCHMARKS.get(args.name).run(args.args)
 
 
+# ---- run ----------------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    from gradsync.launch import launch_local
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise GradsyncError("nothing to run: gradsync run --workers 4 -- python train.py")
+    if args.mpi:
+        from gradsync.comm.mpi import mpi_available, mpirun_command
+
+        reason = mpi_available()
+        if reason:
+            raise GradsyncError(f"--mpi: {reason}")
+        import subprocess
+
+        return subprocess.call(mpirun_command(args.workers, cmd))
+    env = {"GRADSYNC_TOPOLOGY": args.topology} if args.topology else {}
+    return launch_local(cmd, args.workers, env=env, timeout=args.timeout)
+
+
 # ---- models -------------------------------------------------------------------------------------------
 def cmd_models(args: argparse.Namespace) -> int:
     from gradsync.models import describe  # imports torch: only when asked
@@ -283,6 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
     bn.set_defaults(func=cmd_bench)
 
     add_testbed_parser(sub)
+
+    rn = sub.add_parser("run", help="start N local workers with torchrun's environment (or under mpirun)")
+    rn.add_argument("--workers", "-n", type=int, default=2, help="number of worker processes")
+    rn.add_argument("--topology", help="sets GRADSYNC_TOPOLOGY, the default topology of gradsync.init()")
+    rn.add_argument("--timeout", type=float, default=None, help="kill the workers after this many seconds (exit 124)")
+    rn.add_argument("--mpi", action="store_true", help="launch with Open MPI's mpirun instead (for transport='mpi')")
+    rn.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run, e.g. -- python train.py")
+    rn.set_defaults(func=cmd_run)
 
     md = sub.add_parser("models", help="list the model definitions (LeNet-5, ResNet, VGG, Inception)")
     md.add_argument("--json", action="store_true", help="print one JSON object")

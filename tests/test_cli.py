@@ -131,3 +131,19 @@ def test_models_lists_the_registry(tmp_path):
     rows = {r["name"]: r for r in json.loads(p.stdout)["models"]}
     assert rows["lenet5"]["params"] == 61706 and rows["resnet50"]["params"] == 25557032
     assert "vgg16" in run("models", cwd=tmp_path).stdout
+
+
+def test_run_starts_workers_with_torchrun_env(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, torch, gradsync\n"
+        "rt = gradsync.init(algorithm='ring', timeout_s=30)\n"
+        "x = torch.full((5,), float(rt.rank + 1)); gradsync.allreduce(x)\n"
+        "print('topo', rt.topology.name, 'sum', x.tolist(), os.environ['LOCAL_RANK'])\n"
+    )
+    p = run("run", "-n", "3", "--topology", "ring:3", "--timeout", "120", "--", sys.executable, str(script), cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for r in range(3):
+        assert f"[rank {r}] topo ring:3 sum [6.0, 6.0, 6.0, 6.0, 6.0] {r}" in p.stdout
+    bad = run("run", "-n", "2", "--", sys.executable, "-c", "import sys; sys.exit(3)", cwd=tmp_path)
+    assert bad.returncode == 3
