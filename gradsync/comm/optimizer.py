@@ -70,8 +70,12 @@ class DistributedOptimizer:
         self.runtime.executor(algorithm)  # plan now
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found on self: delegate to the wrapped optimizer.
-        return getattr(self.__dict__["optimizer"], name)
+        # Only called for attributes not found on self: delegate to the wrapped optimizer. (LR schedulers
+        # check isinstance(opt, Optimizer): give them ``dist_opt.optimizer``.)
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         grad = param.grad

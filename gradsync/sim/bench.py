@@ -89,6 +89,9 @@ register_benchmark("plan-scaling", "benchmarks/plan_scaling.py:main",
                    "lp planner time as topologies grow; writes plan_scaling.{json,png}")
 register_benchmark("bml-fig5", "benchmarks/bml_fig5.py:main",
                    "seed 001 Fig. 5: GST of BML/PS on BCube vs hierarchical/PS on Fat-Tree; writes bml_fig5.{json,png}")
+register_benchmark("allreduce-loopback", "benchmarks/allreduce_loopback.py:main",
+                   "gradsync executor (ring/tree/lp/multiring) vs gloo and MPI allreduce, 2 and 4 processes on "
+                   "loopback; writes allreduce_loopback.{json,png}")
 
 
 # ---- sim-scaling -----------------------------------------------------------------------------------------
