@@ -1,0 +1,83 @@
+"""Gradient compression with error feedback: the compressors MergeComp schedules (seed 004 §2.1, Table 1).
+
+GRACE's split (STYLE.md): a :class:`Compressor` (``compress``/``decompress``/``aggregate`` and
+``payload_bytes`` so a scheduler can price a merge without compressing), a :class:`Memory` (error
+feedback), and a communicator (allreduce or allgather, named by ``Compressor.communicator``; those live
+with the runtime). :func:`simulate_step` is the reference for the one fixed step that joins them.
+
+    >>> import torch
+    >>> from gradsync.compress import create
+    >>> create("topk", ratio=0.01).payload_bytes((1000, 1000), torch.float32)  # 10^4 values + int32 indices
+    80000
+"""
+
+from __future__ import annotations
+
+# Import the families in the order ``COMPRESSORS.names()`` should list them: baseline and quantizers,
+# sparsifiers, 1-bit methods, low rank.
+# isort: off
+from gradsync.compress import quantize, sparsify, sign, lowrank  # noqa: F401
+
+# isort: on
+from gradsync.compress.base import (
+    COMMUNICATORS,
+    COMPRESSORS,
+    MEMORIES,
+    CompressionError,
+    Compressor,
+    Context,
+    Memory,
+    TensorInfo,
+    TwoRoundCompressor,
+    create,
+    create_memory,
+    payload_nbytes,
+    register_compressor,
+    register_memory,
+    simulate_step,
+)
+from gradsync.compress.lowrank import PowerSGD
+from gradsync.compress.memory import DGCMemory, NoMemory, ResidualMemory
+from gradsync.compress.packing import pack_bits, pack_uint, packed_nbytes, unpack_bits, unpack_uint
+from gradsync.compress.quantize import FP16, QSGD, NoCompression, TernGrad
+from gradsync.compress.sign import EFSignSGD, OneBit, SignSGD, SigNUM, majority_vote
+from gradsync.compress.sparsify import DGC, RandK, TopK
+
+__all__ = [
+    "COMMUNICATORS",
+    "COMPRESSORS",
+    "MEMORIES",
+    "CompressionError",
+    "Compressor",
+    "Context",
+    "DGC",
+    "DGCMemory",
+    "EFSignSGD",
+    "FP16",
+    "Memory",
+    "NoCompression",
+    "NoMemory",
+    "OneBit",
+    "PowerSGD",
+    "QSGD",
+    "RandK",
+    "ResidualMemory",
+    "SigNUM",
+    "SignSGD",
+    "TensorInfo",
+    "TernGrad",
+    "TopK",
+    "TwoRoundCompressor",
+    "create",
+    "create_memory",
+    "majority_vote",
+    "pack_bits",
+    "pack_uint",
+    "packed_nbytes",
+    "payload_nbytes",
+    "register_compressor",
+    "register_memory",
+    "simulate_step",
+    "unpack_bits",
+    "unpack_uint",
+]

@@ -1,0 +1,427 @@
+"""The compression contract: Compressor, Memory and the one fixed step that joins them.
+
+GRACE's split (STYLE.md): a :class:`Compressor` turns a tensor into a payload and back, a :class:`Memory`
+does error feedback around it, and a communicator moves payloads. MergeComp's Algorithm 1 (seed 004 §4.1)
+is exactly that loop: compress, communicate (allreduce or allgather, Table 1), decompress, aggregate.
+Communicators need the runtime and live elsewhere; :func:`simulate_step` is the pure-function reference of
+the step they must reproduce, run for W simulated workers in one process.
+
+Two rules keep a compressor honest:
+
+* everything a receiver needs that depends on the sender's tensor travels in the **payload** (norms,
+  scales, indices); the **ctx** holds only what every worker already knows (the :class:`TensorInfo`,
+  indices drawn from a shared seed, PowerSGD's allreduced basis). So ``payload_bytes`` is the whole cost,
+  and a receiver can decompress anyone's payload with its own ctx;
+* ``decompress`` is pure, so a memory can call it again on the same payload; state that persists across
+  steps (SigNUM's momentum, PowerSGD's Q, Rand-k's step) changes only in ``compress`` (or
+  :meth:`TwoRoundCompressor.finish`), keyed by ``info.name``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import Tensor
+
+from gradsync.errors import GradsyncError
+from gradsync.registry import Registry
+
+__all__ = [
+    "COMMUNICATORS",
+    "COMPRESSORS",
+    "MEMORIES",
+    "CompressionError",
+    "Compressor",
+    "Context",
+    "Memory",
+    "TensorInfo",
+    "TwoRoundCompressor",
+    "create",
+    "create_memory",
+    "payload_nbytes",
+    "register_compressor",
+    "register_memory",
+    "simulate_step",
+    "stable_seed",
+]
+
+#: How a compressor's payloads travel (seed 004 Table 1): summed in place, or gathered then aggregated.
+COMMUNICATORS = ("allreduce", "allgather")
+
+
+class CompressionError(GradsyncError):
+    """Bad input to a compressor or memory: an unknown name, a parameter out of range, a mismatched tensor."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a compressor knows about a tensor besides its values (hivemind's frozen ``CompressionInfo``).
+
+    ``position`` is the index in backward order (0 = first gradient ready), so a scheduler that merges
+    tensors (MergeComp) sees sizes and order without touching the values.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not isinstance(self.name, str) or not self.name:
+            raise CompressionError(f"name={self.name!r} must be a non-empty string (keys per-tensor state)")
+        if any(s < 0 for s in self.shape):
+            raise CompressionError(f"shape={self.shape} of {self.name!r} has a negative size")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise CompressionError(f"dtype={self.dtype!r} of {self.name!r} must be a floating torch.dtype")
+        if isinstance(self.position, bool) or not isinstance(self.position, int) or self.position < 0:
+            raise CompressionError(f"position={self.position!r} of {self.name!r} must be an integer >= 0")
+
+    @classmethod
+    def of(cls, name: str, tensor: Tensor, position: int = 0) -> TensorInfo:
+        """The record for ``tensor``."""
+        return cls(name, tuple(tensor.shape), tensor.dtype, position)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Uncompressed size: what ``none`` sends."""
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, eq=False)
+class Context:
+    """What a receiver needs besides the payload; only data every worker already has (see module doc)."""
+
+    info: TensorInfo
+    extra: tuple[Tensor, ...] = field(default=())
+
+
+def payload_nbytes(payload: Sequence[Tensor]) -> int:
+    """Bytes a payload occupies on the wire: the sum of ``element_size * numel``."""
+    return sum(t.element_size() * t.numel() for t in payload)
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` that is the same in every process (``hash(str)`` is salted per process)."""
+    digest = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Compressor(ABC):
+    """Turns a tensor into a payload (``compress``) and a payload back into a tensor (``decompress``).
+
+    Subclasses implement ``_compress`` on the flat tensor, ``_decompress`` returning any tensor with
+    ``info.numel`` elements, and ``payload_bytes``; the public methods check shapes and restore the
+    input's shape and dtype. Constructor parameters are stored under their own names (``__repr__`` and
+    :func:`create` rely on it).
+    """
+
+    #: Registry name, set by :func:`register_compressor`.
+    name: ClassVar[str] = ""
+    #: ``"allreduce"`` when payloads are dense and summable, else ``"allgather"``.
+    communicator: ClassVar[str] = "allgather"
+    #: Whether the aggregate is divided by the number of workers (False for majority vote).
+    average: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        #: Per-tensor state that persists across steps, keyed by ``info.name``.
+        self._state: dict[str, Any] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    # -- the contract ---------------------------------------------------------------------------------
+
+    def compress(self, tensor: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
+        """Payload tensors to send and the receiver-side context."""
+        check_matches(tensor, info)
+        return self._compress(tensor.detach().reshape(-1), info)
+
+    def decompress(self, payload: Sequence[Tensor], ctx: Context) -> Tensor:
+        """The tensor a payload stands for, in the input's shape and dtype. Pure: no state changes."""
+        flat = self._decompress(list(payload), ctx)
+        return flat.reshape(ctx.info.shape).to(ctx.info.dtype)
+
+    def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
+        """Combine decompressed tensors from all workers (allgather); the sum unless a method says otherwise."""
+        return torch.stack(list(tensors)).sum(dim=0)
+
+    @abstractmethod
+    def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
+        """Bytes one worker sends for a tensor of this shape, without compressing (MergeComp prices merges)."""
+
+    def estimate_ratio(self, info: TensorInfo) -> float:
+        """Payload bytes over uncompressed bytes (1.0 for ``none``)."""
+        raw = info.nbytes
+        return self.payload_bytes(info.shape, info.dtype) / raw if raw else 1.0
+
+    def reset(self) -> None:
+        """Forget all per-tensor state (momentum, warm starts, step counters)."""
+        self._state.clear()
+        self._generators.clear()
+
+    @abstractmethod
+    def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]: ...
+
+    @abstractmethod
+    def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor: ...
+
+    # -- helpers for subclasses -----------------------------------------------------------------------
+
+    def _generator(self, device: torch.device, seed: int | None) -> torch.Generator | None:
+        """A seeded generator per device, or None (torch's global RNG) when ``seed`` is None."""
+        if seed is None:
+            return None
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed)
+            self._generators[device] = gen
+        return gen
+
+    def __repr__(self) -> str:
+        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        args = ", ".join(f"{p}={getattr(self, p)!r}" for p in names if hasattr(self, p))
+        return f"{type(self).__name__}({args})"
+
+
+class TwoRoundCompressor(Compressor):
+    """An allreduce compressor whose second round needs the sum of the first (PowerSGD, Vogels et al. 2019).
+
+    A communicator runs, per tensor ``x`` (already compensated by the memory)::
+
+        p = c.first_round(x, info)                  # None: this tensor goes in one round
+        if p is not None: p = allreduce_sum(p)
+        payload, ctx = c.second_round(x, info, p)   # ctx now holds the shared basis
+        memory.update(x, info, c, payload, ctx)     # local error, before the payload is summed
+        summed = [allreduce_sum(t) for t in payload]
+        out = c.finish(summed, ctx) / world_size    # also stores the warm start for the next step
+
+    ``compress``/``decompress`` remain a valid one-round (allgather or single-worker) path.
+    """
+
+    communicator: ClassVar[str] = "allreduce"
+
+    @abstractmethod
+    def first_round(self, tensor: Tensor, info: TensorInfo) -> Tensor | None:
+        """The first-round tensor to sum over workers, or None when the tensor is sent in one round."""
+
+    @abstractmethod
+    def second_round(self, tensor: Tensor, info: TensorInfo, first_sum: Tensor | None) -> tuple[list[Tensor], Context]:
+        """The summable second-round payload and a ctx built from the first round's sum."""
+
+    @abstractmethod
+    def finish(self, payload_sum: Sequence[Tensor], ctx: Context) -> Tensor:
+        """Decompress the summed payload and keep what the next step warm-starts from."""
+
+
+class Memory(ABC):
+    """Error feedback around a compressor (GRACE's ``Memory``): add back what earlier steps did not send."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._state: dict[str, Any] = {}
+
+    @abstractmethod
+    def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
+        """The tensor to compress this step (the gradient plus whatever memory carries)."""
+
+    @abstractmethod
+    def update(
+        self, tensor: Tensor, info: TensorInfo, compressor: Compressor, payload: Sequence[Tensor], ctx: Context
+    ) -> None:
+        """Record what ``payload`` failed to carry of ``tensor`` (the compensated tensor)."""
+
+    def reset(self) -> None:
+        self._state.clear()
+
+    def __repr__(self) -> str:
+        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        args = ", ".join(f"{p}={getattr(self, p)!r}" for p in names if hasattr(self, p))
+        return f"{type(self).__name__}({args})"
+
+
+COMPRESSORS: Registry[type[Compressor]] = Registry("compressor", CompressionError)
+MEMORIES: Registry[type[Memory]] = Registry("memory", CompressionError)
+C = TypeVar("C", bound=Compressor)
+M = TypeVar("M", bound=Memory)
+
+
+def register_compressor(name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[type[C]], type[C]]:
+    """Class decorator: register a compressor under ``name`` and set its ``name`` attribute."""
+
+    def deco(cls: type[C]) -> type[C]:
+        if cls.communicator not in COMMUNICATORS:
+            raise TypeError(f"{cls.__name__}.communicator={cls.communicator!r} must be one of {COMMUNICATORS}")
+        cls.name = name
+        COMPRESSORS.add(name, cls, aliases=aliases)
+        return cls
+
+    return deco
+
+
+def register_memory(name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[type[M]], type[M]]:
+    """Class decorator: register a memory under ``name`` and set its ``name`` attribute."""
+
+    def deco(cls: type[M]) -> type[M]:
+        cls.name = name
+        MEMORIES.add(name, cls, aliases=aliases)
+        return cls
+
+    return deco
+
+
+def create(name: str, **params: Any) -> Compressor:
+    """A compressor by registry name; unknown names and parameters fail with the known ones."""
+    return _instantiate(COMPRESSORS, "compressor", name, params)
+
+
+def create_memory(name: str, **params: Any) -> Memory:
+    """A memory (``none``, ``residual``, ``dgc``) by registry name."""
+    return _instantiate(MEMORIES, "memory", name, params)
+
+
+def _instantiate(registry: Registry[Any], what: str, name: str, params: dict[str, Any]) -> Any:
+    cls = registry.get(name)
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        takes = ", ".join(accepted) if accepted else "no parameters"
+        raise CompressionError(
+            f"{what} {registry.canonical(name)!r} has no parameter {unknown[0]!r}; it takes: {takes}"
+        )
+    return cls(**params)
+
+
+def simulate_step(
+    compressors: Sequence[Compressor],
+    memories: Sequence[Memory],
+    grads_per_worker: Sequence[Tensor],
+    info: TensorInfo,
+) -> Tensor:
+    """One synchronisation step for W simulated workers; returns the tensor every worker applies.
+
+    Worker ``w`` owns ``compressors[w]`` and ``memories[w]`` (as one process would), so per-tensor state
+    never leaks between workers. The step is MergeComp's Algorithm 1 with GRACE's error feedback:
+    compensate -> compress -> memory update -> communicate -> decompress/aggregate. Allreduce sums the
+    payloads and decompresses the sum; allgather decompresses each payload with the receiver's own ctx
+    and aggregates; a :class:`TwoRoundCompressor` runs its two allreduce rounds. The result is averaged
+    over W unless the compressor says not to (majority vote).
+    """
+    world = len(grads_per_worker)
+    if world < 1 or len(compressors) != world or len(memories) != world:
+        raise CompressionError(
+            f"simulate_step needs one compressor and one memory per worker: got {len(compressors)} compressors, "
+            f"{len(memories)} memories, {world} gradients"
+        )
+    kinds = {type(c) for c in compressors}
+    if len(kinds) != 1:
+        raise CompressionError(f"all workers must run the same compressor, got {sorted(k.__name__ for k in kinds)}")
+    compressor = compressors[0]
+    compensated = [m.compensate(g, info) for m, g in zip(memories, grads_per_worker)]
+
+    two_round = [c for c in compressors if isinstance(c, TwoRoundCompressor)]
+    if two_round:
+        firsts = [c.first_round(x, info) for c, x in zip(two_round, compensated)]
+        first_sum = None if firsts[0] is None else _sum([p for p in firsts if p is not None])
+        rounds = [c.second_round(x, info, first_sum) for c, x in zip(two_round, compensated)]
+    else:
+        rounds = [c.compress(x, info) for c, x in zip(compressors, compensated)]
+    # GRACE's order: memory sees the local payload before communication, so an in-place collective on
+    # the payload cannot corrupt the residual.
+    for memory, c, x, (payload, ctx) in zip(memories, compressors, compensated, rounds):
+        memory.update(x, info, c, payload, ctx)
+
+    if two_round:
+        summed = [_sum([payload[i] for payload, _ in rounds]) for i in range(len(rounds[0][0]))]
+        # Every worker finishes (each keeps its own copy of the shared warm start); the results are identical.
+        result = [c.finish(summed, ctx) for c, (_, ctx) in zip(two_round, rounds)][0]
+    elif compressor.communicator == "allreduce":
+        # Summable payloads and a ctx all workers share: decompress the sum once.
+        summed = [_sum([payload[i] for payload, _ in rounds]) for i in range(len(rounds[0][0]))]
+        result = compressor.decompress(summed, rounds[0][1])
+    else:
+        # Each receiver decompresses every gathered payload with its own ctx; worker 0 stands for all.
+        receiver_ctx = rounds[0][1]
+        result = compressor.aggregate([compressor.decompress(payload, receiver_ctx) for payload, _ in rounds])
+    if compressor.average:
+        result = result / world
+    return result.reshape(info.shape).to(info.dtype)
+
+
+def _sum(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.stack(list(tensors)).sum(dim=0)
+
+
+def check_matches(tensor: Tensor, info: TensorInfo) -> None:
+    if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+        raise CompressionError(
+            f"tensor {info.name!r} is {tuple(tensor.shape)} {tensor.dtype}, but its TensorInfo says "
+            f"{info.shape} {info.dtype}"
+        )
+
+
+# -- parameter checks shared by the compressor families (messages name the value and the allowed range) --
+
+
+def check_ratio(what: str, value: float) -> float:
+    """A fraction in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise CompressionError(f"{what}={value!r} must be in (0, 1] (fraction of elements sent)")
+    return float(value)
+
+
+def check_int(what: str, value: int, low: int, meaning: str) -> int:
+    """An integer >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise CompressionError(f"{what}={value!r} must be an integer >= {low} ({meaning})")
+    return value
+
+
+def check_unit_interval(what: str, value: float, meaning: str) -> float:
+    """A float in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise CompressionError(f"{what}={value!r} must be in [0, 1) ({meaning})")
+    return float(value)
+
+
+def check_seed(value: int | None, *, optional: bool) -> int | None:
+    """A non-negative integer seed (or None where the global RNG is acceptable)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        allowed = "an integer >= 0 or None" if optional else "an integer >= 0 (shared by all workers)"
+        raise CompressionError(f"seed={value!r} must be {allowed}")
+    return value
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to compute in: float64 stays, everything narrower is lifted to float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 indices while they fit (half the bytes of int64), int64 beyond 2**31 - 1 elements."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def numel_of(shape: int | Sequence[int]) -> int:
+    """``payload_bytes`` takes a shape or a bare element count (a merged, flat buffer)."""
+    if isinstance(shape, int):
+        return shape
+    return math.prod(int(s) for s in shape)
+
+
+def k_of(numel: int, ratio: float) -> int:
+    """Elements a sparsifier keeps: ``round(ratio * numel)``, at least 1 (round, so 0.07 * 100 is 7)."""
+    return min(numel, max(1, round(ratio * numel)))

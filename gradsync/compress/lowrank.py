@@ -1,0 +1,152 @@
+"""PowerSGD (Vogels et al. 2019): rank-r low-rank compression that still sums by allreduce, in two rounds.
+
+A tensor is viewed as a matrix ``M`` (``shape[0]`` rows, the rest as columns). With a warm-started ``Q``
+(persistent per tensor), one power iteration is: ``P = M Q``, allreduce ``P``, orthonormalise ``P``,
+``Q = M^T P``, allreduce ``Q``, and the update is ``P Q^T`` (Vogels et al. Algorithm 1). Because ``P`` is
+shared after the first round, each worker's contribution ``P Q_w^T`` is linear in ``M_w``: the sum of the
+``Q_w`` is exact and error feedback (``residual`` memory) sees ``M_w - P Q_w^T``. See
+:class:`~gradsync.compress.base.TwoRoundCompressor` for the communicator's sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradsync.compress.base import (
+    CompressionError,
+    Context,
+    TensorInfo,
+    TwoRoundCompressor,
+    check_int,
+    check_matches,
+    check_seed,
+    numel_of,
+    register_compressor,
+    stable_seed,
+    work_dtype,
+)
+
+__all__ = ["PowerSGD", "orthonormalize"]
+
+
+def orthonormalize(p: Tensor) -> Tensor:
+    """Orthonormal columns spanning ``p``'s (Householder QR; PowerSGD uses Gram-Schmidt, same span)."""
+    return torch.linalg.qr(p, mode="reduced").Q
+
+
+@register_compressor("powersgd")
+class PowerSGD(TwoRoundCompressor):
+    """Rank-``rank`` PowerSGD with one power iteration per step and a warm-started Q per tensor.
+
+    Tensors with fewer than 2 dimensions, or whose matrix would shrink by less than
+    ``min_compression_rate`` (``rows * cols / ((rows + cols) * r)``, as PyTorch's PowerSGD hook does), are
+    sent uncompressed in one round. ``seed`` draws the first Q: every worker must use the same seed.
+    Payload: ``[P, Q]`` in the tensor's dtype (one round) or ``[Q_w]`` after the shared P (two rounds).
+    """
+
+    def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, seed: int = 0) -> None:
+        super().__init__()
+        self.rank = check_int("rank", rank, 1, "rank of the low-rank approximation")
+        if (
+            isinstance(min_compression_rate, bool)
+            or not isinstance(min_compression_rate, (int, float))
+            or not (min_compression_rate >= 0)
+        ):
+            raise CompressionError(
+                f"min_compression_rate={min_compression_rate!r} must be >= 0 (dense/low-rank size below which a "
+                "tensor is sent uncompressed; 0 compresses every matrix)"
+            )
+        self.min_compression_rate = float(min_compression_rate)
+        self.seed = check_seed(seed, optional=False)
+
+    def warm_start(self, name: str) -> Tensor | None:
+        """The Q the next power iteration for ``name`` starts from (None before its first step)."""
+        return self._state.get(name)
+
+    # -- shape plan ---------------------------------------------------------------------------------------
+
+    def matrix_plan(self, shape: int | Sequence[int]) -> tuple[int, int, int] | None:
+        """``(rows, cols, effective rank)`` when the tensor is compressed, None when it is sent dense."""
+        if isinstance(shape, int) or len(shape) < 2:
+            return None
+        rows = int(shape[0])
+        cols = numel_of(shape) // rows if rows else 0
+        r = min(self.rank, rows, cols)
+        if r < 1 or rows * cols < self.min_compression_rate * (rows + cols) * r:
+            return None
+        return rows, cols, r
+
+    def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
+        plan = self.matrix_plan(shape)
+        if plan is None:
+            return numel_of(shape) * dtype.itemsize
+        rows, cols, r = plan
+        return (rows + cols) * r * dtype.itemsize
+
+    # -- one round (single worker, or allgather) -------------------------------------------------------------
+
+    def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
+        plan = self.matrix_plan(info.shape)
+        if plan is None:
+            return [flat], Context(info)
+        m = self._matrix(flat, info, plan)
+        p = orthonormalize(m @ self._warm_q(info, plan, m))
+        q = m.T @ p
+        self._state[info.name] = q
+        return [p.to(info.dtype), q.to(info.dtype)], Context(info)
+
+    def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
+        if self.matrix_plan(ctx.info.shape) is None:
+            return payload[0]
+        dtype = work_dtype(ctx.info.dtype)
+        p, q = (ctx.extra[0], payload[0]) if ctx.extra else (payload[0], payload[1])
+        return (p.to(dtype) @ q.to(dtype).T).reshape(-1)
+
+    # -- two rounds (allreduce) -------------------------------------------------------------------------------
+
+    def first_round(self, tensor: Tensor, info: TensorInfo) -> Tensor | None:
+        """``P_w = M_w Q`` to be summed, or None for a tensor sent dense."""
+        check_matches(tensor, info)
+        plan = self.matrix_plan(info.shape)
+        if plan is None:
+            return None
+        m = self._matrix(tensor.detach().reshape(-1), info, plan)
+        return (m @ self._warm_q(info, plan, m)).to(info.dtype)
+
+    def second_round(self, tensor: Tensor, info: TensorInfo, first_sum: Tensor | None) -> tuple[list[Tensor], Context]:
+        """``[Q_w = M_w^T P]`` with ``P`` the orthonormalised sum; the ctx keeps ``P`` (identical everywhere)."""
+        check_matches(tensor, info)
+        plan = self.matrix_plan(info.shape)
+        flat = tensor.detach().reshape(-1)
+        if plan is None:
+            return [flat], Context(info)
+        if first_sum is None:
+            raise CompressionError(f"PowerSGD compresses {info.name!r} {info.shape}: second_round needs the summed P")
+        m = self._matrix(flat, info, plan)
+        p = orthonormalize(first_sum.to(m.dtype))
+        return [(m.T @ p).to(info.dtype)], Context(info, (p,))
+
+    def finish(self, payload_sum: Sequence[Tensor], ctx: Context) -> Tensor:
+        """``P (sum_w Q_w)^T``; the summed Q warm-starts the next step (its scale is irrelevant: P is
+        orthonormalised)."""
+        plan = self.matrix_plan(ctx.info.shape)
+        if plan is not None:
+            self._state[ctx.info.name] = payload_sum[0].to(work_dtype(ctx.info.dtype))
+        return self.decompress(payload_sum, ctx)
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    def _matrix(self, flat: Tensor, info: TensorInfo, plan: tuple[int, int, int]) -> Tensor:
+        rows, cols, _ = plan
+        return flat.to(work_dtype(info.dtype)).reshape(rows, cols)
+
+    def _warm_q(self, info: TensorInfo, plan: tuple[int, int, int], m: Tensor) -> Tensor:
+        _, cols, r = plan
+        q = self._state.get(info.name)
+        if q is None or q.shape != (cols, r):
+            gen = torch.Generator().manual_seed(stable_seed("powersgd", self.seed, info.name))
+            q = torch.randn(cols, r, generator=gen, dtype=m.dtype)
+        return q.to(device=m.device, dtype=m.dtype)

@@ -1,0 +1,103 @@
+"""Bit packing: the byte strings that 1-bit, ternary and QSGD payloads really are on the wire.
+
+A compressor that claims "1 bit per element" must send ``ceil(d / 8)`` bytes, not a ``bool`` tensor (one
+byte per element): MergeComp prices a merge by payload bytes (seed 004 §4.3), so the bytes must be real.
+Everything here is vectorised torch code (Python loops run over the bytes of one field, never over
+elements) and works on any device. Bits are little-endian: element ``i``'s bit ``j`` lands at stream bit
+``i * bits + j``, and stream bit ``b`` is bit ``b % 8`` of byte ``b // 8`` (``numpy.packbits(...,
+bitorder="little")`` for ``bits == 1``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["MAX_BITS", "pack_bits", "unpack_bits", "pack_uint", "unpack_uint", "packed_nbytes"]
+
+#: The widest field ``pack_uint`` takes: a 32-bit field shifted by up to 7 bits still fits in int64.
+MAX_BITS = 32
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that ``n`` fields of ``bits`` bits occupy: ``ceil(n * bits / 8)``."""
+    _check_bits(bits)
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0 (number of packed fields)")
+    return (n * bits + 7) // 8
+
+
+def pack_bits(bits: Tensor) -> Tensor:
+    """Pack a boolean tensor (any shape, read flat) into ``ceil(n / 8)`` uint8 bytes."""
+    return pack_uint(bits.reshape(-1).to(torch.uint8), 1)
+
+
+def unpack_bits(packed: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` bits of ``packed`` as a 1-D bool tensor."""
+    return unpack_uint(packed, 1, n).to(torch.bool)
+
+
+def pack_uint(values: Tensor, bits: int) -> Tensor:
+    """Pack non-negative integers below ``2**bits`` into a uint8 stream of ``ceil(n * bits / 8)`` bytes.
+
+    Values are read flat and masked to ``bits`` bits, so a stray large value cannot corrupt its neighbours.
+    """
+    _check_bits(bits)
+    flat = values.reshape(-1)
+    if flat.dtype.is_floating_point or flat.dtype.is_complex:
+        raise TypeError(f"pack_uint needs an integer or bool tensor, got {flat.dtype}")
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    n = flat.numel()
+    nbytes = packed_nbytes(n, bits)
+    if bits == 8:
+        return (flat.to(torch.int64) & 0xFF).to(torch.uint8)
+    if 8 % bits == 0:
+        # Whole fields per byte (1, 2, 4 bits): shift each field into place and add; the fields do not
+        # overlap, so the sum is the bitwise OR and never exceeds 255.
+        per = 8 // bits
+        fields = torch.zeros(nbytes * per, dtype=torch.uint8, device=flat.device)
+        fields[:n] = (flat & ((1 << bits) - 1)).to(torch.uint8)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
+        return (fields.view(nbytes, per) << shifts).sum(dim=1, dtype=torch.uint8)
+    # General widths: a field starting at bit offset ``o`` of byte ``b`` touches bytes b .. b+span-1; add
+    # each of those byte slices into the stream (disjoint bits, so adding is OR).
+    v = flat.to(torch.int64) & ((1 << bits) - 1)
+    pos = torch.arange(n, dtype=torch.int64, device=flat.device) * bits
+    first = pos >> 3
+    shifted = v << (pos & 7)
+    span = (7 + bits + 7) // 8
+    out = torch.zeros(nbytes + span, dtype=torch.int64, device=flat.device)
+    for j in range(span):
+        out.index_add_(0, first + j, (shifted >> (8 * j)) & 0xFF)
+    return out[:nbytes].to(torch.uint8)
+
+
+def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_uint`: the first ``n`` fields as a 1-D int64 tensor."""
+    _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_uint needs a uint8 tensor, got {packed.dtype}")
+    flat = packed.reshape(-1)
+    need = packed_nbytes(n, bits)
+    if flat.numel() < need:
+        raise ValueError(f"{flat.numel()} bytes hold fewer than n={n} fields of {bits} bits (need {need} bytes)")
+    if bits == 8:
+        return flat[:n].to(torch.int64)
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
+        fields = (flat[:need].unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+        return fields.reshape(-1)[:n].to(torch.int64)
+    pos = torch.arange(n, dtype=torch.int64, device=flat.device) * bits
+    first = pos >> 3
+    span = (7 + bits + 7) // 8
+    padded = torch.cat([flat.to(torch.int64), torch.zeros(span, dtype=torch.int64, device=flat.device)])
+    word = torch.zeros(n, dtype=torch.int64, device=flat.device)
+    for j in range(span):
+        word |= padded[first + j] << (8 * j)
+    return (word >> (pos & 7)) & ((1 << bits) - 1)
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bits={bits!r} must be an integer in [1, {MAX_BITS}]")

@@ -1,0 +1,142 @@
+"""Sparsifiers with a fixed ratio (seed 004 §2.1): ``topk``, ``randk``, ``dgc``.
+
+All three send ``k = round(ratio * d)`` values (at least one). Top-k and DGC choose different indices on
+each worker, so they send the indices too and go by allgather; Rand-k draws its indices from a seed every
+worker shares, sends only the values and goes by allreduce. Pair them with error feedback (``residual``,
+or ``dgc`` for DGC's momentum correction): what is not sent this step is sent later (Stich et al. 2018).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradsync.compress.base import (
+    Compressor,
+    Context,
+    TensorInfo,
+    check_ratio,
+    check_seed,
+    index_dtype,
+    k_of,
+    numel_of,
+    register_compressor,
+    stable_seed,
+)
+
+__all__ = ["TopK", "RandK", "DGC", "scatter_flat"]
+
+
+def scatter_flat(values: Tensor, indices: Tensor, numel: int) -> Tensor:
+    """A dense 1-D tensor of ``numel`` zeros with ``values`` at ``indices``."""
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    return out.index_put_((indices.to(torch.int64),), values, accumulate=True)
+
+
+class _SparseValuesIndices(Compressor):
+    """Payload ``[values, indices]``: k values in the input's dtype and k int32 (int64 past 2**31) indices."""
+
+    communicator = "allgather"
+
+    def __init__(self, ratio: float) -> None:
+        super().__init__()
+        self.ratio = check_ratio("ratio", ratio)
+
+    @abstractmethod
+    def _select(self, magnitude: Tensor, k: int) -> Tensor:
+        """Indices of the k elements to send, given ``|x|``."""
+
+    def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
+        k = k_of(flat.numel(), self.ratio)
+        indices = self._select(flat.abs(), k)
+        return [flat[indices], indices.to(index_dtype(flat.numel()))], Context(info)
+
+    def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
+        values, indices = payload
+        return scatter_flat(values, indices, ctx.info.numel)
+
+    def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
+        numel = numel_of(shape)
+        return k_of(numel, self.ratio) * (dtype.itemsize + index_dtype(numel).itemsize)
+
+
+@register_compressor("topk")
+class TopK(_SparseValuesIndices):
+    """Top-k (Aji & Heafield 2017): exactly the k largest magnitudes; seed 004 finds ``topk()`` its bottleneck."""
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        super().__init__(ratio)
+
+    def _select(self, magnitude: Tensor, k: int) -> Tensor:
+        return torch.topk(magnitude, k, sorted=False).indices
+
+
+@register_compressor("dgc")
+class DGC(_SparseValuesIndices):
+    """DGC's selection (Lin et al. 2018 §3): estimate the top-k threshold on a random sample, then top-k
+    only among the candidates above it. The result is the exact top-k at a fraction of the sort cost.
+
+    The threshold is the ``oversample * ratio`` quantile of ``sample_ratio * d`` sampled magnitudes, so
+    usually more than k candidates pass; if fewer do, this step falls back to a full top-k. Momentum
+    correction and masking live in memory ``dgc``; warm-up and gradient clipping are left to the caller.
+    """
+
+    _MIN_SAMPLE = 64  # below this many sampled elements a quantile estimate is noise: sort everything
+    _OVERSAMPLE = 2.0  # aim at ~2k candidates so a low estimate rarely forces the fallback
+
+    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int | None = None) -> None:
+        super().__init__(ratio)
+        self.sample_ratio = check_ratio("sample_ratio", sample_ratio)
+        self.seed = check_seed(seed, optional=True)
+
+    def _select(self, magnitude: Tensor, k: int) -> Tensor:
+        numel = magnitude.numel()
+        samples = max(self._MIN_SAMPLE, math.ceil(self.sample_ratio * numel))
+        if samples * 2 >= numel:
+            return torch.topk(magnitude, k, sorted=False).indices
+        where = torch.randint(numel, (samples,), generator=self._generator(torch.device("cpu"), self.seed))
+        sample = magnitude[where.to(magnitude.device)]
+        rank = min(samples, math.ceil(self._OVERSAMPLE * self.ratio * samples))
+        threshold = torch.topk(sample, rank, sorted=False).values.min()
+        candidates = torch.nonzero(magnitude >= threshold).reshape(-1)
+        if candidates.numel() < k:
+            return torch.topk(magnitude, k, sorted=False).indices
+        return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
+
+
+@register_compressor("randk")
+class RandK(Compressor):
+    """Rand-k (Stich et al. 2018): k indices drawn from a generator seeded by ``(seed, info.name, step)``.
+
+    Every worker draws the same indices, so only the values travel and they sum by allreduce. ``step``
+    counts this compressor's ``compress`` calls per tensor name (one per training step); values are not
+    rescaled by ``d / k``: use it with ``residual`` memory, as Stich et al. do.
+    """
+
+    communicator = "allreduce"
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
+        super().__init__()
+        self.ratio = check_ratio("ratio", ratio)
+        self.seed = check_seed(seed, optional=False)
+
+    def indices(self, info: TensorInfo, step: int) -> Tensor:
+        """The indices every worker uses for ``info.name`` at ``step`` (int64, CPU)."""
+        gen = torch.Generator().manual_seed(stable_seed("randk", self.seed, info.name, step))
+        return torch.randperm(info.numel, generator=gen)[: k_of(info.numel, self.ratio)]
+
+    def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
+        step = self._state.get(info.name, 0)
+        self._state[info.name] = step + 1
+        indices = self.indices(info, step).to(flat.device)
+        return [flat[indices]], Context(info, (indices,))
+
+    def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
+        return scatter_flat(payload[0], ctx.extra[0], ctx.info.numel)
+
+    def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
+        return k_of(numel_of(shape), self.ratio) * dtype.itemsize

@@ -1,0 +1,496 @@
+"""Compressors, error feedback and the reference step (issue 8, seed 004 §2.1 and Table 1)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from gradsync.compress import (
+    COMMUNICATORS,
+    COMPRESSORS,
+    DGC,
+    MEMORIES,
+    CompressionError,
+    Compressor,
+    DGCMemory,
+    PowerSGD,
+    ResidualMemory,
+    TensorInfo,
+    create,
+    create_memory,
+    majority_vote,
+    pack_bits,
+    pack_uint,
+    packed_nbytes,
+    payload_nbytes,
+    simulate_step,
+    unpack_bits,
+    unpack_uint,
+)
+from gradsync.errors import GradsyncError
+
+NAMES = COMPRESSORS.names()
+SHAPES = [(1,), (7,), (1000,), (4097,), (40, 25), (17, 241), (8, 4, 3, 3), (64, 3, 7, 7)]
+ONE_BIT = ["signsgd", "signum", "efsignsgd", "onebit"]
+AVERAGED = [n for n in NAMES if COMPRESSORS.get(n).average]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    # The machine runs timing-sensitive benchmarks beside the tests: one intra-op thread.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _seeded(name: str, **params: object) -> Compressor:
+    """A compressor with a fixed seed where it takes one, so the tests are deterministic."""
+    if "seed" in inspect.signature(COMPRESSORS.get(name)).parameters and "seed" not in params:
+        params["seed"] = 0
+    return create(name, **params)
+
+
+def _info(x: torch.Tensor, name: str = "layer.weight") -> TensorInfo:
+    return TensorInfo.of(name, x)
+
+
+# -- packing ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 32])
+@pytest.mark.parametrize("n", [0, 1, 13, 1000])
+def test_pack_uint_round_trips_in_exact_bytes(bits: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(bits * 1000 + n)
+    values = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.int64)
+    packed = pack_uint(values, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == packed_nbytes(n, bits) == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_uint(packed, bits, n), values)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 5])
+def test_pack_uint_stream_is_little_endian_like_numpy(bits: int) -> None:
+    values = torch.randint(0, 2**bits, (101,), generator=torch.Generator().manual_seed(bits))
+    stream = ((values.numpy()[:, None] >> np.arange(bits)) & 1).astype(bool).reshape(-1)
+    assert np.array_equal(pack_uint(values, bits).numpy(), np.packbits(stream, bitorder="little"))
+
+
+def test_pack_bits_round_trip() -> None:
+    bits = torch.rand(4097, generator=torch.Generator().manual_seed(1)) > 0.5
+    packed = pack_bits(bits)
+    assert packed.numel() == 513
+    assert torch.equal(unpack_bits(packed, 4097), bits)
+
+
+def test_packing_rejects_bad_widths() -> None:
+    with pytest.raises(ValueError, match=r"bits=0 must be an integer in \[1, 32\]"):
+        pack_uint(torch.zeros(3, dtype=torch.int64), 0)
+    with pytest.raises(TypeError, match="integer or bool"):
+        pack_uint(torch.zeros(3), 4)
+    with pytest.raises(ValueError, match="need 2 bytes"):
+        unpack_uint(torch.zeros(1, dtype=torch.uint8), 4, 3)
+
+
+# -- the contract, for every registered compressor ----------------------------------------------------------
+
+
+def test_registry_holds_the_issue_methods() -> None:
+    expected = {"none", "fp16", "qsgd", "terngrad", "topk", "randk", "dgc", "efsignsgd", "signsgd", "signum"}
+    assert expected | {"onebit", "powersgd"} <= set(NAMES)
+    assert set(MEMORIES.names()) == {"none", "residual", "dgc"}
+    for name in NAMES:
+        assert COMPRESSORS.get(name).communicator in COMMUNICATORS
+        assert COMPRESSORS.get(name).name == name
+    allreduce = {n for n in NAMES if COMPRESSORS.get(n).communicator == "allreduce"}
+    assert allreduce == {"none", "fp16", "randk", "powersgd"}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_decompress_restores_shape_and_dtype(name: str, shape: tuple[int, ...]) -> None:
+    compressor = _seeded(name)
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        payload, ctx = compressor.compress(x, _info(x))
+        out = compressor.decompress(payload, ctx)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_payload_bytes_is_the_actual_payload(name: str, shape: tuple[int, ...]) -> None:
+    compressor = _seeded(name)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        payload, _ = compressor.compress(x, _info(x))
+        assert payload_nbytes(payload) == compressor.payload_bytes(shape, dtype)
+    if len(shape) == 1:  # a bare element count prices a merged flat buffer the same way
+        assert compressor.payload_bytes(shape[0], torch.float32) == compressor.payload_bytes(shape, torch.float32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_estimate_ratio_prices_compression(name: str) -> None:
+    info = TensorInfo("conv", (64, 3, 7, 7), torch.float32, position=3)
+    ratio = create(name).estimate_ratio(info)
+    assert ratio == 1.0 if name == "none" else ratio <= 0.5
+
+
+@pytest.mark.parametrize("name", ONE_BIT)
+@pytest.mark.parametrize("numel", [1000, 4097, 64 * 3 * 7 * 7])
+def test_one_bit_methods_send_d_over_8_bytes(name: str, numel: int) -> None:
+    compressor = create(name)
+    extra = compressor.payload_bytes(numel, torch.float32) - math.ceil(numel / 8)
+    assert 0 <= extra <= 8  # at most two float32 scalars
+    x = torch.randn(numel)
+    assert payload_nbytes(compressor.compress(x, _info(x))[0]) == math.ceil(numel / 8) + extra
+
+
+def test_compress_checks_the_tensor_matches_its_info() -> None:
+    x = torch.randn(4, 5)
+    with pytest.raises(CompressionError, match=r"is \(4, 5\) torch.float32, but its TensorInfo says \(20,\)"):
+        create("topk").compress(x, TensorInfo("w", (20,), torch.float32))
+    with pytest.raises(CompressionError, match="floating"):
+        TensorInfo("w", (3,), torch.int64)
+    info = TensorInfo("w", [4, 5], torch.float32, position=2)
+    assert info.shape == (4, 5) and info.numel == 20 and info.nbytes == 80
+    with pytest.raises(AttributeError):
+        info.name = "v"  # type: ignore[misc]
+
+
+# -- sparsifiers ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+@pytest.mark.parametrize("numel,ratio", [(1000, 0.01), (4097, 0.1), (20000, 0.01), (7, 0.3)])
+def test_sparsifiers_keep_exactly_the_k_largest(name: str, numel: int, ratio: float) -> None:
+    x = torch.randperm(numel, generator=torch.Generator().manual_seed(numel)).float() - numel / 2 + 0.5  # distinct
+    compressor = _seeded(name, ratio=ratio)
+    payload, ctx = compressor.compress(x, _info(x))
+    k = round(ratio * numel)
+    values, indices = payload
+    assert values.numel() == indices.numel() == k and indices.dtype == torch.int32
+    assert set(indices.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+    out = compressor.decompress(payload, ctx)
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[indices.long()] = True
+    assert torch.equal(out[mask], x[mask]) and not out[~mask].any()
+
+
+def test_dgc_falls_back_to_exact_topk_when_the_sampled_threshold_is_too_high(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(DGC, "_OVERSAMPLE", 1e-6)  # threshold = the sample's max: too few candidates
+    payload, _ = create("dgc", ratio=0.05, seed=0).compress(x, _info(x))
+    assert set(payload[1].tolist()) == set(torch.topk(x.abs(), 1000).indices.tolist())
+
+
+def test_randk_indices_are_shared_across_workers_and_change_per_step() -> None:
+    x = torch.randn(1000)
+    info = _info(x)
+    a, b = create("randk", ratio=0.05, seed=7), create("randk", ratio=0.05, seed=7)
+    (_, ctx_a1), (_, ctx_b1) = a.compress(x, info), b.compress(torch.randn(1000), info)
+    (_, ctx_a2), (_, ctx_b2) = a.compress(x, info), b.compress(x, info)
+    assert torch.equal(ctx_a1.extra[0], ctx_b1.extra[0])
+    assert torch.equal(ctx_a2.extra[0], ctx_b2.extra[0])
+    assert not torch.equal(ctx_a1.extra[0], ctx_a2.extra[0])
+    assert len(set(ctx_a1.extra[0].tolist())) == 50
+    assert torch.equal(a.indices(info, 0), ctx_a1.extra[0])
+    assert not torch.equal(a.indices(info, 0), a.indices(TensorInfo("other", (1000,), torch.float32), 0))
+
+
+def test_randk_allreduce_sums_values_at_the_shared_indices() -> None:
+    grads = [torch.randn(500, generator=torch.Generator().manual_seed(w)) for w in range(3)]
+    info = _info(grads[0])
+    workers = [create("randk", ratio=0.1) for _ in range(3)]
+    out = simulate_step(workers, [create_memory("none") for _ in range(3)], grads, info)
+    idx = create("randk", ratio=0.1).indices(info, 0)
+    expected = torch.zeros(500)
+    expected[idx] = torch.stack(grads).mean(0)[idx]
+    torch.testing.assert_close(out, expected)
+
+
+# -- unbiased quantizers ------------------------------------------------------------------------------------
+
+
+def _mean_of_draws(name: str, x: torch.Tensor, draws: int, **params: object) -> torch.Tensor:
+    compressor = create(name, seed=0, **params)
+    info = _info(x)
+    total = torch.zeros_like(x)
+    for _ in range(draws):
+        total += compressor.decompress(*compressor.compress(x, info))
+    return total / draws
+
+
+@pytest.mark.parametrize("bucket_size", [None, 8])
+def test_qsgd_is_unbiased(bucket_size: int | None) -> None:
+    x = torch.randn(32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    levels, draws = 2, 2000
+    mean = _mean_of_draws("qsgd", x, draws, levels=levels, bucket_size=bucket_size)
+    # Each element is norm/s * (floor(a) + Bernoulli(frac(a))): variance <= (norm/s)^2 / 4. Five standard
+    # errors of the mean bound a per-element miss with probability ~6e-7 each.
+    norm = x.norm() if bucket_size is None else x.view(-1, bucket_size).norm(dim=1).max()
+    tolerance = 5 * (norm / levels) / (2 * math.sqrt(draws))
+    assert (mean - x).abs().max() <= tolerance
+
+
+def test_qsgd_values_are_on_the_grid_and_within_one_level() -> None:
+    x = torch.randn(300, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    compressor = create("qsgd", levels=4, seed=1)
+    out = compressor.decompress(*compressor.compress(x, _info(x)))
+    step = x.norm() / 4
+    grid = out / step
+    torch.testing.assert_close(grid, grid.round(), atol=1e-5, rtol=0)
+    assert ((out - x).abs() <= step + 1e-6).all()
+    assert compressor.bits == 4  # 3 bits of level (0..4) + 1 of sign
+
+
+def test_terngrad_is_unbiased_and_ternary() -> None:
+    x = torch.randn(32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    draws = 2000
+    mean = _mean_of_draws("terngrad", x, draws)
+    scale = x.abs().max()
+    assert (mean - x).abs().max() <= 5 * scale / (2 * math.sqrt(draws))  # Bernoulli variance <= scale^2/4
+    compressor = create("terngrad", seed=3)
+    out = compressor.decompress(*compressor.compress(x, _info(x)))
+    assert set((out / scale.float()).round().tolist()) <= {-1.0, 0.0, 1.0}
+
+
+# -- 1-bit methods -----------------------------------------------------------------------------------------
+
+
+def test_efsignsgd_decompresses_to_mean_abs_times_sign() -> None:
+    x = torch.randn(4097, generator=torch.Generator().manual_seed(8))
+    compressor = create("efsignsgd")
+    out = compressor.decompress(*compressor.compress(x, _info(x)))
+    torch.testing.assert_close(out, x.abs().mean() * torch.sign(x))
+
+
+def test_onebit_decompresses_to_the_two_means() -> None:
+    x = torch.tensor([3.0, 1.0, -2.0, -4.0, 0.5])
+    compressor = create("onebit")
+    out = compressor.decompress(*compressor.compress(x, _info(x)))
+    torch.testing.assert_close(out, torch.tensor([1.5, 1.5, -3.0, -3.0, 1.5]))
+
+
+@pytest.mark.parametrize("name", ["signsgd", "signum"])
+def test_sign_methods_aggregate_by_majority_vote(name: str) -> None:
+    grads = [
+        torch.tensor([1.0, -2.0, 3.0, -0.5]),
+        torch.tensor([0.2, 1.0, -1.0, -1.0]),
+        torch.tensor([-5.0, 4.0, 0.1, -2.0]),
+    ]
+    info = _info(grads[0])
+    workers = [create(name) for _ in grads]
+    out = simulate_step(workers, [create_memory("none") for _ in grads], grads, info)
+    # votes per element: (+,+,-) (-,+,+) (+,-,+) (-,-,-): majority +, +, +, -; not averaged over workers
+    assert torch.equal(out, torch.tensor([1.0, 1.0, 1.0, -1.0]))
+    assert torch.equal(majority_vote([torch.ones(2), -torch.ones(2)]), torch.zeros(2))  # a tie abstains
+
+
+def test_signum_keeps_momentum_per_tensor() -> None:
+    compressor = create("signum", momentum=0.5)
+    info = TensorInfo("w", (2,), torch.float32)
+    compressor.compress(torch.tensor([4.0, -4.0]), info)  # m = [2, -2]
+    payload, ctx = compressor.compress(torch.tensor([-1.0, 1.0]), info)  # m = [0.5, -0.5]: signs persist
+    assert torch.equal(compressor.decompress(payload, ctx), torch.tensor([1.0, -1.0]))
+    other = TensorInfo("v", (2,), torch.float32)
+    assert torch.equal(
+        compressor.decompress(*compressor.compress(torch.tensor([-1.0, 1.0]), other)), torch.tensor([-1.0, 1.0])
+    )
+
+
+# -- error feedback ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_residual_memory_conserves_the_gradient_sum(name: str) -> None:
+    """sum_t sent_t + e_T = sum_t g_t, since e_t = (g_t + e_{t-1}) - sent_t (closed form, exact up to rounding)."""
+    gen = torch.Generator().manual_seed(9)
+    compressor, memory = _seeded(name, **({"min_compression_rate": 0} if name == "powersgd" else {})), ResidualMemory()
+    info = TensorInfo("w", (8, 16), torch.float64)
+    sent, grads = torch.zeros(8, 16, dtype=torch.float64), torch.zeros(8, 16, dtype=torch.float64)
+    for _ in range(6):
+        g = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+        grads += g
+        sent += simulate_step([compressor], [memory], [g], info)
+    residual = memory.residual("w")
+    assert residual is not None
+    torch.testing.assert_close(sent + residual, grads, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", AVERAGED)
+def test_residual_memory_conserves_the_sum_over_workers(name: str) -> None:
+    """With W workers and a summing aggregate: W * sum_t out_t + sum_w e_w = sum of every worker's gradients."""
+    world, gen = 3, torch.Generator().manual_seed(10)
+    params = {"min_compression_rate": 0} if name == "powersgd" else {}
+    compressors = [_seeded(name, **params) for _ in range(world)]
+    memories = [ResidualMemory() for _ in range(world)]
+    info = TensorInfo("w", (6, 10), torch.float64)
+    sent, grads = torch.zeros(6, 10, dtype=torch.float64), torch.zeros(6, 10, dtype=torch.float64)
+    for _ in range(4):
+        g = [torch.randn(6, 10, generator=gen, dtype=torch.float64) for _ in range(world)]
+        grads += sum(g)
+        sent += world * simulate_step(compressors, memories, g, info)
+    residuals = sum(m.residual("w") for m in memories)
+    # fp16's allreduce sums in fp16: that rounding happens after the memories saw their payloads.
+    atol = 3 * 4 * 2**-10 * grads.abs().max().item() if name == "fp16" else 1e-9
+    torch.testing.assert_close(sent + residuals, grads, rtol=0, atol=atol)
+
+
+def test_dgc_memory_with_zero_momentum_is_residual_memory() -> None:
+    gen = torch.Generator().manual_seed(11)
+    info = TensorInfo("w", (200,), torch.float64)
+    a, b = create("topk", ratio=0.05), create("topk", ratio=0.05)
+    dgc, residual = DGCMemory(momentum=0.0), ResidualMemory()
+    for _ in range(4):
+        g = torch.randn(200, generator=gen, dtype=torch.float64)
+        torch.testing.assert_close(simulate_step([a], [dgc], [g], info), simulate_step([b], [residual], [g], info))
+    torch.testing.assert_close(dgc.velocity("w"), residual.residual("w"))
+
+
+def test_dgc_memory_corrects_momentum_and_masks_it_where_sent() -> None:
+    """u_t = m u_{t-1} + g_t; v accumulates u; after sending, sum_t sent_t + v_T = sum_t u_t."""
+    gen, m = torch.Generator().manual_seed(12), 0.9
+    info = TensorInfo("w", (300,), torch.float64)
+    compressor, memory = create("dgc", ratio=0.05, seed=0), DGCMemory(momentum=m)
+    sent, momenta = torch.zeros(300, dtype=torch.float64), torch.zeros(300, dtype=torch.float64)
+    for _ in range(5):
+        g = torch.randn(300, generator=gen, dtype=torch.float64)
+        u_before = memory.momentum_buffer("w")
+        u_before = torch.zeros_like(g) if u_before is None else u_before
+        momenta += m * u_before + g
+        out = simulate_step([compressor], [memory], [g], info)
+        sent += out
+        u_after, v_after = memory.momentum_buffer("w"), memory.velocity("w")
+        assert not u_after[out != 0].any() and not v_after[out != 0].any()  # factor masking
+    torch.testing.assert_close(sent + memory.velocity("w"), momenta, rtol=0, atol=1e-9)
+
+
+# -- PowerSGD ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (4, 2, 3, 3)], ids=str)
+def test_powersgd_full_rank_reconstructs_exactly(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    rows, cols = shape[0], x.numel() // shape[0]
+    compressor = create("powersgd", rank=min(rows, cols), min_compression_rate=0)
+    payload, ctx = compressor.compress(x, _info(x))
+    assert len(payload) == 2  # the low-rank path ran, not the dense fallback
+    torch.testing.assert_close(compressor.decompress(payload, ctx), x, rtol=0, atol=1e-10)
+
+
+def test_powersgd_recovers_a_rank_one_matrix_in_one_step() -> None:
+    gen = torch.Generator().manual_seed(14)
+    u, v = torch.randn(30, 1, generator=gen), torch.randn(1, 50, generator=gen)
+    x = u @ v
+    compressor = create("powersgd", rank=1)
+    payload, ctx = compressor.compress(x, _info(x))
+    assert [t.shape for t in payload] == [(30, 1), (50, 1)]
+    torch.testing.assert_close(compressor.decompress(payload, ctx), x, rtol=1e-5, atol=1e-5)
+
+
+def test_powersgd_two_rounds_sum_rank_one_workers_exactly() -> None:
+    """Workers sharing a column space: P = sum_w M_w Q spans it, so P P^T sum_w M_w is exact."""
+    gen, world = torch.Generator().manual_seed(15), 3
+    u = torch.randn(20, 1, generator=gen)
+    grads = [u @ torch.randn(1, 40, generator=gen) for _ in range(world)]
+    info = _info(grads[0])
+    compressors = [PowerSGD(rank=1) for _ in range(world)]
+    out = simulate_step(compressors, [create_memory("none") for _ in range(world)], grads, info)
+    torch.testing.assert_close(out, sum(grads) / world, rtol=1e-5, atol=1e-5)
+    states = [c.warm_start("layer.weight") for c in compressors]
+    assert all(torch.equal(s, states[0]) for s in states)  # the same warm start everywhere
+
+
+def test_powersgd_warm_start_converges_to_the_best_rank_one() -> None:
+    gen = torch.Generator().manual_seed(16)
+    left, _ = torch.linalg.qr(torch.randn(40, 3, generator=gen, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(60, 3, generator=gen, dtype=torch.float64))
+    x = left @ torch.diag(torch.tensor([5.0, 2.0, 1.0], dtype=torch.float64)) @ right.T
+    compressor = create("powersgd", rank=1)
+    for _ in range(40):  # one power iteration per step, warm-started from the last Q
+        out = compressor.decompress(*compressor.compress(x, _info(x)))
+    assert abs((out - x).norm().item() - math.sqrt(2.0**2 + 1.0**2)) < 1e-6
+
+
+def test_powersgd_sends_vectors_and_small_matrices_dense() -> None:
+    compressor = create("powersgd", rank=4)
+    for shape in [(1000,), (3, 3)]:
+        x = torch.randn(shape)
+        assert compressor.first_round(x, _info(x)) is None
+        payload, ctx = compressor.compress(x, _info(x))
+        assert len(payload) == 1 and torch.equal(compressor.decompress(payload, ctx), x)
+
+
+# -- registry and parameters ----------------------------------------------------------------------------------
+
+
+def test_unknown_names_list_the_known_ones() -> None:
+    with pytest.raises(CompressionError, match=r"unknown compressor 'topkk'; known: .*topk.* Did you mean 'topk'"):
+        create("topkk")
+    with pytest.raises(CompressionError, match=r"unknown memory 'residul'; known: none, residual, dgc"):
+        create_memory("residul")
+    assert issubclass(CompressionError, GradsyncError) and issubclass(CompressionError, ValueError)
+    assert type(create("fp32")).name == "none"  # aliases resolve
+
+
+def test_unknown_parameters_name_the_accepted_ones() -> None:
+    with pytest.raises(CompressionError, match=r"compressor 'topk' has no parameter 'rank'; it takes: ratio"):
+        create("topk", rank=2)
+    with pytest.raises(CompressionError, match="it takes: no parameters"):
+        create("signsgd", ratio=0.5)
+
+
+@pytest.mark.parametrize(
+    "name,params,message",
+    [
+        ("topk", {"ratio": 0}, r"ratio=0 must be in \(0, 1\]"),
+        ("topk", {"ratio": 1.5}, r"ratio=1.5 must be in \(0, 1\]"),
+        ("randk", {"ratio": -0.1}, r"ratio=-0.1 must be in \(0, 1\]"),
+        ("dgc", {"ratio": 2}, r"ratio=2 must be in \(0, 1\]"),
+        ("dgc", {"sample_ratio": 0.0}, r"sample_ratio=0.0 must be in \(0, 1\]"),
+        ("qsgd", {"levels": 0}, r"levels=0 must be an integer >= 1"),
+        ("qsgd", {"levels": 2.5}, r"levels=2.5 must be an integer >= 1"),
+        ("qsgd", {"bucket_size": 0}, r"bucket_size=0 must be an integer >= 1"),
+        ("powersgd", {"rank": 0}, r"rank=0 must be an integer >= 1"),
+        ("powersgd", {"min_compression_rate": -1}, r"min_compression_rate=-1 must be >= 0"),
+        ("signum", {"momentum": 1.0}, r"momentum=1.0 must be in \[0, 1\)"),
+        ("randk", {"seed": None}, r"seed=None must be an integer >= 0"),
+    ],
+)
+def test_bad_parameters_name_the_value_and_the_range(name: str, params: dict[str, object], message: str) -> None:
+    with pytest.raises(CompressionError, match=message):
+        create(name, **params)
+
+
+def test_bad_memory_parameters() -> None:
+    with pytest.raises(CompressionError, match=r"momentum=1.5 must be in \[0, 1\)"):
+        create_memory("dgc", momentum=1.5)
+
+
+def test_simulate_step_needs_one_compressor_and_memory_per_worker() -> None:
+    x = torch.randn(4)
+    with pytest.raises(CompressionError, match="got 1 compressors, 2 memories, 2 gradients"):
+        simulate_step([create("none")], [create_memory("none")] * 2, [x, x], _info(x))
+    with pytest.raises(CompressionError, match="same compressor"):
+        simulate_step([create("none"), create("fp16")], [create_memory("none")] * 2, [x, x], _info(x))
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "topk", "qsgd"])
+def test_simulate_step_averages_summable_methods(name: str) -> None:
+    grads = [torch.randn(64, generator=torch.Generator().manual_seed(w)) for w in range(4)]
+    compressors = [_seeded(name, **({"ratio": 1.0} if name == "topk" else {})) for _ in grads]
+    out = simulate_step(compressors, [create_memory("none") for _ in grads], grads, _info(grads[0]))
+    tol = 2 * max(g.norm() for g in grads).item() / 127 if name == "qsgd" else 1e-3
+    torch.testing.assert_close(out, torch.stack(grads).mean(0), rtol=0, atol=tol)
+
+
+def test_repr_names_the_parameters() -> None:
+    assert repr(create("topk", ratio=0.05)) == "TopK(ratio=0.05)"
+    assert repr(create_memory("dgc", momentum=0.5)) == "DGCMemory(momentum=0.5)"
