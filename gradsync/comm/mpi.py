@@ -61,8 +61,9 @@ MPI_DTYPES: dict[torch.dtype, str] = {
 }
 
 _INT_MAX = 2**31 - 1  # MPI counts are C ints unless the library has the MPI-4 large-count (_c) routines
-_POLL_START_S = 20e-6  # first back-off sleep of a wait; doubles up to _POLL_MAX_S
-_POLL_MAX_S = 1e-3
+_SPIN_S = 100e-6  # a wait first spins on Test for this long: most messages of a pipelined schedule land within it
+_POLL_START_S = 20e-6  # then sleeps with a back-off that doubles up to _POLL_MAX_S
+_POLL_MAX_S = 200e-6  # a longer sleep delays noticing a finished message by up to that much, once per message
 _CANCEL_GRACE_S = 1.0  # how long a timed-out receive may take to finish its cancellation
 
 
@@ -237,7 +238,11 @@ class MPIHandle:
         """Block until done; :class:`PeerError` naming the peer on an MPI error or after ``timeout_s`` of silence."""
         if self.test():
             return
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while time.monotonic() - start < _SPIN_S:
+            if self.test():
+                return
         pause = _POLL_START_S
         while True:
             time.sleep(pause)
