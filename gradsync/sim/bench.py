@@ -92,6 +92,9 @@ register_benchmark("bml-fig5", "benchmarks/bml_fig5.py:main",
 register_benchmark("allreduce-loopback", "benchmarks/allreduce_loopback.py:main",
                    "gradsync executor (ring/tree/lp/multiring) vs gloo and MPI allreduce, 2 and 4 processes on "
                    "loopback; writes allreduce_loopback.{json,png}")
+register_benchmark("bml-testbed", "benchmarks/bml_testbed.py:main",
+                   "seed 001 in miniature on the emulated cluster (root): GST and JCT of BML on BCube(3,2) vs PS on "
+                   "switch:9 over TCP, measured and simulated; writes bml_testbed.{json,png}")
 
 
 # ---- sim-scaling -----------------------------------------------------------------------------------------

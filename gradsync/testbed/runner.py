@@ -42,6 +42,7 @@ def worker_env(plan: TestbedPlan, rank: int, world: Sequence[int], master_port: 
         STATE_ENV: state,
     })
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # many servers on few cores: one intra-op thread each
     return env
 
 
