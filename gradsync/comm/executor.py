@@ -263,6 +263,8 @@ class Executor:
         stats = self.stats
         early: dict[int, tuple[Handle, torch.Tensor]] = {}  # transfer index -> receive posted ahead of its phase
         windowed: set[int] = set()  # receives in the heap whose bytes count against the window
+        due: set[int] = set()  # receives already posted by their phase: never post them ahead (a second
+        # receive with the same tag would steal the next collective's message)
         window = [self.recv_window_bytes if ordered is None and like is not None else 0, 0]  # [bytes left, next]
         recv_order = self._recv_order
 
@@ -275,7 +277,7 @@ class Executor:
                 if nbytes > window[0]:
                     return
                 window[1] += 1
-                if nbytes == 0:
+                if nbytes == 0 or act.index in due:
                     continue
                 buf = self._take_scratch(sizes[act.chunk], like)
                 early[act.index] = (transport.irecv(buf, act.peer, act.tag), buf)
@@ -292,6 +294,7 @@ class Executor:
                 windowed.add(act.index)
                 stats.bytes_received += size * like.element_size()
             else:
+                due.add(act.index)
                 direct = not act.reduce and len(chunk_views) == 1
                 buf = chunk_views[0] if direct else self._take_scratch(size, like)
                 handle = transport.irecv(buf, act.peer, act.tag)

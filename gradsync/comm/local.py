@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -31,7 +30,11 @@ class LocalFabric:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
-        self._boxes: dict[tuple[int, int, int], deque[torch.Tensor]] = {}
+        # Like the real engines, the n-th receive *posted* for (src, dst, tag) gets the n-th message sent with
+        # it, whenever either side gets there: a receive posted twice by mistake steals a later message.
+        self._boxes: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+        self._sent: dict[tuple[int, int, int], int] = {}
+        self._posted: dict[tuple[int, int, int], int] = {}
         self._cv = threading.Condition()
         self._failed: set[int] = set()
         self.reports: dict[int, tuple[int, str]] = {}
@@ -46,17 +49,27 @@ class LocalFabric:
             self._cv.notify_all()
 
     def _put(self, src: int, dst: int, tag: int, payload: torch.Tensor) -> None:
+        key = (src, dst, tag)
         with self._cv:
-            self._boxes.setdefault((src, dst, tag), deque()).append(payload)
+            seq = self._sent.get(key, 0)
+            self._sent[key] = seq + 1
+            self._boxes.setdefault(key, {})[seq] = payload
             self._cv.notify_all()
 
-    def _take(self, src: int, dst: int, tag: int, timeout_s: float) -> torch.Tensor:
+    def _ticket(self, src: int, dst: int, tag: int) -> int:
+        key = (src, dst, tag)
+        with self._cv:
+            n = self._posted.get(key, 0)
+            self._posted[key] = n + 1
+            return n
+
+    def _take(self, src: int, dst: int, tag: int, ticket: int, timeout_s: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while True:
                 box = self._boxes.get((src, dst, tag))
-                if box:
-                    return box.popleft()
+                if box and ticket in box:
+                    return box.pop(ticket)
                 if src in self._failed:
                     raise PeerError(f"rank {src} closed its connection (marked failed)", src)
                 left = deadline - time.monotonic()
@@ -71,13 +84,14 @@ class _Done:
 
 
 class _Recv:
-    __slots__ = ("_fabric", "_key", "_out")
+    __slots__ = ("_fabric", "_key", "_out", "_ticket")
 
     def __init__(self, fabric: LocalFabric, key: tuple[int, int, int], out: torch.Tensor) -> None:
         self._fabric, self._key, self._out = fabric, key, out
+        self._ticket = fabric._ticket(*key)
 
     def wait(self, timeout_s: float) -> None:
-        payload = self._fabric._take(*self._key, timeout_s)
+        payload = self._fabric._take(*self._key, self._ticket, timeout_s)
         if payload.numel() != self._out.numel():
             raise RuntimeError(f"message {self._key} has {payload.numel()} elements, the receive expects {self._out.numel()}")
         self._out.copy_(payload)
