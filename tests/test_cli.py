@@ -147,3 +147,13 @@ def test_run_starts_workers_with_torchrun_env(tmp_path):
         assert f"[rank {r}] topo ring:3 sum [6.0, 6.0, 6.0, 6.0, 6.0] {r}" in p.stdout
     bad = run("run", "-n", "2", "--", sys.executable, "-c", "import sys; sys.exit(3)", cwd=tmp_path)
     assert bad.returncode == 3
+
+
+def test_compress_list_prices_every_compressor(tmp_path):
+    p = run("compress", "list", "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)["rows"]}
+    d = 1024 * 1024
+    assert rows["none"]["payload_bytes_1Mi_fp32"] == 4 * d and rows["fp16"]["ratio"] == 2.0
+    assert rows["signsgd"]["payload_bytes_1Mi_fp32"] == d // 8  # really one bit per element
+    assert rows["topk"]["communicator"] == "allgather" and rows["randk"]["communicator"] == "allreduce"
