@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from gradsync.models import check_num_classes
+from gradsync.models.resnet import init_conv_bn
 
 __all__ = ["BLOCKS", "ConvBNReLU", "Inception", "InceptionBlock", "inception"]
 
@@ -96,13 +97,7 @@ class Inception(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.dropout = nn.Dropout(p=dropout)
         self.fc = nn.Linear(channels, num_classes)
-        on_meta = next(self.parameters()).is_meta  # weightless: nothing to fill, and meta normal_() costs ~3 s
-        for m in () if on_meta else self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
+        init_conv_bn(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.avgpool(self.blocks(self.stem(x)))

@@ -14,7 +14,19 @@ from torch import nn
 
 from gradsync.models import check_num_classes
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet50", "resnet152"]
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "init_conv_bn", "resnet18", "resnet50", "resnet152"]
+
+
+def init_conv_bn(model: nn.Module) -> None:
+    """torchvision's initialisation for conv + batch-norm networks (He normal, BN weight 1, bias 0)."""
+    if next(model.parameters()).is_meta:  # weightless: nothing to fill, and meta normal_() costs ~3 s
+        return
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
 
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -102,13 +114,7 @@ class ResNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(512 * block.expansion, num_classes)
 
-        on_meta = next(self.parameters()).is_meta  # weightless: nothing to fill, and meta normal_() costs ~3 s
-        for m in () if on_meta else self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
+        init_conv_bn(self)
         if zero_init_residual:
             for m in self.modules():
                 if isinstance(m, Bottleneck):
