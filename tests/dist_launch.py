@@ -1,26 +1,22 @@
 """Launch a worker script once per rank with torchrun's environment and collect what each rank reports.
 
-A small launcher of our own (no ``torch.testing._internal``): free port on loopback, one subprocess per
-rank, a deadline after which every rank is killed, and each rank's stderr in the failure message.
+Built on gradsync.launch's environment (no ``torch.testing._internal``), but each rank's output goes to
+its own log file so a failure message can show the failing rank's stderr, and each rank's JSON report is
+collected for the test to assert on.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from gradsync.launch import free_port, torchrun_env
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: float = 240,
@@ -30,13 +26,13 @@ def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: f
     ``allow_exit`` maps ranks to the exit code they are expected to end with (a killed rank); every other
     rank must exit 0.
     """
-    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    port = free_port()
+    base = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = []
     logs = []
     for r in range(world):
         log = open(out_dir / f"rank{r}.log", "w+")
-        env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
+        env = torchrun_env(r, world, "127.0.0.1", port, base)
         procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         logs.append(log)
     deadline = time.monotonic() + timeout_s

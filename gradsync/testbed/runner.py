@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from gradsync.launch import TIMEOUT_EXIT, free_port, run_workers
+from gradsync.launch import TIMEOUT_EXIT, free_port, run_workers, torchrun_env
 from gradsync.testbed import netns
 from gradsync.testbed.build import TestbedPlan
 from gradsync.testbed.control import STATE_ENV, load_state, resolve_state_path
@@ -26,23 +26,18 @@ def worker_env(plan: TestbedPlan, rank: int, world: Sequence[int], master_port: 
                base: Mapping[str, str] | None = None) -> dict[str, str]:
     """torchrun's variables for process ``rank`` of ``world`` (server ranks), plus the interface settings."""
     server = plan.server(world[rank])
-    env = dict(os.environ if base is None else base)
+    env = torchrun_env(rank, len(world), plan.server(world[0]).address, master_port, base)
     env.update({
-        "RANK": str(rank),
-        "WORLD_SIZE": str(len(world)),
+        # one worker per emulated host: each is local rank 0 of its own node
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1",
         "GROUP_RANK": str(rank),
-        "MASTER_ADDR": plan.server(world[0]).address,
-        "MASTER_PORT": str(master_port),
         "GLOO_SOCKET_IFNAME": server.ifname,
         "TP_SOCKET_IFNAME": server.ifname,
         "NCCL_SOCKET_IFNAME": server.ifname,
         "GRADSYNC_TESTBED_ADDR": server.address,
         STATE_ENV: state,
     })
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # many servers on few cores: one intra-op thread each
     return env
 
 
