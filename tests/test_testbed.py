@@ -287,7 +287,8 @@ class TestBcube22:
         before = {i: _tx("gs-h0", f"gs-nic{i}") for i in (0, 1)}
         (row,) = probe([(0, 1)], seconds=0.5, state_path=state, stream=io.StringIO())
         sent = {i: _tx("gs-h0", f"gs-nic{i}") - before[i] for i in (0, 1)}
-        assert row["ok"], row
+        # The rate itself is checked to ±15% on switch:3; here the point is which NIC carries it.
+        assert row["measured_mbit"] >= 0.5 * row["expected_mbit"], row
         assert sent[0] >= row["bytes"] and sent[1] < 0.1 * row["bytes"], (sent, row)
 
     def test_non_neighbours_are_relayed(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
@@ -297,7 +298,7 @@ class TestBcube22:
         before = {w: _tx(*w) for w in watch}
         (row,) = probe([(0, 3)], seconds=0.5, state_path=state, stream=io.StringIO())
         sent = {w: _tx(*w) - before[w] for w in watch}
-        assert row["path"] == [0, 2, 3] and row["ok"], row
+        assert row["path"] == [0, 2, 3] and row["measured_mbit"] >= 0.5 * row["expected_mbit"], row
         # Data: s00 -> (level 1) -> s10 relays -> (level 0) -> s11. BCube routing is not symmetric: the ACKs
         # go s11 -> s01 -> s00, so s01's level-0 NIC carries a few percent (ACKs) and the rest stay quiet.
         assert sent[("gs-h0", "gs-nic1")] >= row["bytes"]

@@ -63,14 +63,21 @@ def probe_pair(plan: TestbedPlan, src: int, dst: int, seconds: float = 1.0) -> d
 
 def probe(pairs: Iterable[tuple[int, int]] | None = None, seconds: float = 1.0, *,
           state_path: str | os.PathLike[str] | None = None, tolerance: float = DEFAULT_TOLERANCE,
-          stream: TextIO | None = None, max_pairs: int = MAX_PAIRS) -> list[dict[str, Any]]:
+          stream: TextIO | None = None, max_pairs: int = MAX_PAIRS, attempts: int = 3) -> list[dict[str, Any]]:
     """Measure each pair ``(src, dst)`` (default: every pair, or a sample of ``max_pairs``) and print a table.
 
+    A pair that misses ``tolerance`` is measured again, up to ``attempts`` times, and its best rate is kept:
+    the probe asks what the emulated link can carry, and on a shared VM one second of TCP can lose half its
+    rate to CPU stalls in the Python sender or receiver (seen here: 20-95 Mbit/s on a 100 Mbit/s link
+    while the host was busy, 94-96 otherwise).
+
     Each row: ``src``, ``dst``, ``path`` (ranks crossed), ``measured_mbit``, ``expected_mbit``, ``ok``
-    (within ``tolerance``), ``bytes``, ``seconds``.
+    (within ``tolerance``), ``bytes``, ``seconds``, ``attempts``.
     """
     if seconds <= 0:
         raise TestbedError(f"probe seconds must be positive, got {seconds!r}")
+    if attempts < 1:
+        raise TestbedError(f"probe attempts must be >= 1, got {attempts!r}")
     netns.require()
     plan = load_state(state_path)
     todo = sample_pairs(plan, max_pairs) if pairs is None else [(int(a), int(b)) for a, b in pairs]
@@ -81,12 +88,21 @@ def probe(pairs: Iterable[tuple[int, int]] | None = None, seconds: float = 1.0, 
     rows: list[dict[str, Any]] = []
     for src, dst in todo:
         expected = plan.expected_mbit(src, dst)
-        got = probe_pair(plan, src, dst, seconds)
-        measured = float(got["mbit"])
+        best: dict[str, Any] | None = None
+        tries = 0
+        while tries < attempts:
+            tries += 1
+            got = probe_pair(plan, src, dst, seconds)
+            if best is None or float(got["mbit"]) > float(best["mbit"]):
+                best = got
+            if abs(float(best["mbit"]) - expected) <= tolerance * expected:
+                break
+        assert best is not None
+        measured = float(best["mbit"])
         rows.append({
             "src": src, "dst": dst, "path": plan.path(src, dst), "measured_mbit": round(measured, 2),
             "expected_mbit": round(expected, 2), "ok": abs(measured - expected) <= tolerance * expected,
-            "bytes": int(got["bytes"]), "seconds": round(float(got["seconds"]), 3),
+            "bytes": int(best["bytes"]), "seconds": round(float(best["seconds"]), 3), "attempts": tries,
         })
     print(format_table(rows, tolerance), file=stream or sys.stdout, flush=True)
     return rows
