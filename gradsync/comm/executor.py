@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -89,7 +89,6 @@ class ExecStats:
     bytes_received: int = 0
     messages: int = 0
     runs: int = 0
-    history: list[float] = field(default_factory=list)
 
 
 def process_mapping(schedule: Schedule, mapping: Sequence[int] | Mapping[str, int] | None, world_size: int) -> list[int]:
@@ -241,7 +240,6 @@ class Executor:
         dt = time.perf_counter() - t0
         self.stats.seconds += dt
         self.stats.runs += 1
-        self.stats.history.append(dt)
         return tensors if single else tlist
 
     # ---- the dataflow ---------------------------------------------------------------------------------
