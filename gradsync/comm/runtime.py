@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gradsync.comm import lifetime
 from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.errors import CommError, GradsyncError
@@ -265,8 +266,6 @@ _RUNTIME: Runtime | None = None
 
 
 def _init_process_group(backend: str | None, timeout_s: float) -> None:
-    import datetime
-
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -281,7 +280,7 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    lifetime.init_process_group(backend, timeout_s)  # ours, so destroyed cleanly at exit
 
 
 def init(
@@ -313,6 +312,7 @@ def init(
     if _RUNTIME is not None:
         _RUNTIME.shutdown()
     _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s)
+    lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
 
 
@@ -345,7 +345,8 @@ def allgather_async(tensor: torch.Tensor) -> Work:
 
 
 def shutdown() -> None:
-    """Stop the default runtime's communication thread (the process group stays up)."""
+    """Stop the default runtime's communication thread (the process group stays up until exit, when
+    gradsync destroys the groups it created; see :mod:`gradsync.comm.lifetime`)."""
     global _RUNTIME
     if _RUNTIME is not None:
         _RUNTIME.shutdown()

@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from gradsync.comm import lifetime
 from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.registry import Registry
 
@@ -138,6 +139,7 @@ class TorchTransport:
         if dedicated:
             ranks = dist.get_process_group_ranks(base)
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=dist.get_backend(base))
+            lifetime.own(group)
         else:
             group = base
         self._dist = dist

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from gradsync.comm import lifetime
 from gradsync.errors import GradsyncError
 from gradsync.ps.client import PSClient, Request, flat_view, place
 from gradsync.ps.env import CLIENTS_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
@@ -397,11 +398,12 @@ class PSKVStore(KVStore):
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=self.num_workers)
+            lifetime.init_process_group("gloo", self.config.timeout_s, rank=self.rank, world_size=self.num_workers)
         size = self.num_workers // self.config.num_clients
         mine = None
         for c in range(self.config.num_clients):
             g = dist.new_group(list(range(c * size, (c + 1) * size)))
+            lifetime.own(g)
             if c == self.config.client:
                 mine = g
         self._master_rank = self.config.client * size
