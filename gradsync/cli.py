@@ -95,10 +95,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = PlanOptions(pipeline=args.pipeline, size_bytes=parse_size(args.size), latency_s=args.latency)
     schedule = synthesize(args.algorithm, topo, options)
     report = evaluate(schedule, topo, options.size_bytes, options.latency_s)
+    from gradsync.sim.cost import CostModel
+
+    model = CostModel()
+    runtime_s = model.predict(schedule, topo, options.size_bytes)  # as the runtime executes it
+    native_s = model.predict_native(topo, options.size_bytes)
     if args.output:
         schedule.save(args.output)
     if args.json:
-        _emit_json(report.to_dict())
+        _emit_json({**report.to_dict(), "runtime_model": {**model.to_dict(), "time_s": runtime_s, "native_time_s": native_s}})
         return 0
     b = report.limits
     print(f"{report.algorithm} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link {report.unit_bandwidth_GBps:g} GB/s)")
@@ -107,6 +112,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if b.optimum is not None:
         print(f"  Lemma 2.1: max c_e {b.max_link_cost:.6g} >= C(T_MWST) {b.tree:.6g} >= C(G) {b.optimum:.6g} >= (n-1)/sum 1/c_e {b.sum_bound:.6g}")
     print(f"  allreduce of {report.size_bytes:.6g} B: {report.time_s * 1e3:.4g} ms, algbw {report.algbw_GBps:.4g} GB/s")
+    print(f"  runtime cost model (store-and-forward, {model.message_s * 1e6:g} us/message): {runtime_s * 1e3:.4g} ms; "
+          f"torch.distributed.all_reduce (rank-order ring): {native_s * 1e3:.4g} ms")
     print(f"  {report.chunks} chunks, {report.transfers} transfers, {report.steps} steps, {len(report.trees)} trees")
     print("  link class       links  max busy (C units)  max util  mean util")
     for kind, c in sorted(report.link_classes.items()):
@@ -132,9 +139,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         schedule.check(topo)
     else:
         schedule = synthesize(args.algorithm, topo, PlanOptions(pipeline=args.pipeline, size_bytes=total, latency_s=args.latency))
+    if not args.message_s >= 0:
+        raise GradsyncError(f"--message-s {args.message_s!r} must be >= 0 seconds")
+    if args.runtime_model:
+        from gradsync.sim.cost import CostModel
+
+        args.store_and_forward, args.message_s = True, CostModel().message_s
     result = simulate(
         schedule, topo, sizes if len(sizes) > 1 else total, streaming=not args.store_and_forward,
-        latency_s=args.latency, merge_tensors=not args.per_tensor, fairness=args.fairness,
+        latency_s=args.latency, message_s=args.message_s, merge_tensors=not args.per_tensor, fairness=args.fairness,
         progress=True if args.progress else None,
     )
     cost = schedule.link_loads(topo).cost(topo.costs)
@@ -310,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--size", default="100MB", help="bytes (548MB, 1GiB) or a tensor list (4MB,16MB,1MB)")
     sm.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")
     sm.add_argument("--store-and-forward", action="store_true", help="a transfer waits for its inputs to finish (default: streaming)")
+    sm.add_argument("--message-s", type=float, default=0.0,
+                    help="software cost per message in seconds (the runtime's alpha; see gradsync.sim.cost)")
+    sm.add_argument("--runtime-model", action="store_true",
+                    help="simulate as the runtime executes: store-and-forward with the cost model's message cost")
     sm.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")
     sm.add_argument("--fairness", default="size", choices=["size", "flow"],
                     help="link sharing: max-min fair per byte (default) or per flow")

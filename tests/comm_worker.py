@@ -31,10 +31,12 @@ def scenario_sums(topology: str, only: str = "") -> dict:
     """Every applicable synthesizer (or those in ``only``): the result equals the exact sum on every rank."""
     rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=60)
     checked, failures = [], []
-    for alg in SYNTHESIZERS.names():
-        if SYNTHESIZERS.get(alg).applicable(rt.topology) or (only and alg not in only.split(",")):
+    names = [*SYNTHESIZERS.names(), "native"]  # native: the backend's all_reduce, which auto may choose
+    for alg in names:
+        if (alg != "native" and SYNTHESIZERS.get(alg).applicable(rt.topology)) or (only and alg not in only.split(",")):
             continue
-        for dtype in (torch.float32, torch.float64):
+        dtypes = (torch.float32, torch.float64, torch.int64) if alg in ("auto", "native") else (torch.float32, torch.float64)
+        for dtype in dtypes:
             for numels in ([0], [1], [2], [13], [1009], [65537], [7, 0, 31, 2]):
                 xs = _inputs(RANK, numels, dtype)
                 rt.allreduce(xs if len(xs) > 1 else xs[0], algorithm=alg)
@@ -42,12 +44,15 @@ def scenario_sums(topology: str, only: str = "") -> dict:
                 if not all(torch.equal(x.to(torch.float64), e) for x, e in zip(xs, exp)):
                     failures.append(f"{alg} {dtype} {numels}")
         checked.append(alg)
-    x = torch.ones(10, dtype=torch.float64) * (RANK + 1)
-    gradsync.allreduce(x, op="avg")
-    if not torch.allclose(x, torch.full((10,), (WORLD + 1) / 2, dtype=torch.float64)):
-        failures.append("avg")
+    for alg in () if only else ("auto", "native"):
+        x = torch.ones(10, dtype=torch.float64) * (RANK + 1)
+        gradsync.allreduce(x, op="avg", algorithm=alg)
+        if not torch.allclose(x, torch.full((10,), (WORLD + 1) / 2, dtype=torch.float64)):
+            failures.append(f"avg {alg}")
+    sizes = () if only else (4096, 1 << 20, 1 << 26)
+    chosen = {str(n): [rt.chooser.choose(n).algorithm, rt.chooser.choose(n).pipeline] for n in sizes}
     gradsync.shutdown()
-    return {"checked": checked, "failures": failures}
+    return {"checked": checked, "failures": failures, "auto": chosen}
 
 
 def _model() -> torch.nn.Module:

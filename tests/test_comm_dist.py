@@ -13,7 +13,7 @@ WORKER = "tests/comm_worker.py"
 
 def _applicable(topology: str) -> list[str]:
     topo = get_topology(topology)
-    return [a for a in SYNTHESIZERS.names() if not SYNTHESIZERS.get(a).applicable(topo)]
+    return [a for a in SYNTHESIZERS.names() if not SYNTHESIZERS.get(a).applicable(topo)] + ["native"]
 
 
 @pytest.mark.parametrize("world,topology", [(2, "switch:2"), (3, "switch:3"), (4, "bcube:2,2")])
@@ -26,6 +26,11 @@ def test_every_synthesizer_sums_on_processes(tmp_path, world, topology):
         assert rep is not None, f"rank {rank} wrote no report"
         assert rep["checked"] == expected
         assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
+        assert rep["auto"] == reports[0]["auto"]  # every rank makes the same choice per size class
+    if topology == "switch:2":  # one link each way: nothing beats the backend's own ring, auto keeps it
+        assert {a for a, _ in reports[0]["auto"].values()} == {"native"}
+    if topology == "bcube:2,2":  # two switch levels: a planned schedule wins at some size
+        assert {a for a, _ in reports[0]["auto"].values()} - {"native"}
 
 
 def test_bml_on_bcube_3_2_with_nine_processes(tmp_path):

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from gradsync.comm.transport import Transport, create_transport
 from gradsync.errors import CommError, GradsyncError
 from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import PlanOptions, synthesize
+from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
@@ -74,6 +75,7 @@ class Runtime:
         options: PlanOptions | None = None,
         mapping: Sequence[int] | Mapping[str, int] | None = None,
         timeout_s: float = 60.0,
+        cost_model: CostModel | None = None,
     ) -> None:
         self.transport = transport
         if topology is None:
@@ -89,7 +91,9 @@ class Runtime:
         self.options = options or PlanOptions()
         self.mapping = mapping
         self.timeout_s = timeout_s
-        self._executors: dict[str, Executor] = {}
+        self.cost_model = cost_model or CostModel()
+        self._chooser: Chooser | None = None
+        self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         self._queue: queue.Queue = queue.Queue()
         self._failed: BaseException | None = None
         self.comm_seconds = 0.0  # time the communication thread spent running collectives
@@ -106,24 +110,56 @@ class Runtime:
     def world_size(self) -> int:
         return self.transport.world_size
 
-    def executor(self, algorithm: str | None = None) -> Executor:
-        """The executor for ``algorithm`` (default: the runtime's), planned once and cached."""
+    @property
+    def chooser(self) -> Chooser:
+        """Picks (algorithm, pipeline depth) per message-size class with the runtime's cost model.
+
+        The backend's own allreduce (``native``) is a candidate when the transport has a process group and
+        topology ranks are process ranks (it runs in process order), so ``auto`` never loses to it where
+        the model says they are equal (a flat switch, small messages).
+        """
+        if self._chooser is None:
+            native = getattr(self.transport, "group", None) is not None and self.mapping is None
+            self._chooser = Chooser(self.topology, self.cost_model, native=native, options=self.options)
+        return self._chooser
+
+    def executor(self, algorithm: str | None = None, nbytes: float | None = None) -> Executor | NativeAllreduce:
+        """The executor for ``algorithm`` (default: the runtime's), planned once and cached.
+
+        ``auto`` chooses per size class of ``nbytes`` (default ``options.size_bytes``) with :attr:`chooser`;
+        a named algorithm runs at ``options.pipeline``.
+        """
         name = algorithm or self.algorithm
-        ex = self._executors.get(name)
+        if name == "auto":
+            choice = self.chooser.choose(self.options.size_bytes if nbytes is None else nbytes)
+            name, pipeline = choice.algorithm, choice.pipeline
+        else:
+            pipeline = self.options.pipeline
+        key = (name, pipeline)
+        ex = self._executors.get(key)
         if ex is None:
-            schedule = synthesize(name, self.topology, self.options)
-            ex = self._executors[name] = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s)
+            if name == NATIVE:
+                if getattr(self.transport, "group", None) is None:
+                    raise GradsyncError(f"algorithm {NATIVE!r} needs a torch.distributed transport; this one is {self.transport.name!r}")
+                ex = NativeAllreduce(self.transport, native_schedule(self.topology))
+            else:
+                if self._chooser is not None and name in self._chooser.algorithms and self.algorithm == "auto":
+                    schedule = self._chooser.schedule(name, pipeline)  # planned while choosing
+                else:
+                    schedule = synthesize(name, self.topology, replace(self.options, pipeline=pipeline))
+                ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s)
+            self._executors[key] = ex
         return ex
 
-    def schedule(self, algorithm: str | None = None) -> Schedule:
-        return self.executor(algorithm).schedule
+    def schedule(self, algorithm: str | None = None, nbytes: float | None = None) -> Schedule:
+        return self.executor(algorithm, nbytes).schedule
 
     # ---- collectives ---------------------------------------------------------------------------------------
     def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
         """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once."""
         if op not in OPS:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
-        ex = self.executor(algorithm)
+        ex = self.executor(algorithm, _nbytes(tensors))
         fut: torch.futures.Future = torch.futures.Future()
         if self._failed is not None:
             fut.set_exception(CommError(f"the gradsync runtime failed earlier and cannot run more collectives: {self._failed}"))
@@ -162,7 +198,7 @@ class Runtime:
         self._check_comm_thread("run_allreduce", "allreduce")
         if op not in OPS:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
-        return self.executor(algorithm).run(tensors, op)
+        return self.executor(algorithm, _nbytes(tensors)).run(tensors, op)
 
     def run_allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's 1-D ``tensor`` (sizes may differ between ranks), in rank order; comm thread only.
@@ -220,6 +256,53 @@ class Runtime:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(self.timeout_s)
+
+
+def _nbytes(tensors: Tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class NativeAllreduce:
+    """The backend's own ``torch.distributed.all_reduce`` behind the executor's interface (``auto`` picks
+    it where the cost model says no planned schedule beats it). A tensor list of one dtype is reduced as
+    one flat buffer; in place, like :meth:`Executor.run`."""
+
+    def __init__(self, transport: Transport, schedule: Schedule) -> None:
+        self.transport = transport
+        self.schedule = schedule  # the rank-order ring it is priced as
+        self.runs = 0
+
+    def run(self, tensors: Tensors, op: str = "sum") -> Tensors:
+        import torch.distributed as dist
+
+        if op not in OPS:
+            raise GradsyncError(f"op={op!r} is not one of {OPS}")
+        single = isinstance(tensors, torch.Tensor)
+        tlist = [tensors] if single else list(tensors)
+        if op == "avg" and tlist and not (tlist[0].is_floating_point() or tlist[0].is_complex()):
+            raise TypeError(f"op='avg' needs a floating-point tensor, got {tlist[0].dtype}; use op='sum' or convert first")
+        group = self.transport.group  # type: ignore[attr-defined]
+        try:
+            for same in dtype_groups(tlist):
+                if len(same) == 1 and same[0].is_contiguous():
+                    dist.all_reduce(same[0], group=group)
+                    flat = same[0]
+                else:
+                    flat = torch.cat([t.reshape(-1) for t in same])
+                    dist.all_reduce(flat, group=group)
+                    offset = 0
+                    for t in same:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+                if op == "avg":
+                    for t in same:
+                        t.div_(self.transport.world_size)
+        except RuntimeError as exc:
+            raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
+        self.runs += 1
+        return tensors if single else tlist
 
 
 def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -293,6 +376,7 @@ def init(
     mapping: Sequence[int] | Mapping[str, int] | None = None,
     options: PlanOptions | None = None,
     timeout_s: float = 60.0,
+    cost_model: CostModel | str | None = None,
 ) -> Runtime:
     """Start gradsync in this process and return the runtime (also kept as the default).
 
@@ -300,6 +384,9 @@ def init(
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT) unless it already is, and uses ``group`` (default: the world).
     ``transport="mpi"`` uses ``mpi4py``'s COMM_WORLD. ``topology`` defaults to ``$GRADSYNC_TOPOLOGY`` or
     ``switch:<world_size>``; ``mapping`` places topology ranks on process ranks (default: in order).
+    ``cost_model`` (a :class:`~gradsync.sim.cost.CostModel`, a JSON file, or ``$GRADSYNC_COST_MODEL``)
+    prices schedules for ``algorithm="auto"``, which chooses per message size (native collective
+    included); without one, the topology's own rates and default message costs are used.
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -311,9 +398,25 @@ def init(
         tr = create_transport(transport, timeout_s=timeout_s)
     if _RUNTIME is not None:
         _RUNTIME.shutdown()
-    _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s)
+    model = load_cost_model(cost_model if cost_model is not None else os.environ.get("GRADSYNC_COST_MODEL"))
+    _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model)
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
+
+
+def load_cost_model(source: CostModel | str | None) -> CostModel | None:
+    """A :class:`CostModel` as given, read from a JSON file (validated), or ``None`` for the defaults."""
+    if source is None or source == "" or isinstance(source, CostModel):
+        return source or None
+    import json
+
+    try:
+        with open(source, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise GradsyncError(f"cost model file {source!r} cannot be read as JSON: {exc}; "
+                            f"write one with CostModel(...).to_dict() or unset GRADSYNC_COST_MODEL") from exc
+    return CostModel.from_dict(data)
 
 
 def is_initialized() -> bool:

@@ -331,22 +331,15 @@ def plan_lp(topology: Topology, options: PlanOptions) -> Schedule:
 
 @synthesizer("auto")
 def plan_auto(topology: Topology, options: PlanOptions) -> Schedule:
-    """The applicable algorithm with the least predicted time for ``size_bytes`` (and ``latency_s``)."""
-    from gradsync.plan.report import predicted_time  # local: report imports this module
+    """The (algorithm, pipeline depth) with the least time for ``size_bytes`` under the runtime's cost model
+    (:mod:`gradsync.sim.cost`: store-and-forward per sub-chunk, a cost per message), not the fluid cost."""
+    from gradsync.sim.cost import Chooser  # local: the cost model simulates, and sim imports plan
 
-    best: tuple[float, Schedule] | None = None
-    times: dict[str, float] = {}
-    for name, entry in SYNTHESIZERS.items():
-        if name == "auto" or entry.applicable(topology):
-            continue
-        schedule = entry.fn(topology, options)
-        t = predicted_time(schedule, topology, options.size_bytes, options.latency_s)
-        times[name] = t
-        if best is None or t < best[0] * (1 - 1e-9):
-            best = (t, schedule)
-    assert best is not None
-    chosen = best[1]
-    meta = {**dict(chosen.meta), "auto": {"chosen": chosen.algorithm, "predicted_time_s": times}}
+    chooser = Chooser(topology, options=options)
+    choice = chooser.choose(options.size_bytes, exact=True)
+    chosen = chooser.schedule(choice.algorithm, choice.pipeline)
+    times = {f"{c.algorithm}/{c.pipeline}": c.predicted_s for c in choice.candidates}
+    meta = {**dict(chosen.meta), "auto": {"chosen": chosen.algorithm, "pipeline": choice.pipeline,
+                                          "algorithms": list(chooser.algorithms), "predicted_time_s": times}}
     return Schedule(chosen.algorithm, chosen.topology, chosen.ranks, chosen.chunks, chosen.transfers,
                     chosen.collective, chosen.trees, meta)
-

@@ -511,6 +511,7 @@ def simulate(
     streaming: bool = True,
     latency: bool = True,
     latency_s: float | None = None,
+    message_s: float = 0.0,
     merge_tensors: bool = True,
     fairness: str = "size",
     progress: bool | TextIO | None = None,
@@ -520,6 +521,8 @@ def simulate(
 
     * ``streaming``: inputs stream through a transfer (default) or it waits for them (store-and-forward).
     * ``latency``: honour the links' ``latency_s``; ``latency_s`` overrides every hop's (seconds per hop).
+    * ``message_s``: a per-message cost added once to every flow's latency (the runtime's α, see
+      :mod:`gradsync.sim.cost`), on top of the hops' latencies.
     * ``merge_tensors``: a tensor list moves as one flow per transfer (default) or one per (tensor, transfer).
     * ``fairness``: ``"size"`` shares links max-min fairly per byte of flow (default), ``"flow"`` per flow.
     * ``progress``: a line on stderr every 2 s; ``None``: only when stderr is a terminal; or a stream.
@@ -531,7 +534,7 @@ def simulate(
     if fairness not in FAIRNESS:
         raise SimulationError(f"fairness={fairness!r}; use one of {list(FAIRNESS)}")
     wall = time.perf_counter()
-    fs = build_flows(schedule, topology, sizes, merge=merge_tensors, latency=latency, latency_s=latency_s)
+    fs = build_flows(schedule, topology, sizes, merge=merge_tensors, latency=latency, latency_s=latency_s, message_s=message_s)
     stream: TextIO | None
     if progress is None:
         stream = sys.stderr if sys.stderr.isatty() else None

@@ -189,14 +189,18 @@ def build_flows(
     merge: bool = True,
     latency: bool = True,
     latency_s: float | None = None,
+    message_s: float = 0.0,
 ) -> FlowSet:
     """Flows of ``schedule`` on ``topology`` for tensors of ``sizes`` bytes (see the module docstring).
 
     ``latency_s`` (per hop) overrides every link's own latency; ``latency=False`` zeroes them.
+    ``message_s`` is added once per flow (a message's software cost at its ends, whatever its route).
     """
     schedule.require_topology(topology)
     if latency_s is not None and not (isinstance(latency_s, (int, float)) and math.isfinite(latency_s) and latency_s >= 0):
         raise SimulationError(f"latency_s={latency_s!r} must be a number of seconds >= 0 (per hop)")
+    if not (isinstance(message_s, (int, float)) and math.isfinite(message_s) and message_s >= 0):
+        raise SimulationError(f"message_s={message_s!r} must be a number of seconds >= 0 (per message)")
     c = _columns(schedule)
     n_t = c.chunk.shape[0]
     n_c = len(schedule.chunks)
@@ -258,7 +262,7 @@ def build_flows(
         step=np.tile(c.step, k),
         src=np.tile(c.src, k),
         dst=np.tile(c.dst, k),
-        latency_s=np.tile(route_lat[c.route_id], k) if n_t else np.zeros(0),
+        latency_s=np.tile(route_lat[c.route_id] + float(message_s), k) if n_t else np.zeros(0),
         incidence=incidence,
         capacity=capacity,
         group=grp,

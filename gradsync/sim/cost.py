@@ -1,0 +1,255 @@
+"""One cost model for the planner, the simulator and the runtime: a schedule's time as the runtime runs it.
+
+The executor (:mod:`gradsync.comm.executor`) moves each (sub-)chunk of a schedule as one message and
+forwards or reduces it only once it has fully arrived: *store-and-forward per sub-chunk*. Every message
+pays a fixed software cost α (posting, waiting, the Python around it, the transport's own handshakes)
+besides its bytes; links are duplex; a transport reaches only a share of a link's rate (TCP goodput).
+That is exactly the event simulator's store-and-forward mode (:func:`gradsync.sim.simulate` with
+``streaming=False``) with ``message_s = α`` on the topology with calibrated link rates, so the model *is*
+that simulation, not a second formula that could drift from it. Closed forms it reproduces (tested):
+
+* ring allreduce on N ranks, M bytes, link rate β:  ``2 (N-1) (M / (N β) + α)``;
+* a chain of h hops pipelined in P sub-chunks:       ``(h + P - 1) (M / (P β) + α)`` — so P trades α
+  against overlap, and the best P grows like ``sqrt(M (h-1) / (α β))``.
+
+The planner's fluid cost ``max_e c_e load_e`` (seed 000) is the P → ∞, α → 0 limit of this model.
+
+``native`` is the backend's own collective (``torch.distributed.all_reduce``: gloo's ring in rank order,
+run in C++), priced by the same simulation of a rank-order ring with the backend's own α. A runtime whose
+transport has a process group may choose it; a plan never contains it.
+
+Calibration: the defaults are the topology file's rates with α for gloo over TCP on loopback; a
+:class:`CostModel` can be measured (``gradsync.init(calibrate=True)``, cached per topology) or written by
+hand, and is plain JSON (``to_dict``/``from_dict``, validated).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gradsync.errors import PlanError
+from gradsync.plan.routing import router_for
+from gradsync.plan.schedule import Chunk, Schedule
+from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions, ring_transfers, split_chunks
+from gradsync.sim.engine import simulate
+from gradsync.topology.model import Topology
+
+__all__ = ["NATIVE", "Candidate", "Choice", "Chooser", "CostModel", "native_schedule", "size_class"]
+
+#: The pseudo-algorithm name for the backend's own allreduce.
+NATIVE = "native"
+
+#: Smallest size class: every message up to this many bytes is planned as this size.
+MIN_CLASS_BYTES = 4096
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise PlanError(f"{name}={value!r} must be a finite number of seconds >= 0")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """α–β costs of the runtime's messages; see the module docstring for the model.
+
+    ``message_s``: α of one executor message (gloo p2p from Python). ``native_message_s``: α of one step
+    of the backend's own ring allreduce (C++). ``goodput``: share of every link's rate a transport
+    reaches, in (0, 1]. ``link_GBps``: measured rates per link class (``Link.kind``) replacing the
+    topology file's (before ``goodput``). ``pipelines``: sub-chunk counts the chooser tries.
+    ``source`` says where the numbers came from (``defaults``, ``measured``, ``probe``, a file).
+    """
+
+    message_s: float = 150e-6
+    native_message_s: float = 60e-6
+    goodput: float = 1.0
+    link_GBps: Mapping[str, float] = field(default_factory=dict)
+    pipelines: tuple[int, ...] = (1, 2, 4, 8, 16)
+    source: str = "defaults"
+
+    def __post_init__(self) -> None:
+        _seconds("message_s", self.message_s)
+        _seconds("native_message_s", self.native_message_s)
+        g = self.goodput
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
+            raise PlanError(f"goodput={g!r} must lie in (0, 1]: the share of a link's rate a transport reaches")
+        for kind, bw in dict(self.link_GBps).items():
+            if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+                raise PlanError(
+                    f"link_GBps[{kind!r}]={bw!r}: a measured rate must be a positive number of GB/s "
+                    f"(a link that measured 0 is down or the probe failed; fix it or drop the entry)"
+                )
+        if not self.pipelines or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.pipelines):
+            raise PlanError(f"pipelines={self.pipelines!r} must be a non-empty tuple of integers >= 1")
+        object.__setattr__(self, "link_GBps", dict(self.link_GBps))
+        object.__setattr__(self, "pipelines", tuple(sorted(set(self.pipelines))))
+
+    # ---- JSON ---------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "gradsync.cost_model", "message_s": self.message_s, "native_message_s": self.native_message_s,
+                "goodput": self.goodput, "link_GBps": dict(self.link_GBps), "pipelines": list(self.pipelines),
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostModel:
+        if not isinstance(data, dict) or data.get("type") != "gradsync.cost_model":
+            raise PlanError("a cost model file must be a JSON object with \"type\": \"gradsync.cost_model\"")
+        known = {"message_s", "native_message_s", "goodput", "link_GBps", "pipelines", "source"}
+        extra = set(data) - known - {"type"}
+        if extra:
+            raise PlanError(f"unknown cost model fields {sorted(extra)}; known: {sorted(known)}")
+        kw = {k: data[k] for k in known if k in data}
+        if "pipelines" in kw:
+            kw["pipelines"] = tuple(kw["pipelines"])
+        if "link_GBps" in kw and not isinstance(kw["link_GBps"], dict):
+            raise PlanError(f"link_GBps={kw['link_GBps']!r} must map link classes to GB/s")
+        return cls(**kw)
+
+    # ---- the model ------------------------------------------------------------------------------------------
+    def rates(self, topology: Topology) -> Topology:
+        """``topology`` with the link rates the runtime really gets (measured class rates × goodput)."""
+        if not self.link_GBps and self.goodput == 1.0:
+            return topology
+        links = tuple(replace(lk, bandwidth_GBps=self.link_GBps.get(lk.kind, lk.bandwidth_GBps) * self.goodput)
+                      for lk in topology.links)
+        return replace(topology, links=links)
+
+    def predict(self, schedule: Schedule, topology: Topology, size_bytes: float, *, native: bool = False) -> float:
+        """Seconds to allreduce ``size_bytes`` with ``schedule`` as the runtime runs it (``native``: with the
+        backend's α instead of the executor's)."""
+        alpha = self.native_message_s if native else self.message_s
+        return simulate(schedule, self.rates(topology), float(size_bytes), streaming=False,
+                        message_s=alpha, progress=False).time_s
+
+    def predict_native(self, topology: Topology, size_bytes: float) -> float:
+        """Seconds for the backend's own allreduce (a rank-order ring, :func:`native_schedule`)."""
+        return self.predict(native_schedule(topology), topology, size_bytes, native=True)
+
+
+def native_schedule(topology: Topology) -> Schedule:
+    """gloo's ring allreduce as a schedule: one ring in process-rank order, one chunk per rank."""
+    n = topology.world_size
+    if n == 1:
+        return Schedule(NATIVE, topology.name, topology.ranks, (Chunk(0.0, 1.0, 0),), ())
+    chunks, ids = split_chunks([1.0 / n] * n, 1)
+    route = router_for(topology)
+    order = list(range(n))
+    routes = [route(topology.ranks[i], topology.ranks[(i + 1) % n]) for i in range(n)]
+    transfers, roots = ring_transfers(order, [ids[p][0] for p in range(n)], routes)
+    chunks = [Chunk(ch.offset, ch.size, roots.get(i)) for i, ch in enumerate(chunks)]
+    return Schedule(NATIVE, topology.name, topology.ranks, tuple(chunks), tuple(transfers))
+
+
+def size_class(nbytes: float) -> int:
+    """The power of two at or above ``nbytes`` (at least :data:`MIN_CLASS_BYTES`): plans are kept per class."""
+    return max(MIN_CLASS_BYTES, 1 << max(0, math.ceil(math.log2(max(float(nbytes), 1.0)))))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    algorithm: str
+    pipeline: int
+    predicted_s: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen (algorithm, pipeline) for one size class, with every candidate's prediction."""
+
+    algorithm: str
+    pipeline: int
+    predicted_s: float
+    size_bytes: float
+    candidates: tuple[Candidate, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "pipeline": self.pipeline, "predicted_s": self.predicted_s,
+                "size_bytes": self.size_bytes,
+                "candidates": [{"algorithm": c.algorithm, "pipeline": c.pipeline, "predicted_s": c.predicted_s}
+                               for c in self.candidates]}
+
+
+class Chooser:
+    """Plans every applicable algorithm at every pipeline depth once, and picks per size class.
+
+    ``native=True`` adds the backend's own allreduce as a candidate (the runtime does, when its transport
+    has a process group). Ties go to the earlier candidate: ``native`` first, so gradsync only replaces the
+    backend's collective where the model says it is faster by more than ``margin`` (a fraction).
+    Deterministic: every rank that builds a chooser from the same inputs makes the same choices.
+    """
+
+    def __init__(self, topology: Topology, model: CostModel | None = None, *, algorithms: Iterable[str] | None = None,
+                 native: bool = False, options: PlanOptions | None = None, margin: float = 0.03) -> None:
+        self.topology = topology
+        self.model = model or CostModel()
+        self.options = options or PlanOptions()
+        self.native = native
+        if not 0 <= margin < 1:
+            raise PlanError(f"margin={margin!r} must lie in [0, 1)")
+        self.margin = margin
+        names = list(algorithms) if algorithms is not None else [n for n in SYNTHESIZERS.names() if n != "auto"]
+        self.algorithms = [n for n in names if n != "auto" and not SYNTHESIZERS.get(n).applicable(topology)]
+        if not self.algorithms and not native:
+            raise PlanError(f"no algorithm applies to topology {topology.name!r}")
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._choices: dict[int, Choice] = {}
+
+    def schedule(self, algorithm: str, pipeline: int) -> Schedule:
+        key = (algorithm, pipeline)
+        if key not in self._schedules:
+            if algorithm == NATIVE:
+                self._schedules[key] = native_schedule(self.topology)
+            else:
+                self._schedules[key] = SYNTHESIZERS.get(algorithm).fn(self.topology, replace(self.options, pipeline=pipeline))
+        return self._schedules[key]
+
+    def candidates(self) -> list[tuple[str, int]]:
+        """Every (algorithm, pipeline) the chooser may consider, ``native`` first."""
+        return ([(NATIVE, 1)] if self.native else []) + [(n, p) for n in self.algorithms for p in self.model.pipelines]
+
+    def choose(self, nbytes: float, *, exact: bool = False) -> Choice:
+        """The choice for ``nbytes``'s size class (cached), or for ``nbytes`` itself with ``exact``."""
+        if exact:
+            return self._choose(float(nbytes))
+        size = size_class(nbytes)
+        got = self._choices.get(size)
+        if got is None:
+            got = self._choices[size] = self._choose(size)
+        return got
+
+    def _choose(self, size: float) -> Choice:
+        """Least predicted time over the candidates, with two exact prunings (the prediction of a
+        schedule is never below its fluid time ``cost * size / unit_bw``, which pipelining approaches from
+        above): an algorithm whose fluid time already exceeds the best prediction is skipped, and an
+        algorithm's pipeline depths are tried in increasing order until the prediction stops falling
+        (α grows with the depth while the fill time shrinks: one minimum)."""
+        cands: list[Candidate] = []
+        if self.native:
+            cands.append(Candidate(NATIVE, 1, self.model.predict_native(self.topology, size)))
+        unit = float(self.topology.unit_bandwidth_GBps or 1.0) * 1e9
+        fast = self.model.rates(self.topology)
+        for name in self.algorithms:
+            best_so_far = min((c.predicted_s for c in cands), default=math.inf)
+            first = self.schedule(name, self.model.pipelines[0])
+            fluid = first.link_loads(fast).cost(fast.costs) * size / unit
+            if fluid >= best_so_far:
+                continue
+            prev = math.inf
+            for p in self.model.pipelines:
+                t = self.model.predict(self.schedule(name, p), self.topology, size)
+                cands.append(Candidate(name, p, t))
+                if t >= prev:
+                    break
+                prev = t
+        best = min(cands, key=lambda c: c.predicted_s)
+        if self.native and best.algorithm != NATIVE:
+            nat = cands[0]
+            if best.predicted_s > nat.predicted_s * (1 - self.margin):
+                best = nat  # not clearly faster: keep the backend's own collective
+        return Choice(best.algorithm, best.pipeline, best.predicted_s, size, tuple(cands))
+
+    def table(self, sizes: Sequence[float]) -> list[Choice]:
+        return [self.choose(s) for s in sizes]

@@ -1,0 +1,93 @@
+"""The runtime's cost model (gradsync.sim.cost): closed forms, calibration input, the chooser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradsync.comm.runtime import load_cost_model
+from gradsync.errors import GradsyncError, PlanError
+from gradsync.plan import synthesize
+from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
+from gradsync.topology import get_topology
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("alpha", [0.0, 1e-4])
+def test_native_ring_is_the_store_and_forward_closed_form(n, alpha):
+    """gloo's ring in rank order: 2(N-1) steps of M/N bytes, each paying α: 2(N-1)(M/(Nβ) + α)."""
+    t = get_topology(f"ring:{n}")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m = 3e7
+    model = CostModel(native_message_s=alpha)
+    assert model.predict_native(t, m) == pytest.approx(2 * (n - 1) * (m / (n * beta) + alpha), rel=1e-9)
+
+
+def test_bidirectional_ring_halves_the_bytes_per_step_not_the_messages():
+    t = get_topology("ring:4")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m, alpha = 8e6, 2e-4
+    got = CostModel(message_s=alpha).predict(synthesize("ring", t), t, m)
+    assert got == pytest.approx(2 * 3 * (m / (2 * 4 * beta) + alpha), rel=1e-9)
+
+
+def test_measured_rates_and_goodput_scale_the_links():
+    t = get_topology("ring:4")
+    s = synthesize("ring", t)
+    base = CostModel(message_s=0.0).predict(s, t, 1e8)
+    kind = t.links[0].kind
+    slow = CostModel(message_s=0.0, link_GBps={kind: t.links[0].bandwidth_GBps / 2}, goodput=0.5).predict(s, t, 1e8)
+    assert slow == pytest.approx(4 * base, rel=1e-9)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"link_GBps": {"link": 0.0}}, "measured 0"),
+    ({"link_GBps": {"link": float("nan")}}, "positive number"),
+    ({"goodput": 0.0}, r"goodput=0.0 must lie in \(0, 1\]"),
+    ({"message_s": -1.0}, "message_s=-1.0"),
+    ({"pipelines": ()}, "pipelines"),
+])
+def test_bad_calibration_is_a_clear_error(bad, match):
+    with pytest.raises(PlanError, match=match):
+        CostModel(**bad)
+
+
+def test_cost_model_round_trips_through_json_and_rejects_unknown_fields(tmp_path):
+    m = CostModel(message_s=1e-4, goodput=0.9, link_GBps={"network": 1.25}, source="measured")
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps(m.to_dict()))
+    assert load_cost_model(str(f)) == m
+    with pytest.raises(PlanError, match="unknown cost model fields"):
+        CostModel.from_dict({**m.to_dict(), "alpha": 1})
+    f.write_text("{not json")
+    with pytest.raises(GradsyncError, match="cannot be read as JSON"):
+        load_cost_model(str(f))
+    assert load_cost_model(None) is None
+
+
+def test_size_classes_are_powers_of_two_from_4k():
+    assert [size_class(x) for x in (0, 1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [4096, 4096, 4096, 8192, 1 << 20, 1 << 21]
+
+
+def test_chooser_keeps_native_where_nothing_is_clearly_faster():
+    """Two ranks on one switch: every schedule is the same two messages, so the backend's ring stays."""
+    t = get_topology("switch:2")
+    ch = Chooser(t, CostModel(), native=True)
+    for size in (4096, 1 << 20, 1 << 26):
+        c = ch.choose(size)
+        assert c.algorithm == NATIVE and c.candidates[0].algorithm == NATIVE
+
+
+def test_chooser_picks_bml_on_bcube_for_large_messages():
+    """BCube(3,2): the rank-order ring crosses both switch levels; BML's 2k steps use every NIC (seed 001)."""
+    t = get_topology("bcube:3,2")
+    c = Chooser(t, CostModel(), native=True).choose(50 << 20)
+    native = c.candidates[0].predicted_s
+    assert c.algorithm != NATIVE and c.predicted_s < native / 1.8
+
+
+def test_native_schedule_checks_itself():
+    for spec in ("switch:3", "bcube:2,2", "p3.8xlarge"):
+        t = get_topology(spec)
+        native_schedule(t).check(t)
