@@ -294,6 +294,10 @@ def test_auto_considers_bml_and_hierarchical_on_bcube():
     auto = synthesize("auto", t).meta["auto"]
     assert {"bml", "hierarchical"} <= set(auto["algorithms"])
     times = auto["predicted_time_s"]  # "algorithm/pipeline" -> seconds under the runtime's cost model
-    # BML is optimal here (lp ties it), so auto's pick is never slower.
-    assert min(times.values()) == pytest.approx(min(v for k, v in times.items() if k.startswith("bml/")), rel=1e-9)
+    # BML is bandwidth-optimal here (lp ties it): under the runtime's model only message costs separate it
+    # from the fastest (a ring whose ranks receive one message a step against BML's two), and auto's
+    # pick is the fastest candidate.
+    best = min(times.values())
+    assert min(v for k, v in times.items() if k.startswith("bml/")) <= best * 1.005
+    assert times[f"{auto['chosen']}/{auto['pipeline']}"] == best
     assert "bml" not in synthesize("auto", get_topology("fattree:2")).meta["auto"]["algorithms"]

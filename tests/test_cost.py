@@ -9,6 +9,7 @@ import pytest
 from gradsync.comm.runtime import load_cost_model
 from gradsync.errors import GradsyncError, PlanError
 from gradsync.plan import synthesize
+from gradsync.plan.schedule import Chunk, Schedule, Transfer
 from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
 from gradsync.topology import get_topology
 
@@ -24,12 +25,45 @@ def test_native_ring_is_the_store_and_forward_closed_form(n, alpha):
     assert model.predict_native(t, m) == pytest.approx(2 * (n - 1) * (m / (n * beta) + alpha), rel=1e-9)
 
 
-def test_bidirectional_ring_halves_the_bytes_per_step_not_the_messages():
+def test_bidirectional_ring_halves_the_bytes_per_step():
     t = get_topology("ring:4")
     beta = t.links[0].bandwidth_GBps * 1e9
-    m, alpha = 8e6, 2e-4
-    got = CostModel(message_s=alpha).predict(synthesize("ring", t), t, m)
-    assert got == pytest.approx(2 * 3 * (m / (2 * 4 * beta) + alpha), rel=1e-9)
+    m = 8e6
+    got = CostModel(message_s=0.0).predict(synthesize("ring", t), t, m)
+    assert got == pytest.approx(2 * 3 * m / (2 * 4 * beta), rel=1e-9)
+
+
+def _chain(hops: int, pipeline: int) -> Schedule:
+    """A buffer in ``pipeline`` sub-chunks relayed along ranks 0 -> 1 -> ... -> hops of ``ring:hops+1``."""
+    chunks = tuple(Chunk(j / pipeline, 1 / pipeline, 0) for j in range(pipeline))
+    transfers = tuple(Transfer(j, k, k + 1, (f"gpu{k}", f"gpu{k + 1}"), False, k)
+                      for j in range(pipeline) for k in range(hops))
+    return Schedule("chain", f"ring:{hops + 1}", tuple(f"gpu{i}" for i in range(hops + 1)), chunks, transfers,
+                    collective="broadcast")
+
+
+@pytest.mark.parametrize("hops,pipeline", [(1, 1), (2, 4), (3, 8), (4, 3)])
+@pytest.mark.parametrize("alpha", [0.0, 3e-4])
+def test_pipelined_chain_is_the_closed_form(hops, pipeline, alpha):
+    """One message at a time per connection and per receiver: sub-chunk j leaves hop k at (k + j + 1)(τ + α),
+    so the chain takes (h + P - 1)(M/(Pβ) + α) -- pipelining pays only where the bytes outweigh α."""
+    t = get_topology(f"ring:{hops + 1}")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m = 4e7
+    got = CostModel(message_s=alpha).predict(_chain(hops, pipeline), t, m)
+    assert got == pytest.approx((hops + pipeline - 1) * (m / (pipeline * beta) + alpha), rel=1e-9)
+
+
+def test_a_receiver_handles_its_messages_one_at_a_time():
+    """Three ranks send to rank 0 of a switch at once: they share its link (3M/β), then rank 0 handles the
+    three arrivals one after another (3α) -- the fan-in a parameter server's owner pays."""
+    t = get_topology("switch:4")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m, alpha = 1e6, 2e-4
+    routes = [(f"host{i}", "sw0", "host0") for i in range(1, 4)]
+    s = Schedule("gather", "switch:4", tuple(f"host{i}" for i in range(4)), (Chunk(0.0, 1.0, 0),),
+                 tuple(Transfer(0, i, 0, r, True, 0) for i, r in zip(range(1, 4), routes)), collective="reduce")
+    assert CostModel(message_s=alpha).predict(s, t, m) == pytest.approx(3 * m / beta + 3 * alpha, rel=1e-9)
 
 
 def test_measured_rates_and_goodput_scale_the_links():

@@ -161,7 +161,8 @@ def test_lp_never_worse_and_all_schedules_check(spec):
 @pytest.mark.parametrize("size", [4096, 1e6, 1e8])
 def test_auto_is_fastest_under_the_cost_model_by_brute_force(spec, size):
     """auto's (algorithm, pipeline) is the fastest of every applicable algorithm at every depth the model
-    offers, each simulated store-and-forward with the model's per-message cost (no pruning here)."""
+    offers, each simulated as the runtime runs it: store-and-forward per sub-chunk, one message at a time per
+    connection and per receiver, the model's per-message cost (no pruning here)."""
     from gradsync.sim import simulate
     from gradsync.sim.cost import CostModel
 
@@ -174,8 +175,8 @@ def test_auto_is_fastest_under_the_cost_model_by_brute_force(spec, size):
             continue
         for p in model.pipelines:
             s = synthesize(name, t, PlanOptions(pipeline=p))
-            brute[name, p] = simulate(s, t, float(size), streaming=False, message_s=model.message_s, progress=False).time_s
-    got = simulate(auto, t, float(size), streaming=False, message_s=model.message_s, progress=False).time_s
+            brute[name, p] = simulate(s, t, float(size), streaming=False, fifo=True, message_s=model.message_s, progress=False).time_s
+    got = simulate(auto, t, float(size), streaming=False, fifo=True, message_s=model.message_s, progress=False).time_s
     assert got == pytest.approx(min(brute.values()), rel=1e-9), (auto.algorithm, auto.meta["auto"]["pipeline"], brute)
 
 

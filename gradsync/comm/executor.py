@@ -14,9 +14,11 @@ steps at which this rank sends or receives that chunk) and then runs them as a d
 
 Waiting: gloo's p2p work objects cannot be polled, and a timed-out wait closes the connection, so the
 executor blocks on one message at a time: the in-flight message with the smallest key
-``(step, priority, chunk, transfer index)``. Every dependency of a transfer has a smaller key (same
-chunk, earlier step), so the globally smallest unfinished transfer always has both ends posted and
-waited on; by induction the run cannot deadlock, whatever the schedule. Each wait has a timeout, and a
+``(order, step, priority, chunk, transfer index)``, where ``order`` is the cost model's predicted
+finish time (:meth:`~gradsync.sim.cost.CostModel.wait_order`; 0 without one, i.e. step order), so a relay
+handles sub-chunks in the order they arrive. Every dependency of a transfer, and every earlier phase of
+its chunk at either end, has a smaller key, so the globally smallest unfinished transfer always has both
+ends posted and waited on; by induction the run cannot deadlock, whatever the schedule. Each wait has a timeout, and a
 failed or silent peer surfaces as :class:`~gradsync.errors.PeerError` naming that rank.
 """
 
@@ -45,6 +47,7 @@ class Action:
     """One side of one transfer, seen from this rank."""
 
     index: int  # transfer index in the schedule
+    order: float  # when this transfer is expected to finish (Executor's ``order``; 0 when not given)
     chunk: int
     step: int
     priority: int
@@ -54,8 +57,10 @@ class Action:
     reduce: bool
 
     @property
-    def key(self) -> tuple[int, int, int, int]:
-        return (self.step, self.priority, self.chunk, self.index)
+    def key(self) -> tuple[float, int, int, int, int]:
+        """The wait order: global (both ends agree), after the transfer's dependencies and after the
+        earlier phases of its chunk at both ends (see :meth:`gradsync.sim.cost.CostModel.wait_order`)."""
+        return (self.order, self.step, self.priority, self.chunk, self.index)
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,10 @@ def _pair_tags(schedule: Schedule) -> np.ndarray:
     return tags
 
 
-def compile_program(schedule: Schedule, rank: int, proc_of: Sequence[int] | None = None) -> RankProgram:
-    """Compile schedule rank ``rank``'s phases; ``proc_of`` maps schedule ranks to process ranks."""
+def compile_program(schedule: Schedule, rank: int, proc_of: Sequence[int] | None = None,
+                    order: Sequence[float] | np.ndarray | None = None) -> RankProgram:
+    """Compile schedule rank ``rank``'s phases; ``proc_of`` maps schedule ranks to process ranks; ``order``
+    (per transfer) sets the wait order, see :class:`Executor`."""
     n = schedule.world_size
     if not 0 <= rank < n:
         raise GradsyncError(f"rank {rank} is outside the schedule's ranks 0..{n - 1}")
@@ -150,7 +157,8 @@ def compile_program(schedule: Schedule, rank: int, proc_of: Sequence[int] | None
     for i in mine.tolist():
         t = schedule.transfers[i]
         send = t.src == rank
-        act = Action(i, t.chunk, t.step, t.priority, proc[t.dst if send else t.src], int(tags[i]), send, t.reduce)
+        at = 0.0 if order is None else float(order[i])
+        act = Action(i, at, t.chunk, t.step, t.priority, proc[t.dst if send else t.src], int(tags[i]), send, t.reduce)
         sends, recvs = per_chunk[t.chunk].setdefault(t.step, ([], []))
         (sends if send else recvs).append(act)
     phases = tuple(
@@ -190,6 +198,9 @@ class Executor:
     this many bytes in flight. gloo (and MPI's rendezvous protocol) send a large message only after the
     receiver posted it, and that "ready" notice queues behind data on the same connection; posting early
     removes the round trip from every step (BML on the testbed: 0.84 s -> 0.64 s). 0 disables it.
+    ``order``: per transfer, when it is expected to finish (:meth:`gradsync.sim.cost.CostModel.wait_order`;
+    every rank must pass the same); messages are waited for in that order instead of step order, so a
+    relay handles each sub-chunk as it arrives. It must not decrease along a chunk's phases at either end.
     """
 
     def __init__(
@@ -200,6 +211,7 @@ class Executor:
         mapping: Sequence[int] | Mapping[str, int] | None = None,
         timeout_s: float = 60.0,
         recv_window_bytes: int = 64 << 20,
+        order: Sequence[float] | np.ndarray | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise GradsyncError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
@@ -211,7 +223,9 @@ class Executor:
         self.timeout_s = float(timeout_s)
         self.proc_of = process_mapping(schedule, mapping, transport.world_size)
         self.rank = self.proc_of.index(transport.rank)  # this process's schedule rank
-        self.program = compile_program(schedule, self.rank, self.proc_of)
+        if order is not None and len(order) != len(schedule.transfers):
+            raise GradsyncError(f"order has {len(order)} entries but the schedule has {len(schedule.transfers)} transfers")
+        self.program = compile_program(schedule, self.rank, self.proc_of, order)
         self._recv_order = sorted((a for ps in self.program.phases for p in ps for a in p.recvs), key=lambda a: a.key)
         self._device_of_proc = {p: schedule.ranks[r] for r, p in enumerate(self.proc_of)}
         self.stats = ExecStats()

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +23,8 @@ from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.errors import CommError, GradsyncError
 from gradsync.plan.schedule import Schedule
-from gradsync.plan.synthesizers import PlanOptions, synthesize
-from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule
+from gradsync.plan.synthesizers import PlanOptions
+from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
@@ -43,6 +43,10 @@ __all__ = [
 ]
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
+
+#: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
+#: keep step order rather than spend a simulation at plan time.
+MAX_ORDERED_TRANSFERS = 200_000
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Runtime:
         self.timeout_s = timeout_s
         self.cost_model = cost_model or CostModel()
         self._chooser: Chooser | None = None
+        self._named: Chooser | None = None
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         self._queue: queue.Queue = queue.Queue()
         self._failed: BaseException | None = None
@@ -127,11 +132,14 @@ class Runtime:
         """The executor for ``algorithm`` (default: the runtime's), planned once and cached.
 
         ``auto`` chooses per size class of ``nbytes`` (default ``options.size_bytes``) with :attr:`chooser`;
-        a named algorithm runs at ``options.pipeline``.
+        a named algorithm runs at ``options.pipeline``. Every schedule comes from the chooser (one planning
+        path, self-checked before it runs) and waits for its messages in the cost model's predicted
+        arrival order (:meth:`~gradsync.sim.cost.CostModel.wait_order`).
         """
         name = algorithm or self.algorithm
+        size = size_class(self.options.size_bytes if nbytes is None else nbytes)
         if name == "auto":
-            choice = self.chooser.choose(self.options.size_bytes if nbytes is None else nbytes)
+            choice = self.chooser.choose(size)
             name, pipeline = choice.algorithm, choice.pipeline
         else:
             pipeline = self.options.pipeline
@@ -143,13 +151,19 @@ class Runtime:
                     raise GradsyncError(f"algorithm {NATIVE!r} needs a torch.distributed transport; this one is {self.transport.name!r}")
                 ex = NativeAllreduce(self.transport, native_schedule(self.topology))
             else:
-                if self._chooser is not None and name in self._chooser.algorithms and self.algorithm == "auto":
-                    schedule = self._chooser.schedule(name, pipeline)  # planned while choosing
-                else:
-                    schedule = synthesize(name, self.topology, replace(self.options, pipeline=pipeline))
-                ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s)
+                planner = self._chooser if self._chooser is not None else self._planner()
+                schedule = planner.schedule(name, pipeline, check=True)
+                order = (self.cost_model.wait_order(schedule, self.topology, size)
+                         if len(schedule.transfers) <= MAX_ORDERED_TRANSFERS else None)
+                ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
             self._executors[key] = ex
         return ex
+
+    def _planner(self) -> Chooser:
+        """A chooser without candidates of its own, for named algorithms (plans and checks them)."""
+        if self._named is None:
+            self._named = Chooser(self.topology, self.cost_model, algorithms=[], native=True, options=self.options)
+        return self._named
 
     def schedule(self, algorithm: str | None = None, nbytes: float | None = None) -> Schedule:
         return self.executor(algorithm, nbytes).schedule

@@ -39,6 +39,7 @@ incidence) and over dependency groups (:mod:`gradsync.sim.flows`), never byte by
 
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 import time
@@ -189,10 +190,22 @@ class _Engine:
     it masked out.
     """
 
-    def __init__(self, fs: FlowSet, streaming: bool, weight: np.ndarray, progress: TextIO | None, label: str) -> None:
+    def __init__(self, fs: FlowSet, streaming: bool, weight: np.ndarray, progress: TextIO | None, label: str,
+                 fifo: bool = False, message_s: float = 0.0) -> None:
         n, ng = fs.num_flows, fs.num_groups
         self.fs = fs
         self.streaming = streaming
+        # Per-connection FIFO: one flow per ordered (src, dst) pair moves at a time, the others queue in
+        # the order they became ready (then step order), as messages on one TCP connection do.
+        self.fifo = fifo
+        self.message_s = float(message_s)
+        if fifo:
+            width = int(max(fs.src.max(), fs.dst.max())) + 1 if n else 1
+            self.pair = fs.src * width + fs.dst
+            self.pair_busy = np.zeros(width * width, bool)
+            self.cpu_free = np.zeros(width)  # when each rank's thread is done with the messages it received
+            self.granted = np.zeros(n, bool)  # popped from its connection's queue: the connection is its
+            self.queued: dict[int, list[tuple[float, int]]] = {}
         self.weight = weight
         self.progress = progress
         self.label = label
@@ -257,6 +270,10 @@ class _Engine:
                 return
             ids = self.pending[go]
             self.pending = self.pending[~go]
+            if self.fifo:
+                ids = self._admit(ids)
+                if not ids.size:
+                    continue
             self.start[ids] = np.minimum(self.ready_at[ids], self.now)
             self.state[ids] = 1
             self.hi = max(self.hi, int(ids.max()) + 1)
@@ -266,6 +283,39 @@ class _Engine:
             empty = ids[fs.size[ids] <= 0]
             if empty.size:
                 self._drain(empty)
+
+    def _admit(self, ids: np.ndarray) -> np.ndarray:
+        """Of the flows ready now, those that may start: the first of each idle connection; queue the rest."""
+        ids = np.sort(ids)
+        granted = self.granted[ids]
+        rest = ids[~granted]
+        pairs = self.pair[rest]
+        _, first = np.unique(pairs, return_index=True)
+        go = np.zeros(rest.shape[0], bool)
+        go[first] = True
+        go &= ~self.pair_busy[pairs]
+        for f in rest[~go].tolist():
+            heapq.heappush(self.queued.setdefault(int(self.pair[f]), []), (float(self.ready_at[f]), f))
+        self.pair_busy[self.pair[rest[go]]] = True
+        return np.concatenate([ids[granted], rest[go]])
+
+    def _next_on_connections(self, ids: np.ndarray) -> None:
+        """``ids`` drained: each connection takes its next queued message once the last one has finished
+        (arrived and been handled, its α), so a connection serves one message per ``bytes/β + α``."""
+        nxt, at = [], []
+        for f in ids.tolist():
+            p = int(self.pair[f])
+            q = self.queued.get(p)
+            if q:
+                nxt.append(heapq.heappop(q)[1])
+                at.append(max(float(self.finish[f]), self.now))
+            else:
+                self.pair_busy[p] = False
+        if nxt:
+            got = np.array(nxt, np.int64)
+            self.granted[got] = True
+            self.ready_at[got] = np.array(at)
+            self.pending = np.concatenate([self.pending, got])
 
     def _deps_of(self, ids: np.ndarray) -> np.ndarray:
         fs = self.fs
@@ -293,7 +343,15 @@ class _Engine:
         self.sent[ids] = self.now
         self.drained += ids.size
         self.changed = True
-        if not self.streaming or not self.any_latency:
+        if self.fifo and self.message_s > 0:
+            # The receiver handles one message at a time (one thread waits, adds, posts the next): each
+            # arrival takes α of its receiver's time, in arrival order.
+            self.finish[ids] = self.now + fs.latency_s[ids] - self.message_s
+            for f in ids[np.argsort(self.finish[ids], kind="stable")].tolist():
+                d = int(fs.dst[f])
+                done = max(float(self.finish[f]), float(self.cpu_free[d])) + self.message_s
+                self.finish[f] = self.cpu_free[d] = done
+        elif not self.streaming or not self.any_latency:
             # Store-and-forward: dependencies finished before the flow started. Streaming without latency:
             # dependencies drained no later than the flow (x_t <= x_d), so the max below is now.
             self.finish[ids] = self.now + fs.latency_s[ids]
@@ -310,6 +368,8 @@ class _Engine:
                     np.maximum.at(self.gfinish, gs, np.repeat(self.finish[g_ids], cnt))
         if not self.streaming:
             self._release(ids, self.finish[ids])
+        if self.fifo:
+            self._next_on_connections(ids)
 
     # ---- rates -----------------------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -514,6 +574,7 @@ def simulate(
     message_s: float = 0.0,
     merge_tensors: bool = True,
     fairness: str = "size",
+    fifo: bool = False,
     progress: bool | TextIO | None = None,
     max_events: int | None = None,
 ) -> SimResult:
@@ -525,6 +586,10 @@ def simulate(
       :mod:`gradsync.sim.cost`), on top of the hops' latencies.
     * ``merge_tensors``: a tensor list moves as one flow per transfer (default) or one per (tensor, transfer).
     * ``fairness``: ``"size"`` shares links max-min fairly per byte of flow (default), ``"flow"`` per flow.
+    * ``fifo``: messages between one (src, dst) pair go one after another, in the order they became ready
+      (one TCP connection per peer, as gloo and the executor use), and a receiver handles its arrivals one
+      at a time, ``message_s`` each (one thread waits, adds, posts): sub-chunks then pipeline through
+      relays, and a rank that receives many messages (a parameter server's owner) pays for each.
     * ``progress``: a line on stderr every 2 s; ``None``: only when stderr is a terminal; or a stream.
     * ``max_events``: stop with :class:`SimulationError` after this many events (default: no limit).
 
@@ -547,7 +612,7 @@ def simulate(
     label = f"{schedule.algorithm} on {topology.name}"
     weight = fs.size / max(float(fs.size.max()), 1e-300) if fairness == "size" and fs.num_flows else np.ones(fs.num_flows)
     ordered, perm = by_step(fs)
-    eng = _Engine(ordered, streaming, weight[perm], stream, label)
+    eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s)
     eng.run(max_events)
     back = np.empty_like(perm)  # flow in schedule order -> its index in step order
     back[perm] = np.arange(perm.shape[0], dtype=np.int64)

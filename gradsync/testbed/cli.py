@@ -67,6 +67,19 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     rows = probe(pairs, args.seconds, state_path=args.state, tolerance=args.tolerance)
     if args.json:
         print(json.dumps(rows, indent=1))
+    if args.cost_model:
+        from pathlib import Path
+
+        from gradsync.testbed.control import load_state
+        from gradsync.testbed.probe import cost_model
+
+        model = cost_model(load_state(args.state), [r for r in rows if r["ok"]])
+        try:
+            Path(args.cost_model).write_text(json.dumps(model.to_dict(), indent=1) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise TestbedError(f"cannot write the cost model to {args.cost_model!r}: {exc}") from None
+        print(f"cost model ({model.source}, goodput {model.goodput:.3f}) written to {args.cost_model}; "
+              f"use it with GRADSYNC_COST_MODEL={args.cost_model} or gradsync.init(cost_model=...)")
     return 0 if all(r["ok"] for r in rows) else 1
 
 
@@ -129,6 +142,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=1.0, help="seconds per pair")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed relative deviation from the expected rate")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.add_argument("--cost-model", default=None, metavar="FILE",
+                   help="write the runtime's cost model (link rates of this testbed, measured goodput) as JSON")
     p.set_defaults(testbed_func=_cmd_probe)
 
     s = sub.add_parser("status", parents=[common], help="show the testbed that is up")

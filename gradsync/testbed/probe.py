@@ -22,13 +22,42 @@ from gradsync.testbed.build import TestbedPlan, sample_pairs
 from gradsync.testbed.control import load_state
 from gradsync.testbed.errors import TestbedError
 
-__all__ = ["probe", "probe_pair", "format_table", "DEFAULT_TOLERANCE", "MAX_PAIRS"]
+__all__ = ["probe", "probe_pair", "format_table", "cost_model", "DEFAULT_TOLERANCE", "MAX_PAIRS", "TCP_GOODPUT"]
 
 #: Allowed relative deviation of the measured rate from the expected one.
 DEFAULT_TOLERANCE = 0.15
 #: Pairs measured by default; larger testbeds get a fixed sample (see :func:`~gradsync.testbed.build.sample_pairs`).
 MAX_PAIRS = 16
 _WORKER = str(Path(__file__).with_name("_probe_worker.py"))
+#: TCP payload per shaped byte at MTU 1500 with timestamps: 1448 of every 1514 bytes on the wire.
+TCP_GOODPUT = 1448 / 1514
+
+
+def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), **fields: Any) -> Any:
+    """The runtime's :class:`~gradsync.sim.cost.CostModel` for this testbed: every link class at its shaped
+    rate, and the goodput share the probe measured (the median of ``rows``' measured/expected, capped at 1;
+    :data:`TCP_GOODPUT` without rows). ``fields`` set the rest (``message_s``...).
+
+    Rows that measured nothing (a probe that failed) are left out with the others' median; when none is
+    usable the header arithmetic is used, so a bad probe never yields a model that cannot run.
+    """
+    import statistics
+
+    from gradsync.sim.cost import CostModel
+    from gradsync.topology.io import get_topology
+
+    topo = get_topology(plan.topology)
+    unit = float(topo.unit_bandwidth_GBps or 1.0)
+    rates: dict[str, float] = {}
+    for lk in topo.links:
+        rate = plan.rate_mbit * lk.bandwidth_GBps / unit / 8e3  # GB/s
+        rates[lk.kind] = min(rates.get(lk.kind, rate), rate)
+    shares = [float(r["measured_mbit"]) / float(r["expected_mbit"]) for r in rows
+              if float(r.get("measured_mbit") or 0) > 0 and float(r.get("expected_mbit") or 0) > 0]
+    goodput = min(1.0, statistics.median(shares)) if shares else TCP_GOODPUT
+    source = f"probe of testbed {plan.topology} at {plan.rate_mbit:g} Mbit/s ({len(shares)} pairs)" if shares \
+        else f"testbed {plan.topology} at {plan.rate_mbit:g} Mbit/s (goodput from TCP headers)"
+    return CostModel(**{"link_GBps": rates, "goodput": goodput, "source": source, **fields})
 
 
 def probe_pair(plan: TestbedPlan, src: int, dst: int, seconds: float = 1.0) -> dict[str, Any]:

@@ -173,6 +173,26 @@ def switch(n: int) -> Topology:
     return Topology(f"switch:{n}", tuple(devs), links, unit_bandwidth_GBps=ETHERNET_10G_GBPS)
 
 
+@builder("racks", example="racks:2,3,4")
+def racks(r: int, s: int, o: int) -> Topology:
+    """r racks of s hosts, 10 Gbit/s host links to a rack switch, each rack one uplink at 1/o of that to a core.
+
+    The two-tier cluster where topology matters most: a rank-order ring crosses every uplink with
+    ``2 (N-1)/N`` of the buffer per direction, a plan that reduces inside racks first crosses it once.
+    Hosts are ranked rack by rack (``host0..host{s-1}`` in rack 0), as a scheduler places them.
+    """
+    _need("racks", r, 1, "r (racks)")
+    _need("racks", s, 1, "s (hosts per rack)")
+    _need("racks", o, 1, "o (host rate / uplink rate)")
+    devs = [Device(f"host{i * s + j}", "host", {"rack": i}) for i in range(r) for j in range(s)]
+    devs += [Device(f"tor{i}", "switch") for i in range(r)]
+    links = [Link(f"host{i * s + j}", f"tor{i}", ETHERNET_10G_GBPS, kind="network") for i in range(r) for j in range(s)]
+    if r > 1:
+        devs.append(Device("core", "switch"))
+        links += [Link(f"tor{i}", "core", ETHERNET_10G_GBPS / o, kind="uplink") for i in range(r)]
+    return Topology(f"racks:{r},{s},{o}", tuple(devs), tuple(links), unit_bandwidth_GBps=ETHERNET_10G_GBPS)
+
+
 @builder("minsky", example="minsky:2")
 def minsky(m: int) -> Topology:
     """m IBM Minsky nodes: per socket a CPU and 2 P100s in an NVLink 3-clique; X-bus between sockets; IB between nodes.
