@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -146,6 +147,28 @@ def test_plan_round_trips_through_json_and_scales_rates() -> None:
     # A link of twice the unit bandwidth gets twice the rate (p3.16xlarge: 2 NVLinks = 50 GB/s).
     dgx = plan_for("p3.16xlarge")
     assert {n.rate_mbit for s in dgx.servers for n in s.nics} == {100.0, 200.0}
+
+
+def test_probe_rows_become_the_runtimes_cost_model() -> None:
+    """Link classes at the testbed's shaped rates, goodput = median measured/expected; a pair that measured
+    nothing is left out, and with no usable pair the TCP header arithmetic stands in (never a model that
+    cannot run)."""
+    from gradsync.testbed.probe import TCP_GOODPUT, cost_model
+
+    plan = plan_for("racks:2,3,4", "400mbit")
+    rows = [{"measured_mbit": 383.0, "expected_mbit": 400.0}, {"measured_mbit": 95.0, "expected_mbit": 100.0},
+            {"measured_mbit": 0.0, "expected_mbit": 400.0}]
+    m = cost_model(plan, rows, message_s=1e-4)
+    assert m.link_GBps == {"network": pytest.approx(0.05), "uplink": pytest.approx(0.0125)}
+    assert m.goodput == pytest.approx((383 / 400 + 95 / 100) / 2) and m.message_s == 1e-4
+    assert "2 pairs" in m.source
+    fallback = cost_model(plan, [{"measured_mbit": 0.0, "expected_mbit": 400.0}])
+    assert fallback.goodput == TCP_GOODPUT and "headers" in fallback.source
+    topo = get_topology("racks:2,3,4")
+    # the model's rates are the testbed's: the uplink is 1/4 of a NIC, as shaped
+    fast = m.rates(topo)
+    assert {lk.kind: lk.bandwidth_GBps for lk in fast.links} == {"network": pytest.approx(0.05 * m.goodput),
+                                                                "uplink": pytest.approx(0.0125 * m.goodput)}
 
 
 def test_unsupported_topology_and_bad_state_are_clear_errors() -> None:
@@ -312,6 +335,42 @@ class TestBcube22:
         rc = run([sys.executable, "-c", ALLREDUCE], timeout=150, state_path=state, stream=out)
         assert rc == 0, out.getvalue()
         assert all(f"[rank {r}] sum 10.0" in out.getvalue() for r in range(4))
+
+
+AUTO_ON_RACKS = """
+import os, torch, gradsync
+rt = gradsync.init("racks:2,2,4", timeout_s=60)
+buf = torch.full((1 << 18,), float(rt.rank + 1))  # 1 MiB of float32
+gradsync.allreduce(buf)
+choice = rt.chooser.choose(buf.numel() * 4)
+ok = bool(torch.all(buf == 10.0))
+print("choice", choice.algorithm, choice.pipeline, "exact", ok, flush=True)
+gradsync.shutdown()
+"""
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_auto_plans_around_a_thin_uplink_and_stays_exact(tmp_path: Path) -> None:
+    """Two racks of two servers whose rack uplinks run at 1/4 of a NIC: with the testbed's cost model,
+    ``auto`` replaces gloo's rank-order ring (which crosses the uplinks with 3/2 of the buffer per
+    direction) by a topology-aware plan, and the sum is exact on every rank."""
+    from gradsync.testbed.probe import cost_model
+
+    state = tmp_path / "state.json"
+    with _bring_up("racks:2,2,4", state) as plan:
+        model = tmp_path / "model.json"
+        model.write_text(json.dumps(cost_model(plan).to_dict()))
+        os.chmod(tmp_path, 0o755)
+        out = io.StringIO()
+        rc = run([sys.executable, "-c", AUTO_ON_RACKS], env={"GRADSYNC_COST_MODEL": str(model)}, timeout=200,
+                 state_path=state, stream=out)
+    text = out.getvalue()
+    assert rc == 0, text
+    lines = [ln for ln in text.splitlines() if "choice" in ln]
+    assert len(lines) == 4 and all("exact True" in ln for ln in lines), text
+    algorithms = {ln.split("choice ")[1].split()[0] for ln in lines}
+    assert len(algorithms) == 1 and algorithms <= {"tree", "lp", "ps", "hierarchical"}, text
 
 
 @needs_root

@@ -95,6 +95,10 @@ register_benchmark("allreduce-loopback", "benchmarks/allreduce_loopback.py:main"
 register_benchmark("bml-testbed", "benchmarks/bml_testbed.py:main",
                    "seed 001 in miniature on the emulated cluster (root): GST and JCT of BML on BCube(3,2) vs PS on "
                    "switch:9 over TCP, measured and simulated; writes bml_testbed.{json,png}")
+register_benchmark("vs-native", "benchmarks/vs_native.py:main",
+                   "gradsync auto vs gloo all_reduce and DDP on the emulated cluster (root): racks:2,3,4, bcube:3,2, "
+                   "switch:8; allreduce 4/12.5/50 MiB and LeNet-5 steps, with the cost model's predictions; writes "
+                   "vs_native.{json,png}")
 register_benchmark("mergecomp", "benchmarks/mergecomp.py:main", "seed 004: codec time vs size, ResNet-50 step time layer-wise/y/Algorithm 2/exact on gloo, accuracy; writes mergecomp.{json,png}")
 register_benchmark("tictac", "benchmarks/tictac.py:main",
                    "seed 003 TicTac: makespan, E and stragglers of random/TIC/TAC orders per model in the iteration "

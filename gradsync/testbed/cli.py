@@ -73,7 +73,11 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         from gradsync.testbed.control import load_state
         from gradsync.testbed.probe import cost_model
 
-        model = cost_model(load_state(args.state), [r for r in rows if r["ok"]])
+        good = [r for r in rows if r["ok"]]
+        if len(good) < len(rows):
+            print(f"warning: {len(rows) - len(good)} of {len(rows)} pairs missed the expected rate and are left out of "
+                  f"the cost model" + ("" if good else "; it uses the TCP header arithmetic for the goodput instead"))
+        model = cost_model(load_state(args.state), good)
         try:
             Path(args.cost_model).write_text(json.dumps(model.to_dict(), indent=1) + "\n", encoding="utf-8")
         except OSError as exc:
