@@ -71,12 +71,14 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]
     rows = []
     for size in sizes:
         buf = torch.empty(size // 4, dtype=torch.float32)
-        choice = rt.chooser.choose(size)  # what auto runs: the choice for the size class
-        # predictions at this exact size (the class's choice is priced at the class's size)
-        predicted = {"gradsync": rt.cost_model.predict(rt.chooser.schedule(choice.algorithm, choice.pipeline),
-                                                       rt.topology, size) if choice.algorithm != "native"
-                     else rt.cost_model.predict_native(rt.topology, size),
-                     "native": rt.cost_model.predict_native(rt.topology, size)}
+        choice = predicted = None
+        if rank == 0:  # rank 0 prices plans for every rank (the others would only repeat the simulation)
+            choice = rt.chooser.choose(size)  # what auto runs: the choice for the size class
+            # predictions at this exact size (the class's choice is priced at the class's size)
+            predicted = {"gradsync": rt.cost_model.predict(rt.chooser.schedule(choice.algorithm, choice.pipeline),
+                                                           rt.topology, size) if choice.algorithm != "native"
+                         else rt.cost_model.predict_native(rt.topology, size),
+                         "native": rt.cost_model.predict_native(rt.topology, size)}
         methods: dict[str, Callable[[], Any]] = {
             "native": lambda buf=buf: dist.all_reduce(buf),
             "gradsync": lambda buf=buf: gradsync.allreduce(buf),
@@ -93,11 +95,12 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]
                 buf.fill_(rank + 1)
                 samples[name].append(_timed(fn))
         rows.append({
-            "size_bytes": size, "choice": choice.to_dict(), "predicted_s": predicted, "correct": correct,
+            "size_bytes": size, "choice": choice.to_dict() if choice else None, "predicted_s": predicted,
+            "correct": correct,
             "samples_s": samples,
             "median_s": {m: statistics.median(v) for m, v in samples.items()}, "cpu_busy_share": cpu.share(),
         })
-        if rank == 0:
+        if choice is not None and predicted is not None:
             med = rows[-1]["median_s"]
             print(f"allreduce {size / 2**20:.2f} MiB: native {med['native']:.4f} s, gradsync "
                   f"{choice.algorithm}/p{choice.pipeline} {med['gradsync']:.4f} s "

@@ -144,11 +144,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.runtime_model:
         from gradsync.sim.cost import CostModel
 
-        args.store_and_forward, args.message_s = True, CostModel().message_s
+        args.store_and_forward, args.fifo, args.message_s = True, True, CostModel().message_s
     result = simulate(
         schedule, topo, sizes if len(sizes) > 1 else total, streaming=not args.store_and_forward,
         latency_s=args.latency, message_s=args.message_s, merge_tensors=not args.per_tensor, fairness=args.fairness,
-        progress=True if args.progress else None,
+        fifo=args.fifo, progress=True if args.progress else None,
     )
     cost = schedule.link_loads(topo).cost(topo.costs)
     planned_s = predicted_time(schedule, topo, total, args.latency, cost=cost)
@@ -325,8 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--store-and-forward", action="store_true", help="a transfer waits for its inputs to finish (default: streaming)")
     sm.add_argument("--message-s", type=float, default=0.0,
                     help="software cost per message in seconds (the runtime's alpha; see gradsync.sim.cost)")
+    sm.add_argument("--fifo", action="store_true",
+                    help="one message at a time per connection and per receiver (as gloo's one TCP connection per peer)")
     sm.add_argument("--runtime-model", action="store_true",
-                    help="simulate as the runtime executes: store-and-forward with the cost model's message cost")
+                    help="simulate as the runtime executes: store-and-forward, --fifo, the cost model's message cost")
     sm.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")
     sm.add_argument("--fairness", default="size", choices=["size", "flow"],
                     help="link sharing: max-min fair per byte (default) or per flow")

@@ -164,7 +164,7 @@ def test_auto_is_fastest_under_the_cost_model_by_brute_force(spec, size):
     offers, each simulated as the runtime runs it: store-and-forward per sub-chunk, one message at a time per
     connection and per receiver, the model's per-message cost (no pruning here)."""
     from gradsync.sim import simulate
-    from gradsync.sim.cost import CostModel
+    from gradsync.sim.cost import PRUNE, CostModel
 
     t = get_topology(spec)
     model = CostModel()
@@ -177,7 +177,8 @@ def test_auto_is_fastest_under_the_cost_model_by_brute_force(spec, size):
             s = synthesize(name, t, PlanOptions(pipeline=p))
             brute[name, p] = simulate(s, t, float(size), streaming=False, fifo=True, message_s=model.message_s, progress=False).time_s
     got = simulate(auto, t, float(size), streaming=False, fifo=True, message_s=model.message_s, progress=False).time_s
-    assert got == pytest.approx(min(brute.values()), rel=1e-9), (auto.algorithm, auto.meta["auto"]["pipeline"], brute)
+    # exact but for PRUNE: a candidate that could win by less than 1% is not simulated
+    assert min(brute.values()) <= got <= min(brute.values()) / (1 - PRUNE) + 1e-12, (auto.algorithm, auto.meta["auto"]["pipeline"], brute)
 
 
 def test_duplex_model_vs_half_duplex():

@@ -8,6 +8,7 @@ and backward can go on while gradients travel (wait-free backprop, Horovod's des
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gradsync.comm import lifetime
@@ -47,6 +49,8 @@ Tensors = torch.Tensor | Sequence[torch.Tensor]
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
 #: keep step order rather than spend a simulation at plan time.
 MAX_ORDERED_TRANSFERS = 200_000
+#: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
+PLAN_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Runtime:
         self.cost_model = cost_model or CostModel()
         self._chooser: Chooser | None = None
         self._named: Chooser | None = None
+        self._choices: dict[int, tuple[str, int]] = {}
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         self._queue: queue.Queue = queue.Queue()
         self._failed: BaseException | None = None
@@ -139,8 +144,7 @@ class Runtime:
         name = algorithm or self.algorithm
         size = size_class(self.options.size_bytes if nbytes is None else nbytes)
         if name == "auto":
-            choice = self.chooser.choose(size)
-            name, pipeline = choice.algorithm, choice.pipeline
+            name, pipeline = self._choice(size)
         else:
             pipeline = self.options.pipeline
         key = (name, pipeline)
@@ -153,11 +157,34 @@ class Runtime:
             else:
                 planner = self._chooser if self._chooser is not None else self._planner()
                 schedule = planner.schedule(name, pipeline, check=True)
-                order = (self.cost_model.wait_order(schedule, self.topology, size)
-                         if len(schedule.transfers) <= MAX_ORDERED_TRANSFERS else None)
+                order = None
+                if len(schedule.transfers) <= MAX_ORDERED_TRANSFERS:
+                    raw = self._decide(f"order/{name}/{pipeline}/{size}", lambda: self.cost_model.wait_order(
+                        schedule, self.topology, size).astype("<f8").tobytes())
+                    order = np.frombuffer(raw, "<f8")
                 ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
             self._executors[key] = ex
         return ex
+
+    def _choice(self, size: int) -> tuple[str, int]:
+        """``auto``'s (algorithm, pipeline) for a size class: priced once (by rank 0 where the transport can
+        share it), the same on every rank."""
+        got = self._choices.get(size)
+        if got is None:
+            def compute() -> bytes:
+                c = self.chooser.choose(size)
+                return json.dumps([c.algorithm, c.pipeline]).encode()
+
+            name, pipeline = json.loads(self._decide(f"choice/{size}", compute))
+            got = self._choices[size] = (str(name), int(pipeline))
+        return got
+
+    def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
+        """``compute()`` once for the job (rank 0, shared through the transport) or here when it cannot share."""
+        decide = getattr(self.transport, "decide", None)
+        if decide is None:
+            return compute()
+        return bytes(decide(key, compute, max(self.timeout_s, PLAN_TIMEOUT_S)))
 
     def _planner(self) -> Chooser:
         """A chooser without candidates of its own, for named algorithms (plans and checks them)."""

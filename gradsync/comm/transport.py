@@ -151,12 +151,36 @@ class TorchTransport:
         self.ordered = self.backend == "nccl"
         self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.failures: FailureBoard = FailureBoard()
+        self._store: Any = None
+        self._group_name = getattr(group, "group_name", "world")
         try:  # the rendezvous store is not public API; without it errors still name the direct peer
             from torch.distributed.distributed_c10d import _get_default_store
 
-            self.failures = _StoreBoard(_get_default_store(), self.world_size, f"gradsync/failed/{getattr(group, 'group_name', 'world')}")
+            self._store = _get_default_store()
+            self.failures = _StoreBoard(self._store, self.world_size, f"gradsync/failed/{self._group_name}")
         except Exception:  # noqa: BLE001
             pass
+
+    def decide(self, key: str, compute: Callable[[], bytes], timeout_s: float) -> bytes:
+        """``compute()`` on rank 0, the same bytes on every rank (through the rendezvous store).
+
+        Plans priced by simulation cost seconds of CPU; one rank pays instead of every rank, and every rank
+        is certain to run the same choice (the executor's wait order must be identical everywhere). Each
+        ``key`` must be decided once per group, by every rank. Without the store every rank computes.
+        """
+        if self._store is None:
+            return compute()
+        full = f"gradsync/decide/{self._group_name}/{key}"
+        if self.rank == 0:
+            value = compute()
+            self._store.set(full, value)
+            return value
+        try:
+            self._store.wait([full], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise PeerError(f"rank 0 did not publish {key!r} within {timeout_s:g} s (it plans for every rank; "
+                            f"is it alive?): {exc}", self._global[0]) from exc
+        return bytes(self._store.get(full))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         return _TorchHandle(self._dist.isend(tensor, self._global[peer], group=self.group, tag=tag), peer, "send")

@@ -1,16 +1,18 @@
 """One cost model for the planner, the simulator and the runtime: a schedule's time as the runtime runs it.
 
 The executor (:mod:`gradsync.comm.executor`) moves each (sub-)chunk of a schedule as one message and
-forwards or reduces it only once it has fully arrived: *store-and-forward per sub-chunk*. Every message
-pays a fixed software cost α (posting, waiting, the Python around it, the transport's own handshakes)
-besides its bytes; links are duplex; a transport reaches only a share of a link's rate (TCP goodput).
-That is exactly the event simulator's store-and-forward mode (:func:`gradsync.sim.simulate` with
-``streaming=False``) with ``message_s = α`` on the topology with calibrated link rates, so the model *is*
-that simulation, not a second formula that could drift from it. Closed forms it reproduces (tested):
+forwards or reduces it only once it has fully arrived: *store-and-forward per sub-chunk*. The messages
+between two ranks share one TCP connection and go one after another; a rank's one thread handles its
+arrivals one at a time, each costing a fixed software time α (waiting, adding, posting the next, the
+transport's own handshakes); links are duplex; a transport reaches only a share of a link's rate (TCP
+goodput). That is exactly the event simulator with ``streaming=False, fifo=True`` (:func:`gradsync.sim.simulate`)
+and ``message_s = α`` on the topology with calibrated link rates, so the model *is* that simulation, not a
+second formula that could drift from it. Closed forms it reproduces (tested):
 
 * ring allreduce on N ranks, M bytes, link rate β:  ``2 (N-1) (M / (N β) + α)``;
-* a chain of h hops pipelined in P sub-chunks:       ``(h + P - 1) (M / (P β) + α)`` — so P trades α
-  against overlap, and the best P grows like ``sqrt(M (h-1) / (α β))``.
+* a chain of h hops pipelined in P sub-chunks:       ``(h + P - 1) (M / (P β) + α)`` -- so P trades α
+  against overlap, and the best P grows like ``sqrt(M (h-1) / (α β))``;
+* k ranks sending M to one rank of a switch:         ``k M / β + k α`` (the fan-in a PS owner pays).
 
 The planner's fluid cost ``max_e c_e load_e`` (seed 000) is the P → ∞, α → 0 limit of this model.
 
@@ -43,6 +45,9 @@ __all__ = ["NATIVE", "Candidate", "Choice", "Chooser", "CostModel", "native_sche
 
 #: The pseudo-algorithm name for the backend's own allreduce.
 NATIVE = "native"
+
+#: A candidate that cannot beat the best so far by this fraction (by its lower bounds) is not simulated.
+PRUNE = 0.01
 
 #: Smallest size class: every message up to this many bytes is planned as this size.
 MIN_CLASS_BYTES = 4096
@@ -273,29 +278,38 @@ class Chooser:
         return got
 
     def _choose(self, size: float) -> Choice:
-        """Least predicted time over the candidates, with two exact prunings (the prediction of a
-        schedule is never below its fluid time ``cost * size / unit_bw``, which pipelining approaches from
-        above): an algorithm whose fluid time already exceeds the best prediction is skipped, and an
-        algorithm's pipeline depths are tried in increasing order until the prediction stops falling
-        (α grows with the depth while the fill time shrinks: one minimum)."""
+        """Least predicted time over the candidates, with exact prunings by two lower bounds of a
+        schedule's prediction: its fluid time ``cost * size / unit_bw`` (which pipelining approaches from
+        above) and ``α`` times the most messages one rank receives (it handles them one at a time). A
+        candidate whose bound is within :data:`PRUNE` of the best so far is not simulated: it could win by
+        less than that at most (lp converging on BML's optimum at depth 64 would otherwise cost minutes).
+        Algorithms are tried by increasing fluid time, so the first good one prunes the rest; an
+        algorithm's pipeline depths are tried in increasing order until the prediction stops falling or
+        the bound passes the best (α grows with the depth while the fill time shrinks: one minimum)."""
         cands: list[Candidate] = []
         if self.native:
             cands.append(Candidate(NATIVE, 1, self.model.predict_native(self.topology, size)))
         unit = float(self.topology.unit_bandwidth_GBps or 1.0) * 1e9
         fast = self.model.rates(self.topology)
-        for name in self.algorithms:
+        fluid = {name: self.schedule(name, self.model.pipelines[0]).link_loads(fast).cost(fast.costs) * size / unit
+                 for name in self.algorithms}
+        for name in sorted(self.algorithms, key=lambda n: fluid[n]):  # stable: registry order on ties
             best_so_far = min((c.predicted_s for c in cands), default=math.inf)
-            first = self.schedule(name, self.model.pipelines[0])
-            fluid = first.link_loads(fast).cost(fast.costs) * size / unit
-            if fluid >= best_so_far:
-                continue
+            if fluid[name] >= best_so_far * (1 - PRUNE):
+                break  # every later algorithm's fluid time is larger still
             prev = math.inf
             for p in self.model.pipelines:
-                t = self.model.predict(self.schedule(name, p), self.topology, size)
+                sched = self.schedule(name, p)
+                dst = sched.arrays["dst"]
+                busiest = int(np.bincount(dst).max()) if dst.size else 0
+                if max(fluid[name], busiest * self.model.message_s) >= min(best_so_far * (1 - PRUNE), prev):
+                    break
+                t = self.model.predict(sched, self.topology, size)
                 cands.append(Candidate(name, p, t))
                 if t >= prev:
                     break
                 prev = t
+                best_so_far = min(best_so_far, t)
         best = min(cands, key=lambda c: c.predicted_s)
         if self.native and best.algorithm != NATIVE:
             nat = cands[0]

@@ -81,6 +81,8 @@ class SimResult:
     streaming: bool
     merged: bool
     fairness: str
+    #: One message at a time per connection and per receiver (``simulate(fifo=True)``).
+    fifo: bool
     #: Per-hop latency override (``None``: the links' own; ``0.0`` also when latency was turned off).
     latency_s: float | None
     time_s: float
@@ -153,6 +155,7 @@ class SimResult:
             "mode": "streaming" if self.streaming else "store-and-forward",
             "merged_tensors": self.merged,
             "fairness": self.fairness,
+            "fifo": self.fifo,
             "latency_s_per_hop": self.latency_s,
             "time_s": self.time_s,
             "t_f_s": self.t_f_s,
@@ -628,6 +631,7 @@ def simulate(
         streaming=streaming,
         merged=merge_tensors,
         fairness=fairness,
+        fifo=fifo,
         latency_s=(latency_s if latency else 0.0),
         time_s=time_s,
         t_f_s=t_f,
