@@ -25,7 +25,10 @@ failed or silent peer surfaces as :class:`~gradsync.errors.PeerError` naming tha
 from __future__ import annotations
 
 import heapq
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +41,8 @@ from gradsync.plan.schedule import Schedule
 
 __all__ = ["Action", "Phase", "RankProgram", "ExecStats", "Executor", "compile_program", "process_mapping", "OPS"]
 
+#: How the executor learns that messages finished: per-(peer, direction) waiting threads, or one in key order.
+PROGRESS = ("lanes", "ordered")
 #: Reduction ops the executor applies after the sum: ``avg`` divides by the world size in place.
 OPS = ("sum", "avg")
 
@@ -195,12 +200,16 @@ class Executor:
     ``mapping`` places schedule ranks (topology devices) on process ranks; see :func:`process_mapping`.
     ``timeout_s`` bounds every wait: a peer that crashed or stalls raises :class:`PeerError` instead of a hang.
     ``recv_window_bytes``: receives are posted ahead of their phase, in key order, into scratch buffers, up to
-    this many bytes in flight. gloo (and MPI's rendezvous protocol) send a large message only after the
-    receiver posted it, and that "ready" notice queues behind data on the same connection; posting early
-    removes the round trip from every step (BML on the testbed: 0.84 s -> 0.64 s). 0 disables it.
+    this many bytes in flight (scratch is kept for the next run: the memory is up to this much). gloo (and
+    MPI's rendezvous protocol) send a large message only after the receiver posted it, and that "ready"
+    notice queues behind data on the same connection; posting early removes the round trip from every step
+    (BML on the testbed: 0.84 s -> 0.64 s). 0 disables it.
     ``order``: per transfer, when it is expected to finish (:meth:`gradsync.sim.cost.CostModel.wait_order`;
     every rank must pass the same); messages are waited for in that order instead of step order, so a
     relay handles each sub-chunk as it arrives. It must not decrease along a chunk's phases at either end.
+    ``progress``: ``"lanes"`` (default) learns of finished messages from one waiting thread per (peer,
+    direction), in arrival order, when every receive of a run fits the window and the transport matches by
+    tag; otherwise (or with ``"ordered"``) one thread waits in key order. See :meth:`_execute_lanes`.
     """
 
     def __init__(
@@ -210,8 +219,9 @@ class Executor:
         *,
         mapping: Sequence[int] | Mapping[str, int] | None = None,
         timeout_s: float = 60.0,
-        recv_window_bytes: int = 64 << 20,
+        recv_window_bytes: int = 256 << 20,
         order: Sequence[float] | np.ndarray | None = None,
+        progress: str = "lanes",
     ) -> None:
         if not timeout_s > 0:
             raise GradsyncError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
@@ -223,6 +233,12 @@ class Executor:
         self.timeout_s = float(timeout_s)
         self.proc_of = process_mapping(schedule, mapping, transport.world_size)
         self.rank = self.proc_of.index(transport.rank)  # this process's schedule rank
+        if progress not in PROGRESS:
+            raise GradsyncError(f"progress={progress!r} is not one of {PROGRESS}")
+        self.progress = progress
+        self._lanes: dict[tuple[int, bool], _Lane] = {}
+        # lane threads end with the executor (close(), or when it is garbage-collected)
+        self._finalizer = weakref.finalize(self, _stop_lanes, self._lanes)
         if order is not None and len(order) != len(schedule.transfers):
             raise GradsyncError(f"order has {len(order)} entries but the schedule has {len(schedule.transfers)} transfers")
         self.program = compile_program(schedule, self.rank, self.proc_of, order)
@@ -268,6 +284,10 @@ class Executor:
         views = [[flats[i][s:e] for i, s, e in pieces[c]] for c in range(len(schedule.chunks))]
         sizes = [sum(e - s for _, s, e in pieces[c]) for c in range(len(schedule.chunks))]
         like = flats[0] if flats else None
+        if (self.progress == "lanes" and not transport.ordered and like is not None
+                and sum(sizes[a.chunk] for a in self._recv_order) * like.element_size() <= self.recv_window_bytes):
+            self._execute_lanes(views, sizes, like)
+            return
         ordered = _Ordered() if transport.ordered else None
         heap: list[tuple[tuple[int, int, int, int], bool, Action, Handle, torch.Tensor | None]] = []
         position = [0] * len(program.phases)
@@ -360,6 +380,112 @@ class Executor:
                 position[act.chunk] += 1
                 start(act.chunk)
 
+    def _execute_lanes(self, views: list[list[torch.Tensor]], sizes: list[int], like: torch.Tensor) -> None:
+        """The dataflow, learning of finished messages in the order they finish.
+
+        gloo's waits block and cannot be polled, so one waiting thread per (peer, direction) -- a *lane* --
+        blocks on that lane's messages and reports each to this thread, which applies arrivals and starts
+        phases in whatever order messages really finish: no message waits behind a slower one from another
+        peer (the key-order discipline of :meth:`_execute` makes a tree's relay sit on an uplink's message
+        while its rack's inputs have long arrived). Every receive of the run is posted first, in key order,
+        so a receive lane waits in key order and a sender's message never needs the receiver's main thread.
+        Cannot deadlock: by induction on the global key, the smallest unfinished transfer has had its
+        phase started at both ends (all smaller keys are finished), its receive lane is at it, and its
+        send lane is at most behind sends that were posted earlier on the same connection, which the
+        receiver's pre-posted receives drain. A phase's receives are applied in key order, as in
+        :meth:`_execute`, so results do not depend on arrival order. Every wait is bounded by ``timeout_s``.
+        """
+        transport, program, stats = self.transport, self.program, self.stats
+        esize = like.element_size()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        landed: dict[int, torch.Tensor] = {}  # transfer index -> scratch holding its arrived message
+        due: dict[int, Action] = {}  # receives whose phase has started, by transfer index
+        position = [0] * len(program.phases)
+        pending = [0] * len(program.phases)
+        applied = [0] * len(program.phases)  # receives of the current phase applied, in key order
+        outstanding = 0
+
+        def lane(peer: int, send: bool) -> _Lane:
+            got = self._lanes.get((peer, send))
+            if got is None or not got.is_alive():
+                got = self._lanes[(peer, send)] = _Lane(f"gradsync-lane-{'to' if send else 'from'}-{peer}")
+            return got
+
+        def apply_ready(chunk: int) -> None:
+            """Apply the phase's arrived receives in key order; finish the phase when all is done."""
+            phase = program.phases[chunk][position[chunk]]
+            while applied[chunk] < len(phase.recvs) and phase.recvs[applied[chunk]].index in landed:
+                act = phase.recvs[applied[chunk]]
+                buf = landed.pop(act.index)
+                due.pop(act.index, None)
+                _apply(views[chunk], buf, act.reduce)
+                self._scratch.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+                applied[chunk] += 1
+                pending[chunk] -= 1
+            if pending[chunk] == 0:
+                position[chunk] += 1
+                start(chunk)
+
+        def start(chunk: int) -> None:
+            nonlocal outstanding
+            phases = program.phases[chunk]
+            size = sizes[chunk]
+            if size == 0:
+                position[chunk] = len(phases)
+                return
+            if position[chunk] >= len(phases):
+                return
+            phase = phases[position[chunk]]
+            pending[chunk] = len(phase.sends) + len(phase.recvs)
+            applied[chunk] = 0
+            for act in phase.sends:
+                buf = views[chunk][0] if len(views[chunk]) == 1 else torch.cat(views[chunk])
+                # the lane keeps ``buf`` (a packed copy for multi-piece chunks) alive until the send is done
+                lane(act.peer, True).put(transport.isend(buf, act.peer, act.tag), act, done, self.timeout_s, buf)
+                stats.bytes_sent += size * esize
+                stats.messages += 1
+                outstanding += 1
+            for act in phase.recvs:
+                due[act.index] = act
+            apply_ready(chunk)
+
+        for act in self._recv_order:  # every receive first, in key order
+            size = sizes[act.chunk]
+            if size == 0:
+                continue
+            buf = self._take_scratch(size, like)
+            lane(act.peer, False).put(transport.irecv(buf, act.peer, act.tag), act, done, self.timeout_s, buf)
+            stats.bytes_received += size * esize
+            stats.messages += 1
+            outstanding += 1
+        for c in range(len(program.phases)):
+            start(c)
+        while outstanding:
+            try:
+                act, buf, err = done.get(timeout=self.timeout_s + 30.0)
+            except queue.Empty:  # a lane's own wait is bounded; this is the backstop
+                raise PeerError(f"rank {self.transport.rank}: no message finished within {self.timeout_s + 30:g} s", -1) from None
+            outstanding -= 1
+            if err is not None:
+                if isinstance(err, PeerError):
+                    raise self._context(act, err) from err
+                raise err
+            if act.send:
+                pending[act.chunk] -= 1
+                if pending[act.chunk] == 0:  # every receive of the phase was applied before
+                    apply_ready(act.chunk)
+            else:
+                assert buf is not None  # receives always travel with their scratch buffer
+                landed[act.index] = buf
+                if act.index in due:
+                    apply_ready(act.chunk)
+        if any(position[c] < len(program.phases[c]) for c in range(len(program.phases))):  # pragma: no cover
+            raise GradsyncError(f"{self.schedule.algorithm}: the run ended with phases left; this is a bug")
+
+    def close(self) -> None:
+        """Stop this executor's lane threads (also done when it is garbage-collected; they are daemons)."""
+        self._finalizer()
+
     def _take_scratch(self, size: int, like: torch.Tensor) -> torch.Tensor:
         pool = self._scratch.get((size, like.dtype, like.device))
         if pool:
@@ -385,6 +511,48 @@ class Executor:
             f"(step {act.step}) {prep} rank {act.peer} ({self._device_of_proc[act.peer]}) failed: {exc}{blame}",
             failed,
         )
+
+
+class _Lane:
+    """A daemon thread that waits on one (peer, direction)'s messages in the order they are given and
+    reports each ``(action, buffer, error)`` to the queue that came with it."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def put(self, handle: Handle, act: Action, out: queue.SimpleQueue, timeout_s: float,
+            buf: torch.Tensor | None = None) -> None:
+        self._q.put((handle, act, out, timeout_s, buf))
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            handle, act, out, timeout_s, buf = item
+            item = None
+            try:
+                handle.wait(timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - delivered to the executor's thread
+                out.put((act, buf, exc))
+            else:
+                out.put((act, buf, None))
+            # hold no backend work object while idle: the user may destroy its process group next
+            handle = buf = out = None
+
+
+def _stop_lanes(lanes: dict[tuple[int, bool], _Lane]) -> None:
+    for ln in lanes.values():
+        ln.stop()
+    lanes.clear()
 
 
 def _apply(chunk_views: list[torch.Tensor], buf: torch.Tensor, reduce: bool) -> None:

@@ -297,6 +297,10 @@ class Runtime:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(self.timeout_s)
+        for ex in self._executors.values():
+            close = getattr(ex, "close", None)
+            if close is not None:
+                close()
 
 
 def _nbytes(tensors: Tensors) -> int:
