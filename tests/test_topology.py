@@ -140,3 +140,19 @@ def test_bad_files(tmp_path):
 def test_rank_must_compute():
     with pytest.raises(TopologyError, match="cannot hold or add data"):
         Topology("t", (Device("a"), Device("s", "switch")), (Link("a", "s", 1.0),), ranks=("a", "s"))
+
+
+def test_racks_two_tier_cluster():
+    """racks:r,s,o: r*s hosts ranked rack by rack, 10 GbE to their rack switch, rack uplinks at 1/o of that;
+    a rank-order ring crosses the uplinks while a rack-first plan crosses them once (planner's cost)."""
+    from gradsync.plan import evaluate, synthesize
+
+    t = get_topology("racks:2,3,4")
+    assert t.ranks == tuple(f"host{i}" for i in range(6))
+    assert sorted({(lk.kind, lk.bandwidth_GBps) for lk in t.links}) == [("network", 1.25), ("uplink", 1.25 / 4)]
+    # per uplink direction: the ring carries 2(N-1)/N of the buffer, one tree the buffer once (at 1/4 rate)
+    assert evaluate(synthesize("ring", t), t, 1e9).cost == pytest.approx(4 * 2 * 5 / 6, rel=1e-9)
+    assert evaluate(synthesize("tree", t), t, 1e9).cost == pytest.approx(4.0, rel=1e-9)
+    assert get_topology("racks:1,3,4").counts()["switch"] == 1  # one rack: no core, no uplink
+    with pytest.raises(TopologyError, match="racks needs o"):
+        get_topology("racks:2,3,0")
