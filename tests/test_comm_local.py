@@ -16,7 +16,7 @@ from gradsync.plan import SYNTHESIZERS, PlanOptions, synthesize
 from gradsync.topology.io import get_topology
 from tests.conftest import random_topology
 
-TOPOLOGIES = ["switch:2", "switch:3", "ring:4", "p3.8xlarge", "bcube:2,2", "bcube:3,2", "fattree:4", "p2.8xlarge"]
+TOPOLOGIES = ["switch:2", "switch:3", "ring:4", "p3.8xlarge", "bcube:2,2", "bcube:3,2", "fattree:4", "p2.8xlarge", "racks:2,3,4"]
 
 
 def _inputs(rank: int, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -153,6 +153,10 @@ def test_racks_two_tier_cluster():
     # per uplink direction: the ring carries 2(N-1)/N of the buffer, one tree the buffer once (at 1/4 rate)
     assert evaluate(synthesize("ring", t), t, 1e9).cost == pytest.approx(4 * 2 * 5 / 6, rel=1e-9)
     assert evaluate(synthesize("tree", t), t, 1e9).cost == pytest.approx(4.0, rel=1e-9)
+    # rack first, then across racks by host index: the same optimal uplink load, spread over s flows
+    hier = synthesize("hierarchical", t)
+    assert evaluate(hier, t, 1e9).cost == pytest.approx(4.0, rel=1e-9)
+    assert hier.meta["hierarchy"] == {"levels": ["rack", "across racks"], "radices": [3, 2]}
     assert get_topology("racks:1,3,4").counts()["switch"] == 1  # one rack: no core, no uplink
     with pytest.raises(TopologyError, match="racks needs o"):
         get_topology("racks:2,3,0")

@@ -35,7 +35,8 @@ from gradsync.plan.schedule import Schedule, Transfer
 from gradsync.plan.synthesizers import PlanOptions, split_chunks, synthesizer, unless_raises
 from gradsync.topology.model import Topology
 
-__all__ = ["Hierarchy", "bcube_hierarchy", "fattree_hierarchy", "hierarchy_of", "hierarchical_transfers", "plan_hierarchical"]
+__all__ = ["Hierarchy", "bcube_hierarchy", "fattree_hierarchy", "racks_hierarchy", "hierarchy_of", "hierarchical_transfers",
+           "plan_hierarchical"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,38 @@ def bcube_hierarchy(topology: Topology) -> Hierarchy:
     return Hierarchy((shape.n,) * shape.k, shape.digits, route, tuple(f"level{lv}" for lv in range(shape.k)))
 
 
-_HIERARCHIES: dict[str, Callable[[Topology], Hierarchy]] = {"fattree": fattree_hierarchy, "bcube": bcube_hierarchy}
+def racks_hierarchy(topology: Topology) -> Hierarchy:
+    """Hosts of one rack, then the hosts with the same index in every rack (``racks:r,s,o``).
+
+    Each host ends the rack stage owning 1/s of its rack's sum, then allreduces that share with its
+    counterparts in the other racks: every uplink direction carries the buffer once, like a rack-first tree,
+    but as ``s`` flows from ``s`` hosts instead of one flow into one root (whose NIC the rack's own traffic
+    fills while the uplink flow waits behind it).
+    """
+    r, s = topology.attrs.get("racks"), topology.attrs.get("hosts_per_rack")
+    if topology.attrs.get("family") != "racks" or not isinstance(r, int) or not isinstance(s, int):
+        raise PlanError(f"{topology.name!r} is not a racks:r,s,o topology; build one with get_topology('racks:2,3,4')")
+    if topology.world_size != r * s:
+        raise PlanError(f"{topology.name!r} has {topology.world_size} ranks, not r*s = {r * s}; plan on the whole cluster")
+    digits = []
+    for q, name in enumerate(topology.ranks):
+        at = topology.device(name).attrs
+        d = (at.get("index"), at.get("rack"))
+        if not all(isinstance(x, int) for x in d) or _index(d, (s, r)) != q:
+            raise PlanError(f"rank {q} ({name!r}) of {topology.name!r} has rack/index {d[::-1]}; ranks must be in rack order")
+        digits.append(d)
+    names = topology.ranks
+    via = router_for(topology)
+
+    def route(a: int, b: int, level: int) -> tuple[str, ...]:
+        return via(names[a], names[b])
+
+    return Hierarchy((s, r), tuple(digits), route, ("rack", "across racks"))
+
+
+_HIERARCHIES: dict[str, Callable[[Topology], Hierarchy]] = {
+    "fattree": fattree_hierarchy, "bcube": bcube_hierarchy, "racks": racks_hierarchy,
+}
 
 
 def hierarchy_of(topology: Topology) -> Hierarchy:
@@ -172,14 +204,14 @@ def hierarchy_of(topology: Topology) -> Hierarchy:
     if make is None:
         raise PlanError(
             f"{topology.name!r} has no switch hierarchy the planner knows (attrs family={family!r}); "
-            f"use a 'fattree:k' or 'bcube:n,k' topology"
+            f"use a 'fattree:k', 'bcube:n,k' or 'racks:r,s,o' topology"
         )
     return make(topology)
 
 
 @synthesizer("hierarchical", applicable=unless_raises(hierarchy_of))
 def plan_hierarchical(topology: Topology, options: PlanOptions) -> Schedule:
-    """Reduce within switch groups, then between groups, then broadcast back (seed 001 §3.3; Fat-Tree, BCube)."""
+    """Reduce within switch groups, then between groups, then broadcast back (seed 001 §3.3; Fat-Tree, BCube, racks)."""
     hier = hierarchy_of(topology)
     n, sub = topology.world_size, options.pipeline
     chunks, _ = split_chunks([1.0 / n] * n, sub, range(n))

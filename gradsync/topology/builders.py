@@ -184,13 +184,14 @@ def racks(r: int, s: int, o: int) -> Topology:
     _need("racks", r, 1, "r (racks)")
     _need("racks", s, 1, "s (hosts per rack)")
     _need("racks", o, 1, "o (host rate / uplink rate)")
-    devs = [Device(f"host{i * s + j}", "host", {"rack": i}) for i in range(r) for j in range(s)]
+    devs = [Device(f"host{i * s + j}", "host", {"rack": i, "index": j}) for i in range(r) for j in range(s)]
     devs += [Device(f"tor{i}", "switch") for i in range(r)]
     links = [Link(f"host{i * s + j}", f"tor{i}", ETHERNET_10G_GBPS, kind="network") for i in range(r) for j in range(s)]
     if r > 1:
         devs.append(Device("core", "switch"))
         links += [Link(f"tor{i}", "core", ETHERNET_10G_GBPS / o, kind="uplink") for i in range(r)]
-    return Topology(f"racks:{r},{s},{o}", tuple(devs), tuple(links), unit_bandwidth_GBps=ETHERNET_10G_GBPS)
+    return Topology(f"racks:{r},{s},{o}", tuple(devs), tuple(links), unit_bandwidth_GBps=ETHERNET_10G_GBPS,
+                    attrs={"family": "racks", "racks": r, "hosts_per_rack": s, "oversubscription": o})
 
 
 @builder("minsky", example="minsky:2")
