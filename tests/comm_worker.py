@@ -153,7 +153,25 @@ def scenario_kill(topology: str) -> dict:
     return {"error": None}
 
 
-SCENARIOS = {"sums": scenario_sums, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
+def scenario_calibrate(topology: str, cache: str) -> dict:
+    """init(calibrate=True) measures α on this wire once and caches it; a second init reads the cache."""
+    os.environ["GRADSYNC_CACHE"] = cache
+    rt = gradsync.init(topology=topology, calibrate=True, timeout_s=60)
+    first = rt.cost_model.to_dict()
+    x = torch.full((1 << 16,), float(RANK + 1))
+    gradsync.allreduce(x)
+    exact = bool(torch.all(x == WORLD * (WORLD + 1) / 2))
+    gradsync.shutdown()
+    t0 = time.perf_counter()
+    rt = gradsync.init(topology=topology, calibrate=True, timeout_s=60)
+    second = rt.cost_model.to_dict()
+    again_s = time.perf_counter() - t0
+    gradsync.shutdown()
+    return {"first": first, "second": second, "exact": exact, "again_s": again_s,
+            "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
+
+
+SCENARIOS = {"calibrate": scenario_calibrate, "sums": scenario_sums, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
 
 
 def main() -> None:

@@ -39,6 +39,20 @@ def test_bml_on_bcube_3_2_with_nine_processes(tmp_path):
         assert rep is not None and rep["checked"] == ["bml"] and rep["failures"] == [], (rank, rep)
 
 
+def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
+    """The measured α is the same on every rank, positive and bounded, marked in the model's source, written
+    once to the cache, and a second init reads it back unchanged (no second measurement)."""
+    cache = tmp_path / "cache"
+    reports = launch(WORKER, ["calibrate", str(tmp_path), "switch:3", str(cache)], 3, tmp_path)
+    first = reports[0]["first"]
+    for rank, rep in enumerate(reports):
+        assert rep["exact"], (rank, rep)
+        assert rep["first"] == first and rep["second"] == first, (rank, rep)
+    assert "calibrated on 3 ranks" in first["source"]
+    assert 1e-6 <= first["message_s"] < 0.5 and 1e-6 <= first["native_message_s"] < 0.5, first
+    assert len(reports[0]["files"]) == 1 and reports[0]["files"][0].startswith("cost_model-")
+
+
 def test_ddp_hook_matches_ddp_without_hook(tmp_path):
     reports = launch(WORKER, ["ddp", str(tmp_path), "p3.8xlarge[0,1,2]"], 3, tmp_path)
     for rank, rep in enumerate(reports):

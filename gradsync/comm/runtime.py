@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -103,6 +103,7 @@ class Runtime:
         self._chooser: Chooser | None = None
         self._named: Chooser | None = None
         self._choices: dict[int, tuple[str, int]] = {}
+        self._generation = 0  # bumped when the cost model changes: decisions are per model
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         self._queue: queue.Queue = queue.Queue()
         self._failed: BaseException | None = None
@@ -159,7 +160,7 @@ class Runtime:
                 schedule = planner.schedule(name, pipeline, check=True)
                 order = None
                 if len(schedule.transfers) <= MAX_ORDERED_TRANSFERS:
-                    raw = self._decide(f"order/{name}/{pipeline}/{size}", lambda: self.cost_model.wait_order(
+                    raw = self._decide(f"g{self._generation}/order/{name}/{pipeline}/{size}", lambda: self.cost_model.wait_order(
                         schedule, self.topology, size).astype("<f8").tobytes())
                     order = np.frombuffer(raw, "<f8")
                 ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
@@ -175,7 +176,7 @@ class Runtime:
                 c = self.chooser.choose(size)
                 return json.dumps([c.algorithm, c.pipeline]).encode()
 
-            name, pipeline = json.loads(self._decide(f"choice/{size}", compute))
+            name, pipeline = json.loads(self._decide(f"g{self._generation}/choice/{size}", compute))
             got = self._choices[size] = (str(name), int(pipeline))
         return got
 
@@ -185,6 +186,79 @@ class Runtime:
         if decide is None:
             return compute()
         return bytes(decide(key, compute, max(self.timeout_s, PLAN_TIMEOUT_S)))
+
+    def set_cost_model(self, model: CostModel) -> None:
+        """Price with ``model`` from now on: plans and choices made with the old one are dropped."""
+        self.cost_model = model
+        self._chooser = self._named = None
+        self._choices.clear()
+        for ex in self._executors.values():
+            close = getattr(ex, "close", None)
+            if close is not None:
+                close()
+        self._executors.clear()
+        self._generation += 1
+
+    def calibrate(self, reps: int = 5, size_bytes: int = 4096) -> CostModel:
+        """Measure the per-message costs on this job's wire and price with them (returns the new model).
+
+        Times a ``size_bytes`` allreduce (so bytes hardly count) on the planned ring through the executor,
+        and the backend's own ``all_reduce``; the slowest rank's median of ``reps`` is the measurement. α is
+        the value at which the model predicts exactly that time (the prediction is affine in α for
+        messages this small), the same on every rank. Runs on the communication thread, in order with
+        queued collectives; needs a torch.distributed transport.
+        """
+        group = getattr(self.transport, "group", None)
+        if group is None:
+            raise GradsyncError(f"calibration needs a torch.distributed transport; this one is {self.transport.name!r}")
+        if not isinstance(reps, int) or reps < 1:
+            raise GradsyncError(f"reps={reps!r} must be an integer >= 1")
+        if self.world_size == 1:
+            return self.cost_model
+        return self.submit(lambda: self._calibrate(group, reps, int(size_bytes)), "calibrate").wait()
+
+    def _calibrate(self, group: Any, reps: int, size: int) -> CostModel:
+        import statistics
+
+        import torch.distributed as dist
+
+        ring = self._planner().schedule("ring", 1, check=True)
+        ex = Executor(ring, self.transport, mapping=self.mapping, timeout_s=self.timeout_s)
+        buf = torch.zeros(max(1, size // 4))
+
+        def slowest_median(fn: Callable[[], Any]) -> float:
+            fn()
+            fn()
+            times = []
+            for _ in range(reps):
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            return float(t.item())
+
+        try:
+            t_ex = slowest_median(lambda: ex.run(buf))
+            t_nat = slowest_median(lambda: dist.all_reduce(buf, group=group))
+        finally:
+            ex.close()
+        nbytes = buf.numel() * 4
+        zero = replace(self.cost_model, message_s=0.0, native_message_s=0.0)
+        one = replace(self.cost_model, message_s=1e-3, native_message_s=1e-3)
+
+        def solve(at0: float, at1: float, measured: float) -> float:
+            slope = (at1 - at0) / 1e-3
+            return max(1e-6, (measured - at0) / slope) if slope > 0 else self.cost_model.message_s
+
+        alpha = solve(zero.predict(ring, self.topology, nbytes), one.predict(ring, self.topology, nbytes), t_ex)
+        native = solve(zero.predict_native(self.topology, nbytes), one.predict_native(self.topology, nbytes), t_nat)
+        model = replace(self.cost_model, message_s=alpha, native_message_s=native,
+                        source=f"{self.cost_model.source}; message costs calibrated on {self.world_size} ranks "
+                               f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native)")
+        self.set_cost_model(model)
+        return model
 
     def _planner(self) -> Chooser:
         """A chooser without candidates of its own, for named algorithms (plans and checks them)."""
@@ -422,6 +496,7 @@ def init(
     options: PlanOptions | None = None,
     timeout_s: float = 60.0,
     cost_model: CostModel | str | None = None,
+    calibrate: bool = False,
 ) -> Runtime:
     """Start gradsync in this process and return the runtime (also kept as the default).
 
@@ -431,7 +506,9 @@ def init(
     ``switch:<world_size>``; ``mapping`` places topology ranks on process ranks (default: in order).
     ``cost_model`` (a :class:`~gradsync.sim.cost.CostModel`, a JSON file, or ``$GRADSYNC_COST_MODEL``)
     prices schedules for ``algorithm="auto"``, which chooses per message size (native collective
-    included); without one, the topology's own rates and default message costs are used.
+    included); without one, the topology's own rates and default message costs are used. ``calibrate``
+    measures the message costs on this wire (:meth:`Runtime.calibrate`, a second or so) once per topology
+    and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``).
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -445,8 +522,46 @@ def init(
         _RUNTIME.shutdown()
     model = load_cost_model(cost_model if cost_model is not None else os.environ.get("GRADSYNC_COST_MODEL"))
     _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model)
+    if calibrate:
+        _calibrated(_RUNTIME)
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
+
+
+def calibration_cache(rt: Runtime) -> str:
+    """Where :func:`init` keeps ``rt``'s calibrated model: one file per topology, world size and base model."""
+    import hashlib
+
+    base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
+    key = hashlib.sha256(json.dumps([rt.topology.name, rt.world_size, rt.cost_model.to_dict()],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(base, f"cost_model-{key}.json")
+
+
+def _calibrated(rt: Runtime) -> None:
+    """Load the cached calibration for ``rt`` or measure it (rank 0 writes the cache)."""
+    path = calibration_cache(rt)
+    cached = rt._decide(f"calibration/{os.path.basename(path)}",
+                        lambda: open(path, "rb").read() if os.path.isfile(path) else b"")
+    if cached:
+        try:
+            rt.set_cost_model(CostModel.from_dict(json.loads(cached)))
+            return
+        except (ValueError, GradsyncError) as exc:
+            import warnings
+
+            warnings.warn(f"ignoring the cached calibration {path} ({exc}); measuring again", stacklevel=3)
+    model = rt.calibrate()
+    if rt.rank == 0:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(model.to_dict(), f, indent=1)
+        except OSError as exc:
+            import warnings
+
+            warnings.warn(f"could not cache the calibration in {path} ({exc}); the next init measures again",
+                          stacklevel=3)
 
 
 def load_cost_model(source: CostModel | str | None) -> CostModel | None:
