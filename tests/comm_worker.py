@@ -167,6 +167,7 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
     second = rt.cost_model.to_dict()
     again_s = time.perf_counter() - t0
     gradsync.shutdown()
+    dist.barrier()  # rank 0 holds the store the others just read from: leave together
     return {"first": first, "second": second, "exact": exact, "again_s": again_s,
             "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
 
