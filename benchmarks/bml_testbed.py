@@ -85,13 +85,14 @@ from gradsync.cli import parse_size
 from gradsync.errors import GradsyncError
 from gradsync.plan import PlanOptions, synthesize
 from gradsync.sim import simulate
+from gradsync.testbed.probe import TCP_GOODPUT
 from gradsync.topology import Topology, get_topology
 
 RESULT_TYPE = "gradsync.bench.bml_testbed"
 _ROOT = Path(__file__).resolve().parents[1]
 WORKER = _ROOT / "benchmarks" / "bml_testbed_worker.py"
 #: TCP payload per byte on the wire at MTU 1500: 1448 B of payload (20 IP + 32 TCP with timestamps) in 1514 B frames.
-GOODPUT = 1448 / 1514
+GOODPUT = TCP_GOODPUT
 #: The seed's LeNet-5 (TensorFlow's MNIST model): 3,274,634 float32 parameters.
 PAPER_LENET5_BYTES = 3_274_634 * 4
 MODEL_BYTES = {"paper-lenet5": PAPER_LENET5_BYTES, "lenet5": 61_706 * 4}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.bml_testbed_worker import CpuMeter, PaperLeNet5
+from benchmarks.bml_testbed_worker import CpuMeter, PaperLeNet5, _gather_float
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -49,18 +49,11 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _gather(value: float) -> list[float]:
-    t = torch.tensor([value], dtype=torch.float64)
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [float(x.item()) for x in out]
-
-
 def _timed(fn: Callable[[], Any]) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     fn()
-    return max(_gather(time.perf_counter() - t0))
+    return max(_gather_float(time.perf_counter() - t0))
 
 
 def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
@@ -87,7 +80,7 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]
         for name, fn in methods.items():
             buf.fill_(rank + 1)
             fn()
-            correct[name] = min(_gather(float(bool(torch.all(buf == want))))) == 1.0
+            correct[name] = min(_gather_float(float(bool(torch.all(buf == want))))) == 1.0
         samples: dict[str, list[float]] = {m: [] for m in methods}
         cpu = CpuMeter()
         for _ in range(reps):
@@ -158,7 +151,7 @@ def train_phase(rt: Any, args: argparse.Namespace) -> dict[str, Any]:
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         ref = flat.clone()
         dist.broadcast(ref, 0)
-        identical[name] = min(_gather(float(torch.equal(ref, flat)))) == 1.0
+        identical[name] = min(_gather_float(float(torch.equal(ref, flat)))) == 1.0
     ref_loss = losses["ddp"]
     return {
         "steps": args.steps, "batch": args.batch, "parameters": sum(p.numel() for p in base.parameters()),

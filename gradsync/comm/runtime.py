@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -192,12 +193,15 @@ class Runtime:
         self.cost_model = model
         self._chooser = self._named = None
         self._choices.clear()
-        for ex in self._executors.values():
-            close = getattr(ex, "close", None)
-            if close is not None:
-                close()
+        self._close_executors()
         self._executors.clear()
         self._generation += 1
+
+    def _close_executors(self) -> None:
+        """Stop the executors' waiting threads (the native one has none)."""
+        for ex in self._executors.values():
+            if isinstance(ex, Executor):
+                ex.close()
 
     def calibrate(self, reps: int = 5, size_bytes: int = 4096) -> CostModel:
         """Measure the per-message costs on this job's wire and price with them (returns the new model).
@@ -248,12 +252,14 @@ class Runtime:
         zero = replace(self.cost_model, message_s=0.0, native_message_s=0.0)
         one = replace(self.cost_model, message_s=1e-3, native_message_s=1e-3)
 
-        def solve(at0: float, at1: float, measured: float) -> float:
+        def solve(at0: float, at1: float, measured: float, unchanged: float) -> float:
             slope = (at1 - at0) / 1e-3
-            return max(1e-6, (measured - at0) / slope) if slope > 0 else self.cost_model.message_s
+            return max(1e-6, (measured - at0) / slope) if slope > 0 else unchanged
 
-        alpha = solve(zero.predict(ring, self.topology, nbytes), one.predict(ring, self.topology, nbytes), t_ex)
-        native = solve(zero.predict_native(self.topology, nbytes), one.predict_native(self.topology, nbytes), t_nat)
+        alpha = solve(zero.predict(ring, self.topology, nbytes), one.predict(ring, self.topology, nbytes), t_ex,
+                      self.cost_model.message_s)
+        native = solve(zero.predict_native(self.topology, nbytes), one.predict_native(self.topology, nbytes), t_nat,
+                       self.cost_model.native_message_s)
         model = replace(self.cost_model, message_s=alpha, native_message_s=native,
                         source=f"{self.cost_model.source}; message costs calibrated on {self.world_size} ranks "
                                f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native)")
@@ -371,10 +377,7 @@ class Runtime:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(self.timeout_s)
-        for ex in self._executors.values():
-            close = getattr(ex, "close", None)
-            if close is not None:
-                close()
+        self._close_executors()
 
 
 def _nbytes(tensors: Tensors) -> int:
@@ -548,8 +551,6 @@ def _calibrated(rt: Runtime) -> None:
             rt.set_cost_model(CostModel.from_dict(json.loads(cached)))
             return
         except (ValueError, GradsyncError) as exc:
-            import warnings
-
             warnings.warn(f"ignoring the cached calibration {path} ({exc}); measuring again", stacklevel=3)
     model = rt.calibrate()
     if rt.rank == 0:
@@ -558,8 +559,6 @@ def _calibrated(rt: Runtime) -> None:
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(model.to_dict(), f, indent=1)
         except OSError as exc:
-            import warnings
-
             warnings.warn(f"could not cache the calibration in {path} ({exc}); the next init measures again",
                           stacklevel=3)
 

@@ -207,7 +207,7 @@ class _Engine:
             self.pair = fs.src * width + fs.dst
             self.pair_busy = np.zeros(width * width, bool)
             self.cpu_free = np.zeros(width)  # when each rank's thread is done with the messages it received
-            self.granted = np.zeros(n, bool)  # popped from its connection's queue: the connection is its
+            self.granted = np.zeros(n, bool)  # popped from its connection's queue: the connection is held for it
             self.queued: dict[int, list[tuple[float, int]]] = {}
         self.weight = weight
         self.progress = progress

@@ -15,12 +15,15 @@ import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gradsync.testbed import netns
 from gradsync.testbed.build import TestbedPlan, sample_pairs
 from gradsync.testbed.control import load_state
 from gradsync.testbed.errors import TestbedError
+
+if TYPE_CHECKING:
+    from gradsync.sim.cost import CostModel
 
 __all__ = ["probe", "probe_pair", "format_table", "cost_model", "DEFAULT_TOLERANCE", "MAX_PAIRS", "TCP_GOODPUT"]
 
@@ -33,7 +36,7 @@ _WORKER = str(Path(__file__).with_name("_probe_worker.py"))
 TCP_GOODPUT = 1448 / 1514
 
 
-def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), **fields: Any) -> Any:
+def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), **fields: Any) -> CostModel:
     """The runtime's :class:`~gradsync.sim.cost.CostModel` for this testbed: every link class at its shaped
     rate, and the goodput share the probe measured (the median of ``rows``' measured/expected, capped at 1;
     :data:`TCP_GOODPUT` without rows). ``fields`` set the rest (``message_s``...).
