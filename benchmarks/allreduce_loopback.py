@@ -9,7 +9,10 @@ size (``--sizes``, default 4 KB ... 64 MB of float32 in powers of 4):
 * ``gloo``: ``torch.distributed.all_reduce`` on the same gloo process group;
 * ``mpi``: mpi4py's ``COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)`` on the tensor's numpy view;
 * ``gs-mpi-ring``: the executor running the ring schedule over :class:`gradsync.comm.mpi.MPITransport`;
-* ``gs-ring-p<k>``: the ring at other pipeline depths (``--sweep``), only for messages >= ``--sweep-min``.
+* ``gs-ring-p<k>``: the ring at other pipeline depths (``--sweep``), only for messages >= ``--sweep-min``;
+* ``gs-auto``: what a user gets by default, ``gradsync.init()``-style :class:`gradsync.comm.Runtime` with
+  ``algorithm="auto"`` on ``switch:W`` and ``Runtime.allreduce(buf)`` (size-aware choice, native included).
+  Its ratio to gloo is reported at *every* size (issue 13's goal: >= 0.97x from 4 KB to 64 MB).
 
 Method. The workers are started with ``mpirun`` when MPI is usable here (:func:`gradsync.comm.mpi.mpirun_command`;
 each rank takes its rank and size from mpi4py and joins the gloo group on ``MASTER_ADDR=127.0.0.1`` and a
@@ -17,9 +20,11 @@ each rank takes its rank and size from mpi4py and joins the gloo group on ``MAST
 ``--no-mpi``) they are started with :func:`gradsync.launch.launch_local` and the MPI series are skipped.
 Per size: every method runs once as a warm-up, and that run's result is checked against the closed form
 (rank r contributes ``(i mod 1024) + 1024 r`` at position i, so the sum is ``W (i mod 1024) + 512 W (W-1)``,
-exact in float32 whatever the order of additions). Then, for each repetition, the methods take turns (the
-starting method rotates each repetition): every rank refills the buffer, waits at a barrier, and times one
-allreduce; a sample is the slowest rank's time. Reported: the median of ``--reps`` samples (default 15;
+exact in float32 whatever the order of additions). Then, per repetition, every rank waits at a
+barrier and the methods take turns in a shuffled order (the same on every rank; a fixed rotation would
+make each method always follow the same one), each timing one allreduce of a zeroed buffer; messages under
+16 MB run up to 16 such rounds per sample (:func:`inner_iterations`) and take each method's mean per call.
+A sample is the slowest rank's time. Reported: the median of ``--reps`` samples (default 15;
 ``--large-reps``, default 9, for messages >= 64 MB) and algorithmic bandwidth = bytes / median time. Rank 0
 writes each world's results; the parent merges them, prints the tables and, for messages >= 16 MB, the ratios
 of the best gradsync series to gloo and to MPI (median algbw), plus the like-for-like ratios (best gradsync
@@ -43,6 +48,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import signal
 import statistics
 import subprocess
@@ -58,6 +64,8 @@ from typing import Any
 RESULT_TYPE = "gradsync.bench.allreduce_loopback"
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 RATIO_MIN_BYTES = 16 * 2**20
+INNER_BYTES = 16 << 20  # a timed sample moves at least this many bytes per method (up to INNER_MAX calls)
+INNER_MAX = 16
 LARGE_BYTES = 64 * 2**20
 PATTERN = 1024  # rank r holds (i % PATTERN) + PATTERN * r
 _ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +154,7 @@ class Method:
 def _methods(cfg: dict[str, Any], comm: Any, world: int) -> list[Method]:
     import torch.distributed as dist
 
-    from gradsync.comm import Executor, TorchTransport
+    from gradsync.comm import Executor, Runtime, TorchTransport
     from gradsync.plan import PlanOptions, synthesize
     from gradsync.topology import get_topology
 
@@ -163,6 +171,10 @@ def _methods(cfg: dict[str, Any], comm: Any, world: int) -> list[Method]:
     for alg in cfg["algorithms"]:
         methods.append(executor_method(f"gs-{alg}", "gradsync-gloo", alg, main_p, transport))
     methods.append(Method("gloo", "gloo", "gloo", None, dist.all_reduce))
+    runtime = Runtime(transport, topo, "auto", timeout_s=timeout)
+    methods.append(Method("gs-auto", "gradsync-auto", "auto", None, runtime.allreduce))
+    # the very same call as "gloo" again: its ratio to "gloo" is this machine's noise floor for gs-auto's
+    methods.append(Method("gloo-again", "gloo", "gloo", None, dist.all_reduce))
     if comm is not None:
         from mpi4py import MPI
 
@@ -178,6 +190,13 @@ def _methods(cfg: dict[str, Any], comm: Any, world: int) -> list[Method]:
             if p != main_p:
                 methods.append(executor_method(f"gs-ring-p{p}", "gradsync-gloo", "ring", p, transport, cfg["sweep_min"]))
     return methods
+
+
+def inner_iterations(nbytes: int) -> int:
+    """Rounds per timed sample: a small message's allreduce is shorter than the barrier's skew and than one
+    scheduler time slice, so a sample interleaves several rounds of every method (shuffled each round, so
+    the methods share the same scheduler weather) and reports each method's mean per call."""
+    return max(1, min(INNER_MAX, INNER_BYTES // max(1, nbytes)))
 
 
 def _measure_size(nbytes: int, methods: list[Method], reps: int, rank: int, world: int,
@@ -201,14 +220,19 @@ def _measure_size(nbytes: int, methods: list[Method], reps: int, rank: int, worl
         ok[j] = float(torch.equal(buf, expected))
     del expected
     times = torch.zeros(reps, len(active), dtype=torch.float64)
+    iters = inner_iterations(nbytes)
+    buf.zero_()  # timed runs add zeros: the sum cannot overflow however many run back to back
     for r in range(reps):
-        for k in range(len(active)):
-            j = (r + k) % len(active)  # rotate who goes first, so no method always follows the same one
-            buf.copy_(template)
-            barrier()
-            t0 = time.perf_counter()
-            active[j].op(buf)
-            times[r, j] = time.perf_counter() - t0
+        rng = random.Random(nbytes * 1009 + r)  # the same turns on every rank
+        barrier()
+        for _ in range(iters):
+            turns = list(range(len(active)))
+            rng.shuffle(turns)  # no method always follows the same one
+            for j in turns:
+                t0 = time.perf_counter()
+                active[j].op(buf)
+                times[r, j] += time.perf_counter() - t0
+    times /= iters
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a sample is the slowest rank's time
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # verified only if every rank got the right sum
     out: dict[str, dict[str, Any]] = {}
@@ -355,6 +379,19 @@ def ratios(worlds: dict[str, dict[str, Any]], min_bytes: int = RATIO_MIN_BYTES) 
     return rows
 
 
+def auto_ratios(worlds: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per world and size: gloo's median time over ``gs-auto``'s (> 1: gradsync's default is faster), and
+    over ``gloo-again``'s (the same call as gloo: how far two identical series differ on this machine)."""
+    rows = []
+    for w, data in worlds.items():
+        for size, cell in data["sizes"].items():
+            if "gs-auto" in cell and "gloo" in cell:
+                gloo = cell["gloo"]["median_s"]
+                rows.append({"world_size": int(w), "bytes": int(size), "auto_vs_gloo": gloo / cell["gs-auto"]["median_s"],
+                             "gloo_again_vs_gloo": gloo / cell["gloo-again"]["median_s"] if "gloo-again" in cell else None})
+    return rows
+
+
 def print_tables(worlds: dict[str, dict[str, Any]]) -> None:
     for w, data in worlds.items():
         names = list(data["methods"])
@@ -468,6 +505,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{r['world_size']:>2d} {human(r['bytes']):>5s} {r['best_gradsync']:>14s} {r['best_algbw_GBps']:7.3f} "
                   f"{f(r['vs_gloo']):>6s} {f(r['vs_mpi']):>6s}   {r['best_over_gloo_p2p'] or '-':>16s} "
                   f"{f(r['gloo_p2p_vs_gloo']):>6s}   {r['best_over_mpi_p2p'] or '-':>12s} {f(r['mpi_p2p_vs_mpi']):>6s}")
+    autos = auto_ratios(worlds)
+    if autos:
+        print("\ngradsync's default (gs-auto: Runtime, algorithm='auto') vs gloo all_reduce, median time ratio "
+              "(gloo / auto; goal >= 0.97), beside gloo / gloo-again (the same call twice: the noise floor):")
+        for r in autos:
+            again = r["gloo_again_vs_gloo"]
+            print(f"{r['world_size']:>2d} {human(r['bytes']):>5s} {r['auto_vs_gloo']:6.2f} "
+                  f"{'-' if again is None else f'{again:.2f}':>6s}")
     wrong = [(w, human(int(s)), n) for w, d in worlds.items() for s, c in d["sizes"].items()
              for n, v in c.items() if not v["verified"]]
     if wrong:
@@ -477,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config["mpi_unavailable"] = reason or None
     json_path, png_path = args.out / "allreduce_loopback.json", args.out / "allreduce_loopback.png"
     json_path.write_text(json.dumps({"type": RESULT_TYPE, "machine": _machine(), "config": config, "worlds": worlds,
-                                     "ratios": rows, "failed_worlds": failed, "wrong": wrong, "wall_s": wall},
+                                     "ratios": rows, "auto_vs_gloo": autos, "failed_worlds": failed, "wrong": wrong, "wall_s": wall},
                                     indent=1) + "\n")
     wrote = [json_path]
     if worlds:

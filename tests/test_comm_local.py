@@ -257,3 +257,40 @@ def test_any_phase_order_keeps_the_run_exact(alg, topo_name):
             assert all(torch.equal(g.double(), e) for g, e in zip(got, exp)), alg
     with pytest.raises(GradsyncError, match="order has 3 entries"):
         Executor(schedule, LocalFabric(schedule.world_size).transport(0), order=[0.0, 1.0, 2.0])
+
+
+def test_blocking_allreduce_runs_on_the_callers_thread_only_when_nothing_is_queued():
+    """``Runtime.allreduce`` skips the communication thread when it is idle, but never overtakes queued work:
+    a blocking call behind a queued one runs after it, on the communication thread, and every sum is exact."""
+    import threading
+
+    from gradsync.comm import Runtime
+
+    def body(tr):
+        rt = Runtime(tr, "switch:3", "ring", timeout_s=20)
+        ex = rt.executor()
+        ran: list[tuple[str, float]] = []
+        real_run = ex.run
+
+        def spy(tensors, op="sum"):
+            ran.append((threading.current_thread().name, float(tensors.flatten()[0])))
+            return real_run(tensors, op)
+
+        ex.run = spy
+        gate = threading.Event()
+        xs = [torch.full((517,), float(10 ** i * (tr.rank + 1))) for i in range(3)]
+        rt.submit(lambda: gate.wait(10))  # holds the queue until the timer fires
+        first = rt.allreduce_async(xs[0])
+        threading.Timer(0.2, gate.set).start()
+        rt.allreduce(xs[1])  # queued work ahead: must wait its turn on the communication thread
+        assert first.done()
+        rt.allreduce(xs[2])  # idle: runs right here
+        rt.shutdown()
+        return ran, [float(x[0]) for x in xs], threading.current_thread().name
+
+    for got in run_ranks(3, body):
+        assert not isinstance(got, BaseException), got
+        ran, sums, caller = got
+        assert sums == [6.0, 60.0, 600.0]
+        assert [who for who, _ in ran] == ["gradsync-comm", "gradsync-comm", caller]
+        assert ran[0][1] < 10 <= ran[1][1]  # the queued one went first, before the blocking one

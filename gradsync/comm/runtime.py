@@ -107,6 +107,9 @@ class Runtime:
         self._generation = 0  # bumped when the cost model changes: decisions are per model
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         self._queue: queue.Queue = queue.Queue()
+        self._pending = 0  # collectives queued or running; 0 lets a blocking call run on the caller's thread
+        self._mutex = threading.Lock()  # guards _pending
+        self._running = threading.Lock()  # held while a collective runs: one at a time, in call order
         self._failed: BaseException | None = None
         self.comm_seconds = 0.0  # time the communication thread spent running collectives
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
@@ -281,16 +284,52 @@ class Runtime:
         if op not in OPS:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
         ex = self.executor(algorithm, _nbytes(tensors))
+        return Work(self._enqueue(ex, tensors, op), ex.schedule.algorithm)
+
+    def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
+        """All-reduce in place and return ``tensors``; raises :class:`~gradsync.errors.PeerError` on a lost peer.
+
+        When nothing is queued or running, the collective runs on the caller's thread: the same order
+        (anything queued meanwhile waits for it), without two thread handoffs per call, which cost more
+        than a small message's whole allreduce.
+        """
+        if op not in OPS:
+            raise GradsyncError(f"op={op!r} is not one of {OPS}")
+        ex = self.executor(algorithm, _nbytes(tensors))
+        with self._mutex:
+            inline = self._pending == 0 and self._failed is None and not self.on_comm_thread()
+            if inline:
+                self._pending += 1
+        if not inline:
+            return self._enqueue(ex, tensors, op).wait()
+        try:
+            with self._running:
+                return self._run(ex, tensors, op)
+        finally:
+            with self._mutex:
+                self._pending -= 1
+
+    def _enqueue(self, ex: Any, payload: Any, op: str | None) -> torch.futures.Future:
+        """Queue one item for the communication thread; its future, failed at once if the runtime has."""
         fut: torch.futures.Future = torch.futures.Future()
         if self._failed is not None:
             fut.set_exception(CommError(f"the gradsync runtime failed earlier and cannot run more collectives: {self._failed}"))
-        else:
-            self._queue.put((ex, tensors, op, fut))
-        return Work(fut, ex.schedule.algorithm)
+            return fut
+        with self._mutex:
+            self._pending += 1
+        self._queue.put((ex, payload, op, fut))
+        return fut
 
-    def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
-        """All-reduce in place and return ``tensors``; raises :class:`~gradsync.errors.PeerError` on a lost peer."""
-        return self.allreduce_async(tensors, op, algorithm).wait()
+    def _run(self, ex: Any, payload: Any, op: str | None) -> Any:
+        """Run one item (a collective or a submitted callable) now; a failure fails the runtime."""
+        t0 = time.perf_counter()
+        try:
+            return payload() if ex is _CALL else ex.run(payload, op)
+        except BaseException as exc:
+            self._failed = exc
+            raise
+        finally:
+            self.comm_seconds += time.perf_counter() - t0
 
     # ---- additions for compression (issue 8): arbitrary work and allgather, in the same FIFO ----------
     def submit(self, fn: Callable[[], Any], name: str = "call") -> Work:
@@ -303,12 +342,7 @@ class Runtime:
         """
         if not callable(fn):
             raise GradsyncError(f"fn={fn!r} must be callable (it runs on the communication thread)")
-        fut: torch.futures.Future = torch.futures.Future()
-        if self._failed is not None:
-            fut.set_exception(CommError(f"the gradsync runtime failed earlier and cannot run more collectives: {self._failed}"))
-        else:
-            self._queue.put((_CALL, fn, None, fut))
-        return Work(fut, name)
+        return Work(self._enqueue(_CALL, fn, None), name)
 
     def on_comm_thread(self) -> bool:
         """Whether the caller is this runtime's communication thread (where ``run_*`` may be called)."""
@@ -357,19 +391,18 @@ class Runtime:
             item = self._queue.get()
             if item is _STOP:
                 return
-            ex, tensors, op, fut = item
-            if self._failed is not None:
-                fut.set_exception(CommError(f"the gradsync runtime failed earlier: {self._failed}"))
-                continue
-            t0 = time.perf_counter()
+            ex, payload, op, fut = item
             try:
-                result = tensors() if ex is _CALL else ex.run(tensors, op)
+                with self._running:
+                    if self._failed is not None:
+                        raise CommError(f"the gradsync runtime failed earlier: {self._failed}")
+                    result = self._run(ex, payload, op)
             except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
-                self._failed = exc
                 fut.set_exception(exc)
                 continue
             finally:
-                self.comm_seconds += time.perf_counter() - t0
+                with self._mutex:
+                    self._pending -= 1
             fut.set_result(result)
 
     def shutdown(self) -> None:
