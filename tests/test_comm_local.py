@@ -294,3 +294,23 @@ def test_blocking_allreduce_runs_on_the_callers_thread_only_when_nothing_is_queu
         assert sums == [6.0, 60.0, 600.0]
         assert [who for who, _ in ran] == ["gradsync-comm", "gradsync-comm", caller]
         assert ran[0][1] < 10 <= ran[1][1]  # the queued one went first, before the blocking one
+
+
+
+@pytest.mark.parametrize("progress", ["lanes", "ordered"])
+def test_trace_records_every_message_once_in_time_order(progress):
+    schedule = synthesize("tree", get_topology("racks:2,2,4"), PlanOptions(pipeline=2))
+
+    def body(tr):
+        ex = Executor(schedule, tr, timeout_s=20, progress=progress)
+        ex.trace = []
+        ex.run(_inputs(tr.rank, [301], torch.float32)[0])
+        mine = {i for i, t in enumerate(schedule.transfers) if tr.rank in (t.src, t.dst)}
+        return ex.trace, mine
+
+    for got in run_ranks(schedule.world_size, body):
+        assert not isinstance(got, BaseException), got
+        trace, mine = got
+        assert sorted(i for i, *_ in trace) == sorted(mine)
+        times = [t for *_, t in trace]
+        assert times == sorted(times) and times[0] >= 0

@@ -245,6 +245,11 @@ class Executor:
         self._recv_order = sorted((a for ps in self.program.phases for p in ps for a in p.recvs), key=lambda a: a.key)
         self._device_of_proc = {p: schedule.ranks[r] for r, p in enumerate(self.proc_of)}
         self.stats = ExecStats()
+        #: Set to a list to record, per message of the next runs, ``(transfer index, send?, peer process,
+        #: seconds from the run's start until this rank learned it finished)``: compare with the cost
+        #: model's per-transfer times (``SimResult.transfer_times``) to see where a run departs from its
+        #: prediction (``perf_counter`` is one clock for every process of a host, testbed included).
+        self.trace: list[tuple[int, bool, int, float]] | None = None
         self._pieces: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         # Reused receive buffers: a fresh large torch.empty page-faults on every run (~0.5 ms per 8 MB).
         self._scratch: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -299,6 +304,7 @@ class Executor:
         # receive with the same tag would steal the next collective's message)
         window = [self.recv_window_bytes if ordered is None and like is not None else 0, 0]  # [bytes left, next]
         recv_order = self._recv_order
+        trace, t_start = self.trace, time.perf_counter()
 
         def post_ahead() -> None:
             """Post the next receives (key order) into scratch while the window has room."""
@@ -367,6 +373,8 @@ class Executor:
                 handle.wait(self.timeout_s)
             except PeerError as exc:
                 raise self._context(act, exc) from exc
+            if trace is not None:
+                trace.append((act.index, act.send, act.peer, time.perf_counter() - t_start))
             if not act.send and buf is not None:
                 # Phases apply in key order: every earlier phase of this chunk (smaller keys) is done.
                 _apply(views[act.chunk], buf, act.reduce)
@@ -397,6 +405,7 @@ class Executor:
         """
         transport, program, stats = self.transport, self.program, self.stats
         esize = like.element_size()
+        trace, t_start = self.trace, time.perf_counter()
         done: queue.SimpleQueue = queue.SimpleQueue()
         landed: dict[int, torch.Tensor] = {}  # transfer index -> scratch holding its arrived message
         due: dict[int, Action] = {}  # receives whose phase has started, by transfer index
@@ -462,10 +471,12 @@ class Executor:
             start(c)
         while outstanding:
             try:
-                act, buf, err = done.get(timeout=self.timeout_s + 30.0)
+                act, buf, err, finished = done.get(timeout=self.timeout_s + 30.0)
             except queue.Empty:  # a lane's own wait is bounded; this is the backstop
                 raise PeerError(f"rank {self.transport.rank}: no message finished within {self.timeout_s + 30:g} s", -1) from None
             outstanding -= 1
+            if trace is not None:
+                trace.append((act.index, act.send, act.peer, finished - t_start))
             if err is not None:
                 if isinstance(err, PeerError):
                     raise self._context(act, err) from err
@@ -542,9 +553,9 @@ class _Lane:
             try:
                 handle.wait(timeout_s)
             except BaseException as exc:  # noqa: BLE001 - delivered to the executor's thread
-                out.put((act, buf, exc))
+                out.put((act, buf, exc, time.perf_counter()))
             else:
-                out.put((act, buf, None))
+                out.put((act, buf, None, time.perf_counter()))
             # hold no backend work object while idle: the user may destroy its process group next
             handle = buf = out = None
 
