@@ -3,7 +3,9 @@
 For every case a testbed is brought up (``gradsync.testbed``: namespaces, veth NICs, bridges, ``tc tbf`` at
 ``--rate`` per unit link and direction), a few pairs are probed, and the probe becomes the runtime's cost
 model (:func:`gradsync.testbed.probe.cost_model`: the testbed's link rates × the measured TCP goodput).
-``benchmarks/vs_native_worker.py`` then runs once per server with that model and measures, methods
+``benchmarks/vs_native_worker.py`` then runs once per server with that model, starts gradsync as a user
+would on a new cluster (``gradsync.init(calibrate=True)``: the per-message costs measured on this wire;
+``--no-calibrate`` keeps the defaults), and measures, methods
 alternating in the same processes (slowest rank per sample, medians):
 
 * allreduce of each ``--sizes``: ``torch.distributed.all_reduce`` (gloo) against ``gradsync.allreduce``
@@ -71,6 +73,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed training steps per method (0: none)")
     p.add_argument("--rate", default=None, help="override every case's rate (tc syntax, e.g. 200mbit)")
     p.add_argument("--quick", action="store_true", help="racks only, 4 MiB, 2 reps, 2 steps")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="price with the probe's rates and default message costs (default: gradsync.init("
+                        "calibrate=True) measures the message costs on the testbed first, as a user would)")
     p.add_argument("--out", default=str(_ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     if args.quick:
@@ -98,7 +103,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             model_file.write_text(json.dumps(model.to_dict()))
             cmd = [sys.executable, "-m", "benchmarks.vs_native_worker", "--out", str(out), "--topology",
                    case.topology, "--sizes", args.sizes, "--reps", str(args.reps), "--steps", str(args.steps)]
-            env = {"OMP_NUM_THREADS": "1", "GRADSYNC_COST_MODEL": str(model_file),
+            cmd += ["--calibrate"] if args.calibrate else []
+            env = {"OMP_NUM_THREADS": "1", "GRADSYNC_COST_MODEL": str(model_file), "GRADSYNC_CACHE": tmp,
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
             t0 = time.perf_counter()
             code = testbed.run(cmd, env=env, timeout=args.timeout)

@@ -234,7 +234,7 @@ def test_qsgd_is_unbiased(bucket_size: int | None) -> None:
 
 def test_qsgd_values_are_on_the_grid_and_within_one_level() -> None:
     x = torch.randn(300, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    compressor = create("qsgd", levels=4, seed=1)
+    compressor = create("qsgd", levels=4, bucket_size=None, seed=1)  # one norm for the tensor
     out = compressor.decompress(*compressor.compress(x, _info(x)))
     step = x.norm() / 4
     grid = out / step
@@ -246,12 +246,58 @@ def test_qsgd_values_are_on_the_grid_and_within_one_level() -> None:
 def test_terngrad_is_unbiased_and_ternary() -> None:
     x = torch.randn(32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     draws = 2000
-    mean = _mean_of_draws("terngrad", x, draws)
+    mean = _mean_of_draws("terngrad", x, draws, clip=None)
     scale = x.abs().max()
     assert (mean - x).abs().max() <= 5 * scale / (2 * math.sqrt(draws))  # Bernoulli variance <= scale^2/4
-    compressor = create("terngrad", seed=3)
+    compressor = create("terngrad", clip=None, seed=3)
     out = compressor.decompress(*compressor.compress(x, _info(x)))
     assert set((out / scale.float()).round().tolist()) <= {-1.0, 0.0, 1.0}
+
+
+def test_terngrad_clips_at_two_and_a_half_sigma_by_default() -> None:
+    """TernGrad §3.3 / GRACE: clamp to ±2.5σ, then ternarize; unbiased for the clamped tensor, and an outlier
+    no longer sets the scale (brute-force reference: the formula on the same tensor)."""
+    x = torch.randn(400, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    x[17] = 40.0  # one outlier
+    c = 2.5 * torch.sqrt(((x - x.mean()) ** 2).mean())
+    clipped = x.clamp(-c, c)
+    draws = 2000
+    mean = _mean_of_draws("terngrad", x, draws)
+    assert (mean - clipped).abs().max() <= 5 * c / (2 * math.sqrt(draws))
+    compressor = create("terngrad", seed=4)
+    out = compressor.decompress(*compressor.compress(x, _info(x)))
+    assert set((out / c).round(decimals=6).tolist()) <= {-1.0, 0.0, 1.0}
+    err_clip = (_mean_of_draws("terngrad", x, 1) - x).norm()
+    err_plain = (_mean_of_draws("terngrad", x, 1, clip=None) - x).norm()
+    assert err_clip < err_plain  # the outlier dominated the unclipped scale
+
+
+def test_qsgd_default_buckets_of_128_keep_the_error_small_on_large_tensors() -> None:
+    """Default ``bucket_size=128``: a norm per 128 elements (bytes: ceil(n/128) float32 + 8 bits per element),
+    and the error stays near GRACE's 0.036 where one norm per tensor gives >1 (issue 20's measurement)."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(9))
+    info = _info(x)
+    bucketed, whole = create("qsgd", seed=0), create("qsgd", bucket_size=None, seed=0)
+    assert bucketed.bucket_size == 128
+    assert bucketed.payload_bytes(100_000, torch.float32) == math.ceil(100_000 / 128) * 4 + 100_000
+    payload, ctx = bucketed.compress(x, info)
+    assert sum(p.numel() * p.element_size() for p in payload) == bucketed.payload_bytes(100_000, torch.float32)
+    rel = lambda c: ((c.decompress(*c.compress(x, info)) - x).norm() / x.norm()).item()  # noqa: E731
+    assert rel(bucketed) < 0.06 < 0.5 < rel(whole)
+
+
+def test_randk_draws_a_uniform_subset_without_a_full_permutation() -> None:
+    """O(k) sampling: k distinct indices, deterministic per seed; every index about equally often."""
+    from gradsync.compress.sparsify import sample_without_replacement
+
+    n, k = 1000, 20
+    draws = [sample_without_replacement(n, k, torch.Generator().manual_seed(s)) for s in range(2000)]
+    assert all(d.numel() == k and len(set(d.tolist())) == k and 0 <= d.min() and d.max() < n for d in draws)
+    assert torch.equal(draws[5], sample_without_replacement(n, k, torch.Generator().manual_seed(5)))
+    counts = torch.bincount(torch.cat(draws), minlength=n).double()  # expected 40 each
+    chi2 = (((counts - 40) ** 2) / 40).sum().item()
+    assert chi2 < 1200  # 999 degrees of freedom: mean 999, sd ~45
+    assert sample_without_replacement(10, 9, torch.Generator().manual_seed(0)).unique().numel() == 9
 
 
 # -- 1-bit methods -----------------------------------------------------------------------------------------
@@ -451,6 +497,10 @@ def test_unknown_parameters_name_the_accepted_ones() -> None:
         ("qsgd", {"levels": 0}, r"levels=0 must be an integer >= 1"),
         ("qsgd", {"levels": 2.5}, r"levels=2.5 must be an integer >= 1"),
         ("qsgd", {"bucket_size": 0}, r"bucket_size=0 must be an integer >= 1"),
+        ("qsgd", {"levels": 2**31}, r"levels=2147483648 needs 33 bits per element .* nothing is saved"),
+        ("qsgd", {"levels": 2**30}, r"levels=1073741824 needs 32 bits"),
+        ("terngrad", {"clip": 0}, r"clip=0 must be a positive number of standard deviations"),
+        ("terngrad", {"clip": float("nan")}, r"clip=nan must be"),
         ("powersgd", {"rank": 0}, r"rank=0 must be an integer >= 1"),
         ("powersgd", {"min_compression_rate": -1}, r"min_compression_rate=-1 must be >= 0"),
         ("signum", {"momentum": 1.0}, r"momentum=1.0 must be in \[0, 1\)"),
