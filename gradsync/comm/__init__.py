@@ -6,6 +6,8 @@ the job's topology; :class:`Executor` compiles this rank's phases of it; a :clas
 :class:`DistributedOptimizer` feed gradients in as backward produces them.
 """
 
+# ``mpi`` registers the "mpi" transport; it loads neither mpi4py nor MPI until an MPITransport is created.
+from gradsync.comm import mpi  # noqa: F401
 from gradsync.comm.executor import OPS, ExecStats, Executor, RankProgram, compile_program, process_mapping
 from gradsync.comm.hooks import GradsyncHookState, allreduce_hook
 from gradsync.comm.local import LocalFabric, LocalTransport, run_ranks
