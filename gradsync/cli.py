@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gradsync.commands.order import add_parser as add_order_parser
 from gradsync.errors import GradsyncError
-from gradsync.order.cli import add_parser as add_order_parser
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.ps.launch import add_parser as add_launch_parser
 from gradsync.testbed.cli import add_parser as add_testbed_parser
