@@ -274,7 +274,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("costs are the seed's C: time of the allreduce in units of sending the buffer once over the unit link.")
     report: dict = {"type": "gradsync.demo", "size_bytes": size, "rows": rows}
     if not args.no_train:
-        from gradsync.comm.train_demo import DemoConfig, run_demo
+        from gradsync.train.demo import DemoConfig, run_demo
 
         algorithms = [a for a in args.algorithms.split(",") if a] if args.algorithms else None
         config = DemoConfig(workers=args.workers, algorithms=algorithms, steps=args.steps)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
-from gradsync.compress.communicator import CompressionStep
+from gradsync.train.communicator import CompressionStep
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
