@@ -1,4 +1,4 @@
-"""The ``gradsync`` command: one entry point, one subcommand per stage (``topo``, ``plan``, ``simulate``, ``demo``, ``bench``).
+"""The ``gradsync`` command: topologies, plans and simulations (topo, plan, simulate, bench), runs (run, launch, testbed, demo), transfer ordering (order), compressors (compress) and models.
 
 Choices come from the registries, so ``--help`` lists them. Bad input prints one line
 ``gradsync: error: ...`` naming the fix and exits with code 2.
