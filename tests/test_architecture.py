@@ -78,3 +78,17 @@ def test_runtime_names_load_on_first_use():
     p = _run(code)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == ["gradsync.train.optimizer", "gradsync.train.hooks", "gradsync.ps.kvstore", True, False]
+
+
+def test_train_names_are_not_hidden_by_its_modules():
+    """A submodule named like an exported function would replace it once imported (``compression_hook``)."""
+    import importlib
+    import pkgutil
+    import types
+
+    import gradsync.train as train
+
+    for info in pkgutil.iter_modules(train.__path__):
+        importlib.import_module(f"gradsync.train.{info.name}")
+    for name in train.__all__:
+        assert not isinstance(getattr(train, name), types.ModuleType), name

@@ -5,7 +5,8 @@ Everything that binds planning, compression and ordering to a training loop live
 
 ``optimizer``: :class:`DistributedOptimizer` (gradients start their allreduce from backward's hooks,
 optionally compressed and merged). ``hooks``: the DDP hook on the planned schedule
-(:func:`allreduce_hook`). ``compression_hook``: the compressed DDP hook (:func:`compression_hook`).
+(:func:`allreduce_hook`). ``compressed_hook``: the compressed DDP hook (:func:`compression_hook`; the module has
+another name than the function, so importing one never hides the other).
 ``communicator``: the communicators (allreduce on the planned schedule, allgather, through the parameter
 server) and :class:`CompressionStep`, which joins them to a compressor and a memory. ``grouped``:
 MergeComp's merged groups, overlapped with backward (:class:`MergedGroups`), and the profiled cost model.
@@ -20,7 +21,7 @@ from typing import Any
 _EXPORTS = {
     "DistributedOptimizer": "optimizer",
     "GradsyncHookState": "hooks", "allreduce_hook": "hooks",
-    "CompressionHookState": "compression_hook", "compression_hook": "compression_hook",
+    "CompressionHookState": "compressed_hook", "compression_hook": "compressed_hook",
     "COMMUNICATOR_TYPES": "communicator", "AllgatherCommunicator": "communicator",
     "AllreduceCommunicator": "communicator", "Communicator": "communicator", "CompressionStep": "communicator",
     "PSCommunicator": "communicator", "create_communicator": "communicator", "register_communicator": "communicator",
