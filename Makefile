@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradsync-installed
 
-.PHONY: demo test lint bench clean sysdeps
+.PHONY: demo test lint lint-imports bench clean sysdeps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,12 @@ sysdeps:
 test: $(STAMP) sysdeps
 	$(PY) -m pytest -q
 
-lint: $(STAMP)
+lint: $(STAMP) lint-imports
 	$(VENV)/bin/ruff check gradsync tests benchmarks
+
+# The package layers ([tool.importlinter] in pyproject.toml): no package imports from a layer above it.
+lint-imports: $(STAMP)
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_scaling.py

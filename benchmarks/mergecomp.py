@@ -8,9 +8,9 @@ Three parts, written to ``--out`` as ``mergecomp.json`` and ``mergecomp.png``:
    ``gradsync.models``; values synthetic, element counts divided by ``--scale``). Backward is emulated: the
    tensors become ready in backward order, ``--backward-ms`` in total spread by size, with ``time.sleep``
    (compute elsewhere, as a GPU's; the CPU stays free for the codec and the wire). Each group goes out when
-   complete (:class:`gradsync.compress.MergedGroups`). Per compressor: layer-wise, ``y`` in 1, 2, 4, 8 equal
+   complete (:class:`gradsync.train.MergedGroups`). Per compressor: layer-wise, ``y`` in 1, 2, 4, 8 equal
    groups, Algorithm 2 (Y = 4, alpha = 0.05) and the exact search, both planned on the profiled cost model
-   (:func:`gradsync.compress.profile_cost_model`); FP32 is ``none`` layer-wise. A sample is the slowest rank's
+   (:func:`gradsync.train.profile_cost_model`); FP32 is ``none`` layer-wise. A sample is the slowest rank's
    time from backward start until every aggregate is back; reported: the median of ``--reps``, the speedup
    over layer-wise, and whether the exact choice is within 5% of the best measured configuration.
 3. **Accuracy** (seed Table 4 in miniature): LeNet-5 on digits, 2 workers, FP32 against DGC and EFSignSGD
@@ -101,15 +101,8 @@ def step_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import gradsync
-    from gradsync.compress import (
-        CompressionStep,
-        MergedGroups,
-        Partition,
-        profile_cost_model,
-        resolve_merge,
-        search_mergecomp,
-        search_optimal,
-    )
+    from gradsync.compress import Partition, resolve_merge, search_mergecomp, search_optimal
+    from gradsync.train import CompressionStep, MergedGroups, profile_cost_model
 
     torch.set_num_threads(1)
     rt = gradsync.init(algorithm="ring", timeout_s=300)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from gradsync.models import create
 from gradsync.models.data import load_digits, shard
-from gradsync.ps.algorithms import ALGORITHMS, PSTrainer
+from gradsync.train.ps_trainer import ALGORITHMS, PSTrainer
 
 
 def main() -> None:

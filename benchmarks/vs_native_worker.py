@@ -116,8 +116,8 @@ def train_phase(rt: Any, args: argparse.Namespace) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsync
-    from gradsync.comm.hooks import GradsyncHookState, allreduce_hook
     from gradsync.models.data import load_digits, shard
+    from gradsync.train.hooks import GradsyncHookState, allreduce_hook
 
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_digits(28)

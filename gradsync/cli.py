@@ -1,4 +1,4 @@
-"""The ``gradsync`` command: one entry point, one subcommand per stage (``topo``, ``plan``, ``simulate``, ``demo``, ``bench``).
+"""The ``gradsync`` command: topologies, plans and simulations (topo, plan, simulate, bench), runs (run, launch, testbed, demo), transfer ordering (order), compressors (compress) and models.
 
 Choices come from the registries, so ``--help`` lists them. Bad input prints one line
 ``gradsync: error: ...`` naming the fix and exits with code 2.
@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gradsync.commands.order import add_parser as add_order_parser
 from gradsync.errors import GradsyncError
-from gradsync.order.cli import add_parser as add_order_parser
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.ps.launch import add_parser as add_launch_parser
 from gradsync.testbed.cli import add_parser as add_testbed_parser
@@ -274,7 +274,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("costs are the seed's C: time of the allreduce in units of sending the buffer once over the unit link.")
     report: dict = {"type": "gradsync.demo", "size_bytes": size, "rows": rows}
     if not args.no_train:
-        from gradsync.comm.train_demo import DemoConfig, run_demo
+        from gradsync.train.demo import DemoConfig, run_demo
 
         algorithms = [a for a in args.algorithms.split(",") if a] if args.algorithms else None
         config = DemoConfig(workers=args.workers, algorithms=algorithms, steps=args.steps)

@@ -18,17 +18,14 @@ import torch.distributed as dist
 import gradsync
 from gradsync.compress import (
     COMPRESSORS,
-    CompressionHookState,
-    CompressionStep,
-    MergedGroups,
     TensorInfo,
-    compression_hook,
     create,
     create_memory,
     default_memory,
     resolve_merge,
     simulate_step,
 )
+from gradsync.train import CompressionHookState, CompressionStep, MergedGroups, compression_hook
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

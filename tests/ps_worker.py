@@ -96,7 +96,7 @@ def algorithms(steps: int = 30, batch: int = 64, lr: float = 0.2) -> None:
     import torch.nn.functional as F
 
     from gradsync.models.data import load_digits, shard
-    from gradsync.ps.algorithms import ALGORITHMS, PSTrainer
+    from gradsync.train.ps_trainer import ALGORITHMS, PSTrainer
 
     data = load_digits(size=8)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -139,7 +139,8 @@ def algorithms(steps: int = 30, batch: int = 64, lr: float = 0.2) -> None:
 def compress_ps() -> None:
     """MergeComp's step through the PS equals the same step through allreduce (2 workers: sums are exact)."""
     import gradsync
-    from gradsync.compress import CompressionStep, TensorInfo
+    from gradsync.compress import TensorInfo
+    from gradsync.train import CompressionStep
 
     rt = gradsync.init(timeout_s=60)
     torch.manual_seed(10 + rt.rank)

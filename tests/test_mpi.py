@@ -128,3 +128,13 @@ def test_dead_peer_never_hangs_the_job():
     assert res.returncode != 0, text[-4000:]
     assert "Traceback" not in res.stderr, res.stderr[-6000:]
     assert "PeerError peer=1" in res.stdout or "exit" in text.lower(), text[-4000:]
+
+
+def test_mpi_transport_without_mpi4py_says_what_is_missing(monkeypatch):
+    from gradsync.comm.transport import TRANSPORTS, create_transport
+    from gradsync.errors import CommError
+
+    assert "mpi" in TRANSPORTS  # registered by gradsync.comm importing gradsync.comm.mpi, with no mpi4py loaded
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(CommError, match="transport 'mpi' needs a package that is not installed.*mpi4py"):
+        create_transport("mpi")

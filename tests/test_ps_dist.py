@@ -93,7 +93,7 @@ def test_killed_server_restarts_from_checkpoint(tmp_path: Path) -> None:
 def test_every_algorithm_trains_on_shared_servers() -> None:
     """dist/mpi/collective SGD equal single-process SGD on the union batch (1e-5); ASGD, ESGD and local SGD
     learn the digits (> 0.75), all on 4 workers and 2 servers, hybrid kinds in 2 clients."""
-    from gradsync.ps.algorithms import ALGORITHMS
+    from gradsync.train.ps_trainer import ALGORITHMS
 
     out = io.StringIO()
     rc = launch([*WORKER, "algorithms"], PSJob(workers=4, servers=2, timeout_s=240), env=ENV, stream=out)

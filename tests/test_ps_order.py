@@ -19,11 +19,11 @@ import torch
 import zmq
 
 from gradsync.errors import GradsyncError
-from gradsync.ps.algorithms import PSTrainer, create_trainer
 from gradsync.ps.client import PSClient
 from gradsync.ps.kvstore import KVStoreConfig, PSKVStore
-from gradsync.ps.overlap import attach_pull_waits
 from gradsync.ps.wire import Flag, Op, decode, encode
+from gradsync.train.ps_overlap import attach_pull_waits
+from gradsync.train.ps_trainer import PSTrainer, create_trainer
 from tests.test_ps import Cluster
 
 # 10 keys: the "big*" ones (100 floats = 400 bytes >= slice_bytes 256) are sliced over both servers

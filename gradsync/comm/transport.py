@@ -196,18 +196,11 @@ class TransportEntry:
     summary: str
 
 
+#: The default transport is registered here; the others register themselves when their module is imported
+#: (``gradsync.comm`` imports ``gradsync.comm.mpi``), so this module never imports a transport module back.
 TRANSPORTS: Registry[TransportEntry] = Registry("transport", GradsyncError)
 TRANSPORTS.add("torch", TransportEntry("torch", TorchTransport, "torch.distributed p2p (gloo on CPU, NCCL on GPU)"),
                aliases=("gloo", "nccl"))
-
-
-def _mpi_factory(**kwargs: Any) -> Transport:
-    from gradsync.comm.mpi import MPITransport  # optional dependency: import only when asked for
-
-    return MPITransport(**kwargs)
-
-
-TRANSPORTS.add("mpi", TransportEntry("mpi", _mpi_factory, "MPI through mpi4py (pip install 'gradsync[mpi]')"))
 
 
 def create_transport(name: str, **kwargs: Any) -> Transport:

@@ -1,12 +1,14 @@
 """Gradient compression with error feedback: the compressors MergeComp schedules (seed 004 §2.1, Table 1).
 
 GRACE's split (STYLE.md): a :class:`Compressor` (``compress``/``decompress``/``aggregate`` and
-``payload_bytes`` so a scheduler can price a merge without compressing), a :class:`Memory` (error
-feedback), and a :class:`Communicator` (``allreduce``, ``allgather`` with uneven sizes; ``ps`` plugs in
-from ``gradsync/ps``), joined by :class:`CompressionStep` on real processes; :func:`simulate_step` is the
-in-process reference of that step. :class:`MergedGroups` runs MergeComp's Algorithm 1 (groups sent as
-backward produces them) for ``DistributedOptimizer(compression=..., merge=...)``, and
-:func:`compression_hook` does it for DDP.
+``payload_bytes`` so a scheduler can price a merge without compressing) and a :class:`Memory` (error
+feedback); :func:`simulate_step` is the in-process reference of the step that joins them to a communicator.
+Also here: payloads as one self-describing buffer (:func:`pack_payload`), MergeComp's merge search on a cost
+model (:func:`search_optimal`, :func:`search_mergecomp`, :func:`resolve_merge`) and the codec profiler.
+
+This package knows no engine. What runs compression on real processes -- the communicators (allreduce on
+the planned schedule, allgather, through the parameter server), :class:`~gradsync.train.CompressionStep`,
+:class:`~gradsync.train.MergedGroups` and the compressed DDP hook -- is in :mod:`gradsync.train`.
 
     >>> import torch
     >>> from gradsync.compress import create
@@ -39,32 +41,10 @@ from gradsync.compress.base import (
     register_memory,
     simulate_step,
 )
-from gradsync.compress.communicator import (
-    COMMUNICATOR_TYPES,
-    DEFAULT_MEMORY,
-    AllgatherCommunicator,
-    AllreduceCommunicator,
-    Communicator,
-    CompressionStep,
-    PSCommunicator,
-    create_communicator,
-    default_memory,
-    pack_payload,
-    register_communicator,
-    unpack_payload,
-)
-from gradsync.compress.grouped import (
-    MERGE_MODES,
-    MergedGroups,
-    equal_partition,
-    probe_sizes,
-    profile_cost_model,
-    resolve_merge,
-)
-from gradsync.compress.hook import CompressionHookState, compression_hook
 from gradsync.compress.lowrank import PowerSGD
-from gradsync.compress.memory import DGCMemory, NoMemory, ResidualMemory
+from gradsync.compress.memory import DEFAULT_MEMORY, DGCMemory, NoMemory, ResidualMemory, default_memory
 from gradsync.compress.merge import (
+    MERGE_MODES,
     Cost,
     CostModel,
     LinearCost,
@@ -72,12 +52,16 @@ from gradsync.compress.merge import (
     MergeError,
     Partition,
     PipelineTrace,
+    equal_partition,
     optimal_per_y,
+    probe_sizes,
+    resolve_merge,
     search_mergecomp,
     search_mergecomp_trace,
     search_optimal,
 )
 from gradsync.compress.packing import pack_bits, pack_uint, packed_nbytes, unpack_bits, unpack_uint
+from gradsync.compress.payload import pack_payload, unpack_payload
 from gradsync.compress.profile import (
     DriftCheck,
     LinearFit,
@@ -95,7 +79,6 @@ from gradsync.compress.sparsify import DGC, RandK, TopK
 
 __all__ = [
     "COMMUNICATORS",
-    "COMMUNICATOR_TYPES",
     "COMPRESSORS",
     "DEFAULT_MEMORY",
     "DGC",
@@ -103,12 +86,7 @@ __all__ = [
     "MEMORIES",
     "MERGE_MODES",
     "QSGD",
-    "AllgatherCommunicator",
-    "AllreduceCommunicator",
-    "Communicator",
     "CompressionError",
-    "CompressionHookState",
-    "CompressionStep",
     "Compressor",
     "Context",
     "Cost",
@@ -122,14 +100,12 @@ __all__ = [
     "Memory",
     "MergeCompSearch",
     "MergeError",
-    "MergedGroups",
     "NoCompression",
     "NoMemory",
     "OneBit",
     "Partition",
     "PipelineTrace",
     "PowerSGD",
-    "PSCommunicator",
     "RandK",
     "ResidualMemory",
     "Samples",
@@ -139,9 +115,7 @@ __all__ = [
     "TernGrad",
     "TopK",
     "TwoRoundCompressor",
-    "compression_hook",
     "create",
-    "create_communicator",
     "create_memory",
     "default_memory",
     "equal_partition",
@@ -157,9 +131,7 @@ __all__ = [
     "payload_nbytes",
     "prediction_error",
     "probe_sizes",
-    "profile_cost_model",
     "refit_if_drifted",
-    "register_communicator",
     "register_compressor",
     "register_memory",
     "resolve_merge",

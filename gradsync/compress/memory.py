@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from gradsync.compress.base import (
+    COMPRESSORS,
     Compressor,
     Context,
     Memory,
@@ -21,7 +22,7 @@ from gradsync.compress.base import (
     register_memory,
 )
 
-__all__ = ["NoMemory", "ResidualMemory", "DGCMemory"]
+__all__ = ["DEFAULT_MEMORY", "NoMemory", "ResidualMemory", "DGCMemory", "default_memory"]
 
 
 @register_memory("none")
@@ -104,3 +105,26 @@ class DGCMemory(Memory):
         u, _ = self._state.get(info.name, (torch.zeros_like(tensor), None))
         sent = compressor.decompress(payload, ctx)
         self._state[info.name] = (u.masked_fill(sent != 0, 0), tensor - sent)
+
+
+#: Error feedback each compressor is meant to run with (biased ones need it; unbiased or voting ones do not).
+DEFAULT_MEMORY: dict[str, str] = {
+    "none": "none",
+    "fp16": "none",
+    "qsgd": "none",
+    "terngrad": "none",
+    "signsgd": "none",
+    "signum": "none",
+    "topk": "residual",
+    "randk": "residual",
+    "efsignsgd": "residual",
+    "onebit": "residual",
+    "powersgd": "residual",
+    "dgc": "dgc",
+}
+
+
+def default_memory(compressor: Compressor | str) -> str:
+    """The memory name :data:`DEFAULT_MEMORY` pairs with a compressor (``"none"`` for unlisted ones)."""
+    name = compressor if isinstance(compressor, str) else compressor.name
+    return DEFAULT_MEMORY.get(COMPRESSORS.canonical(name) if name else name, "none")

@@ -40,14 +40,19 @@ import numpy as np
 from gradsync.compress.base import CompressionError
 
 __all__ = [
+    "MERGE_MODES",
     "Cost",
     "CostModel",
     "LinearCost",
     "MergeCompSearch",
     "MergeError",
+    "MergeSpec",
     "Partition",
     "PipelineTrace",
+    "equal_partition",
     "optimal_per_y",
+    "probe_sizes",
+    "resolve_merge",
     "search_mergecomp",
     "search_mergecomp_trace",
     "search_optimal",
@@ -744,3 +749,56 @@ def search_mergecomp(
 ) -> Partition:
     """The partition the seed's Algorithm 2 picks (see :func:`search_mergecomp_trace`); the seed recommends ``Y = 2``."""
     return search_mergecomp_trace(model, Y, alpha, inner=inner, max_evaluations=max_evaluations).partition
+
+
+# -- naming a partition ------------------------------------------------------------------------------------
+
+MergeSpec = str | int | Partition
+#: The named merge modes; an int y or a Partition is also accepted.
+MERGE_MODES = ("layerwise", "auto")
+
+
+def equal_partition(sizes: Sequence[int], y: int) -> Partition:
+    """``y`` contiguous groups in backward order with about ``sum(sizes) / y`` elements each.
+
+    Group ``j`` ends at the first tensor where the running total reaches ``j * total / y``; every group keeps
+    at least one tensor, so a huge tensor cannot leave later groups empty.
+    """
+    n = len(sizes)
+    if isinstance(y, bool) or not isinstance(y, int) or not 1 <= y <= n:
+        raise MergeError(f"merge={y!r} groups must be an integer in 1..{n} (the model has {n} gradient tensors)")
+    prefix = np.cumsum(np.asarray(sizes, dtype=np.float64))
+    total = prefix[-1] if n else 0.0
+    cuts: list[int] = []
+    for j in range(1, y):
+        want = int(np.searchsorted(prefix, j * total / y, side="left")) + 1  # tensors in groups 1..j
+        low = (cuts[-1] + 1) if cuts else 1
+        high = n - (y - j)  # leave one tensor for each later group
+        cuts.append(min(max(want, low), high))
+    return Partition(n, tuple(cuts))
+
+
+def resolve_merge(merge: MergeSpec, sizes: Sequence[int]) -> Partition | None:
+    """The partition ``merge`` names for tensors of ``sizes`` (backward order); None for ``"auto"`` (profiled later)."""
+    n = len(sizes)
+    if n < 1:
+        raise MergeError("there are no gradients to merge (no parameter requires grad)")
+    if isinstance(merge, Partition):
+        if merge.n != n:
+            raise MergeError(f"merge={merge!r} partitions {merge.n} tensors but the model has {n}")
+        return merge
+    if merge == "layerwise":
+        return Partition.layerwise(n)
+    if merge == "auto":
+        return None
+    if isinstance(merge, int) and not isinstance(merge, bool):
+        return equal_partition(sizes, merge)
+    raise MergeError(f"merge={merge!r} must be one of {MERGE_MODES}, a number of groups 1..{n}, or a Partition")
+
+
+def probe_sizes(sizes: Sequence[int], points: int = 8) -> tuple[int, ...]:
+    """Sizes to profile at: geometric from the smallest tensor to the whole model (the sizes groups can take)."""
+    lo, hi = max(1, min(sizes)), max(1, int(sum(sizes)))
+    if hi <= lo:
+        return (lo,)
+    return tuple(sorted({int(round(v)) for v in np.geomspace(lo, hi, points)}))

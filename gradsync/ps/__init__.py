@@ -3,7 +3,8 @@
 ``wire``: the frame format (header + raw tensor bytes, optional HMAC; no pickle). ``server``: one server
 process. ``client``: placement of keys on servers and the request/retry loop. ``kvstore``: the MXNet-style
 API (``create(kind)``). ``updaters``: the server-side update rules. ``launch``: servers + workers on this
-machine. ``algorithms``: dist/mpi SGD, ASGD and ESGD as training loops.
+machine. The training loops on a KVStore (dist/mpi SGD, ASGD, ESGD) and the pull/forward overlap are in
+:mod:`gradsync.train` (``ps_trainer``, ``ps_overlap``): this engine knows nothing of training.
 """
 
 from typing import Any

@@ -123,8 +123,8 @@ class DistributedOptimizer:
     # ---- compressed path (gradsync.compress) -----------------------------------------------------------
     def _init_compression(self, named: list[tuple[str, torch.nn.Parameter]], compression: Any, merge: Any,
                           memory: Any, communicator: str | None) -> None:
-        from gradsync.compress.communicator import CompressionStep
-        from gradsync.compress.grouped import resolve_merge
+        from gradsync.compress.merge import resolve_merge
+        from gradsync.train.communicator import CompressionStep
 
         if self.op != "avg":
             raise GradsyncError(f"op={self.op!r} with compression: compressed gradients are averaged (op='avg') or voted")
@@ -146,7 +146,7 @@ class DistributedOptimizer:
         self._build_groups(self.partition if self.partition is not None else _layerwise(len(self._params)))
 
     def _build_groups(self, partition: Partition) -> None:
-        from gradsync.compress.grouped import MergedGroups
+        from gradsync.train.grouped import MergedGroups
 
         self._index = {id(p): i for i, (_, p) in enumerate(self._params)}
         self._groups = MergedGroups(
@@ -178,8 +178,8 @@ class DistributedOptimizer:
 
     def _calibrate(self, end: float) -> None:
         """After the timed layer-wise first step: backward order and ready times -> profiled model -> partition."""
-        from gradsync.compress.grouped import profile_cost_model
         from gradsync.compress.merge import search_optimal
+        from gradsync.train.grouped import profile_cost_model
 
         self._calibrating = False
         arrivals, self._arrivals = self._arrivals, []

@@ -21,7 +21,7 @@ TicTac (seed 003) is one argument: ``priorities=gradsync.order.priorities(model,
 (or ``create_trainer(..., priorities="tac", example=x)``, computed once here, before training) switches the
 store's ordered pulls on and gives every key its rank, so the server sends each worker's pulls in the
 model's critical-path order. ``overlap=True`` (dist-sgd and dist-asgd patterns) ends ``step()`` once the
-pull has been *started*; forward pre-hooks (:mod:`gradsync.ps.overlap`, attached by ``create_trainer`` or
+pull has been *started*; forward pre-hooks (:mod:`gradsync.train.ps_overlap`, attached by ``create_trainer`` or
 ``trainer.attach(model)``) wait for each layer's own parameters, so the next forward overlaps the pulls.
 """
 
@@ -160,8 +160,8 @@ class PSTrainer:
 
     def attach(self, model: torch.nn.Module) -> Any:
         """Forward pre-hooks that complete each layer's parameters before it runs (``overlap=True``);
-        returns a :class:`~gradsync.ps.overlap.PullWaits` (``remove()`` takes them off)."""
-        from gradsync.ps.overlap import attach_pull_waits
+        returns a :class:`~gradsync.train.ps_overlap.PullWaits` (``remove()`` takes them off)."""
+        from gradsync.train.ps_overlap import attach_pull_waits
 
         ids = {id(p): k for p, k in zip(self.params, self.keys)}
         table = {n: ids[id(p)] for n, p in model.named_parameters() if id(p) in ids}

@@ -7,12 +7,13 @@ caller's thread, as the seed compresses on the compute stream) and queued for ex
 communication thread, so it travels while backward goes on. :meth:`MergedGroups.wait` then writes each
 group's aggregate back into every parameter's ``.grad``.
 
-Choosing the partition (:func:`resolve_merge`): ``"layerwise"`` (``y = N``, every tensor alone, with its
-own shape -- PowerSGD needs the matrix), an int ``y`` (:func:`equal_partition`: ``y`` contiguous groups of
+Choosing the partition (:func:`~gradsync.compress.merge.resolve_merge`): ``"layerwise"`` (``y = N``, every tensor alone, with its
+own shape -- PowerSGD needs the matrix), an int ``y`` (:func:`~gradsync.compress.merge.equal_partition`: ``y`` contiguous groups of
 about equal element counts), a :class:`Partition`, or ``"auto"``: :func:`profile_cost_model` measures the
 codec (``h``, ``d``) and the exchange (``g``) on this machine for the model's actual sizes, averages the
 measurements over ranks (so every rank plans the same partition) and :func:`search_optimal` picks the
-exact optimum of the seed's objective (7).
+exact optimum of the seed's objective (7). Naming and searching a partition is pure and lives in
+:mod:`gradsync.compress.merge`; this module runs it on a live backward pass and a runtime.
 """
 
 from __future__ import annotations
@@ -21,80 +22,22 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from gradsync.comm.runtime import Runtime, Work
 from gradsync.compress.base import TensorInfo
-from gradsync.compress.communicator import CompressionStep
 from gradsync.compress.memory import NoMemory
-from gradsync.compress.merge import CostModel, MergeError, Partition
+from gradsync.compress.merge import CostModel, MergeError, Partition, probe_sizes
 from gradsync.compress.profile import MeasuredCost, Samples, measure_codec, measure_comm
-
-if TYPE_CHECKING:
-    from gradsync.comm.runtime import Runtime, Work
+from gradsync.train.communicator import CompressionStep
 
 __all__ = [
-    "MERGE_MODES",
-    "MergeSpec",
     "MergedGroups",
-    "equal_partition",
-    "probe_sizes",
     "profile_cost_model",
-    "resolve_merge",
 ]
-
-MergeSpec = str | int | Partition
-#: The named merge modes; an int y or a Partition is also accepted.
-MERGE_MODES = ("layerwise", "auto")
-
-
-def equal_partition(sizes: Sequence[int], y: int) -> Partition:
-    """``y`` contiguous groups in backward order with about ``sum(sizes) / y`` elements each.
-
-    Group ``j`` ends at the first tensor where the running total reaches ``j * total / y``; every group keeps
-    at least one tensor, so a huge tensor cannot leave later groups empty.
-    """
-    n = len(sizes)
-    if isinstance(y, bool) or not isinstance(y, int) or not 1 <= y <= n:
-        raise MergeError(f"merge={y!r} groups must be an integer in 1..{n} (the model has {n} gradient tensors)")
-    prefix = np.cumsum(np.asarray(sizes, dtype=np.float64))
-    total = prefix[-1] if n else 0.0
-    cuts: list[int] = []
-    for j in range(1, y):
-        want = int(np.searchsorted(prefix, j * total / y, side="left")) + 1  # tensors in groups 1..j
-        low = (cuts[-1] + 1) if cuts else 1
-        high = n - (y - j)  # leave one tensor for each later group
-        cuts.append(min(max(want, low), high))
-    return Partition(n, tuple(cuts))
-
-
-def resolve_merge(merge: MergeSpec, sizes: Sequence[int]) -> Partition | None:
-    """The partition ``merge`` names for tensors of ``sizes`` (backward order); None for ``"auto"`` (profiled later)."""
-    n = len(sizes)
-    if n < 1:
-        raise MergeError("there are no gradients to merge (no parameter requires grad)")
-    if isinstance(merge, Partition):
-        if merge.n != n:
-            raise MergeError(f"merge={merge!r} partitions {merge.n} tensors but the model has {n}")
-        return merge
-    if merge == "layerwise":
-        return Partition.layerwise(n)
-    if merge == "auto":
-        return None
-    if isinstance(merge, int) and not isinstance(merge, bool):
-        return equal_partition(sizes, merge)
-    raise MergeError(f"merge={merge!r} must be one of {MERGE_MODES}, a number of groups 1..{n}, or a Partition")
-
-
-def probe_sizes(sizes: Sequence[int], points: int = 8) -> tuple[int, ...]:
-    """Sizes to profile at: geometric from the smallest tensor to the whole model (the sizes groups can take)."""
-    lo, hi = max(1, min(sizes)), max(1, int(sum(sizes)))
-    if hi <= lo:
-        return (lo,)
-    return tuple(sorted({int(round(v)) for v in np.geomspace(lo, hi, points)}))
 
 
 def _average_over_ranks(runtime: Runtime, values: Sequence[float]) -> list[float]:

@@ -2,7 +2,7 @@
 
 ``run_demo()`` starts ``workers`` processes on loopback (torchrun-style, :mod:`gradsync.launch`). Each
 runs :func:`worker` : for every algorithm it trains LeNet-5 from the same initial weights on the same
-data order with :class:`~gradsync.comm.optimizer.DistributedOptimizer` (gradients start travelling as
+data order with :class:`~gradsync.train.optimizer.DistributedOptimizer` (gradients start travelling as
 backward produces them), plus a baseline with ``torch.distributed.all_reduce``. Rank 0 reports test
 accuracy, time per step, communication time per step (time the communication thread was busy) and the
 part of it training waited for. The parent prints the table and saves a plot.
@@ -27,7 +27,7 @@ BASELINE = "torch.all_reduce"
 
 
 def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gradsync.comm.train_demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gradsync.train.demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for rank 0's results.json")
     p.add_argument("--topology", default="bcube:2,2")
     p.add_argument("--algorithms", default="", help="comma-separated; default: every applicable one")
@@ -71,13 +71,14 @@ def worker(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    import gradsync
+    from gradsync.comm import init, shutdown
     from gradsync.models import create
     from gradsync.models.data import load_digits, shard
+    from gradsync.train.optimizer import DistributedOptimizer
 
     args = _args(argv)
     torch.set_num_threads(1)
-    rt = gradsync.init(topology=args.topology, algorithm="ring", timeout_s=120)
+    rt = init(topology=args.topology, algorithm="ring", timeout_s=120)
     rank, world = rt.rank, rt.world_size
     data = load_digits(32)
     algorithms = [a for a in args.algorithms.split(",") if a]
@@ -87,7 +88,7 @@ def worker(argv: Sequence[str] | None = None) -> int:
         torch.manual_seed(0)
         model = create("lenet5", num_classes=10)
         base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        opt = base if alg == BASELINE else gradsync.DistributedOptimizer(
+        opt = base if alg == BASELINE else DistributedOptimizer(
             base, model.named_parameters(), runtime=rt, algorithm=alg, bucket_bytes=args.bucket_bytes)
         gen = torch.Generator().manual_seed(1)
         order = torch.randperm(n_train, generator=gen)
@@ -141,7 +142,7 @@ def worker(argv: Sequence[str] | None = None) -> int:
         meta = {"workers": world, "topology": args.topology, "steps": args.steps, "batch": args.batch,
                 "model": "lenet5", "dataset": "sklearn digits 8x8 -> 32x32", "params": sum(p.numel() for p in model.parameters())}
         Path(args.out, "results.json").write_text(json.dumps({"type": "gradsync.train_demo", **meta, "results": results}))
-    gradsync.shutdown()
+    shutdown()
     dist.barrier()
     return 0
 
@@ -195,7 +196,7 @@ def run_demo(config: DemoConfig, plot: str | Path | None = "gradsync-demo.png", 
     from gradsync.launch import launch_local
 
     with tempfile.TemporaryDirectory(prefix="gradsync-demo-") as tmp:
-        cmd = [sys.executable, "-m", "gradsync.comm.train_demo", "--out", tmp, "--topology", config.topology,
+        cmd = [sys.executable, "-m", "gradsync.train.demo", "--out", tmp, "--topology", config.topology,
                "--algorithms", ",".join(config.algorithms), "--steps", str(config.steps), "--batch", str(config.batch)]
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))}
         code = launch_local(cmd, config.workers, env=env, timeout=timeout_s)
