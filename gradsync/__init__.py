@@ -36,6 +36,8 @@ _RUNTIME_NAMES = (
     "DistributedOptimizer",
     "GradsyncHookState",
     "allreduce_hook",
+    "CompressionHookState",
+    "compression_hook",
 )
 
 __all__ = [
@@ -60,6 +62,10 @@ def __getattr__(name: str) -> Any:
         from gradsync.train import hooks
 
         return getattr(hooks, name)
+    if name in ("CompressionHookState", "compression_hook"):
+        from gradsync.train import compressed_hook
+
+        return getattr(compressed_hook, name)
     if name in _RUNTIME_NAMES:
         from gradsync import comm
 

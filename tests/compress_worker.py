@@ -329,7 +329,40 @@ def scenario_auto() -> dict:
     return report
 
 
-SCENARIOS = {"auto": scenario_auto, "allgather": scenario_allgather, "merged": scenario_merged, "ddp": scenario_ddp, "train": scenario_train}
+def scenario_lazy() -> dict:
+    """The compressed hook on a process group the user made, with no gradsync.init(): the runtime starts on
+    first use; replicas stay bit-identical across ranks and equal a run after an explicit gradsync.init()."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    before = gradsync.is_initialized()
+
+    def train() -> torch.Tensor:
+        net = _ddp_model()
+        model = DDP(net, bucket_cap_mb=0.25)
+        model.register_comm_hook(gradsync.CompressionHookState("fp16", model=net), gradsync.compression_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for s in range(3):
+            opt.zero_grad()
+            x, y = _ddp_batch(RANK, s)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    lazy = train()
+    started = gradsync.is_initialized()
+    gradsync.shutdown()
+    gradsync.init()  # on the same process group
+    explicit = train()
+    everyone = [torch.empty_like(lazy) for _ in range(WORLD)]
+    dist.all_gather(everyone, lazy)
+    gradsync.shutdown()
+    return {"before": before, "started": started, "same_as_init": bool(torch.equal(lazy, explicit)),
+            "replicas_identical": all(torch.equal(e, lazy) for e in everyone),
+            "moved": float((lazy - torch.cat([p.detach().reshape(-1) for p in _ddp_model().parameters()])).abs().max())}
+
+
+SCENARIOS = {"lazy": scenario_lazy, "auto": scenario_auto, "allgather": scenario_allgather, "merged": scenario_merged, "ddp": scenario_ddp, "train": scenario_train}
 
 
 def main() -> None:

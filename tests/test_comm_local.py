@@ -314,3 +314,14 @@ def test_trace_records_every_message_once_in_time_order(progress):
         assert sorted(i for i, *_ in trace) == sorted(mine)
         times = [t for *_, t in trace]
         assert times == sorted(times) and times[0] >= 0
+
+
+def test_get_runtime_without_a_process_group_says_how_to_start():
+    import torch.distributed as dist
+
+    import gradsync
+
+    if dist.is_initialized() or gradsync.is_initialized():
+        pytest.skip("a process group or runtime exists in this test process")
+    with pytest.raises(GradsyncError, match=r"call gradsync.init\(\), or torch.distributed.init_process_group\(\)"):
+        gradsync.get_runtime()

@@ -97,3 +97,14 @@ def test_lenet_on_digits_with_each_error_feedback_compressor_is_within_tolerance
             assert _mean(r["loss"]) <= LOSS_RATIO * fp32_loss, (label, r["loss"], rep["fp32"]["loss"])
             assert _mean(r["accuracy"]) >= fp32_acc - ACCURACY_GAP, (label, r["accuracy"], rep["fp32"]["accuracy"])
     assert rep["efsignsgd"]["groups"] == 10  # LeNet-5 has 10 gradient tensors
+
+
+def test_hook_starts_gradsync_on_an_existing_process_group(tmp_path):
+    """As easy as PyTorch's hooks: ``gradsync.CompressionHookState``/``compression_hook`` on a process group
+    the user made, without ``gradsync.init()``: bit-identical replicas, the same result as with init."""
+    reports = launch(WORKER, ["lazy", str(tmp_path)], WORLD, tmp_path, timeout_s=120)
+    for rank, rep in enumerate(reports):
+        assert rep is not None, f"rank {rank} wrote no report"
+        assert rep["before"] is False and rep["started"] is True, rep
+        assert rep["same_as_init"] and rep["replicas_identical"], rep
+        assert rep["moved"] > 0  # training really changed the weights

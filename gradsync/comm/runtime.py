@@ -615,10 +615,25 @@ def is_initialized() -> bool:
     return _RUNTIME is not None
 
 
+_START = threading.Lock()
+
+
 def get_runtime() -> Runtime:
-    if _RUNTIME is None:
-        raise GradsyncError("gradsync is not initialised in this process; call gradsync.init() first")
-    return _RUNTIME
+    """The default runtime; started here with :func:`init`'s defaults when the user already made a
+    torch.distributed process group (as with PyTorch's own hooks, no ``gradsync.init()`` is needed; it stops
+    at exit like any runtime ``init`` starts)."""
+    rt = _RUNTIME
+    if rt is None:
+        import torch.distributed as dist
+
+        with _START:
+            rt = _RUNTIME
+            if rt is None:
+                if not (dist.is_available() and dist.is_initialized()):
+                    raise GradsyncError("gradsync is not initialised in this process: call gradsync.init(), or "
+                                        "torch.distributed.init_process_group() and gradsync starts on first use")
+                rt = init()
+    return rt
 
 
 def allreduce(tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
