@@ -111,19 +111,23 @@ class QSGD(Compressor):
         norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
         scaled = rows.abs() * self.levels / torch.where(norms > 0, norms, torch.ones_like(norms))
         noise = torch.rand(scaled.shape, generator=self._generator(x.device, self.seed), device=x.device, dtype=x.dtype)
-        level = torch.floor(scaled + noise).clamp_(max=self.levels).to(torch.int64).reshape(-1)[: x.numel()]
-        codes = (level << 1) | (x < 0).to(torch.int64)
-        return [norms.reshape(-1).to(_SCALE_DTYPE), pack_uint(codes, self.bits)], Context(info)
+        level = torch.floor(scaled + noise).clamp_(max=self.levels)
+        # level and sign in one code, built in float and converted once, to a byte where it fits
+        code = (level.mul_(2) + (rows < 0)).reshape(-1)[: x.numel()]
+        codes = code.to(torch.uint8 if self.bits <= 8 else torch.int64)
+        packed = codes if self.bits == 8 else pack_uint(codes, self.bits)
+        return [norms.reshape(-1).to(_SCALE_DTYPE), packed], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         norms, packed = payload
         numel = ctx.info.numel
-        codes = unpack_uint(packed, self.bits, numel)
-        size, _ = self._buckets(numel)
+        codes = packed[:numel] if self.bits == 8 else unpack_uint(packed, self.bits, numel)
+        size, count = self._buckets(numel)
         dtype = work_dtype(ctx.info.dtype)
-        scale = norms.to(dtype).repeat_interleave(size)[:numel] / self.levels
-        signs = 1 - 2 * (codes & 1).to(dtype)
-        return scale * (codes >> 1).to(dtype) * signs
+        mag = (codes >> 1).to(dtype)
+        mag = torch.nn.functional.pad(mag, (0, size * count - numel)).view(count, size)
+        out = (mag * (norms.to(dtype) / self.levels).unsqueeze(1)).reshape(-1)[:numel]
+        return torch.where((codes & 1).bool(), -out, out)
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         numel = numel_of(shape)
@@ -162,8 +166,7 @@ class TernGrad(Compressor):
         scale = x.abs().max() if x.numel() else x.new_zeros(())
         prob = x.abs() / torch.where(scale > 0, scale, torch.ones_like(scale))
         noise = torch.rand(x.shape, generator=self._generator(x.device, self.seed), device=x.device, dtype=x.dtype)
-        keep = (noise < prob).to(torch.int64)
-        codes = keep * (1 + (x < 0).to(torch.int64))
+        codes = (noise < prob).to(torch.uint8) << (x < 0).to(torch.uint8)  # 0, 1 (+) or 2 (-)
         return [scale.reshape(1).to(_SCALE_DTYPE), pack_uint(codes, self._BITS)], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
