@@ -32,11 +32,16 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 def pack_bits(bits: Tensor) -> Tensor:
     """Pack a boolean tensor (any shape, read flat) into ``ceil(n / 8)`` uint8 bytes."""
-    return pack_uint(bits.reshape(-1).to(torch.uint8), 1)
+    flat = bits.reshape(-1)
+    if flat.dtype == torch.bool and flat.device.type == "cpu":  # no conversion: numpy packs bools
+        return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
+    return pack_uint(flat.to(torch.uint8), 1)
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` bits of ``packed`` as a 1-D bool tensor."""
+    if packed.dtype == torch.uint8 and packed.device.type == "cpu" and packed.numel() * 8 >= n >= 0:
+        return torch.from_numpy(np.unpackbits(packed.reshape(-1).numpy(), count=n, bitorder="little")).view(torch.bool)
     return unpack_uint(packed, 1, n).to(torch.bool)
 
 

@@ -35,7 +35,8 @@ def majority_vote(signs: Sequence[Tensor]) -> Tensor:
 
 
 def _signs(bits: Tensor, dtype: torch.dtype) -> Tensor:
-    return bits.to(dtype) * 2 - 1
+    """±1 from bits, in place after the one conversion (``bits * 2 - 1`` would make three tensors)."""
+    return bits.to(dtype).mul_(2).sub_(1)
 
 
 class _SignOnly(Compressor):

@@ -100,6 +100,9 @@ register_benchmark("vs-native", "benchmarks/vs_native.py:main",
                    "switch:8; allreduce 4/12.5/50 MiB and LeNet-5 steps, with the cost model's predictions; writes "
                    "vs_native.{json,png}")
 register_benchmark("mergecomp", "benchmarks/mergecomp.py:main", "seed 004: codec time vs size, ResNet-50 step time layer-wise/y/Algorithm 2/exact on gloo, accuracy; writes mergecomp.{json,png}")
+register_benchmark("codecs", "benchmarks/codecs.py:main",
+                   "every compressor vs GRACE's algorithm at 1e4/1e6/2.5e7 elements: compress+decompress time, "
+                   "error, bytes; writes codecs.{json,png}")
 register_benchmark("tictac", "benchmarks/tictac.py:main",
                    "seed 003 TicTac: makespan, E and stragglers of random/TIC/TAC orders per model in the iteration "
                    "simulator; writes tictac.{json,png}")
