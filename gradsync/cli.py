@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gradsync.errors import GradsyncError
+from gradsync.launch import Terminated
 from gradsync.order.cli import add_parser as add_order_parser
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.ps.launch import add_parser as add_launch_parser
@@ -193,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- run ----------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from gradsync.launch import launch_local, worker_command
+    from gradsync.launch import end_on_signals, launch_local, worker_command
 
     cmd = worker_command(args.cmd, "nothing to run: gradsync run --workers 4 -- python train.py")
     if args.mpi:
@@ -206,7 +207,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         return subprocess.call(mpirun_command(args.workers, cmd))
     env = {"GRADSYNC_TOPOLOGY": args.topology} if args.topology else {}
-    return launch_local(cmd, args.workers, env=env, timeout=args.timeout)
+    with end_on_signals():
+        return launch_local(cmd, args.workers, env=env, timeout=args.timeout)
 
 
 # ---- compress -----------------------------------------------------------------------------------------
@@ -386,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GradsyncError as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated as exc:  # raised by a launcher's signal handler once its children are ended
+        print(f"gradsync: {exc}; every process it started was ended", file=sys.stderr)
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":  # pragma: no cover
