@@ -408,3 +408,14 @@ def test_checkpoint_restores_values_and_optimizer_state(tmp_path) -> None:  # ty
 
 def test_struct_header_is_documented_size() -> None:
     assert HEADER.size == 72 and struct.calcsize("<Q") == 8
+
+
+@pytest.mark.parametrize("value, match", [
+    ("abc", r"GRADSYNC_PS_TIMEOUT='abc' is not a number"), ("nan", "timeout_s=nan"), ("-1", "timeout_s=-1.0"),
+    ("inf", "timeout_s=inf"),
+])
+def test_bad_request_timeout_from_the_environment_is_named(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                           match: str) -> None:
+    monkeypatch.setenv("GRADSYNC_PS_TIMEOUT", value)
+    with pytest.raises(GradsyncError, match=match):
+        KVStoreConfig.from_env()
