@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from gradsync.errors import GradsyncError
 from gradsync.launch import Terminated
 from gradsync.order.cli import add_parser as add_order_parser
+from gradsync.paths import check_output
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.ps.launch import add_parser as add_launch_parser
 from gradsync.testbed.cli import add_parser as add_testbed_parser
@@ -50,8 +52,19 @@ def parse_sizes(text: str) -> list[float]:
     return [parse_size(p) for p in parts]
 
 
+def _finite(obj: object) -> object:
+    """``obj`` with every infinite or NaN float as None: JSON has no Infinity (a one-rank plan's algbw)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _emit_json(obj: object) -> None:
-    print(json.dumps(obj, indent=2))
+    print(json.dumps(_finite(obj), indent=2, allow_nan=False))
 
 
 # ---- topo ----------------------------------------------------------------------------------------------
@@ -65,6 +78,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         return 0
     if not args.spec:
         raise GradsyncError(f"'gradsync topo {args.action}' needs a topology, e.g. 'gradsync topo {args.action} p3.16xlarge'")
+    check_output(args.output, "-o/--output")
     topo = get_topology(args.spec)
     if args.action == "show":
         if args.json:
@@ -92,6 +106,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 # ---- plan ----------------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_output(args.output, "-o/--output")
     topo = get_topology(args.topology)
     options = PlanOptions(pipeline=args.pipeline, size_bytes=parse_size(args.size), latency_s=args.latency)
     schedule = synthesize(args.algorithm, topo, options)
@@ -251,6 +266,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- demo ----------------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
+    check_output(args.output, "-o/--output")
+    if not args.no_train:
+        check_output(args.plot, "--plot")
     size = parse_size(args.size)
     algorithms = [a for a in SYNTHESIZERS.names() if a != "auto"]
     rows = []
