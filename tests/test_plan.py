@@ -229,3 +229,13 @@ def test_large_topologies_fall_back_to_the_cut_bound():
     cheap = limits(t, max_lp_ranks=4)
     assert cheap.method == "cut" and cheap.lower_bound == pytest.approx(1.0)
     assert cheap.lower_bound <= exact.lower_bound
+
+
+def test_hamiltonian_search_is_iterative_on_long_rings() -> None:
+    """ring:3000 has one Hamiltonian cycle, 3000 deep: found without recursion (it hit RecursionError)."""
+    from gradsync.plan.synthesizers import _hamiltonian_cycles
+
+    cycles = _hamiltonian_cycles(get_topology("ring:3000"), seconds=30)
+    assert cycles == [tuple(range(3000))]
+    # and the search still enumerates: K5 has (5-1)!/2 = 12 undirected Hamiltonian cycles
+    assert len(_hamiltonian_cycles(get_topology("full:5"))) == 12

@@ -168,27 +168,27 @@ def _hamiltonian_cycles(topology: Topology, limit: int = 2000, seconds: float = 
     path = [0]
     used = [False] * n
     used[0] = True
-
-    def dfs() -> bool:
+    # Depth-first with an explicit stack of neighbour iterators (one per vertex on the path): a recursive
+    # search is as deep as the ring and hit Python's recursion limit at ~1000 ranks.
+    stack = [iter(adj[0])]
+    while stack:
         if len(found) >= limit or time.perf_counter() > deadline:
-            return False
-        v = path[-1]
-        if len(path) == n:
-            if 0 in adj[v] and path[1] < path[-1]:
-                found.append(tuple(path))
-            return True
-        for u in adj[v]:
-            if not used[u]:
-                used[u] = True
-                path.append(u)
-                ok = dfs()
-                path.pop()
-                used[u] = False
-                if not ok:
-                    return False
-        return True
-
-    dfs()
+            break
+        u = next(stack[-1], None)
+        if u is None:  # every neighbour of the path's end tried: step back
+            stack.pop()
+            if len(path) > 1:
+                used[path.pop()] = False
+            continue
+        if used[u]:
+            continue
+        if len(path) + 1 == n:
+            if 0 in adj[u] and path[1] < u:
+                found.append((*path, u))
+            continue
+        used[u] = True
+        path.append(u)
+        stack.append(iter(adj[u]))
     return found
 
 
