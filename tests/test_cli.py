@@ -215,3 +215,9 @@ def test_library_save_into_a_missing_directory_names_the_file(tmp_path):
         save(topo, tmp_path / "no" / "t.yaml")
     with pytest.raises(ScheduleError, match="cannot write schedule file .*no/s.json"):
         synthesize("ring", topo).save(tmp_path / "no" / "s.json")
+
+
+def test_topology_too_large_for_every_algorithm_exits_2():
+    p = run("plan", "-t", "switch:100000")
+    _one_line_error(p, "needs at least 112 GiB")
+    assert "no algorithm here plans it" in p.stderr and "hierarchical" in p.stderr
