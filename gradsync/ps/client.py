@@ -142,8 +142,14 @@ class PSClient:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RECONNECT_IVL, 100)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            s.connect(ep)
             self.socks.append(s)
+            try:
+                s.connect(ep)
+            except zmq.ZMQError as e:
+                for opened in self.socks:
+                    opened.close(linger=0)
+                raise GradsyncError(f"PS server endpoint {ep!r} cannot be connected to: {e}; write e.g. "
+                                    f"tcp://127.0.0.1:5555 (check GRADSYNC_PS_SERVERS)") from None
             self.poller.register(s, zmq.POLLIN)
         self._ids = itertools.count(1)
         #: every request sent and not yet answered, over all batches: req_id -> request
