@@ -11,7 +11,7 @@ the schedule's transfers. The packages form layers, each importing only from the
     sim                                network and iteration simulators, the runtime's cost model
     plan | order | compress            synthesizers | TicTac | codecs, memories, merge search
     topology | models                  devices and links | model definitions
-    launch | registry, errors          worker launcher | name registries, exceptions
+    launch | registry | paths, errors  worker launcher | name registries | output paths, exceptions
 
 The runtime entry points (``gradsync.init``, ``gradsync.allreduce``, ``gradsync.DistributedOptimizer``...)
 and ``gradsync.kvstore`` are loaded on first use, so planning and the CLI do not pay for importing

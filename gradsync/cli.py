@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from gradsync.commands.order import add_parser as add_order_parser
 from gradsync.errors import GradsyncError
+from gradsync.launch import Terminated
+from gradsync.paths import check_output
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.ps.launch import add_parser as add_launch_parser
 from gradsync.testbed.cli import add_parser as add_testbed_parser
@@ -49,8 +52,19 @@ def parse_sizes(text: str) -> list[float]:
     return [parse_size(p) for p in parts]
 
 
+def _finite(obj: object) -> object:
+    """``obj`` with every infinite or NaN float as None: JSON has no Infinity (a one-rank plan's algbw)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _emit_json(obj: object) -> None:
-    print(json.dumps(obj, indent=2))
+    print(json.dumps(_finite(obj), indent=2, allow_nan=False))
 
 
 # ---- topo ----------------------------------------------------------------------------------------------
@@ -64,6 +78,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
         return 0
     if not args.spec:
         raise GradsyncError(f"'gradsync topo {args.action}' needs a topology, e.g. 'gradsync topo {args.action} p3.16xlarge'")
+    check_output(args.output, "-o/--output")
     topo = get_topology(args.spec)
     if args.action == "show":
         if args.json:
@@ -91,6 +106,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 # ---- plan ----------------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_output(args.output, "-o/--output")
     topo = get_topology(args.topology)
     options = PlanOptions(pipeline=args.pipeline, size_bytes=parse_size(args.size), latency_s=args.latency)
     schedule = synthesize(args.algorithm, topo, options)
@@ -193,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- run ----------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from gradsync.launch import launch_local, worker_command
+    from gradsync.launch import end_on_signals, launch_local, worker_command
 
     cmd = worker_command(args.cmd, "nothing to run: gradsync run --workers 4 -- python train.py")
     if args.mpi:
@@ -206,7 +222,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         return subprocess.call(mpirun_command(args.workers, cmd))
     env = {"GRADSYNC_TOPOLOGY": args.topology} if args.topology else {}
-    return launch_local(cmd, args.workers, env=env, timeout=args.timeout)
+    with end_on_signals():
+        return launch_local(cmd, args.workers, env=env, timeout=args.timeout)
 
 
 # ---- compress -----------------------------------------------------------------------------------------
@@ -249,6 +266,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 # ---- demo ----------------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
+    check_output(args.output, "-o/--output")
+    if not args.no_train:
+        check_output(args.plot, "--plot")
     size = parse_size(args.size)
     algorithms = [a for a in SYNTHESIZERS.names() if a != "auto"]
     rows = []
@@ -386,6 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GradsyncError as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated as exc:  # raised by a launcher's signal handler once its children are ended
+        print(f"gradsync: {exc}; every process it started was ended", file=sys.stderr)
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":  # pragma: no cover

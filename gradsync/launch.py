@@ -3,29 +3,96 @@
 One implementation for every place gradsync starts workers: the loopback launcher here (demo,
 benchmarks, ``gradsync run``), the testbed's ``run`` (workers inside network namespaces) and, later, the
 parameter-server launcher. When a worker fails, the others get a short grace period and are then killed,
-as torchrun does: a collective would otherwise wait for its timeout.
+as torchrun does: a collective would otherwise wait for its timeout. The failure is reported with the
+failing process's label, exit code and last lines. Every child leads its own session, and is ended with
+its whole process group, also when the launcher gets SIGTERM or SIGINT (:func:`end_on_signals`).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from gradsync.errors import GradsyncError
 
-__all__ = ["TIMEOUT_EXIT", "free_port", "pump", "torchrun_env", "run_workers", "worker_command", "launch_local"]
+__all__ = ["TIMEOUT_EXIT", "TAIL_LINES", "Child", "Terminated", "check_command", "check_timeout", "end_on_signals", "free_port",
+           "kill_group", "pump", "torchrun_env", "run_workers", "worker_command", "launch_local"]
 
 #: Exit code reported when the timeout stopped the workers (as coreutils ``timeout`` does).
 TIMEOUT_EXIT = 124
 #: Seconds the other workers get to finish on their own after one failed.
 GRACE_S = 5.0
+#: Lines of a failed process's output repeated in the failure report.
+TAIL_LINES = 20
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGINT reached a launcher: raised in its main thread so ``finally`` blocks end the children.
+
+    A BaseException (as KeyboardInterrupt) so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def end_on_signals() -> Iterator[None]:
+    """While inside: SIGTERM and SIGINT raise :class:`Terminated` (once; a second signal must not cut the
+    cleanup short). Without this, SIGTERM ends the launcher at once and its children outlive it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread; the caller owns signals there
+        return
+    fired: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not fired:
+            fired.append(signum)
+            raise Terminated(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def check_timeout(name: str, value: float | None, *, allow_zero: bool = False) -> None:
+    """A clear error for a timeout that is not a finite positive number of seconds (None: no timeout)."""
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0 (0: off)" if allow_zero else "> 0"
+        raise GradsyncError(f"{name} {value!r} must be a finite number of seconds {bound}")
+
+
+def check_command(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Refuse a command whose program cannot be found, before anything is started."""
+    if not cmd:
+        raise GradsyncError("nothing to run: give a command, e.g. -- python train.py")
+    exe = cmd[0]
+    if os.sep in exe:
+        found = os.path.isfile(exe) and os.access(exe, os.X_OK)
+        where = "no such executable file"
+    else:
+        found = shutil.which(exe, path=(env or os.environ).get("PATH", os.defpath)) is not None
+        where = "not found on PATH"
+    if not found:
+        raise GradsyncError(f"cannot run {exe!r}: {where}; check the command after --, e.g. -- python train.py")
 
 
 def free_port() -> int:
@@ -48,11 +115,26 @@ def torchrun_env(rank: int, world_size: int, master_addr: str, master_port: int,
     return env
 
 
-def pump(proc: subprocess.Popen[str], label: str, stream: TextIO, lock: threading.Lock) -> None:
-    assert proc.stdout is not None
+@dataclass(eq=False)
+class Child:
+    """A process a launcher started (in its own session, so its group can be ended), and its last lines."""
+
+    label: str
+    proc: subprocess.Popen[str]
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+
+
+def pump(proc: subprocess.Popen[str], label: str, stream: TextIO, lock: threading.Lock,
+         tail: deque[str] | None = None) -> None:
+    """Copy ``proc``'s output to ``stream``, each line prefixed with ``label``; keep the last ones in ``tail``."""
+    if proc.stdout is None:
+        raise GradsyncError(f"{label}: started without a stdout pipe to read")
     for line in proc.stdout:
+        line = line if line.endswith("\n") else line + "\n"
+        if tail is not None:
+            tail.append(line)
         with lock:
-            stream.write(f"{label} {line if line.endswith(chr(10)) else line + chr(10)}")
+            stream.write(f"{label} {line}")
             stream.flush()
 
 
@@ -60,76 +142,131 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc  # killed by signal N -> 128 + N, as a shell reports it
 
 
-def _kill(proc: subprocess.Popen[str]) -> None:
+def _describe(code: int) -> str:
+    if code > 128:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def kill_group(proc: subprocess.Popen[str], timeout: float = 5.0) -> None:
+    """SIGKILL ``proc``'s process group (it leads its own session: that is it and what it started); reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     try:
-        proc.wait(timeout=5)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
 
 
-def _wait(procs: list[subprocess.Popen[str]], timeout: float | None) -> list[int]:
+
+@dataclass
+class _Outcome:
+    codes: list[int]
+    first: Child | None = None  # the first to fail, worker or watched process
+    first_code: int = 0
+    timed_out: bool = False
+
+
+def _wait(children: list[Child], timeout: float | None, watch: Sequence[Child] = ()) -> _Outcome:
     """Exit codes once all are done. On timeout the still-running ones count as 124; after a failure the
-    ones stopped by us are left out, so the code that is reported is the real failure's."""
+    ones stopped by us are left out, so the code that is reported is the real failure's. A ``watch``ed
+    process (a server) that exits while the workers run is a failure of the job."""
     deadline = None if timeout is None else time.monotonic() + timeout
     failed_at: float | None = None
+    out = _Outcome([])
     while True:
-        rcs = [p.poll() for p in procs]
+        rcs = [c.proc.poll() for c in children]
         if all(rc is not None for rc in rcs):
-            return [_exit_code(rc) for rc in rcs if rc is not None]
+            out.codes = [_exit_code(rc) for rc in rcs if rc is not None]
+            if out.first is None:  # they all ended between two polls: name one that failed
+                failed = [(c, code) for c, code in zip(children, out.codes) if code != 0]
+                if failed:
+                    out.first, out.first_code = failed[0]
+            return out
         now = time.monotonic()
-        if failed_at is None and any(rc not in (None, 0) for rc in rcs):
-            failed_at = now
+        if failed_at is None:
+            for c, rc in [*zip(children, rcs), *((w, w.proc.poll()) for w in watch)]:
+                if rc is not None and (rc != 0 or any(c is w for w in watch)):
+                    failed_at, out.first, out.first_code = now, c, _exit_code(rc)
+                    break
         timed_out = deadline is not None and now > deadline
         if timed_out or (failed_at is not None and now - failed_at > GRACE_S):
-            codes = []
-            for p, rc in zip(procs, rcs):
+            out.timed_out = timed_out and failed_at is None
+            for c, rc in zip(children, rcs):
                 if rc is None:
-                    _kill(p)
+                    kill_group(c.proc)
                     if timed_out:
-                        codes.append(TIMEOUT_EXIT)
+                        out.codes.append(TIMEOUT_EXIT)
                 else:
-                    codes.append(_exit_code(rc))
-            return codes
+                    out.codes.append(_exit_code(rc))
+            return out
         time.sleep(0.05)
 
 
+def _report(out: _Outcome, timeout: float | None, stream: TextIO) -> None:
+    """Say which process failed first, how, and what it printed last (the others may only echo its loss)."""
+    if out.first is not None:
+        c = out.first
+        how = _describe(out.first_code) if out.first_code else "exit code 0 while the workers still ran"
+        lines = "".join(f"  {line}" for line in c.tail) or "  (no output)\n"
+        stream.write(f"gradsync: job failed: {c.label} exited first, {how}; the others were stopped or "
+                     f"finished on their own. Last {len(c.tail)} line(s) of its output:\n{lines}")
+    elif out.timed_out:
+        stream.write(f"gradsync: job stopped: still running after --timeout {timeout:g} s (exit {TIMEOUT_EXIT})\n")
+    stream.flush()
+
+
 def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *, timeout: float | None = None,
-                stream: TextIO | None = None, labels: Sequence[str] | None = None) -> int:
+                stream: TextIO | None = None, labels: Sequence[str] | None = None,
+                watch: Sequence[Child] = ()) -> int:
     """Start ``commands[i]`` with ``envs[i]``; prefix each output line with ``labels[i]``; worst exit code.
 
-    Returns 0 when all succeed, else the failing code of largest magnitude (124 on timeout).
+    Returns 0 when all succeed, else the failing code of largest magnitude (124 on timeout); when a
+    ``watch``ed process (a server) exits first, its code (1 if it exited 0). A failure is reported on
+    ``stream`` (default stderr): which process, its exit code and the tail of its output. Every process
+    started here is ended (its whole group) before this returns or raises, :class:`Terminated` included.
     """
     if len(commands) != len(envs):
         raise GradsyncError(f"{len(commands)} commands but {len(envs)} environments")
+    check_timeout("timeout", timeout)
+    for cmd, env in zip(commands, envs):
+        check_command(cmd, env)
     out = stream or sys.stdout
     lock = threading.Lock()
-    procs: list[subprocess.Popen[str]] = []
+    children: list[Child] = []
     pumps: list[threading.Thread] = []
-    codes: list[int] = []
     try:
         for i, (cmd, env) in enumerate(zip(commands, envs)):
-            proc = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    bufsize=1, start_new_session=True)
-            procs.append(proc)
             label = labels[i] if labels else f"[rank {i}]"
-            t = threading.Thread(target=pump, args=(proc, label, out, lock), daemon=True)
+            try:
+                proc = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, bufsize=1, start_new_session=True)
+            except OSError as e:
+                raise GradsyncError(f"cannot start {label} {cmd[0]!r}: {e.strerror or e}; check the command "
+                                    f"after --") from None
+            child = Child(label, proc)
+            children.append(child)
+            t = threading.Thread(target=pump, args=(proc, label, out, lock, child.tail), daemon=True)
             t.start()
             pumps.append(t)
-        codes = _wait(procs, timeout)
+        result = _wait(children, timeout, watch)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
+        for c in children:  # also what a finished worker left running in its group
+            kill_group(c.proc)
         for t in pumps:
             t.join(timeout=5)
+    _report(result, timeout, stream or sys.stderr)
+    if result.first is not None and any(result.first is w for w in watch):
+        return result.first_code or 1
     worst = 0
-    for c in codes:
-        if abs(c) > abs(worst):
-            worst = c
+    for code in result.codes:
+        if abs(code) > abs(worst):
+            worst = code
     return worst
 
 
@@ -150,6 +287,7 @@ def launch_local(cmd: Sequence[str], world_size: int, *, env: Mapping[str, str] 
         raise GradsyncError("nothing to run: give a command, e.g. python train.py")
     if world_size < 1:
         raise GradsyncError(f"world_size={world_size} must be >= 1")
+    check_timeout("timeout", timeout)
     port = free_port()
     base = {**os.environ, **(env or {})}
     envs = [torchrun_env(r, world_size, "127.0.0.1", port, base) for r in range(world_size)]

@@ -157,3 +157,67 @@ def test_compress_list_prices_every_compressor(tmp_path):
     assert rows["none"]["payload_bytes_1Mi_fp32"] == 4 * d and rows["fp16"]["ratio"] == 2.0
     assert rows["signsgd"]["payload_bytes_1Mi_fp32"] == d // 8  # really one bit per element
     assert rows["topk"]["communicator"] == "allgather" and rows["randk"]["communicator"] == "allreduce"
+
+
+# ---- hostile input (issue 19): a one-line error and exit 2, never a traceback ------------------------------
+def _one_line_error(p: subprocess.CompletedProcess, message: str) -> None:
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2, p.stderr
+    assert len(lines) == 1 and lines[0].startswith("gradsync: error:") and message in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["lp", "ring", "tree", "ps", "multiring", "auto"])
+def test_single_rank_topology_plans_a_no_op(tmp_path, algorithm):
+    """One rank has nothing to exchange: a schedule with no transfers and cost 0 (it used to crash in the
+    bound's numpy max over zero links); --json stays valid JSON (no Infinity)."""
+    one = tmp_path / "one.yaml"
+    one.write_text("name: one\ndevices: [{name: gpu0, kind: gpu}]\nlinks: []\n")
+    for topo in ("p3.16xlarge[3]", str(one)):
+        p = run("plan", "-t", topo, "-a", algorithm, "--json")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+        assert out["transfers"] == 0 and out["cost"] == 0 and out["time_s"] == 0 and out["lower_bound"] == 0
+    p = run("simulate", "-t", "p3.16xlarge[3]", "-a", algorithm, "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["time_s"] == 0, p.stderr
+
+
+def test_binary_topology_schedule_and_dag_files_exit_2(tmp_path):
+    blob = bytes(range(256)) * 4
+    for name in ("t.yaml", "t.json", "t.bin"):
+        (tmp_path / name).write_bytes(blob)
+        _one_line_error(run("plan", "-t", str(tmp_path / name)), "is not a text file")
+    _one_line_error(run("topo", "show", str(tmp_path / "t.yaml")), "is not a text file")
+    _one_line_error(run("simulate", "-t", "ring:4", "--schedule", str(tmp_path / "t.json")),
+                    "schedule file")
+    _one_line_error(run("order", str(tmp_path / "t.json")), "DAG file")
+
+
+@pytest.mark.parametrize("args, option", [
+    (["plan", "-t", "ring:4", "-o", "{missing}/s.json"], "-o/--output"),
+    (["topo", "export", "ring:4", "-o", "{missing}/t.yaml"], "-o/--output"),
+    (["topo", "export", "ring:4", "-o", "{tmp}"], "is a directory"),
+    (["demo", "--no-train", "-o", "{missing}/d.json"], "-o/--output"),
+    (["order", "lenet", "--save-dag", "{missing}/d.json"], "--save-dag"),
+])
+def test_unwritable_outputs_exit_2_before_any_work(tmp_path, args, option):
+    args = [a.format(missing=tmp_path / "no" / "such", tmp=tmp_path) for a in args]
+    _one_line_error(run(*args), option)
+    assert not (tmp_path / "no").exists()
+
+
+def test_library_save_into_a_missing_directory_names_the_file(tmp_path):
+    from gradsync.errors import ScheduleError, TopologyError
+    from gradsync.plan import synthesize
+    from gradsync.topology import get_topology, save
+
+    topo = get_topology("ring:4")
+    with pytest.raises(TopologyError, match="cannot write topology file .*no/t.yaml"):
+        save(topo, tmp_path / "no" / "t.yaml")
+    with pytest.raises(ScheduleError, match="cannot write schedule file .*no/s.json"):
+        synthesize("ring", topo).save(tmp_path / "no" / "s.json")
+
+
+def test_topology_too_large_for_every_algorithm_exits_2():
+    p = run("plan", "-t", "switch:100000")
+    _one_line_error(p, "needs at least 112 GiB")
+    assert "no algorithm here plans it" in p.stderr and "hierarchical" in p.stderr

@@ -229,3 +229,48 @@ def test_large_topologies_fall_back_to_the_cut_bound():
     cheap = limits(t, max_lp_ranks=4)
     assert cheap.method == "cut" and cheap.lower_bound == pytest.approx(1.0)
     assert cheap.lower_bound <= exact.lower_bound
+
+
+def test_hamiltonian_search_is_iterative_on_long_rings() -> None:
+    """ring:3000 has one Hamiltonian cycle, 3000 deep: found without recursion (it hit RecursionError)."""
+    from gradsync.plan.synthesizers import _hamiltonian_cycles
+
+    cycles = _hamiltonian_cycles(get_topology("ring:3000"), seconds=30)
+    assert cycles == [tuple(range(3000))]
+    # and the search still enumerates: K5 has (5-1)!/2 = 12 undirected Hamiltonian cycles
+    assert len(_hamiltonian_cycles(get_topology("full:5"))) == 12
+
+
+@pytest.mark.parametrize("spec", ["switch:6", "ring:5", "p3.16xlarge", "p2.16xlarge", "fattree:4", "ring:2"])
+def test_plan_bytes_is_a_floor_on_the_transfers_planned(spec: str) -> None:
+    """The estimate counts the transfers ring/multiring/ps/tree emit (exactly where there is one ring or
+    one tree), never more than a real schedule holds."""
+    from gradsync.plan.synthesizers import TRANSFER_BYTES, plan_bytes
+
+    topo = get_topology(spec)
+    for algorithm in ("ring", "multiring", "ps", "tree", "lp"):
+        for pipeline in (1, 3):
+            options = PlanOptions(pipeline=pipeline)
+            need, what = plan_bytes(algorithm, topo, options)
+            planned = len(synthesize(algorithm, topo, options).transfers)
+            if "transfers" in what:
+                assert round(need / TRANSFER_BYTES) <= planned, (algorithm, pipeline, what, planned)
+            if algorithm in ("multiring", "ps", "tree"):
+                assert round(need / TRANSFER_BYTES) == planned, (algorithm, pipeline, what, planned)
+
+
+def test_planning_too_large_is_refused_before_allocating() -> None:
+    """switch:100000 used to allocate a 74.5 GiB shortest-path table; now PlanError says what it would
+    need and that no algorithm fits, and on switch:3000 that a tree fits where ring does not."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(PlanError, match=r"needs at least 112 GiB \(a 100000 x 100001 shortest-path table\).*"
+                                        r"no algorithm here plans it.*--algorithm hierarchical"):
+        synthesize("lp", get_topology("switch:100000"))
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(PlanError, match=r"'ring' on 'switch:3000'.*3\.6e\+07 transfers.*'(lp|tree)' fits.*--algorithm (lp|tree)"):
+        synthesize("ring", get_topology("switch:3000"))
+    with pytest.raises(PlanError, match="over the 9.31e-07 GiB limit"):
+        synthesize("ring", get_topology("switch:8"), max_bytes=1000)
+    assert synthesize("ring", get_topology("switch:8")).transfers

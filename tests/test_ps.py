@@ -408,3 +408,42 @@ def test_checkpoint_restores_values_and_optimizer_state(tmp_path) -> None:  # ty
 
 def test_struct_header_is_documented_size() -> None:
     assert HEADER.size == 72 and struct.calcsize("<Q") == 8
+
+
+@pytest.mark.parametrize("value, match", [
+    ("abc", r"GRADSYNC_PS_TIMEOUT='abc' is not a number"), ("nan", "timeout_s=nan"), ("-1", "timeout_s=-1.0"),
+    ("inf", "timeout_s=inf"),
+])
+def test_bad_request_timeout_from_the_environment_is_named(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                           match: str) -> None:
+    monkeypatch.setenv("GRADSYNC_PS_TIMEOUT", value)
+    with pytest.raises(GradsyncError, match=match):
+        KVStoreConfig.from_env()
+
+
+def test_port_in_use_and_bad_endpoints_are_named() -> None:
+    """A second server on a taken port, or an endpoint ZeroMQ cannot parse, is a GradsyncError naming it."""
+    first = Server(ServerConfig(bind="tcp://127.0.0.1:0"))
+    try:
+        with pytest.raises(GradsyncError, match=rf"cannot bind the server to '{first.endpoint}'.*another process"):
+            Server(ServerConfig(bind=first.endpoint))
+    finally:
+        first.sock.close(linger=0)
+    with pytest.raises(GradsyncError, match="cannot bind the server to 'tcp://127.0.0.1:notaport'"):
+        Server(ServerConfig(bind="tcp://127.0.0.1:notaport"))
+    with pytest.raises(GradsyncError, match="endpoint 'garbage' cannot be connected to.*GRADSYNC_PS_SERVERS"):
+        PSClient(["garbage"], 0)
+
+
+def test_server_command_on_a_taken_port_exits_2_without_traceback() -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        p = subprocess.run([sys.executable, "-m", "gradsync.ps.server", "--bind", endpoint], capture_output=True,
+                           text=True, timeout=60)
+    assert p.returncode == 2 and "Address already in use" in p.stderr and "Traceback" not in p.stderr, p.stderr

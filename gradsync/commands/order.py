@@ -15,6 +15,7 @@ from typing import Any
 
 from gradsync.errors import GradsyncError
 from gradsync.order.priorities import ORDERINGS
+from gradsync.paths import check_output
 
 __all__ = ["add_parser", "cmd_order", "load_dag"]
 
@@ -48,6 +49,8 @@ def cmd_order(args: argparse.Namespace) -> int:
         raise GradsyncError(f"--random-runs {args.random_runs} must be >= 1")
     if args.gantt and Path(args.gantt).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise GradsyncError(f"--gantt {args.gantt!r} must end in .png, .svg or .pdf")
+    check_output(args.gantt, "--gantt")
+    check_output(args.save_dag, "--save-dag")
     dag = load_dag(args)
     if args.save_dag:
         dag.save(args.save_dag)

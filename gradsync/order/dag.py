@@ -202,15 +202,24 @@ class Dag:
 
     def save(self, path: str | Path) -> Path:
         out = Path(path)
-        out.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        try:
+            out.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        except OSError as exc:
+            raise DagError(f"cannot write DAG file {str(out)!r}: {exc.strerror}; check that its directory exists "
+                           f"and is writable") from None
         return out
 
     @classmethod
     def load(cls, path: str | Path) -> Dag:
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise DagError(f"DAG file {str(path)!r} does not exist") from None
+        except UnicodeDecodeError as exc:
+            raise DagError(f"DAG file {str(path)!r} is not a text file (byte {exc.object[exc.start]:#04x} at offset "
+                           f"{exc.start} is not UTF-8); give a DAG saved by 'gradsync order --save-dag'") from None
+        except OSError as exc:
+            raise DagError(f"cannot read DAG file {str(path)!r}: {exc.strerror}") from None
         except json.JSONDecodeError as exc:
             raise DagError(f"DAG file {str(path)!r} is not valid JSON: {exc}") from None
         return cls.from_dict(data)

@@ -59,6 +59,8 @@ class TreePacking:
 
 def _floor(weights: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """Strictly positive prices; the tiny extra term breaks ties toward fast links and short routes."""
+    if not costs.size:  # no links (a single rank): nothing to price
+        return weights.copy()
     scale = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
     return weights + 1e-9 * scale * costs / costs.max() + 1e-15
 

@@ -418,14 +418,22 @@ class Schedule:
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
-        p.write_text(json.dumps(self.to_dict()) + "\n")
+        try:
+            p.write_text(json.dumps(self.to_dict()) + "\n")
+        except OSError as exc:
+            raise ScheduleError(f"cannot write schedule file {str(p)!r}: {exc.strerror}; check that its directory "
+                                f"exists and is writable") from None
         return p
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
         p = Path(path)
         try:
-            data = json.loads(p.read_text())
+            data = json.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ScheduleError(f"schedule file {str(p)!r} is not a text file (byte {exc.object[exc.start]:#04x} "
+                                f"at offset {exc.start} is not UTF-8); give a schedule written by "
+                                f"'gradsync plan -o FILE.json'") from None
         except (OSError, json.JSONDecodeError) as exc:
             raise ScheduleError(f"cannot read schedule file {str(p)!r}: {exc}") from None
         return cls.from_dict(data)

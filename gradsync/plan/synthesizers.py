@@ -22,7 +22,14 @@ from gradsync.plan.trees import root_tree
 from gradsync.registry import Registry
 from gradsync.topology.model import Topology
 
-__all__ = ["PlanOptions", "Synthesizer", "SYNTHESIZERS", "ring_transfers", "split_chunks", "synthesize", "unless_raises"]
+__all__ = ["MAX_PLAN_BYTES", "PlanOptions", "Synthesizer", "SYNTHESIZERS", "plan_bytes", "ring_transfers", "split_chunks",
+           "synthesize", "unless_raises"]
+
+#: Memory one planned transfer holds (the Transfer, its route tuple, its list slots). About 750 B were
+#: measured for ring on switch:1000 (4 M transfers, 3 GB peak); rounded down so estimates are floors.
+TRANSFER_BYTES = 500
+#: Planning estimated to need more than this is refused before it allocates anything.
+MAX_PLAN_BYTES = 8 * 2**30
 
 
 @dataclass(frozen=True)
@@ -88,13 +95,69 @@ def synthesizer(name: str, applicable: Callable[[Topology], str | None] = _alway
     return deco
 
 
-def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None = None, *, check: bool = True) -> Schedule:
-    """Plan ``algorithm`` on ``topology``; the result has passed its self-check unless ``check=False``."""
+def plan_bytes(algorithm: str, topology: Topology, options: PlanOptions | None = None) -> tuple[float, str]:
+    """A floor on the memory planning ``algorithm`` on ``topology`` takes, and what dominates it.
+
+    Ring-like and PS schedules hold ~2n(n-1) transfers per ring/pipeline stage; trees hold 2(n-1) per
+    tree but, with switches, route over a dense ranks x devices shortest-path table. ``(0, "")`` where
+    there is no estimate (one rank; ``hierarchical`` and ``bml``, which plan per level)."""
+    opts = options or PlanOptions()
+    name = SYNTHESIZERS.canonical(algorithm)
+    n, v, p = topology.world_size, len(topology.devices), opts.pipeline
+    if n < 2:
+        return 0.0, ""
+    if name == "auto":  # it plans every other applicable algorithm
+        others = [plan_bytes(a, topology, opts) for a in SYNTHESIZERS.names()
+                  if a != "auto" and not SYNTHESIZERS.get(a).applicable(topology)]
+        return max(others, default=(0.0, ""))
+    transfers = {"ring": 2 * (n - 1) * n * p * (2 if n > 2 else 1), "multiring": 2 * (n - 1) * n * p * opts.rings,
+                 "ps": 2 * (n - 1) * n * p, "tree": 2 * (n - 1) * p, "lp": 2 * (n - 1) * p}.get(name)
+    if transfers is None:
+        return 0.0, ""
+    need, what = float(transfers * TRANSFER_BYTES), f"{transfers:.3g} transfers"
+    if name in ("tree", "lp") and topology.has_forwarders and 12.0 * n * v > need:
+        need, what = 12.0 * n * v, f"a {n} x {v} shortest-path table"  # float64 distances + int32 predecessors
+    return need, what
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def _too_large(name: str, topology: Topology, options: PlanOptions, need: float, what: str, limit: float) -> str:
+    """Why planning is refused, and which applicable algorithm fits (or that none does, and what to do)."""
+    fits = []
+    for other in SYNTHESIZERS.names():
+        if other in (name, "auto") or SYNTHESIZERS.get(other).applicable(topology):
+            continue
+        b, w = plan_bytes(other, topology, options)
+        fits.append((b, other, w))
+    head = (f"planning {name!r} on {topology.name!r} ({topology.world_size} ranks, {len(topology.devices)} devices) "
+            f"needs at least {_gib(need)} ({what}), over the {_gib(limit)} limit")
+    small = sorted((f for f in fits if f[0] <= limit), key=lambda f: (f[0] == 0, f[0]))  # estimated ones first
+    if small:
+        b, other, w = small[0]
+        size = f"about {_gib(b)}" if b else "not estimated: it plans per switch level"
+        return f"{head}; {other!r} fits ({size}): use --algorithm {other}"
+    smallest = f"; the smallest, {sorted(fits)[0][1]!r}, needs {_gib(sorted(fits)[0][0])}" if fits else ""
+    return (f"{head}, and no algorithm here plans it within the limit{smallest}; plan fewer ranks, or a "
+            f"hierarchical topology ('racks:r,s,o', 'fattree:k', 'bcube:n,k') with --algorithm hierarchical")
+
+
+def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None = None, *, check: bool = True,
+               max_bytes: float = MAX_PLAN_BYTES) -> Schedule:
+    """Plan ``algorithm`` on ``topology``; the result has passed its self-check unless ``check=False``.
+
+    Refused with :class:`PlanError` when :func:`plan_bytes` says it needs more than ``max_bytes``."""
     entry = SYNTHESIZERS.get(algorithm)
     reason = entry.applicable(topology)
     if reason:
         raise PlanError(f"algorithm {entry.name!r} does not apply to {topology.name!r}: {reason}")
-    schedule = entry.fn(topology, options or PlanOptions())
+    opts = options or PlanOptions()
+    need, what = plan_bytes(entry.name, topology, opts)
+    if need > max_bytes:
+        raise PlanError(_too_large(entry.name, topology, opts, need, what, max_bytes))
+    schedule = entry.fn(topology, opts)
     if check:
         schedule.check(topology)
     return schedule
@@ -168,27 +231,27 @@ def _hamiltonian_cycles(topology: Topology, limit: int = 2000, seconds: float = 
     path = [0]
     used = [False] * n
     used[0] = True
-
-    def dfs() -> bool:
+    # Depth-first with an explicit stack of neighbour iterators (one per vertex on the path): a recursive
+    # search is as deep as the ring and hit Python's recursion limit at ~1000 ranks.
+    stack = [iter(adj[0])]
+    while stack:
         if len(found) >= limit or time.perf_counter() > deadline:
-            return False
-        v = path[-1]
-        if len(path) == n:
-            if 0 in adj[v] and path[1] < path[-1]:
-                found.append(tuple(path))
-            return True
-        for u in adj[v]:
-            if not used[u]:
-                used[u] = True
-                path.append(u)
-                ok = dfs()
-                path.pop()
-                used[u] = False
-                if not ok:
-                    return False
-        return True
-
-    dfs()
+            break
+        u = next(stack[-1], None)
+        if u is None:  # every neighbour of the path's end tried: step back
+            stack.pop()
+            if len(path) > 1:
+                used[path.pop()] = False
+            continue
+        if used[u]:
+            continue
+        if len(path) + 1 == n:
+            if 0 in adj[u] and path[1] < u:
+                found.append((*path, u))
+            continue
+        used[u] = True
+        path.append(u)
+        stack.append(iter(adj[u]))
     return found
 
 

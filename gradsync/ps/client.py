@@ -10,8 +10,9 @@ no reply after ``retry_s`` makes the client PING that server; every reply carrie
 incarnation, and when it changes (the server restarted from its checkpoint) the requests in flight and
 the synchronous pushes that server may have lost are sent again (ordered pulls renumbered 0..m-1 over
 what is still outstanding, since the new process's per-sender counter starts from zero). Servers recognise repeats (pushes name their round, pulls their request id), so
-retrying is safe. After ``timeout_s`` the client asks the server which pushes its round still waits
-for and raises :class:`~gradsync.errors.PeerError` naming the first missing client.
+retrying is safe. After ``timeout_s`` the client probes the server once (at most ``min(2, retry_s)`` more
+seconds): if a round still waits for pushes it raises :class:`~gradsync.errors.PeerError` naming the first
+missing client; if the server does not answer, :class:`~gradsync.errors.CommError` naming its endpoint.
 
 Requests travel in batches: :meth:`PSClient.start` sends one and returns a :class:`Batch`, and
 :meth:`PSClient.wait` pumps the sockets until a predicate holds (by default: the batch is complete). Every
@@ -141,8 +142,14 @@ class PSClient:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RECONNECT_IVL, 100)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            s.connect(ep)
             self.socks.append(s)
+            try:
+                s.connect(ep)
+            except zmq.ZMQError as e:
+                for opened in self.socks:
+                    opened.close(linger=0)
+                raise GradsyncError(f"PS server endpoint {ep!r} cannot be connected to: {e}; write e.g. "
+                                    f"tcp://127.0.0.1:5555 (check GRADSYNC_PS_SERVERS)") from None
             self.poller.register(s, zmq.POLLIN)
         self._ids = itertools.count(1)
         #: every request sent and not yet answered, over all batches: req_id -> request
@@ -319,23 +326,57 @@ class PSClient:
             if srv == server:
                 self._send(server, frames)
 
+    def _probe(self, server: int, key: Key | None, wait_s: float) -> tuple[bool, Any]:
+        """Ask ``server`` once, within ``wait_s``, whether it is alive: (answered, STATUS payload or None).
+
+        A STATUS about ``key`` when there is one (it says which pushes a round still waits for), else a PING.
+        It pumps the sockets itself and never goes through :meth:`wait`: a probe that times out must not
+        start another probe (it once recursed until Python's recursion limit)."""
+        info: list[Any] = []
+        if key is None:
+            probe = self.request(server, Op.PING, what="ping", on_reply=lambda m: info.append(None))
+        else:
+            probe = self.request(server, Op.STATUS, what="status", key=key, on_reply=lambda m: info.append(m.json()))
+        self.inflight[probe.req_id] = probe
+        deadline = time.monotonic() + wait_s
+        try:
+            self._send(server, probe.frames)
+            while not info and probe.req_id in self.inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.progress(left)
+        except GradsyncError:  # the server's ERROR reply: it is alive, but says nothing about the round
+            return True, None
+        except CommError:  # an invalid reply: treat as no answer
+            return False, None
+        finally:
+            self.inflight.pop(probe.req_id, None)
+        return bool(info), (info[0] if info else None)
+
     def _timed_out(self, pending: Sequence[Request], timeout: float) -> None:
+        """Raise the error for requests unanswered after ``timeout``: a missing client (PeerError) if the
+        server says a round waits for one, else CommError naming the server, its endpoint and what to check.
+        Takes at most ``min(2, retry_s, timeout)`` more seconds (one probe), so a failure is reported within
+        twice the request timeout."""
         r = min(pending, key=lambda q: q.req_id)
+        where = f"server {r.server} at {self.endpoints[r.server]}"
+        probe_s = min(2.0, self.retry_s, timeout)
+        answered, info = self._probe(r.server, r.key, probe_s)
         detail, missing = "", []
-        if r.key is not None:
-            try:
-                info: list[Any] = []
-                probe = self.request(r.server, Op.STATUS, what="status", key=r.key,
-                                     on_reply=lambda m: info.append(m.json()))
-                self.call([probe], timeout_s=min(2.0, self.retry_s))
-                slots = [s for s in info[0] if s.get("part") == r.part] if info and isinstance(info[0], list) else []
-                if slots and slots[0].get("missing"):
-                    missing = slots[0]["missing"]
-                    detail = (f"; the server's round {slots[0]['version'] + 1} still waits for pushes from "
-                              f"client(s) {missing} (crashed or stalled?)")
-            except (CommError, GradsyncError):
-                detail = f"; server {r.server} does not answer at {self.endpoints[r.server]} (down?)"
-        message = (f"{r.what}: no reply from server {r.server} within {timeout:.1f} s "
+        if not answered:
+            detail = (f"; {where} did not answer a probe within {probe_s:.1f} s either: is it still running? "
+                      f"(check its process and log; a crashed server must be restarted, from its checkpoint if it "
+                      f"wrote one, or the job started again)")
+        else:
+            slots = [s for s in info if s.get("part") == r.part] if isinstance(info, list) else []
+            if slots and slots[0].get("missing"):
+                missing = slots[0]["missing"]
+                detail = (f"; the server's round {slots[0]['version'] + 1} still waits for pushes from "
+                          f"client(s) {missing} (crashed or stalled?)")
+            else:
+                detail = f"; {where} is alive but did not answer in time (overloaded? raise the timeout)"
+        message = (f"{r.what}: no reply from {where} within {timeout:.1f} s "
                    f"({len(pending)} request(s) outstanding){detail}")
         if missing:
             raise PeerError(message, peer=int(missing[0]))

@@ -30,6 +30,7 @@ Workers read their place from the environment ``gradsync launch`` sets: ``RANK``
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ class KVStoreConfig:
         c = self.num_clients
         if not 1 <= c <= self.num_workers or self.num_workers % c:
             raise GradsyncError(f"clients={self.clients} must divide the {self.num_workers} workers into equal groups")
-        if self.timeout_s <= 0 or self.retry_s <= 0 or self.slice_bytes <= 0:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0 and math.isfinite(self.retry_s)
+                and self.retry_s > 0) or self.slice_bytes <= 0:
             raise GradsyncError(f"timeout_s={self.timeout_s}, retry_s={self.retry_s} and slice_bytes="
                                 f"{self.slice_bytes} must be > 0")
 
@@ -94,14 +96,24 @@ class KVStoreConfig:
     def from_env(cls, **overrides: Any) -> KVStoreConfig:
         env = os.environ
         fields: dict[str, Any] = {
-            "rank": int(env.get("RANK", "0")), "num_workers": int(env.get("WORLD_SIZE", "1")),
+            "rank": _env_number("RANK", "0", int), "num_workers": _env_number("WORLD_SIZE", "1", int),
             "servers": tuple(s for s in env.get(SERVERS_ENV, "").split(",") if s),
-            "clients": int(env.get(CLIENTS_ENV, "0")), "timeout_s": float(env.get(TIMEOUT_ENV, "60")),
+            "clients": _env_number(CLIENTS_ENV, "0", int), "timeout_s": _env_number(TIMEOUT_ENV, "60", float),
         }
         if env.get(SECRET_ENV):
             fields["secret"] = env[SECRET_ENV].encode()
         fields.update(overrides)
         return cls(**fields)
+
+
+def _env_number(name: str, default: str, kind: type[int] | type[float]) -> Any:
+    """An environment variable read as a number, or an error naming it (not float()'s bare ValueError)."""
+    text = os.environ.get(name, default)
+    try:
+        return kind(text)
+    except ValueError:
+        raise GradsyncError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}; "
+                            f"unset it or set e.g. {name}={default}") from None
 
 
 def _as_list(keys: Key | Sequence[Key], values: Any, what: str) -> tuple[list[Key], list[Any]]:

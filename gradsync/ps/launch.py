@@ -16,15 +16,29 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from gradsync.errors import GradsyncError
-from gradsync.launch import free_port, pump, run_workers, torchrun_env, worker_command
+from gradsync.launch import (
+    TAIL_LINES,
+    Child,
+    Terminated,
+    check_command,
+    check_timeout,
+    end_on_signals,
+    free_port,
+    kill_group,
+    pump,
+    run_workers,
+    torchrun_env,
+    worker_command,
+)
 from gradsync.ps.env import CLIENTS_ENV, SERVERS_ENV, TIMEOUT_ENV
 
-__all__ = ["PSJob", "ServerProcess", "start_server", "launch", "add_parser"]
+__all__ = ["PSJob", "ServerProcess", "start_server", "stop_servers", "launch", "add_parser"]
 
 
 @dataclass(frozen=True)
@@ -49,29 +63,51 @@ class PSJob:
         c = self.clients or self.workers
         if not 1 <= c <= self.workers or self.workers % c:
             raise GradsyncError(f"--clients {self.clients} must divide --workers {self.workers} into equal groups")
+        if self.checkpoint_every < 0:
+            raise GradsyncError(f"--checkpoint-every {self.checkpoint_every} must be >= 0 (0: off)")
+        check_timeout("--checkpoint-interval", self.checkpoint_interval_s, allow_zero=True)
+        check_timeout("--timeout", self.timeout_s)
+        check_timeout("--request-timeout", self.request_timeout_s)
 
 
 @dataclass
 class ServerProcess:
+    """A server started by :func:`start_server`: its process (leading its own session) and last lines."""
+
     proc: subprocess.Popen[str]
     endpoint: str
     index: int
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+
+    def child(self) -> Child:
+        """This server as a process :func:`~gradsync.launch.run_workers` watches."""
+        return Child(f"[server {self.index}] ({self.endpoint})", self.proc, self.tail)
 
     def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """SIGTERM (it checkpoints, if asked to, and exits); its group killed after ``timeout``."""
+        stop_servers([self], timeout)
         return self.proc.returncode
 
     def kill(self) -> None:
         """SIGKILL: what a crash looks like (tests use it; no final checkpoint)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        kill_group(self.proc)
+
+
+def stop_servers(servers: Sequence[ServerProcess], timeout: float = 10.0) -> None:
+    """SIGTERM every server at once, give them ``timeout`` seconds in all, then kill their groups."""
+    for s in servers:
+        if s.proc.poll() is None:
+            try:
+                s.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    for s in servers:
+        try:
+            s.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(s.proc)  # still running, or something it started
 
 
 def start_server(index: int, endpoint: str, *, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
@@ -87,22 +123,31 @@ def start_server(index: int, endpoint: str, *, checkpoint_dir: str | None = None
         cmd += ["--checkpoint-interval", str(checkpoint_interval_s)]
     proc = subprocess.Popen(cmd, env=dict(env or os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True)
-    threading.Thread(target=pump, args=(proc, f"[server {index}]", stream or sys.stdout, lock or threading.Lock()),
-                     daemon=True).start()
-    return ServerProcess(proc, endpoint, index)
+    server = ServerProcess(proc, endpoint, index)
+    threading.Thread(target=pump, args=(proc, f"[server {index}]", stream or sys.stdout, lock or threading.Lock(),
+                                        server.tail), daemon=True).start()
+    return server
 
 
 def launch(cmd: Sequence[str], job: PSJob, *, env: Mapping[str, str] | None = None,
            stream: TextIO | None = None) -> int:
-    """Run ``cmd`` as ``job.workers`` workers against ``job.servers`` fresh servers; the workers' exit code."""
+    """Run ``cmd`` as ``job.workers`` workers against ``job.servers`` fresh servers; the workers' exit code.
+
+    A server that exits while the workers run ends the job (after a short grace), reported by name; every
+    process started here is ended before this returns or raises (SIGTERM to the launcher included)."""
     if not cmd:
         raise GradsyncError("nothing to run: gradsync launch --workers 4 --servers 1 -- python train.py")
     base = {**os.environ, **(env or {})}
+    check_command(cmd, base)  # before any server is started
     lock = threading.Lock()
-    servers = [start_server(i, f"tcp://{job.host}:{free_port()}", checkpoint_dir=job.checkpoint_dir,
-                            checkpoint_every=job.checkpoint_every, checkpoint_interval_s=job.checkpoint_interval_s,
-                            env=base, stream=stream, lock=lock) for i in range(job.servers)]
+    servers: list[ServerProcess] = []
+    stop_s = 10.0
     try:
+        for i in range(job.servers):
+            servers.append(start_server(i, f"tcp://{job.host}:{free_port()}", checkpoint_dir=job.checkpoint_dir,
+                                        checkpoint_every=job.checkpoint_every,
+                                        checkpoint_interval_s=job.checkpoint_interval_s, env=base, stream=stream,
+                                        lock=lock))
         time.sleep(0.05)
         dead = [s for s in servers if s.proc.poll() is not None]
         if dead:
@@ -113,10 +158,13 @@ def launch(cmd: Sequence[str], job: PSJob, *, env: Mapping[str, str] | None = No
             base[TIMEOUT_ENV] = str(job.request_timeout_s)
         port = free_port()
         envs = [torchrun_env(r, job.workers, job.host, port, base) for r in range(job.workers)]
-        return run_workers([list(cmd)] * job.workers, envs, timeout=job.timeout_s, stream=stream)
+        return run_workers([list(cmd)] * job.workers, envs, timeout=job.timeout_s, stream=stream,
+                           watch=[s.child() for s in servers])
+    except Terminated:
+        stop_s = 2.0  # nothing may outlive the launcher by more than a few seconds
+        raise
     finally:
-        for s in servers:
-            s.stop()
+        stop_servers(servers, stop_s)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -124,7 +172,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     job = PSJob(workers=args.workers, servers=args.servers, clients=args.clients, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, checkpoint_interval_s=args.checkpoint_interval,
                 timeout_s=args.timeout, request_timeout_s=args.request_timeout)
-    return launch(cmd, job)
+    with end_on_signals():
+        return launch(cmd, job)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

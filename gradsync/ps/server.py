@@ -118,7 +118,13 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.bind(config.bind)
+        try:
+            self.sock.bind(config.bind)
+        except zmq.ZMQError as e:
+            self.sock.close(linger=0)
+            hint = ("another process listens there: pick another port, or port 0 for any free one"
+                    if e.errno == zmq.EADDRINUSE else "write e.g. tcp://127.0.0.1:5555 (an address of this host)")
+            raise GradsyncError(f"cannot bind the server to {config.bind!r}: {e}; {hint}") from None
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.incarnation = random.getrandbits(31) | 1  # tells workers a restarted server from the old one
         self.slots: dict[tuple[Key, int], Slot] = {}

@@ -87,7 +87,14 @@ def load(path: str | Path) -> Topology:
     p = Path(path)
     if not p.is_file():
         raise TopologyError(f"topology file {str(p)!r} does not exist")
-    text = p.read_text()
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TopologyError(f"topology file {str(p)!r} is not a text file (byte {exc.object[exc.start]:#04x} at "
+                            f"offset {exc.start} is not UTF-8); give a .json or .yaml topology, e.g. from "
+                            f"'gradsync topo export p3.16xlarge -o box.yaml'") from None
+    except OSError as exc:
+        raise TopologyError(f"cannot read topology file {str(p)!r}: {exc.strerror}") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
@@ -100,10 +107,12 @@ def save(topology: Topology, path: str | Path) -> Path:
     """Write JSON (``.json``) or YAML (anything else) in the documented format."""
     p = Path(path)
     data = topology.to_dict()
-    if p.suffix == ".json":
-        p.write_text(json.dumps(data, indent=2) + "\n")
-    else:
-        p.write_text(yaml.safe_dump(data, sort_keys=False))
+    text = json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+    try:
+        p.write_text(text)
+    except OSError as exc:
+        raise TopologyError(f"cannot write topology file {str(p)!r}: {exc.strerror}; check that its directory "
+                            f"exists and is writable") from None
     return p
 
 
