@@ -125,3 +125,26 @@ def test_native_schedule_checks_itself():
     for spec in ("switch:3", "bcube:2,2", "p3.8xlarge"):
         t = get_topology(spec)
         native_schedule(t).check(t)
+
+
+def test_chooser_skips_candidates_the_planner_refuses(monkeypatch):
+    """A candidate too large to plan (the planner's memory estimate raises PlanError) is not a candidate:
+    deeper pipelines of it stop, other algorithms still compete; with none left, the error names each."""
+    import gradsync.sim.cost as cost
+    from gradsync.errors import PlanError
+    from gradsync.topology.io import get_topology
+
+    real = cost.synthesize
+
+    def guarded(name, topology, options, **kw):
+        if name == "ring" or (name == "tree" and options.pipeline >= 4):
+            raise PlanError(f"{name} at pipeline {options.pipeline} needs too much memory")
+        return real(name, topology, options, **kw)
+
+    monkeypatch.setattr(cost, "synthesize", guarded)
+    topo = get_topology("racks:2,2,4")
+    choice = cost.Chooser(topo, algorithms=["ring", "tree"]).choose(1 << 22, exact=True)
+    seen = {(c.algorithm, c.pipeline) for c in choice.candidates}
+    assert seen and all(a == "tree" and p < 4 for a, p in seen)
+    with pytest.raises(PlanError, match="no algorithm can be planned .* ring: ring at pipeline 1 needs too much"):
+        cost.Chooser(topo, algorithms=["ring"]).choose(1 << 22, exact=True)

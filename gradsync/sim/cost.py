@@ -291,15 +291,23 @@ class Chooser:
             cands.append(Candidate(NATIVE, 1, self.model.predict_native(self.topology, size)))
         unit = float(self.topology.unit_bandwidth_GBps or 1.0) * 1e9
         fast = self.model.rates(self.topology)
-        fluid = {name: self.schedule(name, self.model.pipelines[0]).link_loads(fast).cost(fast.costs) * size / unit
-                 for name in self.algorithms}
-        for name in sorted(self.algorithms, key=lambda n: fluid[n]):  # stable: registry order on ties
+        fluid: dict[str, float] = {}
+        refused: dict[str, str] = {}
+        for name in self.algorithms:
+            try:
+                fluid[name] = self.schedule(name, self.model.pipelines[0]).link_loads(fast).cost(fast.costs) * size / unit
+            except PlanError as exc:  # too large to plan here (the planner's memory estimate): not a candidate
+                refused[name] = str(exc)
+        for name in sorted(fluid, key=lambda n: fluid[n]):  # stable: registry order on ties
             best_so_far = min((c.predicted_s for c in cands), default=math.inf)
             if fluid[name] >= best_so_far * (1 - PRUNE):
                 break  # every later algorithm's fluid time is larger still
             prev = math.inf
             for p in self.model.pipelines:
-                sched = self.schedule(name, p)
+                try:
+                    sched = self.schedule(name, p)
+                except PlanError:
+                    break  # deeper pipelines only grow
                 dst = sched.arrays["dst"]
                 busiest = int(np.bincount(dst).max()) if dst.size else 0
                 if max(fluid[name], busiest * self.model.message_s) >= min(best_so_far * (1 - PRUNE), prev):
@@ -310,6 +318,9 @@ class Chooser:
                     break
                 prev = t
                 best_so_far = min(best_so_far, t)
+        if not cands:
+            raise PlanError(f"no algorithm can be planned for {self.topology.name!r} here: "
+                            + "; ".join(f"{n}: {why}" for n, why in refused.items()))
         best = min(cands, key=lambda c: c.predicted_s)
         if self.native and best.algorithm != NATIVE:
             nat = cands[0]
