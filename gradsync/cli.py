@@ -20,6 +20,7 @@ from gradsync.launch import Terminated
 from gradsync.paths import check_output
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.ps.launch import add_parser as add_launch_parser
+from gradsync.sim.cost import plan_auto  # noqa: F401 - registers the "auto" synthesizer before --algorithm's choices
 from gradsync.testbed.cli import add_parser as add_testbed_parser
 from gradsync.topology import BUILDERS, get_topology, save
 

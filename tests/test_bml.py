@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+import gradsync.sim  # noqa: F401 - registers the "auto" synthesizer
 from gradsync.errors import PlanError
 from gradsync.plan import PlanOptions, evaluate, synthesize
 from gradsync.plan.bml import calc_gset, check_digits, piece_digits, piece_index

@@ -274,3 +274,20 @@ def test_planning_too_large_is_refused_before_allocating() -> None:
     with pytest.raises(PlanError, match="over the 9.31e-07 GiB limit"):
         synthesize("ring", get_topology("switch:8"), max_bytes=1000)
     assert synthesize("ring", get_topology("switch:8")).transfers
+
+
+def test_auto_lives_in_sim_and_plan_alone_says_so():
+    """``auto`` prices schedules with the runtime's cost model (sim, a layer above plan): planning alone does
+    not know it and says where it is; with gradsync.sim imported it plans."""
+    import subprocess
+    import sys
+
+    code = ("from gradsync.plan import synthesize, SYNTHESIZERS\nfrom gradsync.topology import get_topology\n"
+            "from gradsync.errors import PlanError\nassert 'auto' not in SYNTHESIZERS\n"
+            "try:\n    synthesize('auto', get_topology('switch:3'))\nexcept PlanError as e:\n    print(e)\n"
+            "import gradsync.sim\nprint(synthesize('auto', get_topology('switch:3')).meta['auto']['chosen'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "registered by gradsync.sim: import gradsync.sim first" in lines[0]
+    assert lines[1] in SYNTHESIZERS.names()

@@ -38,7 +38,8 @@ class PlanOptions:
 
     ``pipeline``: sub-chunks per tree or ring chunk, so a tree streams (seed 000 §2) and the runtime can
     overlap hops. ``rings``: how many rings ``multiring`` splits the buffer over (seed 002 Fig. 9).
-    ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time).
+    ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time; ``auto`` is registered by
+    :mod:`gradsync.sim.cost`).
     """
 
     pipeline: int = 1
@@ -100,16 +101,13 @@ def plan_bytes(algorithm: str, topology: Topology, options: PlanOptions | None =
 
     Ring-like and PS schedules hold ~2n(n-1) transfers per ring/pipeline stage; trees hold 2(n-1) per
     tree but, with switches, route over a dense ranks x devices shortest-path table. ``(0, "")`` where
-    there is no estimate (one rank; ``hierarchical`` and ``bml``, which plan per level)."""
+    there is no estimate (one rank; ``hierarchical`` and ``bml``, which plan per level; ``auto``, whose
+    chooser skips each candidate the planner refuses)."""
     opts = options or PlanOptions()
     name = SYNTHESIZERS.canonical(algorithm)
     n, v, p = topology.world_size, len(topology.devices), opts.pipeline
     if n < 2:
         return 0.0, ""
-    if name == "auto":  # it plans every other applicable algorithm
-        others = [plan_bytes(a, topology, opts) for a in SYNTHESIZERS.names()
-                  if a != "auto" and not SYNTHESIZERS.get(a).applicable(topology)]
-        return max(others, default=(0.0, ""))
     transfers = {"ring": 2 * (n - 1) * n * p * (2 if n > 2 else 1), "multiring": 2 * (n - 1) * n * p * opts.rings,
                  "ps": 2 * (n - 1) * n * p, "tree": 2 * (n - 1) * p, "lp": 2 * (n - 1) * p}.get(name)
     if transfers is None:
@@ -149,6 +147,9 @@ def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None =
     """Plan ``algorithm`` on ``topology``; the result has passed its self-check unless ``check=False``.
 
     Refused with :class:`PlanError` when :func:`plan_bytes` says it needs more than ``max_bytes``."""
+    if algorithm == "auto" and "auto" not in SYNTHESIZERS:
+        raise PlanError("algorithm 'auto' chooses with the runtime's cost model and is registered by gradsync.sim: "
+                        "import gradsync.sim first (the CLI and the runtime do)")
     entry = SYNTHESIZERS.get(algorithm)
     reason = entry.applicable(topology)
     if reason:
@@ -390,19 +391,3 @@ def plan_lp(topology: Topology, options: PlanOptions) -> Schedule:
     trees = [root_tree(t, w) for w, t in packing.trees]
     meta = {"lp_cost": packing.cost, "lp_lower_bound": packing.lower_bound, "lp_iterations": packing.iterations}
     return _tree_schedule("lp", topology, trees, options.pipeline, meta)
-
-
-@synthesizer("auto")
-def plan_auto(topology: Topology, options: PlanOptions) -> Schedule:
-    """The (algorithm, pipeline depth) with the least time for ``size_bytes`` under the runtime's cost model
-    (:mod:`gradsync.sim.cost`: store-and-forward per sub-chunk, a cost per message), not the fluid cost."""
-    from gradsync.sim.cost import Chooser  # local: the cost model simulates, and sim imports plan
-
-    chooser = Chooser(topology, options=options)
-    choice = chooser.choose(options.size_bytes, exact=True)
-    chosen = chooser.schedule(choice.algorithm, choice.pipeline)
-    times = {f"{c.algorithm}/{c.pipeline}": c.predicted_s for c in choice.candidates}
-    meta = {**dict(chosen.meta), "auto": {"chosen": chosen.algorithm, "pipeline": choice.pipeline,
-                                          "algorithms": list(chooser.algorithms), "predicted_time_s": times}}
-    return Schedule(chosen.algorithm, chosen.topology, chosen.ranks, chosen.chunks, chosen.transfers,
-                    chosen.collective, chosen.trees, meta)

@@ -8,6 +8,7 @@ links' α–β costs, and returns a :class:`SimResult` with the time, per-link b
 workers (compute DAG + parameter transfers in a given order, PS or allreduce) for TicTac (seed 003).
 """
 
+from gradsync.sim.cost import Chooser, CostModel, plan_auto  # plan_auto: registers the "auto" synthesizer
 from gradsync.sim.engine import FAIRNESS, SimResult, simulate
 from gradsync.sim.flows import FlowSet, SimulationError, build_flows, by_step, schedule_dependencies, tensor_sizes
 from gradsync.sim.iteration import (
@@ -22,6 +23,8 @@ from gradsync.sim.iteration import (
 from gradsync.sim.timeline import plot_timeline
 
 __all__ = [
+    "Chooser",
+    "CostModel",
     "FAIRNESS",
     "FlowSet",
     "ITERATION_MODES",
@@ -33,6 +36,7 @@ __all__ = [
     "build_flows",
     "by_step",
     "plot_iteration",
+    "plan_auto",
     "plot_timeline",
     "resolve_priorities",
     "schedule_dependencies",

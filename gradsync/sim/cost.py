@@ -37,11 +37,19 @@ import numpy as np
 from gradsync.errors import PlanError
 from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import Chunk, Schedule
-from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions, ring_transfers, split_chunks, synthesize
+from gradsync.plan.synthesizers import (
+    SYNTHESIZERS,
+    PlanOptions,
+    ring_transfers,
+    split_chunks,
+    synthesize,
+    synthesizer,
+)
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Topology
 
-__all__ = ["NATIVE", "Candidate", "Choice", "Chooser", "CostModel", "native_schedule", "phase_order", "size_class"]
+__all__ = ["NATIVE", "Candidate", "Choice", "Chooser", "CostModel", "native_schedule", "phase_order", "plan_auto",
+           "size_class"]
 
 #: The pseudo-algorithm name for the backend's own allreduce.
 NATIVE = "native"
@@ -330,3 +338,22 @@ class Chooser:
 
     def table(self, sizes: Sequence[float]) -> list[Choice]:
         return [self.choose(s) for s in sizes]
+
+
+@synthesizer("auto")
+def plan_auto(topology: Topology, options: PlanOptions) -> Schedule:
+    """The (algorithm, pipeline depth) with the least time for ``size_bytes`` under the runtime's cost model
+    (store-and-forward per sub-chunk, a cost per message), not the fluid cost.
+
+    Registered as the synthesizer ``auto`` here, not in :mod:`gradsync.plan`: it prices the other
+    synthesizers' schedules with this module's simulation, and the layers run one way (sim above plan).
+    ``gradsync.sim`` (imported by the CLI and the runtime) makes it available to ``synthesize("auto")``.
+    """
+    chooser = Chooser(topology, options=options)
+    choice = chooser.choose(options.size_bytes, exact=True)
+    chosen = chooser.schedule(choice.algorithm, choice.pipeline)
+    times = {f"{c.algorithm}/{c.pipeline}": c.predicted_s for c in choice.candidates}
+    meta = {**dict(chosen.meta), "auto": {"chosen": chosen.algorithm, "pipeline": choice.pipeline,
+                                          "algorithms": list(chooser.algorithms), "predicted_time_s": times}}
+    return Schedule(chosen.algorithm, chosen.topology, chosen.ranks, chosen.chunks, chosen.transfers,
+                    chosen.collective, chosen.trees, meta)
