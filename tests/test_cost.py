@@ -148,3 +148,13 @@ def test_chooser_skips_candidates_the_planner_refuses(monkeypatch):
     assert seen and all(a == "tree" and p < 4 for a, p in seen)
     with pytest.raises(PlanError, match="no algorithm can be planned .* ring: ring at pipeline 1 needs too much"):
         cost.Chooser(topo, algorithms=["ring"]).choose(1 << 22, exact=True)
+
+
+def test_chooser_keeps_the_native_ring_where_the_topology_gives_no_bandwidth_advantage():
+    """On a flat switch every schedule's fluid time equals the backend's ring; a predicted gain would come
+    only from per-message costs (calibrated on the wire, least certain): native stays, even when α says
+    otherwise. Where the topology does give an advantage (racks), a planned schedule still wins."""
+    flat = Chooser(get_topology("switch:8"), CostModel(message_s=1e-6, native_message_s=2e-3), native=True)
+    assert flat.choose(4 << 20).algorithm == NATIVE
+    racks = Chooser(get_topology("racks:2,3,4"), CostModel(message_s=1e-4, native_message_s=1e-4), native=True)
+    assert racks.choose(16 << 20).algorithm != NATIVE

@@ -332,8 +332,13 @@ class Chooser:
         best = min(cands, key=lambda c: c.predicted_s)
         if self.native and best.algorithm != NATIVE:
             nat = cands[0]
+            native_fluid = native_schedule(self.topology).link_loads(fast).cost(fast.costs) * size / unit
             if best.predicted_s > nat.predicted_s * (1 - self.margin):
                 best = nat  # not clearly faster: keep the backend's own collective
+            elif fluid[best.algorithm] >= native_fluid * (1 - PRUNE):
+                # No bandwidth advantage over the backend's ring (a flat switch): any predicted gain is in
+                # the per-message costs, where calibration is least certain and the backend runs in C++.
+                best = nat
         return Choice(best.algorithm, best.pipeline, best.predicted_s, size, tuple(cands))
 
     def table(self, sizes: Sequence[float]) -> list[Choice]:
