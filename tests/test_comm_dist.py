@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import gradsync.sim  # noqa: F401 - registers "auto", as the workers' runtime does: same list run alone or in the suite
 from gradsync.plan import SYNTHESIZERS
 from gradsync.topology.io import get_topology
 from tests.dist_launch import launch
