@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from gradsync.compress import payload_nbytes
+
 RESULT_TYPE = "gradsync.bench.codecs"
 CODECS = ("fp16", "qsgd", "terngrad", "signsgd", "efsignsgd", "topk", "randk")
 SPARSE_RATIO = 0.01
@@ -42,7 +44,7 @@ Codec = Callable[[torch.Tensor], tuple[torch.Tensor, int]]  # x -> (decoded, byt
 
 # ---- GRACE's algorithms (reference), one function per method: x -> (decoded, bytes) --------------------------
 def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return payload_nbytes(tensors)
 
 
 def grace_fp16(x: torch.Tensor) -> tuple[torch.Tensor, int]:

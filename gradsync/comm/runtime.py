@@ -281,9 +281,7 @@ class Runtime:
     # ---- collectives ---------------------------------------------------------------------------------------
     def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
         """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once."""
-        if op not in OPS:
-            raise GradsyncError(f"op={op!r} is not one of {OPS}")
-        ex = self.executor(algorithm, _nbytes(tensors))
+        ex = self._executor_for(tensors, op, algorithm)
         return Work(self._enqueue(ex, tensors, op), ex.schedule.algorithm)
 
     def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
@@ -293,9 +291,7 @@ class Runtime:
         (anything queued meanwhile waits for it), without two thread handoffs per call, which cost more
         than a small message's whole allreduce.
         """
-        if op not in OPS:
-            raise GradsyncError(f"op={op!r} is not one of {OPS}")
-        ex = self.executor(algorithm, _nbytes(tensors))
+        ex = self._executor_for(tensors, op, algorithm)
         with self._mutex:
             inline = self._pending == 0 and self._failed is None and not self.on_comm_thread()
             if inline:
@@ -308,6 +304,12 @@ class Runtime:
         finally:
             with self._mutex:
                 self._pending -= 1
+
+    def _executor_for(self, tensors: Tensors, op: str, algorithm: str | None) -> Executor | NativeAllreduce:
+        """The executor an allreduce of ``tensors`` runs on, after checking ``op``."""
+        if op not in OPS:
+            raise GradsyncError(f"op={op!r} is not one of {OPS}")
+        return self.executor(algorithm, _nbytes(tensors))
 
     def _enqueue(self, ex: Any, payload: Any, op: str | None) -> torch.futures.Future:
         """Queue one item for the communication thread; its future, failed at once if the runtime has."""
@@ -351,9 +353,7 @@ class Runtime:
     def run_allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
         """All-reduce now, on the communication thread (inside :meth:`submit`); elsewhere use :meth:`allreduce`."""
         self._check_comm_thread("run_allreduce", "allreduce")
-        if op not in OPS:
-            raise GradsyncError(f"op={op!r} is not one of {OPS}")
-        return self.executor(algorithm, _nbytes(tensors)).run(tensors, op)
+        return self._executor_for(tensors, op, algorithm).run(tensors, op)
 
     def run_allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's 1-D ``tensor`` (sizes may differ between ranks), in rank order; comm thread only.

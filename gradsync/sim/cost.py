@@ -299,11 +299,15 @@ class Chooser:
             cands.append(Candidate(NATIVE, 1, self.model.predict_native(self.topology, size)))
         unit = float(self.topology.unit_bandwidth_GBps or 1.0) * 1e9
         fast = self.model.rates(self.topology)
+
+        def fluid_time(schedule: Schedule) -> float:
+            return schedule.link_loads(fast).cost(fast.costs) * size / unit
+
         fluid: dict[str, float] = {}
         refused: dict[str, str] = {}
         for name in self.algorithms:
             try:
-                fluid[name] = self.schedule(name, self.model.pipelines[0]).link_loads(fast).cost(fast.costs) * size / unit
+                fluid[name] = fluid_time(self.schedule(name, self.model.pipelines[0]))
             except PlanError as exc:  # too large to plan here (the planner's memory estimate): not a candidate
                 refused[name] = str(exc)
         for name in sorted(fluid, key=lambda n: fluid[n]):  # stable: registry order on ties
@@ -332,10 +336,9 @@ class Chooser:
         best = min(cands, key=lambda c: c.predicted_s)
         if self.native and best.algorithm != NATIVE:
             nat = cands[0]
-            native_fluid = native_schedule(self.topology).link_loads(fast).cost(fast.costs) * size / unit
             if best.predicted_s > nat.predicted_s * (1 - self.margin):
                 best = nat  # not clearly faster: keep the backend's own collective
-            elif fluid[best.algorithm] >= native_fluid * (1 - PRUNE):
+            elif fluid[best.algorithm] >= fluid_time(self.schedule(NATIVE, 1)) * (1 - PRUNE):
                 # No bandwidth advantage over the backend's ring (a flat switch): any predicted gain is in
                 # the per-message costs, where calibration is least certain and the backend runs in C++.
                 best = nat
