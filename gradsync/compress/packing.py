@@ -61,16 +61,8 @@ def pack_uint(values: Tensor, bits: int) -> Tensor:
     if bits == 8:
         return (flat.to(torch.int64) & 0xFF).to(torch.uint8)
     if bits < 8:
-        return _pack_small(flat, bits, n, nbytes, (1 << bits) - 1)
-    if 8 % bits == 0:
-        # Whole fields per byte (1, 2, 4 bits): shift each field into place and add; the fields do not
-        # overlap, so the sum is the bitwise OR and never exceeds 255.
-        per = 8 // bits
-        fields = torch.zeros(nbytes * per, dtype=torch.uint8, device=flat.device)
-        fields[:n] = (flat & ((1 << bits) - 1)).to(torch.uint8)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
-        return (fields.view(nbytes, per) << shifts).sum(dim=1, dtype=torch.uint8)
-    # General widths: a field starting at bit offset ``o`` of byte ``b`` touches bytes b .. b+span-1; add
+        return _pack_small(flat, bits, n, nbytes)
+    # Wider than a byte: a field starting at bit offset ``o`` of byte ``b`` touches bytes b .. b+span-1; add
     # each of those byte slices into the stream (disjoint bits, so adding is OR).
     v = flat.to(torch.int64) & ((1 << bits) - 1)
     pos = torch.arange(n, dtype=torch.int64, device=flat.device) * bits
@@ -96,10 +88,6 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
         return flat[:n].to(torch.int64)
     if bits < 8:
         return _unpack_small(flat, bits, n, need)
-    if 8 % bits == 0:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
-        fields = (flat[:need].unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-        return fields.reshape(-1)[:n].to(torch.int64)
     pos = torch.arange(n, dtype=torch.int64, device=flat.device) * bits
     first = pos >> 3
     span = (7 + bits + 7) // 8
@@ -110,8 +98,9 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
     return (word >> (pos & 7)) & ((1 << bits) - 1)
 
 
-def _pack_small(flat: Tensor, bits: int, n: int, nbytes: int, mask: int) -> Tensor:
+def _pack_small(flat: Tensor, bits: int, n: int, nbytes: int) -> Tensor:
     """``pack_uint`` for fields narrower than a byte."""
+    mask = (1 << bits) - 1
     if bits == 1 and flat.device.type == "cpu":  # numpy's C loop: ~70x the torch expression below
         return torch.from_numpy(np.packbits((flat & 1).to(torch.uint8).numpy(), bitorder="little"))
     # Groups of ``g`` fields fill whole bytes (g = 8 / bits for 1, 2, 4 bits; 8 fields = ``bits`` bytes
@@ -143,9 +132,12 @@ def _unpack_small(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
     group = 8 // bits if 8 % bits == 0 else 8
     group_bytes = group * bits // 8
     rows = -(-n // group)
-    padded = torch.zeros(rows * group_bytes, dtype=torch.uint8, device=flat.device)
-    padded[:need] = flat[:need]
-    by = padded.view(rows, group_bytes)
+    if rows * group_bytes == need:  # whole groups (always so for 1, 2, 4 bits): no padded copy
+        by = flat[:need].view(rows, group_bytes)
+    else:
+        padded = torch.zeros(rows * group_bytes, dtype=torch.uint8, device=flat.device)
+        padded[:need] = flat[:need]
+        by = padded.view(rows, group_bytes)
     word = by[:, 0] if group_bytes == 1 else by[:, 0].to(torch.int64)
     for j in range(1, group_bytes):
         word |= by[:, j].to(torch.int64) << (8 * j)
