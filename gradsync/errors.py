@@ -6,7 +6,7 @@ already catch ``ValueError`` keep working; the CLI turns them into a one-line me
 
 from __future__ import annotations
 
-__all__ = ["GradsyncError", "TopologyError", "ScheduleError", "PlanError", "SimulationError", "CommError", "PeerError"]
+__all__ = ["GradsyncError", "TopologyError", "ScheduleError", "MscclError", "PlanError", "SimulationError", "CommError", "PeerError"]
 
 
 class GradsyncError(ValueError):
@@ -19,6 +19,17 @@ class TopologyError(GradsyncError):
 
 class ScheduleError(GradsyncError):
     """A schedule fails its self-check: a rank misses a contribution, counts one twice, or a route is broken."""
+
+
+class MscclError(ScheduleError):
+    """An MSCCL algorithm file is malformed, exceeds an executor limit, or fails its replay.
+
+    ``gpu``, ``tb`` and ``step`` name where (each ``None`` when the fault is not local to one).
+    """
+
+    def __init__(self, message: str, gpu: int | None = None, tb: int | None = None, step: int | None = None) -> None:
+        super().__init__(message)
+        self.gpu, self.tb, self.step = gpu, tb, step
 
 
 class PlanError(GradsyncError):
