@@ -110,17 +110,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_output(args.output, "-o/--output")
     topo = get_topology(args.topology)
     options = PlanOptions(pipeline=args.pipeline, size_bytes=parse_size(args.size), latency_s=args.latency)
+    if args.chunks_per_loop is not None and args.export != "msccl":
+        raise GradsyncError("--chunks-per-loop sets the MSCCL chunk count; use it with --export msccl -o FILE.xml")
+    if args.export == "msccl" and not args.output:
+        raise GradsyncError("--export msccl needs -o FILE.xml, the MSCCL algorithm file to write")
     schedule = synthesize(args.algorithm, topo, options)
     report = evaluate(schedule, topo, options.size_bytes, options.latency_s)
+    export = None
+    if args.export == "msccl":
+        from gradsync.plan.msccl import export_msccl
+
+        export = export_msccl(schedule, topo, nchunksperloop=args.chunks_per_loop)  # replayed before it is written
     from gradsync.sim.cost import CostModel
 
     model = CostModel()
     runtime_s = model.predict(schedule, topo, options.size_bytes)  # as the runtime executes it
     native_s = model.predict_native(topo, options.size_bytes)
-    if args.output:
+    if export is not None:
+        _write_text(args.output, export.xml)
+    elif args.output:
         schedule.save(args.output)
     if args.json:
-        _emit_json({**report.to_dict(), "runtime_model": {**model.to_dict(), "time_s": runtime_s, "native_time_s": native_s}})
+        extra = {"msccl": {**export.to_dict(), "file": args.output}} if export is not None else {}
+        _emit_json({**report.to_dict(), "runtime_model": {**model.to_dict(), "time_s": runtime_s, "native_time_s": native_s},
+                    **extra})
         return 0
     b = report.limits
     print(f"{report.algorithm} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link {report.unit_bandwidth_GBps:g} GB/s)")
@@ -135,9 +148,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("  link class       links  max busy (C units)  max util  mean util")
     for kind, c in sorted(report.link_classes.items()):
         print(f"  {kind:16s} {c['links']:5d}  {c['max_busy_cost']:18.6g}  {c['max_utilisation']:8.1%}  {c['mean_utilisation']:9.1%}")
-    if args.output:
+    if export is not None:
+        q, prog = export.quantization, export.program
+        print(f"  MSCCL: {q.nchunksperloop} chunks per loop, {prog.nchannels} channels, up to {export.thread_blocks} "
+              f"thread blocks per GPU and {export.max_steps_per_tb} steps per thread block, {export.fused_steps} fused steps")
+        print(f"  MSCCL algbw {export.algbw_GBps:.4g} GB/s quantized vs {export.optimal_algbw_GBps:.4g} GB/s planned "
+              f"(quantization loss {q.loss:.2%}); runs on buffers whose element count {q.nchunksperloop} divides")
+        if export.relayed_transfers:
+            print(f"  note: {export.relayed_transfers} transfers are routed through another GPU; MSCCL sends them "
+                  f"GPU to GPU and NCCL picks the path")
+        print(f"  MSCCL algorithm (replayed: every GPU ends with the full sum) written to {args.output}")
+    elif args.output:
         print(f"  schedule written to {args.output}")
     return 0
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise GradsyncError(f"cannot write {path!r}: {exc.strerror}; check that its directory exists and is writable") from None
 
 
 # ---- simulate ------------------------------------------------------------------------------------------
@@ -334,7 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")
     pl.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
-    pl.add_argument("-o", "--output", help="also write the schedule as tagged JSON to this file")
+    pl.add_argument("-o", "--output", help="also write the schedule as tagged JSON to this file (with --export: the export)")
+    pl.add_argument("--export", choices=["msccl"], help="write the schedule for a GPU executor instead: msccl = an "
+                    "MSCCL algorithm XML (RCCL/MSCCL, MSCCL_ALGO_DIR), replayed before it is written")
+    pl.add_argument("--chunks-per-loop", type=int, default=None,
+                    help="MSCCL nchunksperloop (default: the smallest within 1%% of the plan's bandwidth)")
     pl.set_defaults(func=cmd_plan)
 
     sm = sub.add_parser("simulate", help="simulate a schedule on the flow-level network simulator and compare with the planner")
