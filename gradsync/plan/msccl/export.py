@@ -443,7 +443,9 @@ def _emit(tbs_per_gpu: list[list[_Tb]], pieces: Sequence[tuple[int, int, int]], 
           proto: str, min_bytes: int, max_bytes: int) -> MscclProgram:
     gpus = []
     for g, tbs in enumerate(tbs_per_gpu):
-        tbs.sort(key=lambda tb: (tb.send, tb.recv, tb.chan))
+        # blocks others wait for get the low ids: a dependency names its block in an int8 (dependentBid)
+        waited = {id(d.tb) for tb in tbs for op in tb.ops for d in op.deps if d.tb is not tb}
+        tbs.sort(key=lambda tb: (id(tb) not in waited, tb.send, tb.recv, tb.chan))
         tb_id = {id(tb): i for i, tb in enumerate(tbs)}
         pos: dict[int, int] = {}
         for tb in tbs:
