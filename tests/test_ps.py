@@ -407,7 +407,7 @@ def test_checkpoint_restores_values_and_optimizer_state(tmp_path) -> None:  # ty
 
 
 def test_struct_header_is_documented_size() -> None:
-    assert HEADER.size == 72 and struct.calcsize("<Q") == 8
+    assert HEADER.size == 96 and struct.calcsize("<Q") == 8
 
 
 @pytest.mark.parametrize("value, match", [
