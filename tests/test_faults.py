@@ -3,12 +3,15 @@ error within a stated bound, never a hang, a traceback or an orphan (issue 19)."
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gradsync.errors import CommError, GradsyncError
 from gradsync.launch import free_port
@@ -471,3 +476,140 @@ def test_rendezvous_store_listens_on_master_addr_only() -> None:
     assert p.returncode == 0, p.stderr[-2000:]
     listening = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("LISTEN")]
     assert listening and all(a.split(":")[0] == "0100007F" for a in listening), listening  # 127.0.0.1 only
+
+
+# ---- the CLI: closed pipes, mpirun, hostile files ----------------------------------------------------------
+def test_closed_stdout_pipe_exits_quietly() -> None:
+    """`gradsync plan --json | head -c 10`: the reader is gone before the JSON is written. No BrokenPipeError
+    traceback (nor "Exception ignored" at exit): exit 141 as SIGPIPE would, stderr empty."""
+    p = subprocess.Popen(_gradsync("plan", "-t", "p3.16xlarge", "--json"), env=ENV, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # before the child has imported anything, let alone written
+    err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert p.returncode == 141 and err == "", (p.returncode, err[-2000:])
+    shell = subprocess.run(f"{sys.executable} -m gradsync plan -t p3.16xlarge --json | head -c 10", shell=True,
+                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert shell.stdout == '{\n  "type"' and shell.stderr == "", shell.stderr
+
+
+#: a stand-in for mpirun: starts -n copies of the command, each in its own session (so only mpirun's own
+#: SIGTERM handling can end them), and ends them and what they started when it gets SIGTERM, as Open MPI does
+FAKE_MPIRUN = """
+import os, signal, subprocess, sys
+n = int(sys.argv[sys.argv.index("-n") + 1]); cmd = sys.argv[sys.argv.index("-n") + 2:]
+ranks = [subprocess.Popen(cmd, start_new_session=True) for _ in range(n)]
+def stop(signum, frame):
+    for r in ranks:
+        os.killpg(r.pid, signal.SIGTERM)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+sys.exit(max(r.wait() for r in ranks))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_run_mpi_ends_mpirun_and_its_ranks(tmp_path: Path, sig: signal.Signals) -> None:
+    from gradsync.comm.mpi import mpi_available
+
+    reason = mpi_available()
+    if reason is not None:
+        pytest.skip(f"MPI unavailable: {reason}")
+    fake = tmp_path / "fake_mpirun.py"
+    fake.write_text(FAKE_MPIRUN)
+    env = {**ENV, "GRADSYNC_MPIRUN": f"{sys.executable} {fake}"}
+    launcher = subprocess.Popen(_gradsync("run", "--mpi", "-n", "2", "--", sys.executable, "-c", SLEEPER), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(started := _children_of(launcher.pid)) < 5:  # mpirun, 2 ranks, their 2 sleeps
+            assert launcher.poll() is None and time.monotonic() < deadline, (started, launcher.communicate())
+            time.sleep(0.1)
+        time.sleep(0.3)
+        started = _children_of(launcher.pid)
+        launcher.send_signal(sig)
+        t0 = time.monotonic()
+        out, err = launcher.communicate(timeout=5)
+        time.sleep(max(0.0, 5 - (time.monotonic() - t0)))
+        assert [p for p in started if _alive(p)] == []
+    finally:
+        for p in started:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 128 + sig, (launcher.returncode, err)
+    assert f"stopped by {sig.name}" in err and "Traceback" not in err, err
+
+
+def _valid_documents() -> dict[str, object]:
+    from gradsync.plan import synthesize
+    from gradsync.topology import get_topology
+
+    topo = get_topology("ring:3")
+    return {"topology": topo.to_dict(), "schedule": synthesize("ring", topo).to_dict()}
+
+
+_DOCS = _valid_documents()
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 2**70) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=8)
+
+
+def _slots(doc: object) -> list[tuple[object, object]]:
+    """Every (container, key or index) in a JSON document: where a mutation can land."""
+    found: list[tuple[object, object]] = []
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            found.append((node, k))
+            stack.append(v)
+    return found
+
+
+@st.composite
+def _hostile_file(draw: st.DrawFn) -> tuple[str, str, bytes]:
+    """(which loader, file suffix, file bytes): raw bytes, or a valid topology/schedule with a few values
+    replaced, deleted or retyped (what a hand-edited or corrupted file looks like)."""
+    which = draw(st.sampled_from(["topology", "schedule"]))
+    suffix = draw(st.sampled_from([".json", ".yaml"])) if which == "topology" else ".json"
+    if draw(st.booleans()):
+        return which, suffix, draw(st.binary(max_size=200))
+    doc = json.loads(json.dumps(_DOCS[which]))
+    for _ in range(draw(st.integers(1, 3))):
+        slots = _slots(doc)
+        if not slots:
+            break
+        node, key = draw(st.sampled_from(slots))
+        if draw(st.booleans()):
+            node[key] = draw(_JSONISH)  # type: ignore[index]
+        else:
+            del node[key]  # type: ignore[attr-defined]
+    return which, suffix, json.dumps(doc).encode()  # JSON is YAML too
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_hostile_file())
+def test_fuzz_cli_file_loaders_exit_2_without_traceback(case: tuple[str, str, bytes]) -> None:
+    """A corrupt topology (`topo show F`) or schedule (`simulate --schedule F`) file ends in one line
+    `gradsync: error: ...` and exit 2 (or is accepted, exit 0): never another exception."""
+    from gradsync.cli import main
+
+    which, suffix, data = case
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"{which}{suffix}"
+        path.write_bytes(data)
+        argv = (["topo", "show", str(path)] if which == "topology"
+                else ["simulate", "-t", "ring:3", "-a", "ring", "--size", "1MB", "--schedule", str(path)])
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    assert code in (0, 2), (code, err.getvalue())
+    if code == 2:
+        assert err.getvalue().startswith("gradsync: error: ") and err.getvalue().count("\n") == 1, err.getvalue()
