@@ -399,6 +399,23 @@ def test_second_job_on_one_server_is_refused_at_connect(served: _Served) -> None
     a.close()
 
 
+def test_checkpoint_keeps_the_job_and_the_replay_window(tmp_path: Path) -> None:
+    """A restarted server still serves its job and still refuses frames it accepted before the crash; a
+    server given another job (a new `gradsync launch` resuming the checkpoint) serves that one."""
+    s = _Served(secret=KEY, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    init = seal(encode(Op.INIT, key="w", tensor=torch.ones(2), count=1, job=5, session=9), seq=3, secret=KEY)
+    try:
+        assert s.ask(init).op == Op.ACK
+    finally:
+        s.close()
+    restored = Server(ServerConfig(secret=KEY, checkpoint_dir=str(tmp_path)))
+    assert restored.job == 5 and restored.sessions == {9: 3}
+    restored.sock.close(linger=0)
+    resumed = Server(ServerConfig(secret=KEY, checkpoint_dir=str(tmp_path), job=6))
+    assert resumed.job == 6 and torch.equal(resumed.slots[("w", 0)].value, torch.ones(2))
+    resumed.sock.close(linger=0)
+
+
 def test_shutdown_needs_an_authenticated_peer(caplog: pytest.LogCaptureFixture) -> None:
     """No secret: SHUTDOWN is refused (and logged), the server keeps serving. With a secret: an unsigned or
     wrongly signed SHUTDOWN is rejected and logged; the job's own signed one stops it."""
