@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -240,7 +242,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- run ----------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    from gradsync.launch import end_on_signals, launch_local, worker_command
+    from gradsync.launch import check_command, end_on_signals, launch_local, run_launcher, worker_command
 
     cmd = worker_command(args.cmd, "nothing to run: gradsync run --workers 4 -- python train.py")
     if args.mpi:
@@ -249,9 +251,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         reason = mpi_available()
         if reason:
             raise GradsyncError(f"--mpi: {reason}")
-        import subprocess
-
-        return subprocess.call(mpirun_command(args.workers, cmd))
+        check_command(cmd)
+        with end_on_signals():
+            return run_launcher(mpirun_command(args.workers, cmd), timeout=args.timeout)
     env = {"GRADSYNC_TOPOLOGY": args.topology} if args.topology else {}
     with end_on_signals():
         return launch_local(cmd, args.workers, env=env, timeout=args.timeout)
@@ -432,12 +434,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stdout_closed() -> int:
+    """The reader of our output went away (``gradsync plan --json | head``): stop quietly, as a command
+    killed by SIGPIPE would, instead of a BrokenPipeError traceback. stdout is pointed at /dev/null so the
+    interpreter's last flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (captured in-process): nothing left to flush into
+        pass
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except GradsyncError as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

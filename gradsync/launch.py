@@ -28,7 +28,7 @@ from typing import TextIO
 from gradsync.errors import GradsyncError
 
 __all__ = ["TIMEOUT_EXIT", "TAIL_LINES", "Child", "Terminated", "check_command", "check_timeout", "end_on_signals", "free_port",
-           "kill_group", "pump", "torchrun_env", "run_workers", "worker_command", "launch_local"]
+           "kill_group", "pump", "torchrun_env", "run_workers", "worker_command", "launch_local", "run_launcher"]
 
 #: Exit code reported when the timeout stopped the workers (as coreutils ``timeout`` does).
 TIMEOUT_EXIT = 124
@@ -292,3 +292,47 @@ def launch_local(cmd: Sequence[str], world_size: int, *, env: Mapping[str, str] 
     base = {**os.environ, **(env or {})}
     envs = [torchrun_env(r, world_size, "127.0.0.1", port, base) for r in range(world_size)]
     return run_workers([list(cmd)] * world_size, envs, timeout=timeout, stream=stream)
+
+
+def stop_group(proc: subprocess.Popen[str], grace_s: float) -> None:
+    """SIGTERM ``proc``'s group, then SIGKILL it after ``grace_s``: for a launcher (mpirun) that ends the
+    ranks it started on SIGTERM, wherever they sit, but not on SIGKILL."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_group(proc)
+
+
+def run_launcher(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
+                 grace_s: float = 3.0, stream: TextIO | None = None) -> int:
+    """Run another launcher (``mpirun -n N ...``) as one child leading its own session; its exit code.
+
+    Its output goes straight through (it labels its ranks itself). When this process gets SIGTERM/SIGINT
+    (inside :func:`end_on_signals`), or ``timeout`` passes, the launcher gets SIGTERM, so it can end its
+    ranks, and its group SIGKILL ``grace_s`` later: nothing it started outlives this call by much more."""
+    check_timeout("timeout", timeout)
+    check_command(cmd, env)
+    out = stream or sys.stderr
+    try:
+        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), start_new_session=True)
+    except OSError as e:
+        raise GradsyncError(f"cannot start {cmd[0]!r}: {e.strerror or e}") from None
+    try:
+        try:
+            rc = _exit_code(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            stop_group(proc, grace_s)
+            out.write(f"gradsync: job stopped: still running after --timeout {timeout:g} s (exit {TIMEOUT_EXIT})\n")
+            return TIMEOUT_EXIT
+    finally:
+        stop_group(proc, grace_s)  # Terminated on the way out, or what the launcher left in its group
+    if rc:
+        out.write(f"gradsync: {os.path.basename(cmd[0])} exited with {_describe(rc)} (its output above names the "
+                  f"failing rank)\n")
+    return rc

@@ -85,6 +85,42 @@ def restart(rounds: int) -> None:
     print(f"OK rank {kv.rank} finished {rounds} rounds across the restart", flush=True)
 
 
+def intruder() -> None:
+    """Under `gradsync launch` with no secret set by the user: a local process that did not get the job's
+    secret (raw frames, no tag, or a wrong one) cannot stop, change or read the server; the job goes on."""
+    import zmq
+
+    from gradsync.ps.wire import Flag, Op, decode, encode, seal
+
+    kv = kvstore.create("dist_sync", timeout_s=20)
+    kv.init("w", torch.zeros(4))
+    out = torch.empty(4)
+    kv.pushpull("w", torch.ones(4), out)
+    assert torch.equal(out, torch.ones(4)), out
+    secret, job = os.environ.get("GRADSYNC_PS_SECRET", ""), os.environ.get("GRADSYNC_PS_JOB", "")
+    assert len(secret) == 64 and len(job) == 16, (len(secret), job)  # made by launch, per job
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(os.environ["GRADSYNC_PS_SERVERS"].split(",")[0])
+    attempts = [
+        encode(Op.SHUTDOWN, session=7),
+        encode(Op.PUSH, key="w", tensor=torch.full((4,), 100.0), version=2, session=7),
+        encode(Op.INIT, key="evil", tensor=torch.ones(2), count=1, flags=Flag.SYNC, session=7),
+        encode(Op.STATUS, session=7),
+        seal(encode(Op.SHUTDOWN, session=7), seq=1, secret=b"guessed"),
+    ]
+    for frames in attempts:
+        sock.send_multipart([bytes(f) for f in frames])
+        assert sock.poll(5000), "no reply"
+        reply = decode(sock.recv_multipart())
+        assert reply.op == Op.ERROR and "rejected" in reply.text(), (reply.op, reply.text())
+    sock.close()
+    kv.pushpull("w", torch.ones(4), out)  # the server is still up, and "w" only saw the job's own round
+    assert torch.equal(out, torch.ones(4)), out
+    print(f"OK intruder refused {len(attempts)} times; the job's server still serves", flush=True)
+    kv.close()
+
+
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
@@ -180,6 +216,8 @@ if __name__ == "__main__":
         restart(int(sys.argv[2]))
     elif what == "algorithms":
         algorithms()
+    elif what == "intruder":
+        intruder()
     elif what == "compress_ps":
         compress_ps()
     else:

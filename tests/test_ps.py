@@ -23,7 +23,7 @@ from gradsync.ps.client import PSClient, place
 from gradsync.ps.kvstore import KVSTORES, KVStoreConfig, LocalKVStore, PSKVStore, create
 from gradsync.ps.server import Server, ServerConfig
 from gradsync.ps.updaters import create_updater
-from gradsync.ps.wire import DTYPES, HEADER, Flag, Op, WireError, decode, encode
+from gradsync.ps.wire import DTYPES, HEADER, Flag, Op, WireError, decode, encode, seal
 
 
 # ---- wire ---------------------------------------------------------------------------------------------
@@ -54,6 +54,23 @@ def test_decode_rejects_bad_frames(mutate, match) -> None:  # type: ignore[no-un
     frames = [bytes(f) for f in encode(Op.PUSH, key="a", tensor=torch.ones(4))]
     with pytest.raises(WireError, match=match):
         decode(mutate(frames))
+
+
+def test_seal_numbers_each_send_under_the_tag() -> None:
+    frames = encode(Op.PUSH, key="a", tensor=torch.ones(4), job=0xAB, session=77)
+    first, second = seal(frames, seq=1, secret=b"s"), seal(frames, seq=2, secret=b"s")
+    m1, m2 = decode(first, secret=b"s"), decode(second, secret=b"s")
+    assert (m1.job, m1.session, m1.seq, m2.seq) == (0xAB, 77, 1, 2) and first[1] is frames[1]  # payload not copied
+    assert first[2] != second[2]
+    forged = [second[0], first[1], first[2]]  # a new seq under an old tag
+    with pytest.raises(WireError, match="tag does not match"):
+        decode(forged, secret=b"s")
+
+
+def test_protocol_1_peer_is_named() -> None:
+    old = struct.pack("<4sBBBBHHBBHIIQQQQQiI", b"GSPS", 1, int(Op.PING), 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(WireError, match="protocol version 1; this build speaks 2"):
+        decode([old, b""])
 
 
 def test_decode_enforces_payload_limit_and_tag() -> None:
@@ -407,7 +424,7 @@ def test_checkpoint_restores_values_and_optimizer_state(tmp_path) -> None:  # ty
 
 
 def test_struct_header_is_documented_size() -> None:
-    assert HEADER.size == 72 and struct.calcsize("<Q") == 8
+    assert HEADER.size == 96 and struct.calcsize("<Q") == 8
 
 
 @pytest.mark.parametrize("value, match", [

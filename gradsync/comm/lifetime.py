@@ -6,6 +6,10 @@ done: plain PyTorch has this too when a script skips ``destroy_process_group()``
 groups it started, so it ends them itself at exit: first the things that still talk over them (the
 runtime's communication thread, registered with :func:`on_exit`), then the groups, newest first.
 
+The rendezvous store rank 0 starts (torch's ``TCPStore``) listens on ``MASTER_ADDR`` only, not on every
+interface as ``env://`` makes it (:func:`bound_store`): a job told ``MASTER_ADDR=127.0.0.1`` is not
+reachable from other hosts.
+
 Users who end things themselves are not disturbed: groups already destroyed (by
 ``gradsync.shutdown()``, ``dist.destroy_process_group()``, in either order) are skipped, and a group the
 user created is never destroyed by gradsync.
@@ -15,12 +19,15 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["destroy_owned", "init_process_group", "is_live", "on_exit", "own"]
+__all__ = ["bound_store", "destroy_owned", "init_process_group", "is_live", "on_exit", "own"]
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +59,61 @@ def own(group: Any) -> None:
         _register()
 
 
-def init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
-    """``torch.distributed.init_process_group(backend, env://)`` owned by gradsync (destroyed at exit)."""
+def bound_store(addr: str, port: int, world_size: int, timeout_s: float, *, is_master: bool = True) -> Any:
+    """The job's ``TCPStore``: rank 0's listening on ``addr`` only (``is_master``), or a client of it.
+
+    ``env://`` makes the store listen on every interface whatever ``MASTER_ADDR`` says. TCPStore accepts an
+    already listening socket (``master_listen_fd``), so the socket is bound here, to ``addr``, and handed
+    over (the store owns it from then on). An ``addr`` this host cannot bind (rank 0 was given a name that
+    resolves to another address) keeps torch's default, with a warning."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    from gradsync.errors import CommError
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(addr, port, world_size, False, timeout, multi_tenant=True)
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise CommError(f"MASTER_ADDR={addr!r} cannot be resolved: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(max(128, world_size))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise CommError(f"MASTER_PORT={port} on {addr} is in use: another job or process listens there; "
+                            f"pick another port (gradsync launch and run pick free ones)") from None
+        log.warning("gradsync: cannot bind the rendezvous store to MASTER_ADDR=%s (%s); it listens on every "
+                    "interface instead", addr, exc.strerror)
+        return dist.TCPStore(addr, port, world_size, True, timeout, multi_tenant=True)
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(addr, port, world_size, True, timeout, multi_tenant=True, master_listen_fd=fd)
+    except Exception:
+        os.close(fd)
+        raise
+
+
+def init_process_group(backend: str, timeout_s: float, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group(backend, env://)`` owned by gradsync (destroyed at exit), except
+    that rank 0's store listens on ``MASTER_ADDR`` only (:func:`bound_store`). Under torchrun's agent, whose
+    store every rank joins (``TORCHELASTIC_USE_AGENT_STORE``), plain ``env://``."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    env = os.environ
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if agent_store or not all(v in env for v in ("MASTER_ADDR", "MASTER_PORT")):
+        dist.init_process_group(backend, init_method="env://", timeout=timeout, **kwargs)
+    else:
+        rank = int(kwargs.pop("rank", env.get("RANK", "0")))
+        world_size = int(kwargs.pop("world_size", env.get("WORLD_SIZE", "1")))
+        store = bound_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, timeout_s, is_master=rank == 0)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     own(None)
 
 

@@ -395,7 +395,7 @@ class Schedule:
             cols = [tr[k] for k in ("chunk", "src", "dst", "route", "reduce", "step")]
             prio = tr.get("priority") or [0] * len(cols[0])
             transfers = tuple(
-                Transfer(int(c), int(s), int(d), tuple(str(x) for x in r), bool(red), int(st), int(p))
+                Transfer(_int64(c), _int64(s), _int64(d), tuple(str(x) for x in r), bool(red), _int64(st), _int64(p))
                 for c, s, d, r, red, st, p in zip(*cols, prio, strict=True)
             )
             trees = tuple(
@@ -411,7 +411,7 @@ class Schedule:
                 str(data["algorithm"]), str(data["topology"]), ranks, chunks, transfers,
                 collective=str(data.get("collective", "allreduce")), trees=trees, meta=dict(data.get("meta") or {}),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, ScheduleError):
                 raise
             raise ScheduleError(f"malformed schedule data: {type(exc).__name__}: {exc}") from None
@@ -437,6 +437,14 @@ class Schedule:
         except (OSError, json.JSONDecodeError) as exc:
             raise ScheduleError(f"cannot read schedule file {str(p)!r}: {exc}") from None
         return cls.from_dict(data)
+
+
+def _int64(x: Any) -> int:
+    """An index, step or priority read from a file: an integer that the int64 arrays of a schedule hold."""
+    v = int(x)
+    if not -(1 << 63) <= v < (1 << 63):
+        raise ScheduleError(f"malformed schedule data: {x!r} does not fit a 64-bit integer")
+    return v
 
 
 def _ranks_of(bits: int) -> list[int]:

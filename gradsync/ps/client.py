@@ -14,6 +14,10 @@ retrying is safe. After ``timeout_s`` the client probes the server once (at most
 seconds): if a round still waits for pushes it raises :class:`~gradsync.errors.PeerError` naming the first
 missing client; if the server does not answer, :class:`~gradsync.errors.CommError` naming its endpoint.
 
+Frames are built untagged and sealed when sent (:func:`gradsync.ps.wire.seal`): each send gets the next
+number of this client's random session, under the HMAC when there is a secret, so a retry is a new frame
+and a captured copy replayed later is refused by the server. Every frame carries the job id.
+
 Requests travel in batches: :meth:`PSClient.start` sends one and returns a :class:`Batch`, and
 :meth:`PSClient.wait` pumps the sockets until a predicate holds (by default: the batch is complete). Every
 reply is handled when it arrives, whichever batch is being waited for, so a worker can start a multi-key
@@ -25,6 +29,7 @@ and ``call`` (start + wait for all) behaves as it always did.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -35,7 +40,7 @@ import torch
 import zmq
 
 from gradsync.errors import CommError, GradsyncError, PeerError
-from gradsync.ps.wire import Flag, Key, Message, Op, WireError, decode, encode
+from gradsync.ps.wire import Flag, Key, Message, Op, WireError, decode, encode, seal
 
 __all__ = ["Batch", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "flat_view"]
 
@@ -72,7 +77,7 @@ def place(key: Key, numel: int, itemsize: int, num_servers: int, slice_bytes: in
 
 @dataclass
 class Request:
-    """One request in flight: where it went, its frames (to re-send), and what to do with the reply.
+    """One request in flight: where it went, its frames (unsealed, to re-send), and what to do with the reply.
 
     ``op`` and ``fields`` are kept so the request can be encoded again with changed fields (an ordered
     pull renumbered for a restarted server)."""
@@ -124,7 +129,7 @@ class PSClient:
     """Talks to the servers at ``endpoints`` as PS sender ``sender``. Not thread-safe: one per thread."""
 
     def __init__(self, endpoints: Sequence[str], sender: int, *, secret: bytes | None = None, timeout_s: float = 60.0,
-                 retry_s: float = 2.0, context: zmq.Context | None = None) -> None:
+                 retry_s: float = 2.0, context: zmq.Context | None = None, job: int = 0) -> None:
         if not endpoints:
             raise GradsyncError("no PS server endpoints: set GRADSYNC_PS_SERVERS or start with `gradsync launch`")
         if timeout_s <= 0 or retry_s <= 0:
@@ -132,6 +137,10 @@ class PSClient:
         self.endpoints = list(endpoints)
         self.sender = sender
         self.secret = secret
+        self.job = job
+        #: this client's random session and the number of its next frame (the server's replay check)
+        self.session = secrets.randbits(64) | 1
+        self._seq = itertools.count(1)
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.ctx = context or zmq.Context.instance()
@@ -174,7 +183,7 @@ class PSClient:
         """Build (not send) one request to ``server``."""
         req_id = next(self._ids)
         fields.setdefault("sender", self.sender)
-        frames = encode(op, req_id=req_id, secret=self.secret, **fields)
+        frames = encode(op, req_id=req_id, job=self.job, session=self.session, **fields)
         return Request(server, frames, req_id, what, on_reply, key=fields.get("key"), part=fields.get("part", 0),
                        op=op, fields=fields)
 
@@ -189,6 +198,7 @@ class PSClient:
             del self.retained[(server, key, part)]
 
     def _send(self, server: int, frames: list[Any]) -> None:
+        frames = seal(frames, seq=next(self._seq), secret=self.secret)
         self.socks[server].send_multipart(frames, copy=False)
         self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
 
@@ -317,7 +327,7 @@ class PSClient:
             group.sort(key=lambda q: q.fields.get("priority", 0))
             for rank, r in enumerate(group):
                 r.fields.update(priority=rank, count=len(group))
-                r.frames = encode(Op.PULL, req_id=r.req_id, secret=self.secret, **r.fields)
+                r.frames = encode(Op.PULL, req_id=r.req_id, job=self.job, session=self.session, **r.fields)
         for r in mine:
             self._send(server, r.frames)
 

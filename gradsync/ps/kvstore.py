@@ -25,7 +25,10 @@ single-threaded: the sockets are pumped inside ``wait`` (ZeroMQ's I/O thread rec
 
 Workers read their place from the environment ``gradsync launch`` sets: ``RANK``, ``WORLD_SIZE``,
 ``GRADSYNC_PS_SERVERS`` (comma-separated ZeroMQ endpoints), ``GRADSYNC_PS_CLIENTS`` (C),
-``GRADSYNC_PS_SECRET`` (optional shared secret), ``GRADSYNC_PS_TIMEOUT`` (seconds).
+``GRADSYNC_PS_SECRET`` (shared secret; ``gradsync launch`` makes one per job), ``GRADSYNC_PS_TIMEOUT``
+(seconds), ``GRADSYNC_PS_JOB`` (the job id; when it is unset, one derived from torchrun's ``MASTER_ADDR``,
+``MASTER_PORT`` and ``TORCHELASTIC_RUN_ID``, so every worker of one job agrees and a second job pointed at
+the same servers is refused at ``create`` instead of sharing their rounds).
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ import torch
 from gradsync.comm import lifetime
 from gradsync.errors import GradsyncError
 from gradsync.ps.client import PSClient, Request, flat_view, place
-from gradsync.ps.env import CLIENTS_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
+from gradsync.ps.env import CLIENTS_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
 from gradsync.ps.updaters import Updater, create_updater, default_updater
-from gradsync.ps.wire import Flag, Key, Message, Op, key_name
+from gradsync.ps.wire import Flag, Key, Message, Op, job_id, key_name
 from gradsync.registry import Registry
 
 __all__ = ["KVStore", "LocalKVStore", "PSKVStore", "CollectiveKVStore", "KVSTORES", "KVStoreConfig", "PullHandle",
-           "create"]
+           "create", "job_from_env"]
 
 
 Value = torch.Tensor | Sequence[torch.Tensor]
@@ -66,6 +69,7 @@ class KVStoreConfig:
     retry_s: float = 1.0
     ordered: bool = False
     slice_bytes: int = 1 << 20
+    job: int = 0  # the job id in every frame (0: none); see from_env
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_workers:
@@ -102,8 +106,21 @@ class KVStoreConfig:
         }
         if env.get(SECRET_ENV):
             fields["secret"] = env[SECRET_ENV].encode()
+        fields["job"] = job_from_env()
         fields.update(overrides)
         return cls(**fields)
+
+
+def job_from_env() -> int:
+    """The job id: ``GRADSYNC_PS_JOB``, else derived from what every rank of a torchrun job shares (its
+    rendezvous address and run id), else 0 (no job id: a single process, or a hand-made setup)."""
+    env = os.environ
+    if env.get(JOB_ENV, "").strip():
+        return job_id(env[JOB_ENV])
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        run = env.get("TORCHELASTIC_RUN_ID", "none")
+        return job_id(f"torchrun:{run}:{env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+    return 0
 
 
 def _env_number(name: str, default: str, kind: type[int] | type[float]) -> Any:
@@ -396,7 +413,7 @@ class PSKVStore(KVStore):
         self.sync = sync
         self.hybrid = hybrid
         self.client = PSClient(config.servers, sender=config.client if config.is_master else config.rank,
-                               secret=config.secret, timeout_s=config.timeout_s, retry_s=config.retry_s)
+                               secret=config.secret, timeout_s=config.timeout_s, retry_s=config.retry_s, job=config.job)
         self.client.connect()
         self.pushes: dict[Key, int] = {}
         self._barriers = 0

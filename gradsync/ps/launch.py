@@ -5,12 +5,18 @@ where they are through the environment the KVStore reads (``GRADSYNC_PS_SERVERS`
 plus torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*`` for the client groups), runs the W workers with
 :func:`gradsync.launch.run_workers`, and stops the servers (SIGTERM: they checkpoint, if asked to, and exit)
 when the workers are done. ``--servers 0`` is the pure-collective end of the range.
+
+Secure by default: unless the user set ``GRADSYNC_PS_SECRET``, each job gets a random secret
+(:func:`secrets.token_hex`) and a random job id (``GRADSYNC_PS_JOB``), handed to its servers and workers
+through their environment only (never a command line, which other users can read). A local process that
+was not given them cannot push to, read from or stop the job's servers.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,9 +42,9 @@ from gradsync.launch import (
     torchrun_env,
     worker_command,
 )
-from gradsync.ps.env import CLIENTS_ENV, SERVERS_ENV, TIMEOUT_ENV
+from gradsync.ps.env import CLIENTS_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
 
-__all__ = ["PSJob", "ServerProcess", "start_server", "stop_servers", "launch", "add_parser"]
+__all__ = ["PSJob", "ServerProcess", "start_server", "stop_servers", "launch", "add_parser", "job_env"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,16 @@ def start_server(index: int, endpoint: str, *, checkpoint_dir: str | None = None
     return server
 
 
+def job_env(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus a random per-job secret and job id, each unless the user set one."""
+    env = dict(base)
+    if not env.get(SECRET_ENV):
+        env[SECRET_ENV] = secrets.token_hex(32)
+    if not env.get(JOB_ENV, "").strip():
+        env[JOB_ENV] = secrets.token_hex(8)
+    return env
+
+
 def launch(cmd: Sequence[str], job: PSJob, *, env: Mapping[str, str] | None = None,
            stream: TextIO | None = None) -> int:
     """Run ``cmd`` as ``job.workers`` workers against ``job.servers`` fresh servers; the workers' exit code.
@@ -139,6 +155,8 @@ def launch(cmd: Sequence[str], job: PSJob, *, env: Mapping[str, str] | None = No
         raise GradsyncError("nothing to run: gradsync launch --workers 4 --servers 1 -- python train.py")
     base = {**os.environ, **(env or {})}
     check_command(cmd, base)  # before any server is started
+    if job.servers:
+        base = job_env(base)
     lock = threading.Lock()
     servers: list[ServerProcess] = []
     stop_s = 10.0
@@ -180,7 +198,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "launch", help="start PS servers and workers on this machine (KVStore jobs, seed 002)",
         description="Start S parameter servers (ZeroMQ, loopback), then W workers grouped into C clients, with the "
-                    "environment gradsync.kvstore.create() reads. Set GRADSYNC_PS_SECRET to authenticate frames.")
+                    "environment gradsync.kvstore.create() reads. Every frame is authenticated with a random per-job "
+                    "secret (GRADSYNC_PS_SECRET, if set, is used instead) and carries a random job id.")
     p.add_argument("--workers", "-n", type=int, required=True, help="number of worker processes")
     p.add_argument("--servers", "-s", type=int, default=1, help="number of servers (0: collective, no servers)")
     p.add_argument("--clients", "-c", type=int, default=0, help="worker groups talking to the servers (default: W)")

@@ -12,6 +12,16 @@ respect to requests: a pull sees a value before or after an update, never half o
 * **Ordered pulls** (TicTac, seed 003 §5): a sender that marks its pulls ``ORDERED`` with priorities
   0..n−1 gets the replies in exactly that order; a per-sender counter releases reply ``p`` only after
   ``p − 1`` has gone out, whatever order the values became ready in.
+* **Bounds**: a sync push is buffered at most ``max_ahead`` rounds ahead of its key's round, and a pull
+  parked at most that far ahead; at most ``max_parked_per_key`` pulls wait per key and
+  ``max_parked_per_client`` per client connection. Beyond them the request gets an ``ERROR`` reply: a
+  flood of future rounds cannot grow the server's memory. INIT shapes must describe exactly the elements
+  sent (whole keys) and fit ``parts`` frames of ``max_payload`` bytes (sliced keys).
+* **Trust**: with a shared secret every frame is authenticated, and a frame whose (session, seq) is not
+  newer than the last one seen from that session is a replay: refused and logged. SHUTDOWN is refused
+  unless the frame was authenticated. Without a secret the server binds only to loopback (or ipc), unless
+  told ``insecure``. A server serves one job: the first job id it sees (or ``job``), and requests of any
+  other job are refused at their first frame (the worker's connect), not mixed into its rounds.
 * **Failures**: a bad request gets an ``ERROR`` reply naming what was wrong, and the server keeps serving.
   State is checkpointed atomically (write, fsync, rename) every ``checkpoint_every`` updates and/or
   ``checkpoint_interval_s`` seconds, before the replies those updates release go out; a restarted server
@@ -25,6 +35,7 @@ from the environment variable ``GRADSYNC_PS_SECRET`` (never the command line, wh
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -42,15 +53,57 @@ import torch
 import zmq
 
 from gradsync.errors import GradsyncError
-from gradsync.ps.env import SECRET_ENV
+from gradsync.ps.env import (
+    INSECURE_ENV,
+    JOB_ENV,
+    MAX_AHEAD_ENV,
+    MAX_PARKED_ENV,
+    MAX_PARKED_PER_CLIENT_ENV,
+    SECRET_ENV,
+)
 from gradsync.ps.updaters import Updater, create_updater, default_updater, describe
-from gradsync.ps.wire import DTYPES, MAX_PAYLOAD, Flag, Key, Message, Op, WireError, decode, encode, key_name
+from gradsync.ps.wire import (
+    DTYPES,
+    MAX_ELEMENTS,
+    MAX_PAYLOAD,
+    Flag,
+    Key,
+    Message,
+    Op,
+    WireError,
+    decode,
+    encode,
+    job_id,
+    key_name,
+)
 
-__all__ = ["ServerConfig", "Server", "Slot", "main", "SECRET_ENV"]
+__all__ = ["ServerConfig", "Server", "Slot", "main", "SECRET_ENV", "MAX_AHEAD", "MAX_PARKED", "MAX_PARKED_PER_CLIENT",
+           "is_loopback"]
 
 log = logging.getLogger("gradsync.ps")
 
 _CODES = {dt: c for c, dt in DTYPES.items()}
+
+#: Default rounds ahead of a key's current round that pushes are buffered and pulls parked for. A worker
+#: that pushes and pulls each round is at most one ahead; eight leaves room for push-only stretches.
+MAX_AHEAD = 8
+#: Default cap on pulls parked per key (a legitimate key has about one per client).
+MAX_PARKED = 1024
+#: Default cap on requests parked per client connection (about one per key slot it pulls).
+MAX_PARKED_PER_CLIENT = 16384
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether ``endpoint`` is reachable from this host only: ipc/inproc, or tcp on a loopback address."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name: other machines may reach it
+        return False
 
 
 @dataclass(frozen=True)
@@ -64,10 +117,23 @@ class ServerConfig:
     checkpoint_interval_s: float = 0.0
     secret: bytes | None = None
     max_payload: int = MAX_PAYLOAD
+    insecure: bool = False  # allow a non-loopback bind without a secret
+    job: int = 0  # the job served (0: the first job id a request carries)
+    max_ahead: int = MAX_AHEAD
+    max_parked_per_key: int = MAX_PARKED
+    max_parked_per_client: int = MAX_PARKED_PER_CLIENT
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise GradsyncError(f"bind={self.bind!r} is not a ZeroMQ endpoint; write e.g. tcp://127.0.0.1:5555")
+        if not self.secret and not self.insecure and not is_loopback(self.bind):
+            raise GradsyncError(
+                f"refusing to bind {self.bind!r} without a shared secret: any host that reaches it could push, "
+                f"overwrite or stop this server. Set {SECRET_ENV} (the same in every worker; `gradsync launch` makes "
+                f"one), bind to tcp://127.0.0.1:PORT, or pass --insecure ({INSECURE_ENV}=1) on a trusted network")
+        for name in ("max_ahead", "max_parked_per_key", "max_parked_per_client"):
+            if getattr(self, name) < 1:
+                raise GradsyncError(f"{name}={getattr(self, name)} must be >= 1")
         if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0:
             raise GradsyncError(f"checkpoint_every={self.checkpoint_every} and checkpoint_interval_s="
                                 f"{self.checkpoint_interval_s} must be >= 0 (0 = off)")
@@ -132,12 +198,17 @@ class Server:
         self.deferred: dict[tuple[Key, int], dict[tuple[bytes, int], Message]] = {}
         self.ordered: dict[bytes, _Ordered] = {}
         self.barriers: dict[int, dict[int, tuple[bytes, int]]] = {}
+        #: requests held per client connection (parked pulls, barrier waits, ordered replies held back)
+        self.parked: dict[bytes, int] = {}
+        #: authenticated sessions: session -> last seq accepted (a frame not newer is a replay)
+        self.sessions: dict[int, int] = {}
+        self.job = config.job
         self.outbox: list[list[Any]] = []
         self.updates = 0
         self.updates_at_checkpoint = 0
         self.checkpointed_at = time.monotonic()
         self.stopping = False
-        self.stats = {"requests": 0, "errors": 0, "rejected": 0, "checkpoints": 0}
+        self.stats = {"requests": 0, "errors": 0, "rejected": 0, "replayed": 0, "checkpoints": 0}
         self._restore()
 
     # ---- loop -----------------------------------------------------------------------------------
@@ -180,13 +251,12 @@ class Server:
             msg = decode([f.buffer if hasattr(f, "buffer") else f for f in frames[1:]], secret=self.config.secret,
                          max_payload=self.config.max_payload)
         except WireError as e:
-            self.stats["rejected"] += 1
-            log.warning("server %d: rejected a frame from %r: %s", self.config.server_id, ident, e)
-            # unsigned: the sender may not hold the secret, and the reply carries no data, only why
-            self.outbox.append([ident, *encode(Op.ERROR, payload=f"rejected: {e}".encode(),
-                                               sender=self.config.server_id, count=self.incarnation)])
+            self._reject(ident, str(e))
+            return
+        if self.config.secret and not self._fresh(ident, msg):
             return
         try:
+            self._check_job(msg)
             handler = _HANDLERS.get(msg.op)
             if handler is None:
                 raise GradsyncError(f"op {msg.op.name} is a reply, not a request")
@@ -199,6 +269,66 @@ class Server:
             log.exception("server %d: internal error on %s", self.config.server_id, msg.op.name)
             self._reply(ident, Op.ERROR, msg, payload=f"internal server error: {type(e).__name__}: {e}".encode())
 
+    def _reject(self, ident: bytes, why: str, stat: str = "rejected") -> None:
+        self.stats[stat] += 1
+        log.warning("server %d: rejected a frame from %r: %s", self.config.server_id, ident, why)
+        # unsigned: the sender may not hold the secret, and the reply carries no data, only why
+        self.outbox.append([ident, *encode(Op.ERROR, payload=f"rejected: {why}".encode(),
+                                           sender=self.config.server_id, count=self.incarnation)])
+
+    def _fresh(self, ident: bytes, msg: Message) -> bool:
+        """Whether an authenticated frame is new: its session's seq must grow (a replayed copy does not)."""
+        last = self.sessions.get(msg.session)
+        if msg.session == 0:
+            self._reject(ident, f"{msg.op.name} frame carries no session: this server needs each client's "
+                                f"frames numbered (session, seq) under the tag")
+            return False
+        if last is not None and msg.seq <= last:
+            self._reject(ident, f"replayed frame: {msg.op.name} with seq {msg.seq} of session {msg.session:016x}, "
+                                f"which already reached seq {last} (a copy of an earlier frame)", "replayed")
+            return False
+        self.sessions[msg.session] = msg.seq
+        return True
+
+    def _check_job(self, msg: Message) -> None:
+        """One server, one job: the first job id seen claims it; requests of another job are refused."""
+        if msg.job == self.job:
+            return
+        if self.job == 0 and msg.job != 0:
+            self.job = msg.job
+            log.info("server %d: serving job %016x", self.config.server_id, self.job)
+            return
+        theirs = f"job {msg.job:016x}" if msg.job else "a process with no job id"
+        raise GradsyncError(
+            f"server {self.config.server_id} serves job {self.job:016x}, but this request is from {theirs}: two "
+            f"jobs are pointed at one server and would share its keys and rounds. Give each job its own servers "
+            f"(`gradsync launch` starts them), or set the same {JOB_ENV} in every process of one job")
+
+    def _hold(self, ident: bytes, what: str) -> None:
+        """Count one more request held for ``ident``, or refuse it past ``max_parked_per_client``."""
+        n = self.parked.get(ident, 0)
+        if n >= self.config.max_parked_per_client:
+            raise GradsyncError(f"{what}: this client connection already has {n} requests waiting on server "
+                                f"{self.config.server_id}, its limit (--max-parked-per-client, "
+                                f"{MAX_PARKED_PER_CLIENT_ENV}); wait for replies before sending more")
+        self.parked[ident] = n + 1
+
+    def _unhold(self, ident: bytes, n: int = 1) -> None:
+        left = self.parked.get(ident, 0) - n
+        if left > 0:
+            self.parked[ident] = left
+        else:
+            self.parked.pop(ident, None)
+
+    def _ahead(self, slot: Slot, msg: Message, what: str) -> None:
+        """Refuse a round more than ``max_ahead`` past the one the key is summing (``version + 1``)."""
+        limit = slot.version + 1 + self.config.max_ahead
+        if msg.version > limit:
+            raise GradsyncError(
+                f"{what} of key {key_name(msg.key)} names round {msg.version}, but the key is at round "
+                f"{slot.version + 1}; server {self.config.server_id} holds at most {self.config.max_ahead} rounds "
+                f"ahead (--max-ahead, {MAX_AHEAD_ENV}): a worker far ahead of the others, or a bad round number")
+
     def _reply(self, ident: bytes, op: Op, msg: Message | None = None, **kw: Any) -> None:
         if msg is not None:
             kw.setdefault("key", msg.key)
@@ -207,6 +337,7 @@ class Server:
             kw.setdefault("req_id", msg.req_id)
         kw.setdefault("sender", self.config.server_id)
         kw.setdefault("count", self.incarnation)
+        kw.setdefault("job", self.job)
         self.outbox.append([ident, *encode(op, secret=self.config.secret, **kw)])
 
     # ---- requests -------------------------------------------------------------------------------
@@ -230,6 +361,7 @@ class Server:
             raise GradsyncError("init needs a key and a tensor")
         if msg.count < 1:
             raise GradsyncError(f"init of key {key_name(msg.key)}: pushers={msg.count} must be >= 1")
+        self._check_init_shape(msg)
         existing = self.slots.get((msg.key, msg.part))
         if existing is not None:  # idempotent: a retried init, or rank 0 re-running after a server restart
             self._check_tensor(existing, msg)
@@ -241,6 +373,23 @@ class Server:
         self.updates += 1
         self._force_checkpoint()
         self._reply(ident, Op.ACK, msg, version=0)
+
+    def _check_init_shape(self, msg: Message) -> None:
+        """A whole key holds exactly its shape's elements; a sliced one fits ``parts`` frames of the limit."""
+        total = 1
+        for d in msg.shape:
+            total *= d
+        itemsize = msg.tensor().element_size()
+        where = f"init of key {key_name(msg.key)}: shape {msg.shape}"
+        if total > MAX_ELEMENTS:
+            raise GradsyncError(f"{where} describes {total} elements, more than 2^63 - 1")
+        if msg.parts == 1 and (msg.offset != 0 or msg.numel != total):
+            raise GradsyncError(f"{where} holds {total} elements, but the frame carries {msg.numel} at offset "
+                                f"{msg.offset}: send the whole tensor (or its parts with parts > 1)")
+        if total * itemsize > msg.parts * self.config.max_payload:
+            raise GradsyncError(f"{where} is {total * itemsize} bytes of {msg.dtype}; in {msg.parts} part(s) of at "
+                                f"most {self.config.max_payload} bytes (this server's payload limit) it cannot be "
+                                f"sent: use more servers or raise --max-payload")
 
     def on_push(self, ident: bytes, msg: Message) -> None:
         slot = self._slot(msg)
@@ -273,6 +422,7 @@ class Server:
         if r <= slot.version or (r == slot.version + 1 and msg.sender in slot.pending_from):
             return  # a retry of a push this server already holds
         if r > slot.version + 1:
+            self._ahead(slot, msg, "push")
             slot.future.setdefault(r, {}).setdefault(msg.sender, msg.tensor().clone())
             return
         self._add_to_round(slot, msg.sender, msg.tensor())
@@ -299,10 +449,25 @@ class Server:
             if msg.count < 1 or not 0 <= msg.priority < msg.count:
                 raise GradsyncError(f"ordered pull of key {key_name(msg.key)}: priority {msg.priority} must be in "
                                     f"0..{msg.count - 1} (count={msg.count} ordered pulls per iteration)")
+            if msg.count > self.config.max_parked_per_client:
+                raise GradsyncError(f"ordered pull of key {key_name(msg.key)}: count={msg.count} ordered pulls per "
+                                    f"iteration exceeds this server's limit of {self.config.max_parked_per_client} "
+                                    f"held replies per client (--max-parked-per-client)")
+            if self.parked.get(ident, 0) >= self.config.max_parked_per_client:
+                self._hold(ident, f"ordered pull of key {key_name(msg.key)}")  # raises: its reply may be held
         if slot.version >= msg.version:
             self._send_value(ident, msg, slot)
-        else:
-            self.deferred.setdefault((msg.key, msg.part), {}).setdefault((ident, msg.req_id), msg)  # type: ignore[arg-type]
+            return
+        self._ahead(slot, msg, "pull")
+        waiting = self.deferred.setdefault((msg.key, msg.part), {})  # type: ignore[arg-type]
+        if (ident, msg.req_id) in waiting:
+            return  # the same request again
+        if len(waiting) >= self.config.max_parked_per_key:
+            raise GradsyncError(f"pull of key {key_name(msg.key)}: {len(waiting)} pulls already wait for its next "
+                                f"rounds on server {self.config.server_id}, the limit (--max-parked-per-key, "
+                                f"{MAX_PARKED_ENV})")
+        self._hold(ident, f"pull of key {key_name(msg.key)}")
+        waiting[(ident, msg.req_id)] = msg
 
     def _release(self, where: tuple[Key, int], slot: Slot) -> None:
         waiting = self.deferred.get(where)
@@ -311,6 +476,7 @@ class Server:
         for (ident, req), msg in list(waiting.items()):
             if slot.version >= msg.version:
                 del waiting[(ident, req)]
+                self._unhold(ident)
                 self._send_value(ident, msg, slot)
 
     def _send_value(self, ident: bytes, msg: Message, slot: Slot) -> None:
@@ -322,14 +488,19 @@ class Server:
         if state is None or state.n != msg.count or (msg.priority == 0 and state.next != 0):
             # a new batch; priority 0 while the counter is elsewhere means the sender abandoned its last
             # batch (an error or timeout on its side): start over rather than wait for replies never asked
+            if state is not None:
+                self._unhold(ident, len(state.ready))
             state = self.ordered[ident] = _Ordered(n=msg.count)
         frames = encode(Op.VALUE, key=msg.key, tensor=slot.value.clone(), shape=slot.shape, offset=slot.offset,
                         part=msg.part, parts=msg.parts, req_id=msg.req_id, version=slot.version,
                         priority=msg.priority, sender=self.config.server_id, count=self.incarnation,
                         secret=self.config.secret)
+        if msg.priority not in state.ready:
+            self.parked[ident] = self.parked.get(ident, 0) + 1  # bounded: on_pull refused it past the cap
         state.ready[msg.priority] = frames
         while state.next in state.ready:
             self.outbox.append([ident, *state.ready.pop(state.next)])
+            self._unhold(ident)
             state.next = (state.next + 1) % state.n
 
     def on_set_optimizer(self, ident: bytes, msg: Message) -> None:
@@ -344,10 +515,23 @@ class Server:
     def on_barrier(self, ident: bytes, msg: Message) -> None:
         if msg.count < 1 or not 0 <= msg.sender < msg.count:
             raise GradsyncError(f"barrier: sender {msg.sender} of {msg.count} workers is out of range")
+        if msg.version not in self.barriers and len(self.barriers) >= self.config.max_parked_per_key:
+            raise GradsyncError(f"barrier {msg.version}: {len(self.barriers)} barriers are already open on server "
+                                f"{self.config.server_id}, the limit (--max-parked-per-key, {MAX_PARKED_ENV})")
         waiting = self.barriers.setdefault(msg.version, {})
+        if msg.sender in waiting:
+            self._unhold(waiting[msg.sender][0])  # the same worker again (a retry, or a new connection)
+        try:
+            self._hold(ident, f"barrier {msg.version}")
+        except GradsyncError:
+            waiting.pop(msg.sender, None)
+            if not waiting:
+                del self.barriers[msg.version]
+            raise
         waiting[msg.sender] = (ident, msg.req_id)
         if len(waiting) == msg.count:
             for who, req_id in self.barriers.pop(msg.version).values():
+                self._unhold(who)
                 self._reply(who, Op.ACK, version=msg.version, req_id=req_id)
 
     def on_status(self, ident: bytes, msg: Message) -> None:
@@ -370,6 +554,13 @@ class Server:
         self._reply(ident, Op.ACK, msg)
 
     def on_shutdown(self, ident: bytes, msg: Message) -> None:
+        if not self.config.secret:
+            log.warning("server %d: refused SHUTDOWN from %r: no shared secret, so the peer is not authenticated",
+                        self.config.server_id, ident)
+            raise GradsyncError(f"SHUTDOWN refused: server {self.config.server_id} has no shared secret, so it cannot "
+                                f"tell who asks; stop it with SIGTERM, or start it with {SECRET_ENV} set")
+        log.warning("server %d: SHUTDOWN by an authenticated peer %r (session %016x)", self.config.server_id, ident,
+                    msg.session)
         self.stopping = True
         self._reply(ident, Op.ACK, msg)
 
@@ -404,7 +595,8 @@ class Server:
                           "last_seq": {str(k): v for k, v in s.last_seq.items()},
                           "state": {n: [_CODES[t.dtype], list(t.shape)] for n, t in s.state.items()}})
         meta = {"format": "gradsync-ps-checkpoint", "version": 1, "server": self.config.server_id,
-                "updater": describe(self.updater) if self.updater else None, "slots": index}
+                "updater": describe(self.updater) if self.updater else None, "slots": index, "job": self.job,
+                "sessions": {str(k): v for k, v in self.sessions.items()}}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:
@@ -430,6 +622,9 @@ class Server:
                 meta = json.loads(bytes(z["meta"]).decode())
                 if meta.get("format") != "gradsync-ps-checkpoint":
                     raise GradsyncError(f"{path} is not a gradsync PS checkpoint")
+                if not self.job:  # a job restarted by `gradsync launch` has a new id and keeps it
+                    self.job = int(meta.get("job", 0))
+                self.sessions = {int(k): int(v) for k, v in meta.get("sessions", {}).items()}
                 up = meta.get("updater")
                 self.updater = create_updater(up.pop("name"), **up) if up else None
                 for i, e in enumerate(meta["slots"]):
@@ -466,6 +661,16 @@ _HANDLERS = {
 }
 
 
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise GradsyncError(f"{name}={text!r} is not an integer; unset it or set e.g. {name}={default}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gradsync.ps.server", description=__doc__.splitlines()[0])
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (default: loopback, any port)")
@@ -474,16 +679,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint after this many updates (0: off)")
     p.add_argument("--checkpoint-interval", type=float, default=0.0, help="checkpoint every S seconds (0: off)")
     p.add_argument("--max-payload", type=int, default=MAX_PAYLOAD, help="largest payload accepted, bytes")
+    p.add_argument("--max-ahead", type=int, default=None,
+                   help=f"rounds ahead of a key's round that pushes are buffered for ({MAX_AHEAD_ENV}; {MAX_AHEAD})")
+    p.add_argument("--max-parked-per-key", type=int, default=None,
+                   help=f"pulls waiting per key ({MAX_PARKED_ENV}; default {MAX_PARKED})")
+    p.add_argument("--max-parked-per-client", type=int, default=None,
+                   help=f"requests waiting per client ({MAX_PARKED_PER_CLIENT_ENV}; default {MAX_PARKED_PER_CLIENT})")
+    p.add_argument("--job", default=None, help=f"serve only this job id ({JOB_ENV}; default: the first one seen)")
+    p.add_argument("--insecure", action="store_true",
+                   help=f"allow a non-loopback --bind without {SECRET_ENV} ({INSECURE_ENV}=1): anyone who reaches it "
+                        f"can use and stop it")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     secret = os.environ.get(SECRET_ENV)
     try:
-        server = Server(ServerConfig(bind=a.bind, server_id=a.id, checkpoint_dir=a.checkpoint_dir,
-                                     checkpoint_every=a.checkpoint_every, checkpoint_interval_s=a.checkpoint_interval,
-                                     secret=secret.encode() if secret else None, max_payload=a.max_payload))
+        config = ServerConfig(
+            bind=a.bind, server_id=a.id, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
+            checkpoint_interval_s=a.checkpoint_interval, secret=secret.encode() if secret else None,
+            max_payload=a.max_payload, insecure=a.insecure or os.environ.get(INSECURE_ENV, "") == "1",
+            job=job_id(a.job if a.job is not None else os.environ.get(JOB_ENV, "")),
+            max_ahead=a.max_ahead if a.max_ahead is not None else _env_int(MAX_AHEAD_ENV, MAX_AHEAD),
+            max_parked_per_key=(a.max_parked_per_key if a.max_parked_per_key is not None
+                                else _env_int(MAX_PARKED_ENV, MAX_PARKED)),
+            max_parked_per_client=(a.max_parked_per_client if a.max_parked_per_client is not None
+                                   else _env_int(MAX_PARKED_PER_CLIENT_ENV, MAX_PARKED_PER_CLIENT)))
+        server = Server(config)
     except GradsyncError as e:
         print(f"gradsync-ps: {e}", file=sys.stderr)
         return 2
+    if not config.secret:
+        log.warning("server %d: no shared secret (%s): any local process can use this server", a.id, SECRET_ENV)
 
     def stop(signum: int, frame: Any) -> None:
         server.stopping = True

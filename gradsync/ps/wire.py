@@ -6,15 +6,21 @@ the shape and the UTF-8 key, and the payload is the tensor's raw bytes (sent zer
 a UTF-8 error message, or a JSON object (optimizer settings, status). ``decode`` checks every field before
 anything is allocated, so garbage, truncated or oversize frames raise :class:`WireError` and never crash.
 
-Header (``HEADER``, 72 bytes, then ``ndim`` × u64 shape, then ``key_len`` bytes of key)::
+Header (``HEADER``, 96 bytes, then ``ndim`` × u64 shape, then ``key_len`` bytes of key)::
 
     magic "GSPS" | proto u8 | op u8 | dtype u8 | flags u8 | part u16 | parts u16 | ndim u8 | pad u8 |
     key_len u16 | sender u32 | count u32 | req_id u64 | version u64 | offset u64 | numel u64 |
-    nbytes u64 | priority i32 | pad u32
+    nbytes u64 | priority i32 | pad u32 | job u64 | session u64 | seq u64
 
 ``offset``/``numel``: where this part sits in the flattened tensor (large tensors are sliced over servers)
 and how many elements it holds; ``shape`` is the whole tensor's. With a shared secret the tag is
 HMAC-SHA256(secret, header ‖ payload).
+
+``job`` names the job a request belongs to (0: none), so a server shared by two jobs by mistake refuses
+the second one instead of mixing their rounds. ``session`` (random per client) and ``seq`` (increasing per
+session, set when the frame is sent: :func:`seal`) lie under the tag, so a server with a secret rejects a
+captured frame sent again (a replay): each session's ``seq`` must grow. Protocol 2 added these three
+fields; protocol 1 peers are refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import hmac
 import json
 import struct
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,13 +40,17 @@ import torch
 from gradsync.errors import GradsyncError
 
 __all__ = [
-    "MAGIC", "PROTO", "HEADER", "MAX_PAYLOAD", "Op", "Flag", "DTYPES", "WireError", "Message",
-    "encode", "decode", "tensor_from", "key_name",
+    "MAGIC", "PROTO", "HEADER", "MAX_PAYLOAD", "MAX_ELEMENTS", "Op", "Flag", "DTYPES", "WireError", "Message",
+    "encode", "decode", "seal", "job_id", "tensor_from", "key_name",
 ]
 
 MAGIC = b"GSPS"
-PROTO = 1
-HEADER = struct.Struct("<4sBBBBHHBBHIIQQQQQiI")
+PROTO = 2
+HEADER = struct.Struct("<4sBBBBHHBBHIIQQQQQiIQQQ")
+#: where ``seq`` (the header's last u64) sits: :func:`seal` rewrites it on every send
+_SEQ_AT = HEADER.size - 8
+#: Largest element count a shape may describe (torch indexes with int64).
+MAX_ELEMENTS = (1 << 63) - 1
 #: Default cap on one payload (bytes). Servers take it as an option; a larger frame is refused, not read.
 MAX_PAYLOAD = 1 << 31
 MAX_NDIM = 16
@@ -108,6 +119,9 @@ class Message:
     version: int = 0
     priority: int = 0
     flags: Flag = Flag.NONE
+    job: int = 0
+    session: int = 0
+    seq: int = 0
     payload: Any = field(default=b"", repr=False)
 
     def tensor(self) -> torch.Tensor:
@@ -149,8 +163,11 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None, shape: tuple[int, ...] | None = None,
            payload: bytes | None = None, json_payload: Any = None, part: int = 0, parts: int = 1, offset: int = 0,
            sender: int = 0, count: int = 0, req_id: int = 0, version: int = 0, priority: int = 0,
-           flags: Flag = Flag.NONE, secret: bytes | None = None) -> list[Any]:
-    """The frames of one message. ``tensor`` is sent as raw bytes (its memory, not a copy)."""
+           flags: Flag = Flag.NONE, job: int = 0, session: int = 0, seq: int = 0,
+           secret: bytes | None = None) -> list[Any]:
+    """The frames of one message. ``tensor`` is sent as raw bytes (its memory, not a copy).
+
+    Without ``secret`` the frames are ``[header, payload]``; :func:`seal` sets ``seq`` and adds the tag."""
     if key is None:
         key_bytes = b""
     elif isinstance(key, bool) or not isinstance(key, (int, str)):
@@ -178,15 +195,48 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
     if len(shape) > MAX_NDIM:
         raise WireError(f"shape {shape} has {len(shape)} dimensions; the limit is {MAX_NDIM}")
     nbytes = len(body) if not isinstance(body, memoryview) else body.nbytes
-    head = HEADER.pack(MAGIC, PROTO, int(op), dtype_code, int(flags), part, parts, len(shape), 0, len(key_bytes),
-                       sender, count, req_id, version, offset, numel, nbytes, priority, 0)
-    head += struct.pack(f"<{len(shape)}Q", *shape) + key_bytes
+    try:
+        head = HEADER.pack(MAGIC, PROTO, int(op), dtype_code, int(flags), part, parts, len(shape), 0, len(key_bytes),
+                           sender, count, req_id, version, offset, numel, nbytes, priority, 0, job, session, seq)
+        head += struct.pack(f"<{len(shape)}Q", *shape) + key_bytes
+    except struct.error as e:
+        raise WireError(f"{op.name} message field out of range ({e}): shape {shape}, part {part}/{parts}, "
+                        f"sender {sender}, count {count}, version {version}, job {job}") from None
     frames: list[Any] = [head, body]
     if secret:
-        mac = hmac.new(secret, head, hashlib.sha256)
-        mac.update(body)
-        frames.append(mac.digest())
+        frames.append(_tag(secret, head, body))
     return frames
+
+
+def _tag(secret: bytes, head: bytes, body: Any) -> bytes:
+    mac = hmac.new(secret, head, hashlib.sha256)
+    mac.update(body)
+    return mac.digest()
+
+
+def seal(frames: Sequence[Any], *, seq: int, secret: bytes | None = None) -> list[Any]:
+    """``frames`` (from :func:`encode`, tagged or not) with ``seq`` written into the header and, with a
+    ``secret``, a fresh tag. A client seals each frame when it sends it, so a retry is a new frame the
+    server accepts while a copy of an old one is refused; the payload is neither copied nor changed."""
+    head = bytearray(bytes(frames[0]))
+    struct.pack_into("<Q", head, _SEQ_AT, seq)
+    sealed: list[Any] = [bytes(head), frames[1]]
+    if secret:
+        sealed.append(_tag(secret, sealed[0], frames[1]))
+    return sealed
+
+
+def job_id(text: str) -> int:
+    """The u64 job id for ``GRADSYNC_PS_JOB``'s text: up to 16 hex digits as a number, else a hash of it."""
+    text = text.strip()
+    if not text:
+        return 0
+    if len(text) <= 16:
+        try:
+            return int(text, 16)
+        except ValueError:
+            pass
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
 
 
 def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int = MAX_PAYLOAD) -> Message:
@@ -197,14 +247,14 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
     head = bytes(head)
     body = frames[1]
     body_len = memoryview(body).nbytes
+    if len(head) >= 5 and head[:4] != MAGIC:
+        raise WireError(f"bad magic {head[:4]!r}: not a gradsync PS message")
+    if len(head) >= 5 and head[4] != PROTO:  # before the size check: an older peer's header is shorter
+        raise WireError(f"protocol version {head[4]}; this build speaks {PROTO} (upgrade both sides together)")
     if len(head) < HEADER.size:
         raise WireError(f"header is {len(head)} bytes; at least {HEADER.size} expected (truncated frame?)")
-    (magic, proto, op, dtype_code, flags, part, parts, ndim, _pad, key_len, sender, count, req_id, version, offset,
-     numel, nbytes, priority, _pad2) = HEADER.unpack_from(head)
-    if magic != MAGIC:
-        raise WireError(f"bad magic {magic!r}: not a gradsync PS message")
-    if proto != PROTO:
-        raise WireError(f"protocol version {proto}; this build speaks {PROTO} (upgrade both sides together)")
+    (_magic, _proto, op, dtype_code, flags, part, parts, ndim, _pad, key_len, sender, count, req_id, version, offset,
+     numel, nbytes, priority, _pad2, job, session, seq) = HEADER.unpack_from(head)
     if secret:
         if len(frames) != 3:
             raise WireError("message has no authentication tag; this server requires one (set the shared secret)")
@@ -251,6 +301,8 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
         total = 1
         for d in shape:
             total *= d
+        if total > MAX_ELEMENTS:
+            raise WireError(f"shape {tuple(shape)} describes {total} elements; at most 2^63 - 1 can be indexed")
         if offset + numel > total:
             raise WireError(f"part [{offset}, {offset + numel}) lies outside a tensor of shape {tuple(shape)}")
     if flags & ~_ALL_FLAGS:
@@ -258,4 +310,4 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
     flag_v = Flag(flags)
     return Message(op=op_v, key=key, dtype=dtype, shape=tuple(shape), part=part, parts=parts, offset=offset, numel=numel,
                    sender=sender, count=count, req_id=req_id, version=version, priority=priority, flags=flag_v,
-                   payload=body)
+                   job=job, session=session, seq=seq, payload=body)

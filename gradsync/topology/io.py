@@ -45,7 +45,19 @@ def _check_keys(obj: Any, allowed: set[str], what: str, source: str) -> dict[str
 
 
 def from_dict(data: Any, source: str = "") -> Topology:
-    """Build a validated :class:`Topology` from the documented plain-data form."""
+    """Build a validated :class:`Topology` from the documented plain-data form.
+
+    A field of the wrong type deep inside (a list where a name or a number belongs) is a
+    :class:`TopologyError` naming the file, as every other malformed input is, never a bare TypeError."""
+    try:
+        return _from_dict(data, source)
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        if isinstance(exc, TopologyError):
+            raise
+        raise TopologyError(f"malformed topology{_where(source)}: {type(exc).__name__}: {exc}") from None
+
+
+def _from_dict(data: Any, source: str = "") -> Topology:
     data = _check_keys(data, _TOP_KEYS, "topology", source)
     if data.get("type", "gradsync.topology") != "gradsync.topology":
         raise TopologyError(f"file{_where(source)} has type {data['type']!r}, expected 'gradsync.topology'")
