@@ -185,3 +185,10 @@ def test_inexact_capacities_still_give_a_valid_bound():
 def test_single_rank_has_no_bound():
     t = get_topology("switch:1")
     assert cut_bound(t).value == 0.0
+
+
+def test_a_schedule_that_meets_the_cut_skips_the_lp():
+    t = get_topology("fattree:4")
+    b = limits(t, achieved=2 * 15 / 16)
+    assert b.method == "cut" and b.lower_bound == pytest.approx(2 * 15 / 16, rel=1e-12)
+    assert limits(t, achieved=2.5).method == "lp"  # not met: the LP's certificate is still computed

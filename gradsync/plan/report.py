@@ -136,7 +136,7 @@ def evaluate(
         cost=cost,
         aggregation_cost=loads.aggregation_cost(costs),
         half_duplex_cost=loads.half_duplex_cost(costs),
-        limits=bounds or limits(topology),
+        limits=bounds or limits(topology, achieved=cost),
         time_s=time_s,
         algbw_GBps=size_bytes / time_s / 1e9 if time_s > 0 else float("inf"),
         steps=schedule.num_steps,
