@@ -168,7 +168,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         latency_s=args.latency, message_s=args.message_s, merge_tensors=not args.per_tensor, fairness=args.fairness,
         fifo=args.fifo, progress=True if args.progress else None,
     )
-    cost = schedule.link_loads(topo).cost(topo.costs)
+    cost = schedule.link_loads(topo).cost(topo.directed_costs)
     planned_s = predicted_time(schedule, topo, total, args.latency, cost=cost)
     if args.timeline:
         plot_timeline(result, args.timeline, by=args.timeline_by)

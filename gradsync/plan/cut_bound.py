@@ -209,7 +209,7 @@ def _best_family(net: _Network) -> tuple[int, int, list[list[int]], int]:
 
 def _directed_weights(topology: Topology) -> np.ndarray:
     """``(m, 2)`` capacities of each link's directions ``a -> b`` and ``b -> a`` in buffers per cost unit."""
-    return np.stack([1.0 / topology.costs, 1.0 / topology.costs], axis=1)
+    return 1.0 / topology.directed_costs
 
 
 def _network(topology: Topology, weights: np.ndarray, budget: float) -> tuple[_Network, float, bool]:

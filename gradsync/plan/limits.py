@@ -95,9 +95,12 @@ def limits(topology: Topology, max_lp_ranks: int = MAX_LP_RANKS, *, achieved: fl
     if topology.world_size > max_lp_ranks or certified:
         return Limits(cut, cut, None, None, None, None, method="cut", aggregation_cut=aggregation)
     packing = optimal_packing(topology)
-    lower = max(packing.lower_bound, min(cut, packing.cost))
+    # On asymmetric links the LP's certificate bounds only schedules that reduce and broadcast along the same
+    # trees (it sees each link at its slower direction); the cut bound holds for every schedule.
+    lower = max(packing.lower_bound, min(cut, packing.cost)) if topology.symmetric else cut
+    method = "lp" if topology.symmetric else "cut"
     if topology.has_forwarders:
-        return Limits(lower, cut, None, None, None, None, aggregation_cut=aggregation)
+        return Limits(lower, cut, None, None, None, None, method=method, aggregation_cut=aggregation)
     costs = topology.costs
     n = topology.world_size
     tree = bottleneck_tree(topology)
@@ -108,5 +111,6 @@ def limits(topology: Topology, max_lp_ranks: int = MAX_LP_RANKS, *, achieved: fl
         tree=float((costs * tree.loads).max()) if costs.size else 0.0,
         optimum=packing.cost,
         sum_bound=(n - 1) / float(np.sum(1.0 / costs)) if costs.size else 0.0,
+        method=method,
         aggregation_cut=aggregation,
     )
