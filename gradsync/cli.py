@@ -140,7 +140,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     b = report.limits
     print(f"{report.algorithm} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link {report.unit_bandwidth_GBps:g} GB/s)")
     how = "" if b.method == "lp" else " (cut bound only: too many ranks for the LP)"
-    print(f"  lower bound {report.lower_bound:.6g}{how} (gap {report.gap:.2%}); any-switch cut bound {b.cut:.6g}")
+    print(f"  lower bound {report.lower_bound:.6g}{how} (gap {report.gap:.2%}); cut bound {b.cut:.6g}, "
+          f"{b.aggregation_cut:.6g} if switches could aggregate")
     if b.optimum is not None:
         print(f"  Lemma 2.1: max c_e {b.max_link_cost:.6g} >= C(T_MWST) {b.tree:.6g} >= C(G) {b.optimum:.6g} >= (n-1)/sum 1/c_e {b.sum_bound:.6g}")
     print(f"  allreduce of {report.size_bytes:.6g} B: {report.time_s * 1e3:.4g} ms, algbw {report.algbw_GBps:.4g} GB/s")
@@ -199,7 +200,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         latency_s=args.latency, message_s=args.message_s, merge_tensors=not args.per_tensor, fairness=args.fairness,
         fifo=args.fifo, progress=True if args.progress else None,
     )
-    cost = schedule.link_loads(topo).cost(topo.costs)
+    cost = schedule.link_loads(topo).cost(topo.directed_costs)
     planned_s = predicted_time(schedule, topo, total, args.latency, cost=cost)
     if args.timeline:
         plot_timeline(result, args.timeline, by=args.timeline_by)

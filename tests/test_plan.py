@@ -114,7 +114,8 @@ def test_p2_16xlarge_bottleneck_is_inside_the_cards():
     assert classes["pcie-card"]["max_busy_cost"] == pytest.approx(15 / 8, rel=1e-9)
     assert classes["pcie-central"]["max_busy_cost"] < 15 / 8 - 0.1  # not the link between the halves
     assert classes["pcie-central"]["max_utilisation"] < 1.0
-    assert limits(t).cut == pytest.approx(1.0)  # what an aggregating switch fabric could reach
+    assert limits(t).aggregation_cut == pytest.approx(1.0)  # what an aggregating switch fabric could reach
+    assert limits(t).cut == pytest.approx(15 / 8, rel=1e-12)  # the exact cut bound: each card link alone
 
 
 # ---- exactness on small graphs (property tests) --------------------------------------------------------------
@@ -227,7 +228,9 @@ def test_large_topologies_fall_back_to_the_cut_bound():
     exact = limits(t)
     assert exact.method == "lp" and exact.lower_bound == pytest.approx(2 * 5 / 6)
     cheap = limits(t, max_lp_ranks=4)
-    assert cheap.method == "cut" and cheap.lower_bound == pytest.approx(1.0)
+    # The exact cut bound (every host alone) is tight on a switch; the singleton aggregation bound is not.
+    assert cheap.method == "cut" and cheap.lower_bound == pytest.approx(2 * 5 / 6)
+    assert cheap.aggregation_cut == pytest.approx(1.0)
     assert cheap.lower_bound <= exact.lower_bound
 
 

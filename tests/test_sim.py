@@ -98,7 +98,7 @@ def test_any_schedule_respects_links_dependencies_and_conservation(seed, debug_i
                 if streaming and latency_s is None:
                     assert r.gst_over_tf == pytest.approx(cost, rel=1e-9)
                 # Conservation: busy time = load * bytes / bandwidth, for every link direction.
-                expect = loads * GB / (r.link_bandwidth_GBps[:, None] * 1e9)
+                expect = loads * GB / (r.link_bandwidth_GBps * 1e9)
                 np.testing.assert_allclose(r.link_busy_s, expect, rtol=1e-9, atol=1e-15)
                 np.testing.assert_allclose(r.link_bytes, loads * GB, rtol=1e-9, atol=1e-3)
                 assert np.all(r.link_utilisation <= 1 + 1e-9)

@@ -1,6 +1,7 @@
 """Planning: the Schedule representation, synthesizers in a registry, and physical limits (seeds 000-002)."""
 
 from gradsync.plan import bml, hierarchical  # noqa: F401  (register the bml and hierarchical synthesizers)
+from gradsync.plan.cut_bound import CutBound, cut_bound
 from gradsync.plan.limits import Limits, limits
 from gradsync.plan.lp import TreePacking, bottleneck_tree, pack_trees, partition_bound
 from gradsync.plan.report import PlanReport, evaluate, predicted_time
@@ -11,6 +12,7 @@ __all__ = [
     "COLLECTIVES",
     "SYNTHESIZERS",
     "Chunk",
+    "CutBound",
     "LinkLoads",
     "Limits",
     "PlanOptions",
@@ -21,6 +23,7 @@ __all__ = [
     "Tree",
     "TreePacking",
     "bottleneck_tree",
+    "cut_bound",
     "evaluate",
     "limits",
     "pack_trees",

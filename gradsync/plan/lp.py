@@ -75,7 +75,9 @@ def partition_bound(topology: Topology, part_of: dict[str, int]) -> float:
     parts = {part_of[r] for r in topology.ranks}
     if parts != set(part_of.values()):
         raise PlanError("every part of a partition bound must contain a rank")
-    cross = sum(1.0 / c for lk, c in zip(topology.links, topology.costs) if part_of[lk.a] != part_of[lk.b])
+    # Each direction's crossings need p - 1 per element, so the two directions' mean capacity is what counts.
+    mean = (1.0 / topology.directed_costs).mean(axis=1) if topology.links else np.zeros(0)
+    cross = sum(w for lk, w in zip(topology.links, mean) if part_of[lk.a] != part_of[lk.b])
     return (len(parts) - 1) / cross if cross > 0 else 0.0
 
 

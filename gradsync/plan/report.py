@@ -37,7 +37,7 @@ def predicted_time(
 ) -> float:
     """Planner's time estimate (module docstring); pass ``cost`` when the link loads are already summed."""
     if cost is None:
-        cost = schedule.link_loads(topology).cost(topology.costs)
+        cost = schedule.link_loads(topology).cost(topology.directed_costs)
     assert topology.unit_bandwidth_GBps is not None
     return cost * size_bytes / (topology.unit_bandwidth_GBps * 1e9) + latency_term(schedule, topology, latency_s)
 
@@ -107,17 +107,19 @@ def evaluate(
 ) -> PlanReport:
     """Cost in the seed's units, bounds, predicted time and utilisation per link and per link class."""
     costs = topology.costs
+    directed_costs = topology.directed_costs
     loads = schedule.link_loads(topology)
-    cost = loads.cost(costs)
+    cost = loads.cost(directed_costs)
     unit = float(topology.unit_bandwidth_GBps or 1.0)
     time_s = predicted_time(schedule, topology, size_bytes, latency_s, cost=cost)
     links = []
     classes: dict[str, dict[str, float]] = {}
     for i, lk in enumerate(topology.links):
-        busy = float(loads.directed[i].max() * costs[i])
+        busy = float((loads.directed[i] * directed_costs[i]).max())
         util = busy / cost if cost > 0 else 0.0
         links.append({
             "a": lk.a, "b": lk.b, "kind": lk.kind, "bandwidth_GBps": lk.bandwidth_GBps,
+            **({} if lk.symmetric else {"bandwidth_down_GBps": lk.bandwidth_down_GBps}),
             "load_ab": float(loads.directed[i, 0]), "load_ba": float(loads.directed[i, 1]),
             "busy_cost": busy, "utilisation": util,
         })
@@ -136,7 +138,7 @@ def evaluate(
         cost=cost,
         aggregation_cost=loads.aggregation_cost(costs),
         half_duplex_cost=loads.half_duplex_cost(costs),
-        limits=bounds or limits(topology),
+        limits=bounds or limits(topology, achieved=cost),
         time_s=time_s,
         algbw_GBps=size_bytes / time_s / 1e9 if time_s > 0 else float("inf"),
         steps=schedule.num_steps,

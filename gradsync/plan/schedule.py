@@ -94,10 +94,13 @@ class LinkLoads:
     reduce_directed: np.ndarray
 
     def cost(self, costs: np.ndarray) -> float:
-        """Seed 000's C generalised to duplex links: max over link directions of load * c_e."""
+        """Seed 000's C generalised to duplex links: max over link directions of load * c_e.
+
+        ``costs`` is per link or per direction (``Topology.directed_costs``, for asymmetric links).
+        """
         if self.directed.size == 0:
             return 0.0
-        return float((self.directed * costs[:, None]).max())
+        return float((self.directed * (costs if costs.ndim == 2 else costs[:, None])).max())
 
     def aggregation_cost(self, costs: np.ndarray) -> float:
         """The seed's own single-direction C (eq. 2): reduce phase only, each link one undirected channel.

@@ -266,7 +266,7 @@ def sim_scaling_main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         schedule = synthesize(case.algorithm, topo, PlanOptions(pipeline=case.pipeline), check=False)
         plan_s = time.perf_counter() - t0
-        cost = schedule.link_loads(topo).cost(topo.costs)
+        cost = schedule.link_loads(topo).cost(topo.directed_costs)
         for mode in modes:
             for lat in (0.0, args.latency):
                 run = SimRun(case.name, case.topology, case.algorithm, case.pipeline, mode, lat,

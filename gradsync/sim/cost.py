@@ -128,7 +128,7 @@ class CostModel:
         """``topology`` with the link rates the runtime really gets (measured class rates × goodput)."""
         if not self.link_GBps and self.goodput == 1.0:
             return topology
-        links = tuple(replace(lk, bandwidth_GBps=self.link_GBps.get(lk.kind, lk.bandwidth_GBps) * self.goodput)
+        links = tuple(lk.scaled(self.link_GBps.get(lk.kind, lk.bandwidth_GBps) * self.goodput / lk.bandwidth_GBps)
                       for lk in topology.links)
         return replace(topology, links=links)
 
@@ -301,7 +301,7 @@ class Chooser:
         fast = self.model.rates(self.topology)
 
         def fluid_time(schedule: Schedule) -> float:
-            return schedule.link_loads(fast).cost(fast.costs) * size / unit
+            return schedule.link_loads(fast).cost(fast.directed_costs) * size / unit
 
         fluid: dict[str, float] = {}
         refused: dict[str, str] = {}

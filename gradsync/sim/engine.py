@@ -120,7 +120,8 @@ class SimResult:
     @property
     def link_bytes(self) -> np.ndarray:
         """Bytes that crossed every link direction, ``(links, 2)`` (busy time times bandwidth)."""
-        return self.link_busy_s * self.link_bandwidth_GBps[:, None] * 1e9
+        bw = self.link_bandwidth_GBps
+        return self.link_busy_s * (bw if bw.ndim == 2 else bw[:, None]) * 1e9
 
     def transfer_times(self) -> tuple[np.ndarray, np.ndarray]:
         """Per transfer of the schedule: (first start, last finish) over its tensors' flows."""
@@ -172,7 +173,8 @@ class SimResult:
         if links:
             out["links"] = [
                 {
-                    "a": a, "b": b, "kind": kind, "bandwidth_GBps": float(self.link_bandwidth_GBps[i]),
+                    "a": a, "b": b, "kind": kind, "bandwidth_GBps": float(self.link_bandwidth_GBps[i, 0]),
+                    "bandwidth_down_GBps": float(self.link_bandwidth_GBps[i, 1]),
                     "busy_ab_s": float(self.link_busy_s[i, 0]), "busy_ba_s": float(self.link_busy_s[i, 1]),
                     "utilisation_ab": float(self.link_utilisation[i, 0]),
                     "utilisation_ba": float(self.link_utilisation[i, 1]),
@@ -642,7 +644,7 @@ def simulate(
         max_active_flows=eng.max_active,
         wall_s=time.perf_counter() - wall,
         links=tuple((lk.a, lk.b, lk.kind) for lk in topology.links),
-        link_bandwidth_GBps=np.array([lk.bandwidth_GBps for lk in topology.links], float),
+        link_bandwidth_GBps=np.array([lk.directed_GBps for lk in topology.links], float).reshape(-1, 2),
         link_busy_s=busy_s,
         link_utilisation=busy_s / time_s if time_s > 0 else np.zeros_like(busy_s),
         start_s=eng.start[back],

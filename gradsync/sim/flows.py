@@ -253,7 +253,7 @@ def build_flows(
     feeder = np.repeat(np.arange(n_g * k, dtype=np.int64), np.diff(gdep_ptr))
     dgrp_ptr, pos = _csr_of(gdep_idx, f)
     dgrp_idx = feeder[pos]
-    capacity = np.repeat(np.array([lk.bandwidth_GBps * 1e9 for lk in topology.links], float), 2)
+    capacity = np.array([lk.directed_GBps for lk in topology.links], float).reshape(-1) * 1e9  # a->b, b->a
     return FlowSet(
         size=(scale[:, None] * base_size[None, :]).ravel(),
         transfer=np.tile(np.arange(n_t, dtype=np.int64), k),

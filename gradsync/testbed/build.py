@@ -425,6 +425,11 @@ def build_plan(topology: Topology, rate: str | float = "200mbit", delay: str | f
     n = len(topo.ranks)
     if n > MAX_SERVERS:
         raise TestbedError(f"topology {topo.name!r} has {n} ranks; the testbed's address plan allows {MAX_SERVERS}")
+    if not topo.symmetric:
+        lk = next(lk for lk in topo.links if not lk.symmetric)
+        raise TestbedError(f"topology {topo.name!r}: link {lk.a}-{lk.b} has different bandwidths per direction "
+                           f"({lk.directed_GBps[0]:g}/{lk.directed_GBps[1]:g} GB/s); the testbed shapes both "
+                           f"directions alike, so give it bandwidth_GBps")
     rank_of = topo.rank_index
     order = topo.device_index
     switches = [d.name for d in topo.devices if d.kind == "switch"]

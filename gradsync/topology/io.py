@@ -6,7 +6,8 @@ The file format (documented in the README) is the minimal form
     devices: [{name: gpu0, kind: gpu}, {name: gpu1, kind: gpu}, {name: plx0, kind: switch}]
     links: [{a: gpu0, b: plx0, bandwidth_GBps: 12, latency_s: 0.0}, {a: gpu1, b: plx0, bandwidth_GBps: 12}]
 
-plus optional ``ranks``, ``unit_bandwidth_GBps``, per-link ``kind`` and per-device ``attrs``. YAML is read
+plus optional ``ranks``, ``unit_bandwidth_GBps``, per-link ``kind`` and per-device ``attrs``. An asymmetric link
+gives ``bandwidth_up_GBps`` (``a -> b``) and ``bandwidth_down_GBps`` (``b -> a``) instead of ``bandwidth_GBps``. YAML is read
 with ``safe_load`` (no code execution); unknown keys are errors so typos do not pass silently.
 """
 
@@ -27,7 +28,7 @@ __all__ = ["from_dict", "load", "save", "get_topology", "parse_spec"]
 
 _TOP_KEYS = {"type", "version", "name", "devices", "links", "ranks", "unit_bandwidth_GBps", "attrs"}
 _DEVICE_KEYS = {"name", "kind", "attrs"}
-_LINK_KEYS = {"a", "b", "bandwidth_GBps", "latency_s", "kind"}
+_LINK_KEYS = {"a", "b", "bandwidth_GBps", "bandwidth_up_GBps", "bandwidth_down_GBps", "latency_s", "kind"}
 _SPEC = re.compile(r"^(?P<name>[A-Za-z][\w.\-]*)(?::(?P<args>[0-9,\s]+))?(?:\[(?P<sel>[0-9,\s]*)\])?$")
 
 
@@ -42,6 +43,28 @@ def _check_keys(obj: Any, allowed: set[str], what: str, source: str) -> dict[str
     if extra:
         raise TopologyError(f"{what}{_where(source)} has unknown field(s) {extra}; allowed: {sorted(allowed)}")
     return obj
+
+
+def _link_bandwidths(lk: dict[str, Any], where: str) -> tuple[Any, Any]:
+    """``bandwidth_GBps`` (both directions) or ``bandwidth_up_GBps`` (a -> b) with ``bandwidth_down_GBps`` (b -> a)."""
+    directed = [k for k in ("bandwidth_up_GBps", "bandwidth_down_GBps") if k in lk]
+    if "bandwidth_GBps" in lk:
+        if directed:
+            raise TopologyError(f"{where} gives bandwidth_GBps and {directed[0]}; give bandwidth_GBps for both "
+                                f"directions or bandwidth_up_GBps and bandwidth_down_GBps, not both")
+        return lk["bandwidth_GBps"], None
+    if len(directed) == 1:
+        missing = ({"bandwidth_up_GBps", "bandwidth_down_GBps"} - set(directed)).pop()
+        raise TopologyError(f"{where} gives only {directed[0]}: one-way links are not supported (they can "
+                            f"disconnect the reduce or the broadcast); give {missing} too")
+    if not directed:
+        raise TopologyError(f"{where} is missing 'bandwidth_GBps' (or bandwidth_up_GBps and bandwidth_down_GBps)")
+    for key in directed:
+        bw = lk[key]
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0 or bw == float("inf"):
+            raise TopologyError(f"{where} has {key}={bw!r}; it must be a positive number of GB/s (one-way links "
+                                f"are not supported: give both directions a bandwidth)")
+    return lk["bandwidth_up_GBps"], lk["bandwidth_down_GBps"]
 
 
 def from_dict(data: Any, source: str = "") -> Topology:
@@ -75,12 +98,11 @@ def _from_dict(data: Any, source: str = "") -> Topology:
     links = []
     for i, lk in enumerate(data["links"]):
         lk = _check_keys(lk, _LINK_KEYS, f"links[{i}]", source)
-        for key in ("a", "b", "bandwidth_GBps"):
+        for key in ("a", "b"):
             if key not in lk:
                 raise TopologyError(f"links[{i}]{_where(source)} is missing {key!r}")
-        links.append(
-            Link(str(lk["a"]), str(lk["b"]), lk["bandwidth_GBps"], lk.get("latency_s", 0.0), lk.get("kind", "link"))
-        )
+        up, down = _link_bandwidths(lk, f"links[{i}] ({lk['a']}-{lk['b']}){_where(source)}")
+        links.append(Link(str(lk["a"]), str(lk["b"]), up, lk.get("latency_s", 0.0), lk.get("kind", "link"), down))
     ranks = data.get("ranks") or ()
     if not isinstance(ranks, (list, tuple)):
         raise TopologyError(f"topology{_where(source)}: 'ranks' must be a list of device names")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -65,7 +65,13 @@ class Device:
 
 @dataclass(frozen=True)
 class Link:
-    """A duplex link: ``bandwidth_GBps`` in each direction at once, ``latency_s`` per message."""
+    """A duplex link: ``bandwidth_GBps`` from ``a`` to ``b`` and, unless ``bandwidth_down_GBps`` says
+    otherwise, from ``b`` to ``a`` too, at once; ``latency_s`` per message.
+
+    Asymmetric links (PCIe up/down, an oversubscribed uplink, a direction degraded) set
+    ``bandwidth_down_GBps``; the file format then names the directions ``bandwidth_up_GBps`` (``a -> b``)
+    and ``bandwidth_down_GBps`` (``b -> a``). Both directions must be positive: a one-way link is refused.
+    """
 
     a: str
     b: str
@@ -73,20 +79,43 @@ class Link:
     latency_s: float = 0.0
     #: Link class used to report utilisation (``nvlink``, ``pcie-card``, ``network``, ...).
     kind: str = "link"
+    #: Bandwidth from ``b`` to ``a`` where it differs from ``bandwidth_GBps``; ``None``: symmetric.
+    bandwidth_down_GBps: float | None = None
 
     def __post_init__(self) -> None:
         if self.a == self.b:
             raise TopologyError(f"link {self.a}-{self.b} connects a device to itself; remove it")
-        bw = self.bandwidth_GBps
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
-            raise TopologyError(
-                f"link {self.a}-{self.b} has bandwidth_GBps={bw!r}; it must be a positive number of GB/s"
-            )
+        for label, bw in (("bandwidth_GBps", self.bandwidth_GBps), ("bandwidth_down_GBps", self.bandwidth_down_GBps)):
+            if label == "bandwidth_down_GBps" and bw is None:
+                continue
+            if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+                direction = f" ({self.b} -> {self.a})" if label == "bandwidth_down_GBps" else ""
+                raise TopologyError(
+                    f"link {self.a}-{self.b} has {label}={bw!r}{direction}; it must be a positive number of GB/s "
+                    f"(one-way links are not supported: give both directions a bandwidth)"
+                )
+        if self.bandwidth_down_GBps == self.bandwidth_GBps:
+            object.__setattr__(self, "bandwidth_down_GBps", None)
         lat = self.latency_s
         if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not math.isfinite(lat) or lat < 0:
             raise TopologyError(
                 f"link {self.a}-{self.b} has latency_s={lat!r}; it must be a number of seconds >= 0"
             )
+
+    @property
+    def directed_GBps(self) -> tuple[float, float]:
+        """Bandwidths ``(a -> b, b -> a)``."""
+        down = self.bandwidth_GBps if self.bandwidth_down_GBps is None else self.bandwidth_down_GBps
+        return float(self.bandwidth_GBps), float(down)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.bandwidth_down_GBps is None
+
+    def scaled(self, factor: float) -> Link:
+        """The same link with both directions' bandwidth multiplied by ``factor``."""
+        down = None if self.bandwidth_down_GBps is None else self.bandwidth_down_GBps * factor
+        return replace(self, bandwidth_GBps=self.bandwidth_GBps * factor, bandwidth_down_GBps=down)
 
     @property
     def key(self) -> frozenset[str]:
@@ -157,7 +186,7 @@ class Topology:
                 )
         ub = self.unit_bandwidth_GBps
         if ub is None:
-            ub = min((lk.bandwidth_GBps for lk in self.links), default=1.0)
+            ub = min((min(lk.directed_GBps) for lk in self.links), default=1.0)
             object.__setattr__(self, "unit_bandwidth_GBps", float(ub))
         elif isinstance(ub, bool) or not isinstance(ub, (int, float)) or not math.isfinite(ub) or ub <= 0:
             raise TopologyError(f"topology {self.name!r}: unit_bandwidth_GBps={ub!r} must be a positive number")
@@ -202,9 +231,24 @@ class Topology:
 
     @cached_property
     def costs(self) -> np.ndarray:
-        """``c_e = unit_bandwidth / bandwidth_e`` for every link (seed 000 eq. 1 units)."""
+        """``c_e = unit_bandwidth / bandwidth_e`` for every link (seed 000 eq. 1 units).
+
+        On an asymmetric link ``bandwidth_e`` is its slower direction: a tree edge reduces one way and
+        broadcasts the other, so a tree schedule loads both directions alike and the slower one binds.
+        """
+        return self.directed_costs.max(axis=1) if self.links else np.zeros(0)
+
+    @cached_property
+    def directed_costs(self) -> np.ndarray:
+        """``(links, 2)`` costs of each direction, ``a -> b`` then ``b -> a``."""
         assert self.unit_bandwidth_GBps is not None
-        return np.array([self.unit_bandwidth_GBps / lk.bandwidth_GBps for lk in self.links], dtype=float)
+        bw = np.array([lk.directed_GBps for lk in self.links], dtype=float).reshape(-1, 2)
+        return self.unit_bandwidth_GBps / bw
+
+    @property
+    def symmetric(self) -> bool:
+        """True when every link has the same bandwidth both ways."""
+        return all(lk.symmetric for lk in self.links)
 
     @property
     def world_size(self) -> int:
@@ -265,7 +309,8 @@ class Topology:
                 {
                     "a": lk.a,
                     "b": lk.b,
-                    "bandwidth_GBps": lk.bandwidth_GBps,
+                    **({"bandwidth_GBps": lk.bandwidth_GBps} if lk.symmetric else
+                       {"bandwidth_up_GBps": lk.bandwidth_GBps, "bandwidth_down_GBps": lk.bandwidth_down_GBps}),
                     "latency_s": lk.latency_s,
                     "kind": lk.kind,
                 }
