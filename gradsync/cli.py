@@ -154,7 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  allreduce of {report.size_bytes:.6g} B: {report.time_s * 1e3:.4g} ms, algbw {report.algbw_GBps:.4g} GB/s")
     if runtime_s is None or native_s is None:
         print(f"  runtime cost model: skipped ({report.transfers} transfers > {MAX_RUNTIME_PREDICT_TRANSFERS}; "
-              f"'gradsync simulate --store-and-forward' runs it on a saved plan)")
+              f"'gradsync simulate --runtime-model' runs it on a plan saved with -o)")
     else:
         print(f"  runtime cost model (store-and-forward, {model.message_s * 1e6:g} us/message): {runtime_s * 1e3:.4g} ms; "
               f"torch.distributed.all_reduce (rank-order ring): {native_s * 1e3:.4g} ms")
