@@ -35,3 +35,15 @@ def random_topology(n: int, extra_edges: int, seed: int, bandwidths: tuple[float
         tuple(Device(f"g{i}", "gpu") for i in range(n)),
         tuple(Link(f"g{a}", f"g{b}", float(rng.choice(bandwidths))) for a, b in sorted(edges)),
     )
+
+
+def set_partitions(items: list) -> Iterator[list[list]]:
+    """Every partition of ``items`` into non-empty blocks (Bell(n) of them): the brute force for cut bounds."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first, *part[i]]] + part[i + 1:]
+        yield [[first], *part]

@@ -12,21 +12,10 @@ from gradsync.plan.cut_bound import cut_bound, family_bound
 from gradsync.plan.limits import _singleton_cut
 from gradsync.topology import DGX1_NVLINKS, Device, Link, Topology, get_topology
 
-from .conftest import random_topology
+from .conftest import random_topology, set_partitions
 
 
 # ---- independent brute force ---------------------------------------------------------------------------------
-def set_partitions(items):
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for part in set_partitions(rest):
-        for i in range(len(part)):
-            yield part[:i] + [[first, *part[i]]] + part[i + 1:]
-        yield [[first], *part]
-
-
 def boundary(topology: Topology, members: set[str]) -> float:
     return sum(1 / c for lk, c in zip(topology.links, topology.costs) if (lk.a in members) != (lk.b in members))
 

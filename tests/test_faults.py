@@ -102,6 +102,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _reap(started: set[int], launcher: subprocess.Popen) -> None:
+    """Kill what a test's launcher started (and the launcher) if the test left any of it running."""
+    for p in started:  # only what this test's launcher started
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+
+
 #: a worker that starts a grandchild (its own `sleep`) and then waits forever
 SLEEPER = ("import subprocess, sys, time; subprocess.Popen(['sleep', '300']); print('ready', flush=True); "
            "time.sleep(300)")
@@ -129,12 +139,7 @@ def test_signal_to_launch_ends_every_process_it_started(sig: signal.Signals) -> 
         time.sleep(max(0.0, 5 - (time.monotonic() - t0)))
         assert [p for p in started if _alive(p)] == []
     finally:
-        for p in started:  # only what this test's launcher started
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _reap(started, launcher)
     assert launcher.returncode == 128 + sig, (launcher.returncode, err)
     assert f"stopped by {sig.name}" in err and "Traceback" not in err, err
 
@@ -170,12 +175,7 @@ def test_dead_server_ends_the_job_naming_it() -> None:
         time.sleep(0.5)
         assert [p for p in started if _alive(p)] == []
     finally:
-        for p in started:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _reap(started, launcher)
     assert launcher.returncode == 137, err
     assert "[server 0] (tcp://127.0.0.1:" in err and "exit code 137 (killed by SIGKILL)" in err, err
 
@@ -552,12 +552,7 @@ def test_signal_to_run_mpi_ends_mpirun_and_its_ranks(tmp_path: Path, sig: signal
         time.sleep(max(0.0, 5 - (time.monotonic() - t0)))
         assert [p for p in started if _alive(p)] == []
     finally:
-        for p in started:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _reap(started, launcher)
     assert launcher.returncode == 128 + sig, (launcher.returncode, err)
     assert f"stopped by {sig.name}" in err and "Traceback" not in err, err
 

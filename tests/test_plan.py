@@ -16,21 +16,10 @@ from gradsync.errors import PlanError
 from gradsync.plan import SYNTHESIZERS, PlanOptions, evaluate, limits, pack_trees, synthesize
 from gradsync.topology import get_topology
 
-from .conftest import random_topology
+from .conftest import random_topology, set_partitions
 
 
 # ---- independent brute force ---------------------------------------------------------------------------
-def set_partitions(items):
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for part in set_partitions(rest):
-        for i in range(len(part)):
-            yield part[:i] + [[first, *part[i]]] + part[i + 1:]
-        yield [[first], *part]
-
-
 def nash_williams_optimum(topology) -> float:
     """max over partitions P of (|P| - 1) / sum of 1/c_e over links crossing P, by enumeration."""
     names = [d.name for d in topology.devices]
