@@ -19,7 +19,7 @@ from pathlib import Path
 from gradsync.commands.order import add_parser as add_order_parser
 from gradsync.errors import GradsyncError
 from gradsync.launch import Terminated
-from gradsync.paths import check_output
+from gradsync.paths import check_output, write_text
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
 from gradsync.ps.launch import add_parser as add_launch_parser
 from gradsync.sim.cost import plan_auto  # noqa: F401 - registers the "auto" synthesizer before --algorithm's choices
@@ -136,7 +136,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         runtime_s = model.predict(schedule, topo, options.size_bytes)  # as the runtime executes it
         native_s = model.predict_native(topo, options.size_bytes)
     if export is not None:
-        _write_text(args.output, export.xml)
+        write_text(args.output, export.xml, "MSCCL algorithm file")
     elif args.output:
         schedule.save(args.output)
     if args.json:
@@ -175,13 +175,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif args.output:
         print(f"  schedule written to {args.output}")
     return 0
-
-
-def _write_text(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text)
-    except OSError as exc:
-        raise GradsyncError(f"cannot write {path!r}: {exc.strerror}; check that its directory exists and is writable") from None
 
 
 # ---- simulate ------------------------------------------------------------------------------------------

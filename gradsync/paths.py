@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gradsync.errors import GradsyncError
 
-__all__ = ["check_output"]
+__all__ = ["check_output", "write_text"]
 
 
 def check_output(path: str | os.PathLike[str] | None, option: str) -> None:
@@ -23,3 +23,14 @@ def check_output(path: str | os.PathLike[str] | None, option: str) -> None:
                             f"(mkdir -p {parent}) or write somewhere else")
     if not os.access(parent, os.W_OK):
         raise GradsyncError(f"{option} {str(p)!r}: directory {str(parent)!r} is not writable; write somewhere else")
+
+
+def write_text(path: str | os.PathLike[str], text: str, what: str, error: type[GradsyncError] = GradsyncError) -> Path:
+    """Write ``text`` to ``path``; an OS failure becomes ``error`` naming ``what`` the file is and the fix."""
+    p = Path(path)
+    try:
+        p.write_text(text)
+    except OSError as exc:
+        raise error(f"cannot write {what} {str(p)!r}: {exc.strerror}; check that its directory exists and is "
+                    f"writable") from None
+    return p

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.errors import GradsyncError
+from gradsync.paths import write_text
 
 __all__ = ["Dag", "DagError", "Op", "Param", "DAG_TYPE", "KIND_BACKWARD", "KIND_SEND", "forward_of", "ops_reading", "training_dag"]
 
@@ -201,13 +202,7 @@ class Dag:
         return cls(str(data.get("name", "dag")), params, ops, tuple(_strs(data, "grad_order")), str(data.get("source", "json")))
 
     def save(self, path: str | Path) -> Path:
-        out = Path(path)
-        try:
-            out.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        except OSError as exc:
-            raise DagError(f"cannot write DAG file {str(out)!r}: {exc.strerror}; check that its directory exists "
-                           f"and is writable") from None
-        return out
+        return write_text(path, json.dumps(self.to_dict(), indent=1) + "\n", "DAG file", DagError)
 
     @classmethod
     def load(cls, path: str | Path) -> Dag:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from gradsync.errors import ScheduleError
+from gradsync.paths import write_text
 from gradsync.topology.model import Topology
 
 __all__ = ["COLLECTIVES", "Chunk", "Transfer", "Tree", "Schedule", "LinkLoads"]
@@ -420,13 +421,7 @@ class Schedule:
             raise ScheduleError(f"malformed schedule data: {type(exc).__name__}: {exc}") from None
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        try:
-            p.write_text(json.dumps(self.to_dict()) + "\n")
-        except OSError as exc:
-            raise ScheduleError(f"cannot write schedule file {str(p)!r}: {exc.strerror}; check that its directory "
-                                f"exists and is writable") from None
-        return p
+        return write_text(path, json.dumps(self.to_dict()) + "\n", "schedule file", ScheduleError)
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from gradsync.errors import TopologyError
+from gradsync.paths import write_text
 from gradsync.topology.builders import BUILDERS
 from gradsync.topology.model import Device, Link, Topology
 
@@ -142,12 +143,7 @@ def save(topology: Topology, path: str | Path) -> Path:
     p = Path(path)
     data = topology.to_dict()
     text = json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
-    try:
-        p.write_text(text)
-    except OSError as exc:
-        raise TopologyError(f"cannot write topology file {str(p)!r}: {exc.strerror}; check that its directory "
-                            f"exists and is writable") from None
-    return p
+    return write_text(p, text, "topology file", TopologyError)
 
 
 def parse_spec(spec: str) -> tuple[str, tuple[int, ...], tuple[int, ...] | None]:
