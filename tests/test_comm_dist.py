@@ -51,6 +51,7 @@ def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
         assert rep["first"] == first and rep["second"] == first, (rank, rep)
     assert "calibrated on 3 ranks" in first["source"]
     assert 1e-6 <= first["message_s"] < 0.5 and 1e-6 <= first["native_message_s"] < 0.5, first
+    assert 0.0 <= first["reverse_share"] <= 0.5 and "both ways" in first["source"], first
     assert len(reports[0]["files"]) == 1 and reports[0]["files"][0].startswith("cost_model-")
 
 

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from gradsync.comm.runtime import load_cost_model
-from gradsync.errors import GradsyncError, PlanError
+from gradsync.errors import GradsyncError, PlanError, SimulationError
 from gradsync.plan import synthesize
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
+from gradsync.sim import simulate
 from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
 from gradsync.topology import get_topology
 
@@ -75,7 +76,44 @@ def test_measured_rates_and_goodput_scale_the_links():
     assert slow == pytest.approx(4 * base, rel=1e-9)
 
 
+def _pair(routes: list[tuple[int, int]], topology: str, hosts: int) -> Schedule:
+    """One whole-buffer message per ``(src, dst)`` of ``routes`` at step 0, each its own chunk, on a switch."""
+    chunks = tuple(Chunk(0.0, 1.0, src) for src, _ in routes)
+    transfers = tuple(Transfer(i, a, b, (f"host{a}", "sw0", f"host{b}"), False, 0) for i, (a, b) in enumerate(routes))
+    return Schedule("pairs", topology, tuple(f"host{i}" for i in range(hosts)), chunks, transfers,
+                    collective="broadcast")
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.05, 0.2])
+def test_a_link_loaded_both_ways_carries_one_over_one_plus_kappa_each_way(kappa):
+    """κ of a stream's rate runs against it (acknowledgements): an exchange over one switch takes
+    M(1 + κ)/β, a lone stream M/β, and fan-in from two senders 2M/β, as measured on the testbed (fan-in
+    and fan-out lose nothing, a link loaded both ways loses κ)."""
+    t = get_topology("switch:3")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m = 1e7
+    model = CostModel(message_s=0.0, reverse_share=kappa)
+    assert model.predict(_pair([(0, 1)], "switch:3", 3), t, m) == pytest.approx(m / beta, rel=1e-9)
+    assert model.predict(_pair([(0, 1), (1, 0)], "switch:3", 3), t, m) == pytest.approx(m * (1 + kappa) / beta, rel=1e-9)
+    assert model.predict(_pair([(1, 0), (2, 0)], "switch:3", 3), t, m) == pytest.approx(2 * m / beta, rel=1e-9)
+    with pytest.raises(SimulationError, match=r"reverse_share=1.5 must lie in \[0, 1\)"):
+        simulate(_pair([(0, 1)], "switch:3", 3), t, m, reverse_share=1.5)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_native_ring_with_reverse_share_is_the_closed_form(n):
+    """Every NIC of a switch is loaded both ways in gloo's ring: 2(N-1)(M(1+κ)/(Nβ) + α)."""
+    t = get_topology(f"switch:{n}")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m, alpha, kappa = 3e7, 1e-4, 0.08
+    got = CostModel(native_message_s=alpha, reverse_share=kappa).predict_native(t, m)
+    assert got == pytest.approx(2 * (n - 1) * (m * (1 + kappa) / (n * beta) + alpha), rel=1e-9)
+
+
 @pytest.mark.parametrize("bad,match", [
+    ({"reverse_share": 1.0}, r"reverse_share=1.0 must lie in \[0, 1\)"),
+    ({"reverse_share": -0.1}, "reverse_share=-0.1"),
+    ({"reverse_share": True}, "reverse_share=True"),
     ({"link_GBps": {"link": 0.0}}, "measured 0"),
     ({"link_GBps": {"link": float("nan")}}, "positive number"),
     ({"goodput": 0.0}, r"goodput=0.0 must lie in \(0, 1\]"),
@@ -88,7 +126,7 @@ def test_bad_calibration_is_a_clear_error(bad, match):
 
 
 def test_cost_model_round_trips_through_json_and_rejects_unknown_fields(tmp_path):
-    m = CostModel(message_s=1e-4, goodput=0.9, link_GBps={"network": 1.25}, source="measured")
+    m = CostModel(message_s=1e-4, goodput=0.9, reverse_share=0.07, link_GBps={"network": 1.25}, source="measured")
     f = tmp_path / "cost.json"
     f.write_text(json.dumps(m.to_dict()))
     assert load_cost_model(str(f)) == m

@@ -164,6 +164,10 @@ def test_probe_rows_become_the_runtimes_cost_model() -> None:
     assert "2 pairs" in m.source
     fallback = cost_model(plan, [{"measured_mbit": 0.0, "expected_mbit": 400.0}])
     assert fallback.goodput == TCP_GOODPUT and "headers" in fallback.source
+    assert m.reverse_share == 0.0 and fallback.reverse_share == 0.0  # nothing probed both ways
+    both = cost_model(plan, [{**rows[0], "reverse_share": 0.02}, {**rows[1], "reverse_share": 0.1},
+                             {**rows[1], "reverse_share": 0.06}, {**rows[2], "reverse_share": None}])
+    assert both.reverse_share == pytest.approx(0.06) and "both ways" in both.source
     topo = get_topology("racks:2,3,4")
     # the model's rates are the testbed's: the uplink is 1/4 of a NIC, as shaped
     fast = m.rates(topo)

@@ -25,6 +25,7 @@ from gradsync.comm import lifetime
 from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.errors import CommError, GradsyncError
+from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import PlanOptions
 from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
@@ -50,6 +51,11 @@ Tensors = torch.Tensor | Sequence[torch.Tensor]
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
 #: keep step order rather than spend a simulation at plan time.
 MAX_ORDERED_TRANSFERS = 200_000
+#: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (~0.1 s at 400 Mbit/s).
+DUPLEX_BYTES = 4 << 20
+#: A calibrated ``reverse_share`` above this is capped: a link loaded both ways at under 2/3 of one way is
+#: a noisy measurement, not a property of the wire.
+MAX_REVERSE_SHARE = 0.5
 #: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
 PLAN_TIMEOUT_S = 600.0
 
@@ -212,8 +218,11 @@ class Runtime:
         Times a ``size_bytes`` allreduce (so bytes hardly count) on the planned ring through the executor,
         and the backend's own ``all_reduce``; the slowest rank's median of ``reps`` is the measurement. α is
         the value at which the model predicts exactly that time (the prediction is affine in α for
-        messages this small), the same on every rank. Runs on the communication thread, in order with
-        queued collectives; needs a torch.distributed transport.
+        messages this small), the same on every rank. Then rank 0 and the rank behind its slowest path
+        (:meth:`_duplex_peer`) send :data:`DUPLEX_BYTES` one way and both ways at once: ``reverse_share`` κ = both / one way - 1 (kept in ``[0, 0.5]``), what a link
+        loaded both ways loses on this wire (acknowledgements, the transport's one thread per peer).
+        Runs on the communication thread, in order with queued collectives; needs a torch.distributed
+        transport.
         """
         group = getattr(self.transport, "group", None)
         if group is None:
@@ -246,11 +255,32 @@ class Runtime:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             return float(t.item())
 
+        far = self._duplex_peer()
+        pair = self.rank in (0, far)
+        big = torch.zeros(DUPLEX_BYTES // 4) if pair else None
+        got = torch.empty(DUPLEX_BYTES // 4) if pair else None
+
+        def one_way() -> None:
+            if self.rank == 0:
+                dist.send(big, group=group, group_dst=far)
+            elif self.rank == far:
+                dist.recv(got, group=group, group_src=0)
+
+        def both_ways() -> None:
+            if pair:
+                peer = far if self.rank == 0 else 0
+                works = [dist.irecv(got, group=group, group_src=peer), dist.isend(big, group=group, group_dst=peer)]
+                for w in works:
+                    w.wait()
+
         try:
             t_ex = slowest_median(lambda: ex.run(buf))
             t_nat = slowest_median(lambda: dist.all_reduce(buf, group=group))
+            t_one = slowest_median(one_way)
+            t_both = slowest_median(both_ways)
         finally:
             ex.close()
+        kappa = min(MAX_REVERSE_SHARE, max(0.0, t_both / t_one - 1.0)) if t_one > 0 else 0.0
         nbytes = buf.numel() * 4
         zero = replace(self.cost_model, message_s=0.0, native_message_s=0.0)
         one = replace(self.cost_model, message_s=1e-3, native_message_s=1e-3)
@@ -263,11 +293,26 @@ class Runtime:
                       self.cost_model.message_s)
         native = solve(zero.predict_native(self.topology, nbytes), one.predict_native(self.topology, nbytes), t_nat,
                        self.cost_model.native_message_s)
-        model = replace(self.cost_model, message_s=alpha, native_message_s=native,
+        model = replace(self.cost_model, message_s=alpha, native_message_s=native, reverse_share=kappa,
                         source=f"{self.cost_model.source}; message costs calibrated on {self.world_size} ranks "
-                               f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native)")
+                               f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native; both ways "
+                               f"{1 / (1 + kappa):.3f} of one way)")
         self.set_cost_model(model)
         return model
+
+    def _duplex_peer(self) -> int:
+        """The rank whose path from rank 0 has the slowest bottleneck (then the fewest hops): the links that
+        bound the collectives are the ones whose loss both ways matters (rank 1 under a custom mapping)."""
+        if self.mapping is not None:
+            return 1
+        topo = self.cost_model.rates(self.topology)
+        route = router_for(topo)
+
+        def key(p: int) -> tuple[float, int, int]:
+            hops = topo.route_links(route(topo.ranks[0], topo.ranks[p]))
+            return min(topo.links[e].directed_GBps[d] for e, d in hops), len(hops), p
+
+        return min(range(1, self.world_size), key=key)
 
     def _planner(self) -> Chooser:
         """A chooser without candidates of its own, for named algorithms (plans and checks them)."""

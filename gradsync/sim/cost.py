@@ -4,9 +4,11 @@ The executor (:mod:`gradsync.comm.executor`) moves each (sub-)chunk of a schedul
 forwards or reduces it only once it has fully arrived: *store-and-forward per sub-chunk*. The messages
 between two ranks share one TCP connection and go one after another; a rank's one thread handles its
 arrivals one at a time, each costing a fixed software time α (waiting, adding, posting the next, the
-transport's own handshakes); links are duplex; a transport reaches only a share of a link's rate (TCP
-goodput). That is exactly the event simulator with ``streaming=False, fifo=True`` (:func:`gradsync.sim.simulate`)
-and ``message_s = α`` on the topology with calibrated link rates, so the model *is* that simulation, not a
+transport's own handshakes); links are duplex, but a stream's acknowledgements take a share κ of its rate
+on the opposite direction (so a link loaded both ways carries ``1/(1+κ)`` each way, as measured); a
+transport reaches only a share of a link's rate (TCP goodput). That is exactly the event simulator with
+``streaming=False, fifo=True`` (:func:`gradsync.sim.simulate`), ``message_s = α`` and ``reverse_share = κ``
+on the topology with calibrated link rates, so the model *is* that simulation, not a
 second formula that could drift from it. Closed forms it reproduces (tested):
 
 * ring allreduce on N ranks, M bytes, link rate β:  ``2 (N-1) (M / (N β) + α)``;
@@ -73,7 +75,10 @@ class CostModel:
 
     ``message_s``: α of one executor message (gloo p2p from Python). ``native_message_s``: α of one step
     of the backend's own ring allreduce (C++). ``goodput``: share of every link's rate a transport
-    reaches, in (0, 1]. ``link_GBps``: measured rates per link class (``Link.kind``) replacing the
+    reaches, in (0, 1]. ``reverse_share``: κ in [0, 1), the share of a stream's rate its acknowledgements
+    take on the opposite direction of each link it crosses (:func:`gradsync.sim.engine.with_reverse_share`;
+    measured by ``gradsync testbed probe --duplex``: a link loaded both ways carries ``1 / (1 + κ)`` of a
+    lone stream each way). ``link_GBps``: measured rates per link class (``Link.kind``) replacing the
     topology file's (before ``goodput``). ``pipelines``: sub-chunk counts the chooser tries.
     ``source`` says where the numbers came from (``defaults``, ``measured``, ``probe``, a file).
     """
@@ -81,6 +86,7 @@ class CostModel:
     message_s: float = 150e-6
     native_message_s: float = 60e-6
     goodput: float = 1.0
+    reverse_share: float = 0.0
     link_GBps: Mapping[str, float] = field(default_factory=dict)
     pipelines: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     source: str = "defaults"
@@ -91,6 +97,10 @@ class CostModel:
         g = self.goodput
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
             raise PlanError(f"goodput={g!r} must lie in (0, 1]: the share of a link's rate a transport reaches")
+        k = self.reverse_share
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 <= k < 1:
+            raise PlanError(f"reverse_share={k!r} must lie in [0, 1): the share of a stream's rate its "
+                            f"acknowledgements take on the opposite link direction (0: none)")
         for kind, bw in dict(self.link_GBps).items():
             if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
                 raise PlanError(
@@ -105,14 +115,14 @@ class CostModel:
     # ---- JSON ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"type": "gradsync.cost_model", "message_s": self.message_s, "native_message_s": self.native_message_s,
-                "goodput": self.goodput, "link_GBps": dict(self.link_GBps), "pipelines": list(self.pipelines),
+                "goodput": self.goodput, "reverse_share": self.reverse_share, "link_GBps": dict(self.link_GBps), "pipelines": list(self.pipelines),
                 "source": self.source}
 
     @classmethod
     def from_dict(cls, data: Any) -> CostModel:
         if not isinstance(data, dict) or data.get("type") != "gradsync.cost_model":
             raise PlanError("a cost model file must be a JSON object with \"type\": \"gradsync.cost_model\"")
-        known = {"message_s", "native_message_s", "goodput", "link_GBps", "pipelines", "source"}
+        known = {"message_s", "native_message_s", "goodput", "reverse_share", "link_GBps", "pipelines", "source"}
         extra = set(data) - known - {"type"}
         if extra:
             raise PlanError(f"unknown cost model fields {sorted(extra)}; known: {sorted(known)}")
@@ -137,7 +147,7 @@ class CostModel:
         backend's α instead of the executor's)."""
         alpha = self.native_message_s if native else self.message_s
         return simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                        message_s=alpha, progress=False).time_s
+                        message_s=alpha, reverse_share=self.reverse_share, progress=False).time_s
 
     def wait_order(self, schedule: Schedule, topology: Topology, size_bytes: float) -> np.ndarray:
         """Per transfer, the order in which the executor should wait for it: the model's predicted finish
@@ -155,7 +165,7 @@ class CostModel:
         if not schedule.transfers:
             return np.zeros(0)
         sim = simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                       message_s=self.message_s, progress=False)
+                       message_s=self.message_s, reverse_share=self.reverse_share, progress=False)
         return phase_order(schedule, sim.transfer_times()[1])
 
     def predict_native(self, topology: Topology, size_bytes: float) -> float:

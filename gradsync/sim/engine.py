@@ -108,6 +108,8 @@ class SimResult:
     flow_dst: np.ndarray = field(repr=False)
     flow_link_ptr: np.ndarray = field(repr=False)
     flow_link_idx: np.ndarray = field(repr=False)
+    #: κ of :func:`simulate`: the share of a flow's rate taken on the opposite link directions.
+    reverse_share: float = 0.0
 
     @property
     def size_bytes(self) -> float:
@@ -157,6 +159,7 @@ class SimResult:
             "merged_tensors": self.merged,
             "fairness": self.fairness,
             "fifo": self.fifo,
+            "reverse_share": self.reverse_share,
             "latency_s_per_hop": self.latency_s,
             "time_s": self.time_s,
             "t_f_s": self.t_f_s,
@@ -184,6 +187,24 @@ class SimResult:
         return out
 
 
+def with_reverse_share(incidence: sp.csr_matrix, share: float) -> sp.csr_matrix:
+    """``incidence`` plus ``share`` on the opposite direction of every link direction a flow crosses.
+
+    Direction ``2 l + d`` has opposite ``2 l + (1 - d)`` = ``e ^ 1``. A TCP stream's acknowledgements run
+    against it and, on a link loaded both ways, queue behind the other direction's data: measured on the
+    testbed, an exchange of equal streams over one link moves each ``1 + κ`` times slower than a lone
+    stream (κ ≈ 0.05–0.1, :func:`gradsync.testbed.probe.probe_duplex`) while one-way fan-in and fan-out
+    lose nothing. Charging κ of a flow's rate to the opposite direction reproduces both: alone, the
+    opposite direction has room; loaded both ways, ``x + κ x = C`` gives each ``C / (1 + κ)``.
+    """
+    if share == 0.0 or incidence.nnz == 0:
+        return incidence
+    rev = sp.csr_matrix((incidence.data * share, incidence.indices ^ 1, incidence.indptr), shape=incidence.shape)
+    out = (incidence + rev).tocsr()
+    out.sort_indices()
+    return out
+
+
 class _Engine:
     """The event loop over one :class:`FlowSet` in step order (:func:`by_step`); see the module docstring.
 
@@ -196,9 +217,12 @@ class _Engine:
     """
 
     def __init__(self, fs: FlowSet, streaming: bool, weight: np.ndarray, progress: TextIO | None, label: str,
-                 fifo: bool = False, message_s: float = 0.0) -> None:
+                 fifo: bool = False, message_s: float = 0.0, reverse_share: float = 0.0) -> None:
         n, ng = fs.num_flows, fs.num_groups
         self.fs = fs
+        # What the rates see: a flow uses every link direction on its route fully and, with
+        # ``reverse_share`` κ, κ of its rate on the opposite direction (direction ``e ^ 1``).
+        self.inc = with_reverse_share(fs.incidence, reverse_share)
         self.streaming = streaming
         # Per-connection FIFO: one flow per ordered (src, dst) pair moves at a time, the others queue in
         # the order they became ready (then step order), as messages on one TCP connection do.
@@ -227,7 +251,7 @@ class _Engine:
         self.gown = np.repeat(np.arange(ng, dtype=np.int64), self.gneed)
         self.dgrp_cnt = np.diff(fs.dgrp_ptr)
         self.gmem_cnt = np.diff(fs.gmem_ptr)
-        self.inc_ptr = fs.incidence.indptr.astype(np.int64)
+        self.inc_ptr = self.inc.indptr.astype(np.int64)
         self.pending = np.flatnonzero(fs.group < 0)
         self.busy = np.zeros(fs.capacity.shape[0])
         self.scratch = np.zeros(max(n, ng), np.int64)
@@ -389,7 +413,7 @@ class _Engine:
         self.nact = int(np.count_nonzero(self.act))
         self.max_active = max(self.max_active, self.nact)
         p0, p1 = self.inc_ptr[lo], self.inc_ptr[hi]
-        inc = fs.incidence
+        inc = self.inc
         self.R = sp.csr_matrix((inc.data[p0:p1], inc.indices[p0:p1], self.inc_ptr[lo:hi + 1] - p0),
                                shape=(w, inc.shape[1]))
         self.RT = self.R.T
@@ -580,6 +604,7 @@ def simulate(
     merge_tensors: bool = True,
     fairness: str = "size",
     fifo: bool = False,
+    reverse_share: float = 0.0,
     progress: bool | TextIO | None = None,
     max_events: int | None = None,
 ) -> SimResult:
@@ -595,12 +620,18 @@ def simulate(
       (one TCP connection per peer, as gloo and the executor use), and a receiver handles its arrivals one
       at a time, ``message_s`` each (one thread waits, adds, posts): sub-chunks then pipeline through
       relays, and a rank that receives many messages (a parameter server's owner) pays for each.
+    * ``reverse_share``: κ in [0, 1): every flow also takes κ of its rate from the opposite direction of
+      each link on its route (TCP acknowledgements on a link loaded both ways, :func:`with_reverse_share`);
+      the runtime's cost model sets it from a probe, 0 is the pure fluid model.
     * ``progress``: a line on stderr every 2 s; ``None``: only when stderr is a terminal; or a stream.
     * ``max_events``: stop with :class:`SimulationError` after this many events (default: no limit).
 
     Returns a :class:`SimResult`; the model is in this module's docstring.
     """
     sizes = tensor_sizes(size_bytes)
+    if isinstance(reverse_share, bool) or not isinstance(reverse_share, (int, float)) or not 0 <= reverse_share < 1:
+        raise SimulationError(f"reverse_share={reverse_share!r} must lie in [0, 1): the share of a flow's rate "
+                              f"its acknowledgements take on the opposite link direction")
     if fairness not in FAIRNESS:
         raise SimulationError(f"fairness={fairness!r}; use one of {list(FAIRNESS)}")
     wall = time.perf_counter()
@@ -617,7 +648,7 @@ def simulate(
     label = f"{schedule.algorithm} on {topology.name}"
     weight = fs.size / max(float(fs.size.max()), 1e-300) if fairness == "size" and fs.num_flows else np.ones(fs.num_flows)
     ordered, perm = by_step(fs)
-    eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s)
+    eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s, float(reverse_share))
     eng.run(max_events)
     back = np.empty_like(perm)  # flow in schedule order -> its index in step order
     back[perm] = np.arange(perm.shape[0], dtype=np.int64)
@@ -658,4 +689,5 @@ def simulate(
         flow_dst=fs.dst,
         flow_link_ptr=inc.indptr.astype(np.int64),
         flow_link_idx=inc.indices.astype(np.int64),
+        reverse_share=float(reverse_share),
     )

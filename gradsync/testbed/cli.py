@@ -64,7 +64,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     from gradsync.testbed.probe import probe
 
     pairs = parse_pairs(args.pairs) if args.pairs else None
-    rows = probe(pairs, args.seconds, state_path=args.state, tolerance=args.tolerance)
+    rows = probe(pairs, args.seconds, state_path=args.state, tolerance=args.tolerance, duplex=args.duplex)
     if args.json:
         print(json.dumps(rows, indent=1))
     if args.cost_model:
@@ -82,7 +82,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
             Path(args.cost_model).write_text(json.dumps(model.to_dict(), indent=1) + "\n", encoding="utf-8")
         except OSError as exc:
             raise TestbedError(f"cannot write the cost model to {args.cost_model!r}: {exc}") from None
-        print(f"cost model ({model.source}, goodput {model.goodput:.3f}) written to {args.cost_model}; "
+        print(f"cost model ({model.source}, goodput {model.goodput:.3f}, reverse share {model.reverse_share:.3f}) written to {args.cost_model}; "
               f"use it with GRADSYNC_COST_MODEL={args.cost_model} or gradsync.init(cost_model=...)")
     return 0 if all(r["ok"] for r in rows) else 1
 
@@ -146,6 +146,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=1.0, help="seconds per pair")
     p.add_argument("--tolerance", type=float, default=0.15, help="allowed relative deviation from the expected rate")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.add_argument("--duplex", action="store_true",
+                   help="also measure each pair loaded both ways at once (the cost model's reverse_share)")
     p.add_argument("--cost-model", default=None, metavar="FILE",
                    help="write the runtime's cost model (link rates of this testbed, measured goodput) as JSON")
     p.set_defaults(testbed_func=_cmd_probe)
