@@ -219,8 +219,9 @@ class Runtime:
         and the backend's own ``all_reduce``; the slowest rank's median of ``reps`` is the measurement. α is
         the value at which the model predicts exactly that time (the prediction is affine in α for
         messages this small), the same on every rank. Then rank 0 and the rank behind its slowest path
-        (:meth:`_duplex_peer`) send :data:`DUPLEX_BYTES` one way and both ways at once: ``reverse_share`` κ = both / one way - 1 (kept in ``[0, 0.5]``), what a link
-        loaded both ways loses on this wire (acknowledgements, the transport's one thread per peer).
+        (:meth:`_duplex_peer`) send :data:`DUPLEX_BYTES` one way and both ways at once: ``reverse_share``
+        κ = both / one way - 1 (median over ``reps`` alternating pairs, kept in ``[0, 0.5]``), what a link loaded
+        both ways loses on this wire (acknowledgements, the transport's one thread per peer).
         Runs on the communication thread, in order with queued collectives; needs a torch.distributed
         transport.
         """
@@ -242,9 +243,11 @@ class Runtime:
         ex = Executor(ring, self.transport, mapping=self.mapping, timeout_s=self.timeout_s)
         buf = torch.zeros(max(1, size // 4))
 
-        def slowest_median(fn: Callable[[], Any]) -> float:
-            fn()
-            fn()
+        def slowest(fn: Callable[[], Any], reps: int = reps) -> float:
+            """The slowest rank's median of ``reps`` timings (after two warm-up calls when ``reps > 1``)."""
+            if reps > 1:
+                fn()
+                fn()
             times = []
             for _ in range(reps):
                 dist.barrier(group=group)
@@ -274,13 +277,15 @@ class Runtime:
                     w.wait()
 
         try:
-            t_ex = slowest_median(lambda: ex.run(buf))
-            t_nat = slowest_median(lambda: dist.all_reduce(buf, group=group))
-            t_one = slowest_median(one_way)
-            t_both = slowest_median(both_ways)
+            t_ex = slowest(lambda: ex.run(buf))
+            t_nat = slowest(lambda: dist.all_reduce(buf, group=group))
+            ratios = []  # one way and both ways alternate, so a busy spell of the CPU hits both alike
+            for _ in range(reps + 1):  # the first pair warms the connection up and is dropped
+                t_one = slowest(one_way, reps=1)
+                ratios.append(slowest(both_ways, reps=1) / t_one)
         finally:
             ex.close()
-        kappa = min(MAX_REVERSE_SHARE, max(0.0, t_both / t_one - 1.0)) if t_one > 0 else 0.0
+        kappa = min(MAX_REVERSE_SHARE, max(0.0, statistics.median(ratios[1:]) - 1.0))
         nbytes = buf.numel() * 4
         zero = replace(self.cost_model, message_s=0.0, native_message_s=0.0)
         one = replace(self.cost_model, message_s=1e-3, native_message_s=1e-3)
