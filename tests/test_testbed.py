@@ -420,3 +420,40 @@ def test_down_cleans_up_after_a_crash_without_state(tmp_path: Path) -> None:
         assert _no_gs_objects() == []
     finally:
         down(state_path=state)
+
+
+def test_colocate_without_testbed_is_a_clear_error() -> None:
+    from gradsync.ps.launch import PSJob
+
+    with pytest.raises(GradsyncError, match="--colocate places servers on testbed hosts; add --testbed"):
+        PSJob(workers=2, servers=1, colocate=True)
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_ps_launch_places_servers_and_workers_in_the_testbed(tmp_path: Path) -> None:
+    """``gradsync launch --testbed``: 4 workers on hosts 0-3 and 2 servers on hosts 4-5 of ``switch:6``; each
+    worker pushes rank+1, so every pull of every round is W(W+1)/2 = 10 (tests/ps_worker.py's oracle). The
+    servers listen on their hosts' testbed addresses and their NICs carry the replies (at least the pulled
+    bytes), so the traffic crossed the emulated links. Too many processes for the hosts is a clear error."""
+    from gradsync.ps.launch import PSJob, launch
+
+    root = Path(__file__).resolve().parents[1]
+    worker = [sys.executable, str(root / "tests" / "ps_worker.py"), "oracle", "dist_sync"]
+    state = tmp_path / "state.json"
+    with _bring_up("switch:6", state) as plan:
+        before = [_tx(plan.server(h).namespace, plan.server(h).ifname) for h in (4, 5)]
+        out = io.StringIO()
+        rc = launch(worker, PSJob(workers=4, servers=2, timeout_s=180, testbed=True, testbed_state=str(state)),
+                    env={"PYTHONPATH": str(root)}, stream=out)
+        text = out.getvalue()
+        after = [_tx(plan.server(h).namespace, plan.server(h).ifname) for h in (4, 5)]
+        with pytest.raises(GradsyncError, match=r"need 7 hosts; the testbed switch:6 has 6\. Add --colocate"):
+            launch(worker, PSJob(workers=5, servers=2, testbed=True, testbed_state=str(state)))
+    assert rc == 0, text[-3000:]
+    assert sorted(ln.split("] ", 1)[1] for ln in text.splitlines() if " OK " in ln) == \
+        [f"OK dist_sync rank {r} of 4" for r in range(4)], text[-3000:]
+    for i, h in enumerate((4, 5)):
+        assert f"[server {i}] gradsync-ps server {i} listening on tcp://{plan.server(h).address}:" in text, text[-3000:]
+    pulled = 5 * 4 * (3000 * 4 + 7 * 8)  # 5 rounds, 4 workers, the sliced "w" and key 1, from both servers
+    assert sum(a - b for a, b in zip(after, before)) >= pulled, (before, after)

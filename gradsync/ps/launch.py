@@ -6,6 +6,12 @@ plus torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*`` for the client groups), run
 :func:`gradsync.launch.run_workers`, and stops the servers (SIGTERM: they checkpoint, if asked to, and exit)
 when the workers are done. ``--servers 0`` is the pure-collective end of the range.
 
+``--testbed`` runs the same job on the emulated cluster that ``gradsync testbed up`` built: every server and
+worker inside a server namespace (:class:`Placement`), servers bound to their host's address, workers with
+the testbed runner's environment (:func:`gradsync.testbed.runner.worker_env`), so the PS traffic crosses the
+emulated links. Workers take hosts ``0..W-1``; servers take the next ``S`` hosts (on their own, as the seed's
+dist-SGD servers) or, with ``--colocate``, server ``i`` shares worker ``i mod W``'s host.
+
 Secure by default: unless the user set ``GRADSYNC_PS_SECRET``, each job gets a random secret
 (:func:`secrets.token_hex`) and a random job id (``GRADSYNC_PS_JOB``), handed to its servers and workers
 through their environment only (never a command line, which other users can read). A local process that
@@ -23,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -44,7 +50,8 @@ from gradsync.launch import (
 )
 from gradsync.ps.env import CLIENTS_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
 
-__all__ = ["PSJob", "ServerProcess", "start_server", "stop_servers", "launch", "add_parser", "job_env"]
+__all__ = ["PSJob", "Placement", "ServerProcess", "start_server", "stop_servers", "launch", "add_parser", "job_env",
+           "place"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,9 @@ class PSJob:
     checkpoint_interval_s: float = 0.0
     timeout_s: float | None = None  # the whole job
     request_timeout_s: float | None = None  # one KVStore request (GRADSYNC_PS_TIMEOUT)
+    testbed: bool = False  # run inside the emulated cluster's namespaces (gradsync testbed up)
+    colocate: bool = False  # testbed: server i on worker i's host instead of a host of its own
+    testbed_state: str | None = None  # testbed state file (default: the one `gradsync testbed up` wrote)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -74,6 +84,63 @@ class PSJob:
         check_timeout("--checkpoint-interval", self.checkpoint_interval_s, allow_zero=True)
         check_timeout("--timeout", self.timeout_s)
         check_timeout("--request-timeout", self.request_timeout_s)
+        if self.colocate and not self.testbed:
+            raise GradsyncError("--colocate places servers on testbed hosts; add --testbed (on this machine every "
+                                "process shares one host anyway)")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a job's processes run: the address each server binds, how a command is run on a server's or a
+    worker's host, and the workers' environments (torchrun's variables for the client groups)."""
+
+    server_hosts: tuple[str, ...]
+    server_argv: Callable[[int, list[str]], list[str]]
+    worker_argv: Callable[[int, list[str]], list[str]]
+    worker_envs: Callable[[Mapping[str, str]], list[dict[str, str]]]
+    where: str
+
+
+def _local(job: PSJob) -> Placement:
+    def envs(base: Mapping[str, str]) -> list[dict[str, str]]:
+        port = free_port()
+        return [torchrun_env(r, job.workers, job.host, port, base) for r in range(job.workers)]
+
+    return Placement((job.host,) * job.servers, lambda i, argv: argv, lambda i, argv: argv, envs, "this machine")
+
+
+def _testbed(job: PSJob) -> Placement:
+    from gradsync.testbed import netns
+    from gradsync.testbed.control import load_state, resolve_state_path
+    from gradsync.testbed.runner import worker_env
+
+    netns.require()
+    path = resolve_state_path(job.testbed_state)
+    plan = load_state(path)
+    hosts = plan.world_size
+    need = job.workers + (0 if job.colocate else job.servers)
+    if need > hosts:
+        raise GradsyncError(
+            f"--testbed: {job.workers} workers and {job.servers} servers on hosts of their own need {need} hosts; "
+            f"the testbed {plan.topology} has {hosts}. Add --colocate (server i on worker i's host), run fewer "
+            f"processes, or bring up a larger topology")
+    workers = list(range(job.workers))
+    servers = [i % job.workers if job.colocate else job.workers + i for i in range(job.servers)]
+
+    def envs(base: Mapping[str, str]) -> list[dict[str, str]]:
+        port = free_port()
+        return [worker_env(plan, r, workers, port, str(path.resolve()), base) for r in workers]
+
+    return Placement(tuple(plan.server(h).address for h in servers),
+                     lambda i, argv: netns.ns_exec(plan.server(servers[i]).namespace, argv),
+                     lambda i, argv: netns.ns_exec(plan.server(workers[i]).namespace, argv), envs,
+                     f"testbed {plan.topology} (workers on hosts 0-{job.workers - 1}, servers on hosts "
+                     f"{', '.join(map(str, servers)) or 'none'})")
+
+
+def place(job: PSJob) -> Placement:
+    """The job's :class:`Placement`: this machine's loopback, or the testbed's namespaces (``job.testbed``)."""
+    return _testbed(job) if job.testbed else _local(job)
 
 
 @dataclass
@@ -118,8 +185,10 @@ def stop_servers(servers: Sequence[ServerProcess], timeout: float = 10.0) -> Non
 
 def start_server(index: int, endpoint: str, *, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  checkpoint_interval_s: float = 0.0, env: Mapping[str, str] | None = None,
-                 stream: TextIO | None = None, lock: threading.Lock | None = None) -> ServerProcess:
-    """Start ``python -m gradsync.ps.server`` bound to ``endpoint``; its output is prefixed ``[server i]``."""
+                 stream: TextIO | None = None, lock: threading.Lock | None = None,
+                 argv: Callable[[list[str]], list[str]] | None = None) -> ServerProcess:
+    """Start ``python -m gradsync.ps.server`` bound to ``endpoint``; its output is prefixed ``[server i]``.
+    ``argv`` wraps the command (e.g. into a testbed namespace)."""
     cmd = [sys.executable, "-m", "gradsync.ps.server", "--bind", endpoint, "--id", str(index)]
     if checkpoint_dir:
         cmd += ["--checkpoint-dir", checkpoint_dir]
@@ -127,7 +196,7 @@ def start_server(index: int, endpoint: str, *, checkpoint_dir: str | None = None
         cmd += ["--checkpoint-every", str(checkpoint_every)]
     if checkpoint_interval_s:
         cmd += ["--checkpoint-interval", str(checkpoint_interval_s)]
-    proc = subprocess.Popen(cmd, env=dict(env or os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv(cmd) if argv else cmd, env=dict(env or os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True)
     server = ServerProcess(proc, endpoint, index)
     threading.Thread(target=pump, args=(proc, f"[server {index}]", stream or sys.stdout, lock or threading.Lock(),
@@ -155,17 +224,26 @@ def launch(cmd: Sequence[str], job: PSJob, *, env: Mapping[str, str] | None = No
         raise GradsyncError("nothing to run: gradsync launch --workers 4 --servers 1 -- python train.py")
     base = {**os.environ, **(env or {})}
     check_command(cmd, base)  # before any server is started
+    where = place(job)
+    if job.testbed:
+        print(f"gradsync launch: {job.workers} workers, {job.servers} servers on the {where.where}",
+              file=stream or sys.stdout, flush=True)
     if job.servers:
         base = job_env(base)
     lock = threading.Lock()
     servers: list[ServerProcess] = []
     stop_s = 10.0
     try:
+        ports: set[int] = set()
         for i in range(job.servers):
-            servers.append(start_server(i, f"tcp://{job.host}:{free_port()}", checkpoint_dir=job.checkpoint_dir,
+            port = free_port()
+            while port in ports:  # co-located servers share an address: never one port twice
+                port = free_port()
+            ports.add(port)
+            servers.append(start_server(i, f"tcp://{where.server_hosts[i]}:{port}", checkpoint_dir=job.checkpoint_dir,
                                         checkpoint_every=job.checkpoint_every,
                                         checkpoint_interval_s=job.checkpoint_interval_s, env=base, stream=stream,
-                                        lock=lock))
+                                        lock=lock, argv=lambda argv, i=i: where.server_argv(i, argv)))
         time.sleep(0.05)
         dead = [s for s in servers if s.proc.poll() is not None]
         if dead:
@@ -174,10 +252,9 @@ def launch(cmd: Sequence[str], job: PSJob, *, env: Mapping[str, str] | None = No
         base[CLIENTS_ENV] = str(job.clients or job.workers)
         if job.request_timeout_s:
             base[TIMEOUT_ENV] = str(job.request_timeout_s)
-        port = free_port()
-        envs = [torchrun_env(r, job.workers, job.host, port, base) for r in range(job.workers)]
-        return run_workers([list(cmd)] * job.workers, envs, timeout=job.timeout_s, stream=stream,
-                           watch=[s.child() for s in servers])
+        envs = where.worker_envs(base)
+        return run_workers([where.worker_argv(r, list(cmd)) for r in range(job.workers)], envs, timeout=job.timeout_s,
+                           stream=stream, watch=[s.child() for s in servers])
     except Terminated:
         stop_s = 2.0  # nothing may outlive the launcher by more than a few seconds
         raise
@@ -189,7 +266,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     cmd = worker_command(args.cmd, "nothing to run: gradsync launch --workers 4 --servers 1 -- python train.py")
     job = PSJob(workers=args.workers, servers=args.servers, clients=args.clients, checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every, checkpoint_interval_s=args.checkpoint_interval,
-                timeout_s=args.timeout, request_timeout_s=args.request_timeout)
+                timeout_s=args.timeout, request_timeout_s=args.request_timeout, testbed=args.testbed,
+                colocate=args.colocate)
     with end_on_signals():
         return launch(cmd, job)
 
@@ -197,7 +275,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "launch", help="start PS servers and workers on this machine (KVStore jobs, seed 002)",
-        description="Start S parameter servers (ZeroMQ, loopback), then W workers grouped into C clients, with the "
+        description="Start S parameter servers (ZeroMQ; on loopback, or with --testbed inside the emulated cluster), "
+                    "then W workers grouped into C clients, with the "
                     "environment gradsync.kvstore.create() reads. Every frame is authenticated with a random per-job "
                     "secret (GRADSYNC_PS_SECRET, if set, is used instead) and carries a random job id.")
     p.add_argument("--workers", "-n", type=int, required=True, help="number of worker processes")
@@ -208,6 +287,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-interval", type=float, default=0.0, help="checkpoint every S seconds (0: off)")
     p.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds (exit 124)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds one KVStore request may take")
+    p.add_argument("--testbed", action="store_true",
+                   help="run servers and workers inside the emulated cluster (gradsync testbed up): workers on hosts "
+                        "0..W-1, servers on the next S hosts")
+    p.add_argument("--colocate", action="store_true", help="with --testbed: server i on worker i's host")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command, e.g. -- python train.py")
     p.set_defaults(func=cmd_launch)
     return p
