@@ -27,14 +27,21 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--interval", type=int, default=4)
     p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--model", choices=["lenet5", "paper-lenet5"], default="lenet5",
+                   help="lenet5: 61,706 parameters; paper-lenet5: seed 001's 3,274,634 (link-limited on the testbed)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    data = load_digits(size=32)
+    data = load_digits(size=28 if a.model == "paper-lenet5" else 32)
     x, y = shard(data.x_train, data.y_train, rank, world)
     torch.manual_seed(0)
-    model = create("lenet5", num_classes=10)
+    if a.model == "paper-lenet5":
+        from benchmarks.bml_testbed_worker import PaperLeNet5
+
+        model: torch.nn.Module = PaperLeNet5(num_classes=10)
+    else:
+        model = create("lenet5", num_classes=10)
     trainer = PSTrainer(a.algorithm, model.named_parameters(), lr=a.lr, interval=a.interval, alpha=a.alpha,
                         timeout_s=300)
     steps = x.shape[0] // a.batch
