@@ -25,7 +25,7 @@ sysdeps:
 	    || echo "note: iproute2 missing and not root; testbed tests will skip"; }
 
 test: $(STAMP) sysdeps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: $(STAMP) lint-imports
 	$(VENV)/bin/ruff check gradsync tests benchmarks
