@@ -2,17 +2,22 @@
 
 from gradsync.plan import bml, hierarchical  # noqa: F401  (register the bml and hierarchical synthesizers)
 from gradsync.plan.cut_bound import CutBound, cut_bound
+from gradsync.plan.forest import ForestPacking, GatherBound, gather_cut_bound, pack_arborescences
 from gradsync.plan.limits import Limits, limits
 from gradsync.plan.lp import TreePacking, bottleneck_tree, pack_trees, partition_bound
 from gradsync.plan.report import PlanReport, evaluate, predicted_time
-from gradsync.plan.schedule import COLLECTIVES, Chunk, LinkLoads, Schedule, Transfer, Tree
-from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions, Synthesizer, synthesize
+from gradsync.plan.schedule import COLLECTIVES, SHARDED, Chunk, LinkLoads, Schedule, Transfer, Tree
+from gradsync.plan.synthesizers import PLANNED_COLLECTIVES, SYNTHESIZERS, PlanOptions, Synthesizer, synthesize
 
 __all__ = [
     "COLLECTIVES",
+    "PLANNED_COLLECTIVES",
+    "SHARDED",
     "SYNTHESIZERS",
     "Chunk",
     "CutBound",
+    "ForestPacking",
+    "GatherBound",
     "LinkLoads",
     "Limits",
     "PlanOptions",
@@ -25,7 +30,9 @@ __all__ = [
     "bottleneck_tree",
     "cut_bound",
     "evaluate",
+    "gather_cut_bound",
     "limits",
+    "pack_arborescences",
     "pack_trees",
     "partition_bound",
     "predicted_time",

@@ -170,7 +170,7 @@ def bml_closed_form(n: int, k: int) -> float:
     return 2 * (big_n - 1) / (k * big_n)
 
 
-@synthesizer("bml", applicable=unless_raises(bcube_shape))
+@synthesizer("bml", applicable=unless_raises(bcube_shape), halves=True)
 def plan_bml(topology: Topology, options: PlanOptions) -> Schedule:
     """BML on BCube(n,k) (seed 001 Algorithm 1): k threads, k*N pieces, k aggregation then k broadcast steps."""
     shape = bcube_shape(topology)

@@ -209,7 +209,7 @@ def hierarchy_of(topology: Topology) -> Hierarchy:
     return make(topology)
 
 
-@synthesizer("hierarchical", applicable=unless_raises(hierarchy_of))
+@synthesizer("hierarchical", applicable=unless_raises(hierarchy_of), halves=True)
 def plan_hierarchical(topology: Topology, options: PlanOptions) -> Schedule:
     """Reduce within switch groups, then between groups, then broadcast back (seed 001 §3.3; Fat-Tree, BCube, racks)."""
     hier = hierarchy_of(topology)

@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from gradsync.plan.forest import gather_cut_bound
 from gradsync.plan.limits import Limits, limits
-from gradsync.plan.schedule import Schedule
+from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.topology.model import Topology
 
-__all__ = ["PlanReport", "evaluate", "predicted_time", "latency_term"]
+__all__ = ["PlanReport", "evaluate", "predicted_time", "latency_term", "sharded_limits"]
 
 
 def latency_term(schedule: Schedule, topology: Topology, latency_s: float | None) -> float:
@@ -30,6 +33,27 @@ def latency_term(schedule: Schedule, topology: Topology, latency_s: float | None
             cache[t.route] = lat
         per_step[t.step] = max(per_step.get(t.step, 0.0), lat)
     return sum(per_step.values())
+
+
+def sharded_limits(topology: Topology, collective: str) -> Limits:
+    """Bounds of a reduce-scatter or allgather (:mod:`gradsync.plan.forest`): ForestColl's cut bound is the
+    optimum of schedules whose switches only forward; ``aggregation_cut`` is the part of it that holds even
+    for switches that could multicast or add: the cuts ``V - {r}`` (or ``{r}``), every switch on the far side,
+    ``(N - 1) / (N w_in(r))`` (``w_out`` for reduce-scatter)."""
+    bound = gather_cut_bound(topology, collective).value
+    n = topology.world_size
+    single = 0.0
+    if n > 1:
+        d = topology.directed_costs
+        into = np.zeros(len(topology.devices))
+        idx = topology.device_index
+        for lk, (ab, ba) in zip(topology.links, d):
+            # allgather: what enters rank r (a -> b enters b); reduce-scatter: what leaves it
+            fwd, back = (ab, ba) if collective == "allgather" else (ba, ab)
+            into[idx[lk.b]] += 1 / fwd
+            into[idx[lk.a]] += 1 / back
+        single = max((n - 1) / (n * into[idx[r]]) for r in topology.ranks)
+    return Limits(bound, bound, None, None, None, None, method="cut", aggregation_cut=single)
 
 
 def predicted_time(
@@ -63,6 +87,7 @@ class PlanReport:
     link_classes: dict[str, dict[str, float]] = field(default_factory=dict)
     trees: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    collective: str = "allreduce"
 
     @property
     def lower_bound(self) -> float:
@@ -78,6 +103,7 @@ class PlanReport:
             "type": "gradsync.plan",
             "topology": self.topology,
             "algorithm": self.algorithm,
+            "collective": self.collective,
             "size_bytes": self.size_bytes,
             "unit_bandwidth_GBps": self.unit_bandwidth_GBps,
             "cost": self.cost,
@@ -138,7 +164,8 @@ def evaluate(
         cost=cost,
         aggregation_cost=loads.aggregation_cost(costs),
         half_duplex_cost=loads.half_duplex_cost(costs),
-        limits=bounds or limits(topology, achieved=cost),
+        limits=bounds or (sharded_limits(topology, schedule.collective) if schedule.collective in SHARDED
+                          else limits(topology, achieved=cost)),
         time_s=time_s,
         algbw_GBps=size_bytes / time_s / 1e9 if time_s > 0 else float("inf"),
         steps=schedule.num_steps,
@@ -148,4 +175,5 @@ def evaluate(
         link_classes=classes,
         trees=[t.to_dict(schedule.ranks) for t in schedule.trees],
         meta=dict(schedule.meta),
+        collective=schedule.collective,
     )

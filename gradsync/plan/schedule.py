@@ -16,6 +16,15 @@ A :class:`Schedule` is plain data:
 :meth:`Schedule.check` replays the chunk movement (msccl-style) and fails naming the rank and chunk when a
 rank does not end with the full reduction, counts a contribution twice, reads and writes one buffer in the
 same step, or when a route leaves the topology.
+
+Sharded collectives (``reduce_scatter``, ``allgather``) follow ``torch.distributed.reduce_scatter_tensor`` and
+``all_gather_into_tensor``: the buffer is the *full* tensor (the reduce-scatter's input, the allgather's output)
+and rank ``r`` owns the equal shard ``[r/N, (r+1)/N)`` in rank order. Every chunk lies inside one shard and
+its ``root`` is that shard's owner. ``reduce_scatter``: rank ``r`` ends with every rank's contribution to each
+chunk of its shard, each counted once (other ranks' copies of that shard end with partial sums).
+``allgather``: rank ``r`` starts with the value of its shard only, and every rank ends with every shard;
+transfers only copy. Costs stay in units of the full buffer, so an allgather of ``S`` output bytes takes
+``cost * S / unit_bw``, the convention of nccl-tests' algorithm bandwidth.
 """
 
 from __future__ import annotations
@@ -34,11 +43,14 @@ from gradsync.errors import ScheduleError
 from gradsync.paths import write_text
 from gradsync.topology.model import Topology
 
-__all__ = ["COLLECTIVES", "Chunk", "Transfer", "Tree", "Schedule", "LinkLoads"]
+__all__ = ["COLLECTIVES", "SHARDED", "Chunk", "shard_bounds", "Transfer", "Tree", "Schedule", "LinkLoads"]
 
 #: What a schedule computes. ``reduce``: each chunk's ``root`` ends with the sum; ``broadcast``: the
-#: chunk's ``root`` starts with the value and every rank ends with it.
-COLLECTIVES = ("allreduce", "reduce", "broadcast")
+#: chunk's ``root`` starts with the value and every rank ends with it. ``reduce_scatter`` and ``allgather``
+#: are ``reduce`` and ``broadcast`` whose roots are the owners of equal rank-order shards (module docstring).
+COLLECTIVES = ("allreduce", "reduce", "broadcast", "reduce_scatter", "allgather")
+#: The collectives whose chunks belong to equal rank-order shards.
+SHARDED = ("reduce_scatter", "allgather")
 _TOL = 1e-9
 
 
@@ -173,6 +185,12 @@ class Schedule:
         edges = [round(c.offset * numel) for c in self.chunks] + [numel]
         return [(min(edges[i], numel), min(max(edges[i], edges[i + 1]), numel)) for i in range(len(self.chunks))]
 
+    def shard(self, rank: int, numel: int) -> tuple[int, int]:
+        """Element range ``[start, end)`` of ``rank``'s shard of a ``numel``-element buffer (module docstring)."""
+        if not 0 <= rank < self.world_size:
+            raise ScheduleError(f"rank {rank} is outside the schedule's ranks 0..{self.world_size - 1}")
+        return shard_bounds(rank, self.world_size, numel)
+
     def pieces(self, numels: Sequence[int]) -> list[list[tuple[int, int, int]]]:
         """Per-layer splitting (seed 001 §4.1): chunk c of a tensor list is piece c of *every* tensor.
 
@@ -231,8 +249,9 @@ class Schedule:
 
         Checks, in order: chunks tile [0, 1); transfers name valid ranks, chunks and routes (that follow
         links of ``topology`` when given); no (rank, chunk) is read and written in one step or written by
-        two copies in one step; no reduce adds a contribution the receiver already holds; and at the end
-        every rank (allreduce, broadcast) or every chunk's root (reduce) holds every contribution.
+        two copies in one step; no reduce adds a contribution the receiver already holds; sharded chunks lie
+        in their root's shard and an allgather only copies; and at the end every rank (allreduce, broadcast,
+        allgather) or every chunk's root (reduce, reduce_scatter) holds every contribution.
         """
         self._check_structure(topology)
         self._check_hazards()
@@ -255,7 +274,19 @@ class Schedule:
             raise ScheduleError(f"chunks cover {pos:.9f} of the buffer; they must cover exactly 1")
         if self.collective != "allreduce" and any(ch.root is None for ch in self.chunks):
             raise ScheduleError(f"a {self.collective} schedule needs a root for every chunk")
+        if self.collective in SHARDED:
+            for i, ch in enumerate(self.chunks):
+                lo, hi = ch.root / n, (ch.root + 1) / n  # type: ignore[operator]
+                if ch.size > 0 and (ch.offset < lo - 1e-9 or ch.offset + ch.size > hi + 1e-9):
+                    raise ScheduleError(
+                        f"{self.collective} chunk {i} spans [{ch.offset:.6g}, {ch.offset + ch.size:.6g}) but its root, rank "
+                        f"{ch.root}, owns the shard [{lo:.6g}, {hi:.6g}); a chunk must lie in its owner's shard "
+                        f"(rank r owns the r-th of {n} equal shards, as in torch.distributed.reduce_scatter_tensor)"
+                    )
         for i, t in enumerate(self.transfers):
+            if self.collective == "allgather" and t.reduce:
+                raise ScheduleError(f"transfer {i} (chunk {t.chunk}, rank {t.src} -> rank {t.dst}) reduces, but an "
+                                    f"allgather only copies shards; make it a copy (reduce=False)")
             if not 0 <= t.chunk < c:
                 raise ScheduleError(f"transfer {i} names chunk {t.chunk}; the schedule has chunks 0..{c - 1}")
             if not (0 <= t.src < n and 0 <= t.dst < n) or t.src == t.dst:
@@ -305,7 +336,7 @@ class Schedule:
     def _initial(self, chunk: int) -> list[int]:
         """Contribution bitsets (Python ints) per rank for one chunk before any transfer."""
         n = len(self.ranks)
-        if self.collective == "broadcast":
+        if self.collective in ("broadcast", "allgather"):
             full = (1 << n) - 1
             root = self.chunks[chunk].root
             return [full if r == root else 0 for r in range(n)]
@@ -344,13 +375,14 @@ class Schedule:
                     else:
                         state[t.dst] = p
                 i = j
-            owners = range(n) if self.collective != "reduce" else [self.chunks[chunk].root]
+            owners = [self.chunks[chunk].root] if self.collective in ("reduce", "reduce_scatter") else range(n)
             for r in owners:
                 assert r is not None
                 if state[r] != full:
                     missing = _ranks_of(full & ~state[r])
+                    what = "full reduction" if self.collective != "allgather" else "owner's shard"
                     raise ScheduleError(
-                        f"rank {r} does not end with the full reduction of chunk {chunk}: "
+                        f"rank {r} does not end with the {what} of chunk {chunk}: "
                         f"missing the contribution of rank(s) {missing}"
                     )
 
@@ -435,6 +467,12 @@ class Schedule:
         except (OSError, json.JSONDecodeError) as exc:
             raise ScheduleError(f"cannot read schedule file {str(p)!r}: {exc}") from None
         return cls.from_dict(data)
+
+
+def shard_bounds(rank: int, world_size: int, numel: int) -> tuple[int, int]:
+    """Rank ``rank``'s equal shard of ``numel`` elements, rounded like :meth:`Schedule.chunk_bounds`, so the
+    chunks of a sharded schedule tile it exactly (``numel`` a multiple of ``world_size``: ``numel / N`` each)."""
+    return round(rank / world_size * numel), round((rank + 1) / world_size * numel)
 
 
 def _int64(x: Any) -> int:

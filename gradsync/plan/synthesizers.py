@@ -6,23 +6,26 @@ accept any of them. Later issues register more (``bml``, ``hierarchical``, ``mul
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
 from scipy.optimize import linprog
 
 from gradsync.errors import PlanError
+from gradsync.plan.collectives import allreduce_half
+from gradsync.plan.forest import Arborescence, arborescence_schedule, optimal_forest, reverse_schedule
 from gradsync.plan.lp import bottleneck_tree, optimal_packing
 from gradsync.plan.routing import router_for
-from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree, tree_transfers
-from gradsync.plan.trees import root_tree
+from gradsync.plan.schedule import SHARDED, Chunk, Schedule, Transfer, Tree, tree_transfers
+from gradsync.plan.trees import RoutedTree, root_tree
 from gradsync.registry import Registry
 from gradsync.topology.model import Topology
 
-__all__ = ["MAX_PLAN_BYTES", "PlanOptions", "Synthesizer", "SYNTHESIZERS", "plan_bytes", "ring_transfers", "split_chunks",
+__all__ = ["MAX_PLAN_BYTES", "PLANNED_COLLECTIVES", "PlanOptions", "Synthesizer", "SYNTHESIZERS", "plan_bytes", "ring_transfers", "split_chunks",
            "synthesize", "unless_raises"]
 
 #: Memory one planned transfer holds (the Transfer, its route tuple, its list slots). About 750 B were
@@ -30,6 +33,8 @@ __all__ = ["MAX_PLAN_BYTES", "PlanOptions", "Synthesizer", "SYNTHESIZERS", "plan
 TRANSFER_BYTES = 500
 #: Planning estimated to need more than this is refused before it allocates anything.
 MAX_PLAN_BYTES = 8 * 2**30
+#: Collectives a synthesizer can be asked for (``PlanOptions.collective``); allreduce is every synthesizer's.
+PLANNED_COLLECTIVES = ("allreduce", *SHARDED)
 
 
 @dataclass(frozen=True)
@@ -39,15 +44,19 @@ class PlanOptions:
     ``pipeline``: sub-chunks per tree or ring chunk, so a tree streams (seed 000 §2) and the runtime can
     overlap hops. ``rings``: how many rings ``multiring`` splits the buffer over (seed 002 Fig. 9).
     ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time; ``auto`` is registered by
-    :mod:`gradsync.sim.cost`).
+    :mod:`gradsync.sim.cost`). ``collective``: what to plan, one of :data:`PLANNED_COLLECTIVES`.
     """
 
     pipeline: int = 1
     size_bytes: float = 1e8
     latency_s: float | None = None
     rings: int = 2
+    collective: str = "allreduce"
 
     def __post_init__(self) -> None:
+        if self.collective not in PLANNED_COLLECTIVES:
+            raise PlanError(f"collective={self.collective!r} is not one the planner plans; use one of "
+                            f"{', '.join(PLANNED_COLLECTIVES)}")
         if not isinstance(self.pipeline, int) or self.pipeline < 1:
             raise PlanError(f"pipeline={self.pipeline!r} must be an integer >= 1 (sub-chunks per tree)")
         if not self.size_bytes > 0:
@@ -58,13 +67,33 @@ class PlanOptions:
             raise PlanError(f"latency_s={self.latency_s!r} must be >= 0 seconds")
 
 
+Planner = Callable[[Topology, PlanOptions], Schedule]
+
+
 @dataclass(frozen=True)
 class Synthesizer:
     name: str
-    fn: Callable[[Topology, PlanOptions], Schedule]
+    fn: Planner
     summary: str
     #: Returns ``None`` when the synthesizer applies to the topology, else the reason it does not.
     applicable: Callable[[Topology], str | None]
+    #: Planners of the other collectives it supports (``reduce_scatter``, ``allgather``).
+    collectives: Mapping[str, Planner] = field(default_factory=dict)
+
+    def planner(self, collective: str) -> Planner:
+        """The planner of ``collective``, or :class:`PlanError` naming the algorithms that plan it."""
+        if collective == "allreduce":
+            return self.fn
+        got = self.collectives.get(collective)
+        if got is None:
+            able = [n for n, e in SYNTHESIZERS.items() if collective in e.collectives and n != "auto"]
+            raise PlanError(f"algorithm {self.name!r} does not plan {collective}; use --algorithm with one of "
+                            f"{', '.join(able)}")
+        return got
+
+    @property
+    def supported(self) -> tuple[str, ...]:
+        return ("allreduce", *self.collectives)
 
 
 SYNTHESIZERS: Registry[Synthesizer] = Registry("algorithm", PlanError)
@@ -87,13 +116,25 @@ def unless_raises(probe: Callable[[Topology], object]) -> Callable[[Topology], s
     return applicable
 
 
-def synthesizer(name: str, applicable: Callable[[Topology], str | None] = _always) -> Callable:
-    def deco(fn: Callable[[Topology, PlanOptions], Schedule]) -> Callable[[Topology, PlanOptions], Schedule]:
+def synthesizer(name: str, applicable: Callable[[Topology], str | None] = _always, *, halves: bool = False,
+                collectives: Mapping[str, Planner] | None = None) -> Callable:
+    """Register an allreduce planner. ``halves``: its allreduce is a reduce-scatter then an allgather on equal
+    rank-order shards, so those two are its halves (:func:`allreduce_half`); ``collectives`` adds others."""
+
+    def deco(fn: Planner) -> Planner:
         summary = (fn.__doc__ or "").strip().splitlines()[0]
-        SYNTHESIZERS.add(name, Synthesizer(name, fn, summary, applicable))
+        more: dict[str, Planner] = {}
+        if halves:
+            more = {c: functools.partial(_planned_half, fn, c) for c in SHARDED}
+        more.update(collectives or {})
+        SYNTHESIZERS.add(name, Synthesizer(name, fn, summary, applicable, more))
         return fn
 
     return deco
+
+
+def _planned_half(fn: Planner, collective: str, topology: Topology, options: PlanOptions) -> Schedule:
+    return allreduce_half(fn(topology, options), collective)
 
 
 def plan_bytes(algorithm: str, topology: Topology, options: PlanOptions | None = None) -> tuple[float, str]:
@@ -158,7 +199,7 @@ def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None =
     need, what = plan_bytes(entry.name, topology, opts)
     if need > max_bytes:
         raise PlanError(_too_large(entry.name, topology, opts, need, what, max_bytes))
-    schedule = entry.fn(topology, opts)
+    schedule = entry.planner(opts.collective)(topology, opts)
     if check:
         schedule.check(topology)
     return schedule
@@ -264,7 +305,7 @@ def _dfs_order(topology: Topology) -> list[int]:
 
 
 # ---- the synthesizers ----------------------------------------------------------------------------------
-@synthesizer("ring")
+@synthesizer("ring", halves=True)
 def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
     """Ring allreduce on the best ring(s): an LP mix of Hamiltonian cycles, each run in both directions."""
     n = topology.world_size
@@ -319,7 +360,7 @@ def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
     return Schedule("ring", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)
 
 
-@synthesizer("multiring")
+@synthesizer("multiring", halves=True)
 def plan_multiring(topology: Topology, options: PlanOptions) -> Schedule:
     """MXNET-MPI's multi-ring allreduce: the buffer split over ``rings`` rings whose reductions overlap.
 
@@ -353,7 +394,7 @@ def plan_multiring(topology: Topology, options: PlanOptions) -> Schedule:
     return Schedule("multiring", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)
 
 
-@synthesizer("ps")
+@synthesizer("ps", halves=True)
 def plan_ps(topology: Topology, options: PlanOptions) -> Schedule:
     """Co-located parameter server (BML's P2P PS): rank i aggregates 1/N of the buffer and sends it back."""
     n = topology.world_size
@@ -371,20 +412,67 @@ def plan_ps(topology: Topology, options: PlanOptions) -> Schedule:
     return Schedule("ps", topology.name, topology.ranks, tuple(chunks), tuple(transfers))
 
 
-@synthesizer("tree")
-def plan_tree(topology: Topology, options: PlanOptions) -> Schedule:
-    """The best single spanning tree: the bottleneck (minimum-weight) spanning tree, C(T_MWST) of seed 000."""
+def _best_tree(topology: Topology) -> RoutedTree:
     best = bottleneck_tree(topology)
     if topology.has_forwarders:
         # With switches a tree's cost depends on how many routes share a link; the MST is no longer
         # guaranteed best, so also try the LP's trees and keep the one with the smallest max load.
         candidates = [best] + [t for _, t in optimal_packing(topology).trees]
         best = min(candidates, key=lambda t: float((topology.costs * t.loads).max()))
-    tree = root_tree(best, 1.0)
+    return best
+
+
+def _out_trees(topology: Topology, tree: RoutedTree) -> list[tuple[float, Arborescence]]:
+    """``tree`` oriented away from every rank in turn: each rank's whole shard goes down its own copy."""
+    out = []
+    for r in range(topology.world_size):
+        rooted = root_tree(tree, 1.0, root=r)
+        edges = tuple((p, c) for c, p in rooted.edges)
+        routes = tuple(tuple(reversed(rt)) for rt in rooted.routes)
+        loads = np.zeros((len(topology.links), 2))
+        for route in routes:
+            for e, d in topology.route_links(route):
+                loads[e, d] += 1
+        out.append((1.0, Arborescence(r, edges, routes, loads)))
+    return out
+
+
+def _tree_allgather(topology: Topology, options: PlanOptions) -> Schedule:
+    """Every rank's shard copied down the one best spanning tree, rooted at that rank."""
+    return arborescence_schedule("tree", topology, _out_trees(topology, _best_tree(topology)), options.pipeline)
+
+
+def _tree_reduce_scatter(topology: Topology, options: PlanOptions) -> Schedule:
+    """Every shard summed up the one best spanning tree toward its owner (the allgather reversed)."""
+    return reverse_schedule(_tree_allgather(topology, options))
+
+
+@synthesizer("tree", collectives={"allgather": _tree_allgather, "reduce_scatter": _tree_reduce_scatter})
+def plan_tree(topology: Topology, options: PlanOptions) -> Schedule:
+    """The best single spanning tree: the bottleneck (minimum-weight) spanning tree, C(T_MWST) of seed 000."""
+    tree = root_tree(_best_tree(topology), 1.0)
     return _tree_schedule("tree", topology, [tree], options.pipeline, {})
 
 
-@synthesizer("lp")
+def _forest_meta(topology: Topology, reverse: bool) -> tuple[list[tuple[float, Arborescence]], dict]:
+    packing = optimal_forest(topology, reverse)
+    meta = {"lp_cost": packing.cost, "lp_lower_bound": packing.lower_bound, "lp_iterations": packing.iterations}
+    return list(packing.trees), meta
+
+
+def _lp_allgather(topology: Topology, options: PlanOptions) -> Schedule:
+    """ForestColl's optimal allgather: out-trees per root, packed exactly (:mod:`gradsync.plan.forest`)."""
+    trees, meta = _forest_meta(topology, False)
+    return arborescence_schedule("lp", topology, trees, options.pipeline, meta)
+
+
+def _lp_reduce_scatter(topology: Topology, options: PlanOptions) -> Schedule:
+    """The optimal reduce-scatter: the allgather packed on the reversed link directions, run backwards."""
+    trees, meta = _forest_meta(topology, True)
+    return reverse_schedule(arborescence_schedule("lp", topology, trees, options.pipeline, meta))
+
+
+@synthesizer("lp", collectives={"allgather": _lp_allgather, "reduce_scatter": _lp_reduce_scatter})
 def plan_lp(topology: Topology, options: PlanOptions) -> Schedule:
     """Seed 000's optimal multi-tree schedule: min max_e c_e P_e over (routed) spanning trees, exact."""
     packing = optimal_packing(topology)

@@ -1,0 +1,447 @@
+"""Allgather and reduce-scatter on any fabric: ForestColl's out-tree packing, and its cut bound, both exact.
+
+Units. The buffer is the full tensor (the allgather's output, the reduce-scatter's input), size 1; rank ``r``
+owns the shard ``[r/N, (r+1)/N)``; ``w_uv = 1 / c_uv`` is the capacity of the directed link ``u -> v`` in
+buffers per cost unit (:attr:`Topology.directed_costs`). A schedule's cost is ``max over link directions of
+c * load``, as for allreduce, so ``S`` bytes take ``cost * S / unit_bw``.
+
+Bound (ForestColl: L. Zhao and A. Krishnamurthy, "Bandwidth Optimal Pipeline Schedule for Collective
+Communication", arXiv:2305.18461, §1.1; L. Zhao et al., "ForestColl", arXiv:2402.06787; the README of
+github.com/liangyuRain/ForestColl states it as ``(M/N) max_{S ⊂ V, S ⊉ V_c} |S ∩ V_c| / B+(S)``). For every
+vertex set ``S`` (switches anywhere) holding some but not all ranks ``R``::
+
+    allgather:       cost >= |S ∩ R| / (N w_out(S))
+    reduce_scatter:  cost >= |R \\ S| / (N w_out(S))  =  |S' ∩ R| / (N w_in(S'))  with S' = V \\ S.
+
+Proof. Allgather: a rank outside ``S`` must end with the shard of every rank in ``S``, ``|S ∩ R| / N`` of
+the buffer that exists only inside ``S`` at the start; a message carries values of single elements (copies,
+no coding across elements), so every element of those shards crosses a link leaving ``S`` at least once, and
+those links carry ``w_out(S)`` per cost unit. Reduce-scatter: a rank ``t`` outside ``S`` must end with the sum
+over all ranks of its shard, which depends on the contributions of the ranks in ``S`` (at least one); so for
+each of the ``|R \\ S|`` shards owned outside ``S`` some message about every element leaves ``S``. Taking the
+max over ``S`` gives :func:`gather_cut_bound`; reduce-scatter's bound is allgather's on the reversed links.
+
+Optimality. With every switch forwarding as much as enters it (duplex links), the bound is attained by
+out-trees over the ranks whose edges are routed through switches (ForestColl Thm. 1: edge splitting at the
+switches keeps every rank-to-rank connectivity, then Edmonds' branching theorem packs the trees). So
+the LP below over routed out-arborescences has the bound as its optimum::
+
+    min t  s.t.  sum_{T rooted at r} alpha_T = 1          for each root r   (dual mu_r)
+                 (c_d / N) sum_T alpha_T L_dT <= t       for each link direction d  (dual y_d >= 0)
+
+``L_dT`` = tree edges of ``T`` routed over direction ``d``; ``alpha_T`` = share of its root's shard on ``T``.
+Column generation: the cheapest routed arborescence under prices ``p_d = y_d c_d / N`` is a minimum spanning
+arborescence (Chu-Liu/Edmonds) of the shortest-path closure over the ranks (each edge's route is chosen
+independently, so shortest paths are optimal); it enters when cheaper than ``mu_r``. For any ``y >= 0``
+with ``sum y = 1``, ``t >= sum_d y_d c_d P_d >= sum_r min_T p·L_T`` (weak duality), a certified lower bound
+at every round. Reduce-scatter packs the same LP on the reversed link directions and runs the trees
+backwards (time-reversed, summing instead of copying), which loads each real direction exactly as the
+reversed allgather does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import linprog
+from scipy.sparse.csgraph import dijkstra, maximum_flow
+
+from gradsync.errors import PlanError
+from gradsync.plan.cut_bound import _integer_capacities
+from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree
+from gradsync.topology.model import Topology
+
+__all__ = [
+    "Arborescence",
+    "ForestPacking",
+    "GatherBound",
+    "arborescence_schedule",
+    "brute_force_gather_bound",
+    "gather_cut_bound",
+    "min_arborescence",
+    "pack_arborescences",
+    "reverse_schedule",
+]
+
+_INT_LIMIT = 2**31 - 1
+
+
+# ---- the cut bound ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GatherBound:
+    """``max_S |S ∩ R| / (N w(S))`` and a vertex set ``S`` attaining it (device names)."""
+
+    value: float
+    cut: tuple[str, ...]
+    collective: str
+    flows: int
+
+
+def _weights(topology: Topology, collective: str) -> np.ndarray:
+    """``(m, 2)`` capacities ``a -> b``, ``b -> a``; reversed for reduce-scatter (its bound is allgather's on them)."""
+    if collective not in ("allgather", "reduce_scatter"):
+        raise PlanError(f"collective {collective!r} has no gather bound; use 'allgather' or 'reduce_scatter'")
+    w = 1.0 / topology.directed_costs if topology.links else np.zeros((0, 2))
+    return w if collective == "allgather" else w[:, ::-1].copy()
+
+
+def _out_capacity(topology: Topology, w: np.ndarray, inside: np.ndarray) -> float:
+    idx = topology.device_index
+    a = np.array([idx[lk.a] for lk in topology.links], dtype=np.int64)
+    b = np.array([idx[lk.b] for lk in topology.links], dtype=np.int64)
+    return float(w[inside[a] & ~inside[b], 0].sum() + w[inside[b] & ~inside[a], 1].sum())
+
+
+def gather_cut_bound(topology: Topology, collective: str = "allgather") -> GatherBound:
+    """The module docstring's bound, exactly: Dinkelbach on the ratio, each round ``N`` integer max-flows.
+
+    At the best ratio so far ``A / W`` (``A`` ranks, ``W`` scaled capacity) a set beats it iff
+    ``A w_out(S) + W |R \\ S| < W N``; for each rank ``t`` kept outside ``S`` that minimum is one s-t cut
+    (source -> rank ``j`` at ``W``, paid when ``j`` is outside; links at ``A w``; ``t`` -> sink unbounded).
+    A set that beats it holds a rank (else its value is ``>= W N``). Capacities are scaled to integers
+    exactly when commensurable (every built-in fabric); the returned value is re-evaluated in floating point
+    from the set found, so it is a valid bound either way.
+    """
+    n = topology.world_size
+    w = _weights(topology, collective)
+    if n < 2:
+        return GatherBound(0.0, (), collective, 0)
+    idx = topology.device_index
+    nd = len(topology.devices)
+    a = np.array([idx[lk.a] for lk in topology.links], dtype=np.int64)
+    b = np.array([idx[lk.b] for lk in topology.links], dtype=np.int64)
+    ranks = np.array([idx[r] for r in topology.ranks], dtype=np.int64)
+    tails, heads = np.concatenate([a, b]), np.concatenate([b, a])
+    budget = _INT_LIMIT / (8.0 * n * n)
+    caps, _, _ = _integer_capacities(np.concatenate([w[:, 0], w[:, 1]]), budget)
+    deg = np.bincount(tails, weights=caps, minlength=nd).astype(np.int64)
+    # Start from the best single rank: {r} leaves at w_out(r).
+    best = int(np.argmin(deg[ranks]))
+    count, cap = 1, int(deg[ranks[best]])
+    best_set = np.zeros(nd, dtype=bool)
+    best_set[ranks[best]] = True
+    flows = 0
+    s_node, t_node = nd, nd + 1
+    while True:
+        improved = False
+        for t in ranks:
+            big = cap * n + 1
+            rows = np.concatenate([tails, np.full(n, s_node), [t]])
+            cols = np.concatenate([heads, ranks, [t_node]])
+            data = np.concatenate([caps * count, np.full(n, cap), [big]])
+            if int(data.max()) >= _INT_LIMIT or big >= _INT_LIMIT:  # pragma: no cover - budget keeps it small
+                raise PlanError("gather cut bound: capacities overflow int32; report this topology")
+            graph = sp.csr_array((data.astype(np.int32), (rows, cols)), shape=(nd + 2, nd + 2))
+            result = maximum_flow(graph, s_node, t_node)
+            flows += 1
+            if int(result.flow_value) >= cap * n:
+                continue
+            residual = (graph - result.flow).tocsr()
+            residual.data[residual.data < 0] = 0
+            residual.eliminate_zeros()
+            side = np.zeros(nd + 2, dtype=bool)
+            side[sp.csgraph.breadth_first_order(residual, s_node, directed=True, return_predecessors=False)] = True
+            inside = side[:nd]
+            k = int(inside[ranks].sum())
+            out = int(caps[inside[tails] & ~inside[heads]].sum())
+            if 0 < k < n and k * cap > count * out:
+                count, cap, best_set, improved = k, out, inside, True
+        if not improved:
+            break
+    value = count / (n * _out_capacity(topology, w, best_set)) if _out_capacity(topology, w, best_set) > 0 else np.inf
+    names = tuple(topology.devices[i].name for i in np.flatnonzero(best_set))
+    return GatherBound(float(value), names, collective, flows)
+
+
+def brute_force_gather_bound(topology: Topology, collective: str = "allgather") -> float:
+    """The same bound by enumerating every vertex set (small fabrics only: tests)."""
+    n, nd = topology.world_size, len(topology.devices)
+    if nd > 20:
+        raise PlanError(f"brute force over 2^{nd} vertex sets is too slow; use gather_cut_bound")
+    w = _weights(topology, collective)
+    is_rank = np.array([d.name in topology.rank_index for d in topology.devices])
+    best = 0.0
+    for mask in range(1, 2**nd - 1):
+        inside = np.array([(mask >> i) & 1 for i in range(nd)], dtype=bool)
+        k = int((inside & is_rank).sum())
+        if 0 < k < n:
+            out = _out_capacity(topology, w, inside)
+            best = max(best, k / (n * out) if out > 0 else np.inf)
+    return best
+
+
+# ---- minimum spanning arborescence (Chu-Liu/Edmonds, dense) ---------------------------------------------
+def _cycle(parent: np.ndarray, root: int) -> list[int] | None:
+    mark = np.full(len(parent), -1)
+    for s in range(len(parent)):
+        v = s
+        while v != root and mark[v] == -1:
+            mark[v] = s
+            v = int(parent[v])
+        if v != root and mark[v] == s:
+            cyc = [v]
+            u = int(parent[v])
+            while u != v:
+                cyc.append(u)
+                u = int(parent[u])
+            return cyc
+    return None
+
+
+def min_arborescence(weights: np.ndarray, root: int) -> np.ndarray:
+    """``parent[v]`` of the minimum-weight spanning arborescence rooted at ``root`` (``parent[root] = -1``).
+
+    ``weights[u, v]`` (finite) is the price of edge ``u -> v`` of a complete digraph. Chu-Liu/Edmonds: every
+    node takes its cheapest entering edge; a cycle among them is contracted (entering prices reduced by the
+    cycle edge they would replace) and the contracted problem's solution expanded.
+    """
+    n = len(weights)
+    w = np.array(weights, dtype=float)
+    np.fill_diagonal(w, np.inf)
+    w[:, root] = np.inf
+    parent = np.argmin(w, axis=0)
+    parent[root] = -1
+    cyc_list = _cycle(parent, root)
+    if cyc_list is None:
+        return parent
+    cyc = np.array(cyc_list)
+    in_cycle = np.zeros(n, dtype=bool)
+    in_cycle[cyc] = True
+    rest = np.flatnonzero(~in_cycle)
+    m = len(rest) + 1
+    w2 = np.full((m, m), np.inf)
+    w2[: m - 1, : m - 1] = w[np.ix_(rest, rest)]
+    enter_cost = w[np.ix_(rest, cyc)] - w[parent[cyc], cyc][None, :]
+    enter = np.argmin(enter_cost, axis=1)
+    w2[: m - 1, m - 1] = enter_cost[np.arange(m - 1), enter]
+    leave_cost = w[np.ix_(cyc, rest)]
+    leave = np.argmin(leave_cost, axis=0)
+    w2[m - 1, : m - 1] = leave_cost[leave, np.arange(m - 1)]
+    root2 = int(np.flatnonzero(rest == root)[0])
+    p2 = min_arborescence(w2, root2)
+    out = parent.copy()
+    for i, v in enumerate(rest):
+        if v == root:
+            continue
+        out[v] = cyc[leave[i]] if p2[i] == m - 1 else rest[p2[i]]
+    u = int(p2[m - 1])
+    out[cyc[enter[u]]] = rest[u]
+    return out
+
+
+# ---- the packing ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arborescence:
+    """An out-tree over rank indices from ``root``; ``routes[i]`` is the device path of ``edges[i]`` (parent first)."""
+
+    root: int
+    edges: tuple[tuple[int, int], ...]
+    routes: tuple[tuple[str, ...], ...]
+    #: Tree edges routed over each link direction, ``(m, 2)``.
+    loads: np.ndarray
+
+    @property
+    def key(self) -> tuple:
+        return (self.root, tuple(sorted(self.routes)))
+
+
+@dataclass(frozen=True)
+class ForestPacking:
+    """Weighted out-trees per root (weights of one root sum to 1), the cost and a certified lower bound."""
+
+    cost: float
+    lower_bound: float
+    trees: tuple[tuple[float, Arborescence], ...]
+    iterations: int
+    columns: int
+    #: True when planned on the reversed link directions (for a reduce-scatter).
+    reversed: bool
+
+
+class _Pricer:
+    """Cheapest routed arborescence per root under directed link prices (one closure per price vector)."""
+
+    def __init__(self, topology: Topology, reverse: bool) -> None:
+        self.topology = topology
+        idx = topology.device_index
+        self.names = [d.name for d in topology.devices]
+        self.a = np.array([idx[lk.a] for lk in topology.links], dtype=np.int64)
+        self.b = np.array([idx[lk.b] for lk in topology.links], dtype=np.int64)
+        self.term = np.array([idx[r] for r in topology.ranks], dtype=np.int64)
+        self.reverse = reverse
+
+    def closure(self, prices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rank-to-rank shortest distances and predecessors under ``prices`` ``(m, 2)`` (strictly positive)."""
+        nd = len(self.names)
+        rows = np.concatenate([self.a, self.b])
+        cols = np.concatenate([self.b, self.a])
+        graph = sp.csr_matrix((np.concatenate([prices[:, 0], prices[:, 1]]), (rows, cols)), shape=(nd, nd))
+        dist, pred = dijkstra(graph, directed=True, indices=self.term, return_predecessors=True)
+        return dist, pred
+
+    def tree(self, root: int, dist: np.ndarray, pred: np.ndarray) -> Arborescence:
+        topo = self.topology
+        parent = min_arborescence(dist[:, self.term], root)
+        edges, routes = [], []
+        loads = np.zeros((len(topo.links), 2))
+        for v in range(len(parent)):
+            p = int(parent[v])
+            if p < 0:
+                continue
+            path = [int(self.term[v])]
+            while path[-1] != self.term[p]:
+                path.append(int(pred[p, path[-1]]))
+            path.reverse()
+            route = tuple(self.names[x] for x in path)
+            edges.append((p, v))
+            routes.append(route)
+            for e, d in topo.route_links(route):
+                loads[e, d] += 1
+        return Arborescence(root, tuple(edges), tuple(routes), loads)
+
+
+def _positive(prices: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """Strictly positive prices; the tiny extra term prefers fast links and short routes on ties."""
+    scale = float(prices.max()) if prices.size and prices.max() > 0 else 1.0
+    return prices + 1e-9 * scale * costs / costs.max() + 1e-15
+
+
+def pack_arborescences(topology: Topology, *, reverse: bool = False, tol: float = 1e-9,
+                       max_iter: int = 2000) -> ForestPacking:
+    """Solve the module docstring's LP by column generation; ``reverse`` plans on the reversed directions.
+
+    Returns weighted arborescences whose allgather (or, reversed, reduce-scatter) cost is within ``tol``
+    (relative) of the certified lower bound.
+    """
+    n = topology.world_size
+    m = len(topology.links)
+    if n < 2 or m == 0:
+        return ForestPacking(0.0, 0.0, (), 0, 0, reverse)
+    costs = topology.directed_costs[:, ::-1].copy() if reverse else topology.directed_costs.copy()
+    pricer = _Pricer(topology, reverse)
+    columns: list[Arborescence] = []
+    keys: set[tuple] = set()
+
+    def add(tree: Arborescence) -> bool:
+        if tree.key in keys:
+            return False
+        keys.add(tree.key)
+        columns.append(tree)
+        return True
+
+    # Warm start: every root's cheapest tree, then two greedy rounds that avoid the links already loaded.
+    used = np.zeros((m, 2))
+    for _ in range(3):
+        dist, pred = pricer.closure(_positive(costs * (1.0 + costs * used), costs))
+        for r in range(n):
+            t = pricer.tree(r, dist, pred)
+            used += t.loads / n
+            add(t)
+    flat_c = costs.reshape(-1) / n
+    lower, upper = 0.0, np.inf
+    alpha = np.zeros(0)
+    it = 0
+    for it in range(1, max_iter + 1):  # noqa: B007 - reported after the loop
+        k = len(columns)
+        loads = np.stack([t.loads.reshape(-1) for t in columns], axis=1)  # (2m, k)
+        a_ub = np.hstack([flat_c[:, None] * loads, -np.ones((2 * m, 1))])
+        a_eq = np.zeros((n, k + 1))
+        for j, t in enumerate(columns):
+            a_eq[t.root, j] = 1.0
+        res = linprog(np.r_[np.zeros(k), 1.0], A_ub=a_ub, b_ub=np.zeros(2 * m), A_eq=a_eq, b_eq=np.ones(n),
+                      bounds=[(0, None)] * (k + 1), method="highs")
+        if not res.success:  # pragma: no cover - always feasible: every root has a column
+            raise PlanError(f"HiGHS failed on the out-tree packing master LP: {res.message}")
+        alpha, upper = res.x[:k], float(res.x[k])
+        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
+        y = y / y.sum() if y.sum() > 0 else np.full(2 * m, 1.0 / (2 * m))
+        mu = np.asarray(res.eqlin.marginals)
+        prices = (y * flat_c).reshape(m, 2)
+        dist, pred = pricer.closure(_positive(prices, costs))
+        bound = 0.0
+        added = False
+        for r in range(n):
+            t = pricer.tree(r, dist, pred)
+            value = float(prices.reshape(-1) @ t.loads.reshape(-1))
+            bound += value
+            if value < mu[r] - tol * max(abs(upper), 1e-300):
+                added |= add(t)
+        lower = max(lower, bound)
+        if upper - lower <= tol * max(upper, 1e-300) or not added:
+            break
+    else:  # pragma: no cover
+        raise PlanError(f"out-tree packing did not converge in {max_iter} iterations (gap {upper - lower:.3g})")
+    keep = alpha > 1e-12
+    trees: list[tuple[float, Arborescence]] = []
+    for r in range(n):
+        mine = [(float(a), t) for a, t, kp in zip(alpha, columns, keep) if kp and t.root == r]
+        total = sum(a for a, _ in mine)
+        trees += [(a / total, t) for a, t in mine]
+    load = sum(a * t.loads for a, t in trees) / n
+    cost = float((costs * load).max())
+    return ForestPacking(cost, min(lower, cost), tuple(trees), it, len(columns), reverse)
+
+
+@functools.lru_cache(maxsize=32)
+def optimal_forest(topology: Topology, reverse: bool = False) -> ForestPacking:
+    """:func:`pack_arborescences` memoised per (immutable) topology and direction."""
+    return pack_arborescences(topology, reverse=reverse)
+
+
+# ---- schedules ------------------------------------------------------------------------------------------
+def arborescence_schedule(algorithm: str, topology: Topology, trees: Sequence[tuple[float, Arborescence]],
+                          pipeline: int, meta: dict | None = None) -> Schedule:
+    """An allgather: root ``r``'s shard split over its trees by weight (each into ``pipeline`` sub-chunks),
+    copied down every tree; a node sends at step = its depth, after its own copy arrived."""
+    n = topology.world_size
+    by_root: dict[int, list[tuple[float, Arborescence]]] = {r: [] for r in range(n)}
+    for w, t in trees:
+        by_root[t.root].append((w, t))
+    chunks: list[Chunk] = []
+    transfers: list[Transfer] = []
+    provenance: list[Tree] = []
+    for r in range(n):
+        mine = [(w, t) for w, t in by_root[r] if w > 0]
+        if not mine:
+            raise PlanError(f"no out-tree for rank {r}: an allgather needs every rank's shard sent")
+        offset = r / n
+        for j, (w, t) in enumerate(mine):
+            depth = {r: 0}
+            children: dict[int, list[tuple[int, tuple[str, ...]]]] = {}
+            for (p, c), route in zip(t.edges, t.routes):
+                children.setdefault(p, []).append((c, route))
+            order = [r]
+            for v in order:
+                for c, _ in children.get(v, []):
+                    depth[c] = depth[v] + 1
+                    order.append(c)
+            if len(order) != n:
+                raise PlanError(f"out-tree of rank {r} reaches {len(order)} of {n} ranks")
+            for s in range(pipeline):
+                last = j == len(mine) - 1 and s == pipeline - 1
+                size = ((r + 1) / n - offset) if last else w / n / pipeline
+                cid = len(chunks)
+                chunks.append(Chunk(offset, size, r))
+                offset += size
+                for (p, c), route in zip(t.edges, t.routes):
+                    transfers.append(Transfer(cid, p, c, route, False, depth[p]))
+            provenance.append(Tree(w / n, r, tuple((c, p) for p, c in t.edges),
+                                   tuple(tuple(reversed(rt)) for rt in t.routes)))
+    return Schedule(algorithm, topology.name, topology.ranks, tuple(chunks), tuple(transfers),
+                    collective="allgather", trees=tuple(provenance), meta=dict(meta or {}))
+
+
+def reverse_schedule(schedule: Schedule) -> Schedule:
+    """The reduce-scatter that runs an allgather backwards: every transfer reversed in time and direction,
+    and summed instead of copied (each tree edge then carries a partial sum toward the shard's owner)."""
+    if schedule.collective != "allgather":
+        raise PlanError(f"only an allgather reverses into a reduce-scatter; this is a {schedule.collective!r}")
+    top = schedule.num_steps - 1
+    transfers = tuple(Transfer(t.chunk, t.dst, t.src, tuple(reversed(t.route)), True, top - t.step, t.priority)
+                      for t in schedule.transfers)
+    return Schedule(schedule.algorithm, schedule.topology, schedule.ranks, schedule.chunks, transfers,
+                    collective="reduce_scatter", trees=schedule.trees, meta=dict(schedule.meta))
