@@ -55,6 +55,35 @@ def scenario_sums(topology: str, only: str = "") -> dict:
     return {"checked": checked, "failures": failures, "auto": chosen}
 
 
+def scenario_sharded(topology: str) -> dict:
+    """Every synthesizer that plans reduce-scatter and allgather: torch's reduce_scatter_tensor and
+    all_gather_into_tensor results exactly (expected from the known inputs, and from gloo's own all_gather)."""
+    rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=60)
+    checked, failures = [], []
+    for alg in SYNTHESIZERS.names():
+        entry = SYNTHESIZERS.get(alg)
+        if entry.applicable(rt.topology) or "allgather" not in entry.supported:
+            continue
+        for dtype in (torch.float32, torch.float64, torch.int64):
+            for k in (0, 1, 13, 1009):
+                x = ((torch.arange(WORLD * k, dtype=torch.float64) % 89) * (RANK + 1) - 7).to(dtype)
+                out = torch.empty(k, dtype=dtype)
+                gradsync.reduce_scatter_tensor(out, x, algorithm=alg)
+                full = sum(((torch.arange(WORLD * k, dtype=torch.float64) % 89) * (r + 1) - 7) for r in range(WORLD))
+                if not torch.equal(out.to(torch.float64), full[RANK * k:(RANK + 1) * k]):
+                    failures.append(f"reduce_scatter {alg} {dtype} {k}")
+                mine = (torch.arange(k, dtype=torch.float64) * (RANK + 2)).to(dtype)
+                got = torch.empty(WORLD * k, dtype=dtype)
+                gradsync.all_gather_into_tensor(got, mine, algorithm=alg)
+                ref = [torch.empty(k, dtype=dtype) for _ in range(WORLD)]
+                dist.all_gather(ref, mine)
+                if not torch.equal(got, torch.cat(ref)):
+                    failures.append(f"allgather {alg} {dtype} {k}")
+        checked.append(alg)
+    gradsync.shutdown()
+    return {"checked": checked, "failures": failures}
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -172,7 +201,7 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
             "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
 
 
-SCENARIOS = {"calibrate": scenario_calibrate, "sums": scenario_sums, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
+SCENARIOS = {"calibrate": scenario_calibrate, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
 
 
 def main() -> None:

@@ -34,6 +34,17 @@ def test_every_synthesizer_sums_on_processes(tmp_path, world, topology):
         assert {a for a, _ in reports[0]["auto"].values()} - {"native"}
 
 
+@pytest.mark.parametrize("world,topology", [(2, "switch:2"), (3, "p3.8xlarge[0,1,2]"), (4, "bcube:2,2")])
+def test_reduce_scatter_and_allgather_on_processes(tmp_path, world, topology):
+    """Issue 14 part 3: every synthesizer that plans them gives torch's exact results over gloo."""
+    reports = launch(WORKER, ["sharded", str(tmp_path), topology], world, tmp_path)
+    topo = get_topology(topology)
+    expected = [a for a, e in SYNTHESIZERS.items() if not e.applicable(topo) and "allgather" in e.supported]
+    assert {"ring", "ps", "tree", "lp", "auto"} <= set(expected)
+    for rank, rep in enumerate(reports):
+        assert rep is not None and rep["checked"] == expected and rep["failures"] == [], (rank, rep)
+
+
 def test_bml_on_bcube_3_2_with_nine_processes(tmp_path):
     reports = launch(WORKER, ["sums", str(tmp_path), "bcube:3,2", "bml"], 9, tmp_path, timeout_s=280)
     for rank, rep in enumerate(reports):

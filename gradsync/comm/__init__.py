@@ -14,6 +14,8 @@ from gradsync.comm.local import LocalFabric, LocalTransport, run_ranks
 from gradsync.comm.runtime import (
     Runtime,
     Work,
+    all_gather_into_tensor,
+    all_gather_into_tensor_async,
     allgather,
     allgather_async,
     allreduce,
@@ -21,6 +23,9 @@ from gradsync.comm.runtime import (
     get_runtime,
     init,
     is_initialized,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    reduce_scatter_tensor_async,
     shutdown,
 )
 from gradsync.comm.transport import TRANSPORTS, Handle, TorchTransport, Transport, create_transport
@@ -38,6 +43,8 @@ __all__ = [
     "TorchTransport",
     "Transport",
     "Work",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_async",
     "allgather",
     "allgather_async",
     "allreduce",
@@ -48,6 +55,9 @@ __all__ = [
     "init",
     "is_initialized",
     "process_mapping",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_async",
     "run_ranks",
     "shutdown",
 ]

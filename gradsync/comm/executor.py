@@ -256,9 +256,12 @@ class Executor:
 
     # ---- public -------------------------------------------------------------------------------------
     def run(self, tensors: torch.Tensor | Sequence[torch.Tensor], op: str = "sum") -> torch.Tensor | list[torch.Tensor]:
-        """All-reduce ``tensors`` (one tensor or a list: one tensor collective) in place and return them.
+        """Run the schedule's collective on ``tensors`` (one tensor or a list: one tensor collective) in place.
 
-        Every rank must call ``run`` with tensors of the same numels and dtype, in the same order.
+        Allreduce: every element ends summed. Reduce-scatter: this rank's shard of each tensor
+        (:meth:`Schedule.shard` of its schedule rank) ends summed, the rest holds partial sums. Allgather: each
+        rank's shard is copied to every rank. Every rank must call ``run`` with tensors of the same numels
+        and dtype, in the same order.
         """
         single = isinstance(tensors, torch.Tensor)
         tlist = [tensors] if single else list(tensors)
@@ -272,6 +275,10 @@ class Executor:
         if op == "avg" and self.schedule.collective == "allreduce":
             for f in flats:
                 f.div_(self.schedule.world_size)
+        elif op == "avg" and self.schedule.collective == "reduce_scatter":  # only this rank's shard is a sum
+            for f in flats:
+                lo, hi = self.schedule.shard(self.rank, f.numel())
+                f[lo:hi].div_(self.schedule.world_size)
         dt = time.perf_counter() - t0
         self.stats.seconds += dt
         self.stats.runs += 1
@@ -518,7 +525,7 @@ class Executor:
             board.post(me, failed, str(exc))
         blame = "" if failed == exc.peer else f"; rank {failed} ({self._device_of_proc[failed]}) failed first, as other ranks reported"
         return PeerError(
-            f"rank {me} ({self._device_of_proc[me]}), {self.schedule.algorithm} allreduce: {verb} chunk {act.chunk} "
+            f"rank {me} ({self._device_of_proc[me]}), {self.schedule.algorithm} {self.schedule.collective}: {verb} chunk {act.chunk} "
             f"(step {act.step}) {prep} rank {act.peer} ({self._device_of_proc[act.peer]}) failed: {exc}{blame}",
             failed,
         )

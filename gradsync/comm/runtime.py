@@ -26,7 +26,7 @@ from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.errors import CommError, GradsyncError
 from gradsync.plan.routing import router_for
-from gradsync.plan.schedule import Schedule
+from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.plan.synthesizers import PlanOptions
 from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
 from gradsync.topology.io import get_topology
@@ -40,9 +40,14 @@ __all__ = [
     "allreduce_async",
     "allgather",
     "allgather_async",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_async",
     "dtype_groups",
     "get_runtime",
     "is_initialized",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_async",
     "shutdown",
 ]
 
@@ -112,6 +117,10 @@ class Runtime:
         self._choices: dict[int, tuple[str, int]] = {}
         self._generation = 0  # bumped when the cost model changes: decisions are per model
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
+        # reduce-scatter / allgather: a chooser per collective, choices and executors keyed by collective too
+        self._sharded_choosers: dict[str, Chooser] = {}
+        self._sharded_choices: dict[tuple[str, int], tuple[str, int]] = {}
+        self._sharded: dict[tuple[str, str, int], Executor] = {}
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0  # collectives queued or running; 0 lets a blocking call run on the caller's thread
         self._mutex = threading.Lock()  # guards _pending
@@ -202,15 +211,18 @@ class Runtime:
         self.cost_model = model
         self._chooser = self._named = None
         self._choices.clear()
+        self._sharded_choosers.clear()
+        self._sharded_choices.clear()
         self._close_executors()
         self._executors.clear()
         self._generation += 1
 
     def _close_executors(self) -> None:
         """Stop the executors' waiting threads (the native one has none)."""
-        for ex in self._executors.values():
+        for ex in [*self._executors.values(), *self._sharded.values()]:
             if isinstance(ex, Executor):
                 ex.close()
+        self._sharded.clear()
 
     def calibrate(self, reps: int = 5, size_bytes: int = 4096) -> CostModel:
         """Measure the per-message costs on this job's wire and price with them (returns the new model).
@@ -328,6 +340,45 @@ class Runtime:
     def schedule(self, algorithm: str | None = None, nbytes: float | None = None) -> Schedule:
         return self.executor(algorithm, nbytes).schedule
 
+    def sharded_executor(self, collective: str, algorithm: str | None = None, nbytes: float | None = None) -> Executor:
+        """The executor of a ``reduce_scatter`` or ``allgather`` schedule, planned once per (algorithm, depth).
+
+        ``auto`` picks per size class of ``nbytes`` (the full buffer) among the algorithms that plan the
+        collective, priced with the runtime's cost model; the backend's native collective is not a candidate.
+        """
+        if collective not in SHARDED:
+            raise GradsyncError(f"collective {collective!r} is not one of {SHARDED}; allreduce runs on Runtime.executor")
+        name = algorithm or self.algorithm
+        size = size_class(self.options.size_bytes if nbytes is None else nbytes)
+        chooser = self._sharded_choosers.get(collective)
+        if chooser is None:
+            chooser = self._sharded_choosers[collective] = Chooser(
+                self.topology, self.cost_model, native=False, options=replace(self.options, collective=collective))
+        if name == "auto":
+            got = self._sharded_choices.get((collective, size))
+            if got is None:
+                def compute() -> bytes:
+                    c = chooser.choose(size)
+                    return json.dumps([c.algorithm, c.pipeline]).encode()
+
+                chosen, depth = json.loads(self._decide(f"g{self._generation}/choice/{collective}/{size}", compute))
+                got = self._sharded_choices[(collective, size)] = (str(chosen), int(depth))
+            name, pipeline = got
+        else:
+            pipeline = self.options.pipeline
+        key = (collective, name, pipeline)
+        ex = self._sharded.get(key)
+        if ex is None:
+            schedule = chooser.schedule(name, pipeline, check=True)
+            order = None
+            if len(schedule.transfers) <= MAX_ORDERED_TRANSFERS:
+                raw = self._decide(f"g{self._generation}/order/{collective}/{name}/{pipeline}/{size}",
+                                   lambda: self.cost_model.wait_order(schedule, self.topology, size).astype("<f8").tobytes())
+                order = np.frombuffer(raw, "<f8")
+            ex = self._sharded[key] = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s,
+                                               order=order)
+        return ex
+
     # ---- collectives ---------------------------------------------------------------------------------------
     def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
         """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once."""
@@ -429,6 +480,47 @@ class Runtime:
         """Every rank's 1-D ``tensor``, in rank order (sizes may differ); runs in order with queued collectives."""
         return self.allgather_async(tensor).wait()
 
+    # ---- reduce-scatter and allgather on planned schedules (torch.distributed's tensor forms) ----------------
+    def reduce_scatter_tensor_async(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                                    algorithm: str | None = None) -> Work:
+        """Queue ``output = (sum over ranks of input)[rank's shard]``, as ``torch.distributed.reduce_scatter_tensor``:
+        ``input`` has ``world_size * output.numel()`` elements, process rank ``p`` gets the ``p``-th equal slice;
+        ``input`` is left unchanged. ``op``: ``sum`` or ``avg``."""
+        if op not in OPS:
+            raise GradsyncError(f"op={op!r} is not one of {OPS}")
+        _check_sharded("reduce_scatter_tensor", output, input, self.world_size, big="input")
+        ex = self.sharded_executor("reduce_scatter", algorithm, _nbytes(input))
+        return self.submit(lambda: _run_sharded(ex, output, input, op), "reduce_scatter")
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                              algorithm: str | None = None) -> torch.Tensor:
+        """:meth:`reduce_scatter_tensor_async`, waited for; returns ``output``."""
+        return self.reduce_scatter_tensor_async(output, input, op, algorithm).wait()
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
+        """This rank's equal shard of the sum of ``tensor`` over ranks, as a new 1-D tensor (``tensor`` unchanged)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"reduce_scatter takes a torch.Tensor, got {type(tensor).__name__}")
+        n = tensor.numel()
+        if n % self.world_size:
+            raise GradsyncError(f"reduce_scatter needs a numel divisible by world_size={self.world_size}, got {n}; "
+                                f"pad the tensor to {-(-n // self.world_size) * self.world_size} elements")
+        out = tensor.new_empty(n // self.world_size)
+        return self.reduce_scatter_tensor(out, tensor.contiguous(), op, algorithm)
+
+    def all_gather_into_tensor_async(self, output: torch.Tensor, input: torch.Tensor,
+                                     algorithm: str | None = None) -> Work:
+        """Queue ``output[p-th slice] = input of process p`` for every ``p``, as
+        ``torch.distributed.all_gather_into_tensor`` (``output`` has ``world_size * input.numel()`` elements)."""
+        _check_sharded("all_gather_into_tensor", input, output, self.world_size, big="output")
+        ex = self.sharded_executor("allgather", algorithm, _nbytes(output))
+        return self.submit(lambda: _run_sharded(ex, input, output, None), "allgather")
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                               algorithm: str | None = None) -> torch.Tensor:
+        """:meth:`all_gather_into_tensor_async`, waited for; returns ``output``."""
+        return self.all_gather_into_tensor_async(output, input, algorithm).wait()
+
     def _check_comm_thread(self, what: str, instead: str) -> None:
         if not self.on_comm_thread():
             raise GradsyncError(
@@ -508,6 +600,52 @@ class NativeAllreduce:
             raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
         self.runs += 1
         return tensors if single else tlist
+
+
+def _check_sharded(what: str, shard: torch.Tensor, full: torch.Tensor, world: int, *, big: str) -> None:
+    """Validate a (shard, full) pair as torch.distributed's tensor collectives do, with messages naming the fix."""
+    small = "output" if big == "input" else "input"
+    for name, t in ((small, shard), (big, full)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} is a {type(t).__name__}; pass a torch.Tensor")
+        if not t.is_contiguous():
+            raise TypeError(f"{what}: {name} (shape {tuple(t.shape)}) is not contiguous; pass {name}.contiguous()")
+    if shard.dtype != full.dtype or shard.device != full.device:
+        raise TypeError(f"{what}: {small} is {shard.dtype} on {shard.device} but {big} is {full.dtype} on {full.device}; "
+                        f"use one dtype and device")
+    if full.numel() != world * shard.numel():
+        raise GradsyncError(f"{what}: {big} has {full.numel()} elements but {small} has {shard.numel()}; {big} must "
+                            f"have world_size({world}) x {shard.numel()} = {world * shard.numel()}")
+
+
+def _run_sharded(ex: Executor, shard: torch.Tensor, full: torch.Tensor, op: str | None) -> torch.Tensor:
+    """Run a reduce-scatter (``op`` given: ``full`` -> ``shard``) or an allgather (``shard`` -> ``full``).
+
+    The schedule's shards are in *schedule*-rank order and the caller's in process-rank order: schedule rank
+    ``r`` runs on process ``proc_of[r]``, so the work buffer holds the caller's slice ``proc_of[r]`` at
+    shard ``r`` (the identity without a mapping, when an allgather runs in ``full`` itself).
+    """
+    proc_of = ex.proc_of
+    k = shard.numel()
+    flat_full = full.view(-1)
+    identity = proc_of == list(range(len(proc_of)))
+    if op is not None:  # reduce-scatter: work on a copy, so the input is left as it was
+        work = flat_full.clone() if identity else torch.cat([flat_full[p * k:(p + 1) * k] for p in proc_of])
+        ex.run(work, op)
+        lo, hi = ex.schedule.shard(ex.rank, work.numel())
+        shard.view(-1).copy_(work[lo:hi])
+        return shard
+    if identity:
+        work = flat_full
+    else:
+        work = torch.empty_like(flat_full)
+    lo, hi = ex.schedule.shard(ex.rank, work.numel())
+    work[lo:hi].copy_(shard.view(-1))
+    ex.run(work)
+    if not identity:
+        for r, p in enumerate(proc_of):
+            flat_full[p * k:(p + 1) * k].copy_(work[r * k:(r + 1) * k])
+    return full
 
 
 def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -702,6 +840,32 @@ def allgather(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def allgather_async(tensor: torch.Tensor) -> Work:
     return get_runtime().allgather_async(tensor)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                          algorithm: str | None = None) -> torch.Tensor:
+    """``torch.distributed.reduce_scatter_tensor`` on the default runtime's planned schedule (see
+    :meth:`Runtime.reduce_scatter_tensor`)."""
+    return get_runtime().reduce_scatter_tensor(output, input, op, algorithm)
+
+
+def reduce_scatter_tensor_async(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                                algorithm: str | None = None) -> Work:
+    return get_runtime().reduce_scatter_tensor_async(output, input, op, algorithm)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
+    """This rank's equal shard of the sum of ``tensor`` over ranks (a new tensor), with the default runtime."""
+    return get_runtime().reduce_scatter(tensor, op, algorithm)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, algorithm: str | None = None) -> torch.Tensor:
+    """``torch.distributed.all_gather_into_tensor`` on the default runtime's planned schedule."""
+    return get_runtime().all_gather_into_tensor(output, input, algorithm)
+
+
+def all_gather_into_tensor_async(output: torch.Tensor, input: torch.Tensor, algorithm: str | None = None) -> Work:
+    return get_runtime().all_gather_into_tensor_async(output, input, algorithm)
 
 
 def shutdown() -> None:

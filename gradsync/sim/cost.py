@@ -259,9 +259,14 @@ class Chooser:
             raise PlanError(f"margin={margin!r} must lie in [0, 1)")
         self.margin = margin
         names = list(algorithms) if algorithms is not None else [n for n in SYNTHESIZERS.names() if n != "auto"]
-        self.algorithms = [n for n in names if n != "auto" and not SYNTHESIZERS.get(n).applicable(topology)]
+        collective = self.options.collective
+        if native and collective != "allreduce":
+            raise PlanError(f"the backend's native collective is priced for allreduce only, not {collective}; "
+                            f"build the chooser with native=False")
+        self.algorithms = [n for n in names if n != "auto" and not SYNTHESIZERS.get(n).applicable(topology)
+                           and collective in SYNTHESIZERS.get(n).supported]
         if not self.algorithms and not native:
-            raise PlanError(f"no algorithm applies to topology {topology.name!r}")
+            raise PlanError(f"no algorithm plans {collective} on topology {topology.name!r}")
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self._checked: set[tuple[str, int]] = set()
         self._choices: dict[int, Choice] = {}
@@ -358,7 +363,11 @@ class Chooser:
         return [self.choose(s) for s in sizes]
 
 
-@synthesizer("auto")
+def _auto(topology: Topology, options: PlanOptions) -> Schedule:
+    return plan_auto(topology, options)
+
+
+@synthesizer("auto", collectives={"reduce_scatter": _auto, "allgather": _auto})
 def plan_auto(topology: Topology, options: PlanOptions) -> Schedule:
     """The (algorithm, pipeline depth) with the least time for ``size_bytes`` under the runtime's cost model
     (store-and-forward per sub-chunk, a cost per message), not the fluid cost.
