@@ -116,7 +116,8 @@ MAX_RUNTIME_PREDICT_TRANSFERS = 4000
 def cmd_plan(args: argparse.Namespace) -> int:
     check_output(args.output, "-o/--output")
     topo = get_topology(args.topology)
-    options = PlanOptions(pipeline=args.pipeline, size_bytes=parse_size(args.size), latency_s=args.latency)
+    options = PlanOptions(pipeline=args.pipeline, size_bytes=parse_size(args.size), latency_s=args.latency,
+                          collective=args.collective)
     if args.chunks_per_loop is not None and args.export != "msccl":
         raise GradsyncError("--chunks-per-loop sets the MSCCL chunk count; use it with --export msccl -o FILE.xml")
     if args.export == "msccl" and not args.output:
@@ -134,7 +135,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     runtime_s = native_s = None
     if len(schedule.transfers) <= MAX_RUNTIME_PREDICT_TRANSFERS:  # the event simulator is slow on big multi-tree plans
         runtime_s = model.predict(schedule, topo, options.size_bytes)  # as the runtime executes it
-        native_s = model.predict_native(topo, options.size_bytes)
+        if schedule.collective == "allreduce":  # the backend's own collective is priced for allreduce only
+            native_s = model.predict_native(topo, options.size_bytes)
     if export is not None:
         write_text(args.output, export.xml, "MSCCL algorithm file")
     elif args.output:
@@ -145,19 +147,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     **extra})
         return 0
     b = report.limits
-    print(f"{report.algorithm} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link {report.unit_bandwidth_GBps:g} GB/s)")
-    how = "" if b.method == "lp" else " (cut bound only: too many ranks for the LP)"
-    print(f"  lower bound {report.lower_bound:.6g}{how} (gap {report.gap:.2%}); cut bound {b.cut:.6g}, "
-          f"{b.aggregation_cut:.6g} if switches could aggregate")
+    coll = schedule.collective
+    what = "" if coll == "allreduce" else f" {coll}"
+    print(f"{report.algorithm}{what} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link "
+          f"{report.unit_bandwidth_GBps:g} GB/s)")
+    if coll == "allreduce":
+        how = "" if b.method == "lp" else " (cut bound only: too many ranks for the LP)"
+        print(f"  lower bound {report.lower_bound:.6g}{how} (gap {report.gap:.2%}); cut bound {b.cut:.6g}, "
+              f"{b.aggregation_cut:.6g} if switches could aggregate")
+    else:
+        print(f"  lower bound {report.lower_bound:.6g} (ForestColl's cut bound; gap {report.gap:.2%}), "
+              f"{b.aggregation_cut:.6g} if switches could copy or add")
     if b.optimum is not None:
         print(f"  Lemma 2.1: max c_e {b.max_link_cost:.6g} >= C(T_MWST) {b.tree:.6g} >= C(G) {b.optimum:.6g} >= (n-1)/sum 1/c_e {b.sum_bound:.6g}")
-    print(f"  allreduce of {report.size_bytes:.6g} B: {report.time_s * 1e3:.4g} ms, algbw {report.algbw_GBps:.4g} GB/s")
-    if runtime_s is None or native_s is None:
+    buffer = "" if coll == "allreduce" else " (the full buffer; each rank's shard is 1/N of it)"
+    print(f"  {coll} of {report.size_bytes:.6g} B{buffer}: {report.time_s * 1e3:.4g} ms, algbw {report.algbw_GBps:.4g} GB/s")
+    if runtime_s is None:
         print(f"  runtime cost model: skipped ({report.transfers} transfers > {MAX_RUNTIME_PREDICT_TRANSFERS}; "
               f"'gradsync simulate --runtime-model' runs it on a plan saved with -o)")
     else:
-        print(f"  runtime cost model (store-and-forward, {model.message_s * 1e6:g} us/message): {runtime_s * 1e3:.4g} ms; "
-              f"torch.distributed.all_reduce (rank-order ring): {native_s * 1e3:.4g} ms")
+        native = "" if native_s is None else (f"; torch.distributed.all_reduce (rank-order ring): "
+                                              f"{native_s * 1e3:.4g} ms")
+        print(f"  runtime cost model (store-and-forward, {model.message_s * 1e6:g} us/message): "
+              f"{runtime_s * 1e3:.4g} ms{native}")
     print(f"  {report.chunks} chunks, {report.transfers} transfers, {report.steps} steps, {len(report.trees)} trees")
     print("  link class       links  max busy (C units)  max util  mean util")
     for kind, c in sorted(report.link_classes.items()):
@@ -171,7 +183,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if export.relayed_transfers:
             print(f"  note: {export.relayed_transfers} transfers are routed through another GPU; MSCCL sends them "
                   f"GPU to GPU and NCCL picks the path")
-        print(f"  MSCCL algorithm (replayed: every GPU ends with the full sum) written to {args.output}")
+        ends = {"allreduce": "every GPU ends with the full sum", "reduce_scatter": "every GPU ends with its shard's "
+                "full sum", "allgather": "every GPU ends with every shard"}[coll]
+        print(f"  MSCCL {export.program.coll} algorithm (replayed: {ends}) written to {args.output}")
     elif args.output:
         print(f"  schedule written to {args.output}")
     return 0
@@ -364,12 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="show as JSON")
     t.set_defaults(func=cmd_topo)
 
-    pl = sub.add_parser("plan", help="plan an allreduce schedule and report its cost, bounds and time")
+    pl = sub.add_parser("plan", help="plan an allreduce (reduce-scatter, allgather) schedule and report its cost, "
+                                     "bounds and time")
     pl.add_argument("--topology", "-t", required=True, help="registry spec or .json/.yaml file")
     pl.add_argument("--algorithm", "-a", default="lp", choices=SYNTHESIZERS.names())
     pl.add_argument("--size", default="100MB", help="message size in bytes (e.g. 548MB, 1GiB)")
     pl.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")
     pl.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")
+    pl.add_argument("--collective", "-c", default="allreduce", metavar="COLLECTIVE",
+                    help="allreduce (default), reduce_scatter or allgather (equal shards in rank order, as "
+                         "torch.distributed's reduce_scatter_tensor / all_gather_into_tensor)")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("-o", "--output", help="also write the schedule as tagged JSON to this file (with --export: the export)")
     pl.add_argument("--export", choices=["msccl"], help="write the schedule for a GPU executor instead: msccl = an "

@@ -1,4 +1,11 @@
-"""Export an allreduce :class:`~gradsync.plan.schedule.Schedule` as an MSCCL algorithm file.
+"""Export an allreduce, reduce-scatter or allgather :class:`~gradsync.plan.schedule.Schedule` as an MSCCL algorithm file.
+
+**Collectives.** ``coll`` is ``allreduce``, ``reducescatter`` or ``allgather`` (the executor's parser,
+``src/misc/msccl/msccl_parser.cc``, multiplies the buffer by ``ngpus`` for the last two). Every algorithm is
+in-place. A reduce-scatter's steps address its input ``i`` (``nchunksperloop`` chunks, rank ``r``'s result at
+``r * K/N``: its ``o`` of ``K/N`` chunks); an allgather's address its output ``o`` (``K`` chunks, its ``i`` of
+``K/N`` chunks sits at ``r * K/N``), msccl-tools' ``ReduceScatter``/``AllGather`` layouts. Shards are
+quantized separately, ``K/N`` chunks each, so a shard is whole MSCCL chunks.
 
 **Quantization.** MSCCL cuts the buffer into ``K = nchunksperloop`` equal chunks; schedule chunk ``c``
 (a fraction ``f_c``) gets ``k_c`` of them (``sum k_c = K``; a chunk with ``k_c = 0`` is dropped and its
@@ -60,10 +67,10 @@ from gradsync.plan.msccl.program import (
     MscclThreadBlock,
 )
 from gradsync.plan.msccl.replay import check_msccl_xml
-from gradsync.plan.schedule import Schedule
+from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.topology.model import Topology
 
-__all__ = ["MAX_AUTO_CHUNKS", "MscclExport", "Quantization", "export_msccl", "quantize", "to_msccl_xml"]
+__all__ = ["MAX_AUTO_CHUNKS", "MSCCL_COLL", "MscclExport", "Quantization", "export_msccl", "quantize", "to_msccl_xml"]
 
 #: The largest chunk count per loop the automatic choice tries.
 MAX_AUTO_CHUNKS = 64
@@ -123,19 +130,64 @@ def _round(sizes: np.ndarray, loads: np.ndarray, k: int) -> tuple[np.ndarray, fl
     return counts, float(cur.max()) if cur.size else 0.0
 
 
+def _round_shards(sizes: np.ndarray, loads: np.ndarray, k: int, roots: Sequence[int], n: int) -> tuple[np.ndarray, float]:
+    """:func:`_round` with every rank's shard getting exactly ``k / n`` of the chunks (its chunks' counts sum
+    to it), so shard boundaries fall on MSCCL chunk boundaries as a sharded collective needs."""
+    per = k // n
+    owner = np.array(roots)
+    counts = np.zeros(len(sizes), dtype=np.int64)
+    for r in range(n):
+        mine = np.flatnonzero(owner == r)
+        share = sizes[mine] * n  # fractions of the shard
+        base = np.floor(share * per + 1e-9).astype(np.int64)
+        if per >= np.count_nonzero(share > 0):
+            keep = np.where(share > 0, np.maximum(base, 1), 0)
+            base = keep if keep.sum() <= per else base
+        counts[mine] = base
+    cur = counts @ loads / k
+    for r in range(n):
+        mine = np.flatnonzero(owner == r)
+        for _ in range(int(per - counts[mine].sum())):
+            worst = np.max(cur[None, :] + loads[mine] / k, axis=1)
+            remainder = sizes[mine] * k - counts[mine]
+            c = int(mine[np.lexsort((-remainder, worst))[0]])
+            counts[c] += 1
+            cur += loads[c] / k
+    return counts, float(cur.max()) if cur.size else 0.0
+
+
 def quantize(schedule: Schedule, topology: Topology | None = None, nchunksperloop: int | None = None, *,
              max_loss: float = 0.01, max_auto: int = MAX_AUTO_CHUNKS) -> Quantization:
-    """Chunk counts for ``nchunksperloop`` (or the smallest count within ``max_loss``, else the best <= ``max_auto``)."""
+    """Chunk counts for ``nchunksperloop`` (or the smallest count within ``max_loss``, else the best <= ``max_auto``).
+
+    A reduce-scatter or allgather needs ``nchunksperloop`` a multiple of the GPU count, each shard getting
+    an equal number of chunks (MSCCL's buffers are ``nchunksperloop / ngpus`` chunks per rank)."""
     sizes = np.array([c.size for c in schedule.chunks])
     loads = _chunk_loads(schedule, topology)
     cost = float((sizes @ loads).max()) if loads.size else 0.0
+    n = schedule.world_size
+    sharded = schedule.collective in SHARDED
+    if sharded:
+        roots = [int(c.root) for c in schedule.chunks]  # type: ignore[arg-type]  # check() requires roots
+
+        def rounding(k: int) -> tuple[np.ndarray, float]:
+            return _round_shards(sizes, loads, k, roots, n)
+    else:
+        def rounding(k: int) -> tuple[np.ndarray, float]:
+            return _round(sizes, loads, k)
     if nchunksperloop is not None:
-        counts, q = _round(sizes, loads, nchunksperloop)
+        if sharded and nchunksperloop % n:
+            raise MscclError(f"nchunksperloop={nchunksperloop} is not a multiple of the {n} GPUs; a {schedule.collective} "
+                             f"gives every GPU's shard nchunksperloop / {n} chunks: use "
+                             f"{max(n, nchunksperloop // n * n)} or {(nchunksperloop // n + 1) * n}")
+        counts, q = rounding(nchunksperloop)
         return Quantization(nchunksperloop, tuple(int(x) for x in counts), cost, q)
     best: Quantization | None = None
     nonzero = max(1, int(np.count_nonzero(sizes > 0)))
-    for k in range(nonzero, max(max_auto, 2 * nonzero) + 1):
-        counts, q = _round(sizes, loads, k)
+    step = n if sharded else 1
+    first = -(-nonzero // step) * step
+    for k in range(first, max(max_auto, 2 * first) + 1, step):
+        counts, q = rounding(k)
         cand = Quantization(k, tuple(int(x) for x in counts), cost, q)
         if cand.loss <= max_loss + 1e-12:
             return cand
@@ -439,8 +491,17 @@ class _Builder:
         return set()
 
 
+#: MSCCL's name (``coll``) of each collective, and the buffer its steps address with whole-buffer offsets: an
+#: in-place reduce-scatter's output is its input at ``rank * K/N``, an in-place allgather's input its output
+#: there (msccl-tools ``msccl/language/collectives.py``; the executor's parser takes ``reducescatter``).
+MSCCL_COLL = {"allreduce": ("allreduce", "i"), "reduce_scatter": ("reducescatter", "i"), "allgather": ("allgather", "o")}
+
+
 def _emit(tbs_per_gpu: list[list[_Tb]], pieces: Sequence[tuple[int, int, int]], k: int, nchannels: int, name: str,
-          proto: str, min_bytes: int, max_bytes: int) -> MscclProgram:
+          proto: str, min_bytes: int, max_bytes: int, collective: str = "allreduce") -> MscclProgram:
+    coll, buf = MSCCL_COLL[collective]
+    n = len(tbs_per_gpu)
+    i_chunks, o_chunks = {"allreduce": (k, k), "reduce_scatter": (k, k // n), "allgather": (k // n, k)}[collective]
     gpus = []
     for g, tbs in enumerate(tbs_per_gpu):
         # blocks others wait for get the low ids: a dependency names its block in an int8 (dependentBid)
@@ -485,11 +546,11 @@ def _emit(tbs_per_gpu: list[list[_Tb]], pieces: Sequence[tuple[int, int, int]], 
                     steps.append(MscclStep(len(steps), "nop", "i", -1, "o", -1, 0, t, step_of[id(d)], 0))
                 _, off, cnt = pieces[op.piece]
                 depid, depstep = (deps[-1][0], step_of[id(deps[-1][1])]) if deps else (-1, -1)
-                steps.append(MscclStep(len(steps), op.type, "i", off, "i", off, cnt, depid, depstep,
+                steps.append(MscclStep(len(steps), op.type, buf, off, buf, off, cnt, depid, depstep,
                                        int(id(op) in hasdep)))
             out_tbs.append(MscclThreadBlock(tb_id[id(tb)], tb.send, tb.recv, tb.chan, tuple(steps)))
-        gpus.append(MscclGpu(g, k, k, 0, tuple(out_tbs)))
-    return MscclProgram(name, proto, k, nchannels, len(tbs_per_gpu), "allreduce", True, False, tuple(gpus),
+        gpus.append(MscclGpu(g, i_chunks, o_chunks, 0, tuple(out_tbs)))
+    return MscclProgram(name, proto, k, nchannels, len(tbs_per_gpu), coll, True, False, tuple(gpus),
                         min_bytes, max_bytes)
 
 
@@ -537,9 +598,9 @@ def export_msccl(
     ``channels`` caps the channels used (default: one per chunk pattern, at most ``MAXCHANNELS``).
     Raises :class:`MscclError` naming the executor limit a schedule cannot fit, or the bad argument.
     """
-    if schedule.collective != "allreduce":
-        raise MscclError(f"the MSCCL export writes allreduce schedules; this one is a {schedule.collective!r}; "
-                         f"plan an allreduce")
+    if schedule.collective not in MSCCL_COLL:
+        raise MscclError(f"the MSCCL export writes {', '.join(MSCCL_COLL)} schedules; this one is a "
+                         f"{schedule.collective!r}; plan one of those")
     n = schedule.world_size
     if n < 2:
         raise MscclError(f"schedule {schedule.algorithm!r} has {n} rank; an MSCCL algorithm needs at least 2 GPUs")
@@ -577,7 +638,7 @@ def export_msccl(
     while True:
         chan_of_chunk, nchan = _channels(schedule, kept, cap, split)
         tbs, fused = _Builder(n, pieces, xfers, [chan_of_chunk[c] for c, _, _ in pieces], fuse).build()
-        program = _emit(tbs, pieces, q.nchunksperloop, nchan, label, proto, min_bytes, max_bytes)
+        program = _emit(tbs, pieces, q.nchunksperloop, nchan, label, proto, min_bytes, max_bytes, schedule.collective)
         longest = max(len(tb.steps) for g in program.gpus for tb in g.tbs)
         more, _ = _channels(schedule, kept, cap, split + 1)
         if longest <= limits.max_steps or len(set(more.values())) <= len(set(chan_of_chunk.values())):

@@ -1,4 +1,4 @@
-"""Replay checker: execute any MSCCL allreduce algorithm symbolically and prove it correct.
+"""Replay checker: execute any MSCCL allreduce, reduce-scatter or allgather algorithm symbolically and prove it correct.
 
 Semantics (where they are defined: Azure/msccl-executor-nccl ``src/device/msccl_kernel.cu`` and
 ``src/misc/msccl/msccl_parser.cc``; see :mod:`gradsync.plan.msccl.program` for the format):
@@ -22,12 +22,21 @@ Semantics (where they are defined: Azure/msccl-executor-nccl ``src/device/msccl_
   overwrite them; both are rejected even when this replay's interleaving happened to be lucky.
 
 At the end every GPU must hold ``(j, all GPUs)`` at output chunk ``j`` for every ``j < nchunksperloop``.
+
+Reduce-scatter and allgather (``coll="reducescatter"`` / ``"allgather"``, the parser's names) follow
+msccl-tools' ``ReduceScatter`` and ``AllGather`` (``msccl/language/collectives.py``), with ``c = nchunksperloop
+/ ngpus`` chunks per rank. Reduce-scatter: input chunk ``j`` of GPU ``g`` starts as ``(j, {g})``; in place its
+output chunk ``j`` *is* input chunk ``g c + j``; it must end as ``(g c + j, all GPUs)``. Allgather: input chunk
+``j`` of GPU ``g`` starts as ``(g c + j, all GPUs)`` (a finished value: adding anything to it is a duplicate
+reduction); in place it *is* output chunk ``g c + j``; output chunk ``j`` must end as ``(j, all GPUs)``.
+
 Every failure raises :class:`~gradsync.errors.MscclError` naming the GPU, thread block and step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +69,42 @@ class ReplayStats:
     channels: int
 
 
+@dataclass(frozen=True)
+class _Coll:
+    """Where a collective's values start, how its in-place buffers alias, and where they must end."""
+
+    #: ``(gpu, per, i_chunks) -> [(buffer, index, value)]``
+    initial: Callable[[int, int, int, int], list[tuple[str, int, tuple[int, int]]]]
+    #: ``(gpu, per, buffer, index) -> (buffer, index)`` in place: the canonical cell a buffer index names
+    alias: Callable[[int, int, str, int], tuple[str, int]]
+    #: ``(gpu, per, nchunksperloop, full) -> [(buffer, index, value)]``
+    final: Callable[[int, int, int, int], list[tuple[str, int, tuple[int, int]]]]
+    #: ``(nchunksperloop, per) -> (least i_chunks, least o_chunks)``
+    sizes: Callable[[int, int], tuple[int, int]]
+    goal: str
+
+
+def _same(gpu: int, per: int, buf: str, idx: int) -> tuple[str, int]:
+    return ("i" if buf == "o" else buf, idx)
+
+
+COLLS: dict[str, _Coll] = {
+    "allreduce": _Coll(
+        lambda g, per, ni, full: [("i", j, (j, 1 << g)) for j in range(ni)], _same,
+        lambda g, per, k, full: [("o", j, (j, full)) for j in range(k)], lambda k, per: (k, k), "the full reduction"),
+    "reducescatter": _Coll(
+        lambda g, per, ni, full: [("i", j, (j, 1 << g)) for j in range(ni)],
+        lambda g, per, buf, idx: ("i", g * per + idx) if buf == "o" else (buf, idx),
+        lambda g, per, k, full: [("o", j, (g * per + j, full)) for j in range(per)], lambda k, per: (k, per),
+        "its shard's full reduction"),
+    "allgather": _Coll(
+        lambda g, per, ni, full: [("i", j, (g * per + j, full)) for j in range(ni)],
+        lambda g, per, buf, idx: ("o", g * per + idx) if buf == "i" else (buf, idx),
+        lambda g, per, k, full: [("o", j, (j, full)) for j in range(k)], lambda k, per: (per, k),
+        "every GPU's shard"),
+}
+
+
 def _at(gpu: int, tb: int, step: int, typ: str) -> str:
     return f"GPU {gpu}, thread block {tb}, step {step} ({typ})"
 
@@ -71,8 +116,9 @@ def _gpus_of(mask: int) -> list[int]:
 # ---- structure ----------------------------------------------------------------------------------------------
 def validate_program(program: MscclProgram, limits: MscclLimits = DEFAULT_LIMITS) -> None:
     """Check what the executor's parser checks, and the limits; raise :class:`MscclError` naming the place."""
-    if program.coll != "allreduce":
-        raise MscclError(f"coll={program.coll!r}: the replay checker proves allreduce algorithms only")
+    if program.coll not in COLLS:
+        hint = " (MSCCL spells it 'reducescatter')" if program.coll.replace("_", "") == "reducescatter" else ""
+        raise MscclError(f"coll={program.coll!r}: the replay checker proves {', '.join(COLLS)} algorithms{hint}")
     if program.proto not in _PROTOCOLS:
         raise MscclError(f"proto={program.proto!r}; the executor knows {', '.join(_PROTOCOLS)}")
     if not program.inplace and not program.outofplace:
@@ -84,9 +130,17 @@ def validate_program(program: MscclProgram, limits: MscclLimits = DEFAULT_LIMITS
         raise MscclError(f"nchunksperloop={program.nchunksperloop}; it must be in 1..{limits.max_chunks} (int16 offsets)")
     if not 1 <= program.nchannels <= limits.max_channels:
         raise MscclError(f"nchannels={program.nchannels}; MAXCHANNELS allows 1..{limits.max_channels}")
+    if program.coll != "allreduce" and program.nchunksperloop % n:
+        raise MscclError(f"coll={program.coll!r} with nchunksperloop={program.nchunksperloop} on ngpus={n}: every GPU's "
+                         f"shard needs nchunksperloop / ngpus chunks; make nchunksperloop a multiple of {n}")
+    need_i, need_o = COLLS[program.coll].sizes(program.nchunksperloop, program.nchunksperloop // max(n, 1))
     for g in program.gpus:
         if min(g.i_chunks, g.o_chunks, g.s_chunks) < 0:
             raise MscclError(f"GPU {g.id} declares a negative buffer size", g.id)
+        if program.coll != "allreduce" and (g.i_chunks < need_i or g.o_chunks < need_o):
+            raise MscclError(f"GPU {g.id} declares i_chunks={g.i_chunks}, o_chunks={g.o_chunks}; a {program.coll} of "
+                             f"nchunksperloop={program.nchunksperloop} on {n} GPUs needs at least {need_i} and {need_o}",
+                             g.id)
         ids = sorted(tb.id for tb in g.tbs)
         if ids != list(range(len(ids))):
             raise MscclError(f"GPU {g.id} has thread block ids {ids}; the executor needs 0..{len(ids) - 1}, each once", g.id)
@@ -234,15 +288,20 @@ class _Replay:
                 self.by_tb[(g.id, tb.id)] = st
         self.fifos: dict[tuple[int, int, int], deque[_Message]] = {}
         self.mem: dict[tuple[int, str, int], _Cell] = {}
+        self.coll = COLLS[program.coll]
+        self.per = program.nchunksperloop // program.ngpus
         for g in program.gpus:
-            for j in range(g.i_chunks):
-                self.mem[(g.id, "i", j)] = _Cell((j, 1 << g.id))
+            for buf, j, value in self.coll.initial(g.id, self.per, g.i_chunks, self.full):
+                self.mem[self._key(g.id, buf, j)] = _Cell(value)
         self.units = 0
         self.steps = 0
 
     # -- memory with race checks --
     def _key(self, gpu: int, buf: str, idx: int) -> tuple[int, str, int]:
-        return (gpu, "i" if self.aliased and buf == "o" else buf, idx)
+        if not self.aliased:
+            return (gpu, buf, idx)
+        b, i = self.coll.alias(gpu, self.per, buf, idx)
+        return (gpu, b, i)
 
     @staticmethod
     def _hb(a: _Event, vc: np.ndarray) -> bool:
@@ -280,7 +339,7 @@ class _Replay:
         assert a is not None and b is not None  # _read and message values are never undefined
         if a[0] != b[0]:
             raise MscclError(f"{_at(ev.gpu, ev.tb, ev.step, ev.typ)} adds chunk position {a[0]} to chunk position "
-                             f"{b[0]} ({what}); an allreduce only adds equal positions", ev.gpu, ev.tb, ev.step)
+                             f"{b[0]} ({what}); a reduction only adds equal positions", ev.gpu, ev.tb, ev.step)
         twice = a[1] & b[1]
         if twice:
             raise MscclError(f"{_at(ev.gpu, ev.tb, ev.step, ev.typ)} counts the contribution of GPU(s) {_gpus_of(twice)} "
@@ -411,21 +470,21 @@ class _Replay:
 
     def _postcondition(self) -> None:
         for g in sorted(self.p.gpus, key=lambda g: g.id):
-            for j in range(self.p.nchunksperloop):
-                cell = self.mem.get(self._key(g.id, "o", j))
+            for buf, j, want in self.coll.final(g.id, self.per, self.p.nchunksperloop, self.full):
+                cell = self.mem.get(self._key(g.id, buf, j))
                 value = cell.value if cell else None
-                if value == (j, self.full):
+                if value == want:
                     continue
                 last = f"; last written by {cell.writer.label()}" if cell and cell.writer else ""
                 mode = "in-place" if self.aliased else "out-of-place"
                 if value is None:
                     what = "nothing"
-                elif value[0] != j:
-                    what = f"chunk position {value[0]}"
+                elif value[0] != want[0]:
+                    what = f"chunk position {value[0]} (not {want[0]})"
                 else:
                     what = f"the sum over GPU(s) {_gpus_of(value[1])}, missing {_gpus_of(self.full & ~value[1])}"
                 w = cell.writer if cell else None
-                raise MscclError(f"GPU {g.id} ends ({mode}) with {what} in output chunk {j}, not the full reduction{last}",
+                raise MscclError(f"GPU {g.id} ends ({mode}) with {what} in output chunk {j}, not {self.coll.goal}{last}",
                                  g.id, w.tb if w else None, w.step if w else None)
 
 
@@ -446,5 +505,5 @@ def check_msccl_program(program: MscclProgram, *, fifo_depth: int = 2, limits: M
 
 
 def check_msccl_xml(xml_text: str, *, fifo_depth: int = 2, limits: MscclLimits = DEFAULT_LIMITS) -> ReplayStats:
-    """Parse an MSCCL algorithm file's text and prove it an allreduce (raises :class:`MscclError` if not)."""
+    """Parse an MSCCL algorithm file's text and prove it does its ``coll`` (raises :class:`MscclError` if not)."""
     return check_msccl_program(parse_msccl_xml(xml_text), fifo_depth=fifo_depth, limits=limits)
