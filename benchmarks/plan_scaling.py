@@ -18,6 +18,13 @@ Goals checked in the summary: DGX-1 (``p3.16xlarge``) in <= 0.1 s; the 64-node r
 
 Writes ``plan_scaling.json`` and ``plan_scaling.png`` to ``--out`` (default ``benchmarks/results``).
 
+Collectives (issue 14 part 3; ``--collectives``, or ``--collectives-only`` for just these): on DGX-1, 2x8 and
+4x8 A100 (NVSwitch + one NIC per GPU on two IB rails, ForestColl's ``a100_topology``), BCube(4,2) and
+Fat-Tree(8), the time to plan ``lp`` reduce-scatter and allgather (ForestColl's out-tree packing) and to export
+them as MSCCL XML, their cost against the cut bound, and allreduce run as reduce-scatter + allgather against
+the tree-packing allreduce (algbw = S / time; the trees win where GPUs have unequal bandwidth, p3.8xlarge
+75.0 vs 66.7 GB/s). Written to ``plan_collectives.json``. Goals: every case under 10 s, DGX-1 under 0.1 s.
+
 Run from the repository root::
 
     .venv/bin/python benchmarks/plan_scaling.py
@@ -49,7 +56,11 @@ import networkx as nx  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy  # noqa: E402
 
+from gradsync.errors import MscclError  # noqa: E402
+from gradsync.plan import PlanOptions, gather_cut_bound, synthesize  # noqa: E402
+from gradsync.plan.forest import pack_arborescences  # noqa: E402
 from gradsync.plan.lp import TreePacking, pack_trees  # noqa: E402
+from gradsync.plan.msccl import export_msccl  # noqa: E402
 from gradsync.topology import Device, Link, Topology, get_topology  # noqa: E402
 
 BUILTINS: tuple[str, ...] = ("p3.16xlarge", "p3.8xlarge", "p2.16xlarge", "p2.8xlarge", "minsky:4", "switch:64")
@@ -297,6 +308,90 @@ def plot(path: Path, cases: Sequence[Case]) -> None:
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- collectives
+
+
+def a100_boxes(boxes: int) -> Topology:
+    """ForestColl's ``a100_topology``: 8 GPUs on an NVSwitch (300 GB/s), one 25 GB/s NIC each, two IB rails."""
+    devices, links = [Device("ib0", "switch"), Device("ib1", "switch")], []
+    for m in range(boxes):
+        devices.append(Device(f"n{m}.nvswitch", "switch"))
+        for i in range(8):
+            devices += [Device(f"n{m}.gpu{i}", "gpu"), Device(f"n{m}.nic{i}", "nic")]
+            links += [Link(f"n{m}.gpu{i}", f"n{m}.nvswitch", 300.0, kind="nvlink"),
+                      Link(f"n{m}.gpu{i}", f"n{m}.nic{i}", 25.0, kind="pcie"),
+                      Link(f"n{m}.nic{i}", f"ib{i % 2}", 25.0, kind="network")]
+    return Topology(f"a100x{boxes}", tuple(devices), tuple(links), unit_bandwidth_GBps=25.0)
+
+
+COLLECTIVE_CASES: dict[str, Callable[[], Topology]] = {
+    "p3.8xlarge": lambda: get_topology("p3.8xlarge"),
+    DGX1: lambda: get_topology(DGX1),
+    "a100x2": lambda: a100_boxes(2),
+    "a100x4": lambda: a100_boxes(4),
+    "bcube:4,2": lambda: get_topology("bcube:4,2"),
+    "fattree:8": lambda: get_topology("fattree:8"),
+}
+COLLECTIVE_GOALS = {"dgx1_s": 0.1, "every_s": 10.0}
+
+
+def measure_collectives(name: str, build: Callable[[], Topology], limit_s: float) -> dict[str, Any]:
+    """Plan (fresh topology, so nothing is memoised) and export rs/ag with lp; compare the allreduces."""
+    out: dict[str, Any] = {"name": name}
+    topo = build()
+    unit = float(topo.unit_bandwidth_GBps or 1.0)
+    total = 0.0
+    for collective in ("reduce_scatter", "allgather"):
+        start = time.perf_counter()
+        try:
+            with time_limit(limit_s):
+                packing = pack_arborescences(topo, reverse=collective == "reduce_scatter")
+        except PlanTimeout:
+            out[collective] = {"skipped": f"over the {limit_s:g} s limit"}
+            return out
+        plan_s = time.perf_counter() - start
+        schedule = synthesize("lp", topo, PlanOptions(collective=collective))  # memoised packing: builds + checks
+        start = time.perf_counter()
+        try:
+            export = export_msccl(schedule, topo)
+            msccl: dict[str, Any] = {"msccl_nchunksperloop": export.quantization.nchunksperloop,
+                                     "msccl_loss": export.quantization.loss, "msccl_algbw_GBps": export.algbw_GBps}
+        except MscclError as exc:  # the executor's limits (thread blocks per GPU) stated, not hidden
+            msccl = {"msccl_error": str(exc)}
+        export_s = time.perf_counter() - start
+        bound = gather_cut_bound(topo, collective).value
+        total += packing.cost
+        out[collective] = {"plan_s": plan_s, "export_s": export_s, "cost": packing.cost, "cut_bound": bound,
+                           "iterations": packing.iterations, "trees": len(packing.trees),
+                           "algbw_GBps": unit / packing.cost, **msccl}
+    trees = pack_trees(topo).cost
+    out["allreduce"] = {"rs_plus_ag_algbw_GBps": unit / total, "tree_packing_algbw_GBps": unit / trees}
+    return out
+
+
+def run_collectives(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    print(f"{'topology':<12} {'coll':<15} {'plan_s':>8} {'export_s':>8} {'cost':>9} {'bound':>9} {'algbw':>8} "
+          f"{'K':>4} {'loss':>7}", flush=True)
+    for name, build in COLLECTIVE_CASES.items():
+        row = measure_collectives(name, build, args.time_limit)
+        rows.append(row)
+        for c in ("reduce_scatter", "allgather"):
+            r = row.get(c, {})
+            if "skipped" in r:
+                print(f"{name:<12} {c:<15} SKIPPED ({r['skipped']})", flush=True)
+            elif r:
+                tail = (f"{r['msccl_nchunksperloop']:>4} {r['msccl_loss']:>7.2%}" if "msccl_error" not in r
+                        else f"  MSCCL: {r['msccl_error'].split(': ', 1)[-1]}")
+                print(f"{name:<12} {c:<15} {r['plan_s']:>8.3f} {r['export_s']:>8.3f} {r['cost']:>9.5g} "
+                      f"{r['cut_bound']:>9.5g} {r['algbw_GBps']:>8.4g} {tail}", flush=True)
+        if "allreduce" in row:
+            a = row["allreduce"]
+            print(f"{name:<12} allreduce: rs+ag {a['rs_plus_ag_algbw_GBps']:.4g} GB/s vs tree packing "
+                  f"{a['tree_packing_algbw_GBps']:.4g} GB/s", flush=True)
+    return rows
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -323,6 +418,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds a single run may take before the case is skipped (default 120)")
     p.add_argument("--seed", type=int, default=0, help="first seed tried for each random graph (default 0)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output directory")
+    p.add_argument("--collectives", action="store_true",
+                   help="also time lp reduce-scatter/allgather planning and MSCCL export (plan_collectives.json)")
+    p.add_argument("--collectives-only", action="store_true", help="only the collectives")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -334,6 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     print(" ".join(f"{k}={v}" for k, v in config.items()), flush=True)
+    if args.collectives or args.collectives_only:
+        rows = run_collectives(args)
+        path = args.out / "plan_collectives.json"
+        path.write_text(json.dumps({"type": RESULT_TYPE + ".collectives", "machine": machine_info(), "config": config,
+                                    "goals": COLLECTIVE_GOALS, "cases": rows}, indent=2) + "\n")
+        print(f"wrote {path}", flush=True)
+        if args.collectives_only:
+            return 0
     print(HEADER, flush=True)
     cases: list[Case] = []
     run_family("builtin", [lambda s=s: get_topology(s) for s in BUILTINS], args, cases, stop_on_skip=False)

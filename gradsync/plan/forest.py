@@ -273,6 +273,8 @@ class _Pricer:
         self.b = np.array([idx[lk.b] for lk in topology.links], dtype=np.int64)
         self.term = np.array([idx[r] for r in topology.ranks], dtype=np.int64)
         self.reverse = reverse
+        self._closure_id = -1
+        self._routes: dict[tuple[int, int], tuple[tuple[str, ...], np.ndarray, np.ndarray]] = {}
 
     def closure(self, prices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rank-to-rank shortest distances and predecessors under ``prices`` ``(m, 2)`` (strictly positive)."""
@@ -284,23 +286,29 @@ class _Pricer:
         return dist, pred
 
     def tree(self, root: int, dist: np.ndarray, pred: np.ndarray) -> Arborescence:
-        topo = self.topology
+        """The cheapest tree from ``root`` under the closure ``(dist, pred)`` of :meth:`closure`."""
+        if self._closure_id != id(pred):  # routes are per closure: a new one empties the cache
+            self._closure_id, self._routes = id(pred), {}
         parent = min_arborescence(dist[:, self.term], root)
         edges, routes = [], []
-        loads = np.zeros((len(topo.links), 2))
+        loads = np.zeros((len(self.topology.links), 2))
         for v in range(len(parent)):
             p = int(parent[v])
             if p < 0:
                 continue
-            path = [int(self.term[v])]
-            while path[-1] != self.term[p]:
-                path.append(int(pred[p, path[-1]]))
-            path.reverse()
-            route = tuple(self.names[x] for x in path)
+            got = self._routes.get((p, v))
+            if got is None:
+                path = [int(self.term[v])]
+                while path[-1] != self.term[p]:
+                    path.append(int(pred[p, path[-1]]))
+                path.reverse()
+                route = tuple(self.names[x] for x in path)
+                hops = self.topology.route_links(route)
+                got = self._routes[(p, v)] = (route, np.array([e for e, _ in hops]), np.array([d for _, d in hops]))
+            route, es, ds = got
             edges.append((p, v))
             routes.append(route)
-            for e, d in topo.route_links(route):
-                loads[e, d] += 1
+            np.add.at(loads, (es, ds), 1.0)
         return Arborescence(root, tuple(edges), tuple(routes), loads)
 
 
