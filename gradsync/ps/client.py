@@ -96,7 +96,7 @@ class Request:
 
     @property
     def ordered(self) -> bool:
-        return self.op == Op.PULL and bool(Flag(self.fields.get("flags", Flag.NONE)) & Flag.ORDERED)
+        return self.op in (Op.PULL, Op.PUSHPULL) and bool(Flag(self.fields.get("flags", Flag.NONE)) & Flag.ORDERED)
 
 
 @dataclass
@@ -327,7 +327,7 @@ class PSClient:
             group.sort(key=lambda q: q.fields.get("priority", 0))
             for rank, r in enumerate(group):
                 r.fields.update(priority=rank, count=len(group))
-                r.frames = encode(Op.PULL, req_id=r.req_id, job=self.job, session=self.session, **r.fields)
+                r.frames = encode(r.op, req_id=r.req_id, job=self.job, session=self.session, **r.fields)
         for r in mine:
             self._send(server, r.frames)
 

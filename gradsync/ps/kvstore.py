@@ -275,9 +275,31 @@ class KVStore:
         return PullHandle(keys)
 
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int | Sequence[int] = 0) -> None:
-        """Push then pull in one call (``out`` defaults to ``value``: the tensors are updated in place)."""
-        self.push(key, value, priority)
-        self.pull(key, value if out is None else out, priority)
+        """Push then pull in one call (``out`` defaults to ``value``: the tensors are updated in place).
+
+        PS kinds send one ``PUSHPULL`` request per part and get the round's value as its only reply: one
+        exchange per round instead of a push and a pull (MXNet's ``kv.pushpull``)."""
+        self.pushpull_async(key, value, out, priority).wait_all()
+
+    def pushpull_async(self, key: Key | Sequence[Key], value: Any, out: Any = None,
+                       priority: int | Sequence[int] = 0) -> PullHandle:
+        """:meth:`pushpull` that returns once the requests are sent; the values arrive as with
+        :meth:`pull_async`. ``value``'s tensors are sent from their own memory: leave them unchanged until
+        their key's ``wait`` returns."""
+        keys, values = _as_list(key, value, "pushpull")
+        tensors = [_reduce(v, "pushpull") for v in values]
+        _, outs = _as_list(key, value if out is None else out, "pushpull")
+        out_lists = [_outs(o, "pushpull") for o in outs]
+        for k, t, o in zip(keys, tensors, out_lists):
+            self._known(k, t, "pushpull")
+            for t_out in o:
+                self._known(k, t_out, "pushpull")
+        return self._pushpull_async(keys, tensors, out_lists, self._priorities(priority, len(keys)))
+
+    def _pushpull_async(self, keys: list[Key], values: list[torch.Tensor], outs: list[list[torch.Tensor]],
+                        priorities: list[int]) -> PullHandle:
+        self._push(keys, values, priorities)
+        return self._pull_async(keys, outs, priorities)
 
     def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, priority: int | Sequence[int] = 0) -> None:
         """Initialise ``key`` with rank 0's ``value`` and pull it into every worker's ``out``."""
@@ -514,10 +536,25 @@ class PSKVStore(KVStore):
     def _pull(self, keys: list[Key], outs: list[list[torch.Tensor]], priorities: list[int]) -> None:
         self._pull_async(keys, outs, priorities).wait_all()
 
-    def _pull_async(self, keys: list[Key], outs: list[list[torch.Tensor]], priorities: list[int]) -> PullHandle:
+    def _pushpull_async(self, keys: list[Key], values: list[torch.Tensor], outs: list[list[torch.Tensor]],
+                        priorities: list[int]) -> PullHandle:
+        if self.hybrid:
+            import torch.distributed as dist
+
+            values = [v.clone() for v in values]
+            for v in values:  # the client's tensor allreduce (seed 002 Fig. 4), then its master's PUSHPULL
+                dist.all_reduce(v, group=self.group)
+        return self._pull_async(keys, outs, priorities, pushed=values)
+
+    def _pull_async(self, keys: list[Key], outs: list[list[torch.Tensor]], priorities: list[int],
+                    pushed: list[torch.Tensor] | None = None) -> PullHandle:
         """Send the pull requests now; the handle pumps the sockets (and, in hybrid kinds, broadcasts each
         key inside the client) when waited on. The master ranks each server's parts by (priority, position):
-        with ``ordered`` those ranks are the server's release order (seed 003 §5's counter)."""
+        with ``ordered`` those ranks are the server's release order (seed 003 §5's counter).
+
+        With ``pushed`` (one tensor per key) every request is a ``PUSHPULL`` carrying that part of the push:
+        sync rounds need no retained copy, since the request stays in flight (and is sent again to a
+        restarted server) until the round's value has arrived."""
         if self._ordered_handle is not None and self.config.ordered:
             # the server keeps one counter per sender: one ordered pull in flight at a time
             previous, self._ordered_handle = self._ordered_handle, None
@@ -526,6 +563,12 @@ class PSKVStore(KVStore):
         batch = None
         if self.config.is_master:
             reqs = []
+            flats: list[torch.Tensor] = []
+            if pushed is not None:
+                for k, v in zip(keys, pushed):
+                    self.pushes[k] = self.pushes.get(k, 0) + 1
+                    flats.append(flat_view(v.contiguous()))  # sent from this memory
+                    self.pushed_bytes += v.numel() * v.element_size()
             order: dict[int, list[tuple[int, int, Any]]] = {}
             for i, (k, o) in enumerate(zip(keys, outs)):
                 for p in self._parts(k, o[0]):
@@ -536,12 +579,18 @@ class PSKVStore(KVStore):
                 for rank_on_server, (_, i, p) in enumerate(items):
                     k, o = keys[i], outs[i]
                     flags = Flag.ORDERED if self.config.ordered else Flag.NONE
+                    if pushed is None:
+                        op, what = Op.PULL, f"pull of key {key_name(k)}"
+                        fields: dict[str, Any] = {"version": self.pushes.get(k, 0) if self.sync else 0}
+                    else:
+                        op, what = Op.PUSHPULL, f"pushpull of key {key_name(k)}"
+                        fields = {"version": self.pushes[k], "tensor": flats[i][p.offset:p.offset + p.numel],
+                                  "shape": tuple(o[0].shape), "offset": p.offset}
                     reqs.append(self.client.request(
-                        server, Op.PULL, what=f"pull of key {key_name(k)}", key=k, part=p.part, parts=p.parts,
-                        version=self.pushes.get(k, 0) if self.sync else 0, flags=flags,
+                        server, op, what=what, key=k, part=p.part, parts=p.parts, flags=flags,
                         priority=rank_on_server if self.config.ordered else priorities[i],
                         count=len(items) if self.config.ordered else 0,
-                        on_reply=self._copy_into(k, p, o, remaining, i)))
+                        on_reply=self._copy_into(k, p, o, remaining, i), **fields))
             batch = self.client.start(reqs)
         where: dict[Key, list[int]] = {}
         for i, k in enumerate(keys):

@@ -9,6 +9,12 @@ respect to requests: a pull sees a value before or after an update, never half o
   version (its sender's push count) and is answered once the store has it. Pushes name their round, so a
   retried push is recognised and a push for a later round waits for it.
 * **Async**: every push is applied at once (a delta without an optimizer); pulls are answered at once.
+* **Push-and-pull** (``PUSHPULL``): the push, then the pull of the round it belongs to (sync) or of the
+  value it produced (async), in one request with one ``VALUE`` reply.
+* **Replies without a copy**: a ``VALUE`` is sent from the stored tensor's memory (ZeroMQ ``copy=False``,
+  tracked). A stored value that a reply still sends from is copied before it is changed (copy on write,
+  :meth:`Slot.writable`), so a reply never carries half of a later update and the common case, a value
+  sent before the next push arrives, copies nothing.
 * **Ordered pulls** (TicTac, seed 003 §5): a sender that marks its pulls ``ORDERED`` with priorities
   0..n−1 gets the replies in exactly that order; a per-sender counter releases reply ``p`` only after
   ``p − 1`` has gone out, whatever order the values became ready in.
@@ -44,7 +50,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -161,9 +167,20 @@ class Slot:
     future: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # sync: round -> sender -> push
     last_seq: dict[int, int] = field(default_factory=dict)  # async: sender -> last applied push
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: zmq trackers of replies sent from ``value``'s memory, not all known to be sent yet
+    sending: list[Any] = field(default_factory=list)
 
     def missing(self) -> list[int]:
         return sorted(set(range(self.pushers)) - self.pending_from)
+
+    def writable(self) -> torch.Tensor:
+        """``value``, safe to change in place: first replaced by a copy if a reply may still be sending from
+        its memory (the old tensor lives on, referenced by ZeroMQ, until that reply has gone)."""
+        if self.sending:
+            if not all(t.done for t in self.sending):
+                self.value = self.value.clone()
+            self.sending.clear()
+        return self.value
 
 
 @dataclass
@@ -203,12 +220,15 @@ class Server:
         #: authenticated sessions: session -> last seq accepted (a frame not newer is a replay)
         self.sessions: dict[int, int] = {}
         self.job = config.job
-        self.outbox: list[list[Any]] = []
+        #: replies released by the request being handled: (frames, the slot a VALUE is sent from, if any)
+        self.outbox: list[tuple[list[Any], Slot | None]] = []
         self.updates = 0
         self.updates_at_checkpoint = 0
         self.checkpointed_at = time.monotonic()
         self.stopping = False
         self.stats = {"requests": 0, "errors": 0, "rejected": 0, "replayed": 0, "checkpoints": 0}
+        #: requests handled per op name (STATUS reports them: which exchange the workers use)
+        self.ops: dict[str, int] = {}
         self._restore()
 
     # ---- loop -----------------------------------------------------------------------------------
@@ -236,9 +256,24 @@ class Server:
         """After each request: checkpoint if due, then send what it released (never the reverse)."""
         if self._checkpoint_due():
             self.checkpoint()
-        for frames in self.outbox:
-            self.sock.send_multipart(frames, copy=True)
+        for frames, source in self.outbox:
+            self._send(frames, source)
         self.outbox.clear()
+
+    def _send(self, frames: list[Any], source: Slot | None) -> None:
+        """Send one reply without copying its payload; a payload that is ``source``'s stored value is
+        tracked until ZeroMQ has sent it (see :meth:`Slot.writable`). Below pyzmq's ``copy_threshold`` it
+        copies anyway (cheaper than tracking), and nothing needs to be tracked."""
+        sock, body = self.sock, frames[2]
+        if source is None or memoryview(body).nbytes < sock.copy_threshold:
+            sock.send_multipart(frames, copy=False)
+            return
+        last = len(frames) - 1
+        for i, f in enumerate(frames):
+            if i == 2:
+                source.sending.append(sock.send(f, zmq.SNDMORE if i < last else 0, copy=False, track=True))
+            else:
+                sock.send(f, zmq.SNDMORE if i < last else 0, copy=False)
 
     def handle(self, frames: Sequence[Any]) -> None:
         """Process one request (``frames[0]`` is the ROUTER identity). Never raises for bad input."""
@@ -255,6 +290,7 @@ class Server:
             return
         if self.config.secret and not self._fresh(ident, msg):
             return
+        self.ops[msg.op.name] = self.ops.get(msg.op.name, 0) + 1
         try:
             self._check_job(msg)
             handler = _HANDLERS.get(msg.op)
@@ -273,8 +309,8 @@ class Server:
         self.stats[stat] += 1
         log.warning("server %d: rejected a frame from %r: %s", self.config.server_id, ident, why)
         # unsigned: the sender may not hold the secret, and the reply carries no data, only why
-        self.outbox.append([ident, *encode(Op.ERROR, payload=f"rejected: {why}".encode(),
-                                           sender=self.config.server_id, count=self.incarnation)])
+        self.outbox.append(([ident, *encode(Op.ERROR, payload=f"rejected: {why}".encode(),
+                                            sender=self.config.server_id, count=self.incarnation)], None))
 
     def _fresh(self, ident: bytes, msg: Message) -> bool:
         """Whether an authenticated frame is new: its session's seq must grow (a replayed copy does not)."""
@@ -329,7 +365,9 @@ class Server:
                 f"{slot.version + 1}; server {self.config.server_id} holds at most {self.config.max_ahead} rounds "
                 f"ahead (--max-ahead, {MAX_AHEAD_ENV}): a worker far ahead of the others, or a bad round number")
 
-    def _reply(self, ident: bytes, op: Op, msg: Message | None = None, **kw: Any) -> None:
+    def _reply(self, ident: bytes, op: Op, msg: Message | None = None, *, source: Slot | None = None,
+               **kw: Any) -> None:
+        """Queue a reply; ``source``: the slot whose stored value is its payload (sent without a copy)."""
         if msg is not None:
             kw.setdefault("key", msg.key)
             kw.setdefault("part", msg.part)
@@ -338,7 +376,7 @@ class Server:
         kw.setdefault("sender", self.config.server_id)
         kw.setdefault("count", self.incarnation)
         kw.setdefault("job", self.job)
-        self.outbox.append([ident, *encode(op, secret=self.config.secret, **kw)])
+        self.outbox.append(([ident, *encode(op, secret=self.config.secret, **kw)], source))
 
     # ---- requests -------------------------------------------------------------------------------
     def _slot(self, msg: Message) -> Slot:
@@ -393,6 +431,28 @@ class Server:
 
     def on_push(self, ident: bytes, msg: Message) -> None:
         slot = self._slot(msg)
+        self._apply_push(slot, msg)
+        self._reply(ident, Op.ACK, msg, version=slot.version)
+        self._release((msg.key, msg.part), slot)  # type: ignore[arg-type]
+
+    def on_pushpull(self, ident: bytes, msg: Message) -> None:
+        """The push, then the pull of its round (sync: answered when the round completes; async: at once,
+        with the value this push produced). Everything that can refuse the pull is checked before the
+        push is applied, except the parking caps, which only matter once the push is in: then the error
+        says that the push was kept (a retry of the request is recognised as a repeat and not re-applied)."""
+        slot = self._slot(msg)
+        self._check_ordered(ident, msg)
+        self._apply_push(slot, msg)
+        pull = replace(msg, op=Op.PULL, version=msg.version if slot.sync else 0, dtype=None, numel=0, payload=b"")
+        try:
+            self._answer_pull(ident, pull, slot)
+        except GradsyncError as e:
+            raise GradsyncError(f"{e} (its push was applied: round {msg.version} of sender {msg.sender} is kept; "
+                                f"pull the key to get its value)") from None
+        finally:
+            self._release((msg.key, msg.part), slot)  # type: ignore[arg-type]
+
+    def _apply_push(self, slot: Slot, msg: Message) -> None:
         self._check_tensor(slot, msg)
         if not 0 <= msg.sender < slot.pushers:
             raise GradsyncError(f"push to key {key_name(msg.key)} from sender {msg.sender}, but the key has "
@@ -403,8 +463,6 @@ class Server:
             self._push_sync(slot, msg)
         else:
             self._push_async(slot, msg)
-        self._reply(ident, Op.ACK, msg, version=slot.version)
-        self._release((msg.key, msg.part), slot)  # type: ignore[arg-type]
 
     def _rule(self, slot: Slot) -> Updater:
         return self.updater or default_updater(slot.sync)
@@ -412,7 +470,7 @@ class Server:
     def _push_async(self, slot: Slot, msg: Message) -> None:
         if msg.version <= slot.last_seq.get(msg.sender, 0):
             return  # a retry of a push already applied
-        self._rule(slot).apply(slot.value, msg.tensor(), 1, slot.state)
+        self._rule(slot).apply(slot.writable(), msg.tensor(), 1, slot.state)
         slot.last_seq[msg.sender] = msg.version
         slot.version += 1
         self.updates += 1
@@ -428,7 +486,7 @@ class Server:
         self._add_to_round(slot, msg.sender, msg.tensor())
         while len(slot.pending_from) == slot.pushers:
             assert slot.pending is not None
-            self._rule(slot).apply(slot.value, slot.pending, slot.pushers, slot.state)
+            self._rule(slot).apply(slot.writable(), slot.pending, slot.pushers, slot.state)
             slot.version += 1
             self.updates += 1
             slot.pending, slot.pending_from = None, set()
@@ -445,6 +503,10 @@ class Server:
 
     def on_pull(self, ident: bytes, msg: Message) -> None:
         slot = self._slot(msg)
+        self._check_ordered(ident, msg)
+        self._answer_pull(ident, msg, slot)
+
+    def _check_ordered(self, ident: bytes, msg: Message) -> None:
         if msg.flags & Flag.ORDERED:
             if msg.count < 1 or not 0 <= msg.priority < msg.count:
                 raise GradsyncError(f"ordered pull of key {key_name(msg.key)}: priority {msg.priority} must be in "
@@ -455,6 +517,9 @@ class Server:
                                     f"held replies per client (--max-parked-per-client)")
             if self.parked.get(ident, 0) >= self.config.max_parked_per_client:
                 self._hold(ident, f"ordered pull of key {key_name(msg.key)}")  # raises: its reply may be held
+
+    def _answer_pull(self, ident: bytes, msg: Message, slot: Slot) -> None:
+        """Send the value if the store has ``msg.version``, else park the pull until it has."""
         if slot.version >= msg.version:
             self._send_value(ident, msg, slot)
             return
@@ -481,7 +546,7 @@ class Server:
 
     def _send_value(self, ident: bytes, msg: Message, slot: Slot) -> None:
         if not msg.flags & Flag.ORDERED:
-            self._reply(ident, Op.VALUE, msg, tensor=slot.value, shape=slot.shape, offset=slot.offset,
+            self._reply(ident, Op.VALUE, msg, source=slot, tensor=slot.value, shape=slot.shape, offset=slot.offset,
                         version=slot.version)
             return
         state = self.ordered.get(ident)
@@ -499,7 +564,7 @@ class Server:
             self.parked[ident] = self.parked.get(ident, 0) + 1  # bounded: on_pull refused it past the cap
         state.ready[msg.priority] = frames
         while state.next in state.ready:
-            self.outbox.append([ident, *state.ready.pop(state.next)])
+            self.outbox.append(([ident, *state.ready.pop(state.next)], None))
             self._unhold(ident)
             state.next = (state.next + 1) % state.n
 
@@ -541,7 +606,8 @@ class Server:
                     for (k, p), s in self.slots.items() if k == msg.key]
         else:
             info = {"server": self.config.server_id, "keys": len({k for k, _ in self.slots}), "slots": len(self.slots),
-                    "updates": self.updates, "updater": describe(self.updater) if self.updater else None, **self.stats}
+                    "updates": self.updates, "updater": describe(self.updater) if self.updater else None,
+                    "ops": dict(self.ops), **self.stats}
         self._reply(ident, Op.INFO, msg, json_payload=info)
 
     def on_ping(self, ident: bytes, msg: Message) -> None:
@@ -655,7 +721,8 @@ def _unraw(a: np.ndarray, code: int, shape: list[int]) -> torch.Tensor:
 
 
 _HANDLERS = {
-    Op.INIT: Server.on_init, Op.PUSH: Server.on_push, Op.PULL: Server.on_pull, Op.SET_OPTIMIZER: Server.on_set_optimizer,
+    Op.INIT: Server.on_init, Op.PUSH: Server.on_push, Op.PULL: Server.on_pull, Op.PUSHPULL: Server.on_pushpull,
+    Op.SET_OPTIMIZER: Server.on_set_optimizer,
     Op.BARRIER: Server.on_barrier, Op.STATUS: Server.on_status, Op.PING: Server.on_ping,
     Op.CHECKPOINT: Server.on_checkpoint, Op.SHUTDOWN: Server.on_shutdown,
 }

@@ -21,6 +21,10 @@ the second one instead of mixing their rounds. ``session`` (random per client) a
 session, set when the frame is sent: :func:`seal`) lie under the tag, so a server with a secret rejects a
 captured frame sent again (a replay): each session's ``seq`` must grow. Protocol 2 added these three
 fields; protocol 1 peers are refused with a message saying so.
+
+``PUSHPULL`` is a PUSH and the PULL that follows it in one request (MXNet's ``kv.pushpull``): its fields
+are the push's (``version`` names the round), and its only reply is the ``VALUE`` of that round (of the
+value after the push, asynchronously), so a round costs one request and one reply instead of two each.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class Op(enum.IntEnum):
     PING = 7
     SHUTDOWN = 8
     CHECKPOINT = 9
+    PUSHPULL = 10  # a PUSH whose reply is the PULL of the round it completes (one exchange per round)
     ACK = 16
     VALUE = 17
     ERROR = 18
@@ -81,7 +86,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     INT_KEY = 1  # the key is an int (stored as its decimal text)
     SYNC = 2  # INIT: the key's rounds are synchronous
-    ORDERED = 4  # PULL: reply in this sender's priority order (TicTac enforcement)
+    ORDERED = 4  # PULL, PUSHPULL: reply in this sender's priority order (TicTac enforcement)
 
 
 _ALL_FLAGS = int(Flag.INT_KEY | Flag.SYNC | Flag.ORDERED)
