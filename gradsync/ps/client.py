@@ -248,12 +248,8 @@ class PSClient:
         PING the servers that have been quiet for ``retry_s`` while holding our requests."""
         for sock, _ in self.poller.poll(max(1, int(wait_s * 1000)) if wait_s > 0 else 0):
             server = self.socks.index(sock)
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._on_frames(server, frames)
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # not recv until zmq.Again: an exception each time
+                self._on_frames(server, sock.recv_multipart(zmq.NOBLOCK, copy=False))
         now = time.monotonic()
         quiet = {r.server for r in self.inflight.values() if now - r.sent_at >= self.retry_s}
         for server in quiet:  # is it still the same server process? its ACK says (see _on_frames)
