@@ -155,6 +155,43 @@ def test_writable_copies_only_while_a_reply_still_sends() -> None:
     assert slot.writable() is after
 
 
+def test_no_part_is_larger_than_part_bytes_and_servers_stay_balanced() -> None:
+    """Brute force over sizes and server counts: parts tile the key, none exceeds part_bytes, and a sliced
+    key has the same number of parts on every server (sizes within one element)."""
+    for numel in (1, 7, 1000, 1_000_003, 10_000_000, 16 << 20):
+        for servers in (1, 2, 3, 4):
+            parts = place("k", numel, 4, servers, slice_bytes=1 << 20, part_bytes=4 << 20)
+            assert [p.offset for p in parts] == [sum(q.numel for q in parts[:i]) for i in range(len(parts))]
+            assert sum(p.numel for p in parts) == numel and all(p.parts == len(parts) for p in parts)
+            assert all(p.numel * 4 <= 4 << 20 for p in parts), (numel, servers)
+            assert max(p.numel for p in parts) - min(p.numel for p in parts) <= 1
+            if len(parts) > 1 and numel * 4 >= 1 << 20:
+                per = [sum(p.server == s for p in parts) for s in range(servers)]
+                assert len(set(per)) == 1, (numel, servers, per)
+    assert len(place("k", 16 << 20, 4, 1, part_bytes=4 << 20)) == 16  # 64 MiB on one server: 16 messages
+
+
+def test_parts_on_one_server_meet_the_oracle() -> None:
+    """A 1200-byte key with part_bytes=256 needs 5 parts; sliced over 2 servers they become 6, 3 on each,
+    and every round still sums to W(W+1)/2 times the pushed pattern."""
+    cluster = Cluster(2)
+    try:
+        def worker(rank: int) -> None:
+            kv = _store(cluster, rank, True, None, part_bytes=256)
+            kv.init("w", torch.zeros(300))
+            for r in range(1, ROUNDS + 1):
+                out = torch.empty(300)
+                kv.pushpull("w", torch.arange(300.0) * (rank + 1), out)
+                assert torch.equal(out, torch.arange(300.0) * TOTAL), (rank, r)
+            kv.close()
+
+        run_workers(W, worker)
+        assert [sum(s.server == i for s in place("w", 300, 4, 2, 256, 256)) for i in (0, 1)] == [3, 3]
+        assert sum(s.ops["PUSHPULL"] for s in cluster.servers) == W * ROUNDS * 6
+    finally:
+        cluster.stop()
+
+
 def _sync_key(s: _Served) -> None:
     assert s.ask(encode(Op.INIT, key="w", tensor=torch.zeros(8), count=2, flags=Flag.SYNC)).op == Op.ACK
 

@@ -1,8 +1,9 @@
 """The worker side of the parameter server: key placement, requests, replies, retries and failures.
 
 :func:`place` decides where a key lives: a small key goes whole to one server (by a stable hash of its
-name); a key of ``slice_bytes`` or more is cut into one contiguous part per server, so a large tensor
-loads every server equally (seed 001 §4.2: whole-tensor placement leaves servers unbalanced).
+name); a key of ``slice_bytes`` or more is cut into contiguous parts, as many on every server, so a large
+tensor loads every server equally (seed 001 §4.2: whole-tensor placement leaves servers unbalanced); and
+no message carries more than ``part_bytes`` of it (:data:`PART_BYTES`).
 
 :class:`PSClient` holds one DEALER socket per server and sends a batch of requests before waiting for
 any reply, so the parts of a key (and the keys of a batch) travel to all servers at once. A request with
@@ -42,10 +43,15 @@ import zmq
 from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.ps.wire import Flag, Key, Message, Op, WireError, decode, encode, seal
 
-__all__ = ["Batch", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "flat_view"]
+__all__ = ["Batch", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "PART_BYTES", "flat_view"]
 
 #: Keys of at least this many bytes are sliced over all servers (MXNet's bigarray bound is 1M elements).
 SLICE_BYTES = 1 << 20
+#: Largest part (bytes) of a key in one message. ZeroMQ receives a message into a fresh allocation, and
+#: above glibc's largest mmap threshold (32 MiB) every one is fresh memory: a 64 MiB round trip on loopback
+#: spent ~35% of its CPU in page faults (perf), half its CPU with 4 MiB parts, whose buffers are reused.
+#: Parts also pipeline: a server works on one while the next travels.
+PART_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -59,19 +65,32 @@ class Part:
     numel: int
 
 
-def place(key: Key, numel: int, itemsize: int, num_servers: int, slice_bytes: int = SLICE_BYTES) -> list[Part]:
-    """Where each part of ``key`` lives: whole on one server, or one contiguous part per server if large."""
+def place(key: Key, numel: int, itemsize: int, num_servers: int, slice_bytes: int = SLICE_BYTES,
+          part_bytes: int = PART_BYTES) -> list[Part]:
+    """Where each part of ``key`` lives: whole on one server; or, from ``slice_bytes``, cut into equal
+    contiguous parts, the same number on every server; and never a part of more than ``part_bytes``
+    (then several per server, dealt round robin from the key's first server)."""
     if num_servers < 1:
         raise GradsyncError(f"num_servers={num_servers}: a PS key store needs at least one server")
+    if part_bytes < 1:
+        raise GradsyncError(f"part_bytes={part_bytes} must be >= 1")
     first = zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
-    if num_servers == 1 or numel * itemsize < slice_bytes or numel < num_servers:
+    nbytes = numel * itemsize
+    chunks = -(-nbytes // part_bytes)  # parts needed to stay within part_bytes
+    sliced = num_servers > 1 and nbytes >= slice_bytes and numel >= num_servers
+    if sliced:
+        n = num_servers * -(-chunks // num_servers)
+    else:
+        n = chunks
+    n = max(1, min(n, numel))
+    if n == 1:
         return [Part(first, 0, 1, 0, numel)]
-    base, extra = divmod(numel, num_servers)
+    base, extra = divmod(numel, n)
     parts, offset = [], 0
-    for i in range(num_servers):
-        n = base + (1 if i < extra else 0)
-        parts.append(Part((first + i) % num_servers, i, num_servers, offset, n))
-        offset += n
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        parts.append(Part((first + i) % num_servers, i, n, offset, size))
+        offset += size
     return parts
 
 

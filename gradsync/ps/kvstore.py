@@ -43,7 +43,7 @@ import torch
 
 from gradsync.comm import lifetime
 from gradsync.errors import GradsyncError
-from gradsync.ps.client import PSClient, Request, flat_view, place
+from gradsync.ps.client import PART_BYTES, SLICE_BYTES, PSClient, Request, flat_view, place
 from gradsync.ps.env import CLIENTS_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
 from gradsync.ps.updaters import Updater, create_updater, default_updater
 from gradsync.ps.wire import Flag, Key, Message, Op, job_id, key_name
@@ -68,7 +68,8 @@ class KVStoreConfig:
     timeout_s: float = 60.0
     retry_s: float = 1.0
     ordered: bool = False
-    slice_bytes: int = 1 << 20
+    slice_bytes: int = SLICE_BYTES
+    part_bytes: int = PART_BYTES  # the largest part of a key in one message (see gradsync.ps.client)
     job: int = 0  # the job id in every frame (0: none); see from_env
 
     def __post_init__(self) -> None:
@@ -78,9 +79,9 @@ class KVStoreConfig:
         if not 1 <= c <= self.num_workers or self.num_workers % c:
             raise GradsyncError(f"clients={self.clients} must divide the {self.num_workers} workers into equal groups")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0 and math.isfinite(self.retry_s)
-                and self.retry_s > 0) or self.slice_bytes <= 0:
-            raise GradsyncError(f"timeout_s={self.timeout_s}, retry_s={self.retry_s} and slice_bytes="
-                                f"{self.slice_bytes} must be > 0")
+                and self.retry_s > 0) or self.slice_bytes <= 0 or self.part_bytes <= 0:
+            raise GradsyncError(f"timeout_s={self.timeout_s}, retry_s={self.retry_s}, slice_bytes="
+                                f"{self.slice_bytes} and part_bytes={self.part_bytes} must be > 0")
 
     @property
     def num_clients(self) -> int:
@@ -461,7 +462,8 @@ class PSKVStore(KVStore):
         return mine
 
     def _parts(self, key: Key, t: torch.Tensor) -> list[Any]:
-        return place(key, t.numel(), t.element_size(), self.client.num_servers, self.config.slice_bytes)
+        return place(key, t.numel(), t.element_size(), self.client.num_servers, self.config.slice_bytes,
+                     self.config.part_bytes)
 
     def barrier(self) -> None:
         """Wait until every worker (not client) reaches its next barrier; server 0 counts them."""
