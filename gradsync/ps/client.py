@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ import zmq
 from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.ps.wire import Flag, Key, Message, Op, WireError, decode, encode, seal
 
-__all__ = ["Batch", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "PART_BYTES", "flat_view"]
+__all__ = ["Batch", "Heartbeat", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "PART_BYTES", "flat_view"]
 
 #: Keys of at least this many bytes are sliced over all servers (MXNet's bigarray bound is 1M elements).
 SLICE_BYTES = 1 << 20
@@ -420,3 +421,53 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
         raise GradsyncError(f"PS tensors must be contiguous (got a tensor with strides {t.stride()}); "
                             f"pass t.contiguous()")
     return t.reshape(-1)
+
+
+class Heartbeat:
+    """PINGs every server each ``interval_s`` from a thread of its own (own sockets and session), so that
+    servers keep an elastic client as a member while its main thread computes for longer than their
+    timeout; a killed or hung process stops beating and is dropped. Replies are read and discarded."""
+
+    def __init__(self, endpoints: Sequence[str], sender: int, *, interval_s: float, secret: bytes | None = None,
+                 job: int = 0, context: zmq.Context | None = None) -> None:
+        if not interval_s > 0:
+            raise GradsyncError(f"heartbeat interval_s={interval_s} must be > 0")
+        self.endpoints, self.sender, self.interval_s = list(endpoints), sender, interval_s
+        self.secret, self.job = secret, job
+        self.ctx = context or zmq.Context.instance()
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"gradsync-ps-heartbeat-{sender}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        socks = []
+        try:
+            for ep in self.endpoints:
+                s = self.ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 4)  # a server that is down: a few beats queue, the rest are dropped
+                s.connect(ep)
+                socks.append(s)
+            session, seq = secrets.randbits(64) | 1, itertools.count(1)
+            while True:
+                for s in socks:
+                    while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        s.recv_multipart(zmq.NOBLOCK)
+                    frames = seal(encode(Op.PING, sender=self.sender, job=self.job, session=session),
+                                  seq=next(seq), secret=self.secret)
+                    try:
+                        s.send_multipart(frames, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                self.beats += 1
+                if self._stop.wait(self.interval_s):
+                    return
+        finally:
+            for s in socks:
+                s.close(linger=0)
+
+    def close(self) -> None:
+        """Stop beating (the thread ends within one interval)."""
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5.0)

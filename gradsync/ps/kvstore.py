@@ -43,8 +43,8 @@ import torch
 
 from gradsync.comm import lifetime
 from gradsync.errors import GradsyncError
-from gradsync.ps.client import PART_BYTES, SLICE_BYTES, PSClient, Request, flat_view, place
-from gradsync.ps.env import CLIENTS_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
+from gradsync.ps.client import PART_BYTES, SLICE_BYTES, Heartbeat, PSClient, Request, flat_view, place
+from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
 from gradsync.ps.updaters import Updater, create_updater, default_updater
 from gradsync.ps.wire import Flag, Key, Message, Op, job_id, key_name
 from gradsync.registry import Registry
@@ -71,6 +71,10 @@ class KVStoreConfig:
     slice_bytes: int = SLICE_BYTES
     part_bytes: int = PART_BYTES  # the largest part of a key in one message (see gradsync.ps.client)
     job: int = 0  # the job id in every frame (0: none); see from_env
+    #: sync rounds go on without a worker that stops answering (dist kinds; see PSKVStore)
+    elastic: bool = False
+    #: the servers' drop timeout (GRADSYNC_PS_ELASTIC_TIMEOUT, the same in every process of the job)
+    elastic_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_workers:
@@ -82,6 +86,11 @@ class KVStoreConfig:
                 and self.retry_s > 0) or self.slice_bytes <= 0 or self.part_bytes <= 0:
             raise GradsyncError(f"timeout_s={self.timeout_s}, retry_s={self.retry_s}, slice_bytes="
                                 f"{self.slice_bytes} and part_bytes={self.part_bytes} must be > 0")
+        if self.elastic and not (math.isfinite(self.elastic_timeout_s)
+                                 and 0 < self.elastic_timeout_s < self.timeout_s):
+            raise GradsyncError(f"elastic: elastic_timeout_s={self.elastic_timeout_s} must be > 0 and below "
+                                f"timeout_s={self.timeout_s}, or the survivors give up on a round before the servers "
+                                f"drop the silent worker; raise {TIMEOUT_ENV} or lower {ELASTIC_TIMEOUT_ENV}")
 
     @property
     def num_clients(self) -> int:
@@ -104,6 +113,7 @@ class KVStoreConfig:
             "rank": _env_number("RANK", "0", int), "num_workers": _env_number("WORLD_SIZE", "1", int),
             "servers": tuple(s for s in env.get(SERVERS_ENV, "").split(",") if s),
             "clients": _env_number(CLIENTS_ENV, "0", int), "timeout_s": _env_number(TIMEOUT_ENV, "60", float),
+            "elastic_timeout_s": _env_number(ELASTIC_TIMEOUT_ENV, "10", float),
         }
         if env.get(SECRET_ENV):
             fields["secret"] = env[SECRET_ENV].encode()
@@ -243,6 +253,9 @@ class KVStore:
             if k in self._shapes:
                 raise GradsyncError(f"init: key {key_name(k)} is already initialised")
             self._shapes[k] = (tuple(t.shape), t.dtype)
+        self._init_keys(keys, tensors)
+
+    def _init_keys(self, keys: list[Key], tensors: list[torch.Tensor]) -> None:
         self._init(keys, tensors)
         self.barrier()
         self._after_init(keys, tensors)
@@ -438,6 +451,13 @@ class PSKVStore(KVStore):
         self.client = PSClient(config.servers, sender=config.client if config.is_master else config.rank,
                                secret=config.secret, timeout_s=config.timeout_s, retry_s=config.retry_s, job=config.job)
         self.client.connect()
+        self.heartbeat: Heartbeat | None = None
+        if config.elastic:
+            if hybrid:
+                raise GradsyncError("elastic=True is for dist_sync and dist_async: a hybrid client is a group of "
+                                    "workers in collectives, which cannot lose a member and go on")
+            self.heartbeat = Heartbeat(config.servers, self.client.sender, interval_s=config.elastic_timeout_s / 4,
+                                       secret=config.secret, job=config.job)
         self.pushes: dict[Key, int] = {}
         self._barriers = 0
         self.group = self._client_group() if hybrid else None
@@ -475,6 +495,15 @@ class PSKVStore(KVStore):
         if self.rank == 0:
             self._send_init(keys, values)
 
+    def _init_keys(self, keys: list[Key], tensors: list[torch.Tensor]) -> None:
+        """Elastic: no barrier (a worker may be gone, or be a restarted one that the others passed long
+        ago). Rank 0 creates the keys; every other worker joins them, its INIT waiting at the server until
+        the key exists, and learns each key's current round (a restarted worker rejoins there)."""
+        if not self.config.elastic:
+            super()._init_keys(keys, tensors)
+        else:
+            self._send_init(keys, tensors, join=self.rank != 0)
+
     def _after_init(self, keys: list[Key], values: list[torch.Tensor]) -> None:
         # The other masters init too, after rank 0 (so its value is the one stored): the server checks that
         # their shape and dtype match and tells them the key's current round. A key that already exists
@@ -483,8 +512,12 @@ class PSKVStore(KVStore):
         if self.config.is_master and self.rank != 0:
             self._send_init(keys, values)
 
-    def _send_init(self, keys: list[Key], values: list[torch.Tensor]) -> None:
+    def _send_init(self, keys: list[Key], values: list[torch.Tensor], join: bool = False) -> None:
         flags = Flag.SYNC if self.sync else Flag.NONE
+        if self.config.elastic:
+            flags |= Flag.ELASTIC
+        if join:
+            flags |= Flag.JOIN
         reqs = []
         for k, v in zip(keys, values):
             flat = flat_view(v.contiguous())
@@ -650,6 +683,8 @@ class PSKVStore(KVStore):
         return out
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.client.close()
 
 
@@ -673,5 +708,14 @@ KVSTORES.add("collective", _Kind(CollectiveKVStore, "no servers: allreduce on a 
 
 
 def create(kind: str = "local", **config: Any) -> KVStore:
-    """A KVStore of ``kind``; ``config`` overrides :class:`KVStoreConfig` fields read from the environment."""
-    return KVSTORES.get(kind).factory(KVStoreConfig.from_env(**config))
+    """A KVStore of ``kind``; ``config`` overrides :class:`KVStoreConfig` fields read from the environment.
+
+    ``elastic=True`` (``dist_sync``, ``dist_async``): the servers drop a worker that stops answering from
+    the sync rounds after ``GRADSYNC_PS_ELASTIC_TIMEOUT`` seconds, the others go on with the pushes a
+    round has, and a restarted worker rejoins by creating its store and calling ``init`` again (its
+    first pull returns the current value). See :mod:`gradsync.ps.server`."""
+    spec = KVSTORES.get(kind)
+    if config.get("elastic") and kind not in ("dist_sync", "dist_async"):
+        raise GradsyncError(f"elastic=True is for dist_sync and dist_async, not {kind!r}: only PS rounds can go on "
+                            f"without a worker")
+    return spec.factory(KVStoreConfig.from_env(**config))

@@ -8,6 +8,14 @@ respect to requests: a pull sees a value before or after an update, never half o
   pushed once; the rule then runs on the round's sum and the version goes up by one. A pull asks for a
   version (its sender's push count) and is answered once the store has it. Pushes name their round, so a
   retried push is recognised and a push for a later round waits for it.
+* **Elastic** (opt-in per key, ``Flag.ELASTIC`` at INIT; Horovod elastic and torchft are the anchors): a
+  server notes when it last heard from each client (any frame, heartbeats included). A client missing
+  from a round that has waited ``elastic_timeout_s`` for it, and silent that long, is dropped from the
+  key's members: the round completes with the pushes it has (the rule sees how many), and later rounds
+  wait for the members left. Pushes already received stay in their round (nothing acknowledged is lost),
+  and completed rounds are never changed. A dropped client's later pushes are refused with an error
+  saying so; a restarted one rejoins with an INIT (``Flag.JOIN``), which makes it a member again from
+  the key's next round and tells it the current version, so its first pull returns the current value.
 * **Async**: every push is applied at once (a delta without an optimizer); pulls are answered at once.
 * **Push-and-pull** (``PUSHPULL``): the push, then the pull of the round it belongs to (sync) or of the
   value it produced (async), in one request with one ``VALUE`` reply.
@@ -60,6 +68,7 @@ import zmq
 
 from gradsync.errors import GradsyncError
 from gradsync.ps.env import (
+    ELASTIC_TIMEOUT_ENV,
     INSECURE_ENV,
     JOB_ENV,
     MAX_AHEAD_ENV,
@@ -98,6 +107,8 @@ MAX_AHEAD = 8
 MAX_PARKED = 1024
 #: Default cap on requests parked per client connection (about one per key slot it pulls).
 MAX_PARKED_PER_CLIENT = 16384
+#: Default seconds of silence after which an elastic key drops a client from its rounds.
+ELASTIC_TIMEOUT = 10.0
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -129,6 +140,7 @@ class ServerConfig:
     max_ahead: int = MAX_AHEAD
     max_parked_per_key: int = MAX_PARKED
     max_parked_per_client: int = MAX_PARKED_PER_CLIENT
+    elastic_timeout_s: float = ELASTIC_TIMEOUT  # silence after which elastic keys drop a client
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -146,6 +158,8 @@ class ServerConfig:
                                 f"{self.checkpoint_interval_s} must be >= 0 (0 = off)")
         if self.max_payload <= 0:
             raise GradsyncError(f"max_payload={self.max_payload} must be > 0")
+        if not self.elastic_timeout_s > 0:
+            raise GradsyncError(f"elastic_timeout_s={self.elastic_timeout_s} must be > 0 ({ELASTIC_TIMEOUT_ENV})")
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -168,11 +182,21 @@ class Slot:
     future: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # sync: round -> sender -> push
     last_seq: dict[int, int] = field(default_factory=dict)  # async: sender -> last applied push
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    elastic: bool = False
+    #: the clients a sync round waits for (all ``pushers`` unless elastic ones were dropped)
+    members: set[int] = field(default_factory=set)
+    #: when the round being summed got its first push (monotonic seconds): an elastic key waits for its
+    #: missing members from then (a member never heard from counts as silent since then)
+    round_started: float = 0.0
     #: zmq trackers of replies sent from ``value``'s memory, not all known to be sent yet
     sending: list[Any] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.members:
+            self.members = set(range(self.pushers))
+
     def missing(self) -> list[int]:
-        return sorted(set(range(self.pushers)) - self.pending_from)
+        return sorted(self.members - self.pending_from)
 
     def writable(self) -> torch.Tensor:
         """``value``, safe to change in place: first replaced by a copy if a reply may still be sending from
@@ -230,6 +254,11 @@ class Server:
         self.stats = {"requests": 0, "errors": 0, "rejected": 0, "replayed": 0, "checkpoints": 0}
         #: requests handled per op name (STATUS reports them: which exchange the workers use)
         self.ops: dict[str, int] = {}
+        #: when each client (sender id) was last heard from; elastic keys drop the silent ones
+        self.seen: dict[int, float] = {}
+        #: INIT requests with Flag.JOIN waiting for their key to be created: slot -> (ident, req) -> INIT
+        self.joining: dict[tuple[Key, int], dict[tuple[bytes, int], Message]] = {}
+        self._expired_at = 0.0
         self._restore()
 
     # ---- loop -----------------------------------------------------------------------------------
@@ -243,10 +272,11 @@ class Server:
             try:
                 frames = recv(copy=False)
             except zmq.Again:
-                if self._checkpoint_due():
-                    self.checkpoint()
+                self._expire()
+                self._finish()
                 continue
             self.handle(frames)
+            self._expire()
             self._finish()
         if self.config.checkpoint_path is not None:
             self.checkpoint()
@@ -291,6 +321,7 @@ class Server:
         if self.config.secret and not self._fresh(ident, msg):
             return
         self.ops[msg.op.name] = self.ops.get(msg.op.name, 0) + 1
+        self.seen[msg.sender] = time.monotonic()
         try:
             self._check_job(msg)
             handler = _HANDLERS.get(msg.op)
@@ -400,17 +431,45 @@ class Server:
         if msg.count < 1:
             raise GradsyncError(f"init of key {key_name(msg.key)}: pushers={msg.count} must be >= 1")
         self._check_init_shape(msg)
-        existing = self.slots.get((msg.key, msg.part))
+        where = (msg.key, msg.part)
+        existing = self.slots.get(where)  # type: ignore[arg-type]
         if existing is not None:  # idempotent: a retried init, or rank 0 re-running after a server restart
             self._check_tensor(existing, msg)
-            self._reply(ident, Op.ACK, msg, version=existing.version)
+            self._join(ident, msg, existing)
             return
-        self.slots[(msg.key, msg.part)] = Slot(
+        if msg.flags & Flag.JOIN:  # wait for the key's creator (rank 0), as a parked pull waits for its round
+            waiting = self.joining.setdefault(where, {})  # type: ignore[arg-type]
+            if (ident, msg.req_id) in waiting:
+                return
+            if len(waiting) >= self.config.max_parked_per_key:
+                raise GradsyncError(f"join of key {key_name(msg.key)}: {len(waiting)} joins already wait for it on "
+                                    f"server {self.config.server_id}, the limit (--max-parked-per-key)")
+            self._hold(ident, f"join of key {key_name(msg.key)}")
+            waiting[(ident, msg.req_id)] = replace(msg, payload=b"")
+            return
+        slot = self.slots[where] = Slot(  # type: ignore[index]
             value=msg.tensor().clone(), shape=msg.shape, offset=msg.offset, parts=msg.parts,
-            sync=bool(msg.flags & Flag.SYNC), pushers=msg.count)
+            sync=bool(msg.flags & Flag.SYNC), pushers=msg.count, elastic=bool(msg.flags & Flag.ELASTIC))
         self.updates += 1
         self._force_checkpoint()
         self._reply(ident, Op.ACK, msg, version=0)
+        for (who, _), joined in self.joining.pop(where, {}).items():  # type: ignore[arg-type]
+            self._unhold(who)
+            try:
+                self._check_tensor(slot, joined)
+                self._join(who, joined, slot)
+            except GradsyncError as e:
+                self._reply(who, Op.ERROR, joined, payload=str(e).encode())
+
+    def _join(self, ident: bytes, msg: Message, slot: Slot) -> None:
+        """Answer an INIT of an existing key with its version; an elastic key takes the sender back as a
+        member (a restarted worker rejoining). Its first push names the round after that version, which
+        is the round being summed, so that round now waits for it too."""
+        if slot.elastic and 0 <= msg.sender < slot.pushers and msg.sender not in slot.members:
+            slot.members.add(msg.sender)
+            log.warning("server %d: client %d rejoined key %s at version %d", self.config.server_id, msg.sender,
+                        key_name(msg.key), slot.version)
+        self._reply(ident, Op.ACK, msg, version=slot.version)
 
     def _check_init_shape(self, msg: Message) -> None:
         """A whole key holds exactly its shape's elements; a sliced one fits ``parts`` frames of the limit."""
@@ -479,6 +538,11 @@ class Server:
 
     def _push_sync(self, slot: Slot, msg: Message) -> None:
         r = msg.version
+        if msg.sender not in slot.members:  # before the repeat test: its round may have completed without it
+            raise GradsyncError(
+                f"push to key {key_name(msg.key)} from client {msg.sender}, which server {self.config.server_id} "
+                f"dropped from the key's rounds after {self.config.elastic_timeout_s:g} s without a frame from it "
+                f"(elastic); the others went on without it. Rejoin: create the kvstore again and init the key")
         if r <= slot.version or (r == slot.version + 1 and msg.sender in slot.pending_from):
             return  # a retry of a push this server already holds
         if r > slot.version + 1:
@@ -486,22 +550,49 @@ class Server:
             slot.future.setdefault(r, {}).setdefault(msg.sender, msg.tensor().clone())
             return
         self._add_to_round(slot, msg.sender, msg.tensor())
-        while len(slot.pending_from) == slot.pushers:
-            assert slot.pending is not None
-            self._rule(slot).apply(slot.writable(), slot.pending, slot.pushers, slot.state)
+        self._complete_rounds(slot)
+
+    def _complete_rounds(self, slot: Slot) -> None:
+        """Apply every round that has a push from each member (count: how many pushed it)."""
+        while slot.pending is not None and slot.pending_from >= slot.members:
+            self._rule(slot).apply(slot.writable(), slot.pending, len(slot.pending_from), slot.state)
             slot.version += 1
             self.updates += 1
             slot.pending, slot.pending_from = None, set()
             for sender, t in slot.future.pop(slot.version + 1, {}).items():
-                self._add_to_round(slot, sender, t)
+                if sender in slot.members:
+                    self._add_to_round(slot, sender, t)
 
     @staticmethod
     def _add_to_round(slot: Slot, sender: int, t: torch.Tensor) -> None:
         if slot.pending is None:
             slot.pending = t.clone()
+            slot.round_started = time.monotonic()
         else:
             slot.pending.add_(t)
         slot.pending_from.add(sender)
+
+    def _expire(self) -> None:
+        """Drop from elastic rounds the members that a started round has waited for, and that have been
+        silent, for ``elastic_timeout_s``; complete the rounds that then have every member's push.
+        Looks at most ten times a second."""
+        now = time.monotonic()
+        if now - self._expired_at < 0.1:
+            return
+        self._expired_at = now
+        limit = self.config.elastic_timeout_s
+        for where, slot in self.slots.items():
+            if not slot.elastic or slot.pending is None or now - slot.round_started < limit:
+                continue
+            gone = [m for m in slot.missing() if now - self.seen.get(m, slot.round_started) >= limit]
+            if not gone:
+                continue
+            slot.members.difference_update(gone)
+            log.warning("server %d: dropped client(s) %s from key %s at round %d: nothing heard from them for "
+                        "%.1f s; the round completes with the %d push(es) it has", self.config.server_id, gone,
+                        key_name(where[0]), slot.version + 1, limit, len(slot.pending_from))
+            self._complete_rounds(slot)
+            self._release(where, slot)
 
     def on_pull(self, ident: bytes, msg: Message) -> None:
         slot = self._slot(msg)
@@ -603,8 +694,9 @@ class Server:
 
     def on_status(self, ident: bytes, msg: Message) -> None:
         if msg.key is not None:
-            info = [{"part": p, "version": s.version, "sync": s.sync, "pushers": s.pushers,
-                     "pushed": sorted(s.pending_from), "missing": s.missing() if s.sync else []}
+            info = [{"part": p, "version": s.version, "sync": s.sync, "pushers": s.pushers, "elastic": s.elastic,
+                     "members": sorted(s.members), "pushed": sorted(s.pending_from),
+                     "missing": s.missing() if s.sync else []}
                     for (k, p), s in self.slots.items() if k == msg.key]
         else:
             info = {"server": self.config.server_id, "keys": len({k for k, _ in self.slots}), "slots": len(self.slots),
@@ -660,6 +752,7 @@ class Server:
             index.append({"key": key, "int_key": isinstance(key, int), "part": part, "parts": s.parts,
                           "offset": s.offset, "shape": list(s.shape), "dtype": _CODES[s.value.dtype],
                           "numel": s.value.numel(), "sync": s.sync, "pushers": s.pushers, "version": s.version,
+                          "elastic": s.elastic, "members": sorted(s.members),
                           "last_seq": {str(k): v for k, v in s.last_seq.items()},
                           "state": {n: [_CODES[t.dtype], list(t.shape)] for n, t in s.state.items()}})
         meta = {"format": "gradsync-ps-checkpoint", "version": 1, "server": self.config.server_id,
@@ -702,6 +795,7 @@ class Server:
                     self.slots[(key, int(e["part"]))] = Slot(
                         value=value, shape=tuple(e["shape"]), offset=int(e["offset"]), parts=int(e["parts"]),
                         sync=bool(e["sync"]), pushers=int(e["pushers"]), version=int(e["version"]),
+                        elastic=bool(e.get("elastic", False)), members={int(m) for m in e.get("members", [])},
                         last_seq={int(k): int(v) for k, v in e["last_seq"].items()}, state=state)
         except (OSError, KeyError, ValueError, TypeError) as e:
             raise GradsyncError(f"cannot restore server {self.config.server_id} from {path}: {e}; move the file "
@@ -740,6 +834,16 @@ def _env_int(name: str, default: int) -> int:
         raise GradsyncError(f"{name}={text!r} is not an integer; unset it or set e.g. {name}={default}") from None
 
 
+def _env_float(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise GradsyncError(f"{name}={text!r} is not a number; unset it or set e.g. {name}={default:g}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gradsync.ps.server", description=__doc__.splitlines()[0])
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (default: loopback, any port)")
@@ -755,6 +859,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-parked-per-client", type=int, default=None,
                    help=f"requests waiting per client ({MAX_PARKED_PER_CLIENT_ENV}; default {MAX_PARKED_PER_CLIENT})")
     p.add_argument("--job", default=None, help=f"serve only this job id ({JOB_ENV}; default: the first one seen)")
+    p.add_argument("--elastic-timeout", type=float, default=None,
+                   help=f"seconds of silence after which elastic keys drop a client ({ELASTIC_TIMEOUT_ENV}; "
+                        f"default {ELASTIC_TIMEOUT:g})")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the update rules (default 1: see below)")
     p.add_argument("--insecure", action="store_true",
@@ -781,7 +888,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_parked_per_key=(a.max_parked_per_key if a.max_parked_per_key is not None
                                 else _env_int(MAX_PARKED_ENV, MAX_PARKED)),
             max_parked_per_client=(a.max_parked_per_client if a.max_parked_per_client is not None
-                                   else _env_int(MAX_PARKED_PER_CLIENT_ENV, MAX_PARKED_PER_CLIENT)))
+                                   else _env_int(MAX_PARKED_PER_CLIENT_ENV, MAX_PARKED_PER_CLIENT)),
+            elastic_timeout_s=(a.elastic_timeout if a.elastic_timeout is not None
+                               else _env_float(ELASTIC_TIMEOUT_ENV, ELASTIC_TIMEOUT)))
         server = Server(config)
     except GradsyncError as e:
         print(f"gradsync-ps: {e}", file=sys.stderr)

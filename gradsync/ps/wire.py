@@ -88,9 +88,11 @@ class Flag(enum.IntFlag):
     INT_KEY = 1  # the key is an int (stored as its decimal text)
     SYNC = 2  # INIT: the key's rounds are synchronous
     ORDERED = 4  # PULL, PUSHPULL: reply in this sender's priority order (TicTac enforcement)
+    ELASTIC = 8  # INIT: a sync key whose rounds go on without a client that stopped answering
+    JOIN = 16  # INIT: join the key as it is (wait for it to exist; never create it)
 
 
-_ALL_FLAGS = int(Flag.INT_KEY | Flag.SYNC | Flag.ORDERED)
+_ALL_FLAGS = int(Flag.INT_KEY | Flag.SYNC | Flag.ORDERED | Flag.ELASTIC | Flag.JOIN)
 #: plain ints for the hot paths (``IntFlag & IntFlag`` runs enum code in Python; ``int(flags) & _BIT`` does not)
 _INT_KEY, SYNC_BIT, ORDERED_BIT = int(Flag.INT_KEY), int(Flag.SYNC), int(Flag.ORDERED)
 
