@@ -137,6 +137,7 @@ def test_a_silent_member_is_dropped_and_its_later_push_is_refused_by_name() -> N
             t0 = time.monotonic()
             kv.pushpull("w", torch.full((2,), rank + 1.0), out)
             assert torch.equal(out, torch.full((2,), 3.0)), out
+            assert kv.round_pushers("w") == 2  # the mean of this round is over 2 workers, not 3
             return time.monotonic() - t0
 
         waited = run_workers(3, worker)

@@ -70,6 +70,7 @@ def test_pushpull_is_one_exchange_and_meets_the_oracle(sync: bool, secret: bytes
                             v = float(part[0])
                             assert torch.all(part == v) and int(v) in _async_values(rank, r) and v >= last, (r, v)
                 last = float(outs[1][0])
+                assert kv.round_pushers("big") == (W if sync else 0) == kv.round_pushers("small")
             kv.barrier()
             if not sync:
                 out = torch.empty(300)

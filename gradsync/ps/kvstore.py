@@ -459,6 +459,8 @@ class PSKVStore(KVStore):
             self.heartbeat = Heartbeat(config.servers, self.client.sender, interval_s=config.elastic_timeout_s / 4,
                                        secret=config.secret, job=config.job)
         self.pushes: dict[Key, int] = {}
+        #: sync keys: how many pushes the round of the value last pulled summed (see round_pushers)
+        self._round_pushers: dict[Key, int] = {}
         self._barriers = 0
         self.group = self._client_group() if hybrid else None
         self.pushed_bytes = 0
@@ -660,12 +662,21 @@ class PSKVStore(KVStore):
             src = msg.tensor()
             for t in outs:
                 flat_view(t)[part.offset:part.offset + part.numel].copy_(src)
+            if msg.pushed:
+                self._round_pushers[key] = msg.pushed
             self.pulled_bytes += src.numel() * src.element_size()
             self.client.release(part.server, key, part.part, msg.version)
             if remaining is not None:
                 remaining[index] -= 1
 
         return on_reply
+
+    def round_pushers(self, key: Key) -> int:
+        """How many clients' pushes the round behind ``key``'s last pulled value summed (0: not known, an
+        async key, or nothing pulled yet). The key's pushers, unless an elastic server dropped a silent
+        client; divide by it to average over the pushes there were. (A key in parts reports its last
+        part's; the parts agree unless servers dropped a client at different rounds.)"""
+        return self._round_pushers.get(key, 0)
 
     def _set_optimizer(self, name: str, hyperparameters: dict[str, Any]) -> None:
         if self.rank != 0:

@@ -185,6 +185,8 @@ class Slot:
     elastic: bool = False
     #: the clients a sync round waits for (all ``pushers`` unless elastic ones were dropped)
     members: set[int] = field(default_factory=set)
+    #: how many pushes the last completed round summed (its VALUE replies say so)
+    last_pushed: int = 0
     #: when the round being summed got its first push (monotonic seconds): an elastic key waits for its
     #: missing members from then (a member never heard from counts as silent since then)
     round_started: float = 0.0
@@ -555,7 +557,8 @@ class Server:
     def _complete_rounds(self, slot: Slot) -> None:
         """Apply every round that has a push from each member (count: how many pushed it)."""
         while slot.pending is not None and slot.pending_from >= slot.members:
-            self._rule(slot).apply(slot.writable(), slot.pending, len(slot.pending_from), slot.state)
+            slot.last_pushed = len(slot.pending_from)
+            self._rule(slot).apply(slot.writable(), slot.pending, slot.last_pushed, slot.state)
             slot.version += 1
             self.updates += 1
             slot.pending, slot.pending_from = None, set()
@@ -640,7 +643,7 @@ class Server:
     def _send_value(self, ident: bytes, msg: Message, slot: Slot) -> None:
         if not int(msg.flags) & ORDERED_BIT:
             self._reply(ident, Op.VALUE, msg, source=slot, tensor=slot.value, shape=slot.shape, offset=slot.offset,
-                        version=slot.version)
+                        version=slot.version, pushed=slot.last_pushed)
             return
         state = self.ordered.get(ident)
         if state is None or state.n != msg.count or (msg.priority == 0 and state.next != 0):
@@ -651,8 +654,8 @@ class Server:
             state = self.ordered[ident] = _Ordered(n=msg.count)
         frames = encode(Op.VALUE, key=msg.key, tensor=slot.value.clone(), shape=slot.shape, offset=slot.offset,
                         part=msg.part, parts=msg.parts, req_id=msg.req_id, version=slot.version,
-                        priority=msg.priority, sender=self.config.server_id, count=self.incarnation,
-                        secret=self.config.secret)
+                        priority=msg.priority, pushed=slot.last_pushed, sender=self.config.server_id,
+                        count=self.incarnation, secret=self.config.secret)
         if msg.priority not in state.ready:
             self.parked[ident] = self.parked.get(ident, 0) + 1  # bounded: on_pull refused it past the cap
         state.ready[msg.priority] = frames
@@ -752,7 +755,7 @@ class Server:
             index.append({"key": key, "int_key": isinstance(key, int), "part": part, "parts": s.parts,
                           "offset": s.offset, "shape": list(s.shape), "dtype": _CODES[s.value.dtype],
                           "numel": s.value.numel(), "sync": s.sync, "pushers": s.pushers, "version": s.version,
-                          "elastic": s.elastic, "members": sorted(s.members),
+                          "elastic": s.elastic, "members": sorted(s.members), "last_pushed": s.last_pushed,
                           "last_seq": {str(k): v for k, v in s.last_seq.items()},
                           "state": {n: [_CODES[t.dtype], list(t.shape)] for n, t in s.state.items()}})
         meta = {"format": "gradsync-ps-checkpoint", "version": 1, "server": self.config.server_id,
@@ -796,6 +799,7 @@ class Server:
                         value=value, shape=tuple(e["shape"]), offset=int(e["offset"]), parts=int(e["parts"]),
                         sync=bool(e["sync"]), pushers=int(e["pushers"]), version=int(e["version"]),
                         elastic=bool(e.get("elastic", False)), members={int(m) for m in e.get("members", [])},
+                        last_pushed=int(e.get("last_pushed", 0)),
                         last_seq={int(k): int(v) for k, v in e["last_seq"].items()}, state=state)
         except (OSError, KeyError, ValueError, TypeError) as e:
             raise GradsyncError(f"cannot restore server {self.config.server_id} from {path}: {e}; move the file "

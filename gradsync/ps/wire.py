@@ -10,7 +10,11 @@ Header (``HEADER``, 96 bytes, then ``ndim`` × u64 shape, then ``key_len`` bytes
 
     magic "GSPS" | proto u8 | op u8 | dtype u8 | flags u8 | part u16 | parts u16 | ndim u8 | pad u8 |
     key_len u16 | sender u32 | count u32 | req_id u64 | version u64 | offset u64 | numel u64 |
-    nbytes u64 | priority i32 | pad u32 | job u64 | session u64 | seq u64
+    nbytes u64 | priority i32 | pushed u32 | job u64 | session u64 | seq u64
+
+``pushed`` (once padding, 0 in requests): in a ``VALUE`` of a sync key, how many pushes the round that
+produced it summed; fewer than the key's pushers after an elastic server dropped a silent client, so a
+worker can average over the pushes there were.
 
 ``offset``/``numel``: where this part sits in the flattened tensor (large tensors are sliced over servers)
 and how many elements it holds; ``shape`` is the whole tensor's. With a shared secret the tag is
@@ -134,6 +138,7 @@ class Message:
     version: int = 0
     priority: int = 0
     flags: Flag = Flag.NONE
+    pushed: int = 0
     job: int = 0
     session: int = 0
     seq: int = 0
@@ -187,7 +192,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None, shape: tuple[int, ...] | None = None,
            payload: bytes | None = None, json_payload: Any = None, part: int = 0, parts: int = 1, offset: int = 0,
            sender: int = 0, count: int = 0, req_id: int = 0, version: int = 0, priority: int = 0,
-           flags: Flag = Flag.NONE, job: int = 0, session: int = 0, seq: int = 0,
+           flags: Flag = Flag.NONE, pushed: int = 0, job: int = 0, session: int = 0, seq: int = 0,
            secret: bytes | None = None) -> list[Any]:
     """The frames of one message. ``tensor`` is sent as raw bytes (its memory, not a copy).
 
@@ -221,7 +226,7 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
     nbytes = body.nbytes if isinstance(body, memoryview) else len(body)
     try:
         head = HEADER.pack(MAGIC, PROTO, op, dtype_code, flags, part, parts, len(shape), 0, len(key_bytes),
-                           sender, count, req_id, version, offset, numel, nbytes, priority, 0, job, session, seq)
+                           sender, count, req_id, version, offset, numel, nbytes, priority, pushed, job, session, seq)
         head += _SHAPES[len(shape)].pack(*shape) + key_bytes
     except struct.error as e:
         raise WireError(f"{op.name} message field out of range ({e}): shape {shape}, part {part}/{parts}, "
@@ -277,7 +282,7 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
     if len(head) < HEADER.size:
         raise WireError(f"header is {len(head)} bytes; at least {HEADER.size} expected (truncated frame?)")
     (_magic, _proto, op, dtype_code, flags, part, parts, ndim, _pad, key_len, sender, count, req_id, version, offset,
-     numel, nbytes, priority, _pad2, job, session, seq) = HEADER.unpack_from(head)
+     numel, nbytes, priority, pushed, job, session, seq) = HEADER.unpack_from(head)
     if secret:
         if len(frames) != 3:
             raise WireError("message has no authentication tag; this server requires one (set the shared secret)")
@@ -328,4 +333,4 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
         raise WireError(f"unknown flags {flags:#x}")
     return Message(op=op_v, key=key, dtype=dtype, shape=shape, part=part, parts=parts, offset=offset, numel=numel,
                    sender=sender, count=count, req_id=req_id, version=version, priority=priority, flags=flag_v,
-                   job=job, session=session, seq=seq, payload=body)
+                   pushed=pushed, job=job, session=session, seq=seq, payload=body)

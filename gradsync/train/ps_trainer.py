@@ -182,7 +182,13 @@ class PSTrainer:
         self._handle.wait(key)
         p, g = self._finish.pop(key)
         if g is not None:
-            p.add_(g, alpha=-self.lr / self.kv.num_workers)
+            p.add_(g, alpha=-self.lr / self._pushed_workers(key))
+
+    def _pushed_workers(self, key: str) -> int:
+        """The workers whose gradients the pulled sum of ``key`` holds: all of them, unless an elastic
+        server completed the round without a silent one (then the mean is over those who pushed)."""
+        pushed = self.kv.round_pushers(key) if isinstance(self.kv, PSKVStore) else 0
+        return pushed * self.client_size if pushed else self.kv.num_workers
 
     def _local_sgd(self, grads: list[torch.Tensor]) -> None:
         for p, g in zip(self.params, grads):
@@ -198,8 +204,8 @@ class PSTrainer:
             self._finish = {k: (p, g) for k, p, g in zip(self.keys, self.params, out)}
         else:
             self.kv.pushpull(self.keys, grads, out, self.priority)
-            for p, g in zip(self.params, out):
-                p.add_(g, alpha=-self.lr / self.kv.num_workers)
+            for k, p, g in zip(self.keys, self.params, out):
+                p.add_(g, alpha=-self.lr / self._pushed_workers(k))
         self.exchanges += 1
 
     def _step_allreduce(self) -> None:
