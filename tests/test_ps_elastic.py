@@ -164,6 +164,9 @@ def test_join_waits_for_the_key_and_bad_elastic_use_is_named() -> None:
         s.send(encode(Op.INIT, key="w", tensor=torch.ones(2), count=2, flags=Flag.SYNC | Flag.ELASTIC, req_id=8))
         assert sorted((x.op, x.req_id, x.version) for x in s.replies()) == [(Op.ACK, 7, 0), (Op.ACK, 8, 0)]
         assert s.server.slots[("w", 0)].elastic and not s.server.parked
+        for i in range(200):  # liveness is kept for clients a key counts (2 here), not for any sender id sent
+            s.send(encode(Op.PING, sender=1000 + i))
+        assert len(s.replies()) == 200 and set(s.server.seen) <= {0, 1}
     finally:
         s.close()
     with pytest.raises(GradsyncError, match="elastic=True is for dist_sync and dist_async, not 'hybrid_sync'"):

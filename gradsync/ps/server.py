@@ -262,6 +262,7 @@ class Server:
         self.joining: dict[tuple[Key, int], dict[tuple[bytes, int], Message]] = {}
         self._expired_at = 0.0
         self._restore()
+        self._max_pushers = max((s.pushers for s in self.slots.values()), default=0)
 
     # ---- loop -----------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -301,6 +302,8 @@ class Server:
             sock.send_multipart(frames, copy=False)
             return
         last = len(frames) - 1
+        if len(source.sending) >= 16:  # a value pulled often and pushed rarely: forget the replies gone
+            source.sending = [t for t in source.sending if not t.done]
         for i, f in enumerate(frames):
             if i == 2:
                 source.sending.append(sock.send(f, zmq.SNDMORE if i < last else 0, copy=False, track=True))
@@ -323,7 +326,8 @@ class Server:
         if self.config.secret and not self._fresh(ident, msg):
             return
         self.ops[msg.op.name] = self.ops.get(msg.op.name, 0) + 1
-        self.seen[msg.sender] = time.monotonic()
+        if msg.sender < self._max_pushers:  # bounded: clients that some key counts, not any number sent
+            self.seen[msg.sender] = time.monotonic()
         try:
             self._check_job(msg)
             handler = _HANDLERS.get(msg.op)
@@ -449,6 +453,7 @@ class Server:
             self._hold(ident, f"join of key {key_name(msg.key)}")
             waiting[(ident, msg.req_id)] = replace(msg, payload=b"")
             return
+        self._max_pushers = max(self._max_pushers, msg.count)
         slot = self.slots[where] = Slot(  # type: ignore[index]
             value=msg.tensor().clone(), shape=msg.shape, offset=msg.offset, parts=msg.parts,
             sync=bool(msg.flags & Flag.SYNC), pushers=msg.count, elastic=bool(msg.flags & Flag.ELASTIC))
