@@ -71,6 +71,44 @@ def sync_killed() -> None:
     raise SystemExit("round 3 completed without rank 2")
 
 
+def elastic(kill_round: int, kill_after_push: bool, rejoin: bool) -> None:
+    """Elastic dist_sync, 3 workers; each pushes (rank+1)*r in round r, so a round's value (the default
+    rule keeps its sum) is r times the sum of rank+1 over the workers that pushed it. Rank 2 SIGKILLs
+    itself at ``kill_round`` (before its push, or after the server acknowledged it); started again with
+    ``rejoin`` it joins, prints the current value, and takes part from the next round. Everyone stops
+    4 rounds after the first round the rejoined worker pushed. Prints one line per round for the test."""
+    kv = kvstore.create("dist_sync", elastic=True, timeout_s=60.0, retry_s=0.3)
+    rank = kv.rank
+    kv.init("w", torch.zeros(4))
+    first, stop = 1, None
+    if rejoin:
+        out = torch.empty(4)
+        kv.pull("w", out)
+        version = kv.pushes["w"]
+        print(f"JOINED version {version} value {out[0].item():g}", flush=True)
+        first = version + 1
+        stop = first + 4
+    r = first
+    while stop is None or r <= stop:
+        if rank == 2 and not rejoin and r == kill_round:
+            if kill_after_push:
+                kv.push("w", torch.full((4,), float((rank + 1) * r)))
+            print(f"KILL round {r} {'after' if kill_after_push else 'before'} push at {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = torch.empty(4)
+        kv.pushpull("w", torch.full((4,), float((rank + 1) * r)), out)
+        assert torch.all(out == out[0]), out
+        print(f"ROUND {r} VALUE {out[0].item():g} AT {time.time():.6f}", flush=True)
+        if stop is None and r > kill_round and out[0].item() == 6 * r:  # the rejoined worker pushed this round
+            stop = r + 4
+        if r > 100_000:
+            raise SystemExit("no rejoin seen")
+        r += 1
+        time.sleep(0.02)
+    print(f"OK elastic rank {rank} stopped after round {stop}", flush=True)
+    kv.close()
+
+
 def restart(rounds: int) -> None:
     kv = kvstore.create("dist_sync", timeout_s=60.0, retry_s=0.3)
     W = kv.num_workers
@@ -212,6 +250,8 @@ if __name__ == "__main__":
         async_killed()
     elif what == "sync_killed":
         sync_killed()
+    elif what == "elastic":
+        elastic(int(sys.argv[2]), sys.argv[3] == "after", sys.argv[4] == "rejoin")
     elif what == "restart":
         restart(int(sys.argv[2]))
     elif what == "algorithms":

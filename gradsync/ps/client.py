@@ -1,8 +1,9 @@
 """The worker side of the parameter server: key placement, requests, replies, retries and failures.
 
 :func:`place` decides where a key lives: a small key goes whole to one server (by a stable hash of its
-name); a key of ``slice_bytes`` or more is cut into one contiguous part per server, so a large tensor
-loads every server equally (seed 001 §4.2: whole-tensor placement leaves servers unbalanced).
+name); a key of ``slice_bytes`` or more is cut into contiguous parts, as many on every server, so a large
+tensor loads every server equally (seed 001 §4.2: whole-tensor placement leaves servers unbalanced); and
+no message carries more than ``part_bytes`` of it (:data:`PART_BYTES`).
 
 :class:`PSClient` holds one DEALER socket per server and sends a batch of requests before waiting for
 any reply, so the parts of a key (and the keys of a batch) travel to all servers at once. A request with
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -42,10 +44,15 @@ import zmq
 from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.ps.wire import Flag, Key, Message, Op, WireError, decode, encode, seal
 
-__all__ = ["Batch", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "flat_view"]
+__all__ = ["Batch", "Heartbeat", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "PART_BYTES", "flat_view"]
 
 #: Keys of at least this many bytes are sliced over all servers (MXNet's bigarray bound is 1M elements).
 SLICE_BYTES = 1 << 20
+#: Largest part (bytes) of a key in one message. ZeroMQ receives a message into a fresh allocation, and
+#: above glibc's largest mmap threshold (32 MiB) every one is fresh memory: a 64 MiB round trip on loopback
+#: spent ~35% of its CPU in page faults (perf), half its CPU with 4 MiB parts, whose buffers are reused.
+#: Parts also pipeline: a server works on one while the next travels.
+PART_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -59,19 +66,32 @@ class Part:
     numel: int
 
 
-def place(key: Key, numel: int, itemsize: int, num_servers: int, slice_bytes: int = SLICE_BYTES) -> list[Part]:
-    """Where each part of ``key`` lives: whole on one server, or one contiguous part per server if large."""
+def place(key: Key, numel: int, itemsize: int, num_servers: int, slice_bytes: int = SLICE_BYTES,
+          part_bytes: int = PART_BYTES) -> list[Part]:
+    """Where each part of ``key`` lives: whole on one server; or, from ``slice_bytes``, cut into equal
+    contiguous parts, the same number on every server; and never a part of more than ``part_bytes``
+    (then several per server, dealt round robin from the key's first server)."""
     if num_servers < 1:
         raise GradsyncError(f"num_servers={num_servers}: a PS key store needs at least one server")
+    if part_bytes < 1:
+        raise GradsyncError(f"part_bytes={part_bytes} must be >= 1")
     first = zlib.crc32(f"{type(key).__name__}:{key}".encode()) % num_servers
-    if num_servers == 1 or numel * itemsize < slice_bytes or numel < num_servers:
+    nbytes = numel * itemsize
+    chunks = -(-nbytes // part_bytes)  # parts needed to stay within part_bytes
+    sliced = num_servers > 1 and nbytes >= slice_bytes and numel >= num_servers
+    if sliced:
+        n = num_servers * -(-chunks // num_servers)
+    else:
+        n = chunks
+    n = max(1, min(n, numel))
+    if n == 1:
         return [Part(first, 0, 1, 0, numel)]
-    base, extra = divmod(numel, num_servers)
+    base, extra = divmod(numel, n)
     parts, offset = [], 0
-    for i in range(num_servers):
-        n = base + (1 if i < extra else 0)
-        parts.append(Part((first + i) % num_servers, i, num_servers, offset, n))
-        offset += n
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        parts.append(Part((first + i) % num_servers, i, n, offset, size))
+        offset += size
     return parts
 
 
@@ -96,7 +116,7 @@ class Request:
 
     @property
     def ordered(self) -> bool:
-        return self.op == Op.PULL and bool(Flag(self.fields.get("flags", Flag.NONE)) & Flag.ORDERED)
+        return self.op in (Op.PULL, Op.PUSHPULL) and bool(Flag(self.fields.get("flags", Flag.NONE)) & Flag.ORDERED)
 
 
 @dataclass
@@ -248,12 +268,8 @@ class PSClient:
         PING the servers that have been quiet for ``retry_s`` while holding our requests."""
         for sock, _ in self.poller.poll(max(1, int(wait_s * 1000)) if wait_s > 0 else 0):
             server = self.socks.index(sock)
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._on_frames(server, frames)
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # not recv until zmq.Again: an exception each time
+                self._on_frames(server, sock.recv_multipart(zmq.NOBLOCK, copy=False))
         now = time.monotonic()
         quiet = {r.server for r in self.inflight.values() if now - r.sent_at >= self.retry_s}
         for server in quiet:  # is it still the same server process? its ACK says (see _on_frames)
@@ -327,7 +343,7 @@ class PSClient:
             group.sort(key=lambda q: q.fields.get("priority", 0))
             for rank, r in enumerate(group):
                 r.fields.update(priority=rank, count=len(group))
-                r.frames = encode(Op.PULL, req_id=r.req_id, job=self.job, session=self.session, **r.fields)
+                r.frames = encode(r.op, req_id=r.req_id, job=self.job, session=self.session, **r.fields)
         for r in mine:
             self._send(server, r.frames)
 
@@ -405,3 +421,53 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
         raise GradsyncError(f"PS tensors must be contiguous (got a tensor with strides {t.stride()}); "
                             f"pass t.contiguous()")
     return t.reshape(-1)
+
+
+class Heartbeat:
+    """PINGs every server each ``interval_s`` from a thread of its own (own sockets and session), so that
+    servers keep an elastic client as a member while its main thread computes for longer than their
+    timeout; a killed or hung process stops beating and is dropped. Replies are read and discarded."""
+
+    def __init__(self, endpoints: Sequence[str], sender: int, *, interval_s: float, secret: bytes | None = None,
+                 job: int = 0, context: zmq.Context | None = None) -> None:
+        if not interval_s > 0:
+            raise GradsyncError(f"heartbeat interval_s={interval_s} must be > 0")
+        self.endpoints, self.sender, self.interval_s = list(endpoints), sender, interval_s
+        self.secret, self.job = secret, job
+        self.ctx = context or zmq.Context.instance()
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"gradsync-ps-heartbeat-{sender}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        socks = []
+        try:
+            for ep in self.endpoints:
+                s = self.ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 4)  # a server that is down: a few beats queue, the rest are dropped
+                s.connect(ep)
+                socks.append(s)
+            session, seq = secrets.randbits(64) | 1, itertools.count(1)
+            while True:
+                for s in socks:
+                    while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        s.recv_multipart(zmq.NOBLOCK)
+                    frames = seal(encode(Op.PING, sender=self.sender, job=self.job, session=session),
+                                  seq=next(seq), secret=self.secret)
+                    try:
+                        s.send_multipart(frames, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                self.beats += 1
+                if self._stop.wait(self.interval_s):
+                    return
+        finally:
+            for s in socks:
+                s.close(linger=0)
+
+    def close(self) -> None:
+        """Stop beating (the thread ends within one interval)."""
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5.0)

@@ -1,7 +1,7 @@
 """Names of the environment variables a PS job's processes read (kept free of heavy imports for the CLI)."""
 
 __all__ = ["SERVERS_ENV", "CLIENTS_ENV", "TIMEOUT_ENV", "SECRET_ENV", "JOB_ENV", "INSECURE_ENV", "MAX_AHEAD_ENV",
-           "MAX_PARKED_ENV", "MAX_PARKED_PER_CLIENT_ENV"]
+           "MAX_PARKED_ENV", "MAX_PARKED_PER_CLIENT_ENV", "ELASTIC_TIMEOUT_ENV"]
 
 #: comma-separated ZeroMQ endpoints of the servers, in server order
 SERVERS_ENV = "GRADSYNC_PS_SERVERS"
@@ -23,3 +23,6 @@ MAX_AHEAD_ENV = "GRADSYNC_PS_MAX_AHEAD"
 MAX_PARKED_ENV = "GRADSYNC_PS_MAX_PARKED"
 #: pulls, barrier waits and held ordered replies a server parks per client connection (default 16384)
 MAX_PARKED_PER_CLIENT_ENV = "GRADSYNC_PS_MAX_PARKED_PER_CLIENT"
+#: seconds without a frame from a client (its heartbeat included) after which a server drops it from the
+#: rounds of elastic keys (kvstore.create(..., elastic=True)); read by servers and workers (default 10)
+ELASTIC_TIMEOUT_ENV = "GRADSYNC_PS_ELASTIC_TIMEOUT"

@@ -43,8 +43,8 @@ import torch
 
 from gradsync.comm import lifetime
 from gradsync.errors import GradsyncError
-from gradsync.ps.client import PSClient, Request, flat_view, place
-from gradsync.ps.env import CLIENTS_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
+from gradsync.ps.client import PART_BYTES, SLICE_BYTES, Heartbeat, PSClient, Request, flat_view, place
+from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
 from gradsync.ps.updaters import Updater, create_updater, default_updater
 from gradsync.ps.wire import Flag, Key, Message, Op, job_id, key_name
 from gradsync.registry import Registry
@@ -68,8 +68,13 @@ class KVStoreConfig:
     timeout_s: float = 60.0
     retry_s: float = 1.0
     ordered: bool = False
-    slice_bytes: int = 1 << 20
+    slice_bytes: int = SLICE_BYTES
+    part_bytes: int = PART_BYTES  # the largest part of a key in one message (see gradsync.ps.client)
     job: int = 0  # the job id in every frame (0: none); see from_env
+    #: sync rounds go on without a worker that stops answering (dist kinds; see PSKVStore)
+    elastic: bool = False
+    #: the servers' drop timeout (GRADSYNC_PS_ELASTIC_TIMEOUT, the same in every process of the job)
+    elastic_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_workers:
@@ -78,9 +83,14 @@ class KVStoreConfig:
         if not 1 <= c <= self.num_workers or self.num_workers % c:
             raise GradsyncError(f"clients={self.clients} must divide the {self.num_workers} workers into equal groups")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0 and math.isfinite(self.retry_s)
-                and self.retry_s > 0) or self.slice_bytes <= 0:
-            raise GradsyncError(f"timeout_s={self.timeout_s}, retry_s={self.retry_s} and slice_bytes="
-                                f"{self.slice_bytes} must be > 0")
+                and self.retry_s > 0) or self.slice_bytes <= 0 or self.part_bytes <= 0:
+            raise GradsyncError(f"timeout_s={self.timeout_s}, retry_s={self.retry_s}, slice_bytes="
+                                f"{self.slice_bytes} and part_bytes={self.part_bytes} must be > 0")
+        if self.elastic and not (math.isfinite(self.elastic_timeout_s)
+                                 and 0 < self.elastic_timeout_s < self.timeout_s):
+            raise GradsyncError(f"elastic: elastic_timeout_s={self.elastic_timeout_s} must be > 0 and below "
+                                f"timeout_s={self.timeout_s}, or the survivors give up on a round before the servers "
+                                f"drop the silent worker; raise {TIMEOUT_ENV} or lower {ELASTIC_TIMEOUT_ENV}")
 
     @property
     def num_clients(self) -> int:
@@ -103,6 +113,7 @@ class KVStoreConfig:
             "rank": _env_number("RANK", "0", int), "num_workers": _env_number("WORLD_SIZE", "1", int),
             "servers": tuple(s for s in env.get(SERVERS_ENV, "").split(",") if s),
             "clients": _env_number(CLIENTS_ENV, "0", int), "timeout_s": _env_number(TIMEOUT_ENV, "60", float),
+            "elastic_timeout_s": _env_number(ELASTIC_TIMEOUT_ENV, "10", float),
         }
         if env.get(SECRET_ENV):
             fields["secret"] = env[SECRET_ENV].encode()
@@ -242,6 +253,9 @@ class KVStore:
             if k in self._shapes:
                 raise GradsyncError(f"init: key {key_name(k)} is already initialised")
             self._shapes[k] = (tuple(t.shape), t.dtype)
+        self._init_keys(keys, tensors)
+
+    def _init_keys(self, keys: list[Key], tensors: list[torch.Tensor]) -> None:
         self._init(keys, tensors)
         self.barrier()
         self._after_init(keys, tensors)
@@ -275,9 +289,31 @@ class KVStore:
         return PullHandle(keys)
 
     def pushpull(self, key: Key | Sequence[Key], value: Any, out: Any = None, priority: int | Sequence[int] = 0) -> None:
-        """Push then pull in one call (``out`` defaults to ``value``: the tensors are updated in place)."""
-        self.push(key, value, priority)
-        self.pull(key, value if out is None else out, priority)
+        """Push then pull in one call (``out`` defaults to ``value``: the tensors are updated in place).
+
+        PS kinds send one ``PUSHPULL`` request per part and get the round's value as its only reply: one
+        exchange per round instead of a push and a pull (MXNet's ``kv.pushpull``)."""
+        self.pushpull_async(key, value, out, priority).wait_all()
+
+    def pushpull_async(self, key: Key | Sequence[Key], value: Any, out: Any = None,
+                       priority: int | Sequence[int] = 0) -> PullHandle:
+        """:meth:`pushpull` that returns once the requests are sent; the values arrive as with
+        :meth:`pull_async`. ``value``'s tensors are sent from their own memory: leave them unchanged until
+        their key's ``wait`` returns."""
+        keys, values = _as_list(key, value, "pushpull")
+        tensors = [_reduce(v, "pushpull") for v in values]
+        _, outs = _as_list(key, value if out is None else out, "pushpull")
+        out_lists = [_outs(o, "pushpull") for o in outs]
+        for k, t, o in zip(keys, tensors, out_lists):
+            self._known(k, t, "pushpull")
+            for t_out in o:
+                self._known(k, t_out, "pushpull")
+        return self._pushpull_async(keys, tensors, out_lists, self._priorities(priority, len(keys)))
+
+    def _pushpull_async(self, keys: list[Key], values: list[torch.Tensor], outs: list[list[torch.Tensor]],
+                        priorities: list[int]) -> PullHandle:
+        self._push(keys, values, priorities)
+        return self._pull_async(keys, outs, priorities)
 
     def broadcast(self, key: Key | Sequence[Key], value: Any, out: Any, priority: int | Sequence[int] = 0) -> None:
         """Initialise ``key`` with rank 0's ``value`` and pull it into every worker's ``out``."""
@@ -415,7 +451,16 @@ class PSKVStore(KVStore):
         self.client = PSClient(config.servers, sender=config.client if config.is_master else config.rank,
                                secret=config.secret, timeout_s=config.timeout_s, retry_s=config.retry_s, job=config.job)
         self.client.connect()
+        self.heartbeat: Heartbeat | None = None
+        if config.elastic:
+            if hybrid:
+                raise GradsyncError("elastic=True is for dist_sync and dist_async: a hybrid client is a group of "
+                                    "workers in collectives, which cannot lose a member and go on")
+            self.heartbeat = Heartbeat(config.servers, self.client.sender, interval_s=config.elastic_timeout_s / 4,
+                                       secret=config.secret, job=config.job)
         self.pushes: dict[Key, int] = {}
+        #: sync keys: how many pushes the round of the value last pulled summed (see round_pushers)
+        self._round_pushers: dict[Key, int] = {}
         self._barriers = 0
         self.group = self._client_group() if hybrid else None
         self.pushed_bytes = 0
@@ -439,7 +484,8 @@ class PSKVStore(KVStore):
         return mine
 
     def _parts(self, key: Key, t: torch.Tensor) -> list[Any]:
-        return place(key, t.numel(), t.element_size(), self.client.num_servers, self.config.slice_bytes)
+        return place(key, t.numel(), t.element_size(), self.client.num_servers, self.config.slice_bytes,
+                     self.config.part_bytes)
 
     def barrier(self) -> None:
         """Wait until every worker (not client) reaches its next barrier; server 0 counts them."""
@@ -451,6 +497,15 @@ class PSKVStore(KVStore):
         if self.rank == 0:
             self._send_init(keys, values)
 
+    def _init_keys(self, keys: list[Key], tensors: list[torch.Tensor]) -> None:
+        """Elastic: no barrier (a worker may be gone, or be a restarted one that the others passed long
+        ago). Rank 0 creates the keys; every other worker joins them, its INIT waiting at the server until
+        the key exists, and learns each key's current round (a restarted worker rejoins there)."""
+        if not self.config.elastic:
+            super()._init_keys(keys, tensors)
+        else:
+            self._send_init(keys, tensors, join=self.rank != 0)
+
     def _after_init(self, keys: list[Key], values: list[torch.Tensor]) -> None:
         # The other masters init too, after rank 0 (so its value is the one stored): the server checks that
         # their shape and dtype match and tells them the key's current round. A key that already exists
@@ -459,8 +514,12 @@ class PSKVStore(KVStore):
         if self.config.is_master and self.rank != 0:
             self._send_init(keys, values)
 
-    def _send_init(self, keys: list[Key], values: list[torch.Tensor]) -> None:
+    def _send_init(self, keys: list[Key], values: list[torch.Tensor], join: bool = False) -> None:
         flags = Flag.SYNC if self.sync else Flag.NONE
+        if self.config.elastic:
+            flags |= Flag.ELASTIC
+        if join:
+            flags |= Flag.JOIN
         reqs = []
         for k, v in zip(keys, values):
             flat = flat_view(v.contiguous())
@@ -514,10 +573,25 @@ class PSKVStore(KVStore):
     def _pull(self, keys: list[Key], outs: list[list[torch.Tensor]], priorities: list[int]) -> None:
         self._pull_async(keys, outs, priorities).wait_all()
 
-    def _pull_async(self, keys: list[Key], outs: list[list[torch.Tensor]], priorities: list[int]) -> PullHandle:
+    def _pushpull_async(self, keys: list[Key], values: list[torch.Tensor], outs: list[list[torch.Tensor]],
+                        priorities: list[int]) -> PullHandle:
+        if self.hybrid:
+            import torch.distributed as dist
+
+            values = [v.clone() for v in values]
+            for v in values:  # the client's tensor allreduce (seed 002 Fig. 4), then its master's PUSHPULL
+                dist.all_reduce(v, group=self.group)
+        return self._pull_async(keys, outs, priorities, pushed=values)
+
+    def _pull_async(self, keys: list[Key], outs: list[list[torch.Tensor]], priorities: list[int],
+                    pushed: list[torch.Tensor] | None = None) -> PullHandle:
         """Send the pull requests now; the handle pumps the sockets (and, in hybrid kinds, broadcasts each
         key inside the client) when waited on. The master ranks each server's parts by (priority, position):
-        with ``ordered`` those ranks are the server's release order (seed 003 §5's counter)."""
+        with ``ordered`` those ranks are the server's release order (seed 003 §5's counter).
+
+        With ``pushed`` (one tensor per key) every request is a ``PUSHPULL`` carrying that part of the push:
+        sync rounds need no retained copy, since the request stays in flight (and is sent again to a
+        restarted server) until the round's value has arrived."""
         if self._ordered_handle is not None and self.config.ordered:
             # the server keeps one counter per sender: one ordered pull in flight at a time
             previous, self._ordered_handle = self._ordered_handle, None
@@ -526,6 +600,12 @@ class PSKVStore(KVStore):
         batch = None
         if self.config.is_master:
             reqs = []
+            flats: list[torch.Tensor] = []
+            if pushed is not None:
+                for k, v in zip(keys, pushed):
+                    self.pushes[k] = self.pushes.get(k, 0) + 1
+                    flats.append(flat_view(v.contiguous()))  # sent from this memory
+                    self.pushed_bytes += v.numel() * v.element_size()
             order: dict[int, list[tuple[int, int, Any]]] = {}
             for i, (k, o) in enumerate(zip(keys, outs)):
                 for p in self._parts(k, o[0]):
@@ -536,12 +616,18 @@ class PSKVStore(KVStore):
                 for rank_on_server, (_, i, p) in enumerate(items):
                     k, o = keys[i], outs[i]
                     flags = Flag.ORDERED if self.config.ordered else Flag.NONE
+                    if pushed is None:
+                        op, what = Op.PULL, f"pull of key {key_name(k)}"
+                        fields: dict[str, Any] = {"version": self.pushes.get(k, 0) if self.sync else 0}
+                    else:
+                        op, what = Op.PUSHPULL, f"pushpull of key {key_name(k)}"
+                        fields = {"version": self.pushes[k], "tensor": flats[i][p.offset:p.offset + p.numel],
+                                  "shape": tuple(o[0].shape), "offset": p.offset}
                     reqs.append(self.client.request(
-                        server, Op.PULL, what=f"pull of key {key_name(k)}", key=k, part=p.part, parts=p.parts,
-                        version=self.pushes.get(k, 0) if self.sync else 0, flags=flags,
+                        server, op, what=what, key=k, part=p.part, parts=p.parts, flags=flags,
                         priority=rank_on_server if self.config.ordered else priorities[i],
                         count=len(items) if self.config.ordered else 0,
-                        on_reply=self._copy_into(k, p, o, remaining, i)))
+                        on_reply=self._copy_into(k, p, o, remaining, i), **fields))
             batch = self.client.start(reqs)
         where: dict[Key, list[int]] = {}
         for i, k in enumerate(keys):
@@ -576,12 +662,21 @@ class PSKVStore(KVStore):
             src = msg.tensor()
             for t in outs:
                 flat_view(t)[part.offset:part.offset + part.numel].copy_(src)
+            if msg.pushed:
+                self._round_pushers[key] = msg.pushed
             self.pulled_bytes += src.numel() * src.element_size()
             self.client.release(part.server, key, part.part, msg.version)
             if remaining is not None:
                 remaining[index] -= 1
 
         return on_reply
+
+    def round_pushers(self, key: Key) -> int:
+        """How many clients' pushes the round behind ``key``'s last pulled value summed (0: not known, an
+        async key, or nothing pulled yet). The key's pushers, unless an elastic server dropped a silent
+        client; divide by it to average over the pushes there were. (A key in parts reports its last
+        part's; the parts agree unless servers dropped a client at different rounds.)"""
+        return self._round_pushers.get(key, 0)
 
     def _set_optimizer(self, name: str, hyperparameters: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -599,6 +694,8 @@ class PSKVStore(KVStore):
         return out
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.client.close()
 
 
@@ -622,5 +719,14 @@ KVSTORES.add("collective", _Kind(CollectiveKVStore, "no servers: allreduce on a 
 
 
 def create(kind: str = "local", **config: Any) -> KVStore:
-    """A KVStore of ``kind``; ``config`` overrides :class:`KVStoreConfig` fields read from the environment."""
-    return KVSTORES.get(kind).factory(KVStoreConfig.from_env(**config))
+    """A KVStore of ``kind``; ``config`` overrides :class:`KVStoreConfig` fields read from the environment.
+
+    ``elastic=True`` (``dist_sync``, ``dist_async``): the servers drop a worker that stops answering from
+    the sync rounds after ``GRADSYNC_PS_ELASTIC_TIMEOUT`` seconds, the others go on with the pushes a
+    round has, and a restarted worker rejoins by creating its store and calling ``init`` again (its
+    first pull returns the current value). See :mod:`gradsync.ps.server`."""
+    spec = KVSTORES.get(kind)
+    if config.get("elastic") and kind not in ("dist_sync", "dist_async"):
+        raise GradsyncError(f"elastic=True is for dist_sync and dist_async, not {kind!r}: only PS rounds can go on "
+                            f"without a worker")
+    return spec.factory(KVStoreConfig.from_env(**config))

@@ -110,8 +110,8 @@ register_benchmark("mxnet-mpi", "benchmarks/mxnet_mpi.py:main",
                    "seed 002 in miniature: 8 workers, 2 servers, clients 8/4/2/1/collective; time per epoch and "
                    "accuracy vs time of dist/mpi SGD, ASGD, ESGD; writes mxnet_mpi.{json,png}")
 register_benchmark("ps-loopback", "benchmarks/ps_loopback.py:main",
-                   "PS push+pull round trip on loopback vs a gloo send/recv round trip of the same size; writes "
-                   "ps_loopback.{json,png}")
+                   "PS pushpull round trip on loopback (HMAC, no HMAC, and push + pull) vs a gloo send/recv round "
+                   "trip of the same size, in one run; writes ps_loopback.{json,png}")
 
 
 # ---- sim-scaling -----------------------------------------------------------------------------------------

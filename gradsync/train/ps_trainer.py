@@ -182,7 +182,13 @@ class PSTrainer:
         self._handle.wait(key)
         p, g = self._finish.pop(key)
         if g is not None:
-            p.add_(g, alpha=-self.lr / self.kv.num_workers)
+            p.add_(g, alpha=-self.lr / self._pushed_workers(key))
+
+    def _pushed_workers(self, key: str) -> int:
+        """The workers whose gradients the pulled sum of ``key`` holds: all of them, unless an elastic
+        server completed the round without a silent one (then the mean is over those who pushed)."""
+        pushed = self.kv.round_pushers(key) if isinstance(self.kv, PSKVStore) else 0
+        return pushed * self.client_size if pushed else self.kv.num_workers
 
     def _local_sgd(self, grads: list[torch.Tensor]) -> None:
         for p, g in zip(self.params, grads):
@@ -191,26 +197,27 @@ class PSTrainer:
     def _step_gradients(self) -> None:  # dist-sgd / mpi-sgd: Fig. 6
         grads = self._grads()
         out = [torch.empty_like(g) for g in grads]
-        self.kv.push(self.keys, grads, self.priority)
+        # one PUSHPULL exchange per part (the push, then the round's value); zero_grad replaces the
+        # gradients rather than writing into them, so they stay as sent until their keys arrive
         if self.overlap:
-            self._handle = self.kv.pull_async(self.keys, out, self.priority)
+            self._handle = self.kv.pushpull_async(self.keys, grads, out, self.priority)
             self._finish = {k: (p, g) for k, p, g in zip(self.keys, self.params, out)}
         else:
-            self.kv.pull(self.keys, out, self.priority)
-            for p, g in zip(self.params, out):
-                p.add_(g, alpha=-self.lr / self.kv.num_workers)
+            self.kv.pushpull(self.keys, grads, out, self.priority)
+            for k, p, g in zip(self.keys, self.params, out):
+                p.add_(g, alpha=-self.lr / self._pushed_workers(k))
         self.exchanges += 1
 
     def _step_allreduce(self) -> None:
         self._step_gradients()
 
     def _step_server_sgd(self) -> None:  # dist-asgd / mpi-asgd: Fig. 7
-        self.kv.push(self.keys, self._grads(), self.priority)
         if self.overlap:  # a key is written only until its wait returns, i.e. before its layer runs
-            self._handle = self.kv.pull_async(self.keys, [p.data for p in self.params], self.priority)
+            self._handle = self.kv.pushpull_async(self.keys, self._grads(), [p.data for p in self.params],
+                                                  self.priority)
             self._finish = {k: (p, None) for k, p in zip(self.keys, self.params)}
         else:
-            self.kv.pull(self.keys, [p.data for p in self.params], self.priority)
+            self.kv.pushpull(self.keys, self._grads(), [p.data for p in self.params], self.priority)
         self.exchanges += 1
 
     def _client_mean(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
