@@ -137,6 +137,9 @@ class Compressor(ABC):
     communicator: ClassVar[str] = "allgather"
     #: Whether the aggregate is divided by the number of workers (False for majority vote).
     average: ClassVar[bool] = True
+    #: Set by compressors that are a plain elementwise cast (``compress`` = ``x.to(cast_dtype)``,
+    #: ``decompress`` = cast back, no state): a hook may then cast a whole bucket at once and sum it natively.
+    cast_dtype: ClassVar[torch.dtype | None] = None
 
     def __init__(self) -> None:
         #: Per-tensor state that persists across steps, keyed by ``info.name``.

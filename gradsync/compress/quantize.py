@@ -56,6 +56,7 @@ class FP16(Compressor):
     """Half precision on the wire, still summable by allreduce (seed 004 Table 1, Horovod's fp16 option)."""
 
     communicator = "allreduce"
+    cast_dtype = torch.float16
 
     def __init__(self) -> None:
         super().__init__()
