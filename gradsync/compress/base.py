@@ -153,7 +153,7 @@ class Compressor(ABC):
         check_matches(tensor, info)
         if tensor.requires_grad:
             tensor = tensor.detach()
-        return self._compress(tensor if tensor.dim() == 1 else tensor.reshape(-1), info)
+        return self._compress(tensor if len(info.shape) == 1 else tensor.reshape(-1), info)
 
     def decompress(self, payload: Sequence[Tensor], ctx: Context) -> Tensor:
         """The tensor a payload stands for, in the input's shape and dtype. Pure: no state changes."""
@@ -375,7 +375,7 @@ def _sum(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def check_matches(tensor: Tensor, info: TensorInfo) -> None:
-    if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+    if tensor.shape != info.shape or tensor.dtype != info.dtype:  # torch.Size compares with a tuple
         raise CompressionError(
             f"tensor {info.name!r} is {tuple(tensor.shape)} {tensor.dtype}, but its TensorInfo says "
             f"{info.shape} {info.dtype}"
