@@ -130,7 +130,7 @@ def worker(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gradsync bench hooks", description=__doc__.splitlines()[0])
     p.add_argument("--procs", type=int, default=2, help="processes (gloo on loopback; default 2)")
-    p.add_argument("--steps", type=int, default=60, help="timed steps per method (default 60)")
+    p.add_argument("--steps", type=int, default=150, help="timed steps per method (default 150)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per method first (default 5)")
     p.add_argument("--batch", type=int, default=32, help="batch per rank (default 32)")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb (default 1: several buckets)")
