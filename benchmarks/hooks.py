@@ -74,7 +74,8 @@ def worker(args: argparse.Namespace) -> int:
         if name == "torch_fp16":
             model.register_comm_hook(None, fp16_compress_hook)
         elif name == "gradsync_fp16":
-            model.register_comm_hook(gradsync.CompressionHookState("fp16", model=net), gradsync.compression_hook)
+            state = gradsync.CompressionHookState("fp16", model=net)
+            model.register_comm_hook(state, gradsync.compression_hook)
         replicas[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [(torch.randn(args.batch, 784, generator=gen), torch.randint(10, (args.batch,), generator=gen))
@@ -118,6 +119,7 @@ def worker(args: argparse.Namespace) -> int:
                "config": {"procs": world, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
                           "bucket_mb": args.bucket_mb, "backend": "gloo", "threads": 1, "torch": torch.__version__,
                           "parameters": sum(p.numel() for p in base.parameters())},
+               "gradsync_buckets": {"all": state.buckets, "native": state.native_buckets},
                "methods": rows, "ratio_gradsync_over_torch_fp16": ratio, "cpu_ratio_gradsync_over_torch_fp16": cpu_ratio,
                "goal": GOAL, "goal_met": ratio <= GOAL,
                "load_avg": os.getloadavg()}
@@ -172,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, row in out["methods"].items():
         print(f"{name:>14s}: median step {row['median_s'] * 1e3:7.2f} ms (CPU, all ranks {row['cpu_median_s'] * 1e3:7.2f} ms)"
               f"  replicas identical: {row['replicas_identical']}")
+    print(f"gradsync's hook: {out['gradsync_buckets']['native']} of {out['gradsync_buckets']['all']} buckets on the native path")
     print(f"gradsync_fp16 / torch_fp16 = {out['ratio_gradsync_over_torch_fp16']:.3f} (goal <= {GOAL}: "
           f"{'met' if out['goal_met'] else 'NOT met'}; CPU time {out['cpu_ratio_gradsync_over_torch_fp16']:.3f}); "
           f"load {out['load_avg'][0]:.2f}; wrote {args.out / 'hooks.json'}")

@@ -50,8 +50,8 @@ class CompressionHookState:
       DDP first shows them; pass the model so names match across runs).
 
     Internal state: ``step`` (the :class:`CompressionStep` with the compressor's and the memory's per-tensor
-    state) and ``bucket_members``. Statistics: ``buckets`` (buckets handled), ``payload_bytes`` / ``dense_bytes`` (what was sent
-    against the uncompressed size).
+    state) and ``bucket_members``. Statistics: ``buckets`` (buckets handled; ``native_buckets`` of them cast and summed
+    by the process group's own allreduce), ``payload_bytes`` / ``dense_bytes`` (what was sent against the uncompressed size).
     """
 
     def __init__(
@@ -76,6 +76,7 @@ class CompressionHookState:
         #: For ``merge="bucket"``: each merged group's name -> the parameter names in it, as DDP bucketed them.
         self.bucket_members: dict[str, list[str]] = {}
         self.buckets = 0
+        self.native_buckets = 0
         self.payload_bytes = 0
         self.dense_bytes = 0
         step = self.step
@@ -163,6 +164,7 @@ def _native_cast(
     if fut is None:
         return None
     state.buckets += 1
+    state.native_buckets += 1
     state.payload_bytes += state.step.compressor.payload_bytes(buffer.numel(), buffer.dtype)
     state.dense_bytes += buffer.numel() * buffer.element_size()
     if state.merge == "bucket":
