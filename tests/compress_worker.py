@@ -362,7 +362,55 @@ def scenario_lazy() -> dict:
             "moved": float((lazy - torch.cat([p.detach().reshape(-1) for p in _ddp_model().parameters()])).abs().max())}
 
 
-SCENARIOS = {"lazy": scenario_lazy, "auto": scenario_auto, "allgather": scenario_allgather, "merged": scenario_merged, "ddp": scenario_ddp, "train": scenario_train}
+def scenario_fp16hook() -> dict:
+    """The fp16 hook's native path (the bucket cast at once, the process group's async allreduce) is taken
+    where the runtime sums natively, and gives the bits of the general per-tensor path and of the closed
+    form float(fp16(g_0) + fp16(g_1)) / 2, over several buckets and steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rt = gradsync.init(algorithm="native")
+    taken: list[bool] = []
+    native = rt.native_allreduce_async
+
+    def counting(tensor: torch.Tensor, algorithm: str | None = None):  # noqa: ANN202
+        fut = native(tensor, algorithm)
+        taken.append(fut is not None)
+        return fut
+
+    rt.native_allreduce_async = counting  # type: ignore[method-assign]
+
+    def grads(fast: bool) -> list[torch.Tensor]:
+        net = _ddp_model()
+        model = DDP(net, bucket_cap_mb=0.25)
+        state = CompressionHookState("fp16", runtime=rt, model=net)
+        if not fast:
+            state.cast_dtype = None  # the general path: per-tensor compress, the communication thread
+        model.register_comm_hook(state, compression_hook)
+        out = []
+        for s in range(3):  # no optimizer step: every step's reference uses the initial weights
+            model.zero_grad()
+            x, y = _ddp_batch(RANK, s)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            out.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+        return out
+
+    fast = grads(True)
+    fast_calls = list(taken)
+    general = grads(False)
+    plain = _ddp_model()
+    closed = []
+    for s in range(3):
+        local = [_local_grads(plain, w, s) for w in range(WORLD)]
+        closed.append(torch.cat([(sum(e[n].half() for e in local) if WORLD == 2 else None).float().reshape(-1) / WORLD
+                                 for n in local[0]]))
+    gradsync.shutdown()
+    return {"fast_calls": len(fast_calls), "fast_taken": all(fast_calls), "general_calls": len(taken) - len(fast_calls),
+            "same_as_general": all(torch.equal(a, b) for a, b in zip(fast, general)),
+            "same_as_closed_form": all(torch.equal(a, b) for a, b in zip(fast, closed))}
+
+
+SCENARIOS = {"fp16hook": scenario_fp16hook, "lazy": scenario_lazy, "auto": scenario_auto, "allgather": scenario_allgather, "merged": scenario_merged, "ddp": scenario_ddp, "train": scenario_train}
 
 
 def main() -> None:

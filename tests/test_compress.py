@@ -20,12 +20,14 @@ from gradsync.compress import (
     PowerSGD,
     ResidualMemory,
     TensorInfo,
+    TopK,
     create,
     create_memory,
     majority_vote,
     pack_bits,
     pack_uint,
     packed_nbytes,
+    packing,
     payload_nbytes,
     simulate_step,
     unpack_bits,
@@ -72,6 +74,31 @@ def test_pack_uint_stream_is_little_endian_like_numpy(bits: int) -> None:
     values = torch.randint(0, 2**bits, (101,), generator=torch.Generator().manual_seed(bits))
     stream = ((values.numpy()[:, None] >> np.arange(bits)) & 1).astype(bool).reshape(-1)
     assert np.array_equal(pack_uint(values, bits).numpy(), np.packbits(stream, bitorder="little"))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("n", [0, 1, 3, 9, 17, 1001])
+def test_whole_word_packing_matches_numpy_bit_by_bit(bits: int, n: int) -> None:
+    """The word-shift path (1-bit fields take it off CPU only, so it is called directly) against a stream
+    built bit by bit, and its inverse as one uint8 field per byte."""
+    values = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(bits * 100 + n), dtype=torch.uint8)
+    stream = ((values.numpy()[:, None].astype(np.int64) >> np.arange(bits)) & 1).astype(bool).reshape(-1)
+    nbytes = packed_nbytes(n, bits)
+    packed = packing._pack_words(values, bits, n, nbytes)
+    assert np.array_equal(packed.numpy(), np.packbits(stream, bitorder="little"))
+    fields = packing._unpack_words(packed, bits, n, nbytes)
+    assert fields.dtype == torch.uint8 and torch.equal(fields, values)
+    if bits > 1:
+        assert torch.equal(packing.unpack_fields(pack_uint(values, bits), bits, n), values)
+
+
+def test_less_and_pack_nonnegative_match_torch() -> None:
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(5))
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+    for t in (x, x.double(), x.half()):  # numpy path for float32/64, torch's for the rest
+        assert torch.equal(packing.less(t, 0), (t < 0).to(torch.uint8))
+        assert torch.equal(packing.less(t, t.flip(0)), (t < t.flip(0)).to(torch.uint8))
+        assert torch.equal(packing.pack_nonnegative(t), pack_bits(t >= 0))
 
 
 def test_pack_bits_round_trip() -> None:
@@ -161,7 +188,8 @@ def test_compress_checks_the_tensor_matches_its_info() -> None:
 
 
 @pytest.mark.parametrize("name", ["topk", "dgc"])
-@pytest.mark.parametrize("numel,ratio", [(1000, 0.01), (4097, 0.1), (20000, 0.01), (7, 0.3)])
+@pytest.mark.parametrize("numel,ratio", [(1000, 0.01), (4097, 0.1), (20000, 0.01), (7, 0.3), (50000, 0.01),
+                                         (200000, 0.002)])
 def test_sparsifiers_keep_exactly_the_k_largest(name: str, numel: int, ratio: float) -> None:
     x = torch.randperm(numel, generator=torch.Generator().manual_seed(numel)).float() - numel / 2 + 0.5  # distinct
     compressor = _seeded(name, ratio=ratio)
@@ -181,6 +209,28 @@ def test_dgc_falls_back_to_exact_topk_when_the_sampled_threshold_is_too_high(mon
     monkeypatch.setattr(DGC, "_OVERSAMPLE", 1e-6)  # threshold = the sample's max: too few candidates
     payload, _ = create("dgc", ratio=0.05, seed=0).compress(x, _info(x))
     assert set(payload[1].tolist()) == set(torch.topk(x.abs(), 1000).indices.tolist())
+
+
+def test_topk_on_large_tensors_is_exact_even_when_its_sampled_threshold_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-k preselects candidates above a sampled threshold from 8 * 4096 elements on; the result is
+    torch.topk's set, and a threshold that lets too few through falls back to the full top-k."""
+    x = torch.randn(40000, generator=torch.Generator().manual_seed(4))
+    expected = set(torch.topk(x.abs(), 400).indices.tolist())
+    assert set(create("topk", ratio=0.01).compress(x, _info(x))[0][1].tolist()) == expected
+    monkeypatch.setattr(TopK, "_OVERSAMPLE", 1e-6)  # threshold = the sample's max: too few candidates
+    assert set(create("topk", ratio=0.01).compress(x, _info(x))[0][1].tolist()) == expected
+
+
+def test_compressors_leave_their_input_alone() -> None:
+    """Codecs overwrite their own temporaries in place; never the caller's tensor."""
+    for name in NAMES:
+        for n in (1, 128, 300, 40000):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            before = x.clone()
+            compressor = _seeded(name)
+            payload, ctx = compressor.compress(x, _info(x))
+            compressor.decompress(payload, ctx)
+            assert torch.equal(x, before) and torch.equal(x.sign(), before.sign()), (name, n)
 
 
 def test_randk_indices_are_shared_across_workers_and_change_per_step() -> None:

@@ -108,3 +108,15 @@ def test_hook_starts_gradsync_on_an_existing_process_group(tmp_path):
         assert rep["before"] is False and rep["started"] is True, rep
         assert rep["same_as_init"] and rep["replicas_identical"], rep
         assert rep["moved"] > 0  # training really changed the weights
+
+
+def test_fp16_hook_takes_the_native_path_with_the_general_paths_bits(tmp_path):
+    """gradsync's fp16 hook as cheap as torch's fp16_compress_hook (issue 20): the bucket is cast at once and
+    summed by the process group's own async allreduce, bit for bit what the per-tensor path gives."""
+    reports = launch(WORKER, ["fp16hook", str(tmp_path)], WORLD, tmp_path, timeout_s=120)
+    for rank, rep in enumerate(reports):
+        assert rep is not None, f"rank {rank} wrote no report"
+        # DDP runs its first iteration as one bucket, then (rebuilt) two: 1 + 2 + 2, every one native
+        assert rep["fast_calls"] >= 5 and rep["fast_taken"], rep
+        assert rep["general_calls"] == 0, rep  # with cast_dtype=None the hook never tries it
+        assert rep["same_as_general"] and rep["same_as_closed_form"], rep

@@ -406,6 +406,31 @@ class Runtime:
             with self._mutex:
                 self._pending -= 1
 
+    def native_allreduce_async(self, tensor: torch.Tensor, algorithm: str | None = None) -> torch.futures.Future | None:
+        """Sum one contiguous ``tensor`` over ranks in place with the backend's own async ``all_reduce``, issued
+        on the caller's thread, when this runtime would run that size natively and nothing of its own is queued
+        or running; otherwise None (queue it with :meth:`allreduce_async` instead).
+
+        The future is the process group's (result: ``[tensor]``): no hand-off to the communication thread
+        and back, which costs a DDP hook more than its whole allreduce on a fast link. Order is kept as in
+        :meth:`allreduce`'s inline path: with nothing pending every earlier collective of this runtime has
+        been issued, and the mutex held while issuing makes anything queued meanwhile come after.
+        """
+        if not tensor.is_contiguous() or self._failed is not None or self.on_comm_thread():
+            return None
+        if not isinstance(self.executor(algorithm, tensor.numel() * tensor.element_size()), NativeAllreduce):
+            return None
+        import torch.distributed as dist
+
+        with self._mutex:
+            if self._pending:
+                return None
+            try:
+                work = dist.all_reduce(tensor, group=self.transport.group, async_op=True)  # type: ignore[attr-defined]
+            except RuntimeError as exc:
+                raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
+        return work.get_future()
+
     def _executor_for(self, tensors: Tensors, op: str, algorithm: str | None) -> Executor | NativeAllreduce:
         """The executor an allreduce of ``tensors`` runs on, after checking ``op``."""
         if op not in OPS:

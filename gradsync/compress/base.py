@@ -74,10 +74,14 @@ class TensorInfo:
     position: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        # Built per tensor per step by the hooks: the common case (a tuple of ints) skips the rebuild.
+        shape = self.shape
+        if type(shape) is not tuple or not all(type(s) is int for s in shape):
+            shape = tuple(int(s) for s in shape)
+            object.__setattr__(self, "shape", shape)
         if not isinstance(self.name, str) or not self.name:
             raise CompressionError(f"name={self.name!r} must be a non-empty string (keys per-tensor state)")
-        if any(s < 0 for s in self.shape):
+        if shape and min(shape) < 0:
             raise CompressionError(f"shape={self.shape} of {self.name!r} has a negative size")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise CompressionError(f"dtype={self.dtype!r} of {self.name!r} must be a floating torch.dtype")
@@ -133,6 +137,9 @@ class Compressor(ABC):
     communicator: ClassVar[str] = "allgather"
     #: Whether the aggregate is divided by the number of workers (False for majority vote).
     average: ClassVar[bool] = True
+    #: Set by compressors that are a plain elementwise cast (``compress`` = ``x.to(cast_dtype)``,
+    #: ``decompress`` = cast back, no state): a hook may then cast a whole bucket at once and sum it natively.
+    cast_dtype: ClassVar[torch.dtype | None] = None
 
     def __init__(self) -> None:
         #: Per-tensor state that persists across steps, keyed by ``info.name``.
@@ -144,12 +151,16 @@ class Compressor(ABC):
     def compress(self, tensor: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         """Payload tensors to send and the receiver-side context."""
         check_matches(tensor, info)
-        return self._compress(tensor.detach().reshape(-1), info)
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        return self._compress(tensor if len(info.shape) == 1 else tensor.reshape(-1), info)
 
     def decompress(self, payload: Sequence[Tensor], ctx: Context) -> Tensor:
         """The tensor a payload stands for, in the input's shape and dtype. Pure: no state changes."""
         flat = self._decompress(list(payload), ctx)
-        return flat.reshape(ctx.info.shape).to(ctx.info.dtype)
+        if flat.shape != ctx.info.shape:
+            flat = flat.reshape(ctx.info.shape)
+        return cast(flat, ctx.info.dtype)
 
     def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
         """Combine decompressed tensors from all workers (allgather); the sum unless a method says otherwise."""
@@ -364,7 +375,7 @@ def _sum(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def check_matches(tensor: Tensor, info: TensorInfo) -> None:
-    if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+    if tensor.shape != info.shape or tensor.dtype != info.dtype:  # torch.Size compares with a tuple
         raise CompressionError(
             f"tensor {info.name!r} is {tuple(tensor.shape)} {tensor.dtype}, but its TensorInfo says "
             f"{info.shape} {info.dtype}"
@@ -403,6 +414,20 @@ def check_seed(value: int | None, *, optional: bool) -> int | None:
         allowed = "an integer >= 0 or None" if optional else "an integer >= 0 (shared by all workers)"
         raise CompressionError(f"seed={value!r} must be {allowed}")
     return value
+
+
+#: ``Tensor.half()`` and friends dispatch in about half the time of ``Tensor.to(dtype)`` (~1.4 against 2.7 us).
+_CASTS: dict[torch.dtype, Callable[[Tensor], Tensor]] = {
+    torch.float32: Tensor.float, torch.float16: Tensor.half, torch.bfloat16: Tensor.bfloat16, torch.float64: Tensor.double,
+}
+
+
+def cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """``tensor.to(dtype)``: the tensor itself when it has that dtype, else a converted copy."""
+    if tensor.dtype == dtype:
+        return tensor
+    to = _CASTS.get(dtype)
+    return to(tensor) if to is not None else tensor.to(dtype)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -12,14 +12,40 @@ bitorder="little")`` for ``bits == 1``).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_BITS", "pack_bits", "unpack_bits", "pack_uint", "unpack_uint", "packed_nbytes"]
+__all__ = ["MAX_BITS", "less", "pack_bits", "pack_nonnegative", "unpack_bits", "pack_uint", "unpack_uint",
+           "unpack_fields", "packed_nbytes"]
 
 #: The widest field ``pack_uint`` takes: a 32-bit field shifted by up to 7 bits still fits in int64.
 MAX_BITS = 32
+
+#: Fields of 1, 2 or 4 bits, one per byte, seen as words of ``8 // bits`` bytes (little-endian machines only):
+#: one byte of packed stream per word.
+_WORD_OF = {1: torch.int64, 2: torch.int32, 4: torch.int16}
+_WORDS = sys.byteorder == "little"
+#: dtypes numpy compares natively (bfloat16 is not one).
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+
+
+def _numpy_ok(*tensors: Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in _NUMPY_FLOATS and not t.requires_grad for t in tensors)
+
+
+def less(a: Tensor, b: Tensor | float) -> Tensor:
+    """``a < b`` (broadcast) as uint8 0/1: the one-byte flags that codes and packed bits are built from.
+
+    On CPU numpy's comparison writes the flags ~6x faster than torch's bool-producing kernel (one core,
+    float32, 1e6 elements: 0.1 ms against 0.65-0.8 ms), and a bool array is viewed as bytes without a copy.
+    """
+    if _numpy_ok(a, *([b] if isinstance(b, Tensor) else [])):
+        other = b.numpy() if isinstance(b, Tensor) else b
+        return torch.from_numpy(np.less(a.numpy(), other)).view(torch.uint8)
+    return torch.lt(a, b).view(torch.uint8)
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -36,6 +62,14 @@ def pack_bits(bits: Tensor) -> Tensor:
     if flat.dtype == torch.bool and flat.device.type == "cpu":  # no conversion: numpy packs bools
         return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
     return pack_uint(flat.to(torch.uint8), 1)
+
+
+def pack_nonnegative(x: Tensor) -> Tensor:
+    """``pack_bits(x >= 0)``: the sign family's payload, with numpy's comparison on CPU (see :func:`less`)."""
+    flat = x.reshape(-1)
+    if _numpy_ok(flat):
+        return torch.from_numpy(np.packbits(np.greater_equal(flat.numpy(), 0), bitorder="little"))
+    return pack_bits(flat >= 0)
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
@@ -87,7 +121,7 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return flat[:n].to(torch.int64)
     if bits < 8:
-        return _unpack_small(flat, bits, n, need)
+        return unpack_fields(flat, bits, n).to(torch.int64)
     pos = torch.arange(n, dtype=torch.int64, device=flat.device) * bits
     first = pos >> 3
     span = (7 + bits + 7) // 8
@@ -98,11 +132,26 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
     return (word >> (pos & 7)) & ((1 << bits) - 1)
 
 
+def unpack_fields(packed: Tensor, bits: int, n: int) -> Tensor:
+    """:func:`unpack_uint` for ``bits < 8`` as uint8 fields, one per byte (no widening to int64)."""
+    _check_bits(bits)
+    if bits >= 8:
+        raise ValueError(f"bits={bits} must be below 8 for one field per byte (use unpack_uint)")
+    flat = packed.reshape(-1)
+    need = packed_nbytes(n, bits)
+    if packed.dtype != torch.uint8 or flat.numel() < need:
+        raise ValueError(f"unpack_fields needs at least {need} uint8 bytes for n={n} fields of {bits} bits, got "
+                         f"{flat.numel()} {packed.dtype}")
+    return _unpack_small(flat, bits, n, need)
+
+
 def _pack_small(flat: Tensor, bits: int, n: int, nbytes: int) -> Tensor:
     """``pack_uint`` for fields narrower than a byte."""
     mask = (1 << bits) - 1
     if bits == 1 and flat.device.type == "cpu":  # numpy's C loop: ~70x the torch expression below
         return torch.from_numpy(np.packbits((flat & 1).to(torch.uint8).numpy(), bitorder="little"))
+    if bits in _WORD_OF and _WORDS:
+        return _pack_words(flat, bits, n, nbytes)
     # Groups of ``g`` fields fill whole bytes (g = 8 / bits for 1, 2, 4 bits; 8 fields = ``bits`` bytes
     # otherwise): OR each group's fields into one word at their offsets, then cut the word into bytes.
     # Whole-column operations, ``g`` of them: no per-element index arithmetic.
@@ -128,7 +177,9 @@ def _unpack_small(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
     """``unpack_uint`` for fields narrower than a byte."""
     mask = (1 << bits) - 1
     if bits == 1 and flat.device.type == "cpu":
-        return torch.from_numpy(np.unpackbits(flat[:need].numpy(), count=n, bitorder="little")).to(torch.int64)
+        return torch.from_numpy(np.unpackbits(flat[:need].numpy(), count=n, bitorder="little"))
+    if bits in _WORD_OF and _WORDS:
+        return _unpack_words(flat, bits, n, need)
     group = 8 // bits if 8 % bits == 0 else 8
     group_bytes = group * bits // 8
     rows = -(-n // group)
@@ -142,7 +193,35 @@ def _unpack_small(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
     for j in range(1, group_bytes):
         word |= by[:, j].to(torch.int64) << (8 * j)
     shifts = torch.arange(0, group * bits, bits, dtype=word.dtype, device=flat.device)
-    return ((word.unsqueeze(1) >> shifts) & mask).reshape(-1)[:n].to(torch.int64)
+    return ((word.unsqueeze(1) >> shifts) & mask).reshape(-1)[:n].to(torch.uint8)
+
+
+def _pack_words(flat: Tensor, bits: int, n: int, nbytes: int) -> Tensor:
+    """Fields of 1, 2 or 4 bits, one per byte, packed ``g = 8 // bits`` at a time by whole-word shifts.
+
+    Seen as a little-endian word of ``g`` bytes, field ``i`` sits at bit ``8 i``; it must move to bit
+    ``bits * i``. Round ``r`` (``r = 0 .. log2 g - 1``) ORs the word with itself shifted right by
+    ``2**r * (8 - bits)``: runs of ``2**r`` packed fields, ``8 * 2**r`` bits apart, merge pairwise into runs
+    of ``2**(r + 1)``. After the last round the low byte holds all ``g`` fields (junk lands only above it).
+    """
+    group = 8 // bits
+    fields = torch.zeros(nbytes * group, dtype=torch.uint8, device=flat.device)
+    torch.bitwise_and(flat, (1 << bits) - 1, out=fields[:n])
+    word = fields.view(_WORD_OF[bits])
+    for r in range(group.bit_length() - 1):
+        word = word | (word >> ((8 - bits) << r))
+    return word.to(torch.uint8)  # the low byte (conversion to uint8 is modulo 256)
+
+
+def _unpack_words(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
+    """Inverse of :func:`_pack_words`: the rounds in reverse order with left shifts, then a per-byte mask."""
+    group = 8 // bits
+    wide = _WORD_OF[bits]
+    word = flat[:need].to(wide)
+    for r in reversed(range(group.bit_length() - 1)):
+        word = word | (word << ((8 - bits) << r))
+    mask = int.from_bytes(bytes([(1 << bits) - 1]) * group, "little")
+    return word.bitwise_and_(mask).view(torch.uint8)[:n]
 
 
 def _check_bits(bits: int) -> None:

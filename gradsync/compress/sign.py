@@ -22,7 +22,7 @@ from gradsync.compress.base import (
     register_compressor,
     work_dtype,
 )
-from gradsync.compress.packing import pack_bits, packed_nbytes, unpack_bits
+from gradsync.compress.packing import pack_bits, pack_nonnegative, packed_nbytes, unpack_bits
 
 __all__ = ["SignSGD", "SigNUM", "EFSignSGD", "OneBit", "majority_vote"]
 
@@ -49,7 +49,7 @@ class _SignOnly(Compressor):
         return x
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
-        return [pack_bits(self._send(flat, info) >= 0)], Context(info)
+        return [pack_nonnegative(self._send(flat, info))], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         return _signs(unpack_bits(payload[0], ctx.info.numel), work_dtype(ctx.info.dtype))
@@ -105,12 +105,12 @@ class EFSignSGD(Compressor):
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         x = flat.to(work_dtype(info.dtype))
         scale = x.abs().mean() if x.numel() else x.new_zeros(())
-        return [scale.reshape(1).to(_SCALE_DTYPE), pack_bits(x >= 0)], Context(info)
+        return [scale.reshape(1).to(_SCALE_DTYPE), pack_nonnegative(x)], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         scale, packed = payload
         dtype = work_dtype(ctx.info.dtype)
-        return _signs(unpack_bits(packed, ctx.info.numel), dtype) * scale.to(dtype)
+        return _signs(unpack_bits(packed, ctx.info.numel), dtype).mul_(scale.to(dtype))
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         return _SCALE_DTYPE.itemsize + packed_nbytes(numel_of(shape), 1)

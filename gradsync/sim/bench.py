@@ -103,6 +103,9 @@ register_benchmark("mergecomp", "benchmarks/mergecomp.py:main", "seed 004: codec
 register_benchmark("codecs", "benchmarks/codecs.py:main",
                    "every compressor vs GRACE's algorithm at 1e4/1e6/2.5e7 elements: compress+decompress time, "
                    "error, bytes; writes codecs.{json,png}")
+register_benchmark("hooks", "benchmarks/hooks.py:main",
+                   "gradsync's fp16 DDP hook vs torch's fp16_compress_hook (and plain DDP), 2 processes on gloo "
+                   "loopback, steps alternating; writes hooks.json")
 register_benchmark("tictac", "benchmarks/tictac.py:main",
                    "seed 003 TicTac: makespan, E and stragglers of random/TIC/TAC orders per model in the iteration "
                    "simulator; writes tictac.{json,png}")

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
-from gradsync.train.communicator import CompressionStep
+from gradsync.compress.memory import NoMemory
+from gradsync.train.communicator import AllreduceCommunicator, CompressionStep
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
@@ -49,8 +50,8 @@ class CompressionHookState:
       DDP first shows them; pass the model so names match across runs).
 
     Internal state: ``step`` (the :class:`CompressionStep` with the compressor's and the memory's per-tensor
-    state) and ``bucket_members``. Statistics: ``buckets`` (buckets handled), ``payload_bytes`` / ``dense_bytes`` (what was sent
-    against the uncompressed size).
+    state) and ``bucket_members``. Statistics: ``buckets`` (buckets handled; ``native_buckets`` of them cast and summed
+    by the process group's own allreduce), ``payload_bytes`` / ``dense_bytes`` (what was sent against the uncompressed size).
     """
 
     def __init__(
@@ -75,8 +76,17 @@ class CompressionHookState:
         #: For ``merge="bucket"``: each merged group's name -> the parameter names in it, as DDP bucketed them.
         self.bucket_members: dict[str, list[str]] = {}
         self.buckets = 0
+        self.native_buckets = 0
         self.payload_bytes = 0
         self.dense_bytes = 0
+        step = self.step
+        #: The wire dtype when the step is a plain cast (fp16) with no memory, summed by allreduce: the hook
+        #: then casts the whole bucket and sums it with the process group's own future where it can.
+        self.cast_dtype: torch.dtype | None = (
+            step.compressor.cast_dtype
+            if type(step.memory) is NoMemory and type(step.communicator) is AllreduceCommunicator
+            else None
+        )
 
     def name_of(self, param: torch.Tensor) -> str:
         key = id(param)
@@ -88,12 +98,14 @@ class CompressionHookState:
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress the bucket's gradients, exchange them on the communication thread, return the averaged bucket."""
     buffer = bucket.buffer()
+    if state.cast_dtype is not None:
+        fut = _native_cast(state, bucket, buffer, state.cast_dtype)
+        if fut is not None:
+            return fut
     state.buckets += 1
     comp = state.step.compressor
     if state.merge == "bucket":
-        names = [state.name_of(p) for p in bucket.parameters()]
-        key = f"bucket:{names[0]}..{names[-1]}" if names else f"bucket{bucket.index()}"
-        state.bucket_members[key] = names
+        key = _bucket_key(state, bucket)
         tensors = [buffer]
         infos = [TensorInfo(key, tuple(buffer.shape), buffer.dtype, bucket.index())]
     else:
@@ -125,3 +137,44 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
 
     inner.future.add_done_callback(write_back)
     return out
+
+
+def _bucket_key(state: CompressionHookState, bucket: dist.GradBucket) -> str:
+    """The merged group's name for ``merge="bucket"``, recording its members."""
+    names = [state.name_of(p) for p in bucket.parameters()]
+    key = f"bucket:{names[0]}..{names[-1]}" if names else f"bucket{bucket.index()}"
+    state.bucket_members[key] = names
+    return key
+
+
+def _native_cast(
+    state: CompressionHookState, bucket: dist.GradBucket, buffer: torch.Tensor, wire: torch.dtype
+) -> "torch.futures.Future[torch.Tensor] | None":
+    """A cast compressor (fp16) where the runtime sums this size natively: ``torch``'s ``fp16_compress_hook``
+    path -- cast the bucket, the process group's async allreduce, cast back and average in place.
+
+    The general path below gives the same bits (an elementwise cast sums the same flat buffer, averaged
+    after in the gradient's dtype) at several times the overhead: a TensorInfo, a payload and a decode per
+    gradient, and two thread hand-offs. None when the runtime has its own collectives pending (then the
+    bucket queues behind them, in order).
+    """
+    runtime = state.step.communicator.runtime
+    compressed = buffer.to(wire)
+    fut = runtime.native_allreduce_async(compressed)
+    if fut is None:
+        return None
+    state.buckets += 1
+    state.native_buckets += 1
+    state.payload_bytes += state.step.compressor.payload_bytes(buffer.numel(), buffer.dtype)
+    state.dense_bytes += buffer.numel() * buffer.element_size()
+    if state.merge == "bucket":
+        _bucket_key(state, bucket)
+    world = runtime.world_size
+    # x / 2**k and x * 2**-k are the same correctly rounded number, and a multiply costs ~half a divide
+    inverse = 1.0 / world if world & (world - 1) == 0 else None
+
+    def decompress(f: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(f.value()[0])
+        return buffer.mul_(inverse) if inverse is not None else buffer.div_(world)
+
+    return fut.then(decompress)
