@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 
@@ -35,6 +36,24 @@ def random_topology(n: int, extra_edges: int, seed: int, bandwidths: tuple[float
         tuple(Device(f"g{i}", "gpu") for i in range(n)),
         tuple(Link(f"g{a}", f"g{b}", float(rng.choice(bandwidths))) for a, b in sorted(edges)),
     )
+
+
+def random_fabric(seed: int, max_nodes: int = 10, max_ranks: int = 7, max_switches: int = 4) -> Topology:
+    """A connected random graph of 2..``max_ranks`` ranks and 0..``max_switches`` forwarding switches (at most
+    ``max_nodes`` devices) with mixed bandwidths: a random spanning tree plus random chords."""
+    rng = random.Random(seed)
+    n_ranks = rng.randint(2, max_ranks)
+    n_switches = rng.randint(0, min(max_switches, max_nodes - n_ranks))
+    names = [f"g{i}" for i in range(n_ranks)] + [f"sw{i}" for i in range(n_switches)]
+    order = names[:]
+    rng.shuffle(order)
+    edges = {frozenset((order[v], order[rng.randrange(v)])) for v in range(1, len(order))}
+    pairs = [frozenset(p) for p in itertools.combinations(names, 2)]
+    rng.shuffle(pairs)
+    edges |= set(pairs[: rng.randint(0, len(names))])
+    devices = tuple(Device(n, "gpu" if n.startswith("g") else "switch") for n in names)
+    links = tuple(Link(*sorted(e), float(rng.choice((1, 2, 3, 5, 8)))) for e in sorted(edges, key=sorted))
+    return Topology(f"fabric-{seed}", devices, links)
 
 
 def set_partitions(items: list) -> Iterator[list[list]]:

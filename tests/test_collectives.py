@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import random
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from gradsync.plan.schedule import Chunk, Schedule, Transfer
 from gradsync.topology import Device, Link, Topology
 from gradsync.topology.io import get_topology
 
-from .conftest import random_topology
+from .conftest import random_fabric, random_topology
 
 SHARDED = ("reduce_scatter", "allgather")
 
@@ -45,21 +44,6 @@ def brute_bound(topology: Topology, collective: str) -> float:
                     cap += 1 / ab if lk.b in inside and lk.a not in inside else 0.0
             best = max(best, held / (n * cap))
     return best
-
-
-def random_fabric(seed: int) -> Topology:
-    """A connected random graph of 2-6 ranks and 0-3 forwarding switches, mixed bandwidths."""
-    rng = random.Random(seed)
-    names = [f"g{i}" for i in range(rng.randint(2, 6))] + [f"sw{i}" for i in range(rng.randint(0, 3))]
-    order = names[:]
-    rng.shuffle(order)
-    edges = {frozenset((order[v], order[rng.randrange(v)])) for v in range(1, len(order))}
-    pairs = [frozenset(p) for p in itertools.combinations(names, 2)]
-    rng.shuffle(pairs)
-    edges |= set(pairs[: rng.randint(0, len(names))])
-    devices = tuple(Device(x, "gpu" if x.startswith("g") else "switch") for x in names)
-    links = tuple(Link(*sorted(e), float(rng.choice((1, 2, 3, 5, 8)))) for e in sorted(edges, key=sorted))
-    return Topology(f"fabric-{seed}", devices, links)
 
 
 def cost(schedule: Schedule, topology: Topology) -> float:
@@ -157,7 +141,7 @@ def test_lp_meets_the_brute_force_cut_bound_on_random_switch_free_graphs(seed):
 
 @pytest.mark.parametrize("seed", range(25))
 def test_lp_meets_the_cut_bound_with_forwarding_switches(seed):
-    topo = random_fabric(seed)
+    topo = random_fabric(seed, max_ranks=6, max_switches=3)  # 2-6 ranks, 0-3 switches
     for collective in SHARDED:
         want = brute_bound(topo, collective)
         assert gather_cut_bound(topo, collective).value == pytest.approx(want, rel=1e-9)

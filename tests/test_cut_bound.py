@@ -12,7 +12,7 @@ from gradsync.plan.cut_bound import cut_bound, family_bound
 from gradsync.plan.limits import _singleton_cut
 from gradsync.topology import DGX1_NVLINKS, Device, Link, Topology, get_topology
 
-from .conftest import random_topology, set_partitions
+from .conftest import random_fabric, random_topology, set_partitions
 
 
 # ---- independent brute force ---------------------------------------------------------------------------------
@@ -46,23 +46,6 @@ def brute_aggregation_partition(topology: Topology) -> float:
             cap = sum(1 / c for lk, c in zip(topology.links, topology.costs) if where[lk.a] != where[lk.b])
             best = max(best, (len(parts) - 1) / cap)
     return best
-
-
-def random_fabric(seed: int, max_nodes: int = 10) -> Topology:
-    """A connected random graph of 2-7 ranks and 0-4 forwarding switches with mixed bandwidths."""
-    rng = random.Random(seed)
-    n_ranks = rng.randint(2, 7)
-    n_switches = rng.randint(0, min(4, max_nodes - n_ranks))
-    names = [f"g{i}" for i in range(n_ranks)] + [f"sw{i}" for i in range(n_switches)]
-    order = names[:]
-    rng.shuffle(order)
-    edges = {frozenset((order[v], order[rng.randrange(v)])) for v in range(1, len(order))}
-    pairs = [frozenset(p) for p in itertools.combinations(names, 2)]
-    rng.shuffle(pairs)
-    edges |= set(pairs[: rng.randint(0, len(names))])
-    devices = tuple(Device(n, "gpu" if n.startswith("g") else "switch") for n in names)
-    links = tuple(Link(*sorted(e), float(rng.choice((1, 2, 3, 5, 8)))) for e in sorted(edges, key=sorted))
-    return Topology(f"fabric-{seed}", devices, links)
 
 
 # ---- multi-box fabrics (ForestColl's A100 boxes; DGX-1 boxes on InfiniBand) -------------------------------------

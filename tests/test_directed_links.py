@@ -12,8 +12,7 @@ from gradsync.plan import cut_bound, evaluate, limits, synthesize
 from gradsync.sim import simulate
 from gradsync.topology import Device, Link, Topology, from_dict, load, save
 
-from .conftest import set_partitions
-from .test_cut_bound import random_fabric
+from .conftest import random_fabric, set_partitions
 
 
 def triangle(down: float) -> Topology:
