@@ -112,6 +112,33 @@ def _reap(started: set[int], launcher: subprocess.Popen) -> None:
         launcher.wait()
 
 
+def _await_children(launcher: subprocess.Popen, count: int, started: set[int], timeout: float = 60.0) -> None:
+    """Wait until ``launcher`` has ``count`` live descendants; ``started`` holds them (for ``_reap``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = _children_of(launcher.pid)
+        started.clear()
+        started.update(current)
+        if len(current) >= count:
+            return
+        assert launcher.poll() is None and time.monotonic() < deadline, (current, launcher.communicate())
+        time.sleep(0.1)
+
+
+def _signal_ends_everything(launcher: subprocess.Popen, sig: signal.Signals, started: set[int], settle_s: float) -> str:
+    """After ``settle_s``, send ``sig`` to ``launcher``: it exits within 5 s and 5 s after the signal nothing it
+    started is alive. Returns its stderr."""
+    time.sleep(settle_s)
+    started.update(_children_of(launcher.pid))
+    launcher.send_signal(sig)
+    t0 = time.monotonic()
+    _, err = launcher.communicate(timeout=5)
+    assert time.monotonic() - t0 < 5
+    time.sleep(max(0.0, 5 - (time.monotonic() - t0)))
+    assert [p for p in started if _alive(p)] == []
+    return err
+
+
 #: a worker that starts a grandchild (its own `sleep`) and then waits forever
 SLEEPER = ("import subprocess, sys, time; subprocess.Popen(['sleep', '300']); print('ready', flush=True); "
            "time.sleep(300)")
@@ -125,19 +152,9 @@ def test_signal_to_launch_ends_every_process_it_started(sig: signal.Signals) -> 
                                 env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     started: set[int] = set()
     try:
-        deadline = time.monotonic() + 60
         # 2 workers + their 2 sleeps + 1 server (the launcher's own interpreter has no other children)
-        while len(started := _children_of(launcher.pid)) < 5:
-            assert launcher.poll() is None and time.monotonic() < deadline, (started, launcher.communicate())
-            time.sleep(0.1)
-        time.sleep(0.5)  # the grandchildren exist; let the server finish importing
-        started = _children_of(launcher.pid)
-        launcher.send_signal(sig)
-        t0 = time.monotonic()
-        out, err = launcher.communicate(timeout=5)
-        assert time.monotonic() - t0 < 5
-        time.sleep(max(0.0, 5 - (time.monotonic() - t0)))
-        assert [p for p in started if _alive(p)] == []
+        _await_children(launcher, 5, started)
+        err = _signal_ends_everything(launcher, sig, started, 0.5)  # 0.5 s: let the server finish importing
     finally:
         _reap(started, launcher)
     assert launcher.returncode == 128 + sig, (launcher.returncode, err)
@@ -162,10 +179,7 @@ def test_dead_server_ends_the_job_naming_it() -> None:
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     started: set[int] = set()
     try:
-        deadline = time.monotonic() + 60
-        while len(started := _children_of(launcher.pid)) < 5:
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
+        _await_children(launcher, 5, started)
         server = [p for p in started if b"gradsync.ps.server" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(server) == 1
         os.kill(server[0], signal.SIGKILL)
@@ -540,17 +554,8 @@ def test_signal_to_run_mpi_ends_mpirun_and_its_ranks(tmp_path: Path, sig: signal
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     started: set[int] = set()
     try:
-        deadline = time.monotonic() + 60
-        while len(started := _children_of(launcher.pid)) < 5:  # mpirun, 2 ranks, their 2 sleeps
-            assert launcher.poll() is None and time.monotonic() < deadline, (started, launcher.communicate())
-            time.sleep(0.1)
-        time.sleep(0.3)
-        started = _children_of(launcher.pid)
-        launcher.send_signal(sig)
-        t0 = time.monotonic()
-        out, err = launcher.communicate(timeout=5)
-        time.sleep(max(0.0, 5 - (time.monotonic() - t0)))
-        assert [p for p in started if _alive(p)] == []
+        _await_children(launcher, 5, started)  # mpirun, 2 ranks, their 2 sleeps
+        err = _signal_ends_everything(launcher, sig, started, 0.3)
     finally:
         _reap(started, launcher)
     assert launcher.returncode == 128 + sig, (launcher.returncode, err)
