@@ -192,7 +192,7 @@ def run_case(scale: int, label: str, spec: str, algorithm: str, topo: Topology, 
     t0 = time.perf_counter()
     schedule = synthesize(algorithm, topo, check=False)
     case.synth_s = time.perf_counter() - t0
-    case.transfers = len(schedule.transfers)
+    case.transfers = schedule.num_transfers
     print(f"{tag}   {case.transfers} transfers in {case.synth_s:.2f} s", flush=True)
     if not args.no_check:
         t0 = time.perf_counter()

@@ -133,7 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     model = CostModel()
     runtime_s = native_s = None
-    if len(schedule.transfers) <= MAX_RUNTIME_PREDICT_TRANSFERS:  # the event simulator is slow on big multi-tree plans
+    if schedule.num_transfers <= MAX_RUNTIME_PREDICT_TRANSFERS:  # the event simulator is slow on big multi-tree plans
         runtime_s = model.predict(schedule, topo, options.size_bytes)  # as the runtime executes it
         if schedule.collective == "allreduce":  # the backend's own collective is priced for allreduce only
             native_s = model.predict_native(topo, options.size_bytes)

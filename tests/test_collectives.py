@@ -73,7 +73,7 @@ def test_hand_written_ring_passes_and_broken_ones_are_named(collective):
     good = _ring3(collective)
     good.check()
     # drop the last hop into rank 0's shard: rank 0 misses a contribution (rs) / rank 2 never gets shard 0 (ag)
-    broken = dataclasses.replace(good, transfers=tuple(t for t in good.transfers if not (t.chunk == 0 and t.step == 1)))
+    broken = dataclasses.replace(good, explicit=tuple(t for t in good.transfers if not (t.chunk == 0 and t.step == 1)))
     with pytest.raises(ScheduleError, match="rank (0|2) does not end with"):
         broken.check()
     # a chunk outside its owner's shard
@@ -84,15 +84,15 @@ def test_hand_written_ring_passes_and_broken_ones_are_named(collective):
 
 def test_allgather_only_copies_and_reduce_scatter_counts_once():
     ag = _ring3("allgather")
-    summed = dataclasses.replace(ag, transfers=(dataclasses.replace(ag.transfers[0], reduce=True), *ag.transfers[1:]))
+    summed = dataclasses.replace(ag, explicit=(dataclasses.replace(ag.transfers[0], reduce=True), *ag.transfers[1:]))
     with pytest.raises(ScheduleError, match="allgather only copies"):
         summed.check()
     rs = _ring3("reduce_scatter")
-    twice = dataclasses.replace(rs, transfers=(*rs.transfers, Transfer(0, 1, 0, ("b", "a"), True, 2)))
+    twice = dataclasses.replace(rs, explicit=(*rs.transfers, Transfer(0, 1, 0, ("b", "a"), True, 2)))
     with pytest.raises(ScheduleError, match="twice"):
         twice.check()
     # a non-owner sending a shard it does not hold yet
-    early = dataclasses.replace(ag, transfers=(Transfer(0, 1, 2, ("b", "c"), False, 0), *ag.transfers[3:]))
+    early = dataclasses.replace(ag, explicit=(Transfer(0, 1, 2, ("b", "c"), False, 0), *ag.transfers[3:]))
     with pytest.raises(ScheduleError, match="before holding any data"):
         early.check()
 

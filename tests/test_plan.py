@@ -235,34 +235,39 @@ def test_hamiltonian_search_is_iterative_on_long_rings() -> None:
 
 @pytest.mark.parametrize("spec", ["switch:6", "ring:5", "p3.16xlarge", "p2.16xlarge", "fattree:4", "ring:2"])
 def test_plan_bytes_is_a_floor_on_the_transfers_planned(spec: str) -> None:
-    """The estimate counts the transfers ring/multiring/ps/tree emit (exactly where there is one ring or
-    one tree), never more than a real schedule holds."""
-    from gradsync.plan.synthesizers import TRANSFER_BYTES, plan_bytes
+    """The estimate counts what ring/multiring/ps/tree hold: explicit transfers (ps) or the routes of their
+    compact blocks (exactly where there is one ring or one tree), never more than a real schedule holds."""
+    from gradsync.plan.synthesizers import ROUTE_BYTES, TRANSFER_BYTES, plan_bytes
 
     topo = get_topology(spec)
     for algorithm in ("ring", "multiring", "ps", "tree", "lp"):
         for pipeline in (1, 3):
             options = PlanOptions(pipeline=pipeline)
             need, what = plan_bytes(algorithm, topo, options)
-            planned = len(synthesize(algorithm, topo, options).transfers)
+            s = synthesize(algorithm, topo, options)
+            routes = sum(len(b.routes) for b in s.blocks if b.kind == "ring") + sum(len(tr.edges) for tr in s.trees)
             if "transfers" in what:
-                assert round(need / TRANSFER_BYTES) <= planned, (algorithm, pipeline, what, planned)
-            if algorithm in ("multiring", "ps", "tree"):
-                assert round(need / TRANSFER_BYTES) == planned, (algorithm, pipeline, what, planned)
+                assert not s.blocks and round(need / TRANSFER_BYTES) <= len(s.explicit), (algorithm, pipeline, what)
+            elif "routes" in what:
+                assert round(need / ROUTE_BYTES) <= routes, (algorithm, pipeline, what, routes)
+            if algorithm == "ps":
+                assert round(need / TRANSFER_BYTES) == len(s.transfers), (algorithm, pipeline, what)
+            if algorithm in ("multiring", "tree") and "routes" in what:
+                assert round(need / ROUTE_BYTES) == routes, (algorithm, pipeline, what, routes)
 
 
 def test_planning_too_large_is_refused_before_allocating() -> None:
     """switch:100000 used to allocate a 74.5 GiB shortest-path table; now PlanError says what it would
-    need and that no algorithm fits, and on switch:3000 that a tree fits where ring does not."""
+    need and which algorithm fits (the compact ring), and on switch:3000 that ps's explicit transfers do not."""
     import time
 
     t0 = time.monotonic()
     with pytest.raises(PlanError, match=r"needs at least 112 GiB \(a 100000 x 100001 shortest-path table\).*"
-                                        r"no algorithm here plans it.*--algorithm hierarchical"):
+                                        r"'ring' fits.*--algorithm ring"):
         synthesize("lp", get_topology("switch:100000"))
     assert time.monotonic() - t0 < 30
-    with pytest.raises(PlanError, match=r"'ring' on 'switch:3000'.*3\.6e\+07 transfers.*'(lp|tree)' fits.*--algorithm (lp|tree)"):
-        synthesize("ring", get_topology("switch:3000"))
+    with pytest.raises(PlanError, match=r"'ps' on 'switch:3000'.*1\.8e\+07 transfers.*fits.*--algorithm "):
+        synthesize("ps", get_topology("switch:3000"))
     with pytest.raises(PlanError, match="over the 9.31e-07 GiB limit"):
         synthesize("ring", get_topology("switch:8"), max_bytes=1000)
     assert synthesize("ring", get_topology("switch:8")).transfers

@@ -17,7 +17,7 @@ def ps3():
 
 
 def _with(schedule: Schedule, transfers) -> Schedule:
-    return dataclasses.replace(schedule, transfers=tuple(transfers))
+    return dataclasses.replace(schedule, explicit=tuple(transfers), blocks=())
 
 
 def test_ps_schedule_shape(ps3):
@@ -68,7 +68,7 @@ def test_send_before_data():
     s = synthesize("ring", t)
     # A broadcast whose only transfer starts at a rank that is not the chunk's root.
     forged = [Transfer(0, 1, 2, ("gpu1", "gpu2"), False, 0)]
-    b = dataclasses.replace(s, collective="broadcast", transfers=tuple(forged))
+    b = dataclasses.replace(s, collective="broadcast", explicit=tuple(forged), blocks=())
     with pytest.raises(ScheduleError, match="before holding any data"):
         b.check(t)
 

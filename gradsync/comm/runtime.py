@@ -178,7 +178,7 @@ class Runtime:
                 planner = self._chooser if self._chooser is not None else self._planner()
                 schedule = planner.schedule(name, pipeline, check=True)
                 order = None
-                if len(schedule.transfers) <= MAX_ORDERED_TRANSFERS:
+                if schedule.num_transfers <= MAX_ORDERED_TRANSFERS:
                     raw = self._decide(f"g{self._generation}/order/{name}/{pipeline}/{size}", lambda: self.cost_model.wait_order(
                         schedule, self.topology, size).astype("<f8").tobytes())
                     order = np.frombuffer(raw, "<f8")
@@ -371,7 +371,7 @@ class Runtime:
         if ex is None:
             schedule = chooser.schedule(name, pipeline, check=True)
             order = None
-            if len(schedule.transfers) <= MAX_ORDERED_TRANSFERS:
+            if schedule.num_transfers <= MAX_ORDERED_TRANSFERS:
                 raw = self._decide(f"g{self._generation}/order/{collective}/{name}/{pipeline}/{size}",
                                    lambda: self.cost_model.wait_order(schedule, self.topology, size).astype("<f8").tobytes())
                 order = np.frombuffer(raw, "<f8")

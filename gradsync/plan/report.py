@@ -25,13 +25,20 @@ def latency_term(schedule: Schedule, topology: Topology, latency_s: float | None
     """Sum over steps of the largest route latency in that step (``latency_s`` per hop overrides links)."""
     per_step: dict[int, float] = {}
     cache: dict[tuple[str, ...], float] = {}
-    for t in schedule.transfers:
-        lat = cache.get(t.route)
+
+    def latency(route: tuple[str, ...]) -> float:
+        lat = cache.get(route)
         if lat is None:
-            hops = topology.route_links(t.route)
+            hops = topology.route_links(route)
             lat = len(hops) * latency_s if latency_s is not None else sum(topology.links[e].latency_s for e, _ in hops)
-            cache[t.route] = lat
-        per_step[t.step] = max(per_step.get(t.step, 0.0), lat)
+            cache[route] = lat
+        return lat
+
+    for t in schedule.explicit:
+        per_step[t.step] = max(per_step.get(t.step, 0.0), latency(t.route))
+    for b in schedule.blocks:  # per block, not per transfer: every chunk of a block uses the same routes per step
+        for step, lat in b.step_latency(schedule, latency).items():
+            per_step[step] = max(per_step.get(step, 0.0), lat)
     return sum(per_step.values())
 
 
@@ -170,7 +177,7 @@ def evaluate(
         algbw_GBps=size_bytes / time_s / 1e9 if time_s > 0 else float("inf"),
         steps=schedule.num_steps,
         chunks=len(schedule.chunks),
-        transfers=len(schedule.transfers),
+        transfers=schedule.num_transfers,
         links=links,
         link_classes=classes,
         trees=[t.to_dict(schedule.ranks) for t in schedule.trees],

@@ -11,6 +11,7 @@ paths (on Fat-Tree(4) that triples PS's time). Families register a policy in :da
 * ``bcube`` — BCube's digit-correcting routing, levels corrected in the fixed order 0, 1, ..., k-1 and
   relayed by the intermediate servers. It commutes with digit-wise translation of addresses, so under
   uniform traffic every level-``l`` link carries the same load.
+* ``switch`` — through the one switch.
 * anything else — the fastest path by ``c_e`` (ties: fewest hops).
 """
 
@@ -50,6 +51,12 @@ def router_for(topology: Topology) -> Route:
         return cache[key]
 
     return route
+
+
+@ROUTERS.register("switch")
+def _switch_router(topology: Topology) -> Route:
+    """One switch: every flow goes host -> sw0 -> host (a generic search would scan all N hosts per route)."""
+    return lambda src, dst: (src, "sw0", dst)
 
 
 @ROUTERS.register("fattree")

@@ -25,13 +25,23 @@ chunk of its shard, each counted once (other ranks' copies of that shard end wit
 ``allgather``: rank ``r`` starts with the value of its shard only, and every rank ends with every shard;
 transfers only copy. Costs stay in units of the full buffer, so an allgather of ``S`` output bytes takes
 ``cost * S / unit_bw``, the convention of nccl-tests' algorithm bandwidth.
+
+Compact form. A ring or tree allreduce moves every chunk over every edge, so spelled out it holds O(N²)
+transfers (2 M on a 1024-host fat tree). Such schedules keep their structure instead: ``blocks`` holds
+:class:`TreeBlock` (reduce up a spanning tree of ``trees``, broadcast down it) and :class:`RingBlock` (ring
+reduce-scatter then allgather), each with the chunks it carries, and ``explicit`` the transfers of any other
+chunks. :attr:`Schedule.transfers` expands the blocks on first use, in the order the planners always
+produced, so every consumer that needs single transfers (the executor, the event simulator, MSCCL export)
+sees the same schedule. Consumers that only need sums — link loads, step latencies, counts, the self-check —
+work per block in O(edges) (:meth:`Schedule.link_loads`, :meth:`Schedule.check`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -43,7 +53,8 @@ from gradsync.errors import ScheduleError
 from gradsync.paths import write_text
 from gradsync.topology.model import Topology
 
-__all__ = ["COLLECTIVES", "SHARDED", "Chunk", "shard_bounds", "Transfer", "Tree", "Schedule", "LinkLoads"]
+__all__ = ["COLLECTIVES", "SHARDED", "Block", "Chunk", "shard_bounds", "Transfer", "Tree", "TreeBlock", "RingBlock", "Schedule",
+           "LinkLoads", "ring_transfers", "tree_transfers"]
 
 #: What a schedule computes. ``reduce``: each chunk's ``root`` ends with the sum; ``broadcast``: the
 #: chunk's ``root`` starts with the value and every rank ends with it. ``reduce_scatter`` and ``allgather``
@@ -100,6 +111,207 @@ class Tree:
 
 
 @dataclass(frozen=True)
+class _Shape:
+    """A rooted spanning tree's parent, children, depth and height per rank (see :func:`tree_shape`)."""
+
+    children: dict[int, list[int]]
+    depth: dict[int, int]
+    height: dict[int, int]
+
+    @property
+    def top(self) -> int:
+        """Height of the root: the step at which the broadcast starts."""
+        return max(self.height.values())
+
+
+def tree_shape(tree: Tree, world_size: int) -> _Shape:
+    """Check that ``tree.edges`` is a spanning tree of ranks ``0..world_size-1`` rooted at ``tree.root`` and
+    return its shape; raise :class:`ScheduleError` naming the first rank that breaks it.
+
+    A spanning tree here: ``world_size - 1`` edges, every rank but the root the child of exactly one edge,
+    the root the child of none, and every rank reached from the root (so no cycle). O(N).
+    """
+    n = world_size
+    if not 0 <= tree.root < n:
+        raise ScheduleError(f"tree root {tree.root} is outside ranks 0..{n - 1}")
+    if len(tree.routes) != len(tree.edges):
+        raise ScheduleError(f"tree rooted at rank {tree.root} has {len(tree.edges)} edges but {len(tree.routes)} routes")
+    children: dict[int, list[int]] = {}
+    parent: dict[int, int] = {}
+    for c, p in tree.edges:
+        if not (0 <= c < n and 0 <= p < n) or c == p:
+            raise ScheduleError(f"tree rooted at rank {tree.root} has edge ({c}, {p}); need two distinct ranks in 0..{n - 1}")
+        if c in parent or c == tree.root:
+            raise ScheduleError(f"rank {c} has two parents (or is the root and has one) in the tree rooted at rank {tree.root}")
+        parent[c] = p
+        children.setdefault(p, []).append(c)
+    depth = {tree.root: 0}
+    order = [tree.root]
+    for v in order:  # BFS from the root
+        for c in children.get(v, ()):
+            depth[c] = depth[v] + 1
+            order.append(c)
+    if len(order) != n:
+        missing = next(r for r in range(n) if r not in depth)
+        raise ScheduleError(f"tree rooted at rank {tree.root} reaches {len(order)} of {n} ranks (not rank {missing})")
+    height: dict[int, int] = {}
+    for v in reversed(order):
+        height[v] = 1 + max((height[c] for c in children.get(v, ())), default=-1)
+    return _Shape(children, depth, height)
+
+
+def _route_error(route: Sequence[str], src: int, dst: int, ranks: Sequence[str], topology: Topology | None, what: str) -> str | None:
+    """Why ``route`` is not a path from rank ``src`` to rank ``dst`` over links of ``topology`` (None if it is)."""
+    if len(route) < 2 or route[0] != ranks[src] or route[-1] != ranks[dst]:
+        return f"{what} has route {list(route)}; it must start at {ranks[src]!r} and end at {ranks[dst]!r}"
+    if topology is not None:
+        for u, v in zip(route[:-1], route[1:]):
+            if not topology.has_link(u, v):
+                return f"{what} hops {u} -> {v}, but {topology.name!r} has no such link"
+    return None
+
+
+@dataclass(frozen=True)
+class TreeBlock:
+    """``tree_transfers(schedule.trees[tree], chunks)`` kept as structure: reduce up the tree, broadcast down.
+
+    Correct by construction whenever the tree spans the ranks (:func:`tree_shape`), which is all
+    :meth:`verify` has to check besides the routes. Proof: a rank sends up at step ``height``, after its
+    children sent at steps ``<= height - 1``, so its message holds its whole subtree exactly once (induction
+    on height) and the root ends with everything; the broadcast reaches a rank at ``top + depth(parent)`` and
+    leaves it one step later. No (rank, chunk) is read and written in one step: a rank receives reduces at
+    steps below its height and sends at its height; it receives the broadcast one step before it forwards it.
+    """
+
+    tree: int
+    chunks: tuple[int, ...]
+
+    kind = "tree"
+
+    def expand(self, schedule: Schedule) -> list[Transfer]:
+        return tree_transfers(schedule.trees[self.tree], self.chunks, schedule.ranks)
+
+    def count(self, schedule: Schedule) -> int:
+        return 2 * len(schedule.trees[self.tree].edges) * len(self.chunks)
+
+    def roots(self, schedule: Schedule) -> dict[int, int]:
+        root = schedule.trees[self.tree].root
+        return dict.fromkeys(self.chunks, root)
+
+    def verify(self, schedule: Schedule, topology: Topology | None) -> None:
+        if not 0 <= self.tree < len(schedule.trees):
+            raise ScheduleError(f"tree block names tree {self.tree}; the schedule has trees 0..{len(schedule.trees) - 1}")
+        tree = schedule.trees[self.tree]
+        tree_shape(tree, schedule.world_size)
+        for (c, p), route in zip(tree.edges, tree.routes):
+            why = _route_error(route, c, p, schedule.ranks, topology, f"tree {self.tree} edge rank {c} -> rank {p}")
+            if why:
+                raise ScheduleError(why)
+
+    def route_weights(self, schedule: Schedule, sizes: np.ndarray) -> Iterable[tuple[tuple[str, ...], float, bool]]:
+        """(route, fraction of the buffer, reduces) for every route the block uses, summed over its chunks."""
+        w = float(sizes[list(self.chunks)].sum())
+        for route in schedule.trees[self.tree].routes:
+            yield route, w, True
+            yield tuple(reversed(route)), w, False
+
+    def step_latency(self, schedule: Schedule, latency: Callable[[tuple[str, ...]], float]) -> dict[int, float]:
+        """Per step, the largest ``latency(route)`` of the routes used in it (the same for every chunk)."""
+        tree = schedule.trees[self.tree]
+        shape = tree_shape(tree, schedule.world_size)
+        top = shape.top
+        out: dict[int, float] = {}
+        for (c, p), route in zip(tree.edges, tree.routes):
+            lat = latency(route)
+            for step in (shape.height[c], top + shape.depth[p]):
+                out[step] = max(out.get(step, 0.0), lat)
+        return out
+
+    def num_steps(self, schedule: Schedule) -> int:
+        shape = tree_shape(schedule.trees[self.tree], schedule.world_size)
+        return shape.top + max(shape.depth.values()) if len(shape.depth) > 1 else 0
+
+    def to_dict(self, ranks: Sequence[str]) -> dict[str, Any]:
+        return {"kind": self.kind, "tree": self.tree, "chunks": list(self.chunks)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], idx: Mapping[str, int]) -> TreeBlock:
+        return cls(_int64(data["tree"]), tuple(_int64(c) for c in data["chunks"]))
+
+
+@dataclass(frozen=True)
+class RingBlock:
+    """``ring_transfers(order, chunks, routes)`` kept as structure: reduce-scatter then allgather on a ring.
+
+    Correct by construction whenever ``order`` is a permutation of the ranks, ``chunks`` has one chunk per
+    position and ``routes[i]`` leads from ``order[i]`` to ``order[i + 1]`` (:func:`ring_transfers`: chunk j
+    collects positions j, j+1, … in N - 1 steps and completes at position j - 1, then travels N - 1 more).
+    """
+
+    order: tuple[int, ...]
+    routes: tuple[tuple[str, ...], ...]
+    chunks: tuple[int, ...]
+
+    kind = "ring"
+
+    def expand(self, schedule: Schedule) -> list[Transfer]:
+        return ring_transfers(self.order, self.chunks, self.routes)[0]
+
+    def count(self, schedule: Schedule) -> int:
+        n = len(self.order)
+        return 2 * (n - 1) * n
+
+    def roots(self, schedule: Schedule) -> dict[int, int]:
+        n = len(self.order)
+        return {self.chunks[p]: self.order[(p - 1) % n] for p in range(n)}
+
+    def verify(self, schedule: Schedule, topology: Topology | None) -> None:
+        n = schedule.world_size
+        if sorted(self.order) != list(range(n)):
+            raise ScheduleError(f"ring order {list(self.order)[:8]}... is not a permutation of ranks 0..{n - 1}")
+        if n < 2 or len(self.chunks) != n or len(self.routes) != n:
+            raise ScheduleError(f"a ring over {n} ranks needs {n} chunks and {n} routes (and n >= 2); this one has "
+                                f"{len(self.chunks)} chunks and {len(self.routes)} routes")
+        for i, route in enumerate(self.routes):
+            a, b = self.order[i], self.order[(i + 1) % n]
+            why = _route_error(route, a, b, schedule.ranks, topology, f"ring position {i} (rank {a} -> rank {b})")
+            if why:
+                raise ScheduleError(why)
+
+    def route_weights(self, schedule: Schedule, sizes: np.ndarray) -> Iterable[tuple[tuple[str, ...], float, bool]]:
+        # Position i sends every chunk but chunks[i+1] while reducing and every chunk but chunks[i+2]
+        # while gathering (ring_transfers: chunk (i - s) mod n, resp. (i - s + 1) mod n, for s < n - 1).
+        n = len(self.order)
+        mine = sizes[list(self.chunks)]
+        total = float(mine.sum())
+        for i, route in enumerate(self.routes):
+            yield route, total - float(mine[(i + 1) % n]), True
+            yield route, total - float(mine[(i + 2) % n]), False
+
+    def step_latency(self, schedule: Schedule, latency: Callable[[tuple[str, ...]], float]) -> dict[int, float]:
+        """Every step uses every position's route once."""
+        worst = max(latency(r) for r in self.routes)
+        return dict.fromkeys(range(2 * (len(self.order) - 1)), worst)
+
+    def num_steps(self, schedule: Schedule) -> int:
+        return 2 * (len(self.order) - 1)
+
+    def to_dict(self, ranks: Sequence[str]) -> dict[str, Any]:
+        return {"kind": self.kind, "order": [ranks[v] for v in self.order], "routes": [list(r) for r in self.routes],
+                "chunks": list(self.chunks)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], idx: Mapping[str, int]) -> RingBlock:
+        return cls(tuple(idx[v] for v in data["order"]), tuple(tuple(str(x) for x in r) for r in data["routes"]),
+                   tuple(_int64(c) for c in data["chunks"]))
+
+
+Block = TreeBlock | RingBlock
+#: Block kinds by their JSON tag.
+BLOCKS: dict[str, type[TreeBlock] | type[RingBlock]] = {"tree": TreeBlock, "ring": RingBlock}
+
+
+@dataclass(frozen=True)
 class LinkLoads:
     """Fractions of the buffer crossing each link: ``directed[e, d]`` (d=0 is a->b) and reduce-phase only."""
 
@@ -139,40 +351,71 @@ class Schedule:
     topology: str
     ranks: tuple[str, ...]
     chunks: tuple[Chunk, ...]
-    transfers: tuple[Transfer, ...]
+    #: Transfers spelled out one by one (every chunk that no block carries).
+    explicit: tuple[Transfer, ...]
     collective: str = "allreduce"
     trees: tuple[Tree, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: Compact tree and ring structure (module docstring); expanded into :attr:`transfers` on first use.
+    blocks: tuple[Block, ...] = ()
 
     def __post_init__(self) -> None:
         if self.collective not in COLLECTIVES:
             raise ScheduleError(f"collective {self.collective!r} is not one of {COLLECTIVES}")
         object.__setattr__(self, "ranks", tuple(self.ranks))
         object.__setattr__(self, "chunks", tuple(self.chunks))
-        object.__setattr__(self, "transfers", tuple(self.transfers))
+        object.__setattr__(self, "explicit", tuple(self.explicit))
         object.__setattr__(self, "trees", tuple(self.trees))
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        if self.blocks and self.collective != "allreduce":
+            raise ScheduleError(f"tree and ring blocks compute an allreduce, not a {self.collective}; "
+                                f"spell the transfers out (Schedule.expanded())")
 
     # ---- derived views ---------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every transfer: the explicit ones, then each block's in the planners' order (module docstring)."""
+        if not self.blocks:
+            return self.explicit
+        out = list(self.explicit)
+        for b in self.blocks:
+            out += b.expand(self)
+        return tuple(out)
+
+    @property
+    def num_transfers(self) -> int:
+        """``len(self.transfers)`` without expanding the blocks."""
+        return len(self.explicit) + sum(b.count(self) for b in self.blocks)
+
+    @property
+    def compact(self) -> bool:
+        """Whether some transfers are kept as blocks (see the module docstring)."""
+        return bool(self.blocks)
+
+    def expanded(self) -> Schedule:
+        """The same schedule with every transfer spelled out (no blocks): for tools that edit transfers."""
+        if not self.blocks:
+            return self
+        return dataclasses.replace(self, explicit=self.transfers, blocks=())
+
     @property
     def num_steps(self) -> int:
-        return 1 + max((t.step for t in self.transfers), default=-1)
+        steps = max((t.step for t in self.explicit), default=-1) + 1
+        return max([steps, *(b.num_steps(self) for b in self.blocks)])
 
     @cached_property
     def arrays(self) -> dict[str, np.ndarray]:
         """Column view of the transfers (chunk, src, dst, step, reduce) for vectorised consumers."""
-        n = len(self.transfers)
-        out = {
-            "chunk": np.fromiter((t.chunk for t in self.transfers), np.int64, n),
-            "src": np.fromiter((t.src for t in self.transfers), np.int64, n),
-            "dst": np.fromiter((t.dst for t in self.transfers), np.int64, n),
-            "step": np.fromiter((t.step for t in self.transfers), np.int64, n),
-            "reduce": np.fromiter((t.reduce for t in self.transfers), bool, n),
-        }
-        return out
+        return _columns(self.transfers)
+
+    @cached_property
+    def explicit_arrays(self) -> dict[str, np.ndarray]:
+        """:attr:`arrays` of the explicit transfers only (the same object when there are no blocks)."""
+        return self.arrays if not self.blocks else _columns(self.explicit)
 
     def chunk_bounds(self, numel: int) -> list[tuple[int, int]]:
         """Element ranges ``[start, end)`` of every chunk for a buffer of ``numel`` elements.
@@ -223,7 +466,24 @@ class Schedule:
         reduce_directed = np.zeros((m, 2))
         route_cache: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
         sizes = np.array([c.size for c in self.chunks])
-        for t in self.transfers:
+        if self.blocks:  # per route, summed over the block's chunks: O(edges), not O(transfers)
+            links: list[int] = []
+            dirs: list[int] = []
+            weights: list[float] = []
+            reduces: list[bool] = []
+            for b in self.blocks:
+                for route, w, red in b.route_weights(self, sizes):
+                    for e, d in topology.route_links(route):
+                        links.append(e)
+                        dirs.append(d)
+                        weights.append(w)
+                        reduces.append(red)
+            ix = (np.array(links, int), np.array(dirs, int))
+            w_arr = np.array(weights)
+            np.add.at(directed, ix, w_arr)
+            red_arr = np.array(reduces, bool)
+            np.add.at(reduce_directed, (ix[0][red_arr], ix[1][red_arr]), w_arr[red_arr])
+        for t in self.explicit:
             hops = route_cache.get(t.route)
             if hops is None:
                 pairs = topology.route_links(t.route)
@@ -254,6 +514,7 @@ class Schedule:
         allgather) or every chunk's root (reduce, reduce_scatter) holds every contribution.
         """
         self._check_structure(topology)
+        self._check_blocks(topology)
         self._check_hazards()
         self._replay()
 
@@ -283,7 +544,7 @@ class Schedule:
                         f"{ch.root}, owns the shard [{lo:.6g}, {hi:.6g}); a chunk must lie in its owner's shard "
                         f"(rank r owns the r-th of {n} equal shards, as in torch.distributed.reduce_scatter_tensor)"
                     )
-        for i, t in enumerate(self.transfers):
+        for i, t in enumerate(self.explicit):
             if self.collective == "allgather" and t.reduce:
                 raise ScheduleError(f"transfer {i} (chunk {t.chunk}, rank {t.src} -> rank {t.dst}) reduces, but an "
                                     f"allgather only copies shards; make it a copy (reduce=False)")
@@ -293,30 +554,45 @@ class Schedule:
                 raise ScheduleError(f"transfer {i} goes from rank {t.src} to rank {t.dst}; need two distinct ranks in 0..{n - 1}")
             if t.step < 0:
                 raise ScheduleError(f"transfer {i} has step {t.step}; steps start at 0")
-            if len(t.route) < 2 or t.route[0] != self.ranks[t.src] or t.route[-1] != self.ranks[t.dst]:
-                raise ScheduleError(
-                    f"transfer {i} (chunk {t.chunk}, rank {t.src} -> rank {t.dst}) has route {list(t.route)}; "
-                    f"it must start at {self.ranks[t.src]!r} and end at {self.ranks[t.dst]!r}"
-                )
-            if topology is not None:
-                for u, v in zip(t.route[:-1], t.route[1:]):
-                    if not topology.has_link(u, v):
-                        raise ScheduleError(
-                            f"transfer {i} (chunk {t.chunk}, rank {t.src} -> rank {t.dst}) hops {u} -> {v}, "
-                            f"but {topology.name!r} has no such link"
-                        )
+            why = _route_error(t.route, t.src, t.dst, self.ranks, topology,
+                               f"transfer {i} (chunk {t.chunk}, rank {t.src} -> rank {t.dst})")
+            if why:
+                raise ScheduleError(why)
+
+    def _check_blocks(self, topology: Topology | None) -> None:
+        """Each block's structure (its docstring proves the rest), chunks carried once, roots as the blocks say."""
+        owner: dict[int, int] = {}
+        for k, b in enumerate(self.blocks):
+            b.verify(self, topology)
+            for c, root in b.roots(self).items():
+                if not 0 <= c < len(self.chunks):
+                    raise ScheduleError(f"block {k} ({b.kind}) names chunk {c}; the schedule has chunks 0..{len(self.chunks) - 1}")
+                if c in owner:
+                    raise ScheduleError(f"chunk {c} is carried by blocks {owner[c]} and {k}; a chunk belongs to one block")
+                owner[c] = k
+                if self.chunks[c].root not in (None, root):
+                    raise ScheduleError(f"chunk {c} has root rank {self.chunks[c].root}, but block {k} ({b.kind}) "
+                                        f"completes its reduction on rank {root}")
+        if owner:
+            also = sorted({t.chunk for t in self.explicit} & owner.keys())
+            if also:
+                raise ScheduleError(f"chunk {also[0]} is carried by block {owner[also[0]]} and by explicit transfers; "
+                                    f"a chunk belongs to one block or to the explicit transfers")
+
+    def _block_chunks(self) -> set[int]:
+        return {c for b in self.blocks for c in b.chunks}
 
     def _check_hazards(self) -> None:
-        if not self.transfers:
+        if not self.explicit:
             return
-        a = self.arrays
+        a = self.explicit_arrays
         c = len(self.chunks)
         read_key = (a["step"] * len(self.ranks) + a["src"]) * c + a["chunk"]
         write_key = (a["step"] * len(self.ranks) + a["dst"]) * c + a["chunk"]
         both = np.intersect1d(read_key, write_key)
         if both.size:
             i = int(np.flatnonzero(np.isin(write_key, both[:1]))[0])
-            t = self.transfers[i]
+            t = self.explicit[i]
             raise ScheduleError(
                 f"rank {t.dst} chunk {t.chunk} is both sent and received in step {t.step}; "
                 f"move the receive to a later step so the send reads a defined value"
@@ -327,7 +603,7 @@ class Schedule:
         bad = uniq[(counts > 1) | np.isin(uniq, reduces)]
         if bad.size:
             i = int(np.flatnonzero(write_key == bad[0])[0])
-            t = self.transfers[i]
+            t = self.explicit[i]
             raise ScheduleError(
                 f"rank {t.dst} chunk {t.chunk} is overwritten by a copy and written again in step {t.step}; "
                 f"the result would depend on arrival order"
@@ -347,9 +623,12 @@ class Schedule:
         n = len(self.ranks)
         full = (1 << n) - 1
         by_chunk: dict[int, list[Transfer]] = {}
-        for t in sorted(self.transfers, key=lambda t: (t.chunk, t.step)):
+        for t in sorted(self.explicit, key=lambda t: (t.chunk, t.step)):
             by_chunk.setdefault(t.chunk, []).append(t)
+        in_blocks = self._block_chunks()
         for chunk in range(len(self.chunks)):
+            if chunk in in_blocks:
+                continue
             state = self._initial(chunk)
             ts = by_chunk.get(chunk, [])
             i = 0
@@ -388,10 +667,11 @@ class Schedule:
 
     # ---- plain-data conversion -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Tagged JSON form. Transfers are stored as columns to keep large schedules compact."""
+        """Tagged JSON form. Transfers are stored as columns and blocks as structure (version 2), so large
+        schedules stay small on disk."""
         return {
             "type": "gradsync.schedule",
-            "version": 1,
+            "version": 2 if self.blocks else 1,
             "algorithm": self.algorithm,
             "topology": self.topology,
             "collective": self.collective,
@@ -402,15 +682,16 @@ class Schedule:
                 "root": [c.root for c in self.chunks],
             },
             "transfers": {
-                "chunk": [t.chunk for t in self.transfers],
-                "src": [t.src for t in self.transfers],
-                "dst": [t.dst for t in self.transfers],
-                "route": [list(t.route) for t in self.transfers],
-                "reduce": [t.reduce for t in self.transfers],
-                "step": [t.step for t in self.transfers],
-                "priority": [t.priority for t in self.transfers],
+                "chunk": [t.chunk for t in self.explicit],
+                "src": [t.src for t in self.explicit],
+                "dst": [t.dst for t in self.explicit],
+                "route": [list(t.route) for t in self.explicit],
+                "reduce": [t.reduce for t in self.explicit],
+                "step": [t.step for t in self.explicit],
+                "priority": [t.priority for t in self.explicit],
             },
             "trees": [tr.to_dict(self.ranks) for tr in self.trees],
+            **({"blocks": [b.to_dict(self.ranks) for b in self.blocks]} if self.blocks else {}),
             "meta": dict(self.meta),
         }
 
@@ -443,9 +724,16 @@ class Schedule:
                 )
                 for t in data.get("trees", [])
             )
+            blocks = []
+            for b in data.get("blocks") or ():
+                kind = BLOCKS.get(b["kind"])
+                if kind is None:
+                    raise ScheduleError(f"malformed schedule data: block kind {b['kind']!r} is not one of {sorted(BLOCKS)}")
+                blocks.append(kind.from_dict(b, idx))
             return cls(
                 str(data["algorithm"]), str(data["topology"]), ranks, chunks, transfers,
                 collective=str(data.get("collective", "allreduce")), trees=trees, meta=dict(data.get("meta") or {}),
+                blocks=tuple(blocks),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, ScheduleError):
@@ -475,6 +763,17 @@ def shard_bounds(rank: int, world_size: int, numel: int) -> tuple[int, int]:
     return round(rank / world_size * numel), round((rank + 1) / world_size * numel)
 
 
+def _columns(transfers: Sequence[Transfer]) -> dict[str, np.ndarray]:
+    n = len(transfers)
+    return {
+        "chunk": np.fromiter((t.chunk for t in transfers), np.int64, n),
+        "src": np.fromiter((t.src for t in transfers), np.int64, n),
+        "dst": np.fromiter((t.dst for t in transfers), np.int64, n),
+        "step": np.fromiter((t.step for t in transfers), np.int64, n),
+        "reduce": np.fromiter((t.reduce for t in transfers), bool, n),
+    }
+
+
 def _int64(x: Any) -> int:
     """An index, step or priority read from a file: an integer that the int64 arrays of a schedule hold."""
     v = int(x)
@@ -496,26 +795,35 @@ def tree_transfers(
     value goes down at step = height(root) + depth(parent). Every tree edge carries each chunk once in
     each direction, which is the seed's duplex model of reduce and broadcast at once.
     """
-    children: dict[int, list[int]] = {}
-    route_of: dict[tuple[int, int], tuple[str, ...]] = {}
-    for (c, p), route in zip(tree.edges, tree.routes):
-        children.setdefault(p, []).append(c)
-        route_of[(c, p)] = route
-    height: dict[int, int] = {}
-    depth: dict[int, int] = {tree.root: 0}
-    order = [tree.root]
-    for v in order:  # BFS from the root
-        for c in children.get(v, []):
-            depth[c] = depth[v] + 1
-            order.append(c)
-    if len(order) != len(ranks):
-        raise ScheduleError(f"tree rooted at rank {tree.root} reaches {len(order)} of {len(ranks)} ranks")
-    for v in reversed(order):
-        height[v] = 1 + max((height[c] for c in children.get(v, [])), default=-1)
-    top = height[tree.root]
+    shape = tree_shape(tree, len(ranks))
+    top = shape.top
     out: list[Transfer] = []
     for chunk in chunk_ids:
-        for (c, p), route in route_of.items():
-            out.append(Transfer(chunk, c, p, route, True, height[c]))
-            out.append(Transfer(chunk, p, c, tuple(reversed(route)), False, top + depth[p]))
+        for (c, p), route in zip(tree.edges, tree.routes):
+            out.append(Transfer(chunk, c, p, route, True, shape.height[c]))
+            out.append(Transfer(chunk, p, c, tuple(reversed(route)), False, top + shape.depth[p]))
     return out
+
+
+def ring_transfers(order: Sequence[int], chunk_ids: Sequence[int], routes: Sequence[tuple[str, ...]]) -> tuple[list[Transfer], dict[int, int]]:
+    """Reduce-scatter then allgather around a directed ring (Baidu/Horovod ring allreduce).
+
+    ``chunk_ids`` has one chunk per ring position; ``routes[i]`` is the path from ``order[i]`` to
+    ``order[i + 1]``. At reduce-scatter step s position i sends chunk (i - s) to position i + 1, so chunk j
+    completes at position j - 1 after N - 1 steps; allgather then forwards it N - 1 more hops. Returns the
+    transfers and the root rank of each chunk.
+    """
+    n = len(order)
+    out: list[Transfer] = []
+    roots: dict[int, int] = {}
+    for s in range(n - 1):
+        for i in range(n):
+            j = chunk_ids[(i - s) % n]
+            out.append(Transfer(j, order[i], order[(i + 1) % n], routes[i], True, s))
+    for s in range(n - 1):
+        for i in range(n):
+            j = chunk_ids[(i - s + 1) % n]
+            out.append(Transfer(j, order[i], order[(i + 1) % n], routes[i], False, n - 1 + s))
+    for p in range(n):
+        roots[chunk_ids[p]] = order[(p - 1) % n]
+    return out, roots

@@ -20,17 +20,19 @@ from gradsync.plan.collectives import allreduce_half
 from gradsync.plan.forest import Arborescence, arborescence_schedule, optimal_forest, reverse_schedule
 from gradsync.plan.lp import bottleneck_tree, optimal_packing
 from gradsync.plan.routing import router_for
-from gradsync.plan.schedule import SHARDED, Chunk, Schedule, Transfer, Tree, tree_transfers
+from gradsync.plan.schedule import SHARDED, Chunk, RingBlock, Schedule, Transfer, Tree, TreeBlock, ring_transfers
 from gradsync.plan.trees import RoutedTree, root_tree
 from gradsync.registry import Registry
 from gradsync.topology.model import Topology
 
-__all__ = ["MAX_PLAN_BYTES", "PLANNED_COLLECTIVES", "PlanOptions", "Synthesizer", "SYNTHESIZERS", "plan_bytes", "ring_transfers", "split_chunks",
+__all__ = ["MAX_PLAN_BYTES", "PLANNED_COLLECTIVES", "PlanOptions", "Synthesizer", "SYNTHESIZERS", "plan_bytes", "ring_blocks", "ring_transfers", "split_chunks",
            "synthesize", "unless_raises"]
 
 #: Memory one planned transfer holds (the Transfer, its route tuple, its list slots). About 750 B were
 #: measured for ring on switch:1000 (4 M transfers, 3 GB peak); rounded down so estimates are floors.
 TRANSFER_BYTES = 500
+#: Memory one route of a compact block holds (a tuple of a few device names), a floor as above.
+ROUTE_BYTES = 100
 #: Planning estimated to need more than this is refused before it allocates anything.
 MAX_PLAN_BYTES = 8 * 2**30
 #: Collectives a synthesizer can be asked for (``PlanOptions.collective``); allreduce is every synthesizer's.
@@ -140,20 +142,25 @@ def _planned_half(fn: Planner, collective: str, topology: Topology, options: Pla
 def plan_bytes(algorithm: str, topology: Topology, options: PlanOptions | None = None) -> tuple[float, str]:
     """A floor on the memory planning ``algorithm`` on ``topology`` takes, and what dominates it.
 
-    Ring-like and PS schedules hold ~2n(n-1) transfers per ring/pipeline stage; trees hold 2(n-1) per
-    tree but, with switches, route over a dense ranks x devices shortest-path table. ``(0, "")`` where
-    there is no estimate (one rank; ``hierarchical`` and ``bml``, which plan per level; ``auto``, whose
-    chooser skips each candidate the planner refuses)."""
+    PS schedules hold ~2n(n-1) explicit transfers, and so do the reduce-scatter and allgather halves of
+    rings; an allreduce ring keeps one compact ring block (n routes) per ring and pipeline stage; trees
+    hold n - 1 routed edges per tree (the reduce-scatter and allgather forests as many) but, with
+    switches, route over a dense ranks x devices shortest-path table. ``(0, "")`` where there is no estimate (one rank; ``hierarchical`` and ``bml``, which plan per
+    level; ``auto``, whose chooser skips each candidate the planner refuses)."""
     opts = options or PlanOptions()
     name = SYNTHESIZERS.canonical(algorithm)
     n, v, p = topology.world_size, len(topology.devices), opts.pipeline
     if n < 2:
         return 0.0, ""
+    routes = {"ring": p * (2 if n > 2 else 1) * n, "multiring": p * opts.rings * n, "tree": n - 1, "lp": n - 1}.get(name)
     transfers = {"ring": 2 * (n - 1) * n * p * (2 if n > 2 else 1), "multiring": 2 * (n - 1) * n * p * opts.rings,
                  "ps": 2 * (n - 1) * n * p, "tree": 2 * (n - 1) * p, "lp": 2 * (n - 1) * p}.get(name)
-    if transfers is None:
+    if routes is not None and (opts.collective == "allreduce" or name in ("tree", "lp")):
+        need, what = float(routes * ROUTE_BYTES), f"{routes} routes in compact blocks"
+    elif transfers is not None:
+        need, what = float(transfers * TRANSFER_BYTES), f"{transfers:.3g} transfers"
+    else:
         return 0.0, ""
-    need, what = float(transfers * TRANSFER_BYTES), f"{transfers:.3g} transfers"
     if name in ("tree", "lp") and topology.has_forwarders and 12.0 * n * v > need:
         need, what = 12.0 * n * v, f"a {n} x {v} shortest-path table"  # float64 distances + int32 predecessors
     return need, what
@@ -232,35 +239,19 @@ def split_chunks(
 
 
 def _tree_schedule(algorithm: str, topology: Topology, trees: Sequence[Tree], pipeline: int, meta: dict) -> Schedule:
+    """Every tree reduces and broadcasts its share of the buffer, in ``pipeline`` sub-chunks (compact form)."""
     chunks, ids = split_chunks([t.weight for t in trees], pipeline, [t.root for t in trees])
-    transfers: list[Transfer] = []
-    for tree, chunk_ids in zip(trees, ids):
-        transfers += tree_transfers(tree, chunk_ids, topology.ranks)
-    return Schedule(algorithm, topology.name, topology.ranks, tuple(chunks), tuple(transfers), trees=tuple(trees), meta=meta)
+    blocks = tuple(TreeBlock(k, tuple(chunk_ids)) for k, chunk_ids in enumerate(ids))
+    return Schedule(algorithm, topology.name, topology.ranks, tuple(chunks), (), trees=tuple(trees), meta=meta, blocks=blocks)
 
 
-def ring_transfers(order: Sequence[int], chunk_ids: Sequence[int], routes: Sequence[tuple[str, ...]]) -> tuple[list[Transfer], dict[int, int]]:
-    """Reduce-scatter then allgather around a directed ring (Baidu/Horovod ring allreduce).
-
-    ``chunk_ids`` has one chunk per ring position; ``routes[i]`` is the path from ``order[i]`` to
-    ``order[i + 1]``. At reduce-scatter step s position i sends chunk (i - s) to position i + 1, so chunk j
-    completes at position j - 1 after N - 1 steps; allgather then forwards it N - 1 more hops. Returns the
-    transfers and the root rank of each chunk.
-    """
-    n = len(order)
-    out: list[Transfer] = []
-    roots: dict[int, int] = {}
-    for s in range(n - 1):
-        for i in range(n):
-            j = chunk_ids[(i - s) % n]
-            out.append(Transfer(j, order[i], order[(i + 1) % n], routes[i], True, s))
-    for s in range(n - 1):
-        for i in range(n):
-            j = chunk_ids[(i - s + 1) % n]
-            out.append(Transfer(j, order[i], order[(i + 1) % n], routes[i], False, n - 1 + s))
-    for p in range(n):
-        roots[chunk_ids[p]] = order[(p - 1) % n]
-    return out, roots
+def ring_blocks(orders: Sequence[Sequence[int]], chunk_ids: Sequence[Sequence[int]], routes: Sequence[Sequence[tuple[str, ...]]],
+                chunks: Sequence[Chunk]) -> tuple[list[RingBlock], list[Chunk]]:
+    """One :class:`RingBlock` per ring (``orders[k]`` carrying ``chunk_ids[k]`` over ``routes[k]``), and the
+    chunks with the roots the rings give them."""
+    blocks = [RingBlock(tuple(o), tuple(r), tuple(c)) for o, c, r in zip(orders, chunk_ids, routes, strict=True)]
+    roots = {c: root for b in blocks for c, root in b.roots(None).items()}  # type: ignore[arg-type]
+    return blocks, [Chunk(ch.offset, ch.size, roots.get(i, ch.root)) for i, ch in enumerate(chunks)]
 
 
 def _hamiltonian_cycles(topology: Topology, limit: int = 2000, seconds: float = 1.0) -> list[tuple[int, ...]]:
@@ -344,20 +335,18 @@ def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
             directed += [(beta / 2, order), (beta / 2, [order[0], *reversed(order[1:])])]
     weights = [beta / n for beta, _ in directed for _ in range(n)]
     chunks, ids = split_chunks(weights, options.pipeline)
-    transfers: list[Transfer] = []
-    roots: dict[int, int] = {}
     route = router_for(topology)
+    orders, chunk_ids, routes = [], [], []
     for k, (_, order) in enumerate(directed):
         names = [topology.ranks[v] for v in order]
-        routes = [route(names[i], names[(i + 1) % n]) for i in range(n)]
+        ring_routes = [route(names[i], names[(i + 1) % n]) for i in range(n)]
         for sub in range(options.pipeline):
-            chunk_ids = [ids[k * n + p][sub] for p in range(n)]
-            ts, rs = ring_transfers(order, chunk_ids, routes)
-            transfers += ts
-            roots.update(rs)
-    chunks = [Chunk(ch.offset, ch.size, roots.get(i)) for i, ch in enumerate(chunks)]
+            orders.append(order)
+            chunk_ids.append([ids[k * n + p][sub] for p in range(n)])
+            routes.append(ring_routes)
+    blocks, chunks = ring_blocks(orders, chunk_ids, routes, chunks)
     meta = {"rings": [{"weight": b, "order": [topology.ranks[v] for v in o]} for b, o in directed]}
-    return Schedule("ring", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)
+    return Schedule("ring", topology.name, topology.ranks, tuple(chunks), (), meta=meta, blocks=tuple(blocks))
 
 
 @synthesizer("multiring", halves=True)
@@ -381,17 +370,11 @@ def plan_multiring(topology: Topology, options: PlanOptions) -> Schedule:
     routes = [route(names[i], names[(i + 1) % n]) for i in range(n)]
     rings = options.rings
     chunks, ids = split_chunks([1.0 / (rings * n)] * (rings * n), options.pipeline)
-    transfers: list[Transfer] = []
-    roots: dict[int, int] = {}
-    for r in range(rings):
-        for sub in range(options.pipeline):
-            chunk_ids = [ids[r * n + (p + r) % n][sub] for p in range(n)]
-            ts, rs = ring_transfers(order, chunk_ids, routes)
-            transfers += ts
-            roots.update(rs)
-    chunks = [Chunk(ch.offset, ch.size, roots.get(i)) for i, ch in enumerate(chunks)]
+    keys = [(r, sub) for r in range(rings) for sub in range(options.pipeline)]
+    blocks, chunks = ring_blocks([order] * len(keys), [[ids[r * n + (p + r) % n][sub] for p in range(n)] for r, sub in keys],
+                                 [routes] * len(keys), chunks)
     meta = {"rings": [{"weight": 1.0 / rings, "order": names} for _ in range(rings)], "num_rings": rings}
-    return Schedule("multiring", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)
+    return Schedule("multiring", topology.name, topology.ranks, tuple(chunks), (), meta=meta, blocks=tuple(blocks))
 
 
 @synthesizer("ps", halves=True)

@@ -273,7 +273,7 @@ def sim_scaling_main(argv: Sequence[str] | None = None) -> int:
         for mode in modes:
             for lat in (0.0, args.latency):
                 run = SimRun(case.name, case.topology, case.algorithm, case.pipeline, mode, lat,
-                             transfers=len(schedule.transfers), plan_s=plan_s, planned_cost=cost,
+                             transfers=schedule.num_transfers, plan_s=plan_s, planned_cost=cost,
                              planned_time_s=predicted_time(schedule, topo, args.size, lat, cost=cost))
                 t0 = time.perf_counter()
                 r = simulate(schedule, topo, args.size, streaming=mode == "streaming", latency_s=lat, progress=False)

@@ -42,7 +42,7 @@ from gradsync.plan.schedule import Chunk, Schedule
 from gradsync.plan.synthesizers import (
     SYNTHESIZERS,
     PlanOptions,
-    ring_transfers,
+    ring_blocks,
     split_chunks,
     synthesize,
     synthesizer,
@@ -162,7 +162,7 @@ class CostModel:
         ends; :func:`phase_order` gives exactly that (``key[t] >= key[u]`` for every such ``u``, ties
         broken by step), so the executor's induction still holds.
         """
-        if not schedule.transfers:
+        if not schedule.num_transfers:
             return np.zeros(0)
         sim = simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
                        message_s=self.message_s, reverse_share=self.reverse_share, progress=False)
@@ -206,9 +206,8 @@ def native_schedule(topology: Topology) -> Schedule:
     route = router_for(topology)
     order = list(range(n))
     routes = [route(topology.ranks[i], topology.ranks[(i + 1) % n]) for i in range(n)]
-    transfers, roots = ring_transfers(order, [ids[p][0] for p in range(n)], routes)
-    chunks = [Chunk(ch.offset, ch.size, roots.get(i)) for i, ch in enumerate(chunks)]
-    return Schedule(NATIVE, topology.name, topology.ranks, tuple(chunks), tuple(transfers))
+    blocks, chunks = ring_blocks([order], [[ids[p][0] for p in range(n)]], [routes], chunks)
+    return Schedule(NATIVE, topology.name, topology.ranks, tuple(chunks), (), blocks=tuple(blocks))
 
 
 def size_class(nbytes: float) -> int:
@@ -382,5 +381,4 @@ def plan_auto(topology: Topology, options: PlanOptions) -> Schedule:
     times = {f"{c.algorithm}/{c.pipeline}": c.predicted_s for c in choice.candidates}
     meta = {**dict(chosen.meta), "auto": {"chosen": chosen.algorithm, "pipeline": choice.pipeline,
                                           "algorithms": list(chooser.algorithms), "predicted_time_s": times}}
-    return Schedule(chosen.algorithm, chosen.topology, chosen.ranks, chosen.chunks, chosen.transfers,
-                    chosen.collective, chosen.trees, meta)
+    return replace(chosen, meta=meta)

@@ -170,7 +170,7 @@ def switch(n: int) -> Topology:
     _need("switch", n, 1, "n")
     devs = [Device(f"host{i}", "host") for i in range(n)] + [Device("sw0", "switch")]
     links = tuple(Link(f"host{i}", "sw0", ETHERNET_10G_GBPS, kind="network") for i in range(n))
-    return Topology(f"switch:{n}", tuple(devs), links, unit_bandwidth_GBps=ETHERNET_10G_GBPS)
+    return Topology(f"switch:{n}", tuple(devs), links, unit_bandwidth_GBps=ETHERNET_10G_GBPS, attrs={"family": "switch"})
 
 
 @builder("racks", example="racks:2,3,4")
