@@ -269,7 +269,7 @@ def plot(path: Path, result: dict[str, Any], goals: dict[str, Any]) -> None:
         if r["evals"]:
             b.plot([e["train_s"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], marker="o", ms=3,
                    label=n, ls="--" if r["family"] == "torch" else "-")
-    b.set_xlabel("cumulative training time (s, slowest rank per step; step 0 includes MergeComp's profiling)")
+    b.set_xlabel("training time so far (s; step 0 includes MergeComp's profiling)")
     b.set_ylabel("test accuracy")
     b.set_title(f"accuracy vs time ({result['train']['steps']} steps, same data and schedule)", fontsize=10)
     b.legend(fontsize=7)

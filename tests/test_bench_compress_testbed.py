@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from gradsync.errors import GradsyncError
+
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compress_testbed.py"
 _spec = importlib.util.spec_from_file_location("bench_compress_testbed", _PATH)
 assert _spec is not None and _spec.loader is not None
@@ -111,3 +113,67 @@ def test_bad_arguments_are_refused_before_anything_runs():
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2
+
+
+def _fake_testbed(monkeypatch, calls: list, fail: bool = False) -> None:
+    """Replace the testbed's root-only steps (up, probe, run, down) with recorders; nothing real starts."""
+    import importlib
+    from types import SimpleNamespace
+
+    import gradsync.testbed as tb
+
+    control = importlib.import_module("gradsync.testbed.control")
+    probe_module = importlib.import_module("gradsync.testbed.probe")
+
+    def run(cmd, env=None, timeout=None):
+        calls.append(("run", list(cmd), dict(env or {})))
+        if fail:
+            return 3
+        out = Path(cmd[cmd.index("--out") + 1])
+        rows = {"ddp": _row("torch", 0.9, 0.96), "ddp_powersgd": _row("torch", 0.25, 0.955),
+                "gs_topk": _row("gradsync", 0.3, 0.955), "local": _row("reference", 0.15, 0.95)}
+        for r in rows.values():
+            r["evals"] = [{"step": 10, "train_s": 10 * r["median_s"], "accuracy": r["accuracy"], "loss": 0.2}]
+        out.write_text(json.dumps({**_result(**rows), "mode": None, "rate": None}))
+        return 0
+
+    monkeypatch.setattr(tb, "available", lambda: None)
+    monkeypatch.setattr(tb, "up", lambda topology, rate: calls.append(("up", topology, rate)))
+    monkeypatch.setattr(tb, "probe", lambda pairs, seconds: calls.append(("probe", list(pairs))) or [{"ok": True}])
+    monkeypatch.setattr(tb, "run", run)
+    monkeypatch.setattr(tb, "down", lambda: calls.append(("down",)))
+    monkeypatch.setattr(control, "load_state", lambda: SimpleNamespace(world_size=4))
+    monkeypatch.setattr(probe_module, "cost_model", lambda state, rows: SimpleNamespace(to_dict=lambda: {"fake": 1}))
+
+
+def test_testbed_mode_brings_the_cluster_up_runs_every_server_with_the_probed_model_and_takes_it_down(monkeypatch, tmp_path):
+    calls: list = []
+    _fake_testbed(monkeypatch, calls)
+    code = bench.main(["--steps", "10", "--out", str(tmp_path)])
+    assert [c[0] for c in calls] == ["up", "probe", "run", "down"]
+    assert calls[0] == ("up", bench.DEFAULT_TOPOLOGY, bench.DEFAULT_RATE)
+    assert calls[1] == ("probe", list(bench.PROBE_PAIRS))
+    cmd, env = calls[2][1], calls[2][2]
+    assert cmd[cmd.index("--topology") + 1] == bench.DEFAULT_TOPOLOGY and "--calibrate" in cmd
+    assert cmd[cmd.index("--steps") + 1] == "10" and Path(env["GRADSYNC_COST_MODEL"]).name == "cost_model.json"
+    doc = json.loads((tmp_path / "compress_testbed.json").read_text())
+    assert doc["result"]["mode"] == "testbed" and doc["result"]["rate"] == bench.DEFAULT_RATE
+    # 0.9 / 0.3 = 3x DDP (met), 0.25 / 0.3 = 0.83x PowerSGD (NOT met): the exit code says the goals were missed
+    assert doc["goals"]["speedup_vs_ddp"]["met"] and not doc["goals"]["speedup_vs_powersgd_hook"]["met"]
+    assert code == 1 and doc["summary"][-1].endswith(": NO")
+
+
+def test_testbed_is_taken_down_when_the_workers_fail(monkeypatch, tmp_path):
+    calls: list = []
+    _fake_testbed(monkeypatch, calls, fail=True)
+    with pytest.raises(GradsyncError, match=r"workers failed \(exit 3\)"):
+        bench.main(["--out", str(tmp_path)])
+    assert calls[-1] == ("down",)
+
+
+def test_without_the_testbed_the_error_names_the_loopback_mode(monkeypatch):
+    import gradsync.testbed as tb
+
+    monkeypatch.setattr(tb, "available", lambda: "needs root")
+    with pytest.raises(GradsyncError, match=r"cannot run here: needs root \(--loopback runs"):
+        bench.main([])
