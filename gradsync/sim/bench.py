@@ -112,6 +112,10 @@ register_benchmark("tictac", "benchmarks/tictac.py:main",
 register_benchmark("mxnet-mpi", "benchmarks/mxnet_mpi.py:main",
                    "seed 002 in miniature: 8 workers, 2 servers, clients 8/4/2/1/collective; time per epoch and "
                    "accuracy vs time of dist/mpi SGD, ASGD, ESGD; writes mxnet_mpi.{json,png}")
+register_benchmark("compress-testbed", "benchmarks/compress_testbed.py:main",
+                   "issue 20: DDP, torch's fp16/PowerSGD hooks and gradsync's compressors with MergeComp on the "
+                   "emulated racks:2,2,2 cluster (root; --loopback without): step time and accuracy; writes "
+                   "compress_testbed.{json,png}")
 register_benchmark("ps-loopback", "benchmarks/ps_loopback.py:main",
                    "PS pushpull round trip on loopback (HMAC, no HMAC, and push + pull) vs a gloo send/recv round "
                    "trip of the same size, in one run; writes ps_loopback.{json,png}")
