@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 
@@ -64,16 +65,9 @@ def dgx1_boxes(boxes: int) -> Topology:
 
 
 def a100_boxes(boxes: int) -> Topology:
-    """ForestColl's ``a100_topology``: 8 GPUs on an NVSwitch (300 GB/s), one 25 GB/s NIC each, two IB rails."""
-    devices, links = [Device("ib0", "switch"), Device("ib1", "switch")], []
-    for m in range(boxes):
-        devices.append(Device(f"n{m}.nvswitch", "switch"))
-        for i in range(8):
-            devices += [Device(f"n{m}.gpu{i}", "gpu"), Device(f"n{m}.nic{i}", "nic")]
-            links += [Link(f"n{m}.gpu{i}", f"n{m}.nvswitch", 300.0, kind="nvlink"),
-                      Link(f"n{m}.gpu{i}", f"n{m}.nic{i}", 25.0, kind="pcie"),
-                      Link(f"n{m}.nic{i}", f"ib{i % 2}", 25.0, kind="network")]
-    return Topology(f"a100x{boxes}", tuple(devices), tuple(links), unit_bandwidth_GBps=25.0)
+    """ForestColl's ``a100_topology`` (8 GPUs on an NVSwitch, 300 GB/s, one 25 GB/s NIC each, two IB rails),
+    transcribed in ``benchmarks/topologies/a100x{2,4,8}.yaml``."""
+    return get_topology(str(Path(__file__).resolve().parents[1] / "benchmarks" / "topologies" / f"a100x{boxes}.yaml"))
 
 
 # ---- tests ---------------------------------------------------------------------------------------------------

@@ -87,6 +87,10 @@ register_benchmark("sim-scaling", "gradsync.sim.bench:sim_scaling_main",
                    "simulator time on large schedules (BML/BCube, ps, ring); writes sim_scaling.{json,png}")
 register_benchmark("plan-scaling", "benchmarks/plan_scaling.py:main",
                    "lp planner time as topologies grow; writes plan_scaling.{json,png}")
+register_benchmark("plan-fabrics", "benchmarks/plan_fabrics.py:main",
+                   "issue 18: lp (and ring) planning of Fat-Trees, BCubes, ForestColl's A100/MI250 fabrics and random "
+                   "regular graphs to 4096 ranks in fresh processes: time, peak memory, cost, certified gap; "
+                   "--baseline REV side by side; writes plan_fabrics.{json,png}")
 register_benchmark("bml-fig5", "benchmarks/bml_fig5.py:main",
                    "seed 001 Fig. 5: GST of BML/PS on BCube vs hierarchical/PS on Fat-Tree; writes bml_fig5.{json,png}")
 register_benchmark("allreduce-loopback", "benchmarks/allreduce_loopback.py:main",
