@@ -235,3 +235,29 @@ def test_min_arborescence_against_brute_force():
                 if ok:
                     best = min(best, sum(w[par[v], v] for v in range(1, n)))
             assert got == pytest.approx(best)
+
+
+def test_min_arborescence_matches_networkx_on_larger_graphs():
+    """Many cycles contract at once at each level; the weight must still be networkx's Edmonds optimum."""
+    import networkx as nx
+
+    rng = np.random.default_rng(7)
+    for n in (6, 12, 25, 40):
+        for _ in range(8):
+            w = rng.random((n, n)) * 10 + 0.1
+            if rng.random() < 0.5:
+                w = np.round(w)  # ties
+            root = int(rng.integers(n))
+            parent = min_arborescence(w, root)
+            assert parent[root] == -1 and sorted(v for v in range(n) if parent[v] >= 0) == [v for v in range(n) if v != root]
+            g = nx.DiGraph()
+            g.add_weighted_edges_from((u, v, w[u, v]) for u in range(n) for v in range(n) if u != v and v != root)
+            ref = nx.minimum_spanning_arborescence(g)
+            want = sum(d["weight"] for _, _, d in ref.edges(data=True))
+            for v in range(n):  # a spanning arborescence: every node reaches the root
+                seen, u = set(), v
+                while u != root:
+                    assert u not in seen
+                    seen.add(u)
+                    u = int(parent[u])
+            assert sum(w[parent[v], v] for v in range(n) if v != root) == pytest.approx(want, rel=1e-12)

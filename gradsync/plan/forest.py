@@ -175,29 +175,43 @@ def brute_force_gather_bound(topology: Topology, collective: str = "allgather") 
 
 
 # ---- minimum spanning arborescence (Chu-Liu/Edmonds, dense) ---------------------------------------------
-def _cycle(parent: np.ndarray, root: int) -> list[int] | None:
-    mark = np.full(len(parent), -1)
-    for s in range(len(parent)):
-        v = s
-        while v != root and mark[v] == -1:
-            mark[v] = s
-            v = int(parent[v])
-        if v != root and mark[v] == s:
-            cyc = [v]
-            u = int(parent[v])
-            while u != v:
-                cyc.append(u)
-                u = int(parent[u])
-            return cyc
-    return None
+def _cycles(parent: np.ndarray, root: int) -> list[np.ndarray]:
+    """Every cycle of the functional graph ``v -> parent[v]`` (``root`` excluded), each as an array of nodes.
+
+    By pointer doubling, no per-node Python: after ``2^k >= n`` steps every walk sits on a cycle (or the
+    root), so the nodes on cycles are the image of ``parent^(2^k)``; a cycle is named by its smallest node,
+    the minimum over ``2^k`` steps of the walk from any of its nodes.
+    """
+    n = len(parent)
+    step = parent.copy()
+    step[root] = root
+    far = step.copy()
+    lab = np.arange(n)
+    jumps = max(1, int(np.ceil(np.log2(n))) + 1)
+    for _ in range(jumps):
+        lab = np.minimum(lab, lab[far])
+        far = far[far]
+    on = np.zeros(n, dtype=bool)
+    on[far] = True
+    on[root] = False
+    nodes = np.flatnonzero(on)
+    if not len(nodes):
+        return []
+    lab = lab[nodes]
+    order = np.argsort(lab, kind="stable")
+    nodes, lab = nodes[order], lab[order]
+    cuts = np.flatnonzero(np.diff(lab)) + 1
+    return np.split(nodes, cuts)
 
 
 def min_arborescence(weights: np.ndarray, root: int) -> np.ndarray:
     """``parent[v]`` of the minimum-weight spanning arborescence rooted at ``root`` (``parent[root] = -1``).
 
     ``weights[u, v]`` (finite) is the price of edge ``u -> v`` of a complete digraph. Chu-Liu/Edmonds: every
-    node takes its cheapest entering edge; a cycle among them is contracted (entering prices reduced by the
-    cycle edge they would replace) and the contracted problem's solution expanded.
+    node takes its cheapest entering edge; *all* cycles among them are contracted at once (an edge entering a
+    cycle node v is priced ``w[u, v] - w[parent[v], v]``, the cycle edge it would replace) and the contracted
+    problem's solution expanded: the edge chosen into a contracted cycle breaks it at its head. Contracting
+    every cycle per level keeps the recursion shallow (a few levels instead of one per cycle), O(n²) each.
     """
     n = len(weights)
     w = np.array(weights, dtype=float)
@@ -205,31 +219,49 @@ def min_arborescence(weights: np.ndarray, root: int) -> np.ndarray:
     w[:, root] = np.inf
     parent = np.argmin(w, axis=0)
     parent[root] = -1
-    cyc_list = _cycle(parent, root)
-    if cyc_list is None:
+    cycles = _cycles(parent, root)
+    if not cycles:
         return parent
-    cyc = np.array(cyc_list)
     in_cycle = np.zeros(n, dtype=bool)
-    in_cycle[cyc] = True
+    for c in cycles:
+        in_cycle[c] = True
     rest = np.flatnonzero(~in_cycle)
-    m = len(rest) + 1
-    w2 = np.full((m, m), np.inf)
-    w2[: m - 1, : m - 1] = w[np.ix_(rest, rest)]
-    enter_cost = w[np.ix_(rest, cyc)] - w[parent[cyc], cyc][None, :]
-    enter = np.argmin(enter_cost, axis=1)
-    w2[: m - 1, m - 1] = enter_cost[np.arange(m - 1), enter]
-    leave_cost = w[np.ix_(cyc, rest)]
-    leave = np.argmin(leave_cost, axis=0)
-    w2[m - 1, : m - 1] = leave_cost[leave, np.arange(m - 1)]
-    root2 = int(np.flatnonzero(rest == root)[0])
-    p2 = min_arborescence(w2, root2)
+    label = np.empty(n, dtype=np.int64)
+    label[rest] = np.arange(len(rest))
+    for k, c in enumerate(cycles):
+        label[c] = len(rest) + k
+    m = len(rest) + len(cycles)
+    cyc_nodes = np.flatnonzero(in_cycle)
+    adj = w.copy()
+    adj[:, cyc_nodes] -= w[parent[cyc_nodes], cyc_nodes][None, :]
+    # w2[a, b] = min over u in a, v in b (a != b) of adj[u, v]: columns of a cycle first, then rows.
+    col = np.empty((n, m))
+    col[:, : len(rest)] = adj[:, rest]
+    for k, c in enumerate(cycles):
+        col[:, len(rest) + k] = adj[:, c].min(axis=1)
+    w2 = np.empty((m, m))
+    w2[: len(rest)] = col[rest]
+    row_arg = np.empty((m, m), dtype=np.int64)
+    row_arg[: len(rest)] = rest[:, None]
+    for k, c in enumerate(cycles):
+        block = col[c]
+        best = np.argmin(block, axis=0)
+        w2[len(rest) + k] = block[best, np.arange(m)]
+        row_arg[len(rest) + k] = c[best]
+    np.fill_diagonal(w2, np.inf)
+    p2 = min_arborescence(w2, int(label[root]))
     out = parent.copy()
-    for i, v in enumerate(rest):
-        if v == root:
+    for b in range(m):
+        a = int(p2[b])
+        if a < 0:
             continue
-        out[v] = cyc[leave[i]] if p2[i] == m - 1 else rest[p2[i]]
-    u = int(p2[m - 1])
-    out[cyc[enter[u]]] = rest[u]
+        u = int(row_arg[a, b])
+        if b < len(rest):
+            out[rest[b]] = u
+        else:
+            c = cycles[b - len(rest)]
+            v = int(c[np.argmin(adj[u, c])])  # the cycle node the chosen edge enters; its cycle edge goes
+            out[v] = u
     return out
 
 
