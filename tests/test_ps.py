@@ -438,6 +438,24 @@ def test_bad_request_timeout_from_the_environment_is_named(monkeypatch: pytest.M
         KVStoreConfig.from_env()
 
 
+def test_workers_and_servers_read_numeric_variables_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One reader (gradsync.ps.env.env_number): empty or blank means the default on both sides; text is an error
+    naming the variable."""
+    from gradsync.ps.env import env_number
+
+    for blank in ("", "  "):
+        monkeypatch.setenv("GRADSYNC_PS_TIMEOUT", blank)
+        monkeypatch.setenv("GRADSYNC_PS_ELASTIC_TIMEOUT", blank)
+        assert KVStoreConfig.from_env().timeout_s == 60.0
+        assert env_number("GRADSYNC_PS_ELASTIC_TIMEOUT", 10.0, float) == 10.0
+    monkeypatch.setenv("GRADSYNC_PS_MAX_AHEAD", " 12 ")
+    assert env_number("GRADSYNC_PS_MAX_AHEAD", 8, int) == 12
+    monkeypatch.setenv("GRADSYNC_PS_MAX_AHEAD", "1.5")
+    with pytest.raises(GradsyncError, match=r"GRADSYNC_PS_MAX_AHEAD='1.5' is not an integer; unset it or set e.g. "
+                                            r"GRADSYNC_PS_MAX_AHEAD=8"):
+        env_number("GRADSYNC_PS_MAX_AHEAD", 8, int)
+
+
 def test_port_in_use_and_bad_endpoints_are_named() -> None:
     """A second server on a taken port, or an endpoint ZeroMQ cannot parse, is a GradsyncError naming it."""
     first = Server(ServerConfig(bind="tcp://127.0.0.1:0"))

@@ -44,7 +44,7 @@ import torch
 from gradsync.comm import lifetime
 from gradsync.errors import GradsyncError
 from gradsync.ps.client import PART_BYTES, SLICE_BYTES, Heartbeat, PSClient, Request, flat_view, place
-from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
+from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV, env_number
 from gradsync.ps.updaters import Updater, create_updater, default_updater
 from gradsync.ps.wire import Flag, Key, Message, Op, job_id, key_name
 from gradsync.registry import Registry
@@ -110,10 +110,10 @@ class KVStoreConfig:
     def from_env(cls, **overrides: Any) -> KVStoreConfig:
         env = os.environ
         fields: dict[str, Any] = {
-            "rank": _env_number("RANK", "0", int), "num_workers": _env_number("WORLD_SIZE", "1", int),
+            "rank": env_number("RANK", 0, int), "num_workers": env_number("WORLD_SIZE", 1, int),
             "servers": tuple(s for s in env.get(SERVERS_ENV, "").split(",") if s),
-            "clients": _env_number(CLIENTS_ENV, "0", int), "timeout_s": _env_number(TIMEOUT_ENV, "60", float),
-            "elastic_timeout_s": _env_number(ELASTIC_TIMEOUT_ENV, "10", float),
+            "clients": env_number(CLIENTS_ENV, 0, int), "timeout_s": env_number(TIMEOUT_ENV, 60.0, float),
+            "elastic_timeout_s": env_number(ELASTIC_TIMEOUT_ENV, 10.0, float),
         }
         if env.get(SECRET_ENV):
             fields["secret"] = env[SECRET_ENV].encode()
@@ -132,16 +132,6 @@ def job_from_env() -> int:
         run = env.get("TORCHELASTIC_RUN_ID", "none")
         return job_id(f"torchrun:{run}:{env['MASTER_ADDR']}:{env['MASTER_PORT']}")
     return 0
-
-
-def _env_number(name: str, default: str, kind: type[int] | type[float]) -> Any:
-    """An environment variable read as a number, or an error naming it (not float()'s bare ValueError)."""
-    text = os.environ.get(name, default)
-    try:
-        return kind(text)
-    except ValueError:
-        raise GradsyncError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}; "
-                            f"unset it or set e.g. {name}={default}") from None
 
 
 def _as_list(keys: Key | Sequence[Key], values: Any, what: str) -> tuple[list[Key], list[Any]]:

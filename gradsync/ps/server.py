@@ -75,6 +75,7 @@ from gradsync.ps.env import (
     MAX_PARKED_ENV,
     MAX_PARKED_PER_CLIENT_ENV,
     SECRET_ENV,
+    env_number,
 )
 from gradsync.ps.updaters import Updater, create_updater, default_updater, describe
 from gradsync.ps.wire import (
@@ -833,26 +834,6 @@ _HANDLERS = {
 }
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise GradsyncError(f"{name}={text!r} is not an integer; unset it or set e.g. {name}={default}") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return float(text)
-    except ValueError:
-        raise GradsyncError(f"{name}={text!r} is not a number; unset it or set e.g. {name}={default:g}") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gradsync.ps.server", description=__doc__.splitlines()[0])
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (default: loopback, any port)")
@@ -893,13 +874,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_interval_s=a.checkpoint_interval, secret=secret.encode() if secret else None,
             max_payload=a.max_payload, insecure=a.insecure or os.environ.get(INSECURE_ENV, "") == "1",
             job=job_id(a.job if a.job is not None else os.environ.get(JOB_ENV, "")),
-            max_ahead=a.max_ahead if a.max_ahead is not None else _env_int(MAX_AHEAD_ENV, MAX_AHEAD),
+            max_ahead=a.max_ahead if a.max_ahead is not None else env_number(MAX_AHEAD_ENV, MAX_AHEAD, int),
             max_parked_per_key=(a.max_parked_per_key if a.max_parked_per_key is not None
-                                else _env_int(MAX_PARKED_ENV, MAX_PARKED)),
+                                else env_number(MAX_PARKED_ENV, MAX_PARKED, int)),
             max_parked_per_client=(a.max_parked_per_client if a.max_parked_per_client is not None
-                                   else _env_int(MAX_PARKED_PER_CLIENT_ENV, MAX_PARKED_PER_CLIENT)),
+                                   else env_number(MAX_PARKED_PER_CLIENT_ENV, MAX_PARKED_PER_CLIENT, int)),
             elastic_timeout_s=(a.elastic_timeout if a.elastic_timeout is not None
-                               else _env_float(ELASTIC_TIMEOUT_ENV, ELASTIC_TIMEOUT)))
+                               else env_number(ELASTIC_TIMEOUT_ENV, ELASTIC_TIMEOUT, float)))
         server = Server(config)
     except GradsyncError as e:
         print(f"gradsync-ps: {e}", file=sys.stderr)
