@@ -120,8 +120,12 @@ class _Shape:
 
     @property
     def top(self) -> int:
-        """Height of the root: the step at which the broadcast starts."""
-        return max(self.height.values())
+        """Height of the root: the step at which the broadcast starts (the tree's depth)."""
+        return self.max_depth
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth.values())
 
 
 def tree_shape(tree: Tree, world_size: int) -> _Shape:
@@ -202,7 +206,7 @@ class TreeBlock:
         if not 0 <= self.tree < len(schedule.trees):
             raise ScheduleError(f"tree block names tree {self.tree}; the schedule has trees 0..{len(schedule.trees) - 1}")
         tree = schedule.trees[self.tree]
-        tree_shape(tree, schedule.world_size)
+        schedule.tree_shape(self.tree)
         for (c, p), route in zip(tree.edges, tree.routes):
             why = _route_error(route, c, p, schedule.ranks, topology, f"tree {self.tree} edge rank {c} -> rank {p}")
             if why:
@@ -218,7 +222,7 @@ class TreeBlock:
     def step_latency(self, schedule: Schedule, latency: Callable[[tuple[str, ...]], float]) -> dict[int, float]:
         """Per step, the largest ``latency(route)`` of the routes used in it (the same for every chunk)."""
         tree = schedule.trees[self.tree]
-        shape = tree_shape(tree, schedule.world_size)
+        shape = schedule.tree_shape(self.tree)
         top = shape.top
         out: dict[int, float] = {}
         for (c, p), route in zip(tree.edges, tree.routes):
@@ -228,8 +232,8 @@ class TreeBlock:
         return out
 
     def num_steps(self, schedule: Schedule) -> int:
-        shape = tree_shape(schedule.trees[self.tree], schedule.world_size)
-        return shape.top + max(shape.depth.values()) if len(shape.depth) > 1 else 0
+        shape = schedule.tree_shape(self.tree)
+        return shape.top + shape.max_depth if len(shape.depth) > 1 else 0
 
     def to_dict(self, ranks: Sequence[str]) -> dict[str, Any]:
         return {"kind": self.kind, "tree": self.tree, "chunks": list(self.chunks)}
@@ -386,6 +390,14 @@ class Schedule:
             out += b.expand(self)
         return tuple(out)
 
+    def tree_shape(self, index: int) -> _Shape:
+        """:func:`tree_shape` of ``trees[index]``, computed once per schedule (blocks ask for it repeatedly)."""
+        cache = self.__dict__.setdefault("_shapes", {})
+        shape = cache.get(index)
+        if shape is None:
+            shape = cache[index] = tree_shape(self.trees[index], self.world_size)
+        return shape
+
     @property
     def num_transfers(self) -> int:
         """``len(self.transfers)`` without expanding the blocks."""
@@ -466,18 +478,22 @@ class Schedule:
         reduce_directed = np.zeros((m, 2))
         route_cache: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
         sizes = np.array([c.size for c in self.chunks])
-        if self.blocks:  # per route, summed over the block's chunks: O(edges), not O(transfers)
+        if self.blocks:  # per route, summed over the blocks' chunks: O(edges), not O(transfers)
+            per_route: dict[tuple[tuple[str, ...], bool], float] = {}
+            for b in self.blocks:
+                for route, w, red in b.route_weights(self, sizes):
+                    key = (route, red)
+                    per_route[key] = per_route.get(key, 0.0) + w
             links: list[int] = []
             dirs: list[int] = []
             weights: list[float] = []
             reduces: list[bool] = []
-            for b in self.blocks:
-                for route, w, red in b.route_weights(self, sizes):
-                    for e, d in topology.route_links(route):
-                        links.append(e)
-                        dirs.append(d)
-                        weights.append(w)
-                        reduces.append(red)
+            for (route, red), w in per_route.items():
+                for e, d in topology.route_links(route):
+                    links.append(e)
+                    dirs.append(d)
+                    weights.append(w)
+                    reduces.append(red)
             ix = (np.array(links, int), np.array(dirs, int))
             w_arr = np.array(weights)
             np.add.at(directed, ix, w_arr)
