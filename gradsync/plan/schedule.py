@@ -112,11 +112,10 @@ class Tree:
 
 @dataclass(frozen=True)
 class _Shape:
-    """A rooted spanning tree's parent, children, depth and height per rank (see :func:`tree_shape`)."""
+    """A rooted spanning tree's depth and height per rank (see :func:`tree_shape`), as int64 arrays."""
 
-    children: dict[int, list[int]]
-    depth: dict[int, int]
-    height: dict[int, int]
+    depth: np.ndarray
+    height: np.ndarray
 
     @property
     def top(self) -> int:
@@ -125,7 +124,7 @@ class _Shape:
 
     @property
     def max_depth(self) -> int:
-        return max(self.depth.values())
+        return int(self.depth.max())
 
 
 def tree_shape(tree: Tree, world_size: int) -> _Shape:
@@ -133,35 +132,46 @@ def tree_shape(tree: Tree, world_size: int) -> _Shape:
     return its shape; raise :class:`ScheduleError` naming the first rank that breaks it.
 
     A spanning tree here: ``world_size - 1`` edges, every rank but the root the child of exactly one edge,
-    the root the child of none, and every rank reached from the root (so no cycle). O(N).
+    the root the child of none, and every rank reached from the root (so no cycle). Depths by pointer
+    doubling (after ``2^k >= N`` parent jumps every rank must sit on the root), heights in one pass in
+    decreasing depth; O(N log N) array work, no per-rank dictionaries (packings hold a million tree edges).
     """
     n = world_size
-    if not 0 <= tree.root < n:
-        raise ScheduleError(f"tree root {tree.root} is outside ranks 0..{n - 1}")
+    root = tree.root
+    if not 0 <= root < n:
+        raise ScheduleError(f"tree root {root} is outside ranks 0..{n - 1}")
     if len(tree.routes) != len(tree.edges):
-        raise ScheduleError(f"tree rooted at rank {tree.root} has {len(tree.edges)} edges but {len(tree.routes)} routes")
-    children: dict[int, list[int]] = {}
-    parent: dict[int, int] = {}
-    for c, p in tree.edges:
-        if not (0 <= c < n and 0 <= p < n) or c == p:
-            raise ScheduleError(f"tree rooted at rank {tree.root} has edge ({c}, {p}); need two distinct ranks in 0..{n - 1}")
-        if c in parent or c == tree.root:
-            raise ScheduleError(f"rank {c} has two parents (or is the root and has one) in the tree rooted at rank {tree.root}")
-        parent[c] = p
-        children.setdefault(p, []).append(c)
-    depth = {tree.root: 0}
-    order = [tree.root]
-    for v in order:  # BFS from the root
-        for c in children.get(v, ()):
-            depth[c] = depth[v] + 1
-            order.append(c)
-    if len(order) != n:
-        missing = next(r for r in range(n) if r not in depth)
-        raise ScheduleError(f"tree rooted at rank {tree.root} reaches {len(order)} of {n} ranks (not rank {missing})")
-    height: dict[int, int] = {}
-    for v in reversed(order):
-        height[v] = 1 + max((height[c] for c in children.get(v, ())), default=-1)
-    return _Shape(children, depth, height)
+        raise ScheduleError(f"tree rooted at rank {root} has {len(tree.edges)} edges but {len(tree.routes)} routes")
+    e = np.array(tree.edges, dtype=np.int64).reshape(-1, 2)
+    child, par = e[:, 0], e[:, 1]
+    bad = (child < 0) | (child >= n) | (par < 0) | (par >= n) | (child == par)
+    if bad.any():
+        c, p = (int(x) for x in e[int(np.argmax(bad))])
+        raise ScheduleError(f"tree rooted at rank {root} has edge ({c}, {p}); need two distinct ranks in 0..{n - 1}")
+    count = np.bincount(child, minlength=n)
+    count[root] += 1  # the root may not be anyone's child
+    if (count > 1).any():
+        c = int(np.argmax(count > 1))
+        raise ScheduleError(f"rank {c} has two parents (or is the root and has one) in the tree rooted at rank {root}")
+    parent = np.arange(n)
+    parent[child] = par
+    depth = (parent != np.arange(n)).astype(np.int64)  # one hop for every rank that has a parent
+    up = parent.copy()
+    for _ in range(max(1, int(np.ceil(np.log2(max(n, 2)))) + 1)):
+        depth = depth + depth[up] * (up != np.arange(n))
+        up = up[up]
+    lost = up != root
+    if lost.any():
+        missing = int(np.argmax(lost))
+        raise ScheduleError(f"tree rooted at rank {root} reaches {int((~lost).sum())} of {n} ranks (not rank {missing})")
+    height = np.zeros(n, dtype=np.int64)
+    hl = height.tolist()
+    pl = parent.tolist()
+    for v in np.argsort(-depth, kind="stable").tolist():  # children before parents
+        p = pl[v]
+        if p != v and hl[v] + 1 > hl[p]:
+            hl[p] = hl[v] + 1
+    return _Shape(depth, np.array(hl, dtype=np.int64))
 
 
 def _route_error(route: Sequence[str], src: int, dst: int, ranks: Sequence[str], topology: Topology | None, what: str) -> str | None:
@@ -207,8 +217,14 @@ class TreeBlock:
             raise ScheduleError(f"tree block names tree {self.tree}; the schedule has trees 0..{len(schedule.trees) - 1}")
         tree = schedule.trees[self.tree]
         schedule.tree_shape(self.tree)
+        ranks = schedule.ranks
+        # Fast path in C-level loops (a packing holds ~1e6 edges); the per-edge loop below names the culprit.
+        ends_ok = all(len(r) >= 2 and r[0] == ranks[c] and r[-1] == ranks[p] for (c, p), r in zip(tree.edges, tree.routes))
+        hops_ok = topology is None or not {h for r in tree.routes for h in zip(r, r[1:])}.difference(topology.link_pairs)
+        if ends_ok and hops_ok:
+            return
         for (c, p), route in zip(tree.edges, tree.routes):
-            why = _route_error(route, c, p, schedule.ranks, topology, f"tree {self.tree} edge rank {c} -> rank {p}")
+            why = _route_error(route, c, p, ranks, topology, f"tree {self.tree} edge rank {c} -> rank {p}")
             if why:
                 raise ScheduleError(why)
 
@@ -222,14 +238,17 @@ class TreeBlock:
     def step_latency(self, schedule: Schedule, latency: Callable[[tuple[str, ...]], float]) -> dict[int, float]:
         """Per step, the largest ``latency(route)`` of the routes used in it (the same for every chunk)."""
         tree = schedule.trees[self.tree]
+        if not tree.edges:
+            return {}
         shape = schedule.tree_shape(self.tree)
-        top = shape.top
-        out: dict[int, float] = {}
-        for (c, p), route in zip(tree.edges, tree.routes):
-            lat = latency(route)
-            for step in (shape.height[c], top + shape.depth[p]):
-                out[step] = max(out.get(step, 0.0), lat)
-        return out
+        e = np.array(tree.edges, dtype=np.int64).reshape(-1, 2)
+        lat = np.fromiter(map(latency, tree.routes), float, len(tree.routes))
+        steps = np.concatenate([shape.height[e[:, 0]], shape.top + shape.depth[e[:, 1]]])
+        worst = np.zeros(int(steps.max()) + 1)
+        np.maximum.at(worst, steps, np.concatenate([lat, lat]))
+        used = np.zeros(len(worst), dtype=bool)
+        used[steps] = True
+        return {int(k): float(worst[k]) for k in np.flatnonzero(used)}
 
     def num_steps(self, schedule: Schedule) -> int:
         shape = schedule.tree_shape(self.tree)
@@ -813,11 +832,12 @@ def tree_transfers(
     """
     shape = tree_shape(tree, len(ranks))
     top = shape.top
+    height, depth = shape.height.tolist(), shape.depth.tolist()
     out: list[Transfer] = []
     for chunk in chunk_ids:
         for (c, p), route in zip(tree.edges, tree.routes):
-            out.append(Transfer(chunk, c, p, route, True, shape.height[c]))
-            out.append(Transfer(chunk, p, c, tuple(reversed(route)), False, top + shape.depth[p]))
+            out.append(Transfer(chunk, c, p, route, True, height[c]))
+            out.append(Transfer(chunk, p, c, tuple(reversed(route)), False, top + depth[p]))
     return out
 
 

@@ -15,7 +15,7 @@ through link ``e`` once, measured in units of the time over one reference link.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -271,6 +271,11 @@ class Topology:
             return self._link_lookup[(u, v)]
         except KeyError:
             raise TopologyError(f"topology {self.name!r} has no link between {u!r} and {v!r}") from None
+
+    @property
+    def link_pairs(self) -> Set[tuple[str, str]]:
+        """Every hop ``(u, v)`` a route may take (both directions of every link), for set arithmetic."""
+        return self._link_lookup.keys()
 
     def has_link(self, u: str, v: str) -> bool:
         return (u, v) in self._link_lookup
