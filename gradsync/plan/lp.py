@@ -48,6 +48,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.optimize import linprog
@@ -76,7 +77,9 @@ __all__ = [
 #: Relative gap below which column generation switches from interior-point to simplex masters.
 _POLISH = 1e-6
 #: Largest ``trees x (N - 1)`` (routed tree edges) a symmetric packing expands to; schedules hold as many.
-MAX_TREE_EDGES = 2_500_000
+#: fattree:16's 1024 images of a 1023-edge path (1.05 M edges, ~180 MB of routes) fit; fattree:24's 3456
+#: (11.9 M) do not, and one path (gap 1 / 3455) is planned instead.
+MAX_TREE_EDGES = 1_500_000
 
 
 @dataclass(frozen=True)
@@ -188,23 +191,30 @@ class _Master:
         self._pending: list[np.ndarray] = []
         self._highs = None
         if _highs is not None:
-            h = _highs._Highs()
-            h.setOptionValue("output_flag", False)
-            h.setOptionValue("presolve", "off")
-            h.setOptionValue("simplex_strategy", 4)  # primal: new columns keep the old basis primal feasible
-            h.setOptionValue("run_crossover", "off")
-            # HiGHS's default 1e-7 lets a row exceed its capacity by that much: the trees' true cost would then
-            # sit ~1e-9 (relative) above the master's, more than the certified gap allows.
-            h.setOptionValue("primal_feasibility_tolerance", 1e-10)
-            h.setOptionValue("dual_feasibility_tolerance", 1e-10)
-            # A loose interior point is cheaper and its duals more central: 1e-6 took a third of the time of
-            # the default 1e-8 on random 6-regular graphs of 64 to 256 nodes. Simplex polishes the end.
-            h.setOptionValue("ipm_optimality_tolerance", 1e-6)
-            rows = len(self.capacity)
-            h.addRows(rows, np.full(rows, -h.getInfinity()), self.capacity, 0, np.zeros(0, dtype=np.int32),
-                      np.zeros(0, dtype=np.int32), np.zeros(0))
-            h.changeObjectiveSense(_highs.ObjSense.kMaximize)
-            self._highs = h
+            try:
+                self._highs = self._warm_solver()
+            except (AttributeError, TypeError):  # pragma: no cover - a private API that changed shape
+                self._highs = None
+
+    def _warm_solver(self) -> Any:
+        """A SciPy-private ``Highs`` object holding the empty master (rows only; columns come later)."""
+        h = _highs._Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("presolve", "off")
+        h.setOptionValue("simplex_strategy", 4)  # primal: new columns keep the old basis primal feasible
+        h.setOptionValue("run_crossover", "off")
+        # HiGHS's default 1e-7 lets a row exceed its capacity by that much: the trees' true cost would then
+        # sit ~1e-9 (relative) above the master's, more than the certified gap allows.
+        h.setOptionValue("primal_feasibility_tolerance", 1e-10)
+        h.setOptionValue("dual_feasibility_tolerance", 1e-10)
+        # A loose interior point is cheaper and its duals more central: 1e-6 took a third of the time of
+        # the default 1e-8 on random 6-regular graphs of 64 to 256 nodes. Simplex polishes the end.
+        h.setOptionValue("ipm_optimality_tolerance", 1e-6)
+        rows = len(self.capacity)
+        h.addRows(rows, np.full(rows, -h.getInfinity()), self.capacity, 0, np.zeros(0, dtype=np.int32),
+                  np.zeros(0, dtype=np.int32), np.zeros(0))
+        h.changeObjectiveSense(_highs.ObjSense.kMaximize)
+        return h
 
     def add(self, column: np.ndarray) -> None:
         self.columns.append(column)
@@ -335,8 +345,10 @@ def _column_generation(topology: Topology, pricer: TreePricer, rows: _Rows, init
     for it in range(1, max_iter + 1):  # noqa: B007 - `it` is reported after the loop
         a, lam, u = master.solve(exact)
         alpha, upper = a / lam, 1.0 / lam
-        # Per-link min-max duals: y_e = u_r b_r / (lam |r|) spreads row r's dual evenly over its links.
-        y = rows.per_link(u * capacity / rows.size) / lam
+        # Per-link min-max duals: y_e = u_r b_r / (lam |r|) spreads row r's dual evenly over its links. They sum
+        # to 1 at an exact optimum; an interior solution's only nearly, and the pricing bound needs exactly 1.
+        y = rows.per_link(u * capacity / rows.size)
+        y = y / y.sum() if y.sum() > 0 else np.full(len(costs), 1.0 / len(costs))
         if upper - lower > tol * upper:
             mix = rows.per_link(sum(w * rows.column(t.loads) for w, t in zip(alpha, columns) if w > 0))
             lower = max(lower, _slack_partition_bound(topology, mix, upper))
