@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from fractions import Fraction
 
 import networkx as nx
 import numpy as np
@@ -117,6 +118,24 @@ def test_symmetric_packing_is_the_lp_optimum(spec: str) -> None:
     assert cut_bound(t).value == pytest.approx(closed, rel=1e-12)
     assert sum(w for w, _ in packing.trees) == pytest.approx(1.0)
     _check_trees(t, packing)
+
+
+@pytest.mark.parametrize("spec", ["fattree:4", "fattree:6", "fattree:8", "bcube:3,2", "bcube:4,2", "bcube:16,2",
+                                  "bcube:2,3", "bcube:3,3"])
+def test_symmetric_packing_uses_few_equal_weight_trees(spec: str) -> None:
+    """s trees of weight 1/s give each server link an integer / s; the optimum 2(N-1)/(N k) is one only when
+    s is a multiple of its denominator d. Fat trees reach s = d = N/2 (not |H| = N); BCubes a multiple of d
+    no larger than |H| = k N (s = d = N on BCube(16, 2))."""
+    t = get_topology(spec)
+    n = t.world_size
+    k = t.attrs["k"] if t.attrs["family"] == "bcube" else 1
+    fewest = Fraction(2 * (n - 1), n * k).denominator
+    packing = symmetric_packing(t)
+    s = len(packing.trees)
+    assert packing.gap <= 1e-12 and s % fewest == 0 and s <= k * n
+    assert all(w == pytest.approx(1 / s) for w, _ in packing.trees)
+    if t.attrs["family"] == "fattree" or spec == "bcube:16,2":
+        assert s == fewest
 
 
 def _check_trees(t: Topology, packing) -> None:

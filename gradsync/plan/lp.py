@@ -36,10 +36,11 @@ Methods (:func:`optimal_packing` picks one; both report the bound they certify):
   order ``N`` or ``k N``, :mod:`gradsync.plan.symmetry`) reduces the master to one row per link orbit
   (three or one). Seed trees meet the cut bound at once; otherwise the same column generation runs on
   the orbit rows. The LP optimum is the orbit master's, attained by giving each image ``g T`` of each
-  master tree the weight ``alpha_T / |H|``; this is used when those trees' edges (``trees x (N - 1)``)
-  fit :data:`MAX_TREE_EDGES`. Otherwise the images under the subset of ``H``'s cyclic factors that fit
-  are used, the cheapest such mix is kept, and its gap to the lower bound is certified by the cut bound
-  (fat trees: one Hamiltonian path, gap ``1 / (N - 1)``; BCube(n, k): ``k`` torus trees, the same gap).
+  master tree the weight ``alpha_T / |H|``. Fewer images often do as well (``N / 2`` on a fat tree), so
+  the images are taken over the smallest selection of powers of ``H``'s cyclic factors whose mix meets
+  the lower bound, as long as its tree edges (``trees x (N - 1)``) fit :data:`MAX_TREE_EDGES`; past that,
+  the cheapest selection that fits, its gap to the cut bound certified (fat trees: one Hamiltonian path,
+  gap ``1 / (N - 1)``; BCube(n, k): ``k`` torus trees, the same gap).
 """
 
 from __future__ import annotations
@@ -466,11 +467,6 @@ class _Images:
         return RoutedTree(edges, routes, self.image_loads(lperm))
 
 
-def _subsets(sym: Symmetry) -> list[tuple[int, ...]]:
-    f = len(sym.orders)
-    return [c for r in range(f + 1) for c in itertools.combinations(range(f), r)]
-
-
 def symmetric_packing(topology: Topology, symmetry: Symmetry | None = None, *, target: float | None = None,
                       tol: float = 1e-9, max_iter: int = 10_000,
                       max_tree_edges: int = MAX_TREE_EDGES) -> TreePacking:
@@ -478,9 +474,10 @@ def symmetric_packing(topology: Topology, symmetry: Symmetry | None = None, *, t
 
     Column generation runs on the orbit master, seeded with the group's seed trees, and stops as soon as
     it meets ``target`` (default: the exact cut bound). Each master tree ``T`` of weight ``alpha_T`` then
-    becomes its images ``g T`` over the products of a subset ``F`` of the group's cyclic factors, each with
-    weight ``alpha_T / |F|``: among the subsets whose trees fit ``max_tree_edges`` (the empty one always
-    does), the one of least cost, then fewest trees. With ``F`` the whole group the cost is the LP optimum.
+    becomes its images ``g T`` over a selection ``S`` of group elements (:meth:`Symmetry.selections`), each
+    with weight ``alpha_T / |S|``: the smallest selection whose mix meets the lower bound, or, when none
+    that fits ``max_tree_edges`` does (the identity alone always fits), the cheapest that fits. With
+    ``S = H`` the cost is the LP optimum, so that selection meets the bound whenever it fits.
     """
     sym = symmetry if symmetry is not None else symmetry_of(topology)
     if sym is None:
@@ -506,28 +503,32 @@ def symmetric_packing(topology: Topology, symmetry: Symmetry | None = None, *, t
     sol = _column_generation(topology, pricer, rows, seeds, target=target, tol=tol, max_iter=max_iter,
                              smoothing=0.5, greedy=None, batch=0, interior=False)
     images = [(w, _Images(topology, pricer, t)) for w, t in sol.trees]
-    options = []  # (cost, trees, factors) of every expansion that fits the budget; the empty one always does
-    for subset in _subsets(sym):
-        count = len(images) * sym.size(subset)
-        if subset and count * (n - 1) > max_tree_edges:
-            continue
+    floor = max(sol.lower, target) * (1 + 1e-12)
+    best: tuple[float, tuple[int, ...]] | None = None
+    for steps in sym.selections():  # fewest images first: the first that meets the bound is the one
+        count = len(images) * sym.size(steps)
+        if best is not None and count * (n - 1) > max_tree_edges:
+            break
         loads = np.zeros(len(costs))
-        for lperm in sym.elements(subset, link_gens):
+        for lperm in sym.elements(steps, link_gens):
             for w, im in images:
                 loads += w * im.image_loads(lperm)
-        options.append((float((costs * loads).max()) / sym.size(subset), count, subset))
-    cheapest = min(cost for cost, _, _ in options)
-    _, _, subset = min((o for o in options if o[0] <= cheapest * (1 + 1e-12)), key=lambda o: o[1])
-    share = 1.0 / sym.size(subset)
+        cost = float((costs * loads).max()) / sym.size(steps)
+        if best is None or cost < best[0] * (1 - 1e-12):
+            best = (cost, steps)
+        if cost <= floor:
+            break
+    steps = best[1] if best is not None else sym.selections()[0]
+    share = 1.0 / sym.size(steps)
     trees = []
-    for dperm, rperm, lperm in zip(sym.elements(subset), sym.elements(subset, rank_gens),
-                                   sym.elements(subset, link_gens)):
+    for dperm, rperm, lperm in zip(sym.elements(steps), sym.elements(steps, rank_gens),
+                                   sym.elements(steps, link_gens)):
         for w, im in images:
             trees.append((w * share, im.image(dperm, rperm, lperm)))
     loads = sum(w * t.loads for w, t in trees)
     cost = float((costs * loads).max())
     return TreePacking(cost, min(sol.lower, cost), tuple(trees), sol.iterations, sol.columns, sol.duals,
-                       method="symmetric", images=sym.size(subset))
+                       method="symmetric", images=sym.size(steps))
 
 
 @functools.lru_cache(maxsize=32)

@@ -76,22 +76,37 @@ class Symmetry:
     def order(self) -> int:
         return int(np.prod(self.orders, dtype=np.int64))
 
-    def size(self, factors: Sequence[int]) -> int:
-        return int(np.prod([self.orders[f] for f in factors], dtype=np.int64))
+    def size(self, steps: Sequence[int]) -> int:
+        """How many elements :meth:`elements` yields for ``steps``."""
+        return int(np.prod([o // d for o, d in zip(self.orders, steps)], dtype=np.int64))
 
-    def elements(self, factors: Sequence[int] | None = None,
+    def selections(self) -> list[tuple[int, ...]]:
+        """Every ``steps`` (a divisor of each factor's order), smallest selection first.
+
+        ``steps[f] = d`` takes the powers ``g_f^0, g_f^d, g_f^{2d}, ...`` of factor ``f``; ``d = order`` leaves
+        it out. Fewer elements than ``H`` can already balance the loads: on a fat tree the pods rotated in
+        steps of 2 leave two orbits of servers, and a path whose ends lie in different ones is then an end
+        in exactly one image per server, so ``N / 2`` images meet the bound.
+        """
+        options = [[d for d in range(1, o + 1) if o % d == 0] for o in self.orders]
+        return sorted(itertools.product(*options), key=self.size)
+
+    def elements(self, steps: Sequence[int] | None = None,
                  generators: Sequence[np.ndarray] | None = None) -> Iterator[np.ndarray]:
-        """The products over ``factors`` (default: all, i.e. all of ``H``) as device permutations, or as the
-        permutations ``generators`` induce on something else (links, ranks): the same elements in the same
-        order, since composing the induced permutations induces the composition."""
-        factors = range(len(self.generators)) if factors is None else factors
+        """The products ``g_0^{d_0 e_0} o g_1^{d_1 e_1} o ...`` for ``steps = (d_0, d_1, ...)`` (default all 1:
+        every element of ``H``) as device permutations, or as the permutations ``generators`` induce on
+        something else (links, ranks): the same elements in the same order, since composing the induced
+        permutations induces the composition."""
+        steps = (1,) * len(self.generators) if steps is None else steps
         gens = self.generators if generators is None else generators
         powers = []
-        for f in factors:
-            g = gens[f]
+        for g, order, step in zip(gens, self.orders, steps):
+            g_step = np.arange(len(g))
+            for _ in range(step):
+                g_step = g[g_step]
             p = [np.arange(len(g))]
-            for _ in range(self.orders[f] - 1):
-                p.append(g[p[-1]])
+            for _ in range(order // step - 1):
+                p.append(g_step[p[-1]])
             powers.append(p)
         size = len(gens[0])
         for combo in itertools.product(*powers):
