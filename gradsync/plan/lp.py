@@ -78,8 +78,8 @@ __all__ = [
 #: Relative gap below which column generation switches from interior-point to simplex masters.
 _POLISH = 1e-6
 #: Largest ``trees x (N - 1)`` (routed tree edges) a symmetric packing expands to; schedules hold as many.
-#: fattree:16's 1024 images of a 1023-edge path (1.05 M edges, ~180 MB of routes) fit; fattree:24's 3456
-#: (11.9 M) do not, and one path (gap 1 / 3455) is planned instead.
+#: fattree:16's 512 images of a 1023-edge path (0.52 M edges, ~90 MB of routes) fit; fattree:24's 1728
+#: (6 M) do not, and one path (gap 1 / 3455) is planned instead.
 MAX_TREE_EDGES = 1_500_000
 
 
