@@ -15,7 +15,8 @@ topology family by a registered constructor and *verified* on the topology (each
 devices, ranks and links onto themselves with equal directed costs), so a file that only claims to be
 a fat tree, a selection of one, or one with a degraded link falls back to the plain LP.
 
-Groups (each acts regularly on the servers, so ``|H| = N`` or ``k N``):
+Groups (products of cyclic factors; the fat tree's acts regularly on the servers, ``|H| = N``, the
+BCube's on the server-switch links, ``|H| = k N``):
 
 * ``fattree:k``: rotate pods (order k); rotate the edge switches of every pod together with the core
   switches of every group (order k/2); rotate the ports of every edge switch together with the
@@ -33,6 +34,9 @@ Seeds (trees whose orbit average meets the cut bound, so no pricing is needed):
   server-switch link carries at most 2 tree edges over the ``k`` trees: cost ``2 / k`` against the
   optimum ``2 (N - 1) / (N k)`` (gap ``1 / (N - 1)``) with only ``k`` trees, and their orbit average is
   optimal. Tree ``j`` is tree 0 with its digits rotated ``j`` places, so one seed suffices.
+
+Fewer images than ``|H|`` often balance the loads as well: :meth:`Symmetry.selections` lists the sets of
+powers ``g_f^{d_f e}`` of the factors, and the packing takes the smallest whose mix meets the bound.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from gradsync.topology.fattree import (
 )
 from gradsync.topology.model import Topology
 
-__all__ = ["SYMMETRIES", "Symmetry", "symmetry_of", "torus_trees"]
+__all__ = ["SYMMETRIES", "Symmetry", "link_permutation", "symmetry_of", "torus_trees"]
 
 
 @dataclass(frozen=True)
