@@ -47,6 +47,8 @@ class PowerSGD(TwoRoundCompressor):
     Payload: ``[P, Q]`` in the tensor's dtype (one round) or ``[Q_w]`` after the shared P (two rounds).
     """
 
+    payload_shapes_fixed = True
+
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, seed: int = 0) -> None:
         super().__init__()
         self.rank = check_int("rank", rank, 1, "rank of the low-rank approximation")

@@ -8,8 +8,9 @@ A :class:`Communicator` moves payloads between workers and returns the aggregate
 * ``allgather`` -- everything else (indices, packed bits, per-worker scales). Each worker's payload (a list
   of tensors of various dtypes and shapes) is serialised into **one** uint8 buffer with an explicit header
   (:func:`~gradsync.compress.payload.pack_payload`; no pickle), the buffers are gathered with uneven sizes
-  (:meth:`~gradsync.comm.runtime.Runtime.run_allgather`: sizes first, then padded), and each receiver
-  decompresses every worker's payload with its own ctx and aggregates;
+  (:meth:`~gradsync.comm.runtime.Runtime.run_allgather`: sizes first, then padded; one round when the
+  compressor's payload size follows from the shapes alone), and each receiver decodes every worker's payload
+  with its own ctx into one running aggregate (:meth:`~gradsync.compress.base.Compressor.combine`);
 * ``ps`` -- through the parameter server (``gradsync/ps``, :class:`PSCommunicator`): summable payloads are
   pushed, a synchronous server round adds them, and the sum is pulled back.
 
@@ -100,9 +101,10 @@ class Communicator(ABC):
         """Sum ``tensors`` over workers in place (comm thread only); communicators with ``sums`` override."""
         raise CompressionError(f"communicator {self.name!r} cannot sum tensors; two-round compressors need 'allreduce'")
 
-    def _finish(self, compressor: Compressor, result: Tensor, info: TensorInfo) -> Tensor:
+    def _finish(self, compressor: Compressor, result: Tensor, info: TensorInfo, *, owned: bool = False) -> Tensor:
+        """The average over workers (``owned``: divided in ``result``'s own buffer), in ``info``'s shape and dtype."""
         if compressor.average:
-            result = result / self.world_size
+            result = result.div_(self.world_size) if owned and result.dtype.is_floating_point else result / self.world_size
         return result.reshape(info.shape).to(info.dtype)
 
 
@@ -162,7 +164,7 @@ class AllgatherCommunicator(Communicator):
     def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
         counts = [len(payload) for payload, _ in items]
         mine = pack_payload([t for payload, _ in items for t in payload])
-        gathered = [unpack_payload(b) for b in self.runtime.run_allgather(mine)]
+        gathered = [unpack_payload(b) for b in self.runtime.run_allgather(mine, equal_sizes=compressor.payload_shapes_fixed)]
         for rank, tensors in enumerate(gathered):
             if len(tensors) != sum(counts):
                 raise CompressionError(
@@ -171,8 +173,9 @@ class AllgatherCommunicator(Communicator):
                 )
         out, at = [], 0
         for (_, ctx), n in zip(items, counts):
-            decoded = [compressor.decompress(tensors[at : at + n], ctx) for tensors in gathered]
-            out.append(self._finish(compressor, compressor.aggregate(decoded), ctx.info))
+            # combine returns a tensor of its own: average it in place
+            combined = compressor.combine([tensors[at : at + n] for tensors in gathered], ctx)
+            out.append(self._finish(compressor, combined, ctx.info, owned=True))
             at += n
         return out
 

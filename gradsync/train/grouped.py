@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gradsync.comm.runtime import Runtime, Work
-from gradsync.compress.base import TensorInfo
+from gradsync.compress.base import TensorInfo, shares_memory
 from gradsync.compress.memory import NoMemory
 from gradsync.compress.merge import CostModel, MergeError, Partition, probe_sizes
 from gradsync.compress.profile import MeasuredCost, Samples, measure_codec, measure_comm
@@ -81,7 +81,8 @@ def profile_cost_model(
             if step.communicator.sums:
                 rt.run_allreduce(torch.zeros(max(1, nbytes // 4), dtype=torch.float32), "sum")
             else:
-                rt.run_allgather(torch.zeros(nbytes + 64, dtype=torch.uint8))  # + the payload header
+                rt.run_allgather(torch.zeros(nbytes + 64, dtype=torch.uint8),  # + the payload header
+                                 equal_sizes=step.compressor.payload_shapes_fixed)
             return time.perf_counter() - t0
 
         return float(rt.submit(job, "profile").wait())
@@ -157,6 +158,9 @@ class MergedGroups:
         self._pending: dict[int, dict[int, Tensor]] = {}
         self._works: list[tuple[_Group, Work]] = []
         self._sent: set[int] = set()
+        #: Each merged group's flat buffer, reused every step (a fresh 13 MB tensor per step costs page faults
+        #: on top of the copy); what the step returns never aliases it (see :meth:`wait`).
+        self._flat: dict[int, Tensor] = {}
 
     @property
     def num_groups(self) -> int:
@@ -194,7 +198,10 @@ class MergedGroups:
         if len(parts) == 1:
             buf = parts[0].detach()
         else:
-            buf = torch.cat([p.detach().reshape(-1) for p in parts])
+            buf = self._flat.get(g.index)
+            if buf is None or buf.dtype != self.dtype:
+                buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype)
+            torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         self._sent.add(g.index)
         self._works.append((g, self.step.step_async([buf], [g.info])))
 
@@ -206,6 +213,9 @@ class MergedGroups:
         self._sent.clear()
         for g, work in works:
             result = work.wait()[0]
+            flat = self._flat.get(g.index)
+            if flat is not None and shares_memory(result, [flat]):  # e.g. an uncompressed, unaveraged payload
+                result = result.clone()
             if len(g.members) == 1:
                 out[g.members[0]] = result
             else:
