@@ -128,11 +128,15 @@ def scenario_merged() -> dict:
                 everyone = [_grads(w, s) for w in range(WORLD)]
                 # Reversed arrival completes the groups in reverse order: seeded compressors draw in that order.
                 for g in reversed(groups.groups):
-                    flat = [
-                        torch.cat([everyone[w][i].reshape(-1) for i in g.members]) if len(g.members) > 1 else everyone[w][g.members[0]]
-                        for w in range(WORLD)
-                    ]
-                    ref = simulate_step(refs, mems, flat, g.info).reshape(-1)
+                    if g.parts:  # a batch (PowerSGD keeps shapes): each member compressed alone, under its own name
+                        ref = torch.cat([simulate_step(refs, mems, [everyone[w][i] for w in range(WORLD)], info).reshape(-1)
+                                         for i, info in zip(g.members, g.parts)])
+                    else:
+                        flat = [
+                            torch.cat([everyone[w][i].reshape(-1) for i in g.members]) if len(g.members) > 1 else everyone[w][g.members[0]]
+                            for w in range(WORLD)
+                        ]
+                        ref = simulate_step(refs, mems, flat, g.info).reshape(-1)
                     got = torch.cat([out[i].reshape(-1) for i in g.members])
                     worst = max(worst, _rel(got, ref))
                 results.append(torch.cat([o.reshape(-1) for o in out]))

@@ -193,3 +193,18 @@ def test_merged_groups_reuse_their_flat_buffer_and_never_return_it() -> None:
         assert all(not shares_memory(o, [groups._flat[0]]) for o in out)
     assert groups._flat[0].data_ptr() == seen_ptr
     assert torch.equal(seen[0][0], torch.zeros(3, 4))  # step 0's result survived steps 1 and 2
+
+
+def test_workspaces_are_per_thread() -> None:
+    """A step compresses its next group on the caller's thread while the communication thread decodes the last
+    one: a scratch buffer shared between them would mix two groups' values (replicas then differ)."""
+    import threading
+
+    c = create("efsignsgd")
+    here = c._workspace("decoded", 100, torch.float32, torch.device("cpu"))
+    assert c._workspace("decoded", 50, torch.float32, torch.device("cpu")).data_ptr() == here.data_ptr()
+    there: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: there.append(c._workspace("decoded", 100, torch.float32, torch.device("cpu"))))
+    t.start()
+    t.join()
+    assert there[0].data_ptr() != here.data_ptr()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -145,13 +146,18 @@ class Compressor(ABC):
     #: values: every rank's payload for the same tensors then has the same size, and an allgather can skip the
     #: round that exchanges sizes. Leave False for data-dependent sizes (e.g. a threshold sparsifier).
     payload_shapes_fixed: ClassVar[bool] = False
+    #: Whether a MergeComp group is compressed as one flat buffer (its tensors concatenated). False for
+    #: compressors that need each tensor's own shape (PowerSGD's matrices): a merged group is then a batch --
+    #: every tensor compressed alone, under its own name, and the group's payloads sent in one collective
+    #: per round.
+    merges_flat: ClassVar[bool] = True
 
     def __init__(self) -> None:
         #: Per-tensor state that persists across steps, keyed by ``info.name``.
         self._state: dict[str, Any] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         #: Scratch buffers (:meth:`_workspace`), never part of a payload or of the state.
-        self._workspaces: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+        self._workspaces: dict[tuple[str, torch.dtype, torch.device, int], Tensor] = {}
 
     # -- the contract ---------------------------------------------------------------------------------
 
@@ -264,10 +270,12 @@ class Compressor(ABC):
     def _workspace(self, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D scratch tensor of ``numel`` elements, reused from call to call (contents undefined).
 
-        One buffer per ``slot``, grown to the largest size asked for: a fresh d-element temporary per call costs
-        page faults on top of its pass. Only for values that die inside one call (never a payload).
+        One buffer per ``slot`` and thread, grown to the largest size asked for: a fresh d-element temporary per
+        call costs page faults on top of its pass. Per thread, because one step compresses the next group on
+        the caller's thread while the communication thread decodes the last. Only for values that die inside
+        one call (never a payload).
         """
-        key = (slot, dtype, device)
+        key = (slot, dtype, device, threading.get_ident())
         buf = self._workspaces.get(key)
         if buf is None or buf.numel() < numel:
             buf = self._workspaces[key] = torch.empty(numel, dtype=dtype, device=device)

@@ -25,6 +25,7 @@ from gradsync.compress.base import (
     check_seed,
     numel_of,
     register_compressor,
+    shares_memory,
     stable_seed,
     work_dtype,
 )
@@ -48,6 +49,7 @@ class PowerSGD(TwoRoundCompressor):
     """
 
     payload_shapes_fixed = True
+    merges_flat = False
 
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, seed: int = 0) -> None:
         super().__init__()
@@ -138,6 +140,19 @@ class PowerSGD(TwoRoundCompressor):
         if plan is not None:
             self._state[ctx.info.name] = payload_sum[0].to(work_dtype(ctx.info.dtype))
         return self.decompress(payload_sum, ctx)
+
+    def subtract_decoded(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Context, *, inplace: bool = False) -> Tensor:
+        """``M - P Q^T`` with the product written into a reused buffer (the same bits, no new d-element tensor)."""
+        plan = self.matrix_plan(ctx.info.shape)
+        dtype = work_dtype(ctx.info.dtype)
+        if (plan is None or not inplace or tensor.dtype != dtype or not tensor.is_contiguous()
+                or shares_memory(tensor, payload)):
+            return super().subtract_decoded(tensor, payload, ctx, inplace=inplace)
+        rows, cols, _ = plan
+        p, q = (ctx.extra[0], payload[0]) if ctx.extra else (payload[0], payload[1])
+        product = self._workspace("product", rows * cols, dtype, tensor.device).view(rows, cols)
+        torch.mm(p.to(dtype), q.to(dtype).T, out=product)
+        return tensor.view(rows, cols).sub_(product).view(tensor.shape)
 
     # -- helpers ----------------------------------------------------------------------------------------------
 

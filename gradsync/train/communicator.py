@@ -43,6 +43,7 @@ from gradsync.compress.base import (
     TwoRoundCompressor,
     create,
     create_memory,
+    shares_memory,
 )
 from gradsync.compress.memory import default_memory
 from gradsync.compress.payload import pack_payload, unpack_payload
@@ -151,7 +152,11 @@ class AllreduceCommunicator(Communicator):
     def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
         flat = [t for payload, _ in items for t in payload]
         self.reduce_sum(flat)
-        return [self._finish(compressor, compressor.decompress(payload, ctx), ctx.info) for payload, ctx in items]
+        return [self._decoded(compressor, compressor.decompress(payload, ctx), payload, ctx) for payload, ctx in items]
+
+    def _decoded(self, compressor: Compressor, result: Tensor, payload: Sequence[Tensor], ctx: Context) -> Tensor:
+        """:meth:`_finish` of a decoded sum: averaged in place unless it is a payload tensor (``none`` sends x)."""
+        return self._finish(compressor, result, ctx.info, owned=not shares_memory(result, payload))
 
 
 @register_communicator("allgather")
@@ -296,4 +301,8 @@ class CompressionStep:
         for x, info, (payload, ctx) in zip(xs, infos, rounds):
             self.memory.update(x, info, c, payload, ctx)
         self.communicator.reduce_sum([t for payload, _ in rounds for t in payload])
-        return [self.communicator._finish(c, c.finish(payload, ctx), ctx.info) for payload, ctx in rounds]
+        out = []
+        for payload, ctx in rounds:
+            result = c.finish(payload, ctx)  # a new tensor, unless the tensor went dense (then the summed payload)
+            out.append(self.communicator._finish(c, result, ctx.info, owned=not shares_memory(result, payload)))
+        return out

@@ -114,6 +114,9 @@ class _Group:
     index: int
     members: tuple[int, ...]  # tensor indices in backward order
     info: TensorInfo
+    #: The members' own records when the compressor keeps shapes (``merges_flat`` False, PowerSGD): the group
+    #: is a batch, each member compressed alone and the payloads sent together; empty for a flat group.
+    parts: tuple[TensorInfo, ...] = ()
 
 
 class MergedGroups:
@@ -122,7 +125,10 @@ class MergedGroups:
     ``names``/``shapes``: the tensors in backward order (index 0 is the first gradient backward produces);
     ``partition`` cuts them. A group of one tensor keeps that tensor's shape and name (so layer-wise
     compression is exactly per-tensor compression, and PowerSGD sees matrices); a larger group is one flat
-    buffer named after its first and last tensor. All tensors must share one floating dtype.
+    buffer named after its first and last tensor -- unless the compressor keeps shapes (``merges_flat``
+False, PowerSGD), when a group is a batch of its tensors under their own names, compressed one by one and
+exchanged together (one collective per round instead of one per tensor). All tensors must share one
+floating dtype.
     """
 
     def __init__(
@@ -145,16 +151,21 @@ class MergedGroups:
         self.partition = partition
         self.groups: list[_Group] = []
         self.group_of: list[int] = [0] * len(names)
+        compressor = getattr(step, "compressor", None)
+        batched = compressor is not None and not compressor.merges_flat
         for j, (a, b) in enumerate(partition.bounds):
             members = tuple(range(a, b))
             for i in members:
                 self.group_of[i] = j
+            parts: tuple[TensorInfo, ...] = ()
             if len(members) == 1:
                 info = TensorInfo(self.names[a], self.shapes[a], dtype, j)
             else:
                 total = sum(self.numels[a:b])
                 info = TensorInfo(f"merged[{a}:{b}]:{self.names[a]}..{self.names[b - 1]}", (total,), dtype, j)
-            self.groups.append(_Group(j, members, info))
+                if batched:
+                    parts = tuple(TensorInfo(self.names[i], self.shapes[i], dtype, i) for i in members)
+            self.groups.append(_Group(j, members, info, parts))
         self._pending: dict[int, dict[int, Tensor]] = {}
         self._works: list[tuple[_Group, Work]] = []
         self._sent: set[int] = set()
@@ -195,6 +206,10 @@ class MergedGroups:
         parts = [
             got[i] if i in got else torch.zeros(self.shapes[i], dtype=self.dtype) for i in g.members
         ]
+        if g.parts:  # a batch: every member under its own name and shape, one exchange
+            self._sent.add(g.index)
+            self._works.append((g, self.step.step_async([p.detach() for p in parts], list(g.parts))))
+            return
         if len(parts) == 1:
             buf = parts[0].detach()
         else:
@@ -212,6 +227,10 @@ class MergedGroups:
         works, self._works = self._works, []
         self._sent.clear()
         for g, work in works:
+            if g.parts:
+                for i, r in zip(g.members, work.wait()):
+                    out[i] = r
+                continue
             result = work.wait()[0]
             flat = self._flat.get(g.index)
             if flat is not None and shares_memory(result, [flat]):  # e.g. an uncompressed, unaveraged payload
