@@ -163,15 +163,18 @@ def test_fixed_payload_shapes_follow_from_the_info_alone(name: str, shape) -> No
     assert sum(t.numel() * t.element_size() for t in a) == _seeded(name).payload_bytes(shape, torch.float32)
 
 
-def test_merged_groups_reuse_their_flat_buffer_and_never_return_it() -> None:
-    """The merged group's concatenation goes into one buffer kept across steps; what wait() returns is not that
-    buffer (an uncompressed step could otherwise hand it back), so the next step cannot overwrite a result."""
+def test_merged_groups_reuse_their_flat_buffer() -> None:
+    """The merged group's concatenation goes into one buffer kept across steps and given to the step to reuse;
+    single-tensor groups (the gradient itself) are never offered."""
     from gradsync.train.grouped import MergedGroups
 
+    offered: list[tuple[int, bool]] = []
+
     class Step:  # the CompressionStep surface MergedGroups uses: the aggregate is the tensor itself
-        def step_async(self, tensors, infos):  # type: ignore[no-untyped-def]
+        def step_async(self, tensors, infos, *, reuse=False):  # type: ignore[no-untyped-def]
+            offered.append((tensors[0].data_ptr(), reuse))
             fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result([tensors[0].view(-1)])
+            fut.set_result([tensors[0]])
 
             class Work:
                 def wait(self):  # type: ignore[no-untyped-def]
@@ -180,19 +183,47 @@ def test_merged_groups_reuse_their_flat_buffer_and_never_return_it() -> None:
             return Work()
 
     shapes = [(3, 4), (5,), (2, 2)]
-    groups = MergedGroups(Step(), ["a", "b", "c"], shapes, torch.float32, Partition(3))  # type: ignore[arg-type]
-    seen = []
+    groups = MergedGroups(Step(), ["a", "b", "c"], shapes, torch.float32, Partition(3, (2,)))  # type: ignore[arg-type]
     for step in range(3):
         grads = [torch.full(s, float(step + i)) for i, s in enumerate(shapes)]
         for i, g in enumerate(grads):
             groups.add(i, g)
         out = groups.wait()
         assert all(torch.equal(o, g) for o, g in zip(out, grads))
-        seen.append(out)
-        seen_ptr = groups._flat[0].data_ptr()
-        assert all(not shares_memory(o, [groups._flat[0]]) for o in out)
-    assert groups._flat[0].data_ptr() == seen_ptr
-    assert torch.equal(seen[0][0], torch.zeros(3, 4))  # step 0's result survived steps 1 and 2
+        assert out[2].data_ptr() == grads[2].data_ptr()  # alone: the gradient itself, not copied
+    merged = [ptr for ptr, reuse in offered if reuse]
+    assert len(merged) == 3 and len(set(merged)) == 1 and merged[0] == groups._flat[0].data_ptr()
+    assert [reuse for _, reuse in offered].count(False) == 3
+
+
+def test_the_step_writes_the_aggregate_into_a_given_up_buffer_only_when_nothing_needs_it() -> None:
+    """reuse=True: top-k with error feedback (the memory holds its own copy) decodes into the caller's buffer
+    from the second step on; with no memory ('none', 'qsgd') the buffer is what was compressed: never reused."""
+    from gradsync.train.communicator import AllgatherCommunicator, CompressionStep
+
+    class Runtime:
+        world_size = 2
+
+        def submit(self, fn, name=""):  # type: ignore[no-untyped-def]
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(fn())
+            return type("W", (), {"wait": lambda self: fut.wait()})()
+
+        def run_allgather(self, t, equal_sizes=False):  # type: ignore[no-untyped-def]
+            return [t.clone(), t.clone()]
+
+    comm = object.__new__(AllgatherCommunicator)
+    comm.runtime = Runtime()  # type: ignore[assignment]
+    info = TensorInfo("g", (4000,), torch.float32)
+    for name, memory, reused in (("topk", "residual", [False, True, True]), ("qsgd", "none", [False] * 3)):
+        step, ref = CompressionStep(_seeded(name), memory, comm), CompressionStep(_seeded(name), memory, comm)
+        for s in range(3):
+            g = _gradients(s, (4000,))
+            buf = g.clone()
+            got = step.step_async([buf], [info], reuse=True).wait()[0]
+            want = ref.step_async([g], [info]).wait()[0]
+            assert torch.equal(got, want), (name, s)
+            assert (got.data_ptr() == buf.data_ptr()) == reused[s], (name, s)
 
 
 def test_workspaces_are_per_thread() -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "Memory",
     "TensorInfo",
     "TwoRoundCompressor",
+    "as_buffer",
     "create",
     "create_memory",
     "payload_nbytes",
@@ -184,15 +185,18 @@ class Compressor(ABC):
         ``indices``, else None (a dense payload). Lets error feedback and aggregation run in O(k), not O(d)."""
         return None
 
-    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context) -> Tensor:
+    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context, out: Tensor | None = None) -> Tensor:
         """``aggregate([decompress(p, ctx) for p in payloads])`` (every worker's payload, as a receiver sees them),
-        as a new tensor the caller owns.
+        in a tensor the caller owns: ``out`` where the method can write there, else a new one.
 
-        For the sum, each payload is decoded and added into one running buffer as it comes (the additions of
-        ``stack(...).sum(0)`` in the same order, so the same bits; fp16/bf16 add in float32 and round once, as
-        that reduction does) instead of W dense tensors stacked; a sparse payload is added at its indices into
-        one zeroed buffer without being decoded at all. Methods with their own :meth:`aggregate` get it
-        unchanged unless they override this too.
+        ``out``: a contiguous buffer of ``info.numel`` elements the result may be written into (its contents are
+        overwritten; never a payload tensor) -- the destination the caller copies from anyway, already in
+        memory, where a new d-element tensor per step would cost page faults. For the sum, each payload is
+        decoded and added into one running buffer as it comes (the additions of ``stack(...).sum(0)`` in the
+        same order, so the same bits; fp16/bf16 add in float32 and round once, as that reduction does) instead
+        of W dense tensors stacked; a sparse payload is added at its indices into one zeroed buffer without
+        being decoded at all. Methods with their own :meth:`aggregate` get it unchanged unless they override
+        this too.
         """
         payloads = list(payloads)
         info = ctx.info
@@ -203,10 +207,14 @@ class Compressor(ABC):
         acc = work_dtype(info.dtype)
         pairs = [self.sparse(p, ctx) for p in payloads]
         if all(pair is not None for pair in pairs):
-            out = torch.zeros(info.numel, dtype=acc, device=pairs[0][1].device)  # type: ignore[index]
+            sums = as_buffer(out, info.numel, acc)
+            if sums is None:
+                sums = torch.zeros(info.numel, dtype=acc, device=pairs[0][1].device)  # type: ignore[index]
+            else:
+                sums.zero_()
             for indices, values in pairs:  # type: ignore[misc]
-                out.index_add_(0, indices, cast(cast(values, info.dtype), acc))
-            return cast(out, info.dtype).reshape(info.shape)
+                sums.index_add_(0, indices, cast(cast(values, info.dtype), acc))
+            return cast(sums, info.dtype).reshape(info.shape)
         out = self.decompress(payloads[0], ctx)
         if out.dtype != acc:
             out = cast(out, acc)
@@ -453,6 +461,13 @@ def simulate_step(
 
 def _sum(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack(list(tensors)).sum(dim=0)
+
+
+def as_buffer(out: Tensor | None, numel: int, dtype: torch.dtype) -> Tensor | None:
+    """``out`` as a flat buffer when it can take ``numel`` elements of ``dtype`` in place, else None."""
+    if out is None or out.dtype != dtype or out.numel() != numel or not out.is_contiguous():
+        return None
+    return out.view(-1)
 
 
 def shares_memory(tensor: Tensor, others: Sequence[Tensor]) -> bool:

@@ -17,6 +17,7 @@ from gradsync.compress.base import (
     Compressor,
     Context,
     TensorInfo,
+    as_buffer,
     cast,
     check_unit_interval,
     numel_of,
@@ -60,15 +61,17 @@ class _SignOnly(Compressor):
     def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
         return majority_vote(tensors)
 
-    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context) -> Tensor:
+    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context, out: Tensor | None = None) -> Tensor:
         """The majority vote straight from the packed bits: with ``c`` workers voting ``+`` out of ``W``, the sum
         of the ±1 votes is ``2c - W`` (an integer, exact in floating point), so count the set bits in bytes."""
-        numel, world = ctx.info.numel, len(payloads)
-        counts = torch.zeros(numel, dtype=torch.uint8 if world < 256 else torch.int32)
+        info, world = ctx.info, len(payloads)
+        counts = torch.zeros(info.numel, dtype=torch.uint8 if world < 256 else torch.int32)
         for payload in payloads:
-            counts.add_(unpack_bits(payload[0], numel).view(torch.uint8))
-        votes = counts.to(work_dtype(ctx.info.dtype)).mul_(2).sub_(world)
-        return cast(votes.sign_().reshape(ctx.info.shape), ctx.info.dtype)
+            counts.add_(unpack_bits(payload[0], info.numel).view(torch.uint8))
+        dtype = work_dtype(info.dtype)
+        votes = as_buffer(out, info.numel, dtype)
+        votes = counts.to(dtype) if votes is None else votes.copy_(counts)
+        return cast(votes.mul_(2).sub_(world).sign_().reshape(info.shape), info.dtype)
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         return packed_nbytes(numel_of(shape), 1)
@@ -143,12 +146,13 @@ class EFSignSGD(Compressor):
             return out.copy_(bits).mul_(2).sub_(1).mul_(scale.to(dtype).reshape(()))
         return out.copy_(bits).mul_(2 * s).sub_(s)
 
-    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context) -> Tensor:
-        """The sum of the decoded payloads, in order, each decoded into one reused buffer and added."""
+    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context, out: Tensor | None = None) -> Tensor:
+        """The sum of the decoded payloads, in order: the first decoded into ``out`` (or a new tensor), each
+        other into one reused buffer and added."""
         info = ctx.info
         if info.dtype != work_dtype(info.dtype):  # the decoded values are rounded to fp16/bf16 before the sum
             return super().combine(payloads, ctx)
-        out = self._decode(payloads[0], ctx)
+        out = self._decode(payloads[0], ctx, as_buffer(out, info.numel, info.dtype))
         if len(payloads) > 1:
             scratch = self._workspace("decoded", info.numel, out.dtype, out.device)
             for payload in payloads[1:]:

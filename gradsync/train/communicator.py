@@ -95,8 +95,11 @@ class Communicator(ABC):
         return self.runtime.submit(fn, self.name)
 
     @abstractmethod
-    def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
-        """Every worker's payload for each item -> the aggregated tensor per item (comm thread only)."""
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
+        """Every worker's payload for each item -> the aggregated tensor per item (comm thread only).
+
+        ``outs``: per item, a buffer the aggregate may be written into (or None); a communicator may ignore it.
+        """
 
     def reduce_sum(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Sum ``tensors`` over workers in place (comm thread only); communicators with ``sums`` override."""
@@ -149,7 +152,7 @@ class AllreduceCommunicator(Communicator):
             self.runtime.run_allreduce(group, "sum")
         return tensors
 
-    def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         flat = [t for payload, _ in items for t in payload]
         self.reduce_sum(flat)
         return [self._decoded(compressor, compressor.decompress(payload, ctx), payload, ctx) for payload, ctx in items]
@@ -166,7 +169,7 @@ class AllgatherCommunicator(Communicator):
     All items of one call travel in one buffer, so a DDP bucket or a merged group costs one allgather.
     """
 
-    def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         counts = [len(payload) for payload, _ in items]
         mine = pack_payload([t for payload, _ in items for t in payload])
         gathered = [unpack_payload(b) for b in self.runtime.run_allgather(mine, equal_sizes=compressor.payload_shapes_fixed)]
@@ -177,9 +180,9 @@ class AllgatherCommunicator(Communicator):
                     "ran different compressors or partitions"
                 )
         out, at = [], 0
-        for (_, ctx), n in zip(items, counts):
-            # combine returns a tensor of its own: average it in place
-            combined = compressor.combine([tensors[at : at + n] for tensors in gathered], ctx)
+        for i, ((_, ctx), n) in enumerate(zip(items, counts)):
+            # decoded and summed into the destination where given; either way the caller's: averaged in place
+            combined = compressor.combine([tensors[at : at + n] for tensors in gathered], ctx, outs[i] if outs else None)
             out.append(self._finish(compressor, combined, ctx.info, owned=True))
             at += n
         return out
@@ -273,12 +276,16 @@ class CompressionStep:
         """The aggregate of ``tensor`` over workers (blocks until it has travelled)."""
         return self.step_async([tensor], [info]).wait()[0]
 
-    def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo]) -> Work:
+    def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False) -> Work:
         """Start the step for several tensors at once; the work's result is the list of aggregates.
 
         The local half (compensate, compress, memory update) runs here, on the caller's thread, as
         MergeComp compresses on the compute stream; the exchange and the decode run on the communication
         thread. Two-round compressors do all of it there, since their memory update needs round one's sum.
+
+        ``reuse``: the caller gives ``tensors`` up (a merged group's own flat buffer): an aggregate may be
+        written into its input's buffer once nothing needs that any more -- the memory copied it into its own
+        state and no payload tensor is it -- instead of into a new tensor.
         """
         if len(tensors) != len(infos):
             raise CompressionError(f"{len(tensors)} tensors but {len(infos)} TensorInfos: give one info per tensor")
@@ -286,11 +293,13 @@ class CompressionStep:
         if self.two_rounds:
             return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos)))
         items: list[Item] = []
-        for x, info in zip(compensated, infos):
+        outs: list[Tensor | None] = []
+        for t, x, info in zip(tensors, compensated, infos):
             payload, ctx = self.compressor.compress(x, info)
             self.memory.update(x, info, self.compressor, payload, ctx)
             items.append((payload, ctx))
-        return self.communicator.submit(lambda: self.communicator.exchange(self.compressor, items))
+            outs.append(t if reuse and x is not t and not shares_memory(t, [x, *payload]) else None)
+        return self.communicator.submit(lambda: self.communicator.exchange(self.compressor, items, outs))
 
     def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo]) -> list[Tensor]:
         c = self.compressor

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gradsync.comm.runtime import Runtime, Work
-from gradsync.compress.base import TensorInfo, shares_memory
+from gradsync.compress.base import TensorInfo
 from gradsync.compress.memory import NoMemory
 from gradsync.compress.merge import CostModel, MergeError, Partition, probe_sizes
 from gradsync.compress.profile import MeasuredCost, Samples, measure_codec, measure_comm
@@ -170,7 +170,7 @@ floating dtype.
         self._works: list[tuple[_Group, Work]] = []
         self._sent: set[int] = set()
         #: Each merged group's flat buffer, reused every step (a fresh 13 MB tensor per step costs page faults
-        #: on top of the copy); what the step returns never aliases it (see :meth:`wait`).
+        #: on top of the copy): the gradients are concatenated into it, and the aggregate may come back in it.
         self._flat: dict[int, Tensor] = {}
 
     @property
@@ -218,10 +218,15 @@ floating dtype.
                 buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype)
             torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         self._sent.add(g.index)
-        self._works.append((g, self.step.step_async([buf], [g.info])))
+        # a merged group's buf is ours: the aggregate may come back in it
+        self._works.append((g, self.step.step_async([buf], [g.info], reuse=len(parts) > 1)))
 
     def wait(self) -> list[Tensor]:
-        """Every tensor's aggregate in backward order (after :meth:`flush`); resets for the next step."""
+        """Every tensor's aggregate in backward order (after :meth:`flush`); resets for the next step.
+
+        A merged group's aggregates may be views of the group's reused buffer: they hold until the next step
+        adds that group's first gradient (copy them to keep them longer; the optimizer copies them into ``.grad``).
+        """
         self.flush()
         out: list[Tensor | None] = [None] * len(self.names)
         works, self._works = self._works, []
@@ -232,9 +237,6 @@ floating dtype.
                     out[i] = r
                 continue
             result = work.wait()[0]
-            flat = self._flat.get(g.index)
-            if flat is not None and shares_memory(result, [flat]):  # e.g. an uncompressed, unaveraged payload
-                result = result.clone()
             if len(g.members) == 1:
                 out[g.members[0]] = result
             else:
