@@ -239,3 +239,32 @@ def test_workspaces_are_per_thread() -> None:
     t.start()
     t.join()
     assert there[0].data_ptr() != here.data_ptr()
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+@pytest.mark.parametrize("shape", [(40, 25), (17, 241), (8, 4, 3, 3)], ids=str)
+def test_powersgd_products_in_place_and_into_a_given_buffer(rank: int, shape) -> None:
+    """The thin products (times, transposed_times) are m @ q and m^T @ p; error feedback's M - P Q^T in place
+    and finish's P (sum Q)^T written into a given buffer are the plain results."""
+    from gradsync.compress.lowrank import times, transposed_times
+
+    gen = torch.Generator().manual_seed(rank)
+    m = torch.randn(shape[0], int(torch.Size(shape[1:]).numel()), generator=gen)
+    q = torch.randn(m.shape[1], rank, generator=gen)
+    p = torch.randn(m.shape[0], rank, generator=gen)
+    torch.testing.assert_close(times(m, q), m @ q)
+    torch.testing.assert_close(transposed_times(m, p), m.T @ p)
+    assert times(m, q).is_contiguous() and transposed_times(m, p).is_contiguous()
+    info = TensorInfo("w", shape, torch.float32)
+    workers = [create("powersgd", rank=rank, min_compression_rate=0) for _ in range(2)]
+    grads = [_tensor(shape, 30 + w) for w in range(2)]
+    firsts = [c.first_round(g, info) for c, g in zip(workers, grads)]
+    rounds = [c.second_round(g, info, firsts[0] + firsts[1]) for c, g in zip(workers, grads)]
+    x = grads[0].clone()
+    assert torch.equal(workers[0].subtract_decoded(x, *rounds[0], inplace=True),
+                       grads[0] - workers[0].decompress(*rounds[0]))
+    summed = [rounds[0][0][0] + rounds[1][0][0]]
+    plain = workers[0].finish(summed, rounds[0][1])
+    out = torch.full(shape, float("nan"))
+    into = workers[1].finish(summed, rounds[1][1], out)
+    assert torch.equal(into, plain) and into.data_ptr() == out.data_ptr()

@@ -321,8 +321,9 @@ class TwoRoundCompressor(Compressor):
         """The summable second-round payload and a ctx built from the first round's sum."""
 
     @abstractmethod
-    def finish(self, payload_sum: Sequence[Tensor], ctx: Context) -> Tensor:
-        """Decompress the summed payload and keep what the next step warm-starts from."""
+    def finish(self, payload_sum: Sequence[Tensor], ctx: Context, out: Tensor | None = None) -> Tensor:
+        """Decompress the summed payload and keep what the next step warm-starts from; ``out`` as in
+        :meth:`Compressor.combine` (a buffer the result may be written into, or None)."""
 
 
 class Memory(ABC):

@@ -283,25 +283,28 @@ class CompressionStep:
         MergeComp compresses on the compute stream; the exchange and the decode run on the communication
         thread. Two-round compressors do all of it there, since their memory update needs round one's sum.
 
-        ``reuse``: the caller gives ``tensors`` up (a merged group's own flat buffer): an aggregate may be
-        written into its input's buffer once nothing needs that any more -- the memory copied it into its own
-        state and no payload tensor is it -- instead of into a new tensor.
+        ``reuse``: the caller gives ``tensors`` up (a merged group's own flat buffer, gradients about to be
+        overwritten by their aggregates): an aggregate may be written into its input's buffer once nothing
+        needs that any more -- the memory copied it into its own state and no payload tensor is it -- instead
+        of into a new tensor.
         """
         if len(tensors) != len(infos):
             raise CompressionError(f"{len(tensors)} tensors but {len(infos)} TensorInfos: give one info per tensor")
         compensated = [self.memory.compensate(t, i) for t, i in zip(tensors, infos)]
+        # an input the memory copied is free once compressed (the memory holds x, not t)
+        free = [t if reuse and x is not t and not shares_memory(t, [x]) else None for t, x in zip(tensors, compensated)]
         if self.two_rounds:
-            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos)))
+            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), free))
         items: list[Item] = []
         outs: list[Tensor | None] = []
-        for t, x, info in zip(tensors, compensated, infos):
+        for t, x, info in zip(free, compensated, infos):
             payload, ctx = self.compressor.compress(x, info)
             self.memory.update(x, info, self.compressor, payload, ctx)
             items.append((payload, ctx))
-            outs.append(t if reuse and x is not t and not shares_memory(t, [x, *payload]) else None)
+            outs.append(None if t is None or shares_memory(t, payload) else t)
         return self.communicator.submit(lambda: self.communicator.exchange(self.compressor, items, outs))
 
-    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo]) -> list[Tensor]:
+    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], outs: list[Tensor | None]) -> list[Tensor]:
         c = self.compressor
         assert isinstance(c, TwoRoundCompressor)  # guarded by self.two_rounds
         firsts = [c.first_round(x, info) for x, info in zip(xs, infos)]
@@ -310,8 +313,9 @@ class CompressionStep:
         for x, info, (payload, ctx) in zip(xs, infos, rounds):
             self.memory.update(x, info, c, payload, ctx)
         self.communicator.reduce_sum([t for payload, _ in rounds for t in payload])
-        out = []
-        for payload, ctx in rounds:
-            result = c.finish(payload, ctx)  # a new tensor, unless the tensor went dense (then the summed payload)
-            out.append(self.communicator._finish(c, result, ctx.info, owned=not shares_memory(result, payload)))
-        return out
+        results = []
+        for (payload, ctx), out in zip(rounds, outs):
+            # a new tensor or ``out``, unless the tensor went dense (then the summed payload: not ours to divide)
+            result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out)
+            results.append(self.communicator._finish(c, result, ctx.info, owned=not shares_memory(result, payload)))
+        return results

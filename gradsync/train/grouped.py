@@ -138,12 +138,17 @@ floating dtype.
         shapes: Sequence[Sequence[int]],
         dtype: torch.dtype,
         partition: Partition,
+        *,
+        reuse_inputs: bool = False,
     ) -> None:
         if len(names) != len(shapes) or partition.n != len(names):
             raise MergeError(
                 f"{len(names)} names, {len(shapes)} shapes and a partition of {partition.n} tensors: give one of each per tensor"
             )
         self.step = step
+        #: Whether the gradients given to :meth:`add` may be overwritten by their aggregates (the optimizer's
+        #: ``.grad``, which step() overwrites anyway): each aggregate is then decoded straight into its gradient.
+        self.reuse_inputs = reuse_inputs
         self.names = list(names)
         self.shapes = [tuple(int(s) for s in shape) for shape in shapes]
         self.numels = [math.prod(s) for s in self.shapes]
@@ -208,7 +213,8 @@ floating dtype.
         ]
         if g.parts:  # a batch: every member under its own name and shape, one exchange
             self._sent.add(g.index)
-            self._works.append((g, self.step.step_async([p.detach() for p in parts], list(g.parts))))
+            work = self.step.step_async([p.detach() for p in parts], list(g.parts), reuse=self.reuse_inputs)
+            self._works.append((g, work))
             return
         if len(parts) == 1:
             buf = parts[0].detach()
@@ -219,7 +225,7 @@ floating dtype.
             torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         self._sent.add(g.index)
         # a merged group's buf is ours: the aggregate may come back in it
-        self._works.append((g, self.step.step_async([buf], [g.info], reuse=len(parts) > 1)))
+        self._works.append((g, self.step.step_async([buf], [g.info], reuse=len(parts) > 1 or self.reuse_inputs)))
 
     def wait(self) -> list[Tensor]:
         """Every tensor's aggregate in backward order (after :meth:`flush`); resets for the next step.
