@@ -9,8 +9,9 @@ interleaved step by step (``benchmarks/compress_testbed_worker.py``):
   DDP + torch's ``powerSGD_hook`` (rank 1; one bucket, which it needs on gloo);
 * gradsync's compressors with MergeComp's partition (``gradsync.DistributedOptimizer(compression=...,
   merge="auto")``: the codec and this wire profiled during step 0, then the exact search): top-k 1 % and
-  DGC 1 % with error feedback, EF-signSGD, QSGD; PowerSGD (layer-wise: it needs matrices) through the
-  optimizer and as a DDP hook with several buckets;
+  DGC 1 % with error feedback, EF-signSGD, QSGD; PowerSGD at ranks 1, 2 and 4 through the optimizer (it
+  keeps each matrix, so its one MergeComp group is a batch: two allreduces a step, as torch's one bucket)
+  and at rank 1 as a DDP hook with several buckets;
 * ``local``: each rank alone, no communication -- the compute floor no method can beat.
 
 Reported per method: the median step time (slowest rank per step) and the test accuracy after the same
