@@ -74,6 +74,12 @@ def scenario_allgather() -> dict:
             want = [_pattern(r, sizes[r][k], torch.uint8) for r in range(WORLD)]
             if len(got) != WORLD or not all(torch.equal(g, w) for g, w in zip(got, want)):
                 failures.append(f"allgather {k}: sizes {[g.numel() for g in got]} want {[w.numel() for w in want]}")
+    # Equal sizes announced (a fixed-size payload): one all_gather, no sizes round; empty too.
+    for n in (0, 3, 70_000):
+        mine = _pattern(RANK, n, torch.uint8)
+        got = rt.submit(lambda mine=mine: rt.run_allgather(mine, equal_sizes=True)).wait()
+        if not all(torch.equal(g, _pattern(r, n, torch.uint8)) for r, g in enumerate(got)) or len(got) != WORLD:
+            failures.append(f"equal-size allgather of {n}")
     # A payload of mixed dtypes and shapes whose length differs per rank, through the allgather communicator.
     from gradsync.compress import pack_payload, unpack_payload
 
