@@ -59,10 +59,11 @@ def profile_cost_model(
 ) -> CostModel:
     """A :class:`CostModel` for ``step`` measured on this machine, identical on every rank.
 
-    What is timed matches what :class:`MergedGroups` does: ``h`` = encode, plus one decode when the memory
-    decodes the local payload (error feedback), inline on the compute thread; ``g`` = the exchange of a
-    group's payload bytes (allreduce of the payload, or the uneven allgather of the packed buffer); ``d`` =
-    the decodes after it (one per worker for allgather, one for allreduce). Each is measured at
+    What is timed matches what :class:`MergedGroups` does: ``h`` = encode, plus error feedback's in-place
+    subtraction of the local payload when there is a memory, inline on the compute thread; ``g`` = the
+    exchange of a group's payload bytes (allreduce of the payload, or the allgather of the packed buffer);
+    ``d`` = the decode after it (every worker's payload combined into one buffer for allgather, the summed
+    payload's decode for allreduce). Each is measured at
     :func:`probe_sizes` and interpolated (:class:`~gradsync.compress.profile.MeasuredCost`: caches make
     ``h`` non-linear). This is a collective: every rank must call it with the same sizes. The timeline
     (``ready_s``, ``backward_end_s``) and all measurements are averaged over ranks before planning.
@@ -71,9 +72,13 @@ def profile_cost_model(
     world = rt.world_size
     probes = probe_sizes(sizes, points)
     enc = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="encode")
-    dec = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="decode")
-    decodes_after = world if step.communicator.name == "allgather" else 1
-    inline_decode = 0 if isinstance(step.memory, NoMemory) else 1
+    if isinstance(step.memory, NoMemory):
+        feedback = Samples(probes, tuple(0.0 for _ in probes))
+    else:
+        feedback = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="feedback")
+    gathers = step.communicator.name == "allgather"
+    dec = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="combine" if gathers else "decode",
+                        world=world)
 
     def send(nbytes: int) -> float:
         def job() -> float:
@@ -89,14 +94,14 @@ def profile_cost_model(
 
     comm = measure_comm(send, probes, compressor=step.compressor, dtype=dtype, repeats=repeats)
     k = len(probes)
-    local = [*enc.seconds, *dec.seconds, *comm.seconds, *ready_s, backward_end_s, forward_s]
+    local = [*enc.seconds, *feedback.seconds, *dec.seconds, *comm.seconds, *ready_s, backward_end_s, forward_s]
     avg = _average_over_ranks(rt, local)
-    e, d, g = avg[:k], avg[k : 2 * k], avg[2 * k : 3 * k]
-    ready = avg[3 * k : 3 * k + len(ready_s)]
+    e, f, d, g = avg[:k], avg[k : 2 * k], avg[2 * k : 3 * k], avg[3 * k : 4 * k]
+    ready = avg[4 * k : 4 * k + len(ready_s)]
     end, fwd = avg[-2], avg[-1]
     ready = list(np.maximum.accumulate(np.maximum(ready, 0.0)))
-    h = MeasuredCost.from_samples(Samples(probes, tuple(a + inline_decode * b for a, b in zip(e, d))))
-    after = MeasuredCost.from_samples(Samples(probes, tuple(decodes_after * b for b in d)))
+    h = MeasuredCost.from_samples(Samples(probes, tuple(a + b for a, b in zip(e, f))))
+    after = MeasuredCost.from_samples(Samples(probes, tuple(d)))
     send_cost = MeasuredCost.from_samples(Samples(probes, tuple(g)))
     return CostModel(
         sizes=tuple(int(s) for s in sizes),
