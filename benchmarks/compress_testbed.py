@@ -27,8 +27,8 @@ goodput), against ~0.06 s of compute (4 ranks x ~27 ms of forward and backward a
 cores). So DDP is ~93 % communication; fp16 halves its bytes; top-k/DGC at 1 % send 8 bytes per kept value,
 0.26 MB per rank (0.8 MB reaches each NIC in the allgather). A slower wire only makes DDP's steps longer
 (the full run must stay within ~10 minutes); a faster one makes the 2 cores, which also carry the
-namespaces' TCP, the bottleneck. Expected duration of the default run: about 9 minutes (testbed up and
-probe ~20 s; 100 steps of ~4.8 s for all ten methods together -- ~3.1 s of CPU work of 4 ranks on 2 cores,
+namespaces' TCP, the bottleneck. Expected duration of the default run: about 8 minutes (testbed up and
+probe ~20 s; 100 steps of ~4.4 s for all twelve methods together -- ~2.6 s of CPU work of 4 ranks on 2 cores,
 measured on loopback, and ~1.7 s more on the wire, mostly DDP's 0.8 s, fp16's 0.4 s and QSGD's allgather of
 3.4 MB per rank, 0.4 s; evaluations and MergeComp's profiling ~40 s). Leaving out ``gs_qsgd`` and
 ``gs_efsignsgd`` (``--methods``) saves ~1.2 s a step. 100 steps of batch 64 with the cosine schedule take DDP's LeNet-5 to ~96-97 % on the
