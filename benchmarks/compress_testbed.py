@@ -9,8 +9,9 @@ interleaved step by step (``benchmarks/compress_testbed_worker.py``):
   DDP + torch's ``powerSGD_hook`` (rank 1; one bucket, which it needs on gloo);
 * gradsync's compressors with MergeComp's partition (``gradsync.DistributedOptimizer(compression=...,
   merge="auto")``: the codec and this wire profiled during step 0, then the exact search): top-k 1 % and
-  DGC 1 % with error feedback, EF-signSGD, QSGD; PowerSGD (layer-wise: it needs matrices) through the
-  optimizer and as a DDP hook with several buckets;
+  DGC 1 % with error feedback, EF-signSGD, QSGD; PowerSGD at ranks 1, 2 and 4 through the optimizer (it
+  keeps each matrix, so its one MergeComp group is a batch: two allreduces a step, as torch's one bucket)
+  and at rank 1 as a DDP hook with several buckets;
 * ``local``: each rank alone, no communication -- the compute floor no method can beat.
 
 Reported per method: the median step time (slowest rank per step) and the test accuracy after the same
@@ -26,8 +27,8 @@ goodput), against ~0.06 s of compute (4 ranks x ~27 ms of forward and backward a
 cores). So DDP is ~93 % communication; fp16 halves its bytes; top-k/DGC at 1 % send 8 bytes per kept value,
 0.26 MB per rank (0.8 MB reaches each NIC in the allgather). A slower wire only makes DDP's steps longer
 (the full run must stay within ~10 minutes); a faster one makes the 2 cores, which also carry the
-namespaces' TCP, the bottleneck. Expected duration of the default run: about 9 minutes (testbed up and
-probe ~20 s; 100 steps of ~4.8 s for all ten methods together -- ~3.1 s of CPU work of 4 ranks on 2 cores,
+namespaces' TCP, the bottleneck. Expected duration of the default run: about 8 minutes (testbed up and
+probe ~20 s; 100 steps of ~4.4 s for all twelve methods together -- ~2.6 s of CPU work of 4 ranks on 2 cores,
 measured on loopback, and ~1.7 s more on the wire, mostly DDP's 0.8 s, fp16's 0.4 s and QSGD's allgather of
 3.4 MB per rank, 0.4 s; evaluations and MergeComp's profiling ~40 s). Leaving out ``gs_qsgd`` and
 ``gs_efsignsgd`` (``--methods``) saves ~1.2 s a step. 100 steps of batch 64 with the cosine schedule take DDP's LeNet-5 to ~96-97 % on the

@@ -74,6 +74,12 @@ def scenario_allgather() -> dict:
             want = [_pattern(r, sizes[r][k], torch.uint8) for r in range(WORLD)]
             if len(got) != WORLD or not all(torch.equal(g, w) for g, w in zip(got, want)):
                 failures.append(f"allgather {k}: sizes {[g.numel() for g in got]} want {[w.numel() for w in want]}")
+    # Equal sizes announced (a fixed-size payload): one all_gather, no sizes round; empty too.
+    for n in (0, 3, 70_000):
+        mine = _pattern(RANK, n, torch.uint8)
+        got = rt.submit(lambda mine=mine: rt.run_allgather(mine, equal_sizes=True)).wait()
+        if not all(torch.equal(g, _pattern(r, n, torch.uint8)) for r, g in enumerate(got)) or len(got) != WORLD:
+            failures.append(f"equal-size allgather of {n}")
     # A payload of mixed dtypes and shapes whose length differs per rank, through the allgather communicator.
     from gradsync.compress import pack_payload, unpack_payload
 
@@ -128,11 +134,15 @@ def scenario_merged() -> dict:
                 everyone = [_grads(w, s) for w in range(WORLD)]
                 # Reversed arrival completes the groups in reverse order: seeded compressors draw in that order.
                 for g in reversed(groups.groups):
-                    flat = [
-                        torch.cat([everyone[w][i].reshape(-1) for i in g.members]) if len(g.members) > 1 else everyone[w][g.members[0]]
-                        for w in range(WORLD)
-                    ]
-                    ref = simulate_step(refs, mems, flat, g.info).reshape(-1)
+                    if g.parts:  # a batch (PowerSGD keeps shapes): each member compressed alone, under its own name
+                        ref = torch.cat([simulate_step(refs, mems, [everyone[w][i] for w in range(WORLD)], info).reshape(-1)
+                                         for i, info in zip(g.members, g.parts)])
+                    else:
+                        flat = [
+                            torch.cat([everyone[w][i].reshape(-1) for i in g.members]) if len(g.members) > 1 else everyone[w][g.members[0]]
+                            for w in range(WORLD)
+                        ]
+                        ref = simulate_step(refs, mems, flat, g.info).reshape(-1)
                     got = torch.cat([out[i].reshape(-1) for i in g.members])
                     worst = max(worst, _rel(got, ref))
                 results.append(torch.cat([o.reshape(-1) for o in out]))

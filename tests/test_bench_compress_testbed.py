@@ -53,6 +53,9 @@ def test_loopback_run_writes_every_method_with_identical_replicas_and_states_the
         stats = train["methods"][name]["stats"]
         assert stats["merge"] == "auto" and 1 <= stats["groups"] <= 10  # MergeComp's searched partition
         assert stats["payload_bytes"] < stats["dense_bytes"] / 3, name  # it really compressed
+    for name in ("gs_powersgd", "gs_powersgd_r2", "gs_powersgd_r4"):  # one batch of matrices, each compressed
+        stats = train["methods"][name]["stats"]
+        assert stats["groups"] == 1 and stats["payload_bytes"] < stats["dense_bytes"] / 8, name
     goals = doc["goals"]
     assert set(goals) >= {"best_gradsync", "speedup_vs_ddp", "speedup_vs_powersgd_hook", "accuracy_points_below_ddp",
                           "replicas_identical", "met"}

@@ -424,6 +424,21 @@ def test_measure_codec_is_quick_and_fits() -> None:
     assert DEFAULT_SIZES[0] == 2**10 and DEFAULT_SIZES[-1] == 2**22
 
 
+def test_measure_codec_times_what_the_step_runs_feedback_and_combine() -> None:
+    """Error feedback of a sparse payload is O(k) and a top-k receiver sums W payloads into one buffer: both
+    cost far less than W dense decodes at 2**20 elements (the old model's d)."""
+    size = (2**20,)
+    c = create("topk", ratio=0.01)
+    decode = measure_codec(c, size, repeats=3, part="decode").seconds[0]
+    feedback = measure_codec(c, size, repeats=3, part="feedback").seconds[0]
+    combine = measure_codec(c, size, repeats=3, part="combine", world=4).seconds[0]
+    assert 0 < feedback < decode and 0 < combine < 4 * decode
+    with pytest.raises(MergeError, match="world=0 must be an integer >= 1"):
+        measure_codec(c, size, part="combine", world=0)
+    with pytest.raises(MergeError, match="'feedback' or 'combine'"):
+        measure_codec(c, size, part="both-ways")  # type: ignore[arg-type]
+
+
 def test_measure_codec_leaves_the_callers_state_alone() -> None:
     c = create("signum", momentum=0.9)
     measure_codec(c, (256,), repeats=1)

@@ -481,12 +481,14 @@ class Runtime:
         self._check_comm_thread("run_allreduce", "allreduce")
         return self._executor_for(tensors, op, algorithm).run(tensors, op)
 
-    def run_allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def run_allgather(self, tensor: torch.Tensor, *, equal_sizes: bool = False) -> list[torch.Tensor]:
         """Every rank's 1-D ``tensor`` (sizes may differ between ranks), in rank order; comm thread only.
 
         gloo's ``all_gather`` needs equal sizes, so the sizes travel first and every tensor is padded to the
         largest, then trimmed. On a transport without a torch process group (MPI, in-process) the same two
-        rounds go point to point.
+        rounds go point to point. ``equal_sizes``: the caller knows every rank passes as many elements as
+        this one (a payload whose size follows from the tensor's shape alone), so the sizes round is skipped --
+        one collective instead of two, which counts when ranks share cores and each round waits for all of them.
         """
         self._check_comm_thread("run_allgather", "allgather")
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
@@ -494,8 +496,8 @@ class Runtime:
         tensor = tensor.contiguous()
         group = getattr(self.transport, "group", None)
         if group is not None:
-            return _gather_torch(tensor, group, self.world_size)
-        return _gather_p2p(tensor, self.transport, self.timeout_s)
+            return _gather_torch(tensor, group, self.world_size, equal_sizes)
+        return _gather_p2p(tensor, self.transport, self.timeout_s, equal_sizes)
 
     def allgather_async(self, tensor: torch.Tensor) -> Work:
         """Queue :meth:`run_allgather` of ``tensor``; the future holds the list of every rank's tensor."""
@@ -681,9 +683,14 @@ def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _gather_torch(tensor: torch.Tensor, group: Any, world: int) -> list[torch.Tensor]:
+def _gather_torch(tensor: torch.Tensor, group: Any, world: int, equal_sizes: bool = False) -> list[torch.Tensor]:
     import torch.distributed as dist
 
+    if equal_sizes:
+        out = [torch.empty_like(tensor) for _ in range(world)]
+        if tensor.numel():
+            dist.all_gather(out, tensor, group=group)
+        return out
     size = torch.tensor([tensor.numel()], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
@@ -697,12 +704,12 @@ def _gather_torch(tensor: torch.Tensor, group: Any, world: int) -> list[torch.Te
     return [o[:c] for o, c in zip(out, counts)]
 
 
-def _gather_p2p(tensor: torch.Tensor, transport: Transport, timeout_s: float) -> list[torch.Tensor]:
+def _gather_p2p(tensor: torch.Tensor, transport: Transport, timeout_s: float, equal_sizes: bool = False) -> list[torch.Tensor]:
     rank, world = transport.rank, transport.world_size
     peers = [p for p in range(world) if p != rank]
     size = torch.tensor([tensor.numel()], dtype=torch.int64)
-    sizes = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
-    handles = [transport.isend(size, p, 0) for p in peers] + [transport.irecv(sizes[p], p, 0) for p in peers]
+    sizes = {p: size.clone() if equal_sizes else torch.zeros(1, dtype=torch.int64) for p in peers}
+    handles = [] if equal_sizes else [transport.isend(size, p, 0) for p in peers] + [transport.irecv(sizes[p], p, 0) for p in peers]
     for h in handles:
         h.wait(timeout_s)
     out: list[torch.Tensor] = [tensor if p == rank else torch.empty(int(sizes[p].item()), dtype=tensor.dtype) for p in range(world)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,11 +44,13 @@ __all__ = [
     "Memory",
     "TensorInfo",
     "TwoRoundCompressor",
+    "as_buffer",
     "create",
     "create_memory",
     "payload_nbytes",
     "register_compressor",
     "register_memory",
+    "shares_memory",
     "simulate_step",
     "stable_seed",
 ]
@@ -140,11 +143,22 @@ class Compressor(ABC):
     #: Set by compressors that are a plain elementwise cast (``compress`` = ``x.to(cast_dtype)``,
     #: ``decompress`` = cast back, no state): a hook may then cast a whole bucket at once and sum it natively.
     cast_dtype: ClassVar[torch.dtype | None] = None
+    #: Whether every payload tensor's shape and dtype follow from the :class:`TensorInfo` alone, never from the
+    #: values: every rank's payload for the same tensors then has the same size, and an allgather can skip the
+    #: round that exchanges sizes. Leave False for data-dependent sizes (e.g. a threshold sparsifier).
+    payload_shapes_fixed: ClassVar[bool] = False
+    #: Whether a MergeComp group is compressed as one flat buffer (its tensors concatenated). False for
+    #: compressors that need each tensor's own shape (PowerSGD's matrices): a merged group is then a batch --
+    #: every tensor compressed alone, under its own name, and the group's payloads sent in one collective
+    #: per round.
+    merges_flat: ClassVar[bool] = True
 
     def __init__(self) -> None:
         #: Per-tensor state that persists across steps, keyed by ``info.name``.
         self._state: dict[str, Any] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
+        #: Scratch buffers (:meth:`_workspace`), never part of a payload or of the state.
+        self._workspaces: dict[tuple[str, torch.dtype, torch.device, int], Tensor] = {}
 
     # -- the contract ---------------------------------------------------------------------------------
 
@@ -165,6 +179,68 @@ class Compressor(ABC):
     def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
         """Combine decompressed tensors from all workers (allgather); the sum unless a method says otherwise."""
         return torch.stack(list(tensors)).sum(dim=0)
+
+    def sparse(self, payload: Sequence[Tensor], ctx: Context) -> tuple[Tensor, Tensor] | None:
+        """``(indices, values)`` when ``decompress(payload, ctx)`` is zero but for ``values`` at the distinct flat
+        ``indices``, else None (a dense payload). Lets error feedback and aggregation run in O(k), not O(d)."""
+        return None
+
+    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context, out: Tensor | None = None) -> Tensor:
+        """``aggregate([decompress(p, ctx) for p in payloads])`` (every worker's payload, as a receiver sees them),
+        in a tensor the caller owns: ``out`` where the method can write there, else a new one.
+
+        ``out``: a contiguous buffer of ``info.numel`` elements the result may be written into (its contents are
+        overwritten; never a payload tensor) -- the destination the caller copies from anyway, already in
+        memory, where a new d-element tensor per step would cost page faults. For the sum, each payload is
+        decoded and added into one running buffer as it comes (the additions of ``stack(...).sum(0)`` in the
+        same order, so the same bits; fp16/bf16 add in float32 and round once, as that reduction does) instead
+        of W dense tensors stacked; a sparse payload is added at its indices into one zeroed buffer without
+        being decoded at all. Methods with their own :meth:`aggregate` get it unchanged unless they override
+        this too.
+        """
+        payloads = list(payloads)
+        info = ctx.info
+        if not payloads:
+            raise CompressionError(f"combine of {info.name!r} needs at least one payload")
+        if type(self).aggregate is not Compressor.aggregate:
+            return self.aggregate([self.decompress(p, ctx) for p in payloads])
+        acc = work_dtype(info.dtype)
+        pairs = [self.sparse(p, ctx) for p in payloads]
+        if all(pair is not None for pair in pairs):
+            sums = as_buffer(out, info.numel, acc)
+            if sums is None:
+                sums = torch.zeros(info.numel, dtype=acc, device=pairs[0][1].device)  # type: ignore[index]
+            else:
+                sums.zero_()
+            for indices, values in pairs:  # type: ignore[misc]
+                sums.index_add_(0, indices, cast(cast(values, info.dtype), acc))
+            return cast(sums, info.dtype).reshape(info.shape)
+        out = self.decompress(payloads[0], ctx)
+        if out.dtype != acc:
+            out = cast(out, acc)
+        elif shares_memory(out, payloads[0]):
+            out = out.clone()
+        for p in payloads[1:]:
+            out.add_(self.decompress(p, ctx))
+        return cast(out, info.dtype)
+
+    def subtract_decoded(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Context, *, inplace: bool = False) -> Tensor:
+        """``tensor - decompress(payload, ctx)``: what error feedback keeps (the same bits).
+
+        With ``inplace`` (the caller owns ``tensor`` and gives it up) the difference is written into ``tensor``
+        -- unless a payload tensor shares its memory (``none`` sends the tensor itself): one pass and no new
+        buffer, and O(k) for a sparse payload (only the sent elements change).
+        """
+        inplace = inplace and tensor.is_contiguous() and not shares_memory(tensor, payload)
+        pair = self.sparse(payload, ctx)
+        if pair is not None and tensor.is_contiguous():
+            indices, values = pair
+            out = tensor if inplace else tensor.clone()
+            # x - v as x + (-1) v: negation is exact, so the same bits as the dense subtraction
+            out.view(-1).index_add_(0, indices, cast(values, out.dtype), alpha=-1)
+            return out
+        decoded = self.decompress(payload, ctx)
+        return tensor.sub_(decoded) if inplace and not shares_memory(tensor, [decoded]) else tensor - decoded
 
     @abstractmethod
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
@@ -199,6 +275,20 @@ class Compressor(ABC):
             self._generators[device] = gen
         return gen
 
+    def _workspace(self, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1-D scratch tensor of ``numel`` elements, reused from call to call (contents undefined).
+
+        One buffer per ``slot`` and thread, grown to the largest size asked for: a fresh d-element temporary per
+        call costs page faults on top of its pass. Per thread, because one step compresses the next group on
+        the caller's thread while the communication thread decodes the last. Only for values that die inside
+        one call (never a payload).
+        """
+        key = (slot, dtype, device, threading.get_ident())
+        buf = self._workspaces.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._workspaces[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
     def __repr__(self) -> str:
         names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
         args = ", ".join(f"{p}={getattr(self, p)!r}" for p in names if hasattr(self, p))
@@ -231,8 +321,9 @@ class TwoRoundCompressor(Compressor):
         """The summable second-round payload and a ctx built from the first round's sum."""
 
     @abstractmethod
-    def finish(self, payload_sum: Sequence[Tensor], ctx: Context) -> Tensor:
-        """Decompress the summed payload and keep what the next step warm-starts from."""
+    def finish(self, payload_sum: Sequence[Tensor], ctx: Context, out: Tensor | None = None) -> Tensor:
+        """Decompress the summed payload and keep what the next step warm-starts from; ``out`` as in
+        :meth:`Compressor.combine` (a buffer the result may be written into, or None)."""
 
 
 class Memory(ABC):
@@ -363,8 +454,7 @@ def simulate_step(
         result = compressor.decompress(summed, rounds[0][1])
     else:
         # Each receiver decompresses every gathered payload with its own ctx; worker 0 stands for all.
-        receiver_ctx = rounds[0][1]
-        result = compressor.aggregate([compressor.decompress(payload, receiver_ctx) for payload, _ in rounds])
+        result = compressor.combine([payload for payload, _ in rounds], rounds[0][1])
     if compressor.average:
         result = result / world
     return result.reshape(info.shape).to(info.dtype)
@@ -372,6 +462,19 @@ def simulate_step(
 
 def _sum(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack(list(tensors)).sum(dim=0)
+
+
+def as_buffer(out: Tensor | None, numel: int, dtype: torch.dtype) -> Tensor | None:
+    """``out`` as a flat buffer when it can take ``numel`` elements of ``dtype`` in place, else None."""
+    if out is None or out.dtype != dtype or out.numel() != numel or not out.is_contiguous():
+        return None
+    return out.view(-1)
+
+
+def shares_memory(tensor: Tensor, others: Sequence[Tensor]) -> bool:
+    """Whether ``tensor`` and any of ``others`` are views of one storage (writing one would change the other)."""
+    ptr = tensor.untyped_storage().data_ptr()
+    return any(isinstance(o, Tensor) and o.untyped_storage().data_ptr() == ptr for o in others)
 
 
 def check_matches(tensor: Tensor, info: TensorInfo) -> None:

@@ -20,6 +20,7 @@ from gradsync.compress.base import (
     TensorInfo,
     check_unit_interval,
     register_memory,
+    shares_memory,
 )
 
 __all__ = ["DEFAULT_MEMORY", "NoMemory", "ResidualMemory", "DGCMemory", "default_memory"]
@@ -56,15 +57,21 @@ class ResidualMemory(Memory):
         return self._state.get(name)
 
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
+        """``tensor + e``, added into ``e``'s own buffer (no new d-element tensor per step): until :meth:`update`
+        the buffer holds the compensated tensor, and :meth:`update` turns it back into the residual in place."""
         residual = self._state.get(info.name)
         if residual is None or residual.shape != tensor.shape:
             return tensor
-        return tensor + residual.to(tensor.dtype)
+        if residual.dtype != tensor.dtype or not residual.is_contiguous():
+            return tensor + residual.to(tensor.dtype)
+        return residual.add_(tensor)
 
     def update(
         self, tensor: Tensor, info: TensorInfo, compressor: Compressor, payload: Sequence[Tensor], ctx: Context
     ) -> None:
-        self._state[info.name] = tensor - compressor.decompress(payload, ctx)
+        # In place only in the buffer compensate returned (never the caller's gradient): O(k) when sparse.
+        owned = tensor is self._state.get(info.name)
+        self._state[info.name] = compressor.subtract_decoded(tensor, payload, ctx, inplace=owned)
 
 
 @register_memory("dgc")
@@ -91,20 +98,38 @@ class DGCMemory(Memory):
         return None if state is None else state[0]
 
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
+        """``u <- m u + g``; ``v <- v + u``, in the memory's own buffers after the first step (same bits)."""
         u, v = self._state.get(info.name, (None, None))
-        if u is None or u.shape != tensor.shape:
-            u, v = torch.zeros_like(tensor), torch.zeros_like(tensor)
-        u = u * self.momentum + tensor
-        v = v + u
+        if u is None or u.shape != tensor.shape or u.dtype != tensor.dtype:
+            u = torch.zeros_like(tensor) * self.momentum + tensor
+            v = torch.zeros_like(tensor) + u
+        else:
+            u.mul_(self.momentum).add_(tensor)
+            v.add_(u)
         self._state[info.name] = (u, v)
         return v
 
     def update(
         self, tensor: Tensor, info: TensorInfo, compressor: Compressor, payload: Sequence[Tensor], ctx: Context
     ) -> None:
-        u, _ = self._state.get(info.name, (torch.zeros_like(tensor), None))
+        u, v = self._state.get(info.name, (None, None))
+        if u is None or u.shape != tensor.shape:
+            u = torch.zeros_like(tensor)
+        # In place only in the buffers compensate returned (never the caller's tensor).
+        owned = tensor is v and u.is_contiguous()
+        pair = compressor.sparse(payload, ctx)
+        if owned and pair is not None:  # O(k): mask u where a non-zero was sent, subtract what was sent
+            indices, values = pair
+            u.view(-1).index_fill_(0, indices[values != 0].to(torch.int64), 0)
+            self._state[info.name] = (u, compressor.subtract_decoded(tensor, payload, ctx, inplace=True))
+            return
         sent = compressor.decompress(payload, ctx)
-        self._state[info.name] = (u.masked_fill(sent != 0, 0), tensor - sent)
+        mask = sent != 0
+        u = u.masked_fill_(mask, 0) if owned else u.masked_fill(mask, 0)
+        if owned and not shares_memory(tensor, [*payload, sent]):
+            self._state[info.name] = (u, tensor.sub_(sent))
+        else:
+            self._state[info.name] = (u, tensor - sent)
 
 
 #: Error feedback each compressor is meant to run with (biased ones need it; unbiased or voting ones do not).

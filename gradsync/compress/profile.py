@@ -112,9 +112,10 @@ def measure_codec(
     *,
     repeats: int = 5,
     dtype: torch.dtype = torch.float32,
-    part: Literal["both", "encode", "decode"] = "both",
+    part: Literal["both", "encode", "decode", "feedback", "combine"] = "both",
     seed: int = 0,
     timer: Callable[[], float] = time.perf_counter,
+    world: int = 1,
 ) -> Samples:
     """Seconds to compress and decompress one flat tensor of each size: the minimum of ``repeats`` runs.
 
@@ -125,13 +126,20 @@ def measure_codec(
     the caller. For allgather compressors the decode of one payload is timed (a receiver decodes one per
     worker: scale by the world size). Tensors are flat, as MergeComp's merged buffers are; a compressor that
     passes 1-D tensors through (PowerSGD) therefore measures as nearly free.
+
+    What a step really runs besides ``encode``: ``"feedback"`` times error feedback's in-place
+    ``subtract_decoded`` (O(k) for a sparse payload, where a decode is O(d)); ``"combine"`` times a receiver's
+    :meth:`~gradsync.compress.base.Compressor.combine` of ``world`` payloads into a reused buffer (one zeroed
+    buffer and W sparse adds for top-k, not W decodes).
     """
     if not isinstance(compressor, Compressor):
         raise MergeError(f"compressor={compressor!r} must be a Compressor (gradsync.compress.create(name))")
     sizes = _check_sizes(sizes)
     repeats = _check_repeats(repeats)
-    if part not in ("both", "encode", "decode"):
-        raise MergeError(f"part={part!r} must be 'both', 'encode' or 'decode'")
+    if part not in ("both", "encode", "decode", "feedback", "combine"):
+        raise MergeError(f"part={part!r} must be 'both', 'encode', 'decode', 'feedback' or 'combine'")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise MergeError(f"world={world!r} must be an integer >= 1 (payloads a receiver combines)")
     codec = _fresh(compressor)
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -139,11 +147,23 @@ def measure_codec(
         x = torch.randn(size, generator=gen).to(dtype)
         info = TensorInfo(f"mergecomp.profile.{size}", (size,), dtype)
         best = math.inf
+        scratch = torch.empty(size, dtype=dtype)
         for run in range(repeats + 1):
             if part == "decode":
                 payload, ctx = codec.compress(x, info)
                 t0 = timer()
                 codec.decompress(payload, ctx)
+                t1 = timer()
+            elif part == "feedback":
+                payload, ctx = codec.compress(x, info)
+                scratch.copy_(x)
+                t0 = timer()
+                codec.subtract_decoded(scratch, payload, ctx, inplace=True)
+                t1 = timer()
+            elif part == "combine":
+                payload, ctx = codec.compress(x, info)
+                t0 = timer()
+                codec.combine([payload] * world, ctx, scratch)
                 t1 = timer()
             else:
                 t0 = timer()

@@ -37,6 +37,7 @@ class NoCompression(Compressor):
     """Send the tensor as is: the FP32 baseline every scaling factor in seed 004 is measured against."""
 
     communicator = "allreduce"
+    payload_shapes_fixed = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +57,7 @@ class FP16(Compressor):
     """Half precision on the wire, still summable by allreduce (seed 004 Table 1, Horovod's fp16 option)."""
 
     communicator = "allreduce"
+    payload_shapes_fixed = True
     cast_dtype = torch.float16
 
     def __init__(self) -> None:
@@ -86,6 +88,7 @@ class QSGD(Compressor):
     """
 
     communicator = "allgather"
+    payload_shapes_fixed = True
     #: Codes wider than this (level and sign) would not send fewer bits than float32 values.
     MAX_BITS = 31
 
@@ -166,6 +169,7 @@ class TernGrad(Compressor):
     """
 
     communicator = "allgather"
+    payload_shapes_fixed = True
     _BITS = 2  # codes: 0 -> 0, 1 -> +scale, 2 -> -scale
 
     def __init__(self, clip: float | None = 2.5, seed: int | None = None) -> None:

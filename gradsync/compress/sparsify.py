@@ -48,6 +48,7 @@ class _SparseValuesIndices(Compressor):
     """Payload ``[values, indices]``: k values in the input's dtype and k int32 (int64 past 2**31) indices."""
 
     communicator = "allgather"
+    payload_shapes_fixed = True
 
     def __init__(self, ratio: float) -> None:
         super().__init__()
@@ -57,14 +58,24 @@ class _SparseValuesIndices(Compressor):
     def _select(self, magnitude: Tensor, k: int) -> Tensor:
         """Indices of the k elements to send, given ``|x|``."""
 
+    def _flags(self, like: Tensor) -> Tensor:
+        """A reused bool scratch of ``like``'s size (the threshold comparison's output)."""
+        return self._workspace("flags", like.numel(), torch.bool, like.device)
+
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         k = k_of(flat.numel(), self.ratio)
-        indices = self._select(flat.abs(), k)
+        # |x| dies inside this call: written into a reused buffer
+        magnitude = torch.abs(flat, out=self._workspace("magnitude", flat.numel(), flat.dtype, flat.device))
+        indices = self._select(magnitude, k)
         return [flat.index_select(0, indices), indices.to(index_dtype(flat.numel()))], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         values, indices = payload
         return _place(values, indices, ctx.info.numel)
+
+    def sparse(self, payload: Sequence[Tensor], ctx: Context) -> tuple[Tensor, Tensor]:
+        values, indices = payload
+        return indices, values
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         numel = numel_of(shape)
@@ -96,7 +107,7 @@ class TopK(_SparseValuesIndices):
         if numel < self._SPARSE * samples or self.ratio > 1 / 8:
             return torch.topk(magnitude, k, sorted=False).indices
         return sampled_topk(magnitude, k, samples, self._OVERSAMPLE * self.ratio,
-                            self._generator(torch.device("cpu"), 0))
+                            self._generator(torch.device("cpu"), 0), self._flags(magnitude))
 
 
 @register_compressor("dgc")
@@ -123,27 +134,31 @@ class DGC(_SparseValuesIndices):
         if samples * 2 >= numel:
             return torch.topk(magnitude, k, sorted=False).indices
         return sampled_topk(magnitude, k, samples, self._OVERSAMPLE * self.ratio,
-                            self._generator(torch.device("cpu"), self.seed))
+                            self._generator(torch.device("cpu"), self.seed), self._flags(magnitude))
 
 
-def sampled_topk(magnitude: Tensor, k: int, samples: int, share: float, gen: torch.Generator | None) -> Tensor:
+def sampled_topk(magnitude: Tensor, k: int, samples: int, share: float, gen: torch.Generator | None,
+                 flags: Tensor | None = None) -> Tensor:
     """Indices of the ``k`` largest of ``magnitude`` (1-D): top-k among the elements at or above the ``share``
-    quantile of ``samples`` random ones (DGC §3), or of all when fewer than ``k`` reach it."""
+    quantile of ``samples`` random ones (DGC §3), or of all when fewer than ``k`` reach it. ``flags``: an
+    optional bool scratch of ``magnitude``'s size for the comparison."""
     numel = magnitude.numel()
     where = torch.randint(numel, (samples,), generator=gen)
     sample = magnitude[where.to(magnitude.device)]
     rank = min(samples, math.ceil(share * samples))
     threshold = torch.topk(sample, rank, sorted=False).values.min()
-    candidates = _at_least(magnitude, threshold)
+    candidates = _at_least(magnitude, threshold, flags)
     if candidates.numel() < k:
         return torch.topk(magnitude, k, sorted=False).indices
     return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
 
 
-def _at_least(values: Tensor, threshold: Tensor) -> Tensor:
-    """Ascending int64 indices where ``values >= threshold``; numpy on CPU (~3x ``torch.nonzero`` of a mask)."""
+def _at_least(values: Tensor, threshold: Tensor, flags: Tensor | None = None) -> Tensor:
+    """Ascending int64 indices where ``values >= threshold``; numpy on CPU (~3x ``torch.nonzero`` of a mask),
+    comparing into ``flags`` (a bool scratch) when given."""
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
-        return torch.from_numpy(np.flatnonzero(values.numpy() >= threshold.item())).to(torch.int64)
+        out = flags.numpy() if flags is not None and flags.shape == values.shape else None
+        return torch.from_numpy(np.flatnonzero(np.greater_equal(values.numpy(), threshold.item(), out=out)))
     return torch.nonzero(values >= threshold).reshape(-1)
 
 
@@ -174,6 +189,7 @@ class RandK(Compressor):
     """
 
     communicator = "allreduce"
+    payload_shapes_fixed = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
         super().__init__()
@@ -193,6 +209,9 @@ class RandK(Compressor):
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         return _place(payload[0], ctx.extra[0], ctx.info.numel)
+
+    def sparse(self, payload: Sequence[Tensor], ctx: Context) -> tuple[Tensor, Tensor]:
+        return ctx.extra[0], payload[0]
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         return k_of(numel_of(shape), self.ratio) * dtype.itemsize

@@ -8,8 +8,9 @@ A :class:`Communicator` moves payloads between workers and returns the aggregate
 * ``allgather`` -- everything else (indices, packed bits, per-worker scales). Each worker's payload (a list
   of tensors of various dtypes and shapes) is serialised into **one** uint8 buffer with an explicit header
   (:func:`~gradsync.compress.payload.pack_payload`; no pickle), the buffers are gathered with uneven sizes
-  (:meth:`~gradsync.comm.runtime.Runtime.run_allgather`: sizes first, then padded), and each receiver
-  decompresses every worker's payload with its own ctx and aggregates;
+  (:meth:`~gradsync.comm.runtime.Runtime.run_allgather`: sizes first, then padded; one round when the
+  compressor's payload size follows from the shapes alone), and each receiver decodes every worker's payload
+  with its own ctx into one running aggregate (:meth:`~gradsync.compress.base.Compressor.combine`);
 * ``ps`` -- through the parameter server (``gradsync/ps``, :class:`PSCommunicator`): summable payloads are
   pushed, a synchronous server round adds them, and the sum is pulled back.
 
@@ -42,6 +43,7 @@ from gradsync.compress.base import (
     TwoRoundCompressor,
     create,
     create_memory,
+    shares_memory,
 )
 from gradsync.compress.memory import default_memory
 from gradsync.compress.payload import pack_payload, unpack_payload
@@ -93,16 +95,20 @@ class Communicator(ABC):
         return self.runtime.submit(fn, self.name)
 
     @abstractmethod
-    def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
-        """Every worker's payload for each item -> the aggregated tensor per item (comm thread only)."""
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
+        """Every worker's payload for each item -> the aggregated tensor per item (comm thread only).
+
+        ``outs``: per item, a buffer the aggregate may be written into (or None); a communicator may ignore it.
+        """
 
     def reduce_sum(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Sum ``tensors`` over workers in place (comm thread only); communicators with ``sums`` override."""
         raise CompressionError(f"communicator {self.name!r} cannot sum tensors; two-round compressors need 'allreduce'")
 
-    def _finish(self, compressor: Compressor, result: Tensor, info: TensorInfo) -> Tensor:
+    def _finish(self, compressor: Compressor, result: Tensor, info: TensorInfo, *, owned: bool = False) -> Tensor:
+        """The average over workers (``owned``: divided in ``result``'s own buffer), in ``info``'s shape and dtype."""
         if compressor.average:
-            result = result / self.world_size
+            result = result.div_(self.world_size) if owned and result.dtype.is_floating_point else result / self.world_size
         return result.reshape(info.shape).to(info.dtype)
 
 
@@ -146,10 +152,14 @@ class AllreduceCommunicator(Communicator):
             self.runtime.run_allreduce(group, "sum")
         return tensors
 
-    def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         flat = [t for payload, _ in items for t in payload]
         self.reduce_sum(flat)
-        return [self._finish(compressor, compressor.decompress(payload, ctx), ctx.info) for payload, ctx in items]
+        return [self._decoded(compressor, compressor.decompress(payload, ctx), payload, ctx) for payload, ctx in items]
+
+    def _decoded(self, compressor: Compressor, result: Tensor, payload: Sequence[Tensor], ctx: Context) -> Tensor:
+        """:meth:`_finish` of a decoded sum: averaged in place unless it is a payload tensor (``none`` sends x)."""
+        return self._finish(compressor, result, ctx.info, owned=not shares_memory(result, payload))
 
 
 @register_communicator("allgather")
@@ -159,10 +169,10 @@ class AllgatherCommunicator(Communicator):
     All items of one call travel in one buffer, so a DDP bucket or a merged group costs one allgather.
     """
 
-    def exchange(self, compressor: Compressor, items: Sequence[Item]) -> list[Tensor]:
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
         counts = [len(payload) for payload, _ in items]
         mine = pack_payload([t for payload, _ in items for t in payload])
-        gathered = [unpack_payload(b) for b in self.runtime.run_allgather(mine)]
+        gathered = [unpack_payload(b) for b in self.runtime.run_allgather(mine, equal_sizes=compressor.payload_shapes_fixed)]
         for rank, tensors in enumerate(gathered):
             if len(tensors) != sum(counts):
                 raise CompressionError(
@@ -170,9 +180,10 @@ class AllgatherCommunicator(Communicator):
                     "ran different compressors or partitions"
                 )
         out, at = [], 0
-        for (_, ctx), n in zip(items, counts):
-            decoded = [compressor.decompress(tensors[at : at + n], ctx) for tensors in gathered]
-            out.append(self._finish(compressor, compressor.aggregate(decoded), ctx.info))
+        for i, ((_, ctx), n) in enumerate(zip(items, counts)):
+            # decoded and summed into the destination where given; either way the caller's: averaged in place
+            combined = compressor.combine([tensors[at : at + n] for tensors in gathered], ctx, outs[i] if outs else None)
+            out.append(self._finish(compressor, combined, ctx.info, owned=True))
             at += n
         return out
 
@@ -265,26 +276,35 @@ class CompressionStep:
         """The aggregate of ``tensor`` over workers (blocks until it has travelled)."""
         return self.step_async([tensor], [info]).wait()[0]
 
-    def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo]) -> Work:
+    def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False) -> Work:
         """Start the step for several tensors at once; the work's result is the list of aggregates.
 
         The local half (compensate, compress, memory update) runs here, on the caller's thread, as
         MergeComp compresses on the compute stream; the exchange and the decode run on the communication
         thread. Two-round compressors do all of it there, since their memory update needs round one's sum.
+
+        ``reuse``: the caller gives ``tensors`` up (a merged group's own flat buffer, gradients about to be
+        overwritten by their aggregates): an aggregate may be written into its input's buffer once nothing
+        needs that any more -- the memory copied it into its own state and no payload tensor is it -- instead
+        of into a new tensor.
         """
         if len(tensors) != len(infos):
             raise CompressionError(f"{len(tensors)} tensors but {len(infos)} TensorInfos: give one info per tensor")
         compensated = [self.memory.compensate(t, i) for t, i in zip(tensors, infos)]
+        # an input the memory copied is free once compressed (the memory holds x, not t)
+        free = [t if reuse and x is not t and not shares_memory(t, [x]) else None for t, x in zip(tensors, compensated)]
         if self.two_rounds:
-            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos)))
+            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), free))
         items: list[Item] = []
-        for x, info in zip(compensated, infos):
+        outs: list[Tensor | None] = []
+        for t, x, info in zip(free, compensated, infos):
             payload, ctx = self.compressor.compress(x, info)
             self.memory.update(x, info, self.compressor, payload, ctx)
             items.append((payload, ctx))
-        return self.communicator.submit(lambda: self.communicator.exchange(self.compressor, items))
+            outs.append(None if t is None or shares_memory(t, payload) else t)
+        return self.communicator.submit(lambda: self.communicator.exchange(self.compressor, items, outs))
 
-    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo]) -> list[Tensor]:
+    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], outs: list[Tensor | None]) -> list[Tensor]:
         c = self.compressor
         assert isinstance(c, TwoRoundCompressor)  # guarded by self.two_rounds
         firsts = [c.first_round(x, info) for x, info in zip(xs, infos)]
@@ -293,4 +313,9 @@ class CompressionStep:
         for x, info, (payload, ctx) in zip(xs, infos, rounds):
             self.memory.update(x, info, c, payload, ctx)
         self.communicator.reduce_sum([t for payload, _ in rounds for t in payload])
-        return [self.communicator._finish(c, c.finish(payload, ctx), ctx.info) for payload, ctx in rounds]
+        results = []
+        for (payload, ctx), out in zip(rounds, outs):
+            # a new tensor or ``out``, unless the tensor went dense (then the summed payload: not ours to divide)
+            result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out)
+            results.append(self.communicator._finish(c, result, ctx.info, owned=not shares_memory(result, payload)))
+        return results

@@ -117,19 +117,20 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     for info in infos:
         state.payload_bytes += comp.payload_bytes(info.shape, info.dtype)
         state.dense_bytes += info.nbytes
-    # The views in ``tensors`` alias ``buffer``; the local half copies what it needs before anything is written.
-    inner = state.step.step_async(tensors, infos)
+    # The views in ``tensors`` alias ``buffer``; the local half copies what it needs before anything is written,
+    # and an aggregate may be decoded straight into its gradient's place in the bucket (reuse).
+    inner = state.step.step_async(tensors, infos, reuse=True)
     out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def write_back(fut: torch.futures.Future) -> None:
         try:
             results = fut.value()
             if state.merge == "bucket":
-                buffer.copy_(results[0])
+                _place(buffer, results[0])
             else:  # by offset: whether bucket.gradients() are views of the buffer is DDP's business
                 at = 0
                 for r in results:
-                    buffer[at : at + r.numel()].copy_(r.reshape(-1))
+                    _place(buffer[at : at + r.numel()], r.reshape(-1))
                     at += r.numel()
             out.set_result(buffer)
         except Exception as exc:  # noqa: BLE001 - delivered to DDP's wait
@@ -137,6 +138,12 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
 
     inner.future.add_done_callback(write_back)
     return out
+
+
+def _place(dest: torch.Tensor, result: torch.Tensor) -> None:
+    """``dest.copy_(result)``, skipped when the aggregate was decoded in place (the same elements)."""
+    if not (result.data_ptr() == dest.data_ptr() and result.shape == dest.shape and result.stride() == dest.stride()):
+        dest.copy_(result)
 
 
 def _bucket_key(state: CompressionHookState, bucket: dist.GradBucket) -> str:

@@ -59,10 +59,11 @@ def profile_cost_model(
 ) -> CostModel:
     """A :class:`CostModel` for ``step`` measured on this machine, identical on every rank.
 
-    What is timed matches what :class:`MergedGroups` does: ``h`` = encode, plus one decode when the memory
-    decodes the local payload (error feedback), inline on the compute thread; ``g`` = the exchange of a
-    group's payload bytes (allreduce of the payload, or the uneven allgather of the packed buffer); ``d`` =
-    the decodes after it (one per worker for allgather, one for allreduce). Each is measured at
+    What is timed matches what :class:`MergedGroups` does: ``h`` = encode, plus error feedback's in-place
+    subtraction of the local payload when there is a memory, inline on the compute thread; ``g`` = the
+    exchange of a group's payload bytes (allreduce of the payload, or the allgather of the packed buffer);
+    ``d`` = the decode after it (every worker's payload combined into one buffer for allgather, the summed
+    payload's decode for allreduce). Each is measured at
     :func:`probe_sizes` and interpolated (:class:`~gradsync.compress.profile.MeasuredCost`: caches make
     ``h`` non-linear). This is a collective: every rank must call it with the same sizes. The timeline
     (``ready_s``, ``backward_end_s``) and all measurements are averaged over ranks before planning.
@@ -71,9 +72,13 @@ def profile_cost_model(
     world = rt.world_size
     probes = probe_sizes(sizes, points)
     enc = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="encode")
-    dec = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="decode")
-    decodes_after = world if step.communicator.name == "allgather" else 1
-    inline_decode = 0 if isinstance(step.memory, NoMemory) else 1
+    if isinstance(step.memory, NoMemory):
+        feedback = Samples(probes, tuple(0.0 for _ in probes))
+    else:
+        feedback = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="feedback")
+    gathers = step.communicator.name == "allgather"
+    dec = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="combine" if gathers else "decode",
+                        world=world)
 
     def send(nbytes: int) -> float:
         def job() -> float:
@@ -81,21 +86,22 @@ def profile_cost_model(
             if step.communicator.sums:
                 rt.run_allreduce(torch.zeros(max(1, nbytes // 4), dtype=torch.float32), "sum")
             else:
-                rt.run_allgather(torch.zeros(nbytes + 64, dtype=torch.uint8))  # + the payload header
+                rt.run_allgather(torch.zeros(nbytes + 64, dtype=torch.uint8),  # + the payload header
+                                 equal_sizes=step.compressor.payload_shapes_fixed)
             return time.perf_counter() - t0
 
         return float(rt.submit(job, "profile").wait())
 
     comm = measure_comm(send, probes, compressor=step.compressor, dtype=dtype, repeats=repeats)
     k = len(probes)
-    local = [*enc.seconds, *dec.seconds, *comm.seconds, *ready_s, backward_end_s, forward_s]
+    local = [*enc.seconds, *feedback.seconds, *dec.seconds, *comm.seconds, *ready_s, backward_end_s, forward_s]
     avg = _average_over_ranks(rt, local)
-    e, d, g = avg[:k], avg[k : 2 * k], avg[2 * k : 3 * k]
-    ready = avg[3 * k : 3 * k + len(ready_s)]
+    e, f, d, g = avg[:k], avg[k : 2 * k], avg[2 * k : 3 * k], avg[3 * k : 4 * k]
+    ready = avg[4 * k : 4 * k + len(ready_s)]
     end, fwd = avg[-2], avg[-1]
     ready = list(np.maximum.accumulate(np.maximum(ready, 0.0)))
-    h = MeasuredCost.from_samples(Samples(probes, tuple(a + inline_decode * b for a, b in zip(e, d))))
-    after = MeasuredCost.from_samples(Samples(probes, tuple(decodes_after * b for b in d)))
+    h = MeasuredCost.from_samples(Samples(probes, tuple(a + b for a, b in zip(e, f))))
+    after = MeasuredCost.from_samples(Samples(probes, tuple(d)))
     send_cost = MeasuredCost.from_samples(Samples(probes, tuple(g)))
     return CostModel(
         sizes=tuple(int(s) for s in sizes),
@@ -113,6 +119,9 @@ class _Group:
     index: int
     members: tuple[int, ...]  # tensor indices in backward order
     info: TensorInfo
+    #: The members' own records when the compressor keeps shapes (``merges_flat`` False, PowerSGD): the group
+    #: is a batch, each member compressed alone and the payloads sent together; empty for a flat group.
+    parts: tuple[TensorInfo, ...] = ()
 
 
 class MergedGroups:
@@ -121,7 +130,10 @@ class MergedGroups:
     ``names``/``shapes``: the tensors in backward order (index 0 is the first gradient backward produces);
     ``partition`` cuts them. A group of one tensor keeps that tensor's shape and name (so layer-wise
     compression is exactly per-tensor compression, and PowerSGD sees matrices); a larger group is one flat
-    buffer named after its first and last tensor. All tensors must share one floating dtype.
+    buffer named after its first and last tensor -- unless the compressor keeps shapes (``merges_flat``
+False, PowerSGD), when a group is a batch of its tensors under their own names, compressed one by one and
+exchanged together (one collective per round instead of one per tensor). All tensors must share one
+floating dtype.
     """
 
     def __init__(
@@ -131,12 +143,17 @@ class MergedGroups:
         shapes: Sequence[Sequence[int]],
         dtype: torch.dtype,
         partition: Partition,
+        *,
+        reuse_inputs: bool = False,
     ) -> None:
         if len(names) != len(shapes) or partition.n != len(names):
             raise MergeError(
                 f"{len(names)} names, {len(shapes)} shapes and a partition of {partition.n} tensors: give one of each per tensor"
             )
         self.step = step
+        #: Whether the gradients given to :meth:`add` may be overwritten by their aggregates (the optimizer's
+        #: ``.grad``, which step() overwrites anyway): each aggregate is then decoded straight into its gradient.
+        self.reuse_inputs = reuse_inputs
         self.names = list(names)
         self.shapes = [tuple(int(s) for s in shape) for shape in shapes]
         self.numels = [math.prod(s) for s in self.shapes]
@@ -144,19 +161,27 @@ class MergedGroups:
         self.partition = partition
         self.groups: list[_Group] = []
         self.group_of: list[int] = [0] * len(names)
+        compressor = getattr(step, "compressor", None)
+        batched = compressor is not None and not compressor.merges_flat
         for j, (a, b) in enumerate(partition.bounds):
             members = tuple(range(a, b))
             for i in members:
                 self.group_of[i] = j
+            parts: tuple[TensorInfo, ...] = ()
             if len(members) == 1:
                 info = TensorInfo(self.names[a], self.shapes[a], dtype, j)
             else:
                 total = sum(self.numels[a:b])
                 info = TensorInfo(f"merged[{a}:{b}]:{self.names[a]}..{self.names[b - 1]}", (total,), dtype, j)
-            self.groups.append(_Group(j, members, info))
+                if batched:
+                    parts = tuple(TensorInfo(self.names[i], self.shapes[i], dtype, i) for i in members)
+            self.groups.append(_Group(j, members, info, parts))
         self._pending: dict[int, dict[int, Tensor]] = {}
         self._works: list[tuple[_Group, Work]] = []
         self._sent: set[int] = set()
+        #: Each merged group's flat buffer, reused every step (a fresh 13 MB tensor per step costs page faults
+        #: on top of the copy): the gradients are concatenated into it, and the aggregate may come back in it.
+        self._flat: dict[int, Tensor] = {}
 
     @property
     def num_groups(self) -> int:
@@ -191,20 +216,37 @@ class MergedGroups:
         parts = [
             got[i] if i in got else torch.zeros(self.shapes[i], dtype=self.dtype) for i in g.members
         ]
+        if g.parts:  # a batch: every member under its own name and shape, one exchange
+            self._sent.add(g.index)
+            work = self.step.step_async([p.detach() for p in parts], list(g.parts), reuse=self.reuse_inputs)
+            self._works.append((g, work))
+            return
         if len(parts) == 1:
             buf = parts[0].detach()
         else:
-            buf = torch.cat([p.detach().reshape(-1) for p in parts])
+            buf = self._flat.get(g.index)
+            if buf is None or buf.dtype != self.dtype:
+                buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype)
+            torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         self._sent.add(g.index)
-        self._works.append((g, self.step.step_async([buf], [g.info])))
+        # a merged group's buf is ours: the aggregate may come back in it
+        self._works.append((g, self.step.step_async([buf], [g.info], reuse=len(parts) > 1 or self.reuse_inputs)))
 
     def wait(self) -> list[Tensor]:
-        """Every tensor's aggregate in backward order (after :meth:`flush`); resets for the next step."""
+        """Every tensor's aggregate in backward order (after :meth:`flush`); resets for the next step.
+
+        A merged group's aggregates may be views of the group's reused buffer: they hold until the next step
+        adds that group's first gradient (copy them to keep them longer; the optimizer copies them into ``.grad``).
+        """
         self.flush()
         out: list[Tensor | None] = [None] * len(self.names)
         works, self._works = self._works, []
         self._sent.clear()
         for g, work in works:
+            if g.parts:
+                for i, r in zip(g.members, work.wait()):
+                    out[i] = r
+                continue
             result = work.wait()[0]
             if len(g.members) == 1:
                 out[g.members[0]] = result

@@ -150,7 +150,8 @@ class DistributedOptimizer:
 
         self._index = {id(p): i for i, (_, p) in enumerate(self._params)}
         self._groups = MergedGroups(
-            self.compression, [n for n, _ in self._params], [tuple(p.shape) for _, p in self._params], self._dtype, partition
+            self.compression, [n for n, _ in self._params], [tuple(p.shape) for _, p in self._params], self._dtype, partition,
+            reuse_inputs=True,  # .grad gets the aggregate anyway: decode it straight there
         )
 
     def _on_grad_compressed(self, param: torch.Tensor) -> None:
@@ -171,8 +172,8 @@ class DistributedOptimizer:
         for (_, p), r in zip(self._params, results):
             if p.grad is None:
                 p.grad = r.detach().clone()
-            else:
-                p.grad.copy_(r)
+            elif not (r.data_ptr() == p.grad.data_ptr() and r.stride() == p.grad.stride() and r.shape == p.grad.shape):
+                p.grad.copy_(r)  # (decoded straight into .grad otherwise: nothing to copy)
         if self._calibrating:
             self._calibrate(end)
 
