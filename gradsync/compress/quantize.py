@@ -28,8 +28,6 @@ from gradsync.compress.packing import less, pack_uint, packed_nbytes, unpack_fie
 __all__ = ["NoCompression", "FP16", "QSGD", "TernGrad"]
 
 _SCALE_DTYPE = torch.float32  # norms and scales travel as float32 whatever the gradient's dtype
-#: The integer view of a work dtype, for setting sign bits in place.
-_INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 @register_compressor("none", aliases=("fp32", "identity"))
@@ -135,21 +133,40 @@ class QSGD(Compressor):
         return [norms.reshape(-1).to(_SCALE_DTYPE), packed], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
+        return self._decode(payload, ctx)
+
+    def _decode(self, payload: Sequence[Tensor], ctx: Context, padded: Tensor | None = None) -> Tensor:
+        """The values, in the work dtype, in ``padded`` (``size * count`` elements) or a new buffer."""
         norms, packed = payload
         numel = ctx.info.numel
         codes = packed[:numel] if self.bits == 8 else unpack_uint(packed, self.bits, numel)
         size, count = self._buckets(numel)
         dtype = work_dtype(ctx.info.dtype)
         # |value| = level * (||x|| / s) per bucket, written into a padded buffer so the broadcast needs no copy
-        buf = torch.empty(size * count, dtype=dtype, device=codes.device)
+        buf = torch.empty(size * count, dtype=dtype, device=codes.device) if padded is None else padded
         buf[numel:].zero_()
         out = buf[:numel]
         out.copy_(codes >> 1)
         buf.view(count, size).mul_((norms.to(dtype) / self.levels).unsqueeze(1))
-        # the sign bit set by XOR: exactly ``-v`` (zeros become -0.0 as negation makes them), without a where
-        bits = _INT_OF[dtype]
-        out.view(bits).bitwise_xor_((codes & 1).to(bits).bitwise_left_shift_(8 * dtype.itemsize - 1))
-        return out
+        # the sign: times -1 where the bit is set, exactly ``-v`` (zeros become -0.0 as negation makes them),
+        # by an int8 factor (one byte per element where a sign-bit XOR needs a 4-8 byte integer tensor)
+        negative = (codes & 1).view(torch.int8) if codes.dtype == torch.uint8 else (codes & 1).to(torch.int8)
+        return out.mul_(negative.mul_(-2).add_(1))
+
+    def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context, out: Tensor | None = None) -> Tensor:
+        """The sum of the decoded payloads in order: the first decoded into a new buffer, each other into one
+        reused buffer and added (no W new d-element tensors)."""
+        info = ctx.info
+        dtype = work_dtype(info.dtype)
+        if info.dtype != dtype:  # the decoded values are rounded to fp16/bf16 before the sum
+            return super().combine(payloads, ctx)
+        total = self._decode(payloads[0], ctx)
+        if len(payloads) > 1:
+            size, count = self._buckets(info.numel)
+            scratch = self._workspace("decoded", size * count, dtype, total.device)
+            for payload in payloads[1:]:
+                total.add_(self._decode(payload, ctx, scratch))
+        return total.reshape(info.shape)
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         numel = numel_of(shape)
