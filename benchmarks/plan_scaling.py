@@ -25,6 +25,10 @@ them as MSCCL XML, their cost against the cut bound, and allreduce run as reduce
 the tree-packing allreduce (algbw = S / time; the trees win where GPUs have unequal bandwidth, p3.8xlarge
 75.0 vs 66.7 GB/s). Written to ``plan_collectives.json``. Goals: every case under 10 s, DGX-1 under 0.1 s.
 
+Large fabrics (issue 18: Fat-Trees to 3456 hosts, BCubes to 4096, ForestColl's A100/MI250 files, random graphs
+to 512 nodes, in fresh processes with peak memory and certified gaps): ``plan_scaling.py --fabrics [OPTIONS]``
+runs :mod:`plan_fabrics` (``gradsync bench plan-fabrics``); its options follow the flag.
+
 Run from the repository root::
 
     .venv/bin/python benchmarks/plan_scaling.py
@@ -421,6 +425,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--fabrics"]:  # issue 18's large fabrics: benchmarks/plan_fabrics.py, its own options
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from plan_fabrics import main as fabrics_main
+
+        return fabrics_main(argv[1:])
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
