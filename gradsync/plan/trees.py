@@ -76,8 +76,11 @@ class TreePricer:
         degree = np.bincount(rows, minlength=n)
         first = self.indptr[self.terminals]
         single = degree[self.terminals] == 1
-        self.anchor = np.where(single, self.indices[first], self.terminals).astype(np.int64)
-        self.anchor_link = np.where(single, self.slot[first], -1)
+        # (indexed only where single: a one-rank topology has no links, and np.where evaluates both sides)
+        self.anchor = self.terminals.copy()
+        self.anchor[single] = self.indices[first[single]]
+        self.anchor_link = np.full(len(self.terminals), -1, dtype=np.int64)
+        self.anchor_link[single] = self.slot[first[single]]
         self.sources, self.source_of = np.unique(self.anchor, return_inverse=True)
 
     def graph(self, weights: np.ndarray) -> csr_matrix:
