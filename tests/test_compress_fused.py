@@ -107,8 +107,8 @@ def test_residual_memory_in_place_gives_the_out_of_place_recursion(name: str) ->
     the memory that keeps e in one buffer; the caller's gradients are never written."""
     shape = (24, 50)
     info = TensorInfo("w", shape, torch.float32)
-    c, ref_c = _seeded(name, **({"ratio": 0.05} if name in ("topk", "dgc", "randk") else {})), None
-    ref_c = _seeded(name, **({"ratio": 0.05} if name in ("topk", "dgc", "randk") else {}))
+    kwargs = {"ratio": 0.05} if name in ("topk", "dgc", "randk") else {}
+    c, ref_c = _seeded(name, **kwargs), _seeded(name, **kwargs)
     memory = create_memory("residual")
     e = None
     buffers = set()
