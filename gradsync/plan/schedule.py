@@ -203,7 +203,7 @@ class TreeBlock:
     kind = "tree"
 
     def expand(self, schedule: Schedule) -> list[Transfer]:
-        return tree_transfers(schedule.trees[self.tree], self.chunks, schedule.ranks)
+        return tree_transfers(schedule.trees[self.tree], self.chunks, schedule.ranks, schedule.tree_shape(self.tree))
 
     def count(self, schedule: Schedule) -> int:
         return 2 * len(schedule.trees[self.tree].edges) * len(self.chunks)
@@ -822,15 +822,16 @@ def _ranks_of(bits: int) -> list[int]:
 
 
 def tree_transfers(
-    tree: Tree, chunk_ids: Iterable[int], ranks: Sequence[str]
+    tree: Tree, chunk_ids: Iterable[int], ranks: Sequence[str], shape: _Shape | None = None
 ) -> list[Transfer]:
     """Reduce up ``tree`` then broadcast down it, for each chunk in ``chunk_ids``.
 
     A rank sends up at step = its height (leaves 0), so it has every child's partial sum; the root's
     value goes down at step = height(root) + depth(parent). Every tree edge carries each chunk once in
-    each direction, which is the seed's duplex model of reduce and broadcast at once.
+    each direction, which is the seed's duplex model of reduce and broadcast at once. ``shape``: the tree's
+    :func:`tree_shape` when the caller already has it (a schedule caches one per tree).
     """
-    shape = tree_shape(tree, len(ranks))
+    shape = shape if shape is not None else tree_shape(tree, len(ranks))
     top = shape.top
     height, depth = shape.height.tolist(), shape.depth.tolist()
     out: list[Transfer] = []
