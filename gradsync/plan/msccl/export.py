@@ -482,12 +482,13 @@ class _Builder:
             conflict = {g for g in range(ngroups) if rank[g] < 0}
         if conflict:
             return {op.recv for op in ops if op.group in conflict and op.recv is not None and op.send is not None}
+        members: dict[int, tuple[_Tb, list[_Op]]] = {}
         for op in ops:
             op.group = rank[op.group]
-        tbs = {id(op.tb): op.tb for op in ops}
-        for tb in tbs.values():
-            assert tb is not None
-            tb.ops = sorted((op for op in ops if op.tb is tb), key=lambda op: op.group)
+            assert op.tb is not None
+            members.setdefault(id(op.tb), (op.tb, []))[1].append(op)
+        for tb, mine in members.values():  # one pass over the ops: a scan per thread block was quadratic
+            tb.ops = sorted(mine, key=lambda op: op.group)
         return set()
 
 
