@@ -580,6 +580,26 @@ def _channels(schedule: Schedule, kept: Sequence[int], max_channels: int, split:
     return {c: dense[label[c]] for c in kept}, nchan
 
 
+def _thread_block_floor(n: int, xfers: Sequence[_Xfer], chan_of_piece: Sequence[int]) -> np.ndarray:
+    """A lower bound on each GPU's thread blocks, from the transfers alone (before any step is built).
+
+    A thread block has one send peer and one receive peer on one channel, and a connection (peer, channel)
+    one block per side, so a GPU needs at least ``max(send peers, receive peers)`` blocks on each channel.
+    """
+    if not xfers:
+        return np.zeros(n, dtype=np.int64)
+    src = np.fromiter((t.src for t in xfers), dtype=np.int64, count=len(xfers))
+    dst = np.fromiter((t.dst for t in xfers), dtype=np.int64, count=len(xfers))
+    chan = np.asarray(chan_of_piece, dtype=np.int64)[np.fromiter((t.piece for t in xfers), dtype=np.int64,
+                                                                  count=len(xfers))]
+    nchan = int(chan.max()) + 1
+    floor = np.zeros(n * nchan, dtype=np.int64)
+    for me, peer in ((src, dst), (dst, src)):  # distinct peers per (GPU, channel), sending then receiving
+        conns = np.unique((me * nchan + chan) * n + peer)
+        floor = np.maximum(floor, np.bincount(conns // n, minlength=n * nchan))
+    return floor.reshape(n, nchan).sum(axis=1)
+
+
 def export_msccl(
     schedule: Schedule,
     topology: Topology | None = None,
@@ -638,11 +658,21 @@ def export_msccl(
     split = 1
     while True:
         chan_of_chunk, nchan = _channels(schedule, kept, cap, split)
-        tbs, fused = _Builder(n, pieces, xfers, [chan_of_chunk[c] for c, _, _ in pieces], fuse).build()
+        chan_of_piece = [chan_of_chunk[c] for c, _, _ in pieces]
+        more, _ = _channels(schedule, kept, cap, split + 1)
+        last = len(set(more.values())) <= len(set(chan_of_chunk.values()))
+        floor = _thread_block_floor(n, xfers, chan_of_piece)
+        if last and floor.max() > limits.max_thread_blocks:  # this program is the one returned: it cannot fit
+            g = int(np.argmax(floor))
+            raise MscclError(f"schedule {schedule.algorithm!r} on {schedule.topology!r} with nchunksperloop="
+                             f"{q.nchunksperloop} does not fit the MSCCL executor: GPU {g} needs at least {floor[g]} "
+                             f"thread blocks (one per peer it sends to or receives from on each channel), over "
+                             f"MSCCL_MAX_NUM_THREAD_BLOCKS={limits.max_thread_blocks}; use fewer channels or fewer "
+                             f"peers per GPU", g)
+        tbs, fused = _Builder(n, pieces, xfers, chan_of_piece, fuse).build()
         program = _emit(tbs, pieces, q.nchunksperloop, nchan, label, proto, min_bytes, max_bytes, schedule.collective)
         longest = max(len(tb.steps) for g in program.gpus for tb in g.tbs)
-        more, _ = _channels(schedule, kept, cap, split + 1)
-        if longest <= limits.max_steps or len(set(more.values())) <= len(set(chan_of_chunk.values())):
+        if longest <= limits.max_steps or last:
             break
         split += 1  # spread the longest thread blocks over more channels
     xml = program.to_xml()
