@@ -282,11 +282,31 @@ class _Builder:
             lst.sort(key=lambda i: (xfers[i].step, xfers[i].src))
         for lst in self.outgoing.values():
             lst.sort(key=lambda i: (xfers[i].step, xfers[i].dst))
+        self.keys = sorted(set(self.incoming) | set(self.outgoing))
+        #: Per (GPU, piece): the sends that read the value each receive writes (key None: the GPU's own value).
+        self.readers: dict[tuple[int, int], dict[int | None, list[int]]] = {}
+        for key in self.keys:
+            ins, readers = self.incoming.get(key, []), self.readers.setdefault(key, {})
+            for o in self.outgoing.get(key, []):
+                prev = None
+                for i in ins:
+                    if xfers[i].step < xfers[o].step:
+                        prev = i
+                readers.setdefault(prev, []).append(o)
 
     def build(self) -> tuple[list[list[_Tb]], int]:
         nofuse: set[int] = set()
         while True:
-            ops, by_recv, by_send = self._ops(nofuse)
+            # Undo the fusions no thread block can take before any step is built (each undo frees others).
+            while True:
+                fusions = self._fusions(nofuse)
+                blocks, _, _ = self._fit([(self.x[i].dst, self.chan[self.x[i].piece], self.x[o].dst, self.x[i].src)
+                                          for i, o in fusions.items()])
+                unfit = {i for i, tb in zip(fusions, blocks) if tb is None}
+                if not unfit:
+                    break
+                nofuse |= unfit
+            ops, by_recv, by_send = self._ops(fusions)
             bad = self._assign_tbs(ops, by_recv)
             if not bad:
                 bad = self._order(ops, by_recv, by_send)
@@ -302,30 +322,36 @@ class _Builder:
                 tbs[op.gpu].append(op.tb)
         return tbs, sum(1 for op in ops if op.recv is not None and op.send is not None)
 
-    def _ops(self, nofuse: set[int]) -> tuple[list[_Op], dict[int, _Op], dict[int, _Op]]:
+    def _fusions(self, nofuse: set[int]) -> dict[int, int]:
+        """Receive -> the send fused with it, in the order :meth:`_ops` creates them (module docstring, **Steps**)."""
+        x = self.x
+        out: dict[int, int] = {}
+        if not self.fuse:
+            return out
+        for key in self.keys:
+            readers = self.readers[key]
+            for i in self.incoming.get(key, []):
+                mine = readers.get(i)
+                if mine and i not in nofuse:
+                    out[i] = min(mine, key=lambda o: (x[o].dst == x[i].src, x[o].step, x[o].dst))
+        return out
+
+    def _ops(self, fusions: dict[int, int]) -> tuple[list[_Op], dict[int, _Op], dict[int, _Op]]:
         x = self.x
         ops: list[_Op] = []
         by_recv: dict[int, _Op] = {}
         by_send: dict[int, _Op] = {}
-        keys = sorted(set(self.incoming) | set(self.outgoing))
-        for g, p in keys:
+        for g, p in self.keys:
             ins = self.incoming.get((g, p), [])
             outs = self.outgoing.get((g, p), [])
-            readers: dict[int | None, list[int]] = {}
-            for o in outs:
-                prev = None
-                for i in ins:
-                    if x[i].step < x[o].step:
-                        prev = i
-                readers.setdefault(prev, []).append(o)
+            readers = self.readers[(g, p)]
             fused_out: set[int] = set()
             local: list[tuple[tuple[int, int, int], _Op]] = []
             for pos, i in enumerate(ins):
                 mine = readers.get(i, [])
                 typ = "rrc" if x[i].reduce else "r"
-                o = None
-                if self.fuse and mine and i not in nofuse:
-                    o = min(mine, key=lambda o: (x[o].dst == x[i].src, x[o].step, x[o].dst))
+                o = fusions.get(i)
+                if o is not None:
                     fused_out.add(o)
                     nxt = ins[pos + 1] if pos + 1 < len(ins) else None
                     if not x[i].reduce:
@@ -364,28 +390,14 @@ class _Builder:
     def _assign_tbs(self, ops: list[_Op], by_recv: dict[int, _Op]) -> set[int]:
         """Thread blocks per (GPU, channel); returns fused receives that do not fit (to undo)."""
         x = self.x
-        send_tb: dict[tuple[int, int, int], _Tb] = {}
-        recv_tb: dict[tuple[int, int, int], _Tb] = {}
-        bad: set[int] = set()
         fused = [op for op in ops if op.recv is not None and op.send is not None]
-        for op in fused:
-            assert op.recv is not None and op.send is not None
-            q, p = x[op.send].dst, x[op.recv].src
-            ts, tr = send_tb.get((op.gpu, op.chan, q)), recv_tb.get((op.gpu, op.chan, p))
-            if ts is None and tr is None:
-                tb = _Tb(q, p, op.chan)
-            elif ts is not None and (ts is tr or (tr is None and ts.recv == -1)):
-                tb = ts
-            elif tr is not None and ts is None and tr.send == -1:
-                tb = tr
-            else:
-                bad.add(op.recv)
-                continue
-            tb.send, tb.recv = q, p
-            send_tb[(op.gpu, op.chan, q)] = recv_tb[(op.gpu, op.chan, p)] = tb
-            op.tb = tb
+        blocks, send_tb, recv_tb = self._fit([(op.gpu, op.chan, x[op.send].dst, x[op.recv].src)  # type: ignore[index]
+                                              for op in fused])
+        bad = {op.recv for op, tb in zip(fused, blocks) if tb is None and op.recv is not None}
         if bad:
             return bad
+        for op, tb in zip(fused, blocks):
+            op.tb = tb
         plain = [op for op in ops if op.tb is None]
         plain.sort(key=lambda op: (op.gpu, op.chan, self._peer(op)))
         for op in plain:
@@ -410,6 +422,30 @@ class _Builder:
                     recv_tb[(op.gpu, op.chan, p)] = tb
             op.tb = tb
         return bad
+
+    @staticmethod
+    def _fit(fused: Sequence[tuple[int, int, int, int]]) -> tuple[list[_Tb | None], dict[tuple[int, int, int], _Tb],
+                                                                   dict[tuple[int, int, int], _Tb]]:
+        """A thread block for each fused step ``(gpu, channel, send peer, receive peer)`` in order, or ``None``
+        where the blocks of those peers already pair them otherwise; the blocks by send and by receive peer."""
+        send_tb: dict[tuple[int, int, int], _Tb] = {}
+        recv_tb: dict[tuple[int, int, int], _Tb] = {}
+        out: list[_Tb | None] = []
+        for gpu, chan, q, p in fused:
+            ts, tr = send_tb.get((gpu, chan, q)), recv_tb.get((gpu, chan, p))
+            if ts is None and tr is None:
+                tb = _Tb(q, p, chan)
+            elif ts is not None and (ts is tr or (tr is None and ts.recv == -1)):
+                tb = ts
+            elif tr is not None and ts is None and tr.send == -1:
+                tb = tr
+            else:
+                out.append(None)
+                continue
+            tb.send, tb.recv = q, p
+            send_tb[(gpu, chan, q)] = recv_tb[(gpu, chan, p)] = tb
+            out.append(tb)
+        return out, send_tb, recv_tb
 
     def _peer(self, op: _Op) -> int:
         return self.x[op.send].dst if op.send is not None else self.x[op.recv].src  # type: ignore[index]

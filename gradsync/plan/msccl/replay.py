@@ -281,9 +281,10 @@ class _Replay:
         self.states: list[_TbState] = []
         self.by_tb: dict[tuple[int, int], _TbState] = {}
         ntb = sum(len(g.tbs) for g in program.gpus)
+        clocks = np.zeros((ntb, ntb), np.int32)  # one (lazily zeroed) block, not a vector clock allocation per block
         for g in sorted(program.gpus, key=lambda g: g.id):
             for tb in sorted(g.tbs, key=lambda t: t.id):
-                st = _TbState(g.id, tb, len(self.states), np.zeros(ntb, np.int32))
+                st = _TbState(g.id, tb, len(self.states), clocks[len(self.states)])
                 self.states.append(st)
                 self.by_tb[(g.id, tb.id)] = st
         self.fifos: dict[tuple[int, int, int], deque[_Message]] = {}
