@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections import Counter
 
 import networkx as nx
@@ -170,3 +171,22 @@ def test_plan_uses_the_symmetric_packing() -> None:
         s = synthesize("lp", t, PlanOptions(collective=collective))
         assert cost(s, t) == pytest.approx(15 / 16, rel=1e-12)
         assert s.meta["lp_cost"] == pytest.approx(15 / 16, rel=1e-12)
+
+
+def test_benchmark_times_the_packing_plan_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/plan_scaling.py --collectives: the method it records and the bound it meets, on a small BCube."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_scaling.py"
+    spec = importlib.util.spec_from_file_location("plan_scaling_under_test", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up while being built
+    spec.loader.exec_module(bench)
+    row = bench.measure_collectives("bcube:2,2", lambda: get_topology("bcube:2,2"), 60.0)
+    for collective in SHARDED:
+        r = row[collective]
+        assert r["method"] == "symmetric" and r["trees"] == 8  # two master trees, one image per rank each
+        assert r["cost"] == pytest.approx(r["cut_bound"], rel=1e-12) == pytest.approx(3 / 8)
+        assert "msccl_error" not in r and r["msccl_loss"] == pytest.approx(0.0, abs=1e-12)
