@@ -347,3 +347,23 @@ def test_thread_block_floor_is_a_lower_bound_and_fails_before_the_build(monkeypa
     if most > floor:
         with pytest.raises(MscclError, match=rf"has {most} thread blocks, over MSCCL_MAX_NUM_THREAD_BLOCKS={floor}"):
             export_msccl(sched, topo, limits=MscclLimits(max_thread_blocks=floor))
+
+
+def test_export_restores_the_garbage_collectors_state():
+    """The export pauses the cyclic collector while it builds; it must leave it as it found it, error or not."""
+    import gc
+
+    topo = get_topology("p3.8xlarge")
+    sched = synthesize("lp", topo)
+    assert gc.isenabled()
+    export_msccl(sched, topo)
+    assert gc.isenabled()
+    with pytest.raises(MscclError, match="MSCCL_MAX_NUM_THREAD_BLOCKS=1"):  # raised inside the paused section
+        export_msccl(sched, topo, limits=MscclLimits(max_thread_blocks=1))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        export_msccl(sched, topo)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
