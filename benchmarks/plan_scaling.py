@@ -20,7 +20,8 @@ Writes ``plan_scaling.json`` and ``plan_scaling.png`` to ``--out`` (default ``be
 
 Collectives (issue 14 part 3; ``--collectives``, or ``--collectives-only`` for just these): on DGX-1, 2x8 and
 4x8 A100 (NVSwitch + one NIC per GPU on two IB rails, ForestColl's ``a100_topology``), BCube(4,2) and
-Fat-Tree(8), the time to plan ``lp`` reduce-scatter and allgather (ForestColl's out-tree packing) and to export
+Fat-Tree(8), the time to plan ``lp`` reduce-scatter and allgather (ForestColl's out-tree packing; through the
+automorphism group on the fat tree and BCube, :func:`gradsync.plan.forest.forest_packing`) and to export
 them as MSCCL XML, their cost against the cut bound, and allreduce run as reduce-scatter + allgather against
 the tree-packing allreduce (algbw = S / time; the trees win where GPUs have unequal bandwidth, p3.8xlarge
 75.0 vs 66.7 GB/s). Written to ``plan_collectives.json``. Goals: every case under 10 s, DGX-1 under 0.1 s.
@@ -62,7 +63,7 @@ import scipy  # noqa: E402
 
 from gradsync.errors import MscclError  # noqa: E402
 from gradsync.plan import PlanOptions, gather_cut_bound, synthesize  # noqa: E402
-from gradsync.plan.forest import pack_arborescences  # noqa: E402
+from gradsync.plan.forest import forest_packing  # noqa: E402
 from gradsync.plan.lp import TreePacking, pack_trees  # noqa: E402
 from gradsync.plan.msccl import export_msccl  # noqa: E402
 from gradsync.topology import Device, Link, Topology, get_topology  # noqa: E402
@@ -342,7 +343,7 @@ def measure_collectives(name: str, build: Callable[[], Topology], limit_s: float
         start = time.perf_counter()
         try:
             with time_limit(limit_s):
-                packing = pack_arborescences(topo, reverse=collective == "reduce_scatter")
+                packing = forest_packing(topo, reverse=collective == "reduce_scatter")
         except PlanTimeout:
             out[collective] = {"skipped": f"over the {limit_s:g} s limit"}
             return out
@@ -359,7 +360,7 @@ def measure_collectives(name: str, build: Callable[[], Topology], limit_s: float
         bound = gather_cut_bound(topo, collective).value
         total += packing.cost
         out[collective] = {"plan_s": plan_s, "export_s": export_s, "cost": packing.cost, "cut_bound": bound,
-                           "iterations": packing.iterations, "trees": len(packing.trees),
+                           "method": packing.method, "iterations": packing.iterations, "trees": len(packing.trees),
                            "algbw_GBps": unit / packing.cost, **msccl}
     trees = pack_trees(topo).cost
     out["allreduce"] = {"rs_plus_ag_algbw_GBps": unit / total, "tree_packing_algbw_GBps": unit / trees}

@@ -268,3 +268,102 @@ def test_out_of_place_replay_needs_the_output_written(program):
     both = replace(program, outofplace=True)
     with pytest.raises(MscclError, match="out-of-place"):
         check_msccl_program(both)
+
+
+# ---- large programs: the direct XML writer and the thread-block check before the build -------------------------
+def _element_tree_xml(prog: MscclProgram) -> str:
+    """The XML as ElementTree writes it (indent + tostring): the reference the direct writer must equal."""
+    import xml.etree.ElementTree as ET
+
+    algo = ET.Element("algo", {
+        "name": prog.name, "proto": prog.proto, "nchannels": str(prog.nchannels),
+        "nchunksperloop": str(prog.nchunksperloop), "ngpus": str(prog.ngpus), "coll": prog.coll,
+        "inplace": str(int(prog.inplace)), "outofplace": str(int(prog.outofplace)),
+        "minBytes": str(prog.min_bytes), "maxBytes": str(prog.max_bytes)})
+    for g in prog.gpus:
+        ge = ET.SubElement(algo, "gpu", {"id": str(g.id), "i_chunks": str(g.i_chunks), "o_chunks": str(g.o_chunks),
+                                         "s_chunks": str(g.s_chunks)})
+        for tb in g.tbs:
+            te = ET.SubElement(ge, "tb", {"id": str(tb.id), "send": str(tb.send), "recv": str(tb.recv),
+                                          "chan": str(tb.chan)})
+            for st in tb.steps:
+                ET.SubElement(te, "step", {
+                    "s": str(st.s), "type": st.type, "srcbuf": st.srcbuf, "srcoff": str(st.srcoff),
+                    "dstbuf": st.dstbuf, "dstoff": str(st.dstoff), "cnt": str(st.cnt), "depid": str(st.depid),
+                    "deps": str(st.deps), "hasdep": str(st.hasdep)})
+    ET.indent(algo, space="  ")
+    return ET.tostring(algo, encoding="unicode") + "\n"
+
+
+def test_xml_text_is_element_trees_byte_for_byte():
+    from gradsync.plan import PlanOptions
+
+    for spec, coll in (("p3.16xlarge", "allreduce"), ("bcube:3,2", "allgather"), ("fattree:4", "reduce_scatter")):
+        topo = get_topology(spec)
+        prog = export_msccl(synthesize("lp", topo, PlanOptions(collective=coll)), topo).program
+        g0, g1 = prog.gpus[0], prog.gpus[1]
+        odd = [prog, replace(prog, name='a&b<c>"d"\n\te\r'), replace(prog, gpus=()),
+               replace(prog, gpus=(replace(g0, tbs=()), replace(g1, tbs=(replace(g1.tbs[0], steps=()),))))]
+        for p in odd:
+            assert p.to_xml() == _element_tree_xml(p), spec
+
+
+def test_thread_block_floor_is_a_lower_bound_and_fails_before_the_build(monkeypatch):
+    """The floor (max of send and receive peers per channel) never exceeds a built program's thread blocks; a
+    limit below it fails before any step is built, one between it and the real count in the replay's check."""
+    from gradsync.plan import PlanOptions
+    from gradsync.plan.msccl import export as ex
+
+    floors = []
+    real = ex._thread_block_floor
+
+    def spy(*args):
+        floors.append(real(*args))
+        return floors[-1]
+
+    monkeypatch.setattr(ex, "_thread_block_floor", spy)
+    for spec, coll in (("p3.16xlarge", "allreduce"), ("bcube:3,2", "allgather"), ("racks:2,2,2", "allreduce"),
+                       ("fattree:4", "reduce_scatter")):
+        topo = get_topology(spec)
+        sched = synthesize("lp", topo, PlanOptions(collective=coll))
+        floors.clear()
+        prog = export_msccl(sched, topo).program
+        have = [len(g.tbs) for g in sorted(prog.gpus, key=lambda g: g.id)]
+        assert all(f <= h for f, h in zip(floors[-1].tolist(), have)), spec
+    # fattree:4's reduce-scatter (the last above): a limit below the floor never builds a step.
+    floor, most = int(floors[-1].max()), max(have)
+
+    def no_build(self):
+        raise AssertionError("the builder ran although the floor already exceeds the limit")
+
+    topo = get_topology("fattree:4")
+    sched = synthesize("lp", topo, PlanOptions(collective="reduce_scatter"))
+    with monkeypatch.context() as m:
+        m.setattr(ex._Builder, "build", no_build)
+        with pytest.raises(MscclError, match=rf"needs at least {floor} thread blocks.*MSCCL_MAX_NUM_THREAD_BLOCKS="
+                                             rf"{floor - 1}") as exc:
+            export_msccl(sched, topo, limits=MscclLimits(max_thread_blocks=floor - 1))
+    assert "does not fit the MSCCL executor" in str(exc.value) and exc.value.gpu is not None
+    if most > floor:
+        with pytest.raises(MscclError, match=rf"has {most} thread blocks, over MSCCL_MAX_NUM_THREAD_BLOCKS={floor}"):
+            export_msccl(sched, topo, limits=MscclLimits(max_thread_blocks=floor))
+
+
+def test_export_restores_the_garbage_collectors_state():
+    """The export pauses the cyclic collector while it builds; it must leave it as it found it, error or not."""
+    import gc
+
+    topo = get_topology("p3.8xlarge")
+    sched = synthesize("lp", topo)
+    assert gc.isenabled()
+    export_msccl(sched, topo)
+    assert gc.isenabled()
+    with pytest.raises(MscclError, match="MSCCL_MAX_NUM_THREAD_BLOCKS=1"):  # raised inside the paused section
+        export_msccl(sched, topo, limits=MscclLimits(max_thread_blocks=1))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        export_msccl(sched, topo)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

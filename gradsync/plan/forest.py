@@ -37,22 +37,51 @@ with ``sum y = 1``, ``t >= sum_d y_d c_d P_d >= sum_r min_T p·L_T`` (weak duali
 at every round. Reduce-scatter packs the same LP on the reversed link directions and runs the trees
 backwards (time-reversed, summing instead of copying), which loads each real direction exactly as the
 reversed allgather does.
+
+Symmetric fabrics (:func:`symmetric_arborescences`). The LP is invariant under every automorphism ``g``
+of the topology (a device permutation mapping ranks to ranks and each link direction to one of equal
+cost): ``alpha'_{gT} = alpha_T`` is feasible with the same ``t``, because ``g T`` is rooted at ``g(root)``
+and loads ``g d`` as ``T`` loads ``d``. Let ``H`` be a group of automorphisms acting *regularly* on the
+ranks (:func:`gradsync.plan.symmetry.regular_selection`: the whole fat-tree group, order ``N``; BCube's
+digit additions, order ``n^k = N``), and ``g_r`` its one element with ``g_r(0) = r``. Averaging an optimum
+over ``H`` keeps it optimal (the LP is convex), so some optimum is ``H``-invariant; its trees rooted at ``r``
+are exactly ``g_r T`` for the trees ``T`` rooted at 0 (``g_r`` is the only element moving 0 to ``r``), with
+``alpha_{g_r T} = alpha_T``. Direction ``d`` then carries::
+
+    sum_r sum_{T at 0} alpha_T L_{d, g_r T} = sum_T alpha_T sum_{g in H} L_{g^-1 d, T}
+                                            = sum_T alpha_T (N / |O|) L_O(T)
+
+where ``O`` is the orbit of ``d`` under ``H`` and ``L_O(T) = |L_T ∩ O|`` counts the tree's routed edges
+over the directions of ``O`` (``g^-1 d`` runs over ``O``, each direction ``|H| / |O| = N / |O|`` times).
+All of ``O`` costs the same ``c_O``, so the LP reduces to the *orbit master* over trees rooted at 0::
+
+    min t  s.t.  sum_T alpha_T = 1                                        (dual mu)
+                 (c_O / N) sum_T alpha_T L_O(T) N / |O|  <= t   for each orbit O of directions (dual y_O)
+
+(the coefficient of ``T`` in row ``O`` is ``c_O |L_T ∩ O| / |O|``; six rows on a fat tree, ``2 k`` on a
+BCube). Pricing is one minimum arborescence rooted at 0 under ``p_d = y_O c_O / |O|`` for ``d`` in ``O``,
+and weak duality again certifies ``t >= min_T p·L_T`` for any ``y >= 0`` summing to 1. The loop stops at
+the cut bound; each master tree ``T`` is then copied to every root ``r`` as ``g_r T``. Any shortest-route
+out-tree meets the bound on a fat tree (every route crosses each orbit at most once, so ``L_O(T) <= N - 1``,
+and the bound is ``(N - 1) / N``), so there one tree per root suffices.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
-from scipy.sparse.csgraph import dijkstra, maximum_flow
+from scipy.sparse.csgraph import connected_components, dijkstra, maximum_flow
 
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import _integer_capacities
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree
+from gradsync.plan.symmetry import Symmetry, directed_link_permutation, regular_selection, symmetry_of
 from gradsync.topology.model import Topology
 
 __all__ = [
@@ -61,10 +90,12 @@ __all__ = [
     "GatherBound",
     "arborescence_schedule",
     "brute_force_gather_bound",
+    "forest_packing",
     "gather_cut_bound",
     "min_arborescence",
     "pack_arborescences",
     "reverse_schedule",
+    "symmetric_arborescences",
 ]
 
 _INT_LIMIT = 2**31 - 1
@@ -292,6 +323,8 @@ class ForestPacking:
     columns: int
     #: True when planned on the reversed link directions (for a reduce-scatter).
     reversed: bool
+    #: ``"lp"`` (one row per link direction, every root priced) or ``"symmetric"`` (orbit master, root 0).
+    method: str = "lp"
 
 
 class _Pricer:
@@ -426,10 +459,169 @@ def pack_arborescences(topology: Topology, *, reverse: bool = False, tol: float 
     return ForestPacking(cost, min(lower, cost), tuple(trees), it, len(columns), reverse)
 
 
+# ---- symmetric fabrics ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Group:
+    """The elements ``g_r`` (``g_r(rank 0) = rank r``) as device, rank and link-direction permutations."""
+
+    devices: tuple[np.ndarray, ...]
+    ranks: tuple[np.ndarray, ...]
+    directions: tuple[np.ndarray, ...]
+    #: Orbit of each link direction ``2 e + d`` under the group, and each orbit's size.
+    orbit: np.ndarray
+    size: np.ndarray
+
+
+def _regular_group(topology: Topology, sym: Symmetry) -> _Group | None:
+    """:func:`regular_selection`'s subgroup, indexed by the rank it moves rank 0 to; ``None`` if there is none."""
+    steps = regular_selection(topology, sym)
+    if steps is None:
+        return None
+    idx = topology.device_index
+    term = np.array([idx[r] for r in topology.ranks], dtype=np.int64)
+    rank_of = np.full(len(topology.devices), -1, dtype=np.int64)
+    rank_of[term] = np.arange(len(term))
+    devices, ranks, directions = {}, {}, {}
+    for g in sym.elements(steps):
+        mapped = directed_link_permutation(topology, g)
+        if mapped is None:  # pragma: no cover - symmetry_of verified every generator
+            return None
+        rperm = rank_of[g[term]]
+        r = int(rperm[0])
+        devices[r], ranks[r], directions[r] = g, rperm, mapped
+    # Orbits of link directions: connected components of "d -- g d" over every element.
+    m2 = 2 * len(topology.links)
+    heads = np.concatenate(list(directions.values()))
+    tails = np.tile(np.arange(m2), len(directions))
+    _, orbit = connected_components(sp.csr_matrix((np.ones(len(heads)), (tails, heads)), shape=(m2, m2)),
+                                    directed=True, connection="weak")
+    order = range(topology.world_size)
+    return _Group(tuple(devices[r] for r in order), tuple(ranks[r] for r in order),
+                  tuple(directions[r] for r in order), orbit, np.bincount(orbit).astype(float))
+
+
+def _images(tree: Arborescence, group: _Group, names: np.ndarray, idx: dict[str, int]) -> list[Arborescence]:
+    """``g_r T`` for every root ``r``: routes mapped a route length at a time (one fancy index per length)."""
+    order = sorted(range(len(tree.routes)), key=lambda i: len(tree.routes[i]))
+    blocks = [np.array([[idx[d] for d in tree.routes[i]] for i in grp], dtype=np.int64)
+              for _, grp in itertools.groupby(order, key=lambda i: len(tree.routes[i]))]
+    parents = np.array([tree.edges[i][0] for i in order], dtype=np.int64)
+    childs = np.array([tree.edges[i][1] for i in order], dtype=np.int64)
+    flat = tree.loads.reshape(-1)
+    out = []
+    for dperm, rperm, lperm in zip(group.devices, group.ranks, group.directions):
+        routes = tuple(itertools.chain.from_iterable(map(tuple, names[dperm[b]].tolist()) for b in blocks))
+        edges = tuple(zip(rperm[parents].tolist(), rperm[childs].tolist()))
+        loads = np.empty_like(flat)
+        loads[lperm] = flat
+        out.append(Arborescence(int(rperm[tree.root]), edges, routes, loads.reshape(tree.loads.shape)))
+    return out
+
+
+def symmetric_arborescences(topology: Topology, symmetry: Symmetry | None = None, *, reverse: bool = False,
+                            target: float | None = None, tol: float = 1e-9, max_iter: int = 2000) -> ForestPacking:
+    """The module docstring's LP on a fat tree or BCube through its automorphisms ("Symmetric fabrics").
+
+    Column generation over out-trees rooted at rank 0 on the orbit master, stopping once the pricing bound or
+    ``target`` meets the master (default target: :func:`gather_cut_bound`, computed only when the first pricing
+    does not certify the master); every master tree is then copied to each root. Raises :class:`PlanError` when
+    the topology has no verified symmetry acting regularly on its ranks (use :func:`pack_arborescences`).
+    """
+    sym = symmetry if symmetry is not None else symmetry_of(topology)
+    group = _regular_group(topology, sym) if sym is not None and topology.links else None
+    if group is None:
+        raise PlanError(f"topology {topology.name!r} has no known symmetry acting regularly on its ranks (fat trees "
+                        f"and BCubes only); use pack_arborescences")
+    return _symmetric(topology, group, reverse=reverse, target=target, tol=tol, max_iter=max_iter)
+
+
+def _symmetric(topology: Topology, group: _Group, *, reverse: bool, target: float | None, tol: float,
+               max_iter: int) -> ForestPacking:
+    n = topology.world_size
+    m = len(topology.links)
+    costs = topology.directed_costs[:, ::-1].copy() if reverse else topology.directed_costs.copy()
+    flat = costs.reshape(-1)
+    rows = len(group.size)
+    c_orbit = np.zeros(rows)
+    c_orbit[group.orbit] = flat
+    if not np.allclose(c_orbit[group.orbit], flat, rtol=1e-12, atol=0.0):  # pragma: no cover - verified group
+        raise PlanError(f"symmetry of {topology.name!r} maps a link direction onto one of another cost")
+    pricer = _Pricer(topology, reverse)
+    columns: list[Arborescence] = []
+    keys: set[tuple] = set()
+
+    def coefficients(tree: Arborescence) -> np.ndarray:
+        """``c_O |L_T ∩ O| / |O|`` per orbit ``O``."""
+        return c_orbit * np.bincount(group.orbit, weights=tree.loads.reshape(-1), minlength=rows) / group.size
+
+    def add(tree: Arborescence) -> bool:
+        if tree.key in keys:
+            return False
+        keys.add(tree.key)
+        columns.append(tree)
+        return True
+
+    dist, pred = pricer.closure(_positive(costs.copy(), costs))
+    add(pricer.tree(0, dist, pred))
+    lower, upper = max(target or 0.0, 0.0), np.inf
+    alpha = np.ones(1)
+    it = 0
+    for it in range(1, max_iter + 1):  # noqa: B007 - reported after the loop
+        k = len(columns)
+        a_ub = np.hstack([np.stack([coefficients(t) for t in columns], axis=1), -np.ones((rows, 1))])
+        res = linprog(np.r_[np.zeros(k), 1.0], A_ub=a_ub, b_ub=np.zeros(rows), A_eq=np.r_[np.ones(k), 0.0][None, :],
+                      b_eq=np.ones(1), bounds=[(0, None)] * (k + 1), method="highs")
+        if not res.success:  # pragma: no cover - always feasible: one column and t free above
+            raise PlanError(f"HiGHS failed on the symmetric out-tree packing master LP: {res.message}")
+        alpha, upper = res.x[:k], float(res.x[k])
+        if upper - lower <= tol * max(upper, 1e-300):
+            break
+        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
+        y = y / y.sum() if y.sum() > 0 else np.full(rows, 1.0 / rows)
+        mu = float(np.asarray(res.eqlin.marginals)[0])
+        prices = (y * c_orbit / group.size)[group.orbit].reshape(m, 2)
+        dist, pred = pricer.closure(_positive(prices, costs))
+        tree = pricer.tree(0, dist, pred)
+        value = float(prices.reshape(-1) @ tree.loads.reshape(-1))
+        lower = max(lower, value)
+        if upper - lower <= tol * max(upper, 1e-300):
+            break
+        if target is None:  # the pricing did not certify the master; the cut bound may (on fat trees and BCubes
+            # it is the optimum), so it is computed now rather than up front: N max-flows a round cost more than
+            # the one pricing step that usually certifies the first master (fattree:8: 0.45 of 0.6 s)
+            target = gather_cut_bound(topology, "reduce_scatter" if reverse else "allgather").value
+            lower = max(lower, target)
+            if upper - lower <= tol * max(upper, 1e-300):
+                break
+        if value >= mu - tol * max(abs(upper), 1e-300) or not add(tree):
+            break
+    else:  # pragma: no cover
+        raise PlanError(f"symmetric out-tree packing did not converge in {max_iter} iterations "
+                        f"(gap {upper - lower:.3g})")
+    keep = alpha > 1e-12
+    master = [(float(a), t) for a, t, kp in zip(alpha / alpha[keep].sum(), columns, keep) if kp]
+    names = np.array(pricer.names, dtype=object)
+    images = [(a, _images(t, group, names, topology.device_index)) for a, t in master]
+    trees = tuple((a, copies[r]) for r in range(n) for a, copies in images)
+    load = sum(a * t.loads for a, t in trees) / n
+    cost = float((costs * load).max())
+    return ForestPacking(cost, min(lower, cost), trees, it, len(columns), reverse, "symmetric")
+
+
+def forest_packing(topology: Topology, reverse: bool = False) -> ForestPacking:
+    """:func:`symmetric_arborescences` where a verified symmetry acts regularly on the ranks (fat trees and
+    BCubes whose links are all as built), else :func:`pack_arborescences`."""
+    sym = symmetry_of(topology) if topology.world_size >= 2 and topology.links else None
+    group = _regular_group(topology, sym) if sym is not None else None
+    if group is not None:
+        return _symmetric(topology, group, reverse=reverse, target=None, tol=1e-9, max_iter=2000)
+    return pack_arborescences(topology, reverse=reverse)
+
+
 @functools.lru_cache(maxsize=32)
 def optimal_forest(topology: Topology, reverse: bool = False) -> ForestPacking:
-    """:func:`pack_arborescences` memoised per (immutable) topology and direction."""
-    return pack_arborescences(topology, reverse=reverse)
+    """:func:`forest_packing` memoised per (immutable) topology and direction."""
+    return forest_packing(topology, reverse)
 
 
 # ---- schedules ------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ from gradsync.topology.fattree import (
 )
 from gradsync.topology.model import Topology
 
-__all__ = ["SYMMETRIES", "Symmetry", "link_permutation", "symmetry_of", "torus_trees"]
+__all__ = ["SYMMETRIES", "Symmetry", "directed_link_permutation", "link_permutation", "regular_selection",
+           "symmetry_of", "torus_trees"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,53 @@ def link_permutation(topology: Topology, perm: np.ndarray) -> tuple[np.ndarray, 
         return None
     lperm = order[pos]
     return lperm, pa != a[lperm]
+
+
+def directed_link_permutation(topology: Topology, perm: np.ndarray) -> np.ndarray | None:
+    """Image of each link direction ``2 e + d`` (``d = 0``: ``a -> b``) as an index of the same form, or ``None``
+    if some link's image is not a link. A device permutation maps the hop ``u -> v`` to ``perm u -> perm v``."""
+    mapped = link_permutation(topology, perm)
+    if mapped is None:
+        return None
+    lperm, flipped = mapped
+    out = np.empty(2 * len(lperm), dtype=np.int64)
+    out[0::2] = 2 * lperm + flipped
+    out[1::2] = 2 * lperm + 1 - flipped
+    return out
+
+
+def regular_selection(topology: Topology, sym: Symmetry) -> tuple[int, ...] | None:
+    """Steps (see :meth:`Symmetry.selections`) whose elements form a subgroup acting *regularly* on the ranks:
+    exactly one element maps rank 0 to each rank. ``None`` if no selection does.
+
+    Fat trees: the whole group (order ``N``). BCube: the digit additions without the rotation (order
+    ``n^k = N``). Each candidate is checked, not assumed: its ``N`` elements must send rank 0 to every rank
+    once, and be closed under the selected generators (so they are the subgroup those generate).
+    """
+    n = topology.world_size
+    idx = topology.device_index
+    ranks = np.array([idx[r] for r in topology.ranks], dtype=np.int64)
+    want = np.sort(ranks)
+    for steps in sym.selections():
+        if sym.size(steps) != n:
+            continue
+        elements = list(sym.elements(steps))
+        if not np.array_equal(np.sort([int(g[ranks[0]]) for g in elements]), want):
+            continue
+        known = {g.tobytes() for g in elements}
+        closed = True
+        for g, order, step in zip(sym.generators, sym.orders, steps):
+            if step == order:
+                continue
+            h = np.arange(len(g))
+            for _ in range(step):
+                h = g[h]
+            if any(h[e].tobytes() not in known for e in elements):
+                closed = False
+                break
+        if closed:
+            return tuple(steps)
+    return None
 
 
 def _is_automorphism(topology: Topology, perm: np.ndarray) -> bool:

@@ -49,8 +49,10 @@ is returned.
 
 from __future__ import annotations
 
+import gc
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,11 +284,31 @@ class _Builder:
             lst.sort(key=lambda i: (xfers[i].step, xfers[i].src))
         for lst in self.outgoing.values():
             lst.sort(key=lambda i: (xfers[i].step, xfers[i].dst))
+        self.keys = sorted(set(self.incoming) | set(self.outgoing))
+        #: Per (GPU, piece): the sends that read the value each receive writes (key None: the GPU's own value).
+        self.readers: dict[tuple[int, int], dict[int | None, list[int]]] = {}
+        for key in self.keys:
+            ins, readers = self.incoming.get(key, []), self.readers.setdefault(key, {})
+            for o in self.outgoing.get(key, []):
+                prev = None
+                for i in ins:
+                    if xfers[i].step < xfers[o].step:
+                        prev = i
+                readers.setdefault(prev, []).append(o)
 
     def build(self) -> tuple[list[list[_Tb]], int]:
         nofuse: set[int] = set()
         while True:
-            ops, by_recv, by_send = self._ops(nofuse)
+            # Undo the fusions no thread block can take before any step is built (each undo frees others).
+            while True:
+                fusions = self._fusions(nofuse)
+                blocks, _, _ = self._fit([(self.x[i].dst, self.chan[self.x[i].piece], self.x[o].dst, self.x[i].src)
+                                          for i, o in fusions.items()])
+                unfit = {i for i, tb in zip(fusions, blocks) if tb is None}
+                if not unfit:
+                    break
+                nofuse |= unfit
+            ops, by_recv, by_send = self._ops(fusions)
             bad = self._assign_tbs(ops, by_recv)
             if not bad:
                 bad = self._order(ops, by_recv, by_send)
@@ -302,30 +324,36 @@ class _Builder:
                 tbs[op.gpu].append(op.tb)
         return tbs, sum(1 for op in ops if op.recv is not None and op.send is not None)
 
-    def _ops(self, nofuse: set[int]) -> tuple[list[_Op], dict[int, _Op], dict[int, _Op]]:
+    def _fusions(self, nofuse: set[int]) -> dict[int, int]:
+        """Receive -> the send fused with it, in the order :meth:`_ops` creates them (module docstring, **Steps**)."""
+        x = self.x
+        out: dict[int, int] = {}
+        if not self.fuse:
+            return out
+        for key in self.keys:
+            readers = self.readers[key]
+            for i in self.incoming.get(key, []):
+                mine = readers.get(i)
+                if mine and i not in nofuse:
+                    out[i] = min(mine, key=lambda o: (x[o].dst == x[i].src, x[o].step, x[o].dst))
+        return out
+
+    def _ops(self, fusions: dict[int, int]) -> tuple[list[_Op], dict[int, _Op], dict[int, _Op]]:
         x = self.x
         ops: list[_Op] = []
         by_recv: dict[int, _Op] = {}
         by_send: dict[int, _Op] = {}
-        keys = sorted(set(self.incoming) | set(self.outgoing))
-        for g, p in keys:
+        for g, p in self.keys:
             ins = self.incoming.get((g, p), [])
             outs = self.outgoing.get((g, p), [])
-            readers: dict[int | None, list[int]] = {}
-            for o in outs:
-                prev = None
-                for i in ins:
-                    if x[i].step < x[o].step:
-                        prev = i
-                readers.setdefault(prev, []).append(o)
+            readers = self.readers[(g, p)]
             fused_out: set[int] = set()
             local: list[tuple[tuple[int, int, int], _Op]] = []
             for pos, i in enumerate(ins):
                 mine = readers.get(i, [])
                 typ = "rrc" if x[i].reduce else "r"
-                o = None
-                if self.fuse and mine and i not in nofuse:
-                    o = min(mine, key=lambda o: (x[o].dst == x[i].src, x[o].step, x[o].dst))
+                o = fusions.get(i)
+                if o is not None:
                     fused_out.add(o)
                     nxt = ins[pos + 1] if pos + 1 < len(ins) else None
                     if not x[i].reduce:
@@ -364,28 +392,14 @@ class _Builder:
     def _assign_tbs(self, ops: list[_Op], by_recv: dict[int, _Op]) -> set[int]:
         """Thread blocks per (GPU, channel); returns fused receives that do not fit (to undo)."""
         x = self.x
-        send_tb: dict[tuple[int, int, int], _Tb] = {}
-        recv_tb: dict[tuple[int, int, int], _Tb] = {}
-        bad: set[int] = set()
         fused = [op for op in ops if op.recv is not None and op.send is not None]
-        for op in fused:
-            assert op.recv is not None and op.send is not None
-            q, p = x[op.send].dst, x[op.recv].src
-            ts, tr = send_tb.get((op.gpu, op.chan, q)), recv_tb.get((op.gpu, op.chan, p))
-            if ts is None and tr is None:
-                tb = _Tb(q, p, op.chan)
-            elif ts is not None and (ts is tr or (tr is None and ts.recv == -1)):
-                tb = ts
-            elif tr is not None and ts is None and tr.send == -1:
-                tb = tr
-            else:
-                bad.add(op.recv)
-                continue
-            tb.send, tb.recv = q, p
-            send_tb[(op.gpu, op.chan, q)] = recv_tb[(op.gpu, op.chan, p)] = tb
-            op.tb = tb
+        blocks, send_tb, recv_tb = self._fit([(op.gpu, op.chan, x[op.send].dst, x[op.recv].src)  # type: ignore[index]
+                                              for op in fused])
+        bad = {op.recv for op, tb in zip(fused, blocks) if tb is None and op.recv is not None}
         if bad:
             return bad
+        for op, tb in zip(fused, blocks):
+            op.tb = tb
         plain = [op for op in ops if op.tb is None]
         plain.sort(key=lambda op: (op.gpu, op.chan, self._peer(op)))
         for op in plain:
@@ -410,6 +424,30 @@ class _Builder:
                     recv_tb[(op.gpu, op.chan, p)] = tb
             op.tb = tb
         return bad
+
+    @staticmethod
+    def _fit(fused: Sequence[tuple[int, int, int, int]]) -> tuple[list[_Tb | None], dict[tuple[int, int, int], _Tb],
+                                                                   dict[tuple[int, int, int], _Tb]]:
+        """A thread block for each fused step ``(gpu, channel, send peer, receive peer)`` in order, or ``None``
+        where the blocks of those peers already pair them otherwise; the blocks by send and by receive peer."""
+        send_tb: dict[tuple[int, int, int], _Tb] = {}
+        recv_tb: dict[tuple[int, int, int], _Tb] = {}
+        out: list[_Tb | None] = []
+        for gpu, chan, q, p in fused:
+            ts, tr = send_tb.get((gpu, chan, q)), recv_tb.get((gpu, chan, p))
+            if ts is None and tr is None:
+                tb = _Tb(q, p, chan)
+            elif ts is not None and (ts is tr or (tr is None and ts.recv == -1)):
+                tb = ts
+            elif tr is not None and ts is None and tr.send == -1:
+                tb = tr
+            else:
+                out.append(None)
+                continue
+            tb.send, tb.recv = q, p
+            send_tb[(gpu, chan, q)] = recv_tb[(gpu, chan, p)] = tb
+            out.append(tb)
+        return out, send_tb, recv_tb
 
     def _peer(self, op: _Op) -> int:
         return self.x[op.send].dst if op.send is not None else self.x[op.recv].src  # type: ignore[index]
@@ -482,12 +520,13 @@ class _Builder:
             conflict = {g for g in range(ngroups) if rank[g] < 0}
         if conflict:
             return {op.recv for op in ops if op.group in conflict and op.recv is not None and op.send is not None}
+        members: dict[int, tuple[_Tb, list[_Op]]] = {}
         for op in ops:
             op.group = rank[op.group]
-        tbs = {id(op.tb): op.tb for op in ops}
-        for tb in tbs.values():
-            assert tb is not None
-            tb.ops = sorted((op for op in ops if op.tb is tb), key=lambda op: op.group)
+            assert op.tb is not None
+            members.setdefault(id(op.tb), (op.tb, []))[1].append(op)
+        for tb, mine in members.values():  # one pass over the ops: a scan per thread block was quadratic
+            tb.ops = sorted(mine, key=lambda op: op.group)
         return set()
 
 
@@ -579,6 +618,43 @@ def _channels(schedule: Schedule, kept: Sequence[int], max_channels: int, split:
     return {c: dense[label[c]] for c in kept}, nchan
 
 
+def _thread_block_floor(n: int, xfers: Sequence[_Xfer], chan_of_piece: Sequence[int]) -> np.ndarray:
+    """A lower bound on each GPU's thread blocks, from the transfers alone (before any step is built).
+
+    A thread block has one send peer and one receive peer on one channel, and a connection (peer, channel)
+    one block per side, so a GPU needs at least ``max(send peers, receive peers)`` blocks on each channel.
+    """
+    if not xfers:
+        return np.zeros(n, dtype=np.int64)
+    src = np.fromiter((t.src for t in xfers), dtype=np.int64, count=len(xfers))
+    dst = np.fromiter((t.dst for t in xfers), dtype=np.int64, count=len(xfers))
+    chan = np.asarray(chan_of_piece, dtype=np.int64)[np.fromiter((t.piece for t in xfers), dtype=np.int64,
+                                                                  count=len(xfers))]
+    nchan = int(chan.max()) + 1
+    floor = np.zeros(n * nchan, dtype=np.int64)
+    for me, peer in ((src, dst), (dst, src)):  # distinct peers per (GPU, channel), sending then receiving
+        conns = np.unique((me * nchan + chan) * n + peer)
+        floor = np.maximum(floor, np.bincount(conns // n, minlength=n * nchan))
+    return floor.reshape(n, nchan).sum(axis=1)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (restored afterwards, if it ran) while a program is built and replayed.
+
+    A 128-GPU program allocates some 10^5 small objects that all live until the export returns; every
+    collection triggered meanwhile walks them again and frees nothing (35 % of fattree:8's export, more in a
+    process that already holds large plans). Their cycles (steps and thread blocks) go at the next collection.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def export_msccl(
     schedule: Schedule,
     topology: Topology | None = None,
@@ -615,6 +691,15 @@ def export_msccl(
         raise MscclError(f"channels={channels!r} must be an integer in 1..{limits.max_channels} (MAXCHANNELS)")
     if not (min_bytes >= 0 and max_bytes >= 0):
         raise MscclError(f"min_bytes={min_bytes}, max_bytes={max_bytes} must be >= 0 (max_bytes=0: no limit)")
+    with _gc_paused():
+        return _export(schedule, topology, name=name, proto=proto, nchunksperloop=nchunksperloop, max_loss=max_loss,
+                       channels=channels, fuse=fuse, min_bytes=min_bytes, max_bytes=max_bytes, limits=limits)
+
+
+def _export(schedule: Schedule, topology: Topology | None, *, name: str | None, proto: str, nchunksperloop: int | None,
+            max_loss: float, channels: int | None, fuse: bool, min_bytes: int, max_bytes: int,
+            limits: MscclLimits) -> MscclExport:
+    n = schedule.world_size
     q = quantize(schedule, topology, nchunksperloop, max_loss=max_loss)
     kept = [c for c, k in enumerate(q.counts) if k > 0]
     # pieces: (chunk, offset, cnt), a chunk split where its count exceeds MSCCL_MAX_COUNT
@@ -637,11 +722,21 @@ def export_msccl(
     split = 1
     while True:
         chan_of_chunk, nchan = _channels(schedule, kept, cap, split)
-        tbs, fused = _Builder(n, pieces, xfers, [chan_of_chunk[c] for c, _, _ in pieces], fuse).build()
+        chan_of_piece = [chan_of_chunk[c] for c, _, _ in pieces]
+        more, _ = _channels(schedule, kept, cap, split + 1)
+        last = len(set(more.values())) <= len(set(chan_of_chunk.values()))
+        floor = _thread_block_floor(n, xfers, chan_of_piece)
+        if last and floor.max() > limits.max_thread_blocks:  # this program is the one returned: it cannot fit
+            g = int(np.argmax(floor))
+            raise MscclError(f"schedule {schedule.algorithm!r} on {schedule.topology!r} with nchunksperloop="
+                             f"{q.nchunksperloop} does not fit the MSCCL executor: GPU {g} needs at least {floor[g]} "
+                             f"thread blocks (one per peer it sends to or receives from on each channel), over "
+                             f"MSCCL_MAX_NUM_THREAD_BLOCKS={limits.max_thread_blocks}; use fewer channels or fewer "
+                             f"peers per GPU", g)
+        tbs, fused = _Builder(n, pieces, xfers, chan_of_piece, fuse).build()
         program = _emit(tbs, pieces, q.nchunksperloop, nchan, label, proto, min_bytes, max_bytes, schedule.collective)
         longest = max(len(tb.steps) for g in program.gpus for tb in g.tbs)
-        more, _ = _channels(schedule, kept, cap, split + 1)
-        if longest <= limits.max_steps or len(set(more.values())) <= len(set(chan_of_chunk.values())):
+        if longest <= limits.max_steps or last:
             break
         split += 1  # spread the longest thread blocks over more channels
     xml = program.to_xml()

@@ -44,6 +44,7 @@ import numpy as np
 from gradsync.errors import MscclError
 from gradsync.plan.msccl.program import (
     DEFAULT_LIMITS,
+    MscclGpu,
     MscclLimits,
     MscclProgram,
     MscclStep,
@@ -153,7 +154,7 @@ def validate_program(program: MscclProgram, limits: MscclLimits = DEFAULT_LIMITS
         receivers: dict[tuple[int, int], int] = {}
         per_chan: dict[int, int] = {}
         for tb in g.tbs:
-            _validate_tb(program, g.id, tb, len(ids), limits)
+            _validate_tb(program, g, tb, len(ids), limits)
             for peer, table, what in ((tb.send, senders, "send to"), (tb.recv, receivers, "receive from")):
                 if peer < 0:
                     continue
@@ -168,8 +169,8 @@ def validate_program(program: MscclProgram, limits: MscclLimits = DEFAULT_LIMITS
                                      f"{limits.max_tbs_per_channel} sending thread blocks on channel {tb.chan}", g.id, tb.id)
 
 
-def _validate_tb(program: MscclProgram, gid: int, tb: MscclThreadBlock, ntbs: int, limits: MscclLimits) -> None:
-    n = program.ngpus
+def _validate_tb(program: MscclProgram, g: MscclGpu, tb: MscclThreadBlock, ntbs: int, limits: MscclLimits) -> None:
+    n, gid = program.ngpus, g.id
     for peer, what in ((tb.send, "send"), (tb.recv, "recv")):
         if not -1 <= peer < n or peer == gid:
             raise MscclError(f"GPU {gid}, thread block {tb.id} has {what}={peer}; a peer is another GPU in 0..{n - 1} "
@@ -181,7 +182,6 @@ def _validate_tb(program: MscclProgram, gid: int, tb: MscclThreadBlock, ntbs: in
         raise MscclError(f"GPU {gid}, thread block {tb.id} has {len(tb.steps)} steps, over MSCCL_MAX_NUM_STEPS="
                          f"{limits.max_steps}; use fewer chunks per loop, pipeline=1, or more channels", gid, tb.id)
     pending_deps = False
-    g = next(x for x in program.gpus if x.id == gid)
     for pos, st in enumerate(tb.steps):
         at = _at(gid, tb.id, st.s, st.type)
         if st.s != pos:
@@ -281,9 +281,10 @@ class _Replay:
         self.states: list[_TbState] = []
         self.by_tb: dict[tuple[int, int], _TbState] = {}
         ntb = sum(len(g.tbs) for g in program.gpus)
+        clocks = np.zeros((ntb, ntb), np.int32)  # one (lazily zeroed) block, not a vector clock allocation per block
         for g in sorted(program.gpus, key=lambda g: g.id):
             for tb in sorted(g.tbs, key=lambda t: t.id):
-                st = _TbState(g.id, tb, len(self.states), np.zeros(ntb, np.int64))
+                st = _TbState(g.id, tb, len(self.states), clocks[len(self.states)])
                 self.states.append(st)
                 self.by_tb[(g.id, tb.id)] = st
         self.fifos: dict[tuple[int, int, int], deque[_Message]] = {}
@@ -309,21 +310,26 @@ class _Replay:
 
     def _read(self, ev: _Event, vc: np.ndarray, buf: str, idx: int) -> Value:
         cell = self.mem.get(self._key(ev.gpu, buf, idx))
-        where = f"{_at(ev.gpu, ev.tb, ev.step, ev.typ)}"
-        if cell is None or cell.value is None:
-            raise MscclError(f"{where} reads {buf}[{idx}] before anything arrives there (it is never written before "
-                             f"this step can run)", ev.gpu, ev.tb, ev.step)
-        if cell.writer is not None and not self._hb(cell.writer, vc):
-            raise MscclError(
-                f"{where} reads {buf}[{idx}] before it arrives: {cell.writer.label()} writes it and no dependency "
-                f"orders the write first (add depid={cell.writer.tb} deps={cell.writer.step})", ev.gpu, ev.tb, ev.step)
+        if cell is None or cell.value is None or (cell.writer is not None and not self._hb(cell.writer, vc)):
+            raise self._read_error(ev, vc, buf, idx, cell)
         cell.reads.append(ev)
         return cell.value
 
+    def _read_error(self, ev: _Event, vc: np.ndarray, buf: str, idx: int, cell: _Cell | None) -> MscclError:
+        where = _at(ev.gpu, ev.tb, ev.step, ev.typ)
+        if cell is None or cell.value is None:
+            return MscclError(f"{where} reads {buf}[{idx}] before anything arrives there (it is never written before "
+                              f"this step can run)", ev.gpu, ev.tb, ev.step)
+        assert cell.writer is not None
+        return MscclError(
+            f"{where} reads {buf}[{idx}] before it arrives: {cell.writer.label()} writes it and no dependency "
+            f"orders the write first (add depid={cell.writer.tb} deps={cell.writer.step})", ev.gpu, ev.tb, ev.step)
+
     def _write(self, ev: _Event, vc: np.ndarray, buf: str, idx: int, value: Value) -> None:
         key = self._key(ev.gpu, buf, idx)
-        cell = self.mem.setdefault(key, _Cell(None))
-        where = _at(ev.gpu, ev.tb, ev.step, ev.typ)
+        cell = self.mem.get(key)
+        if cell is None:
+            cell = self.mem[key] = _Cell(None)
         for r in cell.reads:
             if r is not ev and not self._hb(r, vc):
                 raise MscclError(
@@ -331,19 +337,20 @@ class _Replay:
                     f"overwrites it: the read may see the chunk before its data arrive or after it is replaced "
                     f"(no dependency chain orders them)", ev.gpu, r.tb, r.step)
         if cell.writer is not None and cell.writer is not ev and not self._hb(cell.writer, vc):
-            raise MscclError(f"{where} writes {buf}[{idx}] unordered with {cell.writer.label()}, which also writes it; "
-                             f"add a dependency", ev.gpu, ev.tb, ev.step)
+            raise MscclError(f"{_at(ev.gpu, ev.tb, ev.step, ev.typ)} writes {buf}[{idx}] unordered with "
+                             f"{cell.writer.label()}, which also writes it; add a dependency", ev.gpu, ev.tb, ev.step)
         cell.value, cell.writer, cell.reads = value, ev, []
 
-    def _reduce(self, ev: _Event, a: Value, b: Value, what: str) -> Value:
+    def _reduce(self, ev: _Event, a: Value, b: Value, what: Callable[[], str]) -> Value:
+        """``a + b``; ``what()`` describes the addition in an error (built only then: this runs per chunk)."""
         assert a is not None and b is not None  # _read and message values are never undefined
         if a[0] != b[0]:
             raise MscclError(f"{_at(ev.gpu, ev.tb, ev.step, ev.typ)} adds chunk position {a[0]} to chunk position "
-                             f"{b[0]} ({what}); a reduction only adds equal positions", ev.gpu, ev.tb, ev.step)
+                             f"{b[0]} ({what()}); a reduction only adds equal positions", ev.gpu, ev.tb, ev.step)
         twice = a[1] & b[1]
         if twice:
             raise MscclError(f"{_at(ev.gpu, ev.tb, ev.step, ev.typ)} counts the contribution of GPU(s) {_gpus_of(twice)} "
-                             f"to chunk {a[0]} twice ({what}): a duplicate reduction", ev.gpu, ev.tb, ev.step)
+                             f"to chunk {a[0]} twice ({what()}): a duplicate reduction", ev.gpu, ev.tb, ev.step)
         return (a[0], a[1] | b[1])
 
     # -- execution --
@@ -395,9 +402,10 @@ class _Replay:
         src = self._read(ev, vc, st.srcbuf, st.srcoff + j) if kind.reads_src else None
         dst = self._read(ev, vc, st.dstbuf, st.dstoff + j) if kind.reads_dst else None
         if st.type == "re":
-            result = self._reduce(ev, dst, src, f"{st.dstbuf}[{st.dstoff + j}] += {st.srcbuf}[{st.srcoff + j}]")
+            result = self._reduce(ev, dst, src, lambda: f"{st.dstbuf}[{st.dstoff + j}] += {st.srcbuf}[{st.srcoff + j}]")
         elif kind.reduce:
-            result = self._reduce(ev, msg_value, src, f"received from GPU {tb.recv} + {st.srcbuf}[{st.srcoff + j}]")
+            result = self._reduce(ev, msg_value, src,
+                                  lambda: f"received from GPU {tb.recv} + {st.srcbuf}[{st.srcoff + j}]")
         elif kind.recv:
             result = msg_value
         else:
