@@ -10,9 +10,13 @@ Three parts, written to ``--out`` as ``mergecomp.json`` and ``mergecomp.png``:
    (compute elsewhere, as a GPU's; the CPU stays free for the codec and the wire). Each group goes out when
    complete (:class:`gradsync.train.MergedGroups`). Per compressor: layer-wise, ``y`` in 1, 2, 4, 8 equal
    groups, Algorithm 2 (Y = 4, alpha = 0.05) and the exact search, both planned on the profiled cost model
-   (:func:`gradsync.train.profile_cost_model`); FP32 is ``none`` layer-wise. A sample is the slowest rank's
-   time from backward start until every aggregate is back; reported: the median of ``--reps``, the speedup
-   over layer-wise, and whether the exact choice is within 5% of the best measured configuration.
+   (:func:`gradsync.train.profile_cost_model`) fitted, as the optimizer's calibration does, to the measured
+   layer-wise step (its per-group overhead, :func:`gradsync.compress.fit_group_overhead`), and beside them
+   the exact search on the unfitted profile (``exact_unfitted``, the anchor); FP32 is ``none`` layer-wise.
+   A sample is the slowest rank's time from backward start until every aggregate is back; the distinct
+   partitions are measured in rounds, alternating. Reported: the median of ``--reps``, the speedup over
+   layer-wise, whether the exact choice is within 5% of the best measured configuration, and the model's
+   mean error with and without the fit.
 3. **Accuracy** (seed Table 4 in miniature): LeNet-5 on digits, 2 workers, FP32 against DGC and EFSignSGD
    layer-wise and merged (``merge="auto"``), test accuracy every 20 steps.
 
@@ -38,7 +42,7 @@ from typing import Any
 RESULT_TYPE = "gradsync.bench.mergecomp"
 _ROOT = Path(__file__).resolve().parents[1]
 STEP_COMPRESSORS = "fp16,dgc,efsignsgd,topk"
-CONFIGS = ("layerwise", "y1", "y2", "y4", "y8", "alg2", "exact")
+CONFIGS = ("layerwise", "y1", "y2", "y4", "y8", "alg2", "exact", "exact_unfitted")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -101,7 +105,7 @@ def step_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import gradsync
-    from gradsync.compress import Partition, resolve_merge, search_mergecomp, search_optimal
+    from gradsync.compress import Partition, fit_group_overhead, resolve_merge, search_mergecomp, search_optimal
     from gradsync.train import CompressionStep, MergedGroups, profile_cost_model
 
     torch.set_num_threads(1)
@@ -140,19 +144,39 @@ def step_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         print(f"[W={rt.world_size}] fp32 layer-wise {fp32['median_s'] * 1e3:.1f} ms", flush=True)
     for comp in cfg["compressors"]:
+        # layer-wise first: as the optimizer's calibration step, its time fits the model's per-group overhead
+        layerwise = Partition.layerwise(len(sizes))
+        row = {"layerwise": measure(CompressionStep(comp, runtime=rt), layerwise)}
         step = CompressionStep(comp, runtime=rt)
-        model = profile_cost_model(step, sizes, ready, ready[-1], repeats=3)
+        # one profile, searched as it is (the anchor) and fitted to the layer-wise step (the max over ranks,
+        # the same on every rank), as profile_cost_model(observed=...) fits it for the optimizer
+        unfitted = profile_cost_model(step, sizes, ready, ready[-1], repeats=3)
+        model, overhead = fit_group_overhead(unfitted, layerwise, row["layerwise"]["median_s"])
+        row["layerwise"]["fitted_group_overhead_s"] = overhead
         plans = {
-            "layerwise": Partition.layerwise(len(sizes)),
+            "layerwise": layerwise,
             **{f"y{y}": resolve_merge(y, sizes) for y in (1, 2, 4, 8)},
             "alg2": search_mergecomp(model, 4, 0.05),
             "exact": search_optimal(model),
+            "exact_unfitted": search_optimal(unfitted),
         }
-        row = {}
+        # Every distinct partition (labels naming the same one share it: "exact" is often "y1") is measured in
+        # rounds, configurations alternating, so drift in the machine's load hits them alike.
+        distinct = list(dict.fromkeys(part for label, part in plans.items() if label != "layerwise"))
+        groups = {part: MergedGroups(CompressionStep(comp, runtime=rt), names, shapes, torch.float32, part)
+                  for part in distinct}  # fresh compressor state per configuration
+        for g in groups.values():
+            timed_step(g)  # warm-up
+        samples: dict[Partition, list[float]] = {part: [] for part in distinct}
+        for r in range(cfg["reps"]):
+            for part in distinct[r % len(distinct):] + distinct[:r % len(distinct)]:
+                samples[part].append(timed_step(groups[part]))
         for label, part in plans.items():
-            step = CompressionStep(comp, runtime=rt)  # fresh state per configuration
-            row[label] = measure(step, part)
+            if label != "layerwise":
+                row[label] = {"median_s": statistics.median(samples[part]), "samples_s": samples[part],
+                              "groups": part.num_groups}
             row[label]["predicted_s"] = model.iteration_time(part)
+            row[label]["predicted_unfitted_s"] = unfitted.iteration_time(part)
         results[comp] = row
         if rank == 0:
             print(f"[W={rt.world_size}] {comp:10s} " + "  ".join(f"{k} {v['median_s'] * 1e3:7.1f}" for k, v in row.items())
@@ -259,6 +283,15 @@ def summarize(step: dict[str, Any]) -> dict[str, Any]:
             "exact_groups": row["exact"]["groups"],
             "alg2_groups": row["alg2"]["groups"],
         }
+        if "exact_unfitted" in row:  # the search on the model without the fitted per-group overhead
+            out[comp].update({
+                "exact_unfitted_over_best": med["exact_unfitted"] / med[best],
+                "exact_unfitted_groups": row["exact_unfitted"]["groups"],
+                # mean |predicted / measured - 1| over the configurations, with and without the fit
+                "model_error": statistics.fmean(abs(v["predicted_s"] / v["median_s"] - 1) for v in row.values()),
+                "model_error_unfitted": statistics.fmean(abs(v["predicted_unfitted_s"] / v["median_s"] - 1)
+                                                         for v in row.values()),
+            })
     return out
 
 

@@ -16,6 +16,7 @@ from gradsync.compress.merge import (
     LinearCost,
     MergeError,
     Partition,
+    fit_group_overhead,
     optimal_per_y,
     search_mergecomp,
     search_mergecomp_trace,
@@ -544,3 +545,56 @@ def test_measured_costs_plan_like_linear_ones() -> None:
     a = CostModel.from_backward_times([4096] * 16, [1.0] * 16, h=h_line, g=g_line)
     b = CostModel.from_backward_times([4096] * 16, [1.0] * 16, h=h, g=g)
     assert b.iteration_time(search_optimal(b)) == pytest.approx(a.iteration_time(search_optimal(a)))
+
+
+# -- fitting the per-group overhead to one observed step ---------------------------------------------------------
+
+
+def test_fit_group_overhead_by_hand() -> None:
+    """Layer-wise on the worked example with h + δ: H = 7.5 + 3δ, E_3 = 18.5 + 3δ (δ >= 0.5), so an observed
+    25 s means δ = 13/6; with it the search merges the first two tensors (the overhead now outweighs overlap)."""
+    m = _three()
+    lw = Partition.layerwise(3)
+    fitted, delta = fit_group_overhead(m, lw, 25.0)
+    assert delta == pytest.approx(13 / 6, abs=1e-6)
+    assert fitted.iteration_time(lw) == pytest.approx(25.0, abs=1e-5)
+    assert search_optimal(m) == Partition(3, (1, 2))
+    assert search_optimal(fitted) == Partition(3, (2,))
+    # every other partition pays δ once per group on the compute stream: brute force on the shifted costs
+    shifted = CostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
+                        h=(0.5 + delta, 0.01), g=(1.0, 0.02))
+    for cuts in [(), (1,), (2,), (1, 2)]:
+        p = Partition(3, cuts)
+        assert fitted.iteration_time(p) == pytest.approx(shifted.iteration_time(p), abs=1e-9)
+
+
+def test_fit_group_overhead_leaves_an_over_prediction_alone() -> None:
+    m = _three()
+    lw = Partition.layerwise(3)
+    fitted, delta = fit_group_overhead(m, lw, m.iteration_time(lw) - 1.0)
+    assert delta == 0.0 and fitted is m
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fit_group_overhead_hits_the_observation_on_random_models(seed: int) -> None:
+    """The least root: T(δ) = observed, and any smaller overhead predicts less (non-decreasing T)."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    sizes = [rng.randint(1, 1000) for _ in range(n)]
+    m = CostModel.from_backward_times(sizes, [rng.uniform(0, 2) for _ in range(n)],
+                                      h=(rng.uniform(0, 1), rng.uniform(0, 0.01)), g=(rng.uniform(0, 1), rng.uniform(0, 0.02)),
+                                      overlap_compression=bool(seed % 2))
+    part = Partition(n, tuple(sorted(rng.sample(range(1, n), rng.randint(0, n - 1)))))
+    observed = m.iteration_time(part) + rng.uniform(0.1, 20.0)
+    fitted, delta = fit_group_overhead(m, part, observed)
+    assert fitted.iteration_time(part) == pytest.approx(observed, abs=1e-5)
+    lower = CostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
+                      h=(m.h.base_s + delta * 0.99, m.h.per_element_s), g=m.g, overlap_compression=m.overlap_compression)
+    assert lower.iteration_time(part) < observed
+
+
+def test_fit_group_overhead_rejects_bad_input() -> None:
+    with pytest.raises(MergeError, match="observed_s"):
+        fit_group_overhead(_three(), Partition.layerwise(3), -1.0)
+    with pytest.raises(MergeError, match="model"):
+        fit_group_overhead("model", Partition.layerwise(3), 1.0)  # type: ignore[arg-type]

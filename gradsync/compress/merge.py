@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -49,7 +49,9 @@ __all__ = [
     "MergeSpec",
     "Partition",
     "PipelineTrace",
+    "ShiftedCost",
     "equal_partition",
+    "fit_group_overhead",
     "optimal_per_y",
     "probe_sizes",
     "resolve_merge",
@@ -616,6 +618,57 @@ def search_optimal(model: CostModel, y: int | None = None) -> Partition:
     best = min(t for t, _ in per_y.values())
     tol = 1e-12 * max(best, 1e-300)
     return per_y[min(k for k, (t, _) in per_y.items() if t <= best + tol)][1]
+
+
+# -- fitting the model to one observed step -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShiftedCost:
+    """``cost(x) + base_s``: a cost with a per-operation overhead added (vectorised like ``cost``)."""
+
+    cost: Cost
+    base_s: float
+
+    def __call__(self, numel: Any) -> Any:
+        return self.cost(numel) + self.base_s
+
+
+def fit_group_overhead(model: CostModel, partition: Partition, observed_s: float, *, tol_s: float = 1e-7) -> tuple[CostModel, float]:
+    """The model with a per-group overhead ``δ >= 0`` added to compression ``h`` that makes it predict
+    ``observed_s`` for ``partition``, and ``δ``.
+
+    Why. ``h``, ``g`` and ``d`` are measured one operation at a time, on an otherwise idle process; a real
+    step also pays, per group, what those measurements leave out, on the thread that runs backward: the
+    hook's bookkeeping, handing the group to the communication thread, and -- where the CPU does both --
+    the communication thread's copies competing with the compute thread (loopback, 2 processes on 2
+    cores: 0.8-1.8 ms per group, so 8 groups measured 3-13 ms slower than 1 where the profile predicted
+    them 0-2 ms faster). It is the same for every group, so it moves the optimum toward fewer groups, and
+    no profile taken outside a step sees it. One step run with many groups (the layer-wise calibration
+    step, ``y = n``) measures it. With ``h_δ(x) = h(x) + δ`` the replayed time ``T(δ)`` is continuous and
+    non-decreasing in ``δ`` (every ``C_j`` and ``E_j`` is a max of sums that grow with ``δ``) and
+    ``T(δ) >= y δ`` (the compression stream, inline or not, runs the ``y`` groups one after another), so
+    ``T(δ) = observed_s`` has a least root in ``[0, observed_s / y]``, found by bisection. When the model
+    already predicts at least ``observed_s``, ``δ = 0`` and the model is returned as it is (an
+    over-prediction is not evidence of a negative overhead).
+    """
+    if not isinstance(model, CostModel):
+        raise MergeError(f"model={model!r} must be a CostModel")
+    observed = _nonneg_float("observed_s", observed_s, "seconds the step took")
+    if model.iteration_time(partition) >= observed:
+        return model, 0.0
+
+    def shifted(delta: float) -> CostModel:
+        return replace(model, h=ShiftedCost(model.h, delta))
+
+    lo, hi = 0.0, observed / partition.num_groups
+    while hi - lo > tol_s:
+        mid = 0.5 * (lo + hi)
+        if shifted(mid).iteration_time(partition) < observed:
+            lo = mid
+        else:
+            hi = mid
+    return shifted(hi), hi
 
 
 # -- the seed's Algorithm 2 ------------------------------------------------------------------------------------

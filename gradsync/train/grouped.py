@@ -30,7 +30,7 @@ from torch import Tensor
 from gradsync.comm.runtime import Runtime, Work
 from gradsync.compress.base import TensorInfo
 from gradsync.compress.memory import NoMemory
-from gradsync.compress.merge import CostModel, MergeError, Partition, probe_sizes
+from gradsync.compress.merge import CostModel, MergeError, Partition, fit_group_overhead, probe_sizes
 from gradsync.compress.profile import MeasuredCost, Samples, measure_codec, measure_comm
 from gradsync.train.communicator import CompressionStep
 
@@ -56,6 +56,7 @@ def profile_cost_model(
     repeats: int = 3,
     points: int = 8,
     dtype: torch.dtype = torch.float32,
+    observed: tuple[Partition, float] | None = None,
 ) -> CostModel:
     """A :class:`CostModel` for ``step`` measured on this machine, identical on every rank.
 
@@ -67,6 +68,14 @@ def profile_cost_model(
     :func:`probe_sizes` and interpolated (:class:`~gradsync.compress.profile.MeasuredCost`: caches make
     ``h`` non-linear). This is a collective: every rank must call it with the same sizes. The timeline
     (``ready_s``, ``backward_end_s``) and all measurements are averaged over ranks before planning.
+
+    ``observed``: a partition and the seconds one real step with it took on this rank (same origin as
+    ``ready_s``), e.g. the layer-wise calibration step. The per-group overhead that the operation-by-operation
+    measurements miss is then fitted to it (:func:`~gradsync.compress.merge.fit_group_overhead`, on the
+    rank-averaged time): without it the model prices groups too cheaply (``gradsync bench mergecomp
+    --quick``, 2 processes: 0.8-1.8 ms per group unaccounted; 8 groups measured 3-13 ms slower than 1
+    where the unfitted profile said 0-2 ms faster, and its exact search chose 8 groups for fp16, 6 % slower
+    than the best measured partition).
     """
     rt = step.communicator.runtime
     world = rt.world_size
@@ -94,16 +103,17 @@ def profile_cost_model(
 
     comm = measure_comm(send, probes, compressor=step.compressor, dtype=dtype, repeats=repeats)
     k = len(probes)
-    local = [*enc.seconds, *feedback.seconds, *dec.seconds, *comm.seconds, *ready_s, backward_end_s, forward_s]
+    seen = float(observed[1]) if observed is not None else 0.0
+    local = [*enc.seconds, *feedback.seconds, *dec.seconds, *comm.seconds, *ready_s, backward_end_s, forward_s, seen]
     avg = _average_over_ranks(rt, local)
     e, f, d, g = avg[:k], avg[k : 2 * k], avg[2 * k : 3 * k], avg[3 * k : 4 * k]
     ready = avg[4 * k : 4 * k + len(ready_s)]
-    end, fwd = avg[-2], avg[-1]
+    end, fwd, seen = avg[-3], avg[-2], avg[-1]
     ready = list(np.maximum.accumulate(np.maximum(ready, 0.0)))
     h = MeasuredCost.from_samples(Samples(probes, tuple(a + b for a, b in zip(e, f))))
     after = MeasuredCost.from_samples(Samples(probes, tuple(d)))
     send_cost = MeasuredCost.from_samples(Samples(probes, tuple(g)))
-    return CostModel(
+    model = CostModel(
         sizes=tuple(int(s) for s in sizes),
         ready_s=tuple(ready),
         backward_end_s=max(end, ready[-1]),
@@ -112,6 +122,9 @@ def profile_cost_model(
         d=after,
         forward_s=max(fwd, 0.0),
     )
+    if observed is not None:
+        model, _ = fit_group_overhead(model, observed[0], max(seen, 0.0))
+    return model
 
 
 @dataclass(frozen=True)

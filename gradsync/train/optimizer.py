@@ -168,16 +168,17 @@ class DistributedOptimizer:
     def _synchronize_compressed(self) -> None:
         end = t0 = time.perf_counter()
         results = self._groups.wait()
-        self.wait_seconds += time.perf_counter() - t0
+        synced = time.perf_counter()
+        self.wait_seconds += synced - t0
         for (_, p), r in zip(self._params, results):
             if p.grad is None:
                 p.grad = r.detach().clone()
             elif not (r.data_ptr() == p.grad.data_ptr() and r.stride() == p.grad.stride() and r.shape == p.grad.shape):
                 p.grad.copy_(r)  # (decoded straight into .grad otherwise: nothing to copy)
         if self._calibrating:
-            self._calibrate(end)
+            self._calibrate(end, synced)
 
-    def _calibrate(self, end: float) -> None:
+    def _calibrate(self, end: float, synced: float) -> None:
         """After the timed layer-wise first step: backward order and ready times -> profiled model -> partition."""
         from gradsync.compress.merge import search_optimal
         from gradsync.train.grouped import profile_cost_model
@@ -200,7 +201,10 @@ class DistributedOptimizer:
             ready.append(last)
         self._params = [self._params[i] for i in order]
         sizes = [p.numel() for _, p in self._params]
-        self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start, last))
+        n = len(self._params)
+        # the timed step ran layer-wise: its end-to-end time calibrates the per-group overhead
+        self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start, last),
+                                             observed=(_layerwise(n), synced - start))
         self.partition = search_optimal(self.cost_model)
         self.compression.compressor.reset()
         self.compression.memory.reset()
