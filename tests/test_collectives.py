@@ -261,3 +261,32 @@ def test_min_arborescence_matches_networkx_on_larger_graphs():
                     seen.add(u)
                     u = int(parent[u])
             assert sum(w[parent[v], v] for v in range(n) if v != root) == pytest.approx(want, rel=1e-12)
+
+
+def test_min_arborescence_small_path_equals_the_numpy_path(monkeypatch):
+    """Up to SMALL_ARBORESCENCE nodes the list version runs; it must find trees of the NumPy version's weight
+    (ties included), and both must be spanning arborescences rooted where asked."""
+    from gradsync.plan import forest
+
+    rng = np.random.default_rng(11)
+    cases = []
+    for n in range(2, forest.SMALL_ARBORESCENCE + 1):
+        for _ in range(12):
+            w = rng.random((n, n)) * 10 + 0.1
+            if rng.random() < 0.5:
+                w = np.round(w)
+            cases.append((w, int(rng.integers(n))))
+    small = [min_arborescence(w, r) for w, r in cases]
+    monkeypatch.setattr(forest, "SMALL_ARBORESCENCE", 1)  # force the NumPy path
+    for (w, root), got in zip(cases, small):
+        ref = min_arborescence(w, root)
+        n = len(w)
+        assert got[root] == -1
+        for v in range(n):
+            seen, u = set(), v
+            while u != root:
+                assert u not in seen
+                seen.add(u)
+                u = int(got[u])
+        weight = sum(w[got[v], v] for v in range(n) if v != root)
+        assert weight == pytest.approx(sum(w[ref[v], v] for v in range(n) if v != root), rel=1e-12)

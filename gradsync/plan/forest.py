@@ -72,6 +72,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -83,6 +84,11 @@ from gradsync.plan.cut_bound import _integer_capacities
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree
 from gradsync.plan.symmetry import Symmetry, directed_link_permutation, regular_selection, symmetry_of
 from gradsync.topology.model import Topology
+
+try:  # SciPy >= 1.15 vendors highspy; its Highs object keeps the basis between solves.
+    from scipy.optimize._highspy import _core as _highs
+except ImportError:  # pragma: no cover - older SciPy: solve each master from scratch with linprog
+    _highs = None
 
 __all__ = [
     "Arborescence",
@@ -235,6 +241,70 @@ def _cycles(parent: np.ndarray, root: int) -> list[np.ndarray]:
     return np.split(nodes, cuts)
 
 
+#: Up to this many nodes :func:`min_arborescence` runs on Python lists: NumPy's per-call overhead is most of
+#: the time on a DGX-1's 8 ranks (120 pricings per reduce-scatter plan: 40 of its 85 ms).
+SMALL_ARBORESCENCE = 12
+
+
+def _min_arborescence_small(w: list[list[float]], root: int) -> list[int]:
+    """Chu-Liu/Edmonds on a dense list-of-lists digraph, one cycle contracted per level (see the caller)."""
+    n = len(w)
+    inf = float("inf")
+    parent = [-1] * n
+    for v in range(n):
+        if v != root:
+            best, arg = inf, -1
+            for u in range(n):
+                if u != v and w[u][v] < best:
+                    best, arg = w[u][v], u
+            parent[v] = arg
+    cycle: list[int] = []
+    mark = [-1] * n  # the start of the walk that first visited each node
+    for s in range(n):
+        v = s
+        while v != root and mark[v] < 0:
+            mark[v] = s
+            v = parent[v]
+        if v != root and mark[v] == s:  # this walk closed a cycle through v
+            cycle = [v]
+            u = parent[v]
+            while u != v:
+                cycle.append(u)
+                u = parent[u]
+            break
+    if not cycle:
+        return parent
+    on = set(cycle)
+    rest = [v for v in range(n) if v not in on]
+    label = [0] * n
+    for i, v in enumerate(rest):
+        label[v] = i
+    c = len(rest)
+    for v in cycle:
+        label[v] = c
+    m = c + 1
+    w2 = [[inf] * m for _ in range(m)]
+    arg: list[list[tuple[int, int]]] = [[(-1, -1)] * m for _ in range(m)]
+    for u in range(n):
+        a = label[u]
+        row_u = w[u]
+        for v in range(n):
+            b = label[v]
+            if a == b or u == v:
+                continue
+            cost = row_u[v] - w[parent[v]][v] if v in on else row_u[v]
+            if cost < w2[a][b]:
+                w2[a][b], arg[a][b] = cost, (u, v)
+    p2 = _min_arborescence_small(w2, label[root])
+    out = parent[:]
+    for b in range(m):
+        a = p2[b]
+        if a >= 0:
+            u, v = arg[a][b]
+            out[v] = u  # into a contracted cycle: breaks it at v (its cycle edge into v goes)
+    return out
+
+
 def min_arborescence(weights: np.ndarray, root: int) -> np.ndarray:
     """``parent[v]`` of the minimum-weight spanning arborescence rooted at ``root`` (``parent[root] = -1``).
 
@@ -248,6 +318,8 @@ def min_arborescence(weights: np.ndarray, root: int) -> np.ndarray:
     w = np.array(weights, dtype=float)
     np.fill_diagonal(w, np.inf)
     w[:, root] = np.inf
+    if n <= SMALL_ARBORESCENCE:
+        return np.array(_min_arborescence_small(w.tolist(), root), dtype=np.int64)
     parent = np.argmin(w, axis=0)
     parent[root] = -1
     cycles = _cycles(parent, root)
@@ -377,6 +449,86 @@ class _Pricer:
         return Arborescence(root, tuple(edges), tuple(routes), loads)
 
 
+class _ForestMaster:
+    """The restricted master of :func:`pack_arborescences` (module docstring), solved again after each batch of
+    new columns: ``min t`` over ``[t, alpha]`` with one equality row per root and one ``<= 0`` row per link
+    direction. One HiGHS instance keeps its optimal basis between solves (new columns enter at zero, so the
+    basis stays primal feasible and primal simplex needs a few pivots): on a DGX-1's 8 ranks SciPy's
+    ``linprog`` spent more time building and checking each of the 12 models than HiGHS spent solving them.
+    Without SciPy's vendored ``highspy`` each solve is a fresh :func:`linprog`.
+    """
+
+    def __init__(self, n: int, flat_c: np.ndarray) -> None:
+        self.n, self.flat_c = n, flat_c
+        self.columns: list[Arborescence] = []
+        self._pending: list[Arborescence] = []
+        self._highs = None
+        if _highs is not None:
+            try:
+                self._highs = self._solver()
+            except (AttributeError, TypeError):  # pragma: no cover - a private API that changed shape
+                self._highs = None
+
+    def _solver(self) -> Any:
+        h = _highs._Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("presolve", "off")
+        h.setOptionValue("simplex_strategy", 4)  # primal: new columns keep the old basis primal feasible
+        h.setOptionValue("primal_feasibility_tolerance", 1e-10)
+        h.setOptionValue("dual_feasibility_tolerance", 1e-10)
+        n, rows = self.n, len(self.flat_c)
+        inf = h.getInfinity()
+        h.addRows(n, np.ones(n), np.ones(n), 0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+        h.addRows(rows, np.full(rows, -inf), np.zeros(rows), 0, np.zeros(0, dtype=np.int32),
+                  np.zeros(0, dtype=np.int32), np.zeros(0))
+        # the column t: -1 in every link row
+        h.addCols(1, np.ones(1), np.zeros(1), np.full(1, inf), rows, np.zeros(1, dtype=np.int32),
+                  np.arange(n, n + rows, dtype=np.int32), -np.ones(rows))
+        return h
+
+    def add(self, tree: Arborescence) -> None:
+        self.columns.append(tree)
+        self._pending.append(tree)
+
+    def solve(self) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+        """``(alpha, t, y, mu)``: tree weights, the cost, link-row duals (``>= 0``) and root-row duals."""
+        n, rows = self.n, len(self.flat_c)
+        if self._highs is None:
+            k = len(self.columns)
+            loads = np.stack([t.loads.reshape(-1) for t in self.columns], axis=1)  # (2m, k)
+            a_ub = np.hstack([self.flat_c[:, None] * loads, -np.ones((rows, 1))])
+            a_eq = np.zeros((n, k + 1))
+            for j, t in enumerate(self.columns):
+                a_eq[t.root, j] = 1.0
+            res = linprog(np.r_[np.zeros(k), 1.0], A_ub=a_ub, b_ub=np.zeros(rows), A_eq=a_eq, b_eq=np.ones(n),
+                          bounds=[(0, None)] * (k + 1), method="highs")
+            if not res.success:  # pragma: no cover - always feasible: every root has a column
+                raise PlanError(f"HiGHS failed on the out-tree packing master LP: {res.message}")
+            return (np.asarray(res.x[:k]), float(res.x[k]), np.maximum(-np.asarray(res.ineqlin.marginals), 0.0),
+                    np.asarray(res.eqlin.marginals))
+        h = self._highs
+        if self._pending:
+            starts, idx, vals = [], [], []
+            for t in self._pending:
+                flat = t.loads.reshape(-1)
+                nz = np.flatnonzero(flat)
+                starts.append(len(idx))
+                idx.extend([t.root, *(n + nz).tolist()])
+                vals.extend([1.0, *(self.flat_c[nz] * flat[nz]).tolist()])
+            k = len(self._pending)
+            self._pending = []
+            h.addCols(k, np.zeros(k), np.zeros(k), np.full(k, h.getInfinity()), len(idx),
+                      np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(vals))
+        h.run()
+        status = h.getModelStatus()
+        if status != _highs.HighsModelStatus.kOptimal:  # pragma: no cover - always feasible and bounded
+            raise PlanError(f"HiGHS failed on the out-tree packing master LP: {h.modelStatusToString(status)}")
+        sol = h.getSolution()
+        x = np.asarray(sol.col_value, dtype=float)
+        dual = np.asarray(sol.row_dual, dtype=float)
+        return x[1:], float(x[0]), np.maximum(-dual[n:], 0.0), dual[:n]
+
+
 def _positive(prices: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """Strictly positive prices; the tiny extra term prefers fast links and short routes on ties."""
     scale = float(prices.max()) if prices.size and prices.max() > 0 else 1.0
@@ -415,24 +567,15 @@ def pack_arborescences(topology: Topology, *, reverse: bool = False, tol: float 
             used += t.loads / n
             add(t)
     flat_c = costs.reshape(-1) / n
+    master = _ForestMaster(n, flat_c)
     lower, upper = 0.0, np.inf
     alpha = np.zeros(0)
     it = 0
     for it in range(1, max_iter + 1):  # noqa: B007 - reported after the loop
-        k = len(columns)
-        loads = np.stack([t.loads.reshape(-1) for t in columns], axis=1)  # (2m, k)
-        a_ub = np.hstack([flat_c[:, None] * loads, -np.ones((2 * m, 1))])
-        a_eq = np.zeros((n, k + 1))
-        for j, t in enumerate(columns):
-            a_eq[t.root, j] = 1.0
-        res = linprog(np.r_[np.zeros(k), 1.0], A_ub=a_ub, b_ub=np.zeros(2 * m), A_eq=a_eq, b_eq=np.ones(n),
-                      bounds=[(0, None)] * (k + 1), method="highs")
-        if not res.success:  # pragma: no cover - always feasible: every root has a column
-            raise PlanError(f"HiGHS failed on the out-tree packing master LP: {res.message}")
-        alpha, upper = res.x[:k], float(res.x[k])
-        y = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
+        for t in columns[len(master.columns):]:
+            master.add(t)
+        alpha, upper, y, mu = master.solve()
         y = y / y.sum() if y.sum() > 0 else np.full(2 * m, 1.0 / (2 * m))
-        mu = np.asarray(res.eqlin.marginals)
         prices = (y * flat_c).reshape(m, 2)
         dist, pred = pricer.closure(_positive(prices, costs))
         bound = 0.0
