@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -529,6 +529,20 @@ class _ForestMaster:
         return x[1:], float(x[0]), np.maximum(-dual[n:], 0.0), dual[:n]
 
 
+def _unique_adder(columns: list[Arborescence]) -> Callable[[Arborescence], bool]:
+    """``add(tree)``: append ``tree`` to ``columns`` unless an equal one (same root and routes) is there."""
+    keys = {t.key for t in columns}
+
+    def add(tree: Arborescence) -> bool:
+        if tree.key in keys:
+            return False
+        keys.add(tree.key)
+        columns.append(tree)
+        return True
+
+    return add
+
+
 def _positive(prices: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """Strictly positive prices; the tiny extra term prefers fast links and short routes on ties."""
     scale = float(prices.max()) if prices.size and prices.max() > 0 else 1.0
@@ -549,14 +563,7 @@ def pack_arborescences(topology: Topology, *, reverse: bool = False, tol: float 
     costs = topology.directed_costs[:, ::-1].copy() if reverse else topology.directed_costs.copy()
     pricer = _Pricer(topology, reverse)
     columns: list[Arborescence] = []
-    keys: set[tuple] = set()
-
-    def add(tree: Arborescence) -> bool:
-        if tree.key in keys:
-            return False
-        keys.add(tree.key)
-        columns.append(tree)
-        return True
+    add = _unique_adder(columns)
 
     # Warm start: every root's cheapest tree, then two greedy rounds that avoid the links already loaded.
     used = np.zeros((m, 2))
@@ -691,18 +698,12 @@ def _symmetric(topology: Topology, group: _Group, *, reverse: bool, target: floa
         raise PlanError(f"symmetry of {topology.name!r} maps a link direction onto one of another cost")
     pricer = _Pricer(topology, reverse)
     columns: list[Arborescence] = []
-    keys: set[tuple] = set()
+    add = _unique_adder(columns)
 
     def coefficients(tree: Arborescence) -> np.ndarray:
         """``c_O |L_T ∩ O| / |O|`` per orbit ``O``."""
         return c_orbit * np.bincount(group.orbit, weights=tree.loads.reshape(-1), minlength=rows) / group.size
 
-    def add(tree: Arborescence) -> bool:
-        if tree.key in keys:
-            return False
-        keys.add(tree.key)
-        columns.append(tree)
-        return True
 
     dist, pred = pricer.closure(_positive(costs.copy(), costs))
     add(pricer.tree(0, dist, pred))
