@@ -143,6 +143,7 @@ class DistributedOptimizer:
         self.cost_model: CostModel | None = None
         self._calibrating = self.partition is None  # "auto": the first step runs layer-wise and is timed
         self._arrivals: list[tuple[int, float]] = []
+        self._inside = 0.0  # seconds the calibration step spent inside the groups' add()
         self._build_groups(self.partition if self.partition is not None else _layerwise(len(self._params)))
 
     def _build_groups(self, partition: Partition) -> None:
@@ -161,9 +162,15 @@ class DistributedOptimizer:
         if grad.is_sparse:
             raise GradsyncError(f"gradient of {self.names.get(id(param), '?')} is sparse; gradsync compresses dense gradients")
         index = self._index[id(param)]
-        if self._calibrating:
-            self._arrivals.append((index, time.perf_counter()))
+        if not self._calibrating:
+            self._groups.add(index, grad)
+            return
+        # Backward's own progress: the time this hook spent compressing earlier gradients taken out (the
+        # model adds compression to the ready times itself, so counting it here would count it twice).
+        t = time.perf_counter()
+        self._arrivals.append((index, t - self._inside))
         self._groups.add(index, grad)
+        self._inside += time.perf_counter() - t
 
     def _synchronize_compressed(self) -> None:
         end = t0 = time.perf_counter()
@@ -203,7 +210,8 @@ class DistributedOptimizer:
         sizes = [p.numel() for _, p in self._params]
         n = len(self._params)
         # the timed step ran layer-wise: its end-to-end time calibrates the per-group overhead
-        self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start, last),
+        inside, self._inside = self._inside, 0.0
+        self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),
                                              observed=(_layerwise(n), synced - start))
         self.partition = search_optimal(self.cost_model)
         self.compression.compressor.reset()
