@@ -177,7 +177,14 @@ def scenario_kill(topology: str) -> dict:
             rt.allreduce(x)
     except gradsync.PeerError as exc:
         out = {"error": str(exc), "peer": exc.peer, "seconds": time.monotonic() - t0 - 0.3, "timeout_s": timeout_s}
-        time.sleep(1.0)  # let the other survivor see the victim too before this process's sockets close
+        # Stay until every survivor has posted to the failure board (bounded): a survivor waiting on this rank
+        # learns of the failure only by its own timeout, and rank 0 hosts the store that holds the board; leaving
+        # after a fixed second let the other survivor see only "rank 0 closed its connection" (flaky in CI).
+        board = rt.transport.failures
+        deadline = time.monotonic() + timeout_s + 5.0
+        while len(board.read()) < WORLD - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the last reader's read after its post
         return out
     return {"error": None}
 
