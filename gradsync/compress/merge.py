@@ -642,8 +642,8 @@ def fit_group_overhead(model: CostModel, partition: Partition, observed_s: float
     step also pays, per group, what those measurements leave out, on the thread that runs backward: the
     hook's bookkeeping, handing the group to the communication thread, and -- where the CPU does both --
     the communication thread's copies competing with the compute thread (loopback, 2 processes on 2
-    cores: 0.8-1.8 ms per group, so 8 groups measured 3-13 ms slower than 1 where the profile predicted
-    them 0-2 ms faster). It is the same for every group, so it moves the optimum toward fewer groups, and
+    cores: 1.2-1.9 ms per group, so 8 groups measured 5-10 ms slower than 1 where the profile predicted
+    them from 4 ms faster to 1 ms slower). It is the same for every group, so it moves the optimum toward fewer groups, and
     no profile taken outside a step sees it. One step run with many groups (the layer-wise calibration
     step, ``y = n``) measures it. With ``h_δ(x) = h(x) + δ`` the replayed time ``T(δ)`` is continuous and
     non-decreasing in ``δ`` (every ``C_j`` and ``E_j`` is a max of sums that grow with ``δ``) and

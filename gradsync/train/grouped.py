@@ -73,9 +73,9 @@ def profile_cost_model(
     ``ready_s``), e.g. the layer-wise calibration step. The per-group overhead that the operation-by-operation
     measurements miss is then fitted to it (:func:`~gradsync.compress.merge.fit_group_overhead`, on the
     rank-averaged time): without it the model prices groups too cheaply (``gradsync bench mergecomp
-    --quick``, 2 processes: 0.8-1.8 ms per group unaccounted; 8 groups measured 3-13 ms slower than 1
-    where the unfitted profile said 0-2 ms faster, and its exact search chose 8 groups for fp16, 6 % slower
-    than the best measured partition).
+    --quick``, 2 processes: 1.2-1.9 ms per group unaccounted; 8 groups measured 5-10 ms slower than 1 where
+    the unfitted profile said from 4 ms faster to 1 ms slower, and its exact search chose 8 groups for
+    fp16, 4-6 % slower than the best measured partition).
     """
     rt = step.communicator.runtime
     world = rt.world_size
