@@ -81,14 +81,11 @@ from scipy.sparse.csgraph import connected_components, dijkstra, maximum_flow
 
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import _integer_capacities
+from gradsync.plan.highs import HIGHS as _highs
+from gradsync.plan.highs import warm_simplex
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree
 from gradsync.plan.symmetry import Symmetry, directed_link_permutation, regular_selection, symmetry_of
 from gradsync.topology.model import Topology
-
-try:  # SciPy >= 1.15 vendors highspy; its Highs object keeps the basis between solves.
-    from scipy.optimize._highspy import _core as _highs
-except ImportError:  # pragma: no cover - older SciPy: solve each master from scratch with linprog
-    _highs = None
 
 __all__ = [
     "Arborescence",
@@ -462,20 +459,10 @@ class _ForestMaster:
         self.n, self.flat_c = n, flat_c
         self.columns: list[Arborescence] = []
         self._pending: list[Arborescence] = []
-        self._highs = None
-        if _highs is not None:
-            try:
-                self._highs = self._solver()
-            except (AttributeError, TypeError):  # pragma: no cover - a private API that changed shape
-                self._highs = None
+        self._highs = warm_simplex(_highs, self._build)
 
-    def _solver(self) -> Any:
-        h = _highs._Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("presolve", "off")
-        h.setOptionValue("simplex_strategy", 4)  # primal: new columns keep the old basis primal feasible
-        h.setOptionValue("primal_feasibility_tolerance", 1e-10)
-        h.setOptionValue("dual_feasibility_tolerance", 1e-10)
+    def _build(self, h: Any) -> None:
+        """The empty master in ``h``: the root and link rows, and the column ``t``."""
         n, rows = self.n, len(self.flat_c)
         inf = h.getInfinity()
         h.addRows(n, np.ones(n), np.ones(n), 0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
@@ -484,7 +471,6 @@ class _ForestMaster:
         # the column t: -1 in every link row
         h.addCols(1, np.ones(1), np.zeros(1), np.full(1, inf), rows, np.zeros(1, dtype=np.int32),
                   np.arange(n, n + rows, dtype=np.int32), -np.ones(rows))
-        return h
 
     def add(self, tree: Arborescence) -> None:
         self.columns.append(tree)

@@ -56,14 +56,11 @@ from scipy.optimize import linprog
 
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import cut_bound
+from gradsync.plan.highs import HIGHS as _highs
+from gradsync.plan.highs import warm_simplex
 from gradsync.plan.symmetry import Symmetry, link_permutation, symmetry_of
 from gradsync.plan.trees import RoutedTree, TreePricer
 from gradsync.topology.model import Topology
-
-try:  # SciPy >= 1.15 vendors highspy; its Highs object keeps the basis between solves.
-    from scipy.optimize._highspy import _core as _highs
-except ImportError:  # pragma: no cover - older SciPy: solve each master from scratch with linprog
-    _highs = None
 
 __all__ = [
     "MAX_TREE_EDGES",
@@ -190,24 +187,11 @@ class _Master:
         self.capacity = np.asarray(capacity, dtype=float)
         self.columns: list[np.ndarray] = []
         self._pending: list[np.ndarray] = []
-        self._highs = None
-        if _highs is not None:
-            try:
-                self._highs = self._warm_solver()
-            except (AttributeError, TypeError):  # pragma: no cover - a private API that changed shape
-                self._highs = None
+        self._highs = warm_simplex(_highs, self._build)
 
-    def _warm_solver(self) -> Any:
-        """A SciPy-private ``Highs`` object holding the empty master (rows only; columns come later)."""
-        h = _highs._Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("presolve", "off")
-        h.setOptionValue("simplex_strategy", 4)  # primal: new columns keep the old basis primal feasible
+    def _build(self, h: Any) -> None:
+        """The empty master in ``h`` (rows only; columns come later)."""
         h.setOptionValue("run_crossover", "off")
-        # HiGHS's default 1e-7 lets a row exceed its capacity by that much: the trees' true cost would then
-        # sit ~1e-9 (relative) above the master's, more than the certified gap allows.
-        h.setOptionValue("primal_feasibility_tolerance", 1e-10)
-        h.setOptionValue("dual_feasibility_tolerance", 1e-10)
         # A loose interior point is cheaper and its duals more central: 1e-6 took a third of the time of
         # the default 1e-8 on random 6-regular graphs of 64 to 256 nodes. Simplex polishes the end.
         h.setOptionValue("ipm_optimality_tolerance", 1e-6)
@@ -215,7 +199,6 @@ class _Master:
         h.addRows(rows, np.full(rows, -h.getInfinity()), self.capacity, 0, np.zeros(0, dtype=np.int32),
                   np.zeros(0, dtype=np.int32), np.zeros(0))
         h.changeObjectiveSense(_highs.ObjSense.kMaximize)
-        return h
 
     def add(self, column: np.ndarray) -> None:
         self.columns.append(column)
