@@ -216,3 +216,27 @@ def test_random_regular_graph_meets_the_cut_bound() -> None:
     assert packing.method == "lp"
     assert packing.cost == pytest.approx(cut_bound(t).value, rel=1e-9)
     assert packing.gap <= 1e-9
+
+
+def test_orbits_are_the_closures_of_the_generators():
+    """``symmetry.orbits`` against a brute-force closure: item i's orbit is every item reachable by applying the
+    generators (a finite group: their inverses are powers of them), labelled by the smallest item first."""
+    from gradsync.plan.symmetry import orbits
+
+    rng = np.random.default_rng(5)
+    for size in (1, 2, 7, 12):
+        for count in (0, 1, 2, 3):
+            gens = [rng.permutation(size) for _ in range(count)]
+            label = orbits(size, gens)
+            for i in range(size):
+                seen, todo = {i}, [i]
+                while todo:
+                    x = todo.pop()
+                    for g in gens:
+                        y = int(g[x])
+                        if y not in seen:
+                            seen.add(y)
+                            todo.append(y)
+                assert {j for j in range(size) if label[j] == label[i]} == seen
+            firsts = [min(j for j in range(size) if label[j] == c) for c in range(int(label.max()) + 1)] if size else []
+            assert firsts == sorted(firsts)

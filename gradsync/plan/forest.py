@@ -77,14 +77,14 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
-from scipy.sparse.csgraph import connected_components, dijkstra, maximum_flow
+from scipy.sparse.csgraph import dijkstra, maximum_flow
 
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import _integer_capacities
 from gradsync.plan.highs import HIGHS as _highs
 from gradsync.plan.highs import warm_simplex
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree
-from gradsync.plan.symmetry import Symmetry, directed_link_permutation, regular_selection, symmetry_of
+from gradsync.plan.symmetry import Symmetry, directed_link_permutation, orbits, regular_selection, symmetry_of
 from gradsync.topology.model import Topology
 
 __all__ = [
@@ -625,12 +625,7 @@ def _regular_group(topology: Topology, sym: Symmetry) -> _Group | None:
         rperm = rank_of[g[term]]
         r = int(rperm[0])
         devices[r], ranks[r], directions[r] = g, rperm, mapped
-    # Orbits of link directions: connected components of "d -- g d" over every element.
-    m2 = 2 * len(topology.links)
-    heads = np.concatenate(list(directions.values()))
-    tails = np.tile(np.arange(m2), len(directions))
-    _, orbit = connected_components(sp.csr_matrix((np.ones(len(heads)), (tails, heads)), shape=(m2, m2)),
-                                    directed=True, connection="weak")
+    orbit = orbits(2 * len(topology.links), list(directions.values()))  # of link directions
     order = range(topology.world_size)
     return _Group(tuple(devices[r] for r in order), tuple(ranks[r] for r in order),
                   tuple(directions[r] for r in order), orbit, np.bincount(orbit).astype(float))

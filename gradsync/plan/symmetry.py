@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components
 
 from gradsync.errors import PlanError
 from gradsync.registry import Registry
@@ -58,8 +60,20 @@ from gradsync.topology.fattree import (
 )
 from gradsync.topology.model import Topology
 
-__all__ = ["SYMMETRIES", "Symmetry", "directed_link_permutation", "link_permutation", "regular_selection",
+__all__ = ["SYMMETRIES", "Symmetry", "directed_link_permutation", "link_permutation", "orbits", "regular_selection",
            "symmetry_of", "torus_trees"]
+
+
+def orbits(size: int, permutations: Sequence[np.ndarray]) -> np.ndarray:
+    """Orbit label of each of ``size`` items under the group the ``permutations`` generate (``p[i]`` is the
+    image of item ``i``): the components of the graph joining every ``i`` to each ``p[i]``, numbered in order
+    of their smallest item."""
+    if not permutations:
+        return np.arange(size)
+    heads = np.concatenate([np.asarray(p, dtype=np.int64) for p in permutations])
+    tails = np.tile(np.arange(size), len(permutations))
+    graph = sp.csr_matrix((np.ones(len(heads)), (tails, heads)), shape=(size, size))
+    return connected_components(graph, directed=True, connection="weak")[1]
 
 
 @dataclass(frozen=True)
@@ -323,8 +337,7 @@ def _bcube_symmetry(topology: Topology) -> Symmetry | None:
     rank_digits = {bcube_server_name(bcube_digits(r, n, k), n): bcube_digits(r, n, k) for r in range(n**k)}
     # A switch is named after any server on it: its image is that server's image's switch at the new level.
     switch_of: dict[str, tuple[int, tuple[int, ...]]] = {}
-    for r, digits in enumerate(rank_digits.values()):
-        del r
+    for digits in rank_digits.values():
         for level in range(k):
             switch_of.setdefault(bcube_switch_name(level, digits, n), (level, digits))
 
