@@ -720,11 +720,12 @@ def _export(schedule: Schedule, topology: Topology | None, *, name: str | None, 
     label = name or f"gradsync-{schedule.algorithm}-{schedule.topology}"
     cap = channels or limits.max_channels
     split = 1
+    current = _channels(schedule, kept, cap, split)
     while True:
-        chan_of_chunk, nchan = _channels(schedule, kept, cap, split)
+        chan_of_chunk, nchan = current
         chan_of_piece = [chan_of_chunk[c] for c, _, _ in pieces]
-        more, _ = _channels(schedule, kept, cap, split + 1)
-        last = len(set(more.values())) <= len(set(chan_of_chunk.values()))
+        more = _channels(schedule, kept, cap, split + 1)  # the next split's channels (the next round's, if any)
+        last = len(set(more[0].values())) <= len(set(chan_of_chunk.values()))
         floor = _thread_block_floor(n, xfers, chan_of_piece)
         if last and floor.max() > limits.max_thread_blocks:  # this program is the one returned: it cannot fit
             g = int(np.argmax(floor))
@@ -739,6 +740,7 @@ def _export(schedule: Schedule, topology: Topology | None, *, name: str | None, 
         if longest <= limits.max_steps or last:
             break
         split += 1  # spread the longest thread blocks over more channels
+        current = more
     xml = program.to_xml()
     try:
         stats = check_msccl_xml(xml, limits=limits)
