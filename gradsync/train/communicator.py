@@ -58,6 +58,7 @@ __all__ = [
     "PSCommunicator",
     "create_communicator",
     "register_communicator",
+    "write_aggregate",
 ]
 
 # -- communicators ----------------------------------------------------------------------------------------
@@ -319,3 +320,10 @@ class CompressionStep:
             result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out)
             results.append(self.communicator._finish(c, result, ctx.info, owned=not shares_memory(result, payload)))
         return results
+
+
+def write_aggregate(dest: Tensor, result: Tensor) -> None:
+    """``dest.copy_(result)``, skipped where ``result`` already is ``dest`` (an aggregate the step decoded in
+    place into the buffer it was given, ``step_async(..., reuse=True)``: the same elements, nothing to copy)."""
+    if not (result.data_ptr() == dest.data_ptr() and result.shape == dest.shape and result.stride() == dest.stride()):
+        dest.copy_(result)

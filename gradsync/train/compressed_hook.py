@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
 from gradsync.compress.memory import NoMemory
-from gradsync.train.communicator import AllreduceCommunicator, CompressionStep
+from gradsync.train.communicator import AllreduceCommunicator, CompressionStep, write_aggregate
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
@@ -126,11 +126,11 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         try:
             results = fut.value()
             if state.merge == "bucket":
-                _place(buffer, results[0])
+                write_aggregate(buffer, results[0])
             else:  # by offset: whether bucket.gradients() are views of the buffer is DDP's business
                 at = 0
                 for r in results:
-                    _place(buffer[at : at + r.numel()], r.reshape(-1))
+                    write_aggregate(buffer[at : at + r.numel()], r.reshape(-1))
                     at += r.numel()
             out.set_result(buffer)
         except Exception as exc:  # noqa: BLE001 - delivered to DDP's wait
@@ -138,12 +138,6 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
 
     inner.future.add_done_callback(write_back)
     return out
-
-
-def _place(dest: torch.Tensor, result: torch.Tensor) -> None:
-    """``dest.copy_(result)``, skipped when the aggregate was decoded in place (the same elements)."""
-    if not (result.data_ptr() == dest.data_ptr() and result.shape == dest.shape and result.stride() == dest.stride()):
-        dest.copy_(result)
 
 
 def _bucket_key(state: CompressionHookState, bucket: dist.GradBucket) -> str:

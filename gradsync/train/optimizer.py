@@ -173,6 +173,8 @@ class DistributedOptimizer:
         self._inside += time.perf_counter() - t
 
     def _synchronize_compressed(self) -> None:
+        from gradsync.train.communicator import write_aggregate
+
         end = t0 = time.perf_counter()
         results = self._groups.wait()
         synced = time.perf_counter()
@@ -180,8 +182,8 @@ class DistributedOptimizer:
         for (_, p), r in zip(self._params, results):
             if p.grad is None:
                 p.grad = r.detach().clone()
-            elif not (r.data_ptr() == p.grad.data_ptr() and r.stride() == p.grad.stride() and r.shape == p.grad.shape):
-                p.grad.copy_(r)  # (decoded straight into .grad otherwise: nothing to copy)
+            else:
+                write_aggregate(p.grad, r)  # (nothing to copy where it was decoded straight into .grad)
         if self._calibrating:
             self._calibrate(end, synced)
 
