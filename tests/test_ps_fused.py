@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from gradsync.ps import wire
 from gradsync.ps.client import PSClient, place
 from gradsync.ps.kvstore import KVStoreConfig, PSKVStore
 from gradsync.ps.server import Slot
@@ -83,6 +84,38 @@ def test_pushpull_is_one_exchange_and_meets_the_oracle(sync: bool, secret: bytes
         assert sum(o.get("PUSHPULL", 0) for o in ops) == W * ROUNDS * 3, ops  # "big": 2 parts, "small": 1
         assert not any(o.get("PUSH") for o in ops), ops
         assert sum(o.get("PULL", 0) for o in ops) == (0 if sync else W * 2), ops  # the final check
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_detached_macs_meet_the_oracle_both_ways(sync: bool) -> None:
+    """Parts of DETACH_BYTES and more travel with their MAC as a message of its own, requests and replies:
+    W workers pushpull a key of two such parts over 2 servers with a secret twice; the sync oracle holds and
+    a pull then gives the round's sum (async: the sum of all pushes after a barrier), and both servers and
+    every client joined detached pairs."""
+    cluster = Cluster(2, secret=b"s3cret")
+    n = 2 * wire.DETACH_BYTES // 4  # float32: one part of DETACH_BYTES per server
+    try:
+        def worker(rank: int) -> None:
+            config = KVStoreConfig(rank=rank, num_workers=W, servers=cluster.endpoints, timeout_s=20,
+                                   secret=b"s3cret", slice_bytes=wire.DETACH_BYTES)
+            kv = PSKVStore(config, sync=sync, hybrid=False)
+            kv.init("huge", torch.zeros(n))
+            for _ in range(2):
+                out = torch.empty(n)
+                kv.pushpull("huge", torch.full((n,), rank + 1.0), out)
+                if sync:
+                    assert torch.equal(out, torch.full((n,), float(TOTAL)))
+            kv.barrier()
+            out = torch.empty(n)
+            kv.pull("huge", out)
+            assert torch.equal(out, torch.full((n,), float(TOTAL if sync else 2 * TOTAL)))  # sync: the round's sum
+            assert kv.client.joiner.joined >= 3, kv.client.joiner.joined  # two VALUEs and the pull's
+            kv.close()
+
+        run_workers(W, worker)
+        assert all(s.joiner.joined >= 2 * W for s in cluster.servers), [s.joiner.joined for s in cluster.servers]
     finally:
         cluster.stop()
 

@@ -1,6 +1,6 @@
 """Parameter server and KVStore (seed 002, MXNET-MPI): ZeroMQ servers, PS / collective clients, SGD variants.
 
-``wire``: the frame format (header + raw tensor bytes, HMAC over a job id, session and sequence number;
+``wire``: the frame format (header + raw tensor bytes, a MAC (AES-GMAC, or HMAC-SHA256) over a job id, session and sequence number;
 no pickle). ``server``: one server process. ``client``: placement of keys on servers and the request/retry
 loop. ``kvstore``: the MXNet-style API (``create(kind)``). ``updaters``: the server-side update rules. ``launch``: servers + workers on this
 machine. The training loops on a KVStore (dist/mpi SGD, ASGD, ESGD) and the pull/forward overlap are in

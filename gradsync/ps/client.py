@@ -16,7 +16,7 @@ seconds): if a round still waits for pushes it raises :class:`~gradsync.errors.P
 missing client; if the server does not answer, :class:`~gradsync.errors.CommError` naming its endpoint.
 
 Frames are built untagged and sealed when sent (:func:`gradsync.ps.wire.seal`): each send gets the next
-number of this client's random session, under the HMAC when there is a secret, so a retry is a new frame
+number of this client's random session, under the tag when there is a secret, so a retry is a new frame
 and a captured copy replayed later is refused by the server. Every frame carries the job id.
 
 Requests travel in batches: :meth:`PSClient.start` sends one and returns a :class:`Batch`, and
@@ -42,7 +42,7 @@ import torch
 import zmq
 
 from gradsync.errors import CommError, GradsyncError, PeerError
-from gradsync.ps.wire import Flag, Key, Message, Op, WireError, decode, encode, seal
+from gradsync.ps.wire import Flag, Key, Message, Op, TagJoiner, WireError, decode, encode, is_detached, seal, tag_frame
 
 __all__ = ["Batch", "Heartbeat", "Part", "place", "PSClient", "Request", "SLICE_BYTES", "PART_BYTES", "flat_view"]
 
@@ -188,6 +188,8 @@ class PSClient:
         self.retained: dict[tuple[int, Key, int], tuple[int, list[Any]]] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: replies whose tag follows on its own, per server (:class:`gradsync.ps.wire.TagJoiner`)
+        self.joiner = TagJoiner(secret)
 
     def connect(self) -> None:
         """Wait until every server answers a PING (learning its incarnation); a clear error if one is down."""
@@ -218,9 +220,15 @@ class PSClient:
             del self.retained[(server, key, part)]
 
     def _send(self, server: int, frames: list[Any]) -> None:
-        frames = seal(frames, seq=next(self._seq), secret=self.secret)
-        self.socks[server].send_multipart(frames, copy=False)
+        """Seal and send one request; a large one's tag goes after it (hashed while the payload travels)."""
+        frames = seal(frames, seq=next(self._seq), secret=self.secret, detach=True)
+        sock = self.socks[server]
+        sock.send_multipart(frames, copy=False)
         self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+        if is_detached(frames):
+            mac = tag_frame(frames, self.secret)
+            sock.send(mac, copy=True)
+            self.bytes_sent += len(mac)
 
     def call(self, requests: Sequence[Request], timeout_s: float | None = None) -> None:
         """Send every request, then wait for all replies (running each ``on_reply``). Raises on errors."""
@@ -286,11 +294,15 @@ class PSClient:
 
     def _on_frames(self, server: int, frames: list[Any]) -> None:
         self.bytes_received += sum(f.buffer.nbytes for f in frames)
+        for message, expected in self.joiner.feed(server, [f.buffer for f in frames]):
+            self._on_message(server, message, expected)
+
+    def _on_message(self, server: int, frames: list[Any], expected: bytes | None) -> None:
         try:
-            msg = decode([f.buffer for f in frames], secret=self.secret)
+            msg = decode(frames, secret=self.secret, expected=expected)
         except WireError as e:
             try:  # the server's own rejection of our frame is unsigned: report why it refused
-                plain = decode([f.buffer for f in frames])
+                plain = decode(frames[:2])
             except WireError:
                 plain = None
             if plain is not None and plain.op == Op.ERROR and plain.req_id == 0:

@@ -14,7 +14,7 @@ SERVERS_ENV = "GRADSYNC_PS_SERVERS"
 CLIENTS_ENV = "GRADSYNC_PS_CLIENTS"
 #: seconds one KVStore request may take before it fails
 TIMEOUT_ENV = "GRADSYNC_PS_TIMEOUT"
-#: shared secret authenticating every frame (HMAC-SHA256); never on a command line. `gradsync launch` makes
+#: shared secret authenticating every frame (AES-GMAC or HMAC-SHA256: `wire`); never on a command line. `gradsync launch` makes
 #: a random one per job unless it is set
 SECRET_ENV = "GRADSYNC_PS_SECRET"
 #: the job's id (hex, or any text: hashed): a server serves one job and refuses requests from another.

@@ -87,11 +87,14 @@ from gradsync.ps.wire import (
     Key,
     Message,
     Op,
+    TagJoiner,
     WireError,
     decode,
     encode,
+    is_detached,
     job_id,
     key_name,
+    tag_frame,
 )
 
 __all__ = ["ServerConfig", "Server", "Slot", "main", "SECRET_ENV", "MAX_AHEAD", "MAX_PARKED", "MAX_PARKED_PER_CLIENT",
@@ -262,6 +265,8 @@ class Server:
         #: INIT requests with Flag.JOIN waiting for their key to be created: slot -> (ident, req) -> INIT
         self.joining: dict[tuple[Key, int], dict[tuple[bytes, int], Message]] = {}
         self._expired_at = 0.0
+        #: requests whose tag follows on its own, per client connection (:class:`gradsync.ps.wire.TagJoiner`)
+        self.joiner = TagJoiner(config.secret)
         self._restore()
         self._max_pushers = max((s.pushers for s in self.slots.values()), default=0)
 
@@ -301,15 +306,18 @@ class Server:
         sock, body = self.sock, frames[2]
         if source is None or memoryview(body).nbytes < sock.copy_threshold:
             sock.send_multipart(frames, copy=False)
-            return
-        last = len(frames) - 1
-        if len(source.sending) >= 16:  # a value pulled often and pushed rarely: forget the replies gone
-            source.sending = [t for t in source.sending if not t.done]
-        for i, f in enumerate(frames):
-            if i == 2:
-                source.sending.append(sock.send(f, zmq.SNDMORE if i < last else 0, copy=False, track=True))
-            else:
-                sock.send(f, zmq.SNDMORE if i < last else 0, copy=False)
+        else:
+            last = len(frames) - 1
+            if len(source.sending) >= 16:  # a value pulled often and pushed rarely: forget the replies gone
+                source.sending = [t for t in source.sending if not t.done]
+            for i, f in enumerate(frames):
+                if i == 2:
+                    source.sending.append(sock.send(f, zmq.SNDMORE if i < last else 0, copy=False, track=True))
+                else:
+                    sock.send(f, zmq.SNDMORE if i < last else 0, copy=False)
+        if is_detached(frames[1:]):
+            # the tag, hashed while the payload is on its way (the payload is not written until sent: above)
+            sock.send_multipart([frames[0], tag_frame(frames[1:], self.config.secret)])
 
     def handle(self, frames: Sequence[Any]) -> None:
         """Process one request (``frames[0]`` is the ROUTER identity). Never raises for bad input."""
@@ -317,10 +325,15 @@ class Server:
             self.stats["rejected"] += 1
             return
         ident = bytes(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0])
+        for message, expected in self.joiner.feed(ident, [f.buffer if hasattr(f, "buffer") else f
+                                                            for f in frames[1:]]):
+            self._handle(ident, message, expected)
+
+    def _handle(self, ident: bytes, frames: list[Any], expected: bytes | None) -> None:
+        """One request, its tag joined (``frames`` without the identity; ``expected``: its MAC, if known)."""
         self.stats["requests"] += 1
         try:
-            msg = decode([f.buffer if hasattr(f, "buffer") else f for f in frames[1:]], secret=self.config.secret,
-                         max_payload=self.config.max_payload)
+            msg = decode(frames, secret=self.config.secret, max_payload=self.config.max_payload, expected=expected)
         except WireError as e:
             self._reject(ident, str(e))
             return
@@ -414,7 +427,7 @@ class Server:
         kw.setdefault("sender", self.config.server_id)
         kw.setdefault("count", self.incarnation)
         kw.setdefault("job", self.job)
-        self.outbox.append(([ident, *encode(op, secret=self.config.secret, **kw)], source))
+        self.outbox.append(([ident, *encode(op, secret=self.config.secret, detach=True, **kw)], source))
 
     # ---- requests -------------------------------------------------------------------------------
     def _slot(self, msg: Message) -> Slot:
@@ -661,7 +674,7 @@ class Server:
         frames = encode(Op.VALUE, key=msg.key, tensor=slot.value.clone(), shape=slot.shape, offset=slot.offset,
                         part=msg.part, parts=msg.parts, req_id=msg.req_id, version=slot.version,
                         priority=msg.priority, pushed=slot.last_pushed, sender=self.config.server_id,
-                        count=self.incarnation, secret=self.config.secret)
+                        count=self.incarnation, secret=self.config.secret, detach=True)
         if msg.priority not in state.ready:
             self.parked[ident] = self.parked.get(ident, 0) + 1  # bounded: on_pull refused it past the cap
         state.ready[msg.priority] = frames

@@ -1,4 +1,4 @@
-"""The parameter server's wire format: one fixed header, one raw payload, an optional HMAC tag.
+"""The parameter server's wire format: one fixed header, one raw payload, an optional authentication tag.
 
 A message is a ZeroMQ multipart message ``[header, payload]`` or ``[header, payload, tag]``; a ROUTER socket
 adds the peer identity in front. Nothing is pickled: the header is a fixed little-endian struct followed by
@@ -17,14 +17,26 @@ produced it summed; fewer than the key's pushers after an elastic server dropped
 worker can average over the pushes there were.
 
 ``offset``/``numel``: where this part sits in the flattened tensor (large tensors are sliced over servers)
-and how many elements it holds; ``shape`` is the whole tensor's. With a shared secret the tag is
-HMAC-SHA256(secret, header ‖ payload).
+and how many elements it holds; ``shape`` is the whole tensor's. With a shared secret the third frame is a
+tag over header ‖ payload; its first byte names the algorithm (:func:`mac_algorithm`):
+
+- ``2`` AES-256-GMAC (NIST SP 800-38D, through ``cryptography``/OpenSSL; the default when it is installed):
+  ``nonce (12) ‖ tag (16)``, the tag of AES-GCM with the payload as associated data and the header as the
+  plaintext (whose ciphertext is dropped: GCM's tag covers both lengths, so the split cannot move). The key is
+  HMAC-SHA256(secret, "gradsync-ps-gmac-v1"). Nonces are a random 64-bit prefix per process (drawn again in a
+  forked child and when its counter wraps) and a 32-bit counter, so no two messages of a job share one.
+  GHASH runs at 7.6 GB/s on this project's CPUs against 1.5 GB/s for SHA-256, and a round trip hashes its
+  payload four times (sender and receiver, both ways): this is what brings an authenticated round trip near
+  an unauthenticated one.
+- ``1`` HMAC-SHA256(secret, header ‖ payload) (32 bytes), sent where ``cryptography`` is missing.
+
+A receiver accepts either (both are secure; the sender's library decides).
 
 ``job`` names the job a request belongs to (0: none), so a server shared by two jobs by mistake refuses
 the second one instead of mixing their rounds. ``session`` (random per client) and ``seq`` (increasing per
 session, set when the frame is sent: :func:`seal`) lie under the tag, so a server with a secret rejects a
 captured frame sent again (a replay): each session's ``seq`` must grow. Protocol 2 added these three
-fields; protocol 1 peers are refused with a message saying so.
+fields and protocol 3 the tag's algorithm byte; older peers are refused with a message saying so.
 
 ``PUSHPULL`` is a PUSH and the PULL that follows it in one request (MXNet's ``kv.pushpull``): its fields
 are the push's (``version`` names the round), and its only reply is the ``VALUE`` of that round (of the
@@ -34,10 +46,14 @@ value after the push, asynchronously), so a round costs one request and one repl
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
+import itertools
 import json
 import math
+import os
+import secrets
 import struct
 import warnings
 from collections.abc import Sequence
@@ -48,13 +64,19 @@ import torch
 
 from gradsync.errors import GradsyncError
 
+try:  # AES-GMAC through OpenSSL; HMAC-SHA256 (hashlib) where the wheel is missing
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+except ImportError:  # pragma: no cover - cryptography is a declared dependency
+    AESGCM = None
+
 __all__ = [
     "MAGIC", "PROTO", "HEADER", "MAX_PAYLOAD", "MAX_ELEMENTS", "Op", "Flag", "DTYPES", "WireError", "Message",
-    "encode", "decode", "seal", "job_id", "tensor_from", "key_name", "SYNC_BIT", "ORDERED_BIT",
+    "encode", "decode", "seal", "job_id", "tensor_from", "key_name", "SYNC_BIT", "ORDERED_BIT", "MAC_HMAC",
+    "MAC_GMAC", "MAC_NAMES", "mac_algorithm", "DETACH_BYTES", "is_detached", "tag_frame", "TagJoiner",
 ]
 
 MAGIC = b"GSPS"
-PROTO = 2
+PROTO = 3
 HEADER = struct.Struct("<4sBBBBHHBBHIIQQQQQiIQQQ")
 #: where ``seq`` (the header's last u64) sits: :func:`seal` rewrites it on every send
 _SEQ_AT = HEADER.size - 8
@@ -94,9 +116,20 @@ class Flag(enum.IntFlag):
     ORDERED = 4  # PULL, PUSHPULL: reply in this sender's priority order (TicTac enforcement)
     ELASTIC = 8  # INIT: a sync key whose rounds go on without a client that stopped answering
     JOIN = 16  # INIT: join the key as it is (wait for it to exist; never create it)
+    DETACHED = 32  # the tag follows as a message of its own (:data:`DETACH_BYTES`; :class:`TagJoiner`)
 
 
-_ALL_FLAGS = int(Flag.INT_KEY | Flag.SYNC | Flag.ORDERED | Flag.ELASTIC | Flag.JOIN)
+_ALL_FLAGS = int(Flag.INT_KEY | Flag.SYNC | Flag.ORDERED | Flag.ELASTIC | Flag.JOIN | Flag.DETACHED)
+_DETACHED = int(Flag.DETACHED)
+#: the header byte holding ``flags`` (after magic, proto, op, dtype)
+_FLAGS_AT = 7
+#: With ``detach=True`` (the client and server), a tagged payload of at least this many bytes is sent as two
+#: ZeroMQ messages, ``[header, payload]`` with ``Flag.DETACHED`` and then ``[tag]``: ZeroMQ delivers a
+#: multipart message only once its last frame is queued, so an inline tag makes the receiver wait for the
+#: sender's hash before its copy of the payload even starts, and the two hashes of one hop run one after the
+#: other. Detached, the sender hashes while the payload travels and the receiver hashes as it arrives. Below
+#: this size the extra message costs more than the overlap saves.
+DETACH_BYTES = 256 << 10
 #: plain ints for the hot paths (``IntFlag & IntFlag`` runs enum code in Python; ``int(flags) & _BIT`` does not)
 _INT_KEY, SYNC_BIT, ORDERED_BIT = int(Flag.INT_KEY), int(Flag.SYNC), int(Flag.ORDERED)
 
@@ -193,10 +226,12 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
            payload: bytes | None = None, json_payload: Any = None, part: int = 0, parts: int = 1, offset: int = 0,
            sender: int = 0, count: int = 0, req_id: int = 0, version: int = 0, priority: int = 0,
            flags: Flag = Flag.NONE, pushed: int = 0, job: int = 0, session: int = 0, seq: int = 0,
-           secret: bytes | None = None) -> list[Any]:
+           secret: bytes | None = None, detach: bool = False) -> list[Any]:
     """The frames of one message. ``tensor`` is sent as raw bytes (its memory, not a copy).
 
-    Without ``secret`` the frames are ``[header, payload]``; :func:`seal` sets ``seq`` and adds the tag."""
+    Without ``secret`` the frames are ``[header, payload]``; :func:`seal` sets ``seq`` and adds the tag.
+    With ``detach`` a payload of :data:`DETACH_BYTES` or more gets ``Flag.DETACHED`` and no tag frame: the
+    sender sends :func:`tag_frame` as a message of its own after it."""
     if key is None:
         key_bytes = b""
     elif isinstance(key, bool) or not isinstance(key, (int, str)):
@@ -224,6 +259,8 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
     if len(shape) > MAX_NDIM:
         raise WireError(f"shape {shape} has {len(shape)} dimensions; the limit is {MAX_NDIM}")
     nbytes = body.nbytes if isinstance(body, memoryview) else len(body)
+    detached = bool(secret) and detach and nbytes >= DETACH_BYTES
+    flags = (int(flags) & ~_DETACHED) | (_DETACHED if detached else 0)  # a request's flags echoed: not ours
     try:
         head = HEADER.pack(MAGIC, PROTO, op, dtype_code, flags, part, parts, len(shape), 0, len(key_bytes),
                            sender, count, req_id, version, offset, numel, nbytes, priority, pushed, job, session, seq)
@@ -233,26 +270,169 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
                         f"sender {sender}, count {count}, version {version}, job {job}") from None
     frames: list[Any] = [head, body]
     if secret:
-        frames.append(_tag(secret, head, body))
+        frames.append(_prefix() if detached else _tag(secret, head, body))
     return frames
 
 
-def _tag(secret: bytes, head: bytes, body: Any) -> bytes:
+def is_detached(frames: Sequence[Any]) -> bool:
+    """Whether ``frames`` are the first message of a detached pair (``[header, payload, tag prefix]``)."""
+    head = frames[0]
+    return len(frames) == 3 and len(head) > _FLAGS_AT and bool(head[_FLAGS_AT] & _DETACHED)
+
+
+def tag_frame(frames: Sequence[Any], secret: bytes) -> bytes:
+    """The message that follows detached ``frames`` (from :func:`encode` or :func:`seal`): their MAC."""
+    return _mac(secret, bytes(frames[2]), bytes(frames[0]), frames[1])
+
+
+#: tag algorithms (the tag frame's first byte)
+MAC_HMAC = 1
+MAC_GMAC = 2
+_GMAC_INFO = b"gradsync-ps-gmac-v1"
+_NONCE = 12
+#: (prefix length, MAC length) per algorithm: the tag frame is prefix ‖ MAC, the prefix its algorithm byte
+#: and, for GMAC, the nonce
+_LAYOUT = {MAC_GMAC: (1 + _NONCE, 16), MAC_HMAC: (1, 32)}
+MAC_NAMES = {MAC_GMAC: "AES-256-GMAC", MAC_HMAC: "HMAC-SHA256"}
+
+
+def mac_algorithm() -> int:
+    """The tag algorithm this process sends: :data:`MAC_GMAC` when ``cryptography`` is importable."""
+    return MAC_GMAC if AESGCM is not None else MAC_HMAC
+
+
+@functools.lru_cache(maxsize=8)
+def _gmac_key(secret: bytes) -> Any:
+    return AESGCM(hmac.digest(secret, _GMAC_INFO, "sha256"))
+
+
+class _Nonces:
+    """Unique 96-bit GCM nonces: a random 64-bit prefix and a 32-bit counter (a fresh prefix when it wraps
+    and in a forked child, which would otherwise repeat its parent's)."""
+
+    def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self.prefix, self.count = secrets.token_bytes(8), itertools.count()
+
+    def next(self) -> bytes:
+        n = next(self.count)
+        if n >= 1 << 32:
+            self.reset()
+            n = next(self.count)
+        return self.prefix + n.to_bytes(4, "little")
+
+
+_nonces = _Nonces()
+
+
+def _prefix() -> bytes:
+    """A fresh tag prefix: the algorithm this process sends and, for GMAC, a new nonce."""
+    if AESGCM is not None:
+        return bytes((MAC_GMAC,)) + _nonces.next()
+    return bytes((MAC_HMAC,))
+
+
+def _split(tag: bytes) -> tuple[bytes, bytes]:
+    """``tag`` as (prefix, MAC), checked against its algorithm's layout."""
+    layout = _LAYOUT.get(tag[0]) if tag else None
+    if layout is None or len(tag) != sum(layout):
+        raise WireError(f"authentication tag of {len(tag)} bytes with algorithm byte {tag[:1].hex() or 'none'}: "
+                        f"expected {MAC_GMAC} (AES-GMAC, 29 bytes) or {MAC_HMAC} (HMAC-SHA256, 33 bytes)")
+    return tag[:layout[0]], tag[layout[0]:]
+
+
+def _mac(secret: bytes, prefix: bytes, head: bytes, body: Any) -> bytes:
+    """The MAC of ``head ‖ body`` under the algorithm (and nonce) ``prefix`` names."""
+    if prefix[0] == MAC_GMAC:
+        if AESGCM is None:
+            raise WireError("the peer authenticates with AES-GMAC but this process cannot check it: "
+                            "pip install cryptography")
+        return _gmac_key(secret).encrypt(prefix[1:], head, body)[-16:]
     mac = hmac.new(secret, head, hashlib.sha256)
     mac.update(body)
     return mac.digest()
 
 
-def seal(frames: Sequence[Any], *, seq: int, secret: bytes | None = None) -> list[Any]:
+def _tag(secret: bytes, head: bytes, body: Any) -> bytes:
+    """A fresh tag frame for ``head ‖ body`` (see the module docstring for the format)."""
+    prefix = _prefix()
+    return prefix + _mac(secret, prefix, head, body)
+
+
+def _verify(secret: bytes, head: bytes, body: Any, tag: Any, expected: bytes | None = None) -> bool:
+    """Whether ``tag`` (a tag frame) authenticates ``head ‖ body``, in constant time. ``expected``: the MAC
+    already computed for this prefix (:class:`TagJoiner` hashes a detached payload as it arrives)."""
+    prefix, mac = _split(bytes(tag))
+    if expected is None:
+        expected = _mac(secret, prefix, head, body)
+    return hmac.compare_digest(expected, mac)
+
+
+def seal(frames: Sequence[Any], *, seq: int, secret: bytes | None = None, detach: bool = False) -> list[Any]:
     """``frames`` (from :func:`encode`, tagged or not) with ``seq`` written into the header and, with a
     ``secret``, a fresh tag. A client seals each frame when it sends it, so a retry is a new frame the
-    server accepts while a copy of an old one is refused; the payload is neither copied nor changed."""
+    server accepts while a copy of an old one is refused; the payload is neither copied nor changed.
+    ``detach``: as in :func:`encode` (the MAC then comes from :func:`tag_frame`, sent after the frames)."""
     head = bytearray(bytes(frames[0]))
     struct.pack_into("<Q", head, _SEQ_AT, seq)
-    sealed: list[Any] = [bytes(head), frames[1]]
+    body = frames[1]
+    detached = bool(secret) and detach and memoryview(body).nbytes >= DETACH_BYTES
+    if detached:
+        head[_FLAGS_AT] |= _DETACHED
+    else:
+        head[_FLAGS_AT] &= ~_DETACHED & 0xFF
+    sealed: list[Any] = [bytes(head), body]
     if secret:
-        sealed.append(_tag(secret, sealed[0], frames[1]))
+        sealed.append(_prefix() if detached else _tag(secret, sealed[0], body))
     return sealed
+
+
+class TagJoiner:
+    """Puts detached MACs back on their messages, per peer, so :func:`decode` sees ``[header, payload, tag]``.
+
+    A detached pair is ``[header, payload, prefix]`` (``Flag.DETACHED``; the prefix names the algorithm and
+    nonce) and then ``[MAC]``. With a ``secret`` the joiner hashes the payload when it arrives, while the
+    sender is still computing the same MAC, and hands the result to :func:`decode` (``expected``). ZeroMQ
+    keeps one connection's messages in order, so a peer's MAC is the next message after its detached
+    frames. :meth:`feed` returns ``(frames, expected)`` for each message ready to decode: none while a MAC is
+    awaited, and a detached message whose MAC never came (the peer sent something else next) untagged, so
+    that :func:`decode` refuses it with the reason. At most ``max_peers`` peers wait at once (the oldest is
+    given up on): a peer that never sends its MAC holds one message, not memory without bound."""
+
+    def __init__(self, secret: bytes | None = None, max_peers: int = 1024) -> None:
+        self.secret = secret
+        self.pending: dict[Any, tuple[list[Any], bytes | None]] = {}
+        self.max_peers = max_peers
+        #: detached pairs put back together so far
+        self.joined = 0
+
+    def feed(self, peer: Any, frames: list[Any]) -> list[tuple[list[Any], bytes | None]]:
+        held = self.pending.pop(peer, None)
+        if held is not None and len(frames) == 1:
+            (head, body, prefix), expected = held
+            self.joined += 1
+            return [([head, body, bytes(prefix) + bytes(frames[0])], expected)]
+        ready = [] if held is None else [(held[0][:2], None)]
+        if is_detached(frames):
+            if len(self.pending) >= self.max_peers:
+                ready.append((self.pending.pop(next(iter(self.pending)))[0][:2], None))
+            self.pending[peer] = (frames, self._expect(frames))
+        else:
+            ready.append((frames, None))
+        return ready
+
+    def _expect(self, frames: list[Any]) -> bytes | None:
+        """The MAC ``frames`` should get, computed now; None where :func:`decode` will say why it cannot."""
+        prefix = bytes(frames[2])
+        layout = _LAYOUT.get(prefix[0]) if prefix else None
+        if (not self.secret or layout is None or len(prefix) != layout[0]
+                or (prefix[0] == MAC_GMAC and AESGCM is None)):
+            return None
+        head = frames[0] if isinstance(frames[0], bytes) else bytes(memoryview(frames[0]).cast("B"))
+        return _mac(self.secret, prefix, head, frames[1])
 
 
 def job_id(text: str) -> int:
@@ -268,8 +448,10 @@ def job_id(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
 
 
-def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int = MAX_PAYLOAD) -> Message:
-    """Parse and check one message (without a ROUTER identity frame). Raises :class:`WireError`."""
+def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int = MAX_PAYLOAD,
+           expected: bytes | None = None) -> Message:
+    """Parse and check one message (without a ROUTER identity frame). Raises :class:`WireError`.
+    ``expected``: its MAC when already computed (by :class:`TagJoiner`, from the same frames)."""
     if len(frames) not in (2, 3):
         raise WireError(f"a message has 2 or 3 frames (header, payload[, tag]); got {len(frames)}")
     head = frames[0] if isinstance(frames[0], bytes) else bytes(memoryview(frames[0]).cast("B"))
@@ -286,7 +468,7 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
     if secret:
         if len(frames) != 3:
             raise WireError("message has no authentication tag; this server requires one (set the shared secret)")
-        if not hmac.compare_digest(_tag(secret, head, body), bytes(frames[2])):
+        if not _verify(secret, head, body, frames[2], expected):
             raise WireError("authentication tag does not match: wrong shared secret or a tampered frame")
     op_v = _OPS.get(op)
     if op_v is None:

@@ -121,7 +121,7 @@ register_benchmark("compress-testbed", "benchmarks/compress_testbed.py:main",
                    "emulated racks:2,2,2 cluster (root; --loopback without): step time and accuracy; writes "
                    "compress_testbed.{json,png}")
 register_benchmark("ps-loopback", "benchmarks/ps_loopback.py:main",
-                   "PS pushpull round trip on loopback (HMAC, no HMAC, and push + pull) vs a gloo send/recv round "
+                   "PS pushpull round trip on loopback (authenticated, without a secret, and push + pull) vs a gloo send/recv round "
                    "trip of the same size, in one run; writes ps_loopback.{json,png}")
 
 
