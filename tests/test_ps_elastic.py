@@ -156,6 +156,52 @@ def test_a_silent_member_is_dropped_and_its_later_push_is_refused_by_name() -> N
         cluster.stop()
 
 
+def test_elastic_barrier_goes_on_without_a_silent_worker_and_meets_it_again_after_it_rejoins() -> None:
+    """Servers on threads, elastic_timeout 1 s. Rank 2 inits and goes silent (heartbeat stopped): ranks 0 and
+    1's barrier is released about a second later without it. Rank 2 then comes back as a restarted worker
+    does (a new store joining the key, its own barrier count at 1): the next barrier of 0 and 1 waits for
+    it, and all three leave it together, after rank 2 arrived."""
+    cluster = Cluster(1, elastic_timeout_s=1.0)
+    passed, rejoined = threading.Event(), threading.Event()
+    arrived: dict[int, float] = {}
+    left: dict[int, float] = {}
+    try:
+        def worker(rank: int) -> float:
+            kv = _elastic_store(cluster, rank)
+            kv.init("w", torch.zeros(2))
+            if rank == 2:
+                assert kv.heartbeat is not None
+                kv.heartbeat.close()
+                assert passed.wait(20)
+                kv.close()
+                kv = _elastic_store(cluster, 2)  # restarted: joins the key, counts its barriers from 1 again
+                kv.init("w", torch.zeros(2))
+                rejoined.set()
+                time.sleep(0.5)
+                arrived[rank] = time.monotonic()
+                kv.barrier()
+                left[rank] = time.monotonic()
+                kv.close()
+                return 0.0
+            t0 = time.monotonic()
+            kv.barrier()
+            waited = time.monotonic() - t0
+            passed.set()
+            assert rejoined.wait(20)
+            kv.barrier()
+            left[rank] = time.monotonic()
+            kv.close()
+            return waited
+
+        waited = run_workers(3, worker)
+        assert 0.8 < max(waited[0], waited[1]) < 5.0, waited  # type: ignore[operator]
+        assert min(left.values()) >= arrived[2], (left, arrived)  # the second barrier waited for rank 2
+        assert cluster.servers[0].elastic_barriers == 2 and cluster.servers[0].elastic_barrier is None
+        assert not cluster.servers[0].parked
+    finally:
+        cluster.stop()
+
+
 def test_join_waits_for_the_key_and_bad_elastic_use_is_named() -> None:
     s = _Served()
     try:

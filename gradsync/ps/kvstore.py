@@ -478,10 +478,13 @@ class PSKVStore(KVStore):
                      self.config.part_bytes)
 
     def barrier(self) -> None:
-        """Wait until every worker (not client) reaches its next barrier; server 0 counts them."""
+        """Wait until every worker (not client) reaches its next barrier; server 0 counts them. Elastic:
+        every worker that has not been silent for ``elastic_timeout_s`` (a dead one is not waited for, and
+        a restarted one meets the others at their next barrier)."""
         self._barriers += 1
         self.client.call([self.client.request(0, Op.BARRIER, what=f"barrier {self._barriers}", sender=self.rank,
-                                              version=self._barriers, count=self.num_workers)])
+                                              version=self._barriers, count=self.num_workers,
+                                              flags=Flag.ELASTIC if self.config.elastic else Flag.NONE)])
 
     def _init(self, keys: list[Key], values: list[torch.Tensor]) -> None:
         if self.rank == 0:

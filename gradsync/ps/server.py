@@ -107,6 +107,8 @@ _CODES = {dt: c for c, dt in DTYPES.items()}
 #: Default rounds ahead of a key's current round that pushes are buffered and pulls parked for. A worker
 #: that pushes and pulls each round is at most one ahead; eight leaves room for push-only stretches.
 MAX_AHEAD = 8
+#: the most workers an elastic barrier may count (each may then keep a last-heard time here)
+MAX_ELASTIC_WORKERS = 1 << 16
 #: Default cap on pulls parked per key (a legitimate key has about one per client).
 MAX_PARKED = 1024
 #: Default cap on requests parked per client connection (about one per key slot it pulls).
@@ -215,6 +217,16 @@ class Slot:
 
 
 @dataclass
+class _ElasticBarrier:
+    """The open barrier of an elastic store: who waits (sender -> (ident, req_id)), for how many workers."""
+
+    count: int
+    started: float
+    number: int
+    waiting: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+
+
+@dataclass
 class _Ordered:
     """Per-sender counter of the ordered-pull protocol: reply ``next`` is the only one allowed out."""
 
@@ -246,6 +258,9 @@ class Server:
         self.deferred: dict[tuple[Key, int], dict[tuple[bytes, int], Message]] = {}
         self.ordered: dict[bytes, _Ordered] = {}
         self.barriers: dict[int, dict[int, tuple[bytes, int]]] = {}
+        #: elastic stores' barrier (one open at a time) and how many were released
+        self.elastic_barrier: _ElasticBarrier | None = None
+        self.elastic_barriers = 0
         #: requests held per client connection (parked pulls, barrier waits, ordered replies held back)
         self.parked: dict[bytes, int] = {}
         #: authenticated sessions: session -> last seq accepted (a frame not newer is a replay)
@@ -603,6 +618,7 @@ class Server:
             return
         self._expired_at = now
         limit = self.config.elastic_timeout_s
+        self._release_elastic_barrier(now)
         for where, slot in self.slots.items():
             if not slot.elastic or slot.pending is None or now - slot.round_started < limit:
                 continue
@@ -695,6 +711,9 @@ class Server:
     def on_barrier(self, ident: bytes, msg: Message) -> None:
         if msg.count < 1 or not 0 <= msg.sender < msg.count:
             raise GradsyncError(f"barrier: sender {msg.sender} of {msg.count} workers is out of range")
+        if msg.flags & Flag.ELASTIC:
+            self._elastic_barrier(ident, msg)
+            return
         if msg.version not in self.barriers and len(self.barriers) >= self.config.max_parked_per_key:
             raise GradsyncError(f"barrier {msg.version}: {len(self.barriers)} barriers are already open on server "
                                 f"{self.config.server_id}, the limit (--max-parked-per-key, {MAX_PARKED_ENV})")
@@ -713,6 +732,49 @@ class Server:
             for who, req_id in self.barriers.pop(msg.version).values():
                 self._unhold(who)
                 self._reply(who, Op.ACK, version=msg.version, req_id=req_id)
+
+    def _elastic_barrier(self, ident: bytes, msg: Message) -> None:
+        """An elastic store's barrier: released once every worker has arrived that has not been silent for
+        ``elastic_timeout_s`` (the rule that drops it from sync rounds), so survivors go on without a dead
+        worker and a restarted one, whose own barrier count starts again, meets the others at their next
+        barrier. The server numbers the barriers; one is open at a time."""
+        if msg.count > MAX_ELASTIC_WORKERS:
+            raise GradsyncError(f"elastic barrier of {msg.count} workers: at most {MAX_ELASTIC_WORKERS}")
+        now = time.monotonic()
+        open_ = self.elastic_barrier
+        if open_ is None:
+            open_ = self.elastic_barrier = _ElasticBarrier(msg.count, now, self.elastic_barriers + 1)
+        elif open_.count != msg.count:
+            raise GradsyncError(f"elastic barrier: worker {msg.sender} counts {msg.count} workers, the open barrier "
+                                f"{open_.count} (every worker of a job gives the same num_workers)")
+        if msg.sender in open_.waiting:
+            self._unhold(open_.waiting.pop(msg.sender)[0])  # the same worker again (a retry, a new connection)
+        try:
+            self._hold(ident, f"barrier {open_.number}")
+        except GradsyncError:
+            if not open_.waiting:
+                self.elastic_barrier = None
+            raise
+        open_.waiting[msg.sender] = (ident, msg.req_id)
+        self._max_pushers = max(self._max_pushers, msg.count)  # its workers' heartbeats now count as signs of life
+        self.seen[msg.sender] = now
+        self._release_elastic_barrier(now)
+
+    def _release_elastic_barrier(self, now: float) -> None:
+        open_ = self.elastic_barrier
+        if open_ is None:
+            return
+        limit = self.config.elastic_timeout_s
+        absent = [s for s in range(open_.count) if s not in open_.waiting]
+        if any(now - self.seen.get(s, open_.started) < limit for s in absent):
+            return
+        if absent:
+            log.warning("server %d: barrier %d released without worker(s) %s: nothing heard from them for %.1f s",
+                        self.config.server_id, open_.number, absent, limit)
+        self.elastic_barrier, self.elastic_barriers = None, open_.number
+        for who, req_id in open_.waiting.values():
+            self._unhold(who)
+            self._reply(who, Op.ACK, version=open_.number, req_id=req_id)
 
     def on_status(self, ident: bytes, msg: Message) -> None:
         if msg.key is not None:
