@@ -144,6 +144,11 @@ def test_plan_round_trips_through_json_and_scales_rates() -> None:
     assert again == plan and again.path(0, 8) == plan.path(0, 8)
     data = plan.to_dict()
     assert data["ranks"]["0"]["address"] == data["master_addr"] == "10.213.0.1"
+    assert again.tcp_cc == data["tcp_cc"] == "cubic"  # Linux's default, not the host's, unless asked
+    old = {k: v for k, v in data.items() if k != "tcp_cc"}  # a state from before the choice: the host's
+    assert TestbedPlan.from_dict(old).tcp_cc == "host"
+    with pytest.raises(TestbedError, match="tcp_cc='vegas': choose one of cubic, reno, bbr, host"):
+        build_plan(get_topology("switch:2"), "50mbit", tcp_cc="vegas")
     # A link of twice the unit bandwidth gets twice the rate (p3.16xlarge: 2 NVLinks = 50 GB/s).
     dgx = plan_for("p3.16xlarge")
     assert {n.rate_mbit for s in dgx.servers for n in s.nics} == {100.0, 200.0}
@@ -281,6 +286,27 @@ class TestSwitch3:
             assert f"[rank {r}] {r} 3 10.213.0.1 gs-nic0 {state.resolve()} yes" in out.getvalue()
         assert run([sys.executable, "-S", "-c", "import time; time.sleep(30)"], timeout=1, state_path=state,
                    stream=io.StringIO()) == 124
+
+    def test_tcp_between_servers_uses_the_testbeds_congestion_control(
+            self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        """A connection from server 0 to server 1 runs cubic (the route's congctl), whatever this host's own
+        default is; the kernel reports it per socket (TCP_CONGESTION)."""
+        plan, state = switch3_bed
+        assert plan.tcp_cc == "cubic"
+        listen = ("import socket; s = socket.create_server(('%s', 0)); print(s.getsockname()[1], flush=True); "
+                  "c, _ = s.accept(); c.recv(1)" % plan.servers[1].address)
+        server = subprocess.Popen(tb_netns.ns_exec("gs-h1", [sys.executable, "-S", "-c", listen]),
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(server.stdout.readline())  # type: ignore[union-attr]
+            connect = ("import socket; c = socket.create_connection(('%s', %d)); "
+                       "print(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b'\\0')[0].decode()); "
+                       "c.send(b'x')" % (plan.servers[1].address, port))
+            got = subprocess.run(tb_netns.ns_exec("gs-h0", [sys.executable, "-S", "-c", connect]), capture_output=True,
+                                 text=True, timeout=30)
+            assert got.returncode == 0 and got.stdout.strip() == "cubic", got
+        finally:
+            server.wait(timeout=30)
 
     def test_probe_is_within_15_percent_of_100mbit(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
         plan, state = switch3_bed

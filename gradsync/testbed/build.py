@@ -40,7 +40,7 @@ from typing import Any
 import networkx as nx
 
 from gradsync.testbed.errors import TestbedError
-from gradsync.testbed.netns import PREFIX
+from gradsync.testbed.netns import PREFIX, TCP_CC
 from gradsync.topology.model import Topology
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "Nic",
     "Route",
     "Server",
+    "TCP_CC",
     "TestbedPlan",
     "Trunk",
     "build_plan",
@@ -195,6 +196,8 @@ class TestbedPlan:
     #: Switch-switch links left out so the flat L2 domain stays loop-free (STP is off).
     dropped: tuple[tuple[str, str], ...] = ()
     prefix: str = PREFIX
+    #: TCP congestion control on every route of every server (:data:`TCP_CC`), or ``"host"``: the host's default
+    tcp_cc: str = "cubic"
     _by_address: dict[str, Nic] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -296,6 +299,7 @@ class TestbedPlan:
             "prefix": self.prefix,
             "rate_mbit": self.rate_mbit,
             "delay_ms": self.delay_ms,
+            "tcp_cc": self.tcp_cc,
             "address_plan": f"{ADDRESS_PREFIX}.<subnet>.<rank+1>/24",
             "master_addr": self.master_addr,
             "namespaces": self.namespaces,
@@ -334,6 +338,7 @@ class TestbedPlan:
                 servers=servers, bridges=tuple(Bridge(**b) for b in data["bridges"]),
                 trunks=tuple(Trunk(**{**t, "link": tuple(t["link"])}) for t in data["trunks"]),
                 dropped=tuple(tuple(d) for d in data["dropped"]), prefix=data.get("prefix", PREFIX),
+                tcp_cc=data.get("tcp_cc", "host"),  # states written before the choice existed kept the host's
             )
         except (KeyError, TypeError) as exc:
             raise TestbedError(f"testbed state is incomplete or from another version ({exc!r}); "
@@ -417,10 +422,13 @@ def _next_hops(n: int, subnets_of: dict[int, set[int]], digits: list[tuple[int, 
 
 
 def build_plan(topology: Topology, rate: str | float = "200mbit", delay: str | float | None = None,
-               prefix: str = PREFIX) -> TestbedPlan:
+               prefix: str = PREFIX, tcp_cc: str = "cubic") -> TestbedPlan:
     """Turn a topology into namespaces, bridges, veths, addresses and routes (see the module docstring)."""
     rate_mbit = parse_rate(rate)
     delay_ms = parse_delay(delay)
+    if tcp_cc not in TCP_CC:
+        raise TestbedError(f"tcp_cc={tcp_cc!r}: choose one of {', '.join(TCP_CC)} (cubic is Linux's default; "
+                           f"'host' keeps whatever this host's net.ipv4.tcp_congestion_control says)")
     topo = topology
     n = len(topo.ranks)
     if n > MAX_SERVERS:
@@ -533,7 +541,7 @@ def build_plan(topology: Topology, rate: str | float = "200mbit", delay: str | f
         servers.append(Server(src, topo.ranks[src], f"{prefix}h{src}", tuple(nics[src]), tuple(routes),
                               forwarding=len(nics[src]) > 1))
     return TestbedPlan(topo.name, rate_mbit, delay_ms, tuple(servers), tuple(bridges), tuple(trunks),
-                       tuple(dropped), prefix)
+                       tuple(dropped), prefix, tcp_cc)
 
 
 def sample_pairs(plan: TestbedPlan, limit: int = 16) -> list[tuple[int, int]]:

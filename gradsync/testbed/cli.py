@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from gradsync.testbed.errors import TestbedError
+from gradsync.testbed.netns import TCP_CC
 
 __all__ = ["add_parser", "cmd_testbed", "parse_pairs"]
 
@@ -29,10 +30,11 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
 def _cmd_up(args: argparse.Namespace) -> int:
     from gradsync.testbed.control import resolve_state_path, up
 
-    plan = up(args.topology, args.rate, args.delay, state_path=args.state)
+    plan = up(args.topology, args.rate, args.delay, state_path=args.state, tcp_cc=args.tcp_cc)
     nics = sum(len(s.nics) for s in plan.servers)
     print(f"testbed {plan.topology}: {plan.world_size} servers, {len(plan.bridges)} bridges, {nics} NICs "
-          f"at {plan.rate_mbit:g} Mbit/s" + (f", {plan.delay_ms:g} ms delay" if plan.delay_ms else ""))
+          f"at {plan.rate_mbit:g} Mbit/s" + (f", {plan.delay_ms:g} ms delay" if plan.delay_ms else "")
+          + f", TCP {plan.tcp_cc}")
     if plan.dropped:
         print(f"  {len(plan.dropped)} redundant switch links left out (STP is off; one L2 tree per domain)")
     for s in plan.servers:
@@ -130,6 +132,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     u.add_argument("--topology", "-t", required=True, help="switch:N, bcube:n,k, fattree:k, ring:n or a file")
     u.add_argument("--rate", "-r", default="200mbit", help="rate of a unit link per direction, tc syntax (200mbit)")
     u.add_argument("--delay", "-d", default=None, help="extra one-way delay per server egress (netem), e.g. 1ms")
+    u.add_argument("--tcp-cc", default="cubic", choices=TCP_CC,
+                   help="TCP congestion control on every route (default cubic, Linux's default, whatever this "
+                        "host's own is; 'host' keeps the host's)")
     u.set_defaults(testbed_func=_cmd_up)
 
     r = sub.add_parser("run", parents=[common], help="run a command once per server, torchrun-style")

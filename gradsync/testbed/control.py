@@ -7,6 +7,7 @@ interface named with the ``gs-`` prefix, so it also cleans up after a crash, and
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -100,21 +101,29 @@ def _build(plan: TestbedPlan) -> None:
             netns.ip("link", "set", nic.ifname, "up", ns=s.namespace)
             _shape(nic.host_ifname, nic.rate_mbit)  # bridge -> server
             _shape(nic.ifname, nic.rate_mbit, plan.delay_ms, ns=s.namespace)  # server -> bridge
+    cc = () if plan.tcp_cc == "host" else ("congctl", plan.tcp_cc)
     for s in plan.servers:
+        for nic in s.nics:  # the kernel's route to the NIC's own subnet, again with the congestion control
+            if cc:
+                subnet = str(ipaddress.ip_interface(nic.cidr).network)
+                netns.ip("route", "replace", subnet, "dev", nic.ifname, "proto", "kernel", "scope", "link", "src",
+                         nic.address, *cc, ns=s.namespace)
         for r in s.routes:
-            netns.ip("route", "add", r.dest, "via", r.via, "dev", r.dev, ns=s.namespace)
+            netns.ip("route", "add", r.dest, "via", r.via, "dev", r.dev, *cc, ns=s.namespace)
 
 
 def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | float | None = None, *,
-       state_path: str | os.PathLike[str] | None = None) -> TestbedPlan:
+       state_path: str | os.PathLike[str] | None = None, tcp_cc: str = "cubic") -> TestbedPlan:
     """Build the emulated cluster for ``topology`` (spec or object) and write its state file.
 
     ``rate`` is each unit link's rate in each direction (tc syntax: ``200mbit``); ``delay`` adds netem delay
-    on every server's egress. Refuses to run over leftovers of another testbed.
+    on every server's egress; ``tcp_cc`` is the TCP congestion control of every route (a route attribute, so
+    the host's own default is left alone; ``"host"`` keeps that default: see :data:`TCP_CC`). Refuses to run
+    over leftovers of another testbed.
     """
     netns.require()
     topo = get_topology(topology)
-    plan = build_plan(topo, rate, delay)
+    plan = build_plan(topo, rate, delay, tcp_cc=tcp_cc)
     left = netns.leftovers(plan.prefix)
     if left["namespaces"] or left["links"]:
         found = ", ".join(left["namespaces"] + left["links"])
@@ -189,6 +198,7 @@ def status(*, state_path: str | os.PathLike[str] | None = None) -> dict[str, Any
         "topology": plan.topology,
         "rate_mbit": plan.rate_mbit,
         "delay_ms": plan.delay_ms,
+        "tcp_cc": plan.tcp_cc,
         "master_addr": plan.master_addr,
         "servers": [
             {"rank": s.rank, "device": s.device, "namespace": s.namespace, "address": s.address,

@@ -37,6 +37,12 @@ __all__ = [
 
 #: Prefix of every namespace and interface the testbed creates (never anything else).
 PREFIX = "gs-"
+#: TCP congestion control the testbed's routes may name (``congctl``), and ``host``: no choice (the host's
+#: default). ``cubic``, Linux's default, is the testbed's: results must not depend on how the host happens to
+#: be tuned, and BBR (v1) leaves a tbf-shaped port that two flows share about a quarter idle (measured on
+#: bcube:3,2 at 200 Mbit/s: BML's exchange with each NIC sending to and receiving from two peers took 592-616
+#: ms under BBR and 504-527 ms under cubic, while gloo's ring, one flow per NIC, took 975 ms under both).
+TCP_CC = ("cubic", "reno", "bbr", "host")
 
 _HINTS = (
     ("Operation not permitted", "run as root (or with CAP_NET_ADMIN and CAP_SYS_ADMIN), e.g. with sudo"),
