@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     topo = cost = None
     model = a.model or ("paper-lenet5" if a.testbed else "lenet5")
     if a.testbed:
+        if str(ROOT) not in sys.path:  # ``gradsync bench`` loads this file by path, from any directory
+            sys.path.insert(0, str(ROOT))
+        from benchmarks.bml_testbed_worker import PaperLeNet5
         from gradsync import testbed
         from gradsync.models import create
         from gradsync.testbed.control import load_state
@@ -183,12 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         from gradsync.topology import get_topology
 
         spec = f"switch:{a.workers + a.servers}"
-        print(f"testbed up: {spec} at {a.rate} ...", flush=True)
-        testbed.up(spec, a.rate)
-        from benchmarks.bml_testbed_worker import PaperLeNet5
-
         net = PaperLeNet5(10) if model == "paper-lenet5" else create("lenet5", num_classes=10)
         model_bytes = 4 * sum(p.numel() for p in net.parameters())
+        print(f"testbed up: {spec} at {a.rate} ...", flush=True)
+        testbed.up(spec, a.rate)  # last before the try whose finally takes it down
     try:
         if a.testbed:
             rows = testbed.probe([(0, a.workers), (1, 2)], seconds=1.0)

@@ -30,7 +30,8 @@ tag over header ‖ payload; its first byte names the algorithm (:func:`mac_algo
   an unauthenticated one.
 - ``1`` HMAC-SHA256(secret, header ‖ payload) (32 bytes), sent where ``cryptography`` is missing.
 
-A receiver accepts either (both are secure; the sender's library decides).
+A receiver accepts either (both are secure; the sender's library decides). A large payload's MAC may
+travel as a message of its own right after it (``Flag.DETACHED``, :data:`DETACH_BYTES`, :class:`TagJoiner`).
 
 ``job`` names the job a request belongs to (0: none), so a server shared by two jobs by mistake refuses
 the second one instead of mixing their rounds. ``session`` (random per client) and ``seq`` (increasing per
@@ -124,7 +125,8 @@ _DETACHED = int(Flag.DETACHED)
 #: the header byte holding ``flags`` (after magic, proto, op, dtype)
 _FLAGS_AT = 7
 #: With ``detach=True`` (the client and server), a tagged payload of at least this many bytes is sent as two
-#: ZeroMQ messages, ``[header, payload]`` with ``Flag.DETACHED`` and then ``[tag]``: ZeroMQ delivers a
+#: ZeroMQ messages, ``[header, payload, prefix]`` with ``Flag.DETACHED`` (the prefix: the tag's algorithm
+#: byte and nonce) and then ``[MAC]``: ZeroMQ delivers a
 #: multipart message only once its last frame is queued, so an inline tag makes the receiver wait for the
 #: sender's hash before its copy of the payload even starts, and the two hashes of one hop run one after the
 #: other. Detached, the sender hashes while the payload travels and the receiver hashes as it arrives. Below
@@ -230,8 +232,8 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
     """The frames of one message. ``tensor`` is sent as raw bytes (its memory, not a copy).
 
     Without ``secret`` the frames are ``[header, payload]``; :func:`seal` sets ``seq`` and adds the tag.
-    With ``detach`` a payload of :data:`DETACH_BYTES` or more gets ``Flag.DETACHED`` and no tag frame: the
-    sender sends :func:`tag_frame` as a message of its own after it."""
+    With ``detach`` a payload of :data:`DETACH_BYTES` or more gets ``Flag.DETACHED`` and only the tag's prefix
+    as its third frame: the sender sends :func:`tag_frame` (the MAC) as a message of its own after it."""
     if key is None:
         key_bytes = b""
     elif isinstance(key, bool) or not isinstance(key, (int, str)):
