@@ -34,6 +34,7 @@ from gradsync.testbed import (
     up,
 )
 from gradsync.testbed import netns as tb_netns
+from gradsync.testbed import status as tb_status
 from gradsync.testbed.cli import add_parser, parse_pairs
 from gradsync.topology import get_topology
 
@@ -292,16 +293,17 @@ class TestSwitch3:
         """A connection from server 0 to server 1 runs cubic (the route's congctl), whatever this host's own
         default is; the kernel reports it per socket (TCP_CONGESTION)."""
         plan, state = switch3_bed
-        assert plan.tcp_cc == "cubic"
-        listen = ("import socket; s = socket.create_server(('%s', 0)); print(s.getsockname()[1], flush=True); "
-                  "c, _ = s.accept(); c.recv(1)" % plan.servers[1].address)
+        assert plan.tcp_cc == "cubic" and tb_status(state_path=state)["tcp_cc"] == "cubic"
+        peer = plan.servers[1].address
+        listen = (f"import socket; s = socket.create_server(('{peer}', 0)); print(s.getsockname()[1], flush=True); "
+                  "c, _ = s.accept(); c.recv(1)")
         server = subprocess.Popen(tb_netns.ns_exec("gs-h1", [sys.executable, "-S", "-c", listen]),
                                   stdout=subprocess.PIPE, text=True)
         try:
             port = int(server.stdout.readline())  # type: ignore[union-attr]
-            connect = ("import socket; c = socket.create_connection(('%s', %d)); "
+            connect = (f"import socket; c = socket.create_connection(('{peer}', {port})); "
                        "print(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b'\\0')[0].decode()); "
-                       "c.send(b'x')" % (plan.servers[1].address, port))
+                       "c.send(b'x')")
             got = subprocess.run(tb_netns.ns_exec("gs-h0", [sys.executable, "-S", "-c", connect]), capture_output=True,
                                  text=True, timeout=30)
             assert got.returncode == 0 and got.stdout.strip() == "cubic", got

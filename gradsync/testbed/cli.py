@@ -101,7 +101,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"no testbed is up (no state file {info['state']})")
     else:
         print(f"testbed {info['topology']} ({'up' if info['up'] else 'BROKEN: namespaces missing'}), "
-              f"{info['rate_mbit']:g} Mbit/s per unit link, MASTER_ADDR={info['master_addr']}, state {info['state']}")
+              f"{info['rate_mbit']:g} Mbit/s per unit link, TCP {info['tcp_cc']}, MASTER_ADDR={info['master_addr']}, "
+              f"state {info['state']}")
         for s in info["servers"]:
             nics = " ".join(f"{n['ifname']}={n['address']}" for n in s["nics"])
             print(f"  rank {s['rank']:<3} {s['namespace']:<8} {'ok ' if s['present'] else 'GONE'} {nics}")
