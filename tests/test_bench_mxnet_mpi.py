@@ -46,3 +46,27 @@ def test_one_client_adds_ring_push_pull_and_a_binomial_broadcast():
 def test_esgd_exchanges_every_interval_rounds():
     sgd = bench.predicted_comm_s("mpi-sgd", 2, 8, 2, M, 8, TOPO, FREE)
     assert bench.predicted_comm_s("mpi-esgd", 2, 8, 2, M, 8, TOPO, FREE) == pytest.approx(sgd / bench.ESGD_INTERVAL)
+
+
+def test_testbed_run_finds_its_model_from_any_directory_before_the_testbed_comes_up(monkeypatch, tmp_path):
+    """``gradsync bench`` loads the file by path: with ``--testbed`` it imports seed 001's LeNet-5 from the
+    repository's ``benchmarks`` package wherever it runs, and only then brings the testbed up (a failure before
+    the run's ``try`` would leave the testbed up). ``up`` is stubbed to stop there: no root needed."""
+    import sys
+
+    import gradsync.testbed as testbed
+
+    class Reached(Exception):
+        pass
+
+    def fake_up(spec, rate):
+        assert "benchmarks.bml_testbed_worker" in sys.modules  # the model came first
+        raise Reached(spec)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != _PATH.parents[1]])
+    monkeypatch.delitem(sys.modules, "benchmarks.bml_testbed_worker", raising=False)
+    monkeypatch.delitem(sys.modules, "benchmarks", raising=False)
+    monkeypatch.setattr(testbed, "up", fake_up)
+    with pytest.raises(Reached, match="switch:10"):
+        bench.main(["--testbed", "--out", str(tmp_path)])
