@@ -119,6 +119,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+#: issue 15's goals on the ratio to gloo: (name, sizes it covers, bound)
+GOALS = (("4 KB", lambda b: b == 4 << 10, 3.0), (">= 1 MB", lambda b: b >= 1 << 20, 1.5))
+
+
+def goals(rows: list[dict[str, Any]], method: str) -> dict[str, dict[str, Any]]:
+    """Per goal of :data:`GOALS`: the worst ratio of ``method`` to gloo over the sizes it covers (only goals
+    with a measured size), and whether it is within the bound."""
+    out = {}
+    for name, covers, bound in GOALS:
+        ratios = [r[f"{method}_over_gloo"] for r in rows if covers(r["bytes"])]
+        if ratios:
+            out[name] = {"worst": max(ratios), "goal": bound, "met": max(ratios) <= bound}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gradsync bench ps-loopback", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ps_loopback"))
@@ -165,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
            "methods": {"ps": "pushpull (one PUSHPULL exchange), authenticated frames (see mac)",
                        "ps_plain": "pushpull on a server without a secret (no tags)",
                        "ps_split": "push then pull (two exchanges), authenticated frames",
-                                              "gloo": "torch.distributed send + recv back"}, "rows": rows}
+                       "gloo": "torch.distributed send + recv back"},
+           "goals": {m: goals(rows, m) for m in ("ps", "ps_plain")}, "rows": rows}
     (out / "ps_loopback.json").write_text(json.dumps(doc, indent=1))
     plot(rows, out / "ps_loopback.png")
     for r in rows:
         print(f"{r['bytes']:>10} B  " + "  ".join(f"{m}/gloo = {r[f'{m}_over_gloo']:.2f}" for m in METHODS[:-1]))
+    for m, g in doc["goals"].items():
+        print(f"{m}: " + "; ".join(f"{name} {v['worst']:.2f} (goal {v['goal']:g}: {'met' if v['met'] else 'NOT met'})"
+                                   for name, v in g.items()))
     print(f"wrote {out / 'ps_loopback.json'} and {out / 'ps_loopback.png'}")
     return 0
 
