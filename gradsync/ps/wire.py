@@ -261,7 +261,7 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
     if len(shape) > MAX_NDIM:
         raise WireError(f"shape {shape} has {len(shape)} dimensions; the limit is {MAX_NDIM}")
     nbytes = body.nbytes if isinstance(body, memoryview) else len(body)
-    detached = bool(secret) and detach and nbytes >= DETACH_BYTES
+    detached = _detaches(secret, detach, nbytes)
     flags = (int(flags) & ~_DETACHED) | (_DETACHED if detached else 0)  # a request's flags echoed: not ours
     try:
         head = HEADER.pack(MAGIC, PROTO, op, dtype_code, flags, part, parts, len(shape), 0, len(key_bytes),
@@ -274,6 +274,11 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
     if secret:
         frames.append(_prefix() if detached else _tag(secret, head, body))
     return frames
+
+
+def _detaches(secret: bytes | None, detach: bool, nbytes: int) -> bool:
+    """Whether :func:`encode` and :func:`seal` send a payload of ``nbytes`` with its MAC detached."""
+    return bool(secret) and detach and nbytes >= DETACH_BYTES
 
 
 def is_detached(frames: Sequence[Any]) -> bool:
@@ -381,7 +386,7 @@ def seal(frames: Sequence[Any], *, seq: int, secret: bytes | None = None, detach
     head = bytearray(bytes(frames[0]))
     struct.pack_into("<Q", head, _SEQ_AT, seq)
     body = frames[1]
-    detached = bool(secret) and detach and memoryview(body).nbytes >= DETACH_BYTES
+    detached = _detaches(secret, detach, memoryview(body).nbytes)
     if detached:
         head[_FLAGS_AT] |= _DETACHED
     else:
