@@ -438,8 +438,12 @@ class TagJoiner:
         if (not self.secret or layout is None or len(prefix) != layout[0]
                 or (prefix[0] == MAC_GMAC and AESGCM is None)):
             return None
-        head = frames[0] if isinstance(frames[0], bytes) else bytes(memoryview(frames[0]).cast("B"))
-        return _mac(self.secret, prefix, head, frames[1])
+        return _mac(self.secret, prefix, _head_bytes(frames[0]), frames[1])
+
+
+def _head_bytes(frame: Any) -> bytes:
+    """A header frame (bytes, or a received buffer) as bytes: parsed and hashed as such."""
+    return frame if isinstance(frame, bytes) else bytes(memoryview(frame).cast("B"))
 
 
 def job_id(text: str) -> int:
@@ -461,7 +465,7 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
     ``expected``: its MAC when already computed (by :class:`TagJoiner`, from the same frames)."""
     if len(frames) not in (2, 3):
         raise WireError(f"a message has 2 or 3 frames (header, payload[, tag]); got {len(frames)}")
-    head = frames[0] if isinstance(frames[0], bytes) else bytes(memoryview(frames[0]).cast("B"))
+    head = _head_bytes(frames[0])
     body = frames[1]
     body_len = body.nbytes if isinstance(body, memoryview) else memoryview(body).nbytes
     if len(head) >= 5 and head[:4] != MAGIC:
