@@ -40,7 +40,7 @@ from typing import Any
 import networkx as nx
 
 from gradsync.testbed.errors import TestbedError
-from gradsync.testbed.netns import PREFIX, TCP_CC
+from gradsync.testbed.netns import DEFAULT_TCP_CC, PREFIX, TCP_CC
 from gradsync.topology.model import Topology
 
 __all__ = [
@@ -197,7 +197,7 @@ class TestbedPlan:
     dropped: tuple[tuple[str, str], ...] = ()
     prefix: str = PREFIX
     #: TCP congestion control on every route of every server (:data:`TCP_CC`), or ``"host"``: the host's default
-    tcp_cc: str = "cubic"
+    tcp_cc: str = DEFAULT_TCP_CC
     _by_address: dict[str, Nic] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -422,7 +422,7 @@ def _next_hops(n: int, subnets_of: dict[int, set[int]], digits: list[tuple[int, 
 
 
 def build_plan(topology: Topology, rate: str | float = "200mbit", delay: str | float | None = None,
-               prefix: str = PREFIX, tcp_cc: str = "cubic") -> TestbedPlan:
+               prefix: str = PREFIX, tcp_cc: str = DEFAULT_TCP_CC) -> TestbedPlan:
     """Turn a topology into namespaces, bridges, veths, addresses and routes (see the module docstring)."""
     rate_mbit = parse_rate(rate)
     delay_ms = parse_delay(delay)

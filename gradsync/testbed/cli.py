@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from gradsync.testbed.errors import TestbedError
-from gradsync.testbed.netns import TCP_CC
+from gradsync.testbed.netns import DEFAULT_TCP_CC, TCP_CC
 
 __all__ = ["add_parser", "cmd_testbed", "parse_pairs"]
 
@@ -133,7 +133,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     u.add_argument("--topology", "-t", required=True, help="switch:N, bcube:n,k, fattree:k, ring:n or a file")
     u.add_argument("--rate", "-r", default="200mbit", help="rate of a unit link per direction, tc syntax (200mbit)")
     u.add_argument("--delay", "-d", default=None, help="extra one-way delay per server egress (netem), e.g. 1ms")
-    u.add_argument("--tcp-cc", default="cubic", choices=TCP_CC,
+    u.add_argument("--tcp-cc", default=DEFAULT_TCP_CC, choices=TCP_CC,
                    help="TCP congestion control on every route (default cubic, Linux's default, whatever this "
                         "host's own is; 'host' keeps the host's)")
     u.set_defaults(testbed_func=_cmd_up)

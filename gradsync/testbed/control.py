@@ -18,6 +18,7 @@ from typing import Any
 from gradsync.testbed import netns
 from gradsync.testbed.build import TestbedPlan, build_plan
 from gradsync.testbed.errors import TestbedError
+from gradsync.testbed.netns import DEFAULT_TCP_CC
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
@@ -113,7 +114,7 @@ def _build(plan: TestbedPlan) -> None:
 
 
 def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | float | None = None, *,
-       state_path: str | os.PathLike[str] | None = None, tcp_cc: str = "cubic") -> TestbedPlan:
+       state_path: str | os.PathLike[str] | None = None, tcp_cc: str = DEFAULT_TCP_CC) -> TestbedPlan:
     """Build the emulated cluster for ``topology`` (spec or object) and write its state file.
 
     ``rate`` is each unit link's rate in each direction (tc syntax: ``200mbit``); ``delay`` adds netem delay

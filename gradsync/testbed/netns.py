@@ -43,6 +43,8 @@ PREFIX = "gs-"
 #: bcube:3,2 at 200 Mbit/s: BML's exchange with each NIC sending to and receiving from two peers took 592-616
 #: ms under BBR and 504-527 ms under cubic, while gloo's ring, one flow per NIC, took 975 ms under both).
 TCP_CC = ("cubic", "reno", "bbr", "host")
+#: the testbed's choice unless told otherwise
+DEFAULT_TCP_CC = TCP_CC[0]
 
 _HINTS = (
     ("Operation not permitted", "run as root (or with CAP_NET_ADMIN and CAP_SYS_ADMIN), e.g. with sudo"),
