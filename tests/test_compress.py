@@ -508,6 +508,43 @@ def test_powersgd_warm_start_converges_to_the_best_rank_one() -> None:
     assert abs((out - x).norm().item() - math.sqrt(2.0**2 + 1.0**2)) < 1e-6
 
 
+@pytest.mark.parametrize("rank", [1, 2, 3, 4, 8])
+def test_powersgd_products_equal_the_plain_matmul(rank: int) -> None:
+    """The layouts chosen for speed (``times``, ``transposed_times``) compute ``M Q`` and ``M^T P``."""
+    from gradsync.compress.lowrank import times, transposed_times
+
+    gen = torch.Generator().manual_seed(17)
+    m = torch.randn(37, 53, generator=gen, dtype=torch.float64)
+    q, p = torch.randn(53, rank, generator=gen, dtype=torch.float64), torch.randn(37, rank, generator=gen, dtype=torch.float64)
+    for got, want in [(times(m, q), m @ q), (transposed_times(m, p), m.T @ p)]:
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_powersgd_finish_divides_the_thin_factor(world: int) -> None:
+    """``finish(divide_by=W)`` is ``P Q^T / W``, written into ``out`` when given; with W a power of two the
+    scaling is exact, so it equals dividing the product bit for bit. Dense tensors come back divided too."""
+    gen = torch.Generator().manual_seed(18)
+    x = torch.randn(24, 40, generator=gen)
+    c = PowerSGD(rank=2)
+    info = _info(x)
+    p = c.first_round(x, info)
+    payload, ctx = c.second_round(x, info, p)
+    want = ctx.extra[0] @ payload[0].T / world
+    out = torch.empty_like(x)
+    got = c.finish(payload, ctx, out, divide_by=world)
+    assert got.data_ptr() == out.data_ptr()
+    if world & (world - 1) == 0:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(c.finish(payload, ctx, None, divide_by=world), want, rtol=1e-6, atol=1e-7)
+    v = torch.randn(10, generator=gen)
+    dense, dctx = c.second_round(v, _info(v), None)
+    assert torch.equal(c.finish(dense, dctx, None, divide_by=world), v / world)
+    assert torch.equal(v, dense[0])  # the summed payload itself is left alone
+
+
 def test_powersgd_sends_vectors_and_small_matrices_dense() -> None:
     compressor = create("powersgd", rank=4)
     for shape in [(1000,), (3, 3)]:

@@ -305,7 +305,7 @@ class TwoRoundCompressor(Compressor):
         payload, ctx = c.second_round(x, info, p)   # ctx now holds the shared basis
         memory.update(x, info, c, payload, ctx)     # local error, before the payload is summed
         summed = [allreduce_sum(t) for t in payload]
-        out = c.finish(summed, ctx) / world_size    # also stores the warm start for the next step
+        out = c.finish(summed, ctx, divide_by=world_size)  # also keeps the next step's warm start
 
     ``compress``/``decompress`` remain a valid one-round (allgather or single-worker) path.
     """
@@ -321,9 +321,12 @@ class TwoRoundCompressor(Compressor):
         """The summable second-round payload and a ctx built from the first round's sum."""
 
     @abstractmethod
-    def finish(self, payload_sum: Sequence[Tensor], ctx: Context, out: Tensor | None = None) -> Tensor:
-        """Decompress the summed payload and keep what the next step warm-starts from; ``out`` as in
-        :meth:`Compressor.combine` (a buffer the result may be written into, or None)."""
+    def finish(self, payload_sum: Sequence[Tensor], ctx: Context, out: Tensor | None = None, *,
+               divide_by: int = 1) -> Tensor:
+        """Decompress the summed payload divided by ``divide_by`` (the world size, for an average: a
+        low-rank result divides its thin factor instead of the full tensor) and keep what the next step
+        warm-starts from; ``out`` as in :meth:`Compressor.combine` (a buffer the result may be written
+        into, or None). A result that is a payload tensor itself may only come back when ``divide_by == 1``."""
 
 
 class Memory(ABC):

@@ -106,9 +106,11 @@ class Communicator(ABC):
         """Sum ``tensors`` over workers in place (comm thread only); communicators with ``sums`` override."""
         raise CompressionError(f"communicator {self.name!r} cannot sum tensors; two-round compressors need 'allreduce'")
 
-    def _finish(self, compressor: Compressor, result: Tensor, info: TensorInfo, *, owned: bool = False) -> Tensor:
-        """The average over workers (``owned``: divided in ``result``'s own buffer), in ``info``'s shape and dtype."""
-        if compressor.average:
+    def _finish(self, compressor: Compressor, result: Tensor, info: TensorInfo, *, owned: bool = False,
+                averaged: bool = False) -> Tensor:
+        """The average over workers (``owned``: divided in ``result``'s own buffer; ``averaged``: it already
+        is), in ``info``'s shape and dtype."""
+        if compressor.average and not averaged:
             result = result.div_(self.world_size) if owned and result.dtype.is_floating_point else result / self.world_size
         return result.reshape(info.shape).to(info.dtype)
 
@@ -315,10 +317,12 @@ class CompressionStep:
             self.memory.update(x, info, c, payload, ctx)
         self.communicator.reduce_sum([t for payload, _ in rounds for t in payload])
         results = []
+        divide_by = self.communicator.world_size if c.average else 1
         for (payload, ctx), out in zip(rounds, outs):
-            # a new tensor or ``out``, unless the tensor went dense (then the summed payload: not ours to divide)
-            result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out)
-            results.append(self.communicator._finish(c, result, ctx.info, owned=not shares_memory(result, payload)))
+            # the average, in a new tensor or ``out`` (the compressor divides where it is cheapest)
+            result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out,
+                              divide_by=divide_by)
+            results.append(self.communicator._finish(c, result, ctx.info, averaged=True))
         return results
 
 
