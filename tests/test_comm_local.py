@@ -316,6 +316,33 @@ def test_trace_records_every_message_once_in_time_order(progress):
         assert times == sorted(times) and times[0] >= 0
 
 
+def test_auto_progress_waits_in_order_for_small_runs_and_uses_lanes_for_large():
+    """``progress="auto"``: lane threads only when some message exceeds SMALL_MESSAGE_BYTES; exact either way."""
+    from gradsync.comm.executor import SMALL_MESSAGE_BYTES
+
+    schedule = synthesize("ring", get_topology("switch:3"), PlanOptions())
+    parts = len(schedule.chunks)  # equal chunks: a message is one chunk of float32
+    big = parts * (SMALL_MESSAGE_BYTES // 4 + 1)  # every message 4 bytes over the limit
+    small = parts * (SMALL_MESSAGE_BYTES // 4)  # every message exactly at it
+
+    def body(tr):
+        ex = Executor(schedule, tr, timeout_s=20)
+        assert ex.progress == "auto"
+        out = []
+        for numel in (small, big):
+            x = torch.full((numel,), float(tr.rank + 1))
+            ex.run(x)
+            out.append((bool(torch.all(x == 6.0)), len(ex._lanes)))
+        ex.close()
+        return out
+
+    for got in run_ranks(schedule.world_size, body):
+        assert not isinstance(got, BaseException), got
+        (small_ok, small_lanes), (big_ok, big_lanes) = got
+        assert small_ok and big_ok
+        assert small_lanes == 0 and big_lanes > 0
+
+
 def test_get_runtime_without_a_process_group_says_how_to_start():
     import torch.distributed as dist
 
