@@ -317,13 +317,12 @@ def test_trace_records_every_message_once_in_time_order(progress):
 
 
 def test_auto_progress_waits_in_order_for_small_runs_and_uses_lanes_for_large():
-    """``progress="auto"``: lane threads only when some message exceeds SMALL_MESSAGE_BYTES; exact either way."""
-    from gradsync.comm.executor import SMALL_MESSAGE_BYTES
+    """``progress="auto"``: lane threads only for runs over SMALL_RUN_BYTES; exact either way."""
+    from gradsync.comm.executor import SMALL_RUN_BYTES
 
     schedule = synthesize("ring", get_topology("switch:3"), PlanOptions())
-    parts = len(schedule.chunks)  # equal chunks: a message is one chunk of float32
-    big = parts * (SMALL_MESSAGE_BYTES // 4 + 1)  # every message 4 bytes over the limit
-    small = parts * (SMALL_MESSAGE_BYTES // 4)  # every message exactly at it
+    small = SMALL_RUN_BYTES // 4  # float32: exactly at the limit
+    big = small + 1
 
     def body(tr):
         ex = Executor(schedule, tr, timeout_s=20)

@@ -40,16 +40,17 @@ from gradsync.errors import GradsyncError, PeerError
 from gradsync.plan.schedule import Schedule
 
 __all__ = ["Action", "Phase", "RankProgram", "ExecStats", "Executor", "compile_program", "process_mapping", "OPS",
-           "PROGRESS", "SMALL_MESSAGE_BYTES"]
+           "PROGRESS", "SMALL_RUN_BYTES"]
 
 #: How the executor learns that messages finished: per-(peer, direction) waiting threads, or one in key order;
-#: ``auto``: lanes unless every message of the run is small (:data:`SMALL_MESSAGE_BYTES`).
+#: ``auto``: lanes unless the run is small (:data:`SMALL_RUN_BYTES`).
 PROGRESS = ("auto", "lanes", "ordered")
-#: Runs whose messages are all at most this many bytes wait in key order even with ``progress="auto"``:
-#: there is no large message for a small one to wait behind, and each lane's hand-off costs a thread wake-up
-#: (4 ranks on the racks:2,2,2 testbed, tree, 4-64 KB: ordered 2.6-3.4 ms and 1.8-2.0 ms of CPU per call,
-#: lanes 3.3-3.8 ms and 2.1-2.9 ms of CPU; at 256 KB and 1 MB the two were within 7 %).
-SMALL_MESSAGE_BYTES = 64 << 10
+#: Runs of at most this many bytes (the whole buffer) wait in key order even with ``progress="auto"``: a
+#: small run has no large message for another to wait behind, and each lane's hand-off costs a thread
+#: wake-up (4 ranks on the racks:2,2,2 testbed, tree, 4-64 KB: ordered 2.6-3.4 ms and 1.8-2.0 ms of CPU per
+#: call, lanes 3.3-3.8 ms and 2.1-2.9 ms; at 256 KB ordered 10.5 ms, lanes 11.2). Lanes win where large
+#: messages from several peers overlap (BML at 4 MiB on bcube:3,2: 174 ms against 246 ordered).
+SMALL_RUN_BYTES = 256 << 10
 #: Reduction ops the executor applies after the sum: ``avg`` divides by the world size in place.
 OPS = ("sum", "avg")
 
@@ -217,7 +218,7 @@ class Executor:
     ``progress``: ``"lanes"`` learns of finished messages from one waiting thread per (peer, direction), in
     arrival order, when every receive of a run fits the window and the transport matches by tag; otherwise
     (or with ``"ordered"``) one thread waits in key order. ``"auto"`` (default) is ``"lanes"`` except for runs
-    whose messages are all small (:data:`SMALL_MESSAGE_BYTES`). See :meth:`_execute_lanes`.
+    that are small (:data:`SMALL_RUN_BYTES`). See :meth:`_execute_lanes`.
     """
 
     def __init__(
@@ -305,7 +306,7 @@ class Executor:
         sizes = [sum(e - s for _, s, e in pieces[c]) for c in range(len(schedule.chunks))]
         like = flats[0] if flats else None
         lanes = self.progress == "lanes" or (
-            self.progress == "auto" and like is not None and max(sizes, default=0) * like.element_size() > SMALL_MESSAGE_BYTES)
+            self.progress == "auto" and like is not None and sum(sizes) * like.element_size() > SMALL_RUN_BYTES)
         if (lanes and not transport.ordered and like is not None
                 and sum(sizes[a.chunk] for a in self._recv_order) * like.element_size() <= self.recv_window_bytes):
             self._execute_lanes(views, sizes, like)
