@@ -59,7 +59,8 @@ CASES = {
     "racks": Case("racks", "racks:2,3,4", "400mbit", ((0, 1), (0, 3), (3, 5)), 1.6, (13107200, 50 * MIB), 1.4),
     "bcube": Case("bcube", "bcube:3,2", "200mbit", ((0, 1), (0, 3), (4, 8)), 1.8, None, 1.4),
     "switch": Case("switch", "switch:8", "400mbit", ((0, 1), (4, 7)), 0.97),
-    "fattree": Case("fattree", "fattree:4", "200mbit", ((0, 1), (0, 2), (0, 15)), 1.0),
+    # full bisection: no topology advantage to win, so the goal is the flat switch's "never slower"
+    "fattree": Case("fattree", "fattree:4", "200mbit", ((0, 1), (0, 2), (0, 15)), 0.97),
 }
 #: Allowed deviation of a measured median from the cost model's prediction.
 GOAL_REL_ERR = 0.15
