@@ -252,7 +252,9 @@ class Runtime:
         import torch.distributed as dist
 
         ring = self._planner().schedule("ring", 1, check=True)
-        ex = Executor(ring, self.transport, mapping=self.mapping, timeout_s=self.timeout_s)
+        # lanes, as the runs the model mostly chooses for (over SMALL_RUN_BYTES) use: a small run's key-order
+        # waits are cheaper, so α measured with them would under-price every larger run
+        ex = Executor(ring, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, progress="lanes")
         buf = torch.zeros(max(1, size // 4))
 
         def slowest(fn: Callable[[], Any], reps: int = reps) -> float:
