@@ -159,7 +159,7 @@ class PowerSGD(TwoRoundCompressor):
         """``P (sum_w Q_w)^T / divide_by`` (into ``out`` when it fits: the same product, no new tensor); the
         summed Q warm-starts the next step (its scale is irrelevant: P is orthonormalised). The division is
         applied to the thin ``Q`` (``cols x r``), not to the ``rows x cols`` product: one pass over the matrix
-        saved (a 3.2 M-element ``div_`` takes about 1 ms on one core here)."""
+        saved (a 3.2 M-element ``div_``: 0.5-0.7 ms on one core here)."""
         plan = self.matrix_plan(ctx.info.shape)
         if plan is None or not ctx.extra:  # sent dense (or a one-round [P, Q] payload)
             result = self.decompress(payload_sum, ctx)
@@ -186,7 +186,7 @@ class PowerSGD(TwoRoundCompressor):
         rows, cols, _ = plan
         p, q = (ctx.extra[0], payload[0]) if ctx.extra else (payload[0], payload[1])
         # M + (-1) P Q^T in one pass: the product of the same gemm, subtracted as it is written
-        return tensor.view(rows, cols).addmm_(p.to(dtype), q.to(dtype).T.contiguous(), alpha=-1).view(tensor.shape)
+        return tensor.view(rows, cols).addmm_(p.to(dtype), q.to(dtype).T, alpha=-1).view(tensor.shape)
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
