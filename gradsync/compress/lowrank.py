@@ -46,7 +46,8 @@ def times(m: Tensor, q: Tensor) -> Tensor:
     With 2-8 columns a single-core BLAS runs ``m @ q`` well below memory speed (1024x3136 float32, rank 2:
     4.3 ms). The same product with ``q``'s columns laid out as contiguous rows was the fastest layout measured
     at ranks 2-8 on 256x4096 and 1024x3136 (rank 2: 1.3 ms with ``m`` out of cache, 0.8 in cache, against 2.5
-    and 1.75 for ``(q^T m^T)^T``); at 16 columns plain ``m @ q`` was 4-12 % faster. One column is a matrix-vector product either way.
+    and 1.75 for ``(q^T m^T)^T``); at 16 columns plain ``m @ q`` was 4-12 % faster. One column is a
+    matrix-vector product either way.
     """
     if q.shape[1] == 1:
         return m @ q
