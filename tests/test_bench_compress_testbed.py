@@ -47,7 +47,9 @@ def test_loopback_run_writes_every_method_with_identical_replicas_and_states_the
         # every synchronised method's replicas are bit for bit the same on both ranks; local's are not compared
         assert r["replicas_identical"] is (True if r["synchronised"] else None), name
     assert train["methods"]["local"]["synchronised"] is False
-    assert train["methods"]["ddp_powersgd"]["stats"]["most_buckets_per_step"] == 1  # torch's PowerSGD: one bucket
+    for name, rank in (("ddp_powersgd", 1), ("ddp_powersgd_r4", 4)):  # torch's PowerSGD: one bucket, its rank
+        assert train["methods"][name]["stats"]["most_buckets_per_step"] == 1, name
+        assert train["methods"][name]["stats"]["rank"] == rank, name
     assert train["methods"]["gs_hook_powersgd"]["stats"]["buckets"] > STEPS  # gradsync's: several per step
     for name in ("gs_topk", "gs_dgc", "gs_efsignsgd", "gs_qsgd"):
         stats = train["methods"][name]["stats"]
@@ -102,6 +104,28 @@ def test_a_missed_goal_is_said_plainly_with_the_compute_floor():
     assert "1.07x faster than powerSGD_hook (goal 1.3x: NOT met)" in text
     assert "no method can be more than 1.20x faster than powerSGD_hook here, so the 1.3x goal is out of reach" in text
     assert lines[-1].endswith(": NO")
+
+
+def test_powersgd_is_set_beside_torchs_at_the_same_rank_without_changing_the_goals():
+    """torch rank 1 0.30 s, rank 4 0.45 s; gradsync rank 1 0.25 s (94 %), rank 4 0.30 s (95.5 %): the goals
+    still compare with rank 1 (0.30/0.30 = 1.0x, best within a point is gs_powersgd_r4); the same-rank lines
+    say 1.2x (0.30/0.25) and 1.5x (0.45/0.30), with the accuracy against torch's at that rank."""
+    lines, goals = bench.summarize(_result(
+        ddp=_row("torch", 1.0, 0.96), ddp_powersgd=_row("torch", 0.30, 0.935),
+        ddp_powersgd_r4=_row("torch", 0.45, 0.957), gs_powersgd=_row("gradsync", 0.25, 0.94),
+        gs_powersgd_r4=_row("gradsync", 0.30, 0.955)))
+    assert goals["best_gradsync"] == "gs_powersgd_r4"
+    assert goals["speedup_vs_powersgd_hook"]["value"] == pytest.approx(1.0) and not goals["met"]
+    same = goals["same_rank_as_powersgd_hook"]
+    assert same["gs_powersgd"]["reference"] == "ddp_powersgd" and same["gs_powersgd"]["speedup"] == pytest.approx(1.2)
+    assert same["gs_powersgd_r4"]["speedup"] == pytest.approx(1.5)
+    assert same["gs_powersgd_r4"]["accuracy_points_vs_reference"] == pytest.approx(-0.2)
+    text = "\n".join(lines)
+    assert "same rank: gs_powersgd_r4 1.50x faster per step than ddp_powersgd_r4, accuracy -0.2 points" in text
+    # without torch's rank-4 run there is no rank-4 line, and nothing else changes
+    _, goals = bench.summarize(_result(ddp=_row("torch", 1.0, 0.96), ddp_powersgd=_row("torch", 0.30, 0.935),
+                                       gs_powersgd_r4=_row("gradsync", 0.30, 0.955)))
+    assert goals["same_rank_as_powersgd_hook"] == {}
 
 
 def test_no_gradsync_method_within_accuracy_falls_back_to_the_fastest_and_misses_the_accuracy_goal():
