@@ -76,6 +76,47 @@ def test_measured_rates_and_goodput_scale_the_links():
     assert slow == pytest.approx(4 * base, rel=1e-9)
 
 
+def test_a_calibration_stream_far_below_the_files_rate_rescales_every_class():
+    """racks:2,3,4 as built (10 Gbit/s NICs, 2.5 Gbit/s uplinks) on a wire with a 1/400 of that: rank 0 ->
+    rank 3 crosses the uplink, 2.5 Gbit/s = 0.3125 GB/s in the file; 4 MiB in 0.336 s is 0.0125 GB/s
+    (1/25), so both classes shrink 25x and keep their 4:1 ratio, and auto then sees what the wire costs."""
+    t = get_topology("racks:2,3,4")
+    model = CostModel(goodput=0.96)
+    assert model.path_GBps(t, 0, 3) == pytest.approx(0.3125 * 0.96)
+    assert model.path_GBps(t, 0, 1) == pytest.approx(1.25 * 0.96)
+    nbytes = 4 << 20
+    seconds = nbytes / (0.3125 * 0.96 / 25 * 1e9)
+    refined, note = model.refined(t, 0, 3, nbytes, seconds)
+    assert refined.path_GBps(t, 0, 3) == pytest.approx(0.3125 * 0.96 / 25)
+    assert refined.path_GBps(t, 0, 1) == pytest.approx(1.25 * 0.96 / 25)  # the file's ratio between classes
+    assert refined.goodput == model.goodput and refined.message_s == model.message_s
+    assert note is not None and "25.0x below" in note and note in refined.source
+    # a measured rate already in link_GBps is scaled from there, not from the file
+    measured = CostModel(link_GBps={"uplink": 0.1}, goodput=1.0)
+    again, _ = measured.refined(t, 0, 3, nbytes, nbytes / (0.1 / 4 * 1e9))
+    assert again.link_GBps["uplink"] == pytest.approx(0.025)
+    # the prediction follows: a 13 MB native ring now costs what the slower wire makes it cost
+    assert refined.predict_native(t, 13e6) > 20 * model.predict_native(t, 13e6)
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.9, 0.01])  # within RATE_TOLERANCE, or faster than the file (loopback)
+def test_a_calibration_stream_near_or_above_the_files_rate_changes_nothing(factor):
+    t = get_topology("racks:2,3,4")
+    model = CostModel(goodput=0.96)
+    seconds = (4 << 20) / (model.path_GBps(t, 0, 3) * 1e9) * factor
+    refined, note = model.refined(t, 0, 3, 4 << 20, seconds)
+    assert refined is model and note is None
+
+
+@pytest.mark.parametrize("nbytes, seconds", [(4 << 20, 0.0), (4 << 20, -1.0), (0, 0.1), (4 << 20, float("nan")),
+                                             (4 << 20, float("inf")), (True, 0.1)])
+def test_a_measurement_that_is_not_a_rate_keeps_the_files_rates_and_says_so(nbytes, seconds):
+    t = get_topology("racks:2,3,4")
+    model = CostModel()
+    refined, note = model.refined(t, 0, 3, nbytes, seconds)
+    assert refined is model and note is not None and "not a positive rate" in note
+
+
 def _pair(routes: list[tuple[int, int]], topology: str, hosts: int) -> Schedule:
     """One whole-buffer message per ``(src, dst)`` of ``routes`` at step 0, each its own chunk, on a switch."""
     chunks = tuple(Chunk(0.0, 1.0, src) for src, _ in routes)

@@ -233,8 +233,10 @@ class Runtime:
         messages this small), the same on every rank. Then rank 0 and the rank behind its slowest path
         (:meth:`_duplex_peer`) send :data:`DUPLEX_BYTES` one way and both ways at once: ``reverse_share``
         κ = both / one way - 1 (median over ``reps`` alternating pairs, kept in ``[0, 0.5]``), what a link loaded
-        both ways loses on this wire (acknowledgements, the transport's one thread per peer).
-        Runs on the communication thread, in order with queued collectives; needs a torch.distributed
+        both ways loses on this wire (acknowledgements, the transport's one thread per peer). The one-way
+        time also checks the topology's rates: a path more than ``RATE_TOLERANCE`` times slower than the file
+        says rescales every link class first (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning),
+        and α is solved on those rates. Runs on the communication thread, in order with queued collectives; needs a torch.distributed
         transport.
         """
         group = getattr(self.transport, "group", None)
@@ -293,27 +295,34 @@ class Runtime:
         try:
             t_ex = slowest(lambda: ex.run(buf))
             t_nat = slowest(lambda: dist.all_reduce(buf, group=group))
-            ratios = []  # one way and both ways alternate, so a busy spell of the CPU hits both alike
+            ratios, ones = [], []  # one way and both ways alternate, so a busy spell of the CPU hits both alike
             for _ in range(reps + 1):  # the first pair warms the connection up and is dropped
-                t_one = slowest(one_way, reps=1)
-                ratios.append(slowest(both_ways, reps=1) / t_one)
+                ones.append(slowest(one_way, reps=1))
+                ratios.append(slowest(both_ways, reps=1) / ones[-1])
         finally:
             ex.close()
         kappa = min(MAX_REVERSE_SHARE, max(0.0, statistics.median(ratios[1:]) - 1.0))
+        base = self.cost_model
+        if self.mapping is None:  # the one-way stream also says whether the file's rates are the wire's
+            base, note = base.refined(self.topology, 0, far, DUPLEX_BYTES, statistics.median(ones[1:]))
+            if note is not None and self.rank == 0:
+                warnings.warn(f"calibration: {note}; give the topology its real link rates (or a cost model from "
+                              f"`gradsync testbed probe --cost-model`) to plan with per-class rates", stacklevel=4)
         nbytes = buf.numel() * 4
-        zero = replace(self.cost_model, message_s=0.0, native_message_s=0.0)
-        one = replace(self.cost_model, message_s=1e-3, native_message_s=1e-3)
+        # α is solved on the refined rates: on rates the wire lacks it would absorb the missing transfer time
+        zero = replace(base, message_s=0.0, native_message_s=0.0)
+        one = replace(base, message_s=1e-3, native_message_s=1e-3)
 
         def solve(at0: float, at1: float, measured: float, unchanged: float) -> float:
             slope = (at1 - at0) / 1e-3
             return max(1e-6, (measured - at0) / slope) if slope > 0 else unchanged
 
         alpha = solve(zero.predict(ring, self.topology, nbytes), one.predict(ring, self.topology, nbytes), t_ex,
-                      self.cost_model.message_s)
+                      base.message_s)
         native = solve(zero.predict_native(self.topology, nbytes), one.predict_native(self.topology, nbytes), t_nat,
-                       self.cost_model.native_message_s)
-        model = replace(self.cost_model, message_s=alpha, native_message_s=native, reverse_share=kappa,
-                        source=f"{self.cost_model.source}; message costs calibrated on {self.world_size} ranks "
+                       base.native_message_s)
+        model = replace(base, message_s=alpha, native_message_s=native, reverse_share=kappa,
+                        source=f"{base.source}; message costs calibrated on {self.world_size} ranks "
                                f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native; both ways "
                                f"{1 / (1 + kappa):.3f} of one way)")
         self.set_cost_model(model)

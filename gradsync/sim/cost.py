@@ -50,7 +50,7 @@ from gradsync.plan.synthesizers import (
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Topology
 
-__all__ = ["NATIVE", "Candidate", "Choice", "Chooser", "CostModel", "native_schedule", "phase_order", "plan_auto",
+__all__ = ["NATIVE", "RATE_TOLERANCE", "Candidate", "Choice", "Chooser", "CostModel", "native_schedule", "phase_order", "plan_auto",
            "size_class"]
 
 #: The pseudo-algorithm name for the backend's own allreduce.
@@ -58,6 +58,10 @@ NATIVE = "native"
 
 #: A candidate that cannot beat the best so far by this fraction (by its lower bounds) is not simulated.
 PRUNE = 0.01
+
+#: A calibration stream slower than its path's modelled rate by more than this factor rescales the links
+#: (:meth:`CostModel.refined`): the topology's rates are wrong, not merely TCP's goodput.
+RATE_TOLERANCE = 2.0
 
 #: Smallest size class: every message up to this many bytes is planned as this size.
 MIN_CLASS_BYTES = 4096
@@ -141,6 +145,42 @@ class CostModel:
         links = tuple(lk.scaled(self.link_GBps.get(lk.kind, lk.bandwidth_GBps) * self.goodput / lk.bandwidth_GBps)
                       for lk in topology.links)
         return replace(topology, links=links)
+
+    def path_GBps(self, topology: Topology, src: int, dst: int) -> float:
+        """The rate one stream from rank ``src`` to rank ``dst`` gets under this model: the slowest link
+        direction of its route, measured class rates × goodput (:meth:`rates`)."""
+        topo = self.rates(topology)
+        hops = topo.route_links(router_for(topo)(topo.ranks[src], topo.ranks[dst]))
+        return min(topo.links[e].directed_GBps[d] for e, d in hops)
+
+    def refined(self, topology: Topology, src: int, dst: int, nbytes: float, seconds: float) -> tuple[CostModel, str | None]:
+        """This model after one stream from rank ``src`` to rank ``dst`` moved ``nbytes`` in ``seconds``.
+
+        A topology file that states rates the wire does not have (a library's 10 Gbit/s defaults on a
+        200 Mbit/s network) makes ``auto`` price messages as free and choose for α alone. Where the stream
+        ran more than :data:`RATE_TOLERANCE` times slower than :meth:`path_GBps` predicts, every link class is
+        scaled by ``measured / predicted``, keeping the file's ratios between classes (the measured path is
+        the bottleneck one; ``gradsync testbed probe`` measures each class). Within that tolerance, or
+        faster, the model is returned unchanged: the measurement is one stream on a shared machine, and a
+        fast loopback says nothing about a cluster's links. Returns ``(model, note)``; ``note`` says what was
+        changed (None: nothing). A measurement that cannot be a rate (``nbytes`` or ``seconds`` not a
+        positive finite number) leaves the model unchanged and says so in ``note``.
+        """
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                 for v in (nbytes, seconds))
+        if not ok:
+            return self, (f"ignored a rate measurement of {nbytes!r} bytes in {seconds!r} s from rank {src} to "
+                          f"rank {dst}: not a positive rate; the topology's rates are kept")
+        expected = self.path_GBps(topology, src, dst)
+        measured = nbytes / seconds / 1e9
+        if measured * RATE_TOLERANCE >= expected:
+            return self, None
+        scale = measured / expected
+        rates = {lk.kind: self.link_GBps.get(lk.kind, lk.bandwidth_GBps) * scale for lk in topology.links}
+        note = (f"rank {src} -> rank {dst} moved {nbytes / 2**20:.1f} MiB at {measured * 8:.3g} Gbit/s, "
+                f"{expected / measured:.1f}x below the {expected * 8:.3g} Gbit/s the topology gives that path: "
+                f"every link class scaled by {scale:.3g}")
+        return replace(self, link_GBps=rates, source=f"{self.source}; {note}"), note
 
     def predict(self, schedule: Schedule, topology: Topology, size_bytes: float, *, native: bool = False) -> float:
         """Seconds to allreduce ``size_bytes`` with ``schedule`` as the runtime runs it (``native``: with the
