@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -77,9 +78,9 @@ def test_measured_rates_and_goodput_scale_the_links():
 
 
 def test_a_calibration_stream_far_below_the_files_rate_rescales_every_class():
-    """racks:2,3,4 as built (10 Gbit/s NICs, 2.5 Gbit/s uplinks) on a wire with a 1/400 of that: rank 0 ->
-    rank 3 crosses the uplink, 2.5 Gbit/s = 0.3125 GB/s in the file; 4 MiB in 0.336 s is 0.0125 GB/s
-    (1/25), so both classes shrink 25x and keep their 4:1 ratio, and auto then sees what the wire costs."""
+    """racks:2,3,4 as built (10 Gbit/s NICs, 2.5 Gbit/s uplinks) on a wire 25x slower: rank 0 -> rank 3
+    crosses the uplink, 0.3125 GB/s x goodput 0.96 in the file; the stream measured 1/25 of that, so every
+    link shrinks 25x (through goodput) and keeps its 4:1 ratio, and auto then sees what the wire costs."""
     t = get_topology("racks:2,3,4")
     model = CostModel(goodput=0.96)
     assert model.path_GBps(t, 0, 3) == pytest.approx(0.3125 * 0.96)
@@ -89,12 +90,19 @@ def test_a_calibration_stream_far_below_the_files_rate_rescales_every_class():
     refined, note = model.refined(t, 0, 3, nbytes, seconds)
     assert refined.path_GBps(t, 0, 3) == pytest.approx(0.3125 * 0.96 / 25)
     assert refined.path_GBps(t, 0, 1) == pytest.approx(1.25 * 0.96 / 25)  # the file's ratio between classes
-    assert refined.goodput == model.goodput and refined.message_s == model.message_s
+    assert refined.goodput == pytest.approx(0.96 / 25) and refined.link_GBps == model.link_GBps
+    assert refined.message_s == model.message_s
     assert note is not None and "25.0x below" in note and note in refined.source
     # a measured rate already in link_GBps is scaled from there, not from the file
     measured = CostModel(link_GBps={"uplink": 0.1}, goodput=1.0)
     again, _ = measured.refined(t, 0, 3, nbytes, nbytes / (0.1 / 4 * 1e9))
-    assert again.link_GBps["uplink"] == pytest.approx(0.025)
+    assert again.path_GBps(t, 0, 3) == pytest.approx(0.025) and again.link_GBps == {"uplink": 0.1}
+    # links of one class at different rates keep their ratio (a file with one kind for everything)
+    mixed = get_topology("racks:2,3,4")
+    mixed = replace(mixed, links=tuple(replace(lk, kind="network") for lk in mixed.links))
+    slow, _ = CostModel().refined(mixed, 0, 3, nbytes, nbytes / (0.3125 / 25 * 1e9))
+    assert slow.path_GBps(mixed, 0, 3) == pytest.approx(0.3125 / 25)
+    assert slow.path_GBps(mixed, 0, 1) == pytest.approx(1.25 / 25)
     # the prediction follows: a 13 MB native ring now costs what the slower wire makes it cost
     assert refined.predict_native(t, 13e6) > 20 * model.predict_native(t, 13e6)
 

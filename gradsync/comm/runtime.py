@@ -235,7 +235,7 @@ class Runtime:
         κ = both / one way - 1 (median over ``reps`` alternating pairs, kept in ``[0, 0.5]``), what a link loaded
         both ways loses on this wire (acknowledgements, the transport's one thread per peer). The one-way
         time also checks the topology's rates: a path more than ``RATE_TOLERANCE`` times slower than the file
-        says rescales every link class first (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning),
+        says rescales every link first (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning),
         and α is solved on those rates. Runs on the communication thread, in order with queued collectives; needs a torch.distributed
         transport.
         """

@@ -158,9 +158,10 @@ class CostModel:
 
         A topology file that states rates the wire does not have (a library's 10 Gbit/s defaults on a
         200 Mbit/s network) makes ``auto`` price messages as free and choose for α alone. Where the stream
-        ran more than :data:`RATE_TOLERANCE` times slower than :meth:`path_GBps` predicts, every link class is
-        scaled by ``measured / predicted``, keeping the file's ratios between classes (the measured path is
-        the bottleneck one; ``gradsync testbed probe`` measures each class). Within that tolerance, or
+        ran more than :data:`RATE_TOLERANCE` times slower than :meth:`path_GBps` predicts, every link is
+        scaled by ``measured / predicted`` through ``goodput`` (the share of the stated rates the transport
+        really reaches), keeping the file's ratios between links and classes (the measured path is the
+        bottleneck one; ``gradsync testbed probe`` measures each class). Within that tolerance, or
         faster, the model is returned unchanged: the measurement is one stream on a shared machine, and a
         fast loopback says nothing about a cluster's links. Returns ``(model, note)``; ``note`` says what was
         changed (None: nothing). A measurement that cannot be a rate (``nbytes`` or ``seconds`` not a
@@ -176,11 +177,10 @@ class CostModel:
         if measured * RATE_TOLERANCE >= expected:
             return self, None
         scale = measured / expected
-        rates = {lk.kind: self.link_GBps.get(lk.kind, lk.bandwidth_GBps) * scale for lk in topology.links}
         note = (f"rank {src} -> rank {dst} moved {nbytes / 2**20:.1f} MiB at {measured * 8:.3g} Gbit/s, "
                 f"{expected / measured:.1f}x below the {expected * 8:.3g} Gbit/s the topology gives that path: "
-                f"every link class scaled by {scale:.3g}")
-        return replace(self, link_GBps=rates, source=f"{self.source}; {note}"), note
+                f"every link scaled by {scale:.3g} (goodput {self.goodput:.3g} -> {self.goodput * scale:.3g})")
+        return replace(self, goodput=self.goodput * scale, source=f"{self.source}; {note}"), note
 
     def predict(self, schedule: Schedule, topology: Topology, size_bytes: float, *, native: bool = False) -> float:
         """Seconds to allreduce ``size_bytes`` with ``schedule`` as the runtime runs it (``native``: with the
