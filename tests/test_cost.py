@@ -12,7 +12,7 @@ from gradsync.errors import GradsyncError, PlanError, SimulationError
 from gradsync.plan import synthesize
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
 from gradsync.sim import simulate
-from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
+from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, reverse_share_of, size_class
 from gradsync.topology import get_topology
 
 
@@ -123,6 +123,35 @@ def test_a_measurement_that_is_not_a_rate_keeps_the_files_rates_and_says_so(nbyt
     model = CostModel()
     refined, note = model.refined(t, 0, 3, nbytes, seconds)
     assert refined is model and note is not None and "not a positive rate" in note
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.03, 0.2])
+def test_reverse_share_is_measured_on_the_extra_bytes_not_the_start(kappa):
+    """One stream: α + M/β; both ways: α + s + M(1+κ)/β, s a start-up that no later byte pays (two streams
+    ramping into one bottleneck). Plain both/one over-counts κ by s/(α + M/β); the difference of two sizes
+    gives κ exactly, whatever s and α are."""
+    beta, alpha, start = 12.5e6, 1e-3, 0.045
+    rows = []
+    for m_small, m_large in ((2e6, 4e6), (2.1e6, 4.2e6), (1.9e6, 4e6)):
+        rows.append((alpha + m_small / beta, alpha + m_large / beta, alpha + start + m_small * (1 + kappa) / beta,
+                     alpha + start + m_large * (1 + kappa) / beta))
+    assert reverse_share_of(rows) == pytest.approx(kappa, abs=1e-12)
+    plain = rows[0][3] / rows[0][1] - 1
+    assert plain > kappa + 0.1  # what a single size would have said
+
+
+def test_reverse_share_skips_noise_falls_back_and_stays_in_range():
+    # a repetition where the larger transfer was not slower (noise, loopback) is skipped
+    assert reverse_share_of([(1.0, 2.0, 1.0, 2.1), (1.0, 0.9, 1.0, 5.0)]) == pytest.approx(0.1)
+    # none usable: the large transfers' plain ratio stands in
+    assert reverse_share_of([(0.002, 0.002, 0.002, 0.0024)]) == pytest.approx(0.2)
+    # kept in [0, cap]
+    assert reverse_share_of([(1.0, 2.0, 1.0, 1.5)]) == 0.0
+    assert reverse_share_of([(1.0, 2.0, 1.0, 4.0)], cap=0.5) == 0.5
+    with pytest.raises(PlanError, match="one m, one M, both m, both M"):
+        reverse_share_of([(1.0, 2.0)])
+    with pytest.raises(PlanError, match="one m, one M, both m, both M"):
+        reverse_share_of([])
 
 
 def _pair(routes: list[tuple[int, int]], topology: str, hosts: int) -> Schedule:

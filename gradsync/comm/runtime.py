@@ -28,7 +28,7 @@ from gradsync.errors import CommError, GradsyncError
 from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.plan.synthesizers import PlanOptions
-from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, size_class
+from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, reverse_share_of, size_class
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
@@ -56,7 +56,8 @@ Tensors = torch.Tensor | Sequence[torch.Tensor]
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
 #: keep step order rather than spend a simulation at plan time.
 MAX_ORDERED_TRANSFERS = 200_000
-#: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (~0.1 s at 400 Mbit/s).
+#: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many; ~0.1 s
+#: at 400 Mbit/s).
 DUPLEX_BYTES = 4 << 20
 #: A calibrated ``reverse_share`` above this is capped: a link loaded both ways at under 2/3 of one way is
 #: a noisy measurement, not a property of the wire.
@@ -231,13 +232,14 @@ class Runtime:
         and the backend's own ``all_reduce``; the slowest rank's median of ``reps`` is the measurement. α is
         the value at which the model predicts exactly that time (the prediction is affine in α for
         messages this small), the same on every rank. Then rank 0 and the rank behind its slowest path
-        (:meth:`_duplex_peer`) send :data:`DUPLEX_BYTES` one way and both ways at once: ``reverse_share``
-        κ = both / one way - 1 (median over ``reps`` alternating pairs, kept in ``[0, 0.5]``), what a link loaded
-        both ways loses on this wire (acknowledgements, the transport's one thread per peer). The one-way
-        time also checks the topology's rates: a path more than ``RATE_TOLERANCE`` times slower than the file
-        says rescales every link first (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning),
-        and α is solved on those rates. Runs on the communication thread, in order with queued collectives; needs a torch.distributed
-        transport.
+        (:meth:`_duplex_peer`) send half of :data:`DUPLEX_BYTES` and all of it, one way and both ways at once:
+        ``reverse_share`` κ is what a link loaded both ways loses on this wire in steady state (acknowledgements,
+        the transport's one thread per peer), measured on the extra bytes so that two streams' start-up is not
+        counted (:func:`~gradsync.sim.cost.reverse_share_of`; median over ``reps`` alternating repetitions,
+        kept in ``[0, 0.5]``). The one-way time of :data:`DUPLEX_BYTES` also checks the topology's rates: a
+        path more than ``RATE_TOLERANCE`` times slower than the file says rescales every link first
+        (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning), and α is solved on those rates. Runs
+        on the communication thread, in order with queued collectives; needs a torch.distributed transport.
         """
         group = getattr(self.transport, "group", None)
         if group is None:
@@ -279,32 +281,34 @@ class Runtime:
         big = torch.zeros(DUPLEX_BYTES // 4) if pair else None
         got = torch.empty(DUPLEX_BYTES // 4) if pair else None
 
-        def one_way() -> None:
+        def one_way(n: int) -> None:
             if self.rank == 0:
-                dist.send(big, group=group, group_dst=far)
+                dist.send(big[:n], group=group, group_dst=far)
             elif self.rank == far:
-                dist.recv(got, group=group, group_src=0)
+                dist.recv(got[:n], group=group, group_src=0)
 
-        def both_ways() -> None:
+        def both_ways(n: int) -> None:
             if pair:
                 peer = far if self.rank == 0 else 0
-                works = [dist.irecv(got, group=group, group_src=peer), dist.isend(big, group=group, group_dst=peer)]
+                works = [dist.irecv(got[:n], group=group, group_src=peer),
+                         dist.isend(big[:n], group=group, group_dst=peer)]
                 for w in works:
                     w.wait()
 
+        half, whole = DUPLEX_BYTES // 8, DUPLEX_BYTES // 4  # elements
         try:
             t_ex = slowest(lambda: ex.run(buf))
             t_nat = slowest(lambda: dist.all_reduce(buf, group=group))
-            ratios, ones = [], []  # one way and both ways alternate, so a busy spell of the CPU hits both alike
-            for _ in range(reps + 1):  # the first pair warms the connection up and is dropped
-                ones.append(slowest(one_way, reps=1))
-                ratios.append(slowest(both_ways, reps=1) / ones[-1])
+            rows = []  # one way and both ways alternate, so a busy spell of the CPU hits both alike
+            for _ in range(reps + 1):  # the first repetition warms the connection up and is dropped
+                rows.append(tuple(slowest(lambda f=f, n=n: f(n), reps=1)
+                                  for f, n in ((one_way, half), (one_way, whole), (both_ways, half), (both_ways, whole))))
         finally:
             ex.close()
-        kappa = min(MAX_REVERSE_SHARE, max(0.0, statistics.median(ratios[1:]) - 1.0))
+        kappa = reverse_share_of(rows[1:], MAX_REVERSE_SHARE)
         base = self.cost_model
         if self.mapping is None:  # the one-way stream also says whether the file's rates are the wire's
-            base, note = base.refined(self.topology, 0, far, DUPLEX_BYTES, statistics.median(ones[1:]))
+            base, note = base.refined(self.topology, 0, far, DUPLEX_BYTES, statistics.median(r[1] for r in rows[1:]))
             if note is not None and self.rank == 0:
                 warnings.warn(f"calibration: {note}; give the topology its real link rates (or a cost model from "
                               f"`gradsync testbed probe --cost-model`) to plan with per-class rates", stacklevel=4)
