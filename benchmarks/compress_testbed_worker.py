@@ -366,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rt = gradsync.init(args.topology, args.algorithm, timeout_s=args.timeout, calibrate=args.calibrate)
     out: dict[str, Any] = {"topology": rt.topology.name, "world_size": rt.world_size, "algorithm": args.algorithm,
                            "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate,
-                           "init_s": time.perf_counter() - t0, "torch": torch.__version__}
+                           "init_s": time.perf_counter() - t0, "torch": torch.__version__,
+                           "tuned": {str(k): v for k, v in rt.tuned.items()}}
     out["train"] = train(rt, args)
     if rt.rank == 0:
         Path(args.out).write_text(json.dumps(out, indent=1), encoding="utf-8")

@@ -172,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rt = gradsync.init(args.topology, "auto", timeout_s=args.timeout, calibrate=args.calibrate)
     out: dict[str, Any] = {"topology": args.topology, "world_size": rt.world_size,
                            "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate,
-                           "init_s": time.perf_counter() - t0}
+                           "init_s": time.perf_counter() - t0,
+                           "tuned": {str(k): v for k, v in rt.tuned.items()}}
     sizes = [int(s) for s in args.sizes.split(",") if s]
     out["allreduce"] = allreduce_phase(rt, sizes, args.reps) if sizes else []
     if args.steps:

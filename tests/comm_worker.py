@@ -194,9 +194,14 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
     os.environ["GRADSYNC_CACHE"] = cache
     rt = gradsync.init(topology=topology, calibrate=True, timeout_s=60)
     first = rt.cost_model.to_dict()
-    x = torch.full((1 << 16,), float(RANK + 1))
-    gradsync.allreduce(x)
-    exact = bool(torch.all(x == WORLD * (WORLD + 1) / 2))
+    tuned = {str(k): v["choice"] for k, v in rt.tuned.items()}
+    measured = {str(k): sorted(v["measured_s"]) for k, v in rt.tuned.items()}
+    used = {str(k): list(rt._choice(k)) for k in rt.tuned}  # what auto now runs per tuned class
+    exact = True
+    for n in (1, 1000, 1 << 15, 1 << 16):  # 4 B .. 256 KB: every tuned class's choice, and one above
+        x = torch.full((n,), float(RANK + 1))
+        gradsync.allreduce(x)
+        exact &= bool(torch.all(x == WORLD * (WORLD + 1) / 2))
     gradsync.shutdown()
     t0 = time.perf_counter()
     rt = gradsync.init(topology=topology, calibrate=True, timeout_s=60)
@@ -204,7 +209,8 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
     again_s = time.perf_counter() - t0
     gradsync.shutdown()
     dist.barrier()  # rank 0 holds the store the others just read from: leave together
-    return {"first": first, "second": second, "exact": exact, "again_s": again_s,
+    return {"first": first, "second": second, "exact": exact, "again_s": again_s, "tuned": tuned, "measured": measured,
+            "used": used,
             "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
 
 

@@ -351,3 +351,18 @@ def test_get_runtime_without_a_process_group_says_how_to_start():
         pytest.skip("a process group or runtime exists in this test process")
     with pytest.raises(GradsyncError, match=r"call gradsync.init\(\), or torch.distributed.init_process_group\(\)"):
         gradsync.get_runtime()
+
+
+def test_tuned_choice_keeps_the_model_unless_a_candidate_is_clearly_faster():
+    from gradsync.comm.runtime import TUNE_MARGIN, tuned_choice
+
+    model = ("native", 1)
+    # within the margin (noise): the model's choice stays, even when another measured a little faster
+    assert tuned_choice({model: 1.0, ("tree", 1): 1.0 - TUNE_MARGIN / 2}, model) == model
+    # clearly faster: the fastest wins (the 84 KB tree on the racks testbed: 1.7 ms against 6.4)
+    measured = {model: 6.4e-3, ("tree", 1): 1.7e-3, ("lp", 1): 1.6e-3, ("hierarchical", 1): 5.1e-3}
+    assert tuned_choice(measured, model) == ("lp", 1)
+    # the model's choice measured fastest: kept
+    assert tuned_choice({model: 1.0, ("ring", 1): 2.0}, model) == model
+    with pytest.raises(GradsyncError, match="was not measured"):
+        tuned_choice({("ring", 1): 1.0}, model)

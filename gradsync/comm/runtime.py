@@ -62,6 +62,12 @@ DUPLEX_BYTES = 4 << 20
 #: A calibrated ``reverse_share`` above this is capped: a link loaded both ways at under 2/3 of one way is
 #: a noisy measurement, not a property of the wire.
 MAX_REVERSE_SHARE = 0.5
+#: Size classes up to this many bytes are chosen by measurement after calibration (:meth:`Runtime.tune`):
+#: there α and the wire's short-transfer behaviour (a shaper's burst, a switch's buffers) decide, which
+#: the α-β model prices least well.
+TUNE_MAX_BYTES = 256 << 10
+#: A measured candidate replaces the model's choice only when it is faster by more than this share.
+TUNE_MARGIN = 0.1
 #: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
 PLAN_TIMEOUT_S = 600.0
 
@@ -116,6 +122,9 @@ class Runtime:
         self._chooser: Chooser | None = None
         self._named: Chooser | None = None
         self._choices: dict[int, tuple[str, int]] = {}
+        #: :meth:`tune`'s measurements per size class (empty until it runs; a new cost model keeps them as a
+        #: record, but its choices are priced afresh)
+        self.tuned: dict[int, dict[str, Any]] = {}
         self._generation = 0  # bumped when the cost model changes: decisions are per model
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         # reduce-scatter / allgather: a chooser per collective, choices and executors keyed by collective too
@@ -168,6 +177,10 @@ class Runtime:
             name, pipeline = self._choice(size)
         else:
             pipeline = self.options.pipeline
+        return self._executor_of(name, pipeline, size)
+
+    def _executor_of(self, name: str, pipeline: int, size: int) -> Executor | NativeAllreduce:
+        """The cached executor of ``(name, pipeline)``, planned (and its wait order priced at ``size``) once."""
         key = (name, pipeline)
         ex = self._executors.get(key)
         if ex is None:
@@ -262,19 +275,7 @@ class Runtime:
         buf = torch.zeros(max(1, size // 4))
 
         def slowest(fn: Callable[[], Any], reps: int = reps) -> float:
-            """The slowest rank's median of ``reps`` timings (after two warm-up calls when ``reps > 1``)."""
-            if reps > 1:
-                fn()
-                fn()
-            times = []
-            for _ in range(reps):
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            return float(t.item())
+            return self._slowest(group, fn, reps)
 
         far = self._duplex_peer()
         pair = self.rank in (0, far)
@@ -331,6 +332,78 @@ class Runtime:
                                f"{1 / (1 + kappa):.3f} of one way)")
         self.set_cost_model(model)
         return model
+
+    def tune(self, max_bytes: int = TUNE_MAX_BYTES, reps: int = 3) -> dict[int, dict[str, Any]]:
+        """Choose ``auto``'s plan for every size class up to ``max_bytes`` by measuring, not only pricing.
+
+        For small messages the model's α-β prices are least sure: a few messages' fixed costs decide, and
+        a wire may pass a short transfer faster than its rate (a shaper's token bucket, a switch's buffers;
+        on the racks:2,2,2 testbed an 84 KB tree allreduce took 1.7 ms where the model said 20). Per class,
+        the model's choice, the native collective and every other algorithm at its best predicted pipeline
+        depth and at depth 1 each run ``reps`` times after two warm-ups (the slowest rank's median, identical on every rank);
+        a candidate replaces the model's choice only when it is more than :data:`TUNE_MARGIN` faster.
+        Returns ``{class bytes: {"choice": [algorithm, pipeline], "model": [...], "measured_s": {...}}}``
+        (also kept in :attr:`tuned`). Runs on the communication thread like :meth:`calibrate`; a runtime
+        that is not ``auto``, or has one rank or no torch.distributed transport, has nothing to tune.
+        """
+        group = getattr(self.transport, "group", None)
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise GradsyncError(f"reps={reps!r} must be an integer >= 1")
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
+            raise GradsyncError(f"max_bytes={max_bytes!r} must be an integer >= 0 (0 tunes nothing)")
+        if group is None or self.world_size == 1 or self.algorithm != "auto":
+            return {}
+        return self.submit(lambda: self._tune(group, max_bytes, reps), "tune").wait()
+
+    def _tune(self, group: Any, max_bytes: int, reps: int) -> dict[int, dict[str, Any]]:
+        results: dict[int, dict[str, Any]] = {}
+        size = size_class(1)
+        while size <= max_bytes:
+            def candidates(size: int = size) -> bytes:  # priced by rank 0, like every choice
+                choice = self.chooser.choose(size)
+                model = (choice.algorithm, choice.pipeline)
+                best: dict[str, tuple[float, int]] = {}
+                for c in choice.candidates:  # each algorithm at its best predicted depth
+                    if c.algorithm not in best or c.predicted_s < best[c.algorithm][0]:
+                        best[c.algorithm] = (c.predicted_s, c.pipeline)
+                # ... and at depth 1, the fewest messages: at these sizes α, which pipelining multiplies, decides
+                pairs = [*((a, p) for a, (_, p) in best.items()), *((a, 1) for a in best)]
+                return json.dumps([model, *dict.fromkeys(pr for pr in pairs if pr != model)]).encode()
+
+            tried = [(str(a), int(p)) for a, p in json.loads(self._decide(f"g{self._generation}/tune/{size}", candidates))]
+            model = tried[0]
+            buf = torch.zeros(size // 4)
+            measured = {}
+            for name, pipeline in tried:
+                ex = self._executor_of(name, pipeline, size)
+                measured[(name, pipeline)] = self._slowest(group, lambda ex=ex, buf=buf: ex.run(buf, "sum"), reps)
+            pick = tuned_choice(measured, model)
+            self._choices[size] = pick
+            results[size] = {"choice": list(pick), "model": list(model),
+                             "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}}
+            size *= 2
+        self.tuned = results
+        return results
+
+    def _slowest(self, group: Any, fn: Callable[[], Any], reps: int) -> float:
+        """The slowest rank's median of ``reps`` timings of ``fn`` (after two warm-up calls when ``reps > 1``):
+        the same number on every rank."""
+        import statistics
+
+        import torch.distributed as dist
+
+        if reps > 1:
+            fn()
+            fn()
+        times = []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
 
     def _duplex_peer(self) -> int:
         """The rank whose path from rank 0 has the slowest bottleneck (then the fewest hops): the links that
@@ -779,7 +852,8 @@ def init(
     prices schedules for ``algorithm="auto"``, which chooses per message size (native collective
     included); without one, the topology's own rates and default message costs are used. ``calibrate``
     measures the message costs on this wire (:meth:`Runtime.calibrate`, a second or so) once per topology
-    and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``).
+    and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then
+    ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`, every init).
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -795,8 +869,19 @@ def init(
     _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model)
     if calibrate:
         _calibrated(_RUNTIME)
+        _RUNTIME.tune()
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
+
+
+def tuned_choice(measured: Mapping[tuple[str, int], float], model: tuple[str, int],
+                 margin: float = TUNE_MARGIN) -> tuple[str, int]:
+    """The model's choice, unless a measured candidate beats it by more than ``margin`` (a share of its time):
+    then the fastest. A tie within the margin keeps the model's choice, so noise does not flip it."""
+    if model not in measured:
+        raise GradsyncError(f"the model's choice {model} was not measured; measured: {sorted(measured)}")
+    fastest = min(measured, key=lambda k: (measured[k], k != model))
+    return fastest if measured[fastest] < (1.0 - margin) * measured[model] else model
 
 
 def calibration_cache(rt: Runtime) -> str:
