@@ -206,11 +206,12 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
     t0 = time.perf_counter()
     rt = gradsync.init(topology=topology, calibrate=True, timeout_s=60)
     second = rt.cost_model.to_dict()
+    tuned_again = {str(k): v["choice"] for k, v in rt.tuned.items() if v.get("cached")}
     again_s = time.perf_counter() - t0
     gradsync.shutdown()
     dist.barrier()  # rank 0 holds the store the others just read from: leave together
     return {"first": first, "second": second, "exact": exact, "again_s": again_s, "tuned": tuned, "measured": measured,
-            "used": used,
+            "used": used, "tuned_again": tuned_again,
             "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
 
 

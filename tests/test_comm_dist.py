@@ -63,13 +63,15 @@ def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
     assert "calibrated on 3 ranks" in first["source"]
     assert 1e-6 <= first["message_s"] < 0.5 and 1e-6 <= first["native_message_s"] < 0.5, first
     assert 0.0 <= first["reverse_share"] <= 0.5 and "both ways" in first["source"], first
-    assert len(reports[0]["files"]) == 1 and reports[0]["files"][0].startswith("cost_model-")
+    files = reports[0]["files"]
+    assert len(files) == 2 and files[0].startswith("cost_model-") and files[1].startswith("tuned-"), files
     # auto's small classes were timed: 4 KB .. 256 KB, the same choices on every rank, each one of the measured
     # candidates (the native collective always among them), and what auto runs afterwards
     tuned = reports[0]["tuned"]
     assert sorted(int(k) for k in tuned) == [4096 << i for i in range(7)], tuned
     for rank, rep in enumerate(reports):
         assert rep["tuned"] == tuned and rep["used"] == tuned, (rank, rep["tuned"], rep["used"])
+        assert rep["tuned_again"] == tuned, (rank, rep["tuned_again"])  # the second init read them back
     for size, (algorithm, pipeline) in tuned.items():
         assert f"{algorithm}/{pipeline}" in reports[0]["measured"][size] and "native/1" in reports[0]["measured"][size]
 

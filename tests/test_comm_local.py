@@ -366,3 +366,35 @@ def test_tuned_choice_keeps_the_model_unless_a_candidate_is_clearly_faster():
     assert tuned_choice({model: 1.0, ("ring", 1): 2.0}, model) == model
     with pytest.raises(GradsyncError, match="was not measured"):
         tuned_choice({("ring", 1): 1.0}, model)
+
+
+def test_cached_tuned_choices_are_checked_before_auto_uses_them():
+    """``use_tuned`` adopts a cache's choices per size class (what ``auto`` then runs, exact) and refuses a
+    wrong file whole, naming the entry: an unknown algorithm, a size that is no class, a depth of 0."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.runtime import TUNED_TYPE
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    good = {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1]}, "65536": {"choice": ["ring", 2]}}}
+    rt.use_tuned(good)
+    assert rt._choice(4096) == ("tree", 1) and rt._choice(65536) == ("ring", 2)
+    assert rt.executor("auto", 1000).schedule.algorithm == "tree" and rt.tuned[4096]["cached"] is True
+    for bad in ({"type": "other", "classes": {}}, {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["nope", 1]}}},
+                {"type": TUNED_TYPE, "classes": {"5000": {"choice": ["tree", 1]}}},
+                {"type": TUNED_TYPE, "classes": {"8192": {"choice": ["tree", 0]}}}, [1, 2]):
+        fresh = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+        before = dict(fresh._choices)
+        with pytest.raises(GradsyncError, match="tuned"):
+            fresh.use_tuned(bad)
+        assert fresh._choices == before and fresh.tuned == {}
+
+
+def test_tune_without_a_process_group_has_nothing_to_measure():
+    from gradsync.comm import Runtime
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    assert rt.tune() == {} and rt.tuned == {}
+    with pytest.raises(GradsyncError, match="reps=0"):
+        rt.tune(reps=0)
+    with pytest.raises(GradsyncError, match="max_bytes=-1"):
+        rt.tune(max_bytes=-1)

@@ -27,7 +27,7 @@ from gradsync.comm.transport import Transport, create_transport
 from gradsync.errors import CommError, GradsyncError
 from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import SHARDED, Schedule
-from gradsync.plan.synthesizers import PlanOptions
+from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
 from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, reverse_share_of, size_class
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
@@ -66,6 +66,8 @@ MAX_REVERSE_SHARE = 0.5
 #: there α and the wire's short-transfer behaviour (a shaper's burst, a switch's buffers) decide, which
 #: the α-β model prices least well.
 TUNE_MAX_BYTES = 256 << 10
+#: The ``type`` of a cached :meth:`Runtime.tune` result.
+TUNED_TYPE = "gradsync.tuned"
 #: A measured candidate replaces the model's choice only when it is faster by more than this share.
 TUNE_MARGIN = 0.1
 #: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
@@ -354,6 +356,26 @@ class Runtime:
         if group is None or self.world_size == 1 or self.algorithm != "auto":
             return {}
         return self.submit(lambda: self._tune(group, max_bytes, reps), "tune").wait()
+
+    def use_tuned(self, doc: Any) -> None:
+        """Adopt :meth:`tune`'s choices from its cached JSON (``{"type": "gradsync.tuned", "classes": {bytes:
+        {"choice": [algorithm, pipeline], ...}}}``), checked first: a wrong one raises and changes nothing."""
+        if not isinstance(doc, dict) or doc.get("type") != TUNED_TYPE or not isinstance(doc.get("classes"), dict):
+            raise GradsyncError(f"tuned choices must be a JSON object with \"type\": \"{TUNED_TYPE}\" and \"classes\"")
+        choices: dict[int, tuple[str, int]] = {}
+        records: dict[int, dict[str, Any]] = {}
+        for key, entry in doc["classes"].items():
+            choice = entry.get("choice") if isinstance(entry, dict) else None
+            size = int(key) if isinstance(key, str) and key.isdigit() else -1
+            if (size != size_class(max(1, size)) or not isinstance(choice, list) or len(choice) != 2
+                    or not (choice[0] == NATIVE or choice[0] in SYNTHESIZERS)
+                    or isinstance(choice[1], bool) or not isinstance(choice[1], int) or choice[1] < 1):
+                raise GradsyncError(f"tuned class {key!r}: {entry!r} is not a size class with a choice "
+                                    f"[algorithm, pipeline >= 1]; delete the file to measure again")
+            choices[size] = (choice[0], choice[1])
+            records[size] = {**entry, "cached": True}
+        self._choices.update(choices)
+        self.tuned = records
 
     def _tune(self, group: Any, max_bytes: int, reps: int) -> dict[int, dict[str, Any]]:
         results: dict[int, dict[str, Any]] = {}
@@ -853,7 +875,7 @@ def init(
     included); without one, the topology's own rates and default message costs are used. ``calibrate``
     measures the message costs on this wire (:meth:`Runtime.calibrate`, a second or so) once per topology
     and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then
-    ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`, every init).
+    ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`), cached the same way.
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -869,7 +891,7 @@ def init(
     _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model)
     if calibrate:
         _calibrated(_RUNTIME)
-        _RUNTIME.tune()
+        _tuned(_RUNTIME)
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
 
@@ -884,14 +906,38 @@ def tuned_choice(measured: Mapping[tuple[str, int], float], model: tuple[str, in
     return fastest if measured[fastest] < (1.0 - margin) * measured[model] else model
 
 
-def calibration_cache(rt: Runtime) -> str:
-    """Where :func:`init` keeps ``rt``'s calibrated model: one file per topology, world size and base model."""
+def calibration_cache(rt: Runtime, kind: str = "cost_model") -> str:
+    """Where :func:`init` keeps ``rt``'s calibrated model (``kind="cost_model"``: one file per topology, world
+    size and base model) or, for the calibrated model, ``auto``'s measured choices (``kind="tuned"``)."""
     import hashlib
 
     base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
-    key = hashlib.sha256(json.dumps([rt.topology.name, rt.world_size, rt.cost_model.to_dict()],
-                                    sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(base, f"cost_model-{key}.json")
+    what = [rt.topology.name, rt.world_size, rt.cost_model.to_dict()] + ([TUNE_MAX_BYTES] if kind == "tuned" else [])
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(base, f"{kind}-{key}.json")
+
+
+def _tuned(rt: Runtime) -> None:
+    """Load ``auto``'s measured small-size choices for ``rt``'s calibrated model, or measure them
+    (:meth:`Runtime.tune`; rank 0 writes the cache). A cache that does not read back is measured again."""
+    path = calibration_cache(rt, "tuned")
+    cached = rt._decide(f"tuned/{os.path.basename(path)}",
+                        lambda: open(path, "rb").read() if os.path.isfile(path) else b"")
+    if cached:
+        try:
+            rt.use_tuned(json.loads(cached))
+            return
+        except (ValueError, GradsyncError) as exc:
+            warnings.warn(f"ignoring the cached tuned choices {path} ({exc}); measuring again", stacklevel=3)
+    tuned = rt.tune()
+    if rt.rank == 0 and tuned:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"type": TUNED_TYPE, "classes": {str(k): v for k, v in tuned.items()}}, f, indent=1)
+        except OSError as exc:
+            warnings.warn(f"could not cache the tuned choices in {path} ({exc}); the next init measures again",
+                          stacklevel=3)
 
 
 def _calibrated(rt: Runtime) -> None:
