@@ -381,7 +381,9 @@ def test_cached_tuned_choices_are_checked_before_auto_uses_them():
     assert rt.executor("auto", 1000).schedule.algorithm == "tree" and rt.tuned[4096]["cached"] is True
     for bad in ({"type": "other", "classes": {}}, {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["nope", 1]}}},
                 {"type": TUNED_TYPE, "classes": {"5000": {"choice": ["tree", 1]}}},
-                {"type": TUNED_TYPE, "classes": {"8192": {"choice": ["tree", 0]}}}, [1, 2]):
+                {"type": TUNED_TYPE, "classes": {"8192": {"choice": ["tree", 0]}}}, [1, 2],
+                {"type": TUNED_TYPE, "classes": {"8192": {"choice": [["tree"], 1]}}},
+                {"type": TUNED_TYPE, "classes": {"8192": "tree"}}):
         fresh = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
         before = dict(fresh._choices)
         with pytest.raises(GradsyncError, match="tuned"):

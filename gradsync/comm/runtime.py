@@ -342,8 +342,9 @@ class Runtime:
         a wire may pass a short transfer faster than its rate (a shaper's token bucket, a switch's buffers;
         on the racks:2,2,2 testbed an 84 KB tree allreduce took 1.7 ms where the model said 20). Per class,
         the model's choice, the native collective and every other algorithm at its best predicted pipeline
-        depth and at depth 1 each run ``reps`` times after two warm-ups (the slowest rank's median, identical on every rank);
-        a candidate replaces the model's choice only when it is more than :data:`TUNE_MARGIN` faster.
+        depth and at depth 1 each run ``reps`` times after two warm-ups (the slowest rank's median,
+        identical on every rank); a candidate replaces the model's choice only when it is more than
+        :data:`TUNE_MARGIN` faster.
         Returns ``{class bytes: {"choice": [algorithm, pipeline], "model": [...], "measured_s": {...}}}``
         (also kept in :attr:`tuned`). Runs on the communication thread like :meth:`calibrate`; a runtime
         that is not ``auto``, or has one rank or no torch.distributed transport, has nothing to tune.
@@ -368,7 +369,7 @@ class Runtime:
             choice = entry.get("choice") if isinstance(entry, dict) else None
             size = int(key) if isinstance(key, str) and key.isdigit() else -1
             if (size != size_class(max(1, size)) or not isinstance(choice, list) or len(choice) != 2
-                    or not (choice[0] == NATIVE or choice[0] in SYNTHESIZERS)
+                    or not isinstance(choice[0], str) or not (choice[0] == NATIVE or choice[0] in SYNTHESIZERS)
                     or isinstance(choice[1], bool) or not isinstance(choice[1], int) or choice[1] < 1):
                 raise GradsyncError(f"tuned class {key!r}: {entry!r} is not a size class with a choice "
                                     f"[algorithm, pipeline >= 1]; delete the file to measure again")
