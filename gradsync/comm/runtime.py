@@ -340,7 +340,7 @@ class Runtime:
 
         For small messages the model's α-β prices are least sure: a few messages' fixed costs decide, and
         a wire may pass a short transfer faster than its rate (a shaper's token bucket, a switch's buffers;
-        on the racks:2,2,2 testbed an 84 KB tree allreduce took 1.7 ms where the model said 20). Per class,
+        on the racks:2,2,2 testbed an 84 KB tree allreduce took 1.7 ms where the model said 14.5). Per class,
         the model's choice, the native collective and every other algorithm at its best predicted pipeline
         depth and at depth 1 each run ``reps`` times after two warm-ups (the slowest rank's median,
         identical on every rank); a candidate replaces the model's choice only when it is more than
