@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -85,6 +86,11 @@ def test_a_calibration_stream_far_below_the_files_rate_rescales_every_class():
     model = CostModel(goodput=0.96)
     assert model.path_GBps(t, 0, 3) == pytest.approx(0.3125 * 0.96)
     assert model.path_GBps(t, 0, 1) == pytest.approx(1.25 * 0.96)
+    # every path from rank 0 at once (what calibration picks its far rank from): the same rates, with hops
+    paths = model.paths_from(t, 0)
+    assert paths[0] == (math.inf, 0) and paths[1] == (pytest.approx(1.25 * 0.96), 2)
+    assert paths[3] == (pytest.approx(0.3125 * 0.96), 4)
+    assert [g for g, _ in paths[1:]] == pytest.approx([model.path_GBps(t, 0, p) for p in range(1, 6)])
     nbytes = 4 << 20
     seconds = nbytes / (0.3125 * 0.96 / 25 * 1e9)
     refined, note = model.refined(t, 0, 3, nbytes, seconds)

@@ -25,7 +25,6 @@ from gradsync.comm import lifetime
 from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.errors import CommError, GradsyncError
-from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
 from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, reverse_share_of, size_class
@@ -433,14 +432,8 @@ class Runtime:
         bound the collectives are the ones whose loss both ways matters (rank 1 under a custom mapping)."""
         if self.mapping is not None:
             return 1
-        topo = self.cost_model.rates(self.topology)
-        route = router_for(topo)
-
-        def key(p: int) -> tuple[float, int, int]:
-            hops = topo.route_links(route(topo.ranks[0], topo.ranks[p]))
-            return min(topo.links[e].directed_GBps[d] for e, d in hops), len(hops), p
-
-        return min(range(1, self.world_size), key=key)
+        paths = self.cost_model.paths_from(self.topology, 0)
+        return min(range(1, self.world_size), key=lambda p: (*paths[p], p))
 
     def _planner(self) -> Chooser:
         """A chooser without candidates of its own, for named algorithms (plans and checks them)."""

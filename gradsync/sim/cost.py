@@ -92,6 +92,12 @@ def reverse_share_of(samples: Sequence[tuple[float, float, float, float]], cap: 
     return min(cap, max(0.0, float(np.median(ratios)) - 1.0))
 
 
+def _bottleneck(topo: Topology, route: Any, src: int, dst: int) -> tuple[float, int]:
+    """The slowest link direction (GB/s) on ``route``'s path from rank ``src`` to rank ``dst``, and its hops."""
+    hops = topo.route_links(route(topo.ranks[src], topo.ranks[dst]))
+    return min(topo.links[e].directed_GBps[d] for e, d in hops), len(hops)
+
+
 def _seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise PlanError(f"{name}={value!r} must be a finite number of seconds >= 0")
@@ -175,8 +181,14 @@ class CostModel:
         """The rate one stream from rank ``src`` to rank ``dst`` gets under this model: the slowest link
         direction of its route, measured class rates × goodput (:meth:`rates`)."""
         topo = self.rates(topology)
-        hops = topo.route_links(router_for(topo)(topo.ranks[src], topo.ranks[dst]))
-        return min(topo.links[e].directed_GBps[d] for e, d in hops)
+        return _bottleneck(topo, router_for(topo), src, dst)[0]
+
+    def paths_from(self, topology: Topology, src: int) -> list[tuple[float, int]]:
+        """Per rank ``dst``, ``(path_GBps, hops)`` of the route from rank ``src`` (``(inf, 0)`` for ``src``
+        itself), with the rates and the router built once."""
+        topo = self.rates(topology)
+        route = router_for(topo)
+        return [(math.inf, 0) if dst == src else _bottleneck(topo, route, src, dst) for dst in range(topo.world_size)]
 
     def refined(self, topology: Topology, src: int, dst: int, nbytes: float, seconds: float) -> tuple[CostModel, str | None]:
         """This model after one stream from rank ``src`` to rank ``dst`` moved ``nbytes`` in ``seconds``.
