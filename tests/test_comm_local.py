@@ -5,6 +5,9 @@ The real-process tests (gloo) are in test_comm_dist.py; these cover the combinat
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -400,3 +403,29 @@ def test_tune_without_a_process_group_has_nothing_to_measure():
         rt.tune(reps=0)
     with pytest.raises(GradsyncError, match="max_bytes=-1"):
         rt.tune(max_bytes=-1)
+
+
+def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten(tmp_path, monkeypatch):
+    """The calibration's and the tuned choices' cache (``_cached``): a corrupt file is ignored with a warning
+    naming it, the result is measured and written by rank 0, and the next init uses the file, measuring nothing."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.runtime import TUNED_TYPE, _cached, calibration_cache
+
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    path = Path(calibration_cache(rt, "tuned"))
+    assert path.parent == tmp_path
+    path.write_text("{not json")
+    doc = {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1]}}}
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return doc
+
+    with pytest.warns(UserWarning, match=r"ignoring the cached tuned choices .*tuned-.*\.json"):
+        _cached(rt, "tuned", "tuned choices", rt.use_tuned, measure)
+    assert measured == [1] and json.loads(path.read_text()) == doc
+    again = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    _cached(again, "tuned", "tuned choices", again.use_tuned, measure)
+    assert measured == [1] and again._choice(4096) == ("tree", 1)

@@ -911,49 +911,45 @@ def calibration_cache(rt: Runtime, kind: str = "cost_model") -> str:
     return os.path.join(base, f"{kind}-{key}.json")
 
 
-def _tuned(rt: Runtime) -> None:
-    """Load ``auto``'s measured small-size choices for ``rt``'s calibrated model, or measure them
-    (:meth:`Runtime.tune`; rank 0 writes the cache). A cache that does not read back is measured again."""
-    path = calibration_cache(rt, "tuned")
-    cached = rt._decide(f"tuned/{os.path.basename(path)}",
+def _cached(rt: Runtime, kind: str, what: str, use: Callable[[Any], None], measure: Callable[[], Any]) -> None:
+    """Apply ``rt``'s cached ``kind`` result (:func:`calibration_cache`) with ``use``, or ``measure()`` it: a
+    JSON document (None: nothing worth keeping), which rank 0 writes. Rank 0 reads the cache for every rank;
+    one that does not read back (``use`` raises) is measured again with a warning naming ``what``."""
+    path = calibration_cache(rt, kind)
+    cached = rt._decide(f"{kind}/{os.path.basename(path)}",
                         lambda: open(path, "rb").read() if os.path.isfile(path) else b"")
     if cached:
         try:
-            rt.use_tuned(json.loads(cached))
+            use(json.loads(cached))
             return
         except (ValueError, GradsyncError) as exc:
-            warnings.warn(f"ignoring the cached tuned choices {path} ({exc}); measuring again", stacklevel=3)
-    tuned = rt.tune()
-    if rt.rank == 0 and tuned:
+            warnings.warn(f"ignoring the cached {what} {path} ({exc}); measuring again", stacklevel=4)
+    doc = measure()
+    if rt.rank == 0 and doc is not None:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
-                json.dump({"type": TUNED_TYPE, "classes": {str(k): v for k, v in tuned.items()}}, f, indent=1)
+                json.dump(doc, f, indent=1)
         except OSError as exc:
-            warnings.warn(f"could not cache the tuned choices in {path} ({exc}); the next init measures again",
-                          stacklevel=3)
+            warnings.warn(f"could not cache the {what} in {path} ({exc}); the next init measures again",
+                          stacklevel=4)
+
+
+def _tuned(rt: Runtime) -> None:
+    """Load ``auto``'s measured small-size choices for ``rt``'s calibrated model, or measure them
+    (:meth:`Runtime.tune`)."""
+
+    def measure() -> dict[str, Any] | None:
+        tuned = rt.tune()
+        return {"type": TUNED_TYPE, "classes": {str(k): v for k, v in tuned.items()}} if tuned else None
+
+    _cached(rt, "tuned", "tuned choices", rt.use_tuned, measure)
 
 
 def _calibrated(rt: Runtime) -> None:
-    """Load the cached calibration for ``rt`` or measure it (rank 0 writes the cache)."""
-    path = calibration_cache(rt)
-    cached = rt._decide(f"calibration/{os.path.basename(path)}",
-                        lambda: open(path, "rb").read() if os.path.isfile(path) else b"")
-    if cached:
-        try:
-            rt.set_cost_model(CostModel.from_dict(json.loads(cached)))
-            return
-        except (ValueError, GradsyncError) as exc:
-            warnings.warn(f"ignoring the cached calibration {path} ({exc}); measuring again", stacklevel=3)
-    model = rt.calibrate()
-    if rt.rank == 0:
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(model.to_dict(), f, indent=1)
-        except OSError as exc:
-            warnings.warn(f"could not cache the calibration in {path} ({exc}); the next init measures again",
-                          stacklevel=3)
+    """Load the cached calibration for ``rt`` or measure it (:meth:`Runtime.calibrate`)."""
+    _cached(rt, "cost_model", "calibration", lambda doc: rt.set_cost_model(CostModel.from_dict(doc)),
+            lambda: rt.calibrate().to_dict())
 
 
 def load_cost_model(source: CostModel | str | None) -> CostModel | None:
