@@ -195,6 +195,7 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
     rt = gradsync.init(topology=topology, calibrate=True, timeout_s=60)
     first = rt.cost_model.to_dict()
     tuned = {str(k): v["choice"] for k, v in rt.tuned.items()}
+    kept = sorted(f"{a}/{p}" for a, p in rt._executors)  # what tuning left cached
     measured = {str(k): sorted(v["measured_s"]) for k, v in rt.tuned.items()}
     used = {str(k): list(rt._choice(k)) for k in rt.tuned}  # what auto now runs per tuned class
     exact = True
@@ -211,7 +212,7 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
     gradsync.shutdown()
     dist.barrier()  # rank 0 holds the store the others just read from: leave together
     return {"first": first, "second": second, "exact": exact, "again_s": again_s, "tuned": tuned, "measured": measured,
-            "used": used, "tuned_again": tuned_again,
+            "used": used, "tuned_again": tuned_again, "kept": kept,
             "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
 
 

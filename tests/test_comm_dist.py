@@ -72,6 +72,8 @@ def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
     for rank, rep in enumerate(reports):
         assert rep["tuned"] == tuned and rep["used"] == tuned, (rank, rep["tuned"], rep["used"])
         assert rep["tuned_again"] == tuned, (rank, rep["tuned_again"])  # the second init read them back
+        # only the picked plans stay cached: a candidate measured but not picked prices its wait order anew
+        assert set(rep["kept"]) <= {f"{a}/{p}" for a, p in tuned.values()}, (rank, rep["kept"], tuned)
     for size, (algorithm, pipeline) in tuned.items():
         assert f"{algorithm}/{pipeline}" in reports[0]["measured"][size] and "native/1" in reports[0]["measured"][size]
 

@@ -396,11 +396,20 @@ class Runtime:
             model = tried[0]
             buf = torch.zeros(size // 4)
             measured = {}
+            had = set(self._executors)
             for name, pipeline in tried:
                 ex = self._executor_of(name, pipeline, size)
                 measured[(name, pipeline)] = self._slowest(group, lambda ex=ex, buf=buf: ex.run(buf, "sum"), reps)
             pick = tuned_choice(measured, model)
             self._choices[size] = pick
+            # executors are cached per (algorithm, depth) with the wait order priced at their first size: drop
+            # the candidates this class built but did not pick, so a larger size that runs one later prices
+            # its own order, as without tuning (and no unused executor is kept)
+            for key in tried:
+                if key != pick and key not in had:
+                    dropped = self._executors.pop(key)
+                    if isinstance(dropped, Executor):
+                        dropped.close()
             results[size] = {"choice": list(pick), "model": list(model),
                              "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}}
             size *= 2
