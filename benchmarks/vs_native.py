@@ -119,12 +119,20 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
+def _ran(row: dict[str, Any]) -> dict[str, Any]:
+    """The plan gradsync ran for one allreduce row: ``ran`` (what ``auto`` settled on after measuring its
+    first calls), or the model's choice in results written before it was recorded."""
+    if "ran" in row:
+        return {"algorithm": row["ran"][0], "pipeline": row["ran"][1]}
+    return row["choice"]
+
+
 def summarize(results: list[dict[str, Any]]) -> tuple[list[str], bool]:
     lines, met = [], True
     for r in results:
         case = CASES[r["case"]]
         for a in r["allreduce"]:
-            med, ch, pred = a["median_s"], a["choice"], a["predicted_s"]
+            med, ch, pred = a["median_s"], _ran(a), a["predicted_s"]
             native_pred = pred["native"]
             ratio = med["native"] / med["gradsync"]
             a["speedup"] = ratio
@@ -166,7 +174,7 @@ def plot(path: Path, results: list[dict[str, Any]]) -> None:
     for ax, r in zip(axes[0], results):
         labels, x = [], 0.0
         for a in r["allreduce"]:
-            med, ch, pred = a["median_s"], a["choice"], a["predicted_s"]
+            med, ch, pred = a["median_s"], _ran(a), a["predicted_s"]
             b1 = ax.bar([x], [med["native"]], 0.8, color="tab:gray", label="gloo all_reduce" if x == 0 else None)
             b2 = ax.bar([x + 0.9], [med["gradsync"]], 0.8, color="tab:blue", label="gradsync auto" if x == 0 else None)
             ax.scatter([x, x + 0.9], [pred["native"], pred["gradsync"]], marker="_", s=400, color="black", zorder=3,

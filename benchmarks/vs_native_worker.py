@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.bml_testbed_worker import CpuMeter, PaperLeNet5, _gather_float
+from gradsync.sim.cost import size_class
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -51,6 +52,10 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: Training steps beyond the first that may warm up while ``auto`` still measures its first calls per bucket size.
+MAX_WARMUP_STEPS = 8
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -66,39 +71,45 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]
     rows = []
     for size in sizes:
         buf = torch.empty(size // 4, dtype=torch.float32)
-        choice = predicted = None
-        if rank == 0:  # rank 0 prices plans for every rank (the others would only repeat the simulation)
-            choice = rt.chooser.choose(size)  # what auto runs: the choice for the size class
-            # predictions at this exact size (the class's choice is priced at the class's size)
-            predicted = {"gradsync": rt.cost_model.predict(rt.chooser.schedule(choice.algorithm, choice.pipeline),
-                                                           rt.topology, size) if choice.algorithm != "native"
-                         else rt.cost_model.predict_native(rt.topology, size),
-                         "native": rt.cost_model.predict_native(rt.topology, size)}
         methods: dict[str, Callable[[], Any]] = {
             "native": lambda buf=buf: dist.all_reduce(buf),
             "gradsync": lambda buf=buf: gradsync.allreduce(buf),
         }
-        correct = {}
-        for name, fn in methods.items():
-            buf.fill_(rank + 1)
-            fn()
-            correct[name] = min(_gather_float(float(bool(torch.all(buf == want))))) == 1.0
+        correct = {name: True for name in methods}
+        warm = 0
+        while True:  # warm up both, until auto has settled on its plan for this size (Runtime.explore)
+            for name, fn in methods.items():
+                buf.fill_(rank + 1)
+                fn()
+                correct[name] &= min(_gather_float(float(bool(torch.all(buf == want))))) == 1.0
+            warm += 1
+            if warm >= 20 or max(_gather_float(float(rt.exploring()))) == 0:  # the same decision on every rank
+                break
+        choice = predicted = None
+        if rank == 0:  # rank 0 prices plans for every rank (the others would only repeat the simulation)
+            choice = rt.chooser.choose(size)  # the model's choice for the size class
+            algorithm, pipeline = rt.choice(size)  # what auto runs: the model's, or what measuring replaced it with
+            # predictions at this exact size (the class's choice is priced at the class's size)
+            predicted = {"gradsync": rt.cost_model.predict(rt.chooser.schedule(algorithm, pipeline), rt.topology, size)
+                         if algorithm != "native" else rt.cost_model.predict_native(rt.topology, size),
+                         "native": rt.cost_model.predict_native(rt.topology, size)}
         samples: dict[str, list[float]] = {m: [] for m in methods}
         cpu = CpuMeter()
         for _ in range(reps):
             for name, fn in methods.items():
                 buf.fill_(rank + 1)
                 samples[name].append(_timed(fn))
+        used = rt.choice(size)
         rows.append({
             "size_bytes": size, "choice": choice.to_dict() if choice else None, "predicted_s": predicted,
-            "correct": correct,
+            "ran": list(used), "explored": rt.tuned.get(size_class(size)), "warmup_calls": warm, "correct": correct,
             "samples_s": samples,
             "median_s": {m: statistics.median(v) for m, v in samples.items()}, "cpu_busy_share": cpu.share(),
         })
         if choice is not None and predicted is not None:
             med = rows[-1]["median_s"]
             print(f"allreduce {size / 2**20:.2f} MiB: native {med['native']:.4f} s, gradsync "
-                  f"{choice.algorithm}/p{choice.pipeline} {med['gradsync']:.4f} s "
+                  f"{used[0]}/p{used[1]} {med['gradsync']:.4f} s "
                   f"(predicted {predicted['gradsync']:.4f}), x{med['native'] / med['gradsync']:.2f}", flush=True)
     return rows
 
@@ -139,14 +150,20 @@ def train_phase(rt: Any, args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, list[float]] = {m: [] for m in replicas}
     losses: dict[str, list[float]] = {m: [] for m in replicas}
     cpu = CpuMeter()
-    for step in range(args.steps + 1):  # step 0 warms up (buckets, plans) and is not timed
+    warm, step = 1, 0  # steps before ``warm`` warm up (buckets, plans) and are not timed
+    while step < warm + args.steps:
+        # ... nor those while auto still times its first calls of a bucket size (Runtime.explore); every
+        # rank takes the same decision (the timed steps below hold barriers)
+        if step == warm and warm <= MAX_WARMUP_STEPS and max(_gather_float(float(rt.exploring()))) > 0:
+            warm += 1
         start = (step * args.batch) % (n - args.batch)
         x, y = shard(data.x_train[order[start:start + args.batch]], data.y_train[order[start:start + args.batch]],
                      rank, world)
         for name, (model, optim) in replicas.items():
             dt = _timed(lambda m=model, o=optim, n=name, x=x, y=y: _step(m, o, x, y, losses[n]))
-            if step:
+            if step >= warm:
                 samples[name].append(dt)
+        step += 1
     share = cpu.share()
     identical = {}
     for name, (model, _) in replicas.items():
@@ -156,7 +173,7 @@ def train_phase(rt: Any, args: argparse.Namespace) -> dict[str, Any]:
         identical[name] = min(_gather_float(float(torch.equal(ref, flat)))) == 1.0
     ref_loss = losses["ddp"]
     return {
-        "steps": args.steps, "batch": args.batch, "parameters": sum(p.numel() for p in base.parameters()),
+        "steps": args.steps, "warmup_steps": warm, "batch": args.batch, "parameters": sum(p.numel() for p in base.parameters()),
         "samples_s": samples, "median_s": {m: statistics.median(v) for m, v in samples.items()},
         "losses": losses, "replicas_identical": identical, "cpu_busy_share": share,
         "max_loss_gap_vs_ddp": {m: max(abs(a - b) for a, b in zip(v, ref_loss)) for m, v in losses.items()},

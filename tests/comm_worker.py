@@ -216,7 +216,45 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
             "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
 
 
-SCENARIOS = {"calibrate": scenario_calibrate, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
+def scenario_explore(topology: str) -> dict:
+    """auto's first calls of a large class time the model's depth beside its half and double, then keep one:
+    every call exact (queued or inline), the same decision on every rank, and later calls run it."""
+    from gradsync.comm.runtime import EXPLORE_REPS
+
+    rt = gradsync.init(topology=topology, mapping=list(range(WORLD)), timeout_s=60)  # a mapping: no native
+    rt.explore = True
+    n = 200_001  # 800 KB: the 1 MiB class, an odd size
+    size = 1 << 20
+    model = list(rt._choice(size))
+    want = WORLD * (WORLD + 1) / 2
+    exact, exploring, calls = True, [], 0
+    before = sorted(f"{a}/{p}" for a, p in rt._executors)
+    while rt.exploring() or calls == 0:
+        xs = [torch.full((n,), float(RANK + 1)) for _ in range(2)]
+        works = [gradsync.allreduce_async(x) for x in xs]  # queued: the comm thread runs them in order
+        for w in works:
+            w.wait()
+        exact &= all(bool(torch.all(x == want)) for x in xs)
+        calls += 2
+        exploring.append(rt.exploring())
+        if calls > 40:
+            break
+    record = rt.tuned.get(size, {})
+    pick = rt.choice(n * 4)
+    after = rt.executor(None, n * 4)
+    x = torch.full((n,), float(RANK + 1))
+    gradsync.allreduce(x)  # inline, after the decision
+    exact &= bool(torch.all(x == want))
+    out = {"model": model, "exact": exact, "calls": calls, "exploring": exploring, "record": record,
+           "pick": list(pick), "runs_pick": after is rt._executors.get(tuple(pick)),
+           "kept": sorted(f"{a}/{p}" for a, p in rt._executors), "before": before, "reps": EXPLORE_REPS,
+           "pipelines": list(rt.cost_model.pipelines)}
+    gradsync.shutdown()
+    dist.barrier()
+    return out
+
+
+SCENARIOS = {"calibrate": scenario_calibrate, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
 
 
 def main() -> None:

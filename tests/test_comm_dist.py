@@ -78,6 +78,35 @@ def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
         assert f"{algorithm}/{pipeline}" in reports[0]["measured"][size] and "native/1" in reports[0]["measured"][size]
 
 
+def test_auto_times_the_depths_beside_the_models_on_a_large_class_and_keeps_one(tmp_path):
+    """With ``explore``, a class above 256 KB runs the model's depth, its double and its half in turn (one
+    warm-up round, then ``EXPLORE_REPS`` timed rounds), every result exact; then all ranks keep the same pick,
+    by the margin rule on the slowest rank's medians, and run it; the candidates not picked are dropped."""
+    from gradsync.comm.runtime import EXPLORE_MARGIN
+
+    reports = launch(WORKER, ["explore", str(tmp_path), "switch:3"], 3, tmp_path)
+    first = reports[0]
+    name, p = first["model"]
+    want = {f"{name}/{q}" for q in (p, 2 * p, p // 2) if q in first["pipelines"]}
+    assert len(want) >= 2, first
+    rounds = (1 + first["reps"]) * len(want)
+    for rank, rep in enumerate(reports):
+        assert rep["exact"], (rank, rep)
+        assert rep["record"] == first["record"] and rep["pick"] == first["pick"], (rank, rep)
+        # it explored for exactly its rounds (calls come in pairs), then settled
+        assert rep["calls"] == rounds + rounds % 2 and rep["exploring"][-1] is False, (rank, rep)
+        assert all(rep["exploring"][:-1]), (rank, rep)
+        assert rep["runs_pick"], (rank, rep)
+        picked = "/".join(map(str, rep["pick"]))
+        assert picked in rep["kept"] and (set(rep["kept"]) & want) - set(rep["before"]) <= {picked}, (rank, rep)
+    record = first["record"]
+    assert record["online"] is True and record["model"] == [name, p] and set(record["measured_s"]) == want
+    measured = record["measured_s"]
+    fastest = min(measured, key=measured.get)
+    expect = fastest if measured[fastest] < (1 - EXPLORE_MARGIN) * measured[f"{name}/{p}"] else f"{name}/{p}"
+    assert "/".join(map(str, first["pick"])) == expect and record["choice"] == first["pick"], record
+
+
 def test_ddp_hook_matches_ddp_without_hook(tmp_path):
     reports = launch(WORKER, ["ddp", str(tmp_path), "p3.8xlarge[0,1,2]"], 3, tmp_path)
     for rank, rep in enumerate(reports):

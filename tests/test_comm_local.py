@@ -405,6 +405,21 @@ def test_tune_without_a_process_group_has_nothing_to_measure():
         rt.tune(max_bytes=-1)
 
 
+def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
+    """``explore`` times depths on a job's own calls only where a process group can agree on the timings,
+    and only above the tuned classes: without one, ``auto`` runs the model's choice, nothing is recorded."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.runtime import TUNE_MAX_BYTES
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    rt.explore = True
+    for nbytes in (1000, TUNE_MAX_BYTES, 4 << 20):
+        ex = rt.executor("auto", nbytes)
+        assert (ex.schedule.algorithm, ex.schedule is rt.executor("auto", nbytes).schedule) == (rt.choice(nbytes)[0], True)
+    assert not rt.exploring() and rt.tuned == {}
+    assert set(rt._explorers) == {4 << 20} and rt._explorers[4 << 20] is None  # decided once: nothing to time
+
+
 def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten(tmp_path, monkeypatch):
     """The calibration's and the tuned choices' cache (``_cached``): a corrupt file is ignored with a warning
     naming it, the result is measured and written by rank 0, and the next init uses the file, measuring nothing."""

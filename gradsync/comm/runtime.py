@@ -24,7 +24,7 @@ import torch
 from gradsync.comm import lifetime
 from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.transport import Transport, create_transport
-from gradsync.errors import CommError, GradsyncError
+from gradsync.errors import CommError, GradsyncError, PlanError
 from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
 from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, reverse_share_of, size_class
@@ -69,6 +69,13 @@ TUNE_MAX_BYTES = 256 << 10
 TUNED_TYPE = "gradsync.tuned"
 #: A measured candidate replaces the model's choice only when it is faster by more than this share.
 TUNE_MARGIN = 0.1
+#: Above :data:`TUNE_MAX_BYTES`, a calibrated runtime's ``auto`` times the model's pipeline depth beside
+#: its half and its double on each class's first calls (:class:`_Explorer`): one warm-up call each, then
+#: this many timed calls each, interleaved.
+EXPLORE_REPS = 2
+#: ... and keeps the model's depth unless another is faster by more than this share. Large messages time
+#: steadily (the noise of a 4-64 KB call is in its fixed costs), so the margin is smaller than tuning's.
+EXPLORE_MARGIN = 0.03
 #: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
 PLAN_TIMEOUT_S = 600.0
 
@@ -126,6 +133,11 @@ class Runtime:
         #: :meth:`tune`'s measurements per size class (empty until it runs; a new cost model keeps them as a
         #: record, but its choices are priced afresh)
         self.tuned: dict[int, dict[str, Any]] = {}
+        #: Whether ``auto`` measures the pipeline depths next to the model's on the first calls of each size
+        #: class above :data:`TUNE_MAX_BYTES` (:class:`_Explorer`; ``init(calibrate=True)`` turns it on). The
+        #: outcome is recorded in :attr:`tuned` with ``"online": true``.
+        self.explore = False
+        self._explorers: dict[int, _Explorer | None] = {}
         self._generation = 0  # bumped when the cost model changes: decisions are per model
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         # reduce-scatter / allgather: a chooser per collective, choices and executors keyed by collective too
@@ -176,6 +188,10 @@ class Runtime:
         size = size_class(self.options.size_bytes if nbytes is None else nbytes)
         if name == "auto":
             name, pipeline = self._choice(size)
+            if self.explore and size > TUNE_MAX_BYTES:
+                explorer = self._explorer(size, (name, pipeline))
+                if explorer is not None and explorer.pick is None:
+                    return explorer  # type: ignore[return-value]  # runs like an executor
         else:
             pipeline = self.options.pipeline
         return self._executor_of(name, pipeline, size)
@@ -214,6 +230,44 @@ class Runtime:
             got = self._choices[size] = (str(name), int(pipeline))
         return got
 
+    def choice(self, nbytes: float) -> tuple[str, int]:
+        """The (algorithm, pipeline) ``auto`` runs for ``nbytes`` now: the model's, or what :meth:`tune` or
+        the first calls' measurements (:attr:`explore`) replaced it with."""
+        size = size_class(nbytes)
+        ex = self._explorers.get(size)
+        return ex.pick if ex is not None and ex.pick is not None else self._choice(size)
+
+    def exploring(self) -> bool:
+        """Whether some size class's first calls are still timing pipeline depths (:attr:`explore`): a
+        benchmark warms up until this is False, so it times what ``auto`` settled on."""
+        return any(ex is not None and ex.pick is None for ex in self._explorers.values())
+
+    def _explorer(self, size: int, model: tuple[str, int]) -> _Explorer | None:
+        """The size class's :class:`_Explorer` (None: nothing to compare: native, or no process group)."""
+        if size in self._explorers:
+            return self._explorers[size]
+        group = getattr(self.transport, "group", None)
+        ex = None
+        if group is not None and self.world_size > 1 and model[0] != NATIVE:
+            def candidates() -> bytes:  # priced by rank 0, like every choice
+                name, p = model
+                out = [model]
+                for q in (2 * p, p // 2):
+                    if q in self.cost_model.pipelines:
+                        try:
+                            self.chooser.schedule(name, q)
+                        except PlanError:
+                            continue  # too large to plan here: not a candidate
+                        out.append((name, q))
+                return json.dumps(out).encode()
+
+            tried = [(str(a), int(p)) for a, p in json.loads(self._decide(f"g{self._generation}/explore/{size}",
+                                                                           candidates))]
+            if len(tried) > 1:
+                ex = _Explorer(self, group, size, tried)
+        self._explorers[size] = ex
+        return ex
+
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
         """``compute()`` once for the job (rank 0, shared through the transport) or here when it cannot share."""
         decide = getattr(self.transport, "decide", None)
@@ -226,6 +280,7 @@ class Runtime:
         self.cost_model = model
         self._chooser = self._named = None
         self._choices.clear()
+        self._explorers.clear()
         self._sharded_choosers.clear()
         self._sharded_choices.clear()
         self._close_executors()
@@ -695,6 +750,79 @@ class Runtime:
         self._close_executors()
 
 
+class _Explorer:
+    """``auto``'s first calls of one large size class: the model's pipeline depth against its half and its
+    double, measured on the job's own allreduces.
+
+    Above :data:`TUNE_MAX_BYTES` the α-β model ranks algorithms well but not always depths: it charges each
+    message's cost in series, while the executor's per-peer lanes overlap much of it (BML on bcube:3,2:
+    depth 2 measured 7.6% faster than the chosen depth 1 at 50 MiB, 1-7% at 12.5 MiB, and 7% slower at
+    4 MiB). Timing the neighbours costs a few calls per class, once per job. Call ``i`` runs candidate
+    ``i mod m`` (the first round warms up: plans, scratch, lane threads); after :data:`EXPLORE_REPS` timed
+    rounds the slowest rank's median per candidate (one small all-reduce, at the same call on every rank:
+    all ranks run a class's calls in the same order) picks with :func:`tuned_choice` and
+    :data:`EXPLORE_MARGIN`, and later calls run the pick. Every candidate computes the same sum, so the
+    calls that measure are real work, not extra collectives.
+    """
+
+    def __init__(self, rt: Runtime, group: Any, size: int, candidates: Sequence[tuple[str, int]]) -> None:
+        self.rt, self.group, self.size = rt, group, size
+        self.candidates = list(candidates)
+        self.calls = 0
+        self.times: dict[tuple[str, int], list[float]] = {c: [] for c in self.candidates}
+        self.pick: tuple[str, int] | None = None
+        self._had = set(rt._executors)  # executors that existed before: never dropped here
+        #: the model's choice, planned now on the caller's thread (as ``auto`` without exploring would)
+        self.first = rt._executor_of(*self.candidates[0], size)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The model's choice's schedule (the candidates differ only in pipeline depth)."""
+        return self.first.schedule
+
+    def _current(self) -> Executor | NativeAllreduce:
+        cand = self.pick or self.candidates[self.calls % len(self.candidates)]
+        return self.rt._executor_of(*cand, self.size)
+
+    def run(self, tensors: Tensors, op: str = "sum") -> Tensors:
+        if self.pick is not None:  # queued before the decision
+            return self._current().run(tensors, op)
+        m = len(self.candidates)
+        cand = self.candidates[self.calls % m]
+        ex = self._current()
+        t0 = time.perf_counter()
+        out = ex.run(tensors, op)
+        if self.calls >= m:  # the first round warmed up
+            self.times[cand].append(time.perf_counter() - t0)
+        self.calls += 1
+        if self.calls == m * (1 + EXPLORE_REPS):
+            self._decide()
+        return out
+
+    def _decide(self) -> None:
+        import statistics
+
+        import torch.distributed as dist
+
+        t = torch.tensor([statistics.median(self.times[c]) for c in self.candidates], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        measured = dict(zip(self.candidates, t.tolist()))
+        model = self.candidates[0]
+        pick = tuned_choice(measured, model, EXPLORE_MARGIN)
+        rt = self.rt
+        rt.tuned[self.size] = {"choice": list(pick), "model": list(model), "online": True,
+                               "measured_s": {f"{a}/{p}": s for (a, p), s in measured.items()}}
+        rt._choices[self.size] = pick
+        self.pick = pick
+        in_use = set(rt._choices.values()) | {c for e in rt._explorers.values() if e is not None and e.pick is None
+                                              for c in e.candidates}
+        for key in self.candidates:  # the candidates built here that nothing runs: their lanes and scratch go
+            if key not in self._had and key not in in_use:
+                dropped = rt._executors.pop(key, None)
+                if isinstance(dropped, Executor):
+                    dropped.close()
+
+
 def _nbytes(tensors: Tensors) -> int:
     if isinstance(tensors, torch.Tensor):
         return tensors.numel() * tensors.element_size()
@@ -878,7 +1006,9 @@ def init(
     included); without one, the topology's own rates and default message costs are used. ``calibrate``
     measures the message costs on this wire (:meth:`Runtime.calibrate`, a second or so) once per topology
     and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then
-    ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`), cached the same way.
+    ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`), cached the same way,
+    and the first calls of each larger class time the model's pipeline depth beside its half and its
+    double (:attr:`Runtime.explore`).
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -895,6 +1025,7 @@ def init(
     if calibrate:
         _calibrated(_RUNTIME)
         _tuned(_RUNTIME)
+        _RUNTIME.explore = True
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
 
