@@ -228,6 +228,8 @@ def scenario_explore(topology: str) -> dict:
     model = list(rt._choice(size))
     want = WORLD * (WORLD + 1) / 2
     exact, exploring, calls = True, [], 0
+    rt.executor(None, 64 << 20)  # planned only (as a hook's set-up does): no call measured, nothing pending
+    planned_only = rt.exploring()
     before = sorted(f"{a}/{p}" for a, p in rt._executors)
     while rt.exploring() or calls == 0:
         xs = [torch.full((n,), float(RANK + 1)) for _ in range(2)]
@@ -247,7 +249,7 @@ def scenario_explore(topology: str) -> dict:
     exact &= bool(torch.all(x == want))
     out = {"model": model, "exact": exact, "calls": calls, "exploring": exploring, "record": record,
            "pick": list(pick), "runs_pick": after is rt._executors.get(tuple(pick)),
-           "kept": sorted(f"{a}/{p}" for a, p in rt._executors), "before": before, "reps": EXPLORE_REPS,
+           "kept": sorted(f"{a}/{p}" for a, p in rt._executors), "before": before, "planned_only": planned_only, "reps": EXPLORE_REPS,
            "pipelines": list(rt.cost_model.pipelines)}
     gradsync.shutdown()
     dist.barrier()

@@ -96,7 +96,7 @@ def test_auto_times_the_depths_beside_the_models_on_a_large_class_and_keeps_one(
         # it explored for exactly its rounds (calls come in pairs), then settled
         assert rep["calls"] == rounds + rounds % 2 and rep["exploring"][-1] is False, (rank, rep)
         assert all(rep["exploring"][:-1]), (rank, rep)
-        assert rep["runs_pick"], (rank, rep)
+        assert rep["runs_pick"] and rep["planned_only"] is False, (rank, rep)
         picked = "/".join(map(str, rep["pick"]))
         assert picked in rep["kept"] and (set(rep["kept"]) & want) - set(rep["before"]) <= {picked}, (rank, rep)
     record = first["record"]

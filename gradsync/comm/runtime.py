@@ -238,9 +238,10 @@ class Runtime:
         return ex.pick if ex is not None and ex.pick is not None else self._choice(size)
 
     def exploring(self) -> bool:
-        """Whether some size class's first calls are still timing pipeline depths (:attr:`explore`): a
-        benchmark warms up until this is False, so it times what ``auto`` settled on."""
-        return any(ex is not None and ex.pick is None for ex in self._explorers.values())
+        """Whether some size class's first calls have started timing pipeline depths and not yet decided
+        (:attr:`explore`): a benchmark warms up until this is False, so it times what ``auto`` settled on. A
+        class only planned (``executor()`` at set-up, no call run) does not count."""
+        return any(ex is not None and ex.pick is None and ex.calls > 0 for ex in self._explorers.values())
 
     def _explorer(self, size: int, model: tuple[str, int]) -> _Explorer | None:
         """The size class's :class:`_Explorer` (None: nothing to compare: native, or no process group)."""
@@ -814,8 +815,9 @@ class _Explorer:
                                "measured_s": {f"{a}/{p}": s for (a, p), s in measured.items()}}
         rt._choices[self.size] = pick
         self.pick = pick
-        in_use = set(rt._choices.values()) | {c for e in rt._explorers.values() if e is not None and e.pick is None
-                                              for c in e.candidates}
+        # kept: what some class runs or is measuring (one only planned builds its candidates again if it runs)
+        in_use = set(rt._choices.values()) | {c for e in rt._explorers.values()
+                                              if e is not None and e.pick is None and e.calls > 0 for c in e.candidates}
         for key in self.candidates:  # the candidates built here that nothing runs: their lanes and scratch go
             if key not in self._had and key not in in_use:
                 dropped = rt._executors.pop(key, None)
