@@ -72,7 +72,7 @@ TUNE_MARGIN = 0.1
 #: Above :data:`TUNE_MAX_BYTES`, a calibrated runtime's ``auto`` times the model's pipeline depth beside
 #: its half and its double on each class's first calls (:class:`_Explorer`): one warm-up call each, then
 #: this many timed calls each, interleaved.
-EXPLORE_REPS = 2
+EXPLORE_REPS = 3
 #: ... and keeps the model's depth unless another is faster by more than this share. Large messages time
 #: steadily (the noise of a 4-64 KB call is in its fixed costs), so the margin is smaller than tuning's.
 EXPLORE_MARGIN = 0.03
