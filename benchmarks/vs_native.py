@@ -74,6 +74,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed training steps per method (0: none)")
     p.add_argument("--rate", default=None, help="override every case's rate (tc syntax, e.g. 200mbit)")
     p.add_argument("--quick", action="store_true", help="racks only, 4 MiB, 2 reps, 2 steps")
+    p.add_argument("--no-explore", dest="explore", action="store_false",
+                   help="run the model's pipeline depth from the first call (default: auto times the depths "
+                        "beside it on each size's first calls after calibrating, Runtime.explore)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="price with the probe's rates and default message costs (default: gradsync.init("
                         "calibrate=True) measures the message costs on the testbed first, as a user would)")
@@ -105,6 +108,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             cmd = [sys.executable, "-m", "benchmarks.vs_native_worker", "--out", str(out), "--topology",
                    case.topology, "--sizes", args.sizes, "--reps", str(args.reps), "--steps", str(args.steps)]
             cmd += ["--calibrate"] if args.calibrate else []
+            cmd += [] if args.explore else ["--no-explore"]
             env = {"OMP_NUM_THREADS": "1", "GRADSYNC_COST_MODEL": str(model_file), "GRADSYNC_CACHE": tmp,
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
             t0 = time.perf_counter()

@@ -47,6 +47,8 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="global batch, split over the ranks")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (DDP's default 25)")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--no-explore", dest="explore", action="store_false",
+                   help="gradsync.init(explore=False): the model's pipeline depths from the first call")
     p.add_argument("--calibrate", action="store_true",
                    help="gradsync.init(calibrate=True): measure the message costs on this wire first")
     return p.parse_args(argv)
@@ -189,9 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    rt = gradsync.init(args.topology, "auto", timeout_s=args.timeout, calibrate=args.calibrate)
+    rt = gradsync.init(args.topology, "auto", timeout_s=args.timeout, calibrate=args.calibrate,
+                       explore=args.calibrate and args.explore)
     out: dict[str, Any] = {"topology": args.topology, "world_size": rt.world_size,
-                           "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate,
+                           "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate, "explore": rt.explore,
                            "init_s": time.perf_counter() - t0,
                            "tuned": {str(k): v for k, v in rt.tuned.items()}}
     sizes = [int(s) for s in args.sizes.split(",") if s]

@@ -996,6 +996,7 @@ def init(
     timeout_s: float = 60.0,
     cost_model: CostModel | str | None = None,
     calibrate: bool = False,
+    explore: bool | None = None,
 ) -> Runtime:
     """Start gradsync in this process and return the runtime (also kept as the default).
 
@@ -1010,7 +1011,7 @@ def init(
     and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then
     ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`), cached the same way,
     and the first calls of each larger class time the model's pipeline depth beside its half and its
-    double (:attr:`Runtime.explore`).
+    double (:attr:`Runtime.explore`; ``explore`` turns that on or off, default: as ``calibrate``).
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -1027,7 +1028,7 @@ def init(
     if calibrate:
         _calibrated(_RUNTIME)
         _tuned(_RUNTIME)
-        _RUNTIME.explore = True
+    _RUNTIME.explore = calibrate if explore is None else bool(explore)
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
 
