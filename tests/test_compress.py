@@ -545,6 +545,34 @@ def test_powersgd_finish_divides_the_thin_factor(world: int) -> None:
     assert torch.equal(v, dense[0])  # the summed payload itself is left alone
 
 
+@pytest.mark.parametrize("r", [1, 2, 4])
+@pytest.mark.parametrize("shape", [(24, 40), (512, 1024)], ids=str)
+def test_outer_into_is_the_product_and_the_subtraction(r: int, shape) -> None:
+    """``outer_into`` (broadcast passes at rank 2 on large matrices, the gemm otherwise) writes ``P Q^T`` or
+    subtracts it in place, equal to the float64 product to float32's last bits, whichever path it takes."""
+    from gradsync.compress.lowrank import BROADCAST_MIN_ELEMENTS, outer_into
+
+    gen = torch.Generator().manual_seed(r)
+    rows, cols = shape
+    p, q, m = torch.randn(rows, r, generator=gen), torch.randn(cols, r, generator=gen), torch.randn(rows, cols, generator=gen)
+    exact = p.double() @ q.double().T
+    out = torch.full((rows, cols), float("nan"))
+    assert outer_into(p, q.T, out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6)
+    got = outer_into(p, q.T, m.clone(), subtract=True)
+    torch.testing.assert_close(got.double(), m.double() - exact, rtol=1e-6, atol=1e-6)
+    if r != 2 or rows * cols < BROADCAST_MIN_ELEMENTS:  # the gemm path: the same bits as mm and addmm_
+        assert torch.equal(out, p @ q.T) and torch.equal(got, m.addmm(p, q.T, alpha=-1))
+    # a PowerSGD step through finish and the in-place residual takes the same path
+    c = PowerSGD(rank=r, min_compression_rate=0)
+    info = _info(m)
+    payload, ctx = c.second_round(m, info, c.first_round(m, info))
+    want = ctx.extra[0].double() @ payload[0].double().T
+    torch.testing.assert_close(c.finish(payload, ctx, torch.empty_like(m)).double(), want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(c.subtract_decoded(m.clone(), payload, ctx, inplace=True).double(), m.double() - want,
+                               rtol=1e-6, atol=1e-5)
+
+
 def test_powersgd_sends_vectors_and_small_matrices_dense() -> None:
     compressor = create("powersgd", rank=4)
     for shape in [(1000,), (3, 3)]:
