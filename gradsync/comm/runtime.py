@@ -134,8 +134,8 @@ class Runtime:
         #: record, but its choices are priced afresh)
         self.tuned: dict[int, dict[str, Any]] = {}
         #: Whether ``auto`` measures the pipeline depths next to the model's on the first calls of each size
-        #: class above :data:`TUNE_MAX_BYTES` (:class:`_Explorer`; ``init(calibrate=True)`` turns it on). The
-        #: outcome is recorded in :attr:`tuned` with ``"online": true``.
+        #: class above :data:`TUNE_MAX_BYTES` (:class:`_Explorer`; ``init(calibrate=True)`` turns it on, as does
+        #: ``init(explore=True)``). The outcome is recorded in :attr:`tuned` with ``"online": true``.
         self.explore = False
         self._explorers: dict[int, _Explorer | None] = {}
         self._generation = 0  # bumped when the cost model changes: decisions are per model
@@ -179,8 +179,9 @@ class Runtime:
     def executor(self, algorithm: str | None = None, nbytes: float | None = None) -> Executor | NativeAllreduce:
         """The executor for ``algorithm`` (default: the runtime's), planned once and cached.
 
-        ``auto`` chooses per size class of ``nbytes`` (default ``options.size_bytes``) with :attr:`chooser`;
-        a named algorithm runs at ``options.pipeline``. Every schedule comes from the chooser (one planning
+        ``auto`` chooses per size class of ``nbytes`` (default ``options.size_bytes``) with :attr:`chooser`
+        (while :attr:`explore` times a large class's depths, the class's :class:`_Explorer`, which runs
+        like an executor); a named algorithm runs at ``options.pipeline``. Every schedule comes from the chooser (one planning
         path, self-checked before it runs) and waits for its messages in the cost model's predicted
         arrival order (:meth:`~gradsync.sim.cost.CostModel.wait_order`).
         """
@@ -797,10 +798,11 @@ class _Explorer:
             self.times[cand].append(time.perf_counter() - t0)
         self.calls += 1
         if self.calls == m * (1 + EXPLORE_REPS):
-            self._decide()
+            self._settle()
         return out
 
-    def _decide(self) -> None:
+    def _settle(self) -> None:
+        """Agree on the timings (the slowest rank's), pick, record it, and drop the executors nothing runs."""
         import statistics
 
         import torch.distributed as dist
