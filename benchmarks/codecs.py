@@ -119,9 +119,16 @@ def gradsync_codec(name: str) -> Codec:
     from gradsync.compress import TensorInfo, create
 
     comp = create(name, **({"ratio": SPARSE_RATIO} if name in ("topk", "randk") else {}))
+    # A TensorInfo describes a tensor once (every gradsync caller builds it at set-up, as GRACE's callers name
+    # theirs): built per call it added ~6 us of validation to a 140 us fp16 round trip at 1e6 elements.
+    infos: dict[tuple[tuple[int, ...], torch.dtype], TensorInfo] = {}
 
     def run(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        payload, ctx = comp.compress(x, TensorInfo("x", tuple(x.shape), x.dtype))
+        key = (tuple(x.shape), x.dtype)
+        info = infos.get(key)
+        if info is None:
+            info = infos[key] = TensorInfo("x", *key)
+        payload, ctx = comp.compress(x, info)
         return comp.decompress(payload, ctx), _nbytes(*payload)
 
     return run
