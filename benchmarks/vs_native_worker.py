@@ -175,10 +175,9 @@ def train_phase(rt: Any, args: argparse.Namespace) -> dict[str, Any]:
         identical[name] = min(_gather_float(float(torch.equal(ref, flat)))) == 1.0
     ref_loss = losses["ddp"]
     return {
-        "steps": args.steps, "warmup_steps": warm, "batch": args.batch,
+        "steps": args.steps, "warmup_steps": warm, "still_exploring": rt.exploring(), "batch": args.batch,
         "explored": {str(k): v for k, v in rt.tuned.items() if v.get("online")},
-        "still_exploring": {str(k): {"calls": e.calls, "candidates": e.candidates}
-                            for k, e in rt._explorers.items() if e is not None and e.pick is None}, "parameters": sum(p.numel() for p in base.parameters()),
+        "parameters": sum(p.numel() for p in base.parameters()),
         "samples_s": samples, "median_s": {m: statistics.median(v) for m, v in samples.items()},
         "losses": losses, "replicas_identical": identical, "cpu_busy_share": share,
         "max_loss_gap_vs_ddp": {m: max(abs(a - b) for a, b in zip(v, ref_loss)) for m, v in losses.items()},

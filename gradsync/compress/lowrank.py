@@ -66,7 +66,7 @@ def outer_into(p: Tensor, qt: Tensor, out: Tensor, *, subtract: bool = False) ->
     of cache: 2.25 ms, and 1.95 ms for ``addmm_``), while two broadcast passes (``p[:, 0] qt[0]``, then
     ``addcmul_`` of the second column) take 1.22 ms either way; at ranks 1, 4 and 8, and on small matrices
     (64x800), the gemm was as fast or faster (measured here), so it stays there. The passes round after
-    each column, the gemm once per element: the two differ in the last bit, never by more.
+    each column, the gemm once per element: they differ by one rounding of the first column's term.
     """
     r = p.shape[1]
     if r != 2 or out.numel() < BROADCAST_MIN_ELEMENTS:
@@ -204,7 +204,7 @@ class PowerSGD(TwoRoundCompressor):
     def subtract_decoded(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Context, *, inplace: bool = False) -> Tensor:
         """``M - P Q^T`` in ``M``'s own buffer, by ``addmm_`` (no d-element product tensor; the same bits as the
         separate product and subtraction with the BLAS measured here), or at rank 2 on a large matrix by two
-        broadcast passes (:func:`outer_into`: faster there, equal to the last bit)."""
+        broadcast passes (:func:`outer_into`: faster there, one rounding apart)."""
         plan = self.matrix_plan(ctx.info.shape)
         dtype = work_dtype(ctx.info.dtype)
         if (plan is None or not inplace or tensor.dtype != dtype or not tensor.is_contiguous()
