@@ -489,9 +489,7 @@ class Runtime:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t.item())
+        return _max_over_ranks(self.transport, group, [statistics.median(times)])[0]
 
     def _duplex_peer(self) -> int:
         """The rank whose path from rank 0 has the slowest bottleneck (then the fewest hops): the links that
@@ -805,11 +803,8 @@ class _Explorer:
         """Agree on the timings (the slowest rank's), pick, record it, and drop the executors nothing runs."""
         import statistics
 
-        import torch.distributed as dist
-
-        t = torch.tensor([statistics.median(self.times[c]) for c in self.candidates], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        measured = dict(zip(self.candidates, t.tolist()))
+        slowest = _max_over_ranks(self.rt.transport, self.group, [statistics.median(self.times[c]) for c in self.candidates])
+        measured = dict(zip(self.candidates, slowest))
         model = self.candidates[0]
         pick = tuned_choice(measured, model, EXPLORE_MARGIN)
         rt = self.rt
@@ -825,6 +820,17 @@ class _Explorer:
                 dropped = rt._executors.pop(key, None)
                 if isinstance(dropped, Executor):
                     dropped.close()
+
+
+def _max_over_ranks(transport: Transport, group: Any, values: Sequence[float]) -> list[float]:
+    """Each of ``values``' largest over the ranks of ``group`` (timings: the slowest rank's), the same on every
+    rank; on the device the backend reduces on (NCCL: this process's GPU)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if getattr(transport, "backend", "") == "nccl" else None
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.tolist()]
 
 
 def _nbytes(tensors: Tensors) -> int:
