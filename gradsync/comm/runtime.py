@@ -234,9 +234,7 @@ class Runtime:
     def choice(self, nbytes: float) -> tuple[str, int]:
         """The (algorithm, pipeline) ``auto`` runs for ``nbytes`` now: the model's, or what :meth:`tune` or
         the first calls' measurements (:attr:`explore`) replaced it with."""
-        size = size_class(nbytes)
-        ex = self._explorers.get(size)
-        return ex.pick if ex is not None and ex.pick is not None else self._choice(size)
+        return self._choice(size_class(nbytes))  # a measured pick replaces the class's entry in _choices
 
     def exploring(self) -> bool:
         """Whether some size class's first calls have started timing pipeline depths and not yet decided
@@ -462,16 +460,22 @@ class Runtime:
             # executors are cached per (algorithm, depth) with the wait order priced at their first size: drop
             # the candidates this class built but did not pick, so a larger size that runs one later prices
             # its own order, as without tuning (and no unused executor is kept)
-            for key in tried:
-                if key != pick and key not in had:
-                    dropped = self._executors.pop(key)
-                    if isinstance(dropped, Executor):
-                        dropped.close()
+            self._drop_built(tried, had, {pick})
             results[size] = {"choice": list(pick), "model": list(model),
                              "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}}
             size *= 2
         self.tuned = results
         return results
+
+    def _drop_built(self, keys: Sequence[tuple[str, int]], had: set[tuple[str, int]],
+                    keep: set[tuple[str, int]]) -> None:
+        """Close and forget the executors of ``keys`` that were built after ``had`` was taken and are not in
+        ``keep``: candidates measured (:meth:`tune`, :class:`_Explorer`) that nothing goes on to run."""
+        for key in keys:
+            if key not in had and key not in keep:
+                dropped = self._executors.pop(key, None)
+                if isinstance(dropped, Executor):
+                    dropped.close()
 
     def _slowest(self, group: Any, fn: Callable[[], Any], reps: int) -> float:
         """The slowest rank's median of ``reps`` timings of ``fn`` (after two warm-up calls when ``reps > 1``):
@@ -780,16 +784,12 @@ class _Explorer:
         """The model's choice's schedule (the candidates differ only in pipeline depth)."""
         return self.first.schedule
 
-    def _current(self) -> Executor | NativeAllreduce:
-        cand = self.pick or self.candidates[self.calls % len(self.candidates)]
-        return self.rt._executor_of(*cand, self.size)
-
     def run(self, tensors: Tensors, op: str = "sum") -> Tensors:
         if self.pick is not None:  # queued before the decision
-            return self._current().run(tensors, op)
+            return self.rt._executor_of(*self.pick, self.size).run(tensors, op)
         m = len(self.candidates)
         cand = self.candidates[self.calls % m]
-        ex = self._current()
+        ex = self.rt._executor_of(*cand, self.size)
         t0 = time.perf_counter()
         out = ex.run(tensors, op)
         if self.calls >= m:  # the first round warmed up
@@ -815,11 +815,7 @@ class _Explorer:
         # kept: what some class runs or is measuring (one only planned builds its candidates again if it runs)
         in_use = set(rt._choices.values()) | {c for e in rt._explorers.values()
                                               if e is not None and e.pick is None and e.calls > 0 for c in e.candidates}
-        for key in self.candidates:  # the candidates built here that nothing runs: their lanes and scratch go
-            if key not in self._had and key not in in_use:
-                dropped = rt._executors.pop(key, None)
-                if isinstance(dropped, Executor):
-                    dropped.close()
+        rt._drop_built(self.candidates, self._had, in_use)  # their lanes and scratch go
 
 
 def _max_over_ranks(transport: Transport, group: Any, values: Sequence[float]) -> list[float]:
