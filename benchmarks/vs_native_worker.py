@@ -88,9 +88,10 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]
             if warm >= 20 or max(_gather_float(float(rt.exploring()))) == 0:  # the same decision on every rank
                 break
         choice = predicted = None
+        used = rt.choice(size)  # what auto runs now: the model's choice, or what measuring replaced it with
         if rank == 0:  # rank 0 prices plans for every rank (the others would only repeat the simulation)
             choice = rt.chooser.choose(size)  # the model's choice for the size class
-            algorithm, pipeline = rt.choice(size)  # what auto runs: the model's, or what measuring replaced it with
+            algorithm, pipeline = used
             # predictions at this exact size (the class's choice is priced at the class's size)
             predicted = {"gradsync": rt.cost_model.predict(rt.chooser.schedule(algorithm, pipeline), rt.topology, size)
                          if algorithm != "native" else rt.cost_model.predict_native(rt.topology, size),
@@ -101,7 +102,6 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]
             for name, fn in methods.items():
                 buf.fill_(rank + 1)
                 samples[name].append(_timed(fn))
-        used = rt.choice(size)
         rows.append({
             "size_bytes": size, "choice": choice.to_dict() if choice else None, "predicted_s": predicted,
             "ran": list(used), "explored": rt.tuned.get(size_class(size)), "warmup_calls": warm, "correct": correct,
