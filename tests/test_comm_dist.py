@@ -80,31 +80,45 @@ def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
 
 def test_auto_times_the_depths_beside_the_models_on_a_large_class_and_keeps_one(tmp_path):
     """With ``explore``, a class above 256 KB runs the model's depth, its double and its half in turn (one
-    warm-up round, then ``EXPLORE_REPS`` timed rounds), every result exact; then all ranks keep the same pick,
-    by the margin rule on the slowest rank's medians, and run it; the candidates not picked are dropped."""
-    from gradsync.comm.runtime import EXPLORE_MARGIN
+    warm-up round, then ``EXPLORE_REPS`` timed rounds), every result exact; a step picks by the margin rule
+    on the slowest rank's medians against its first candidate, and a pick at the edge (the double, the half)
+    is timed against the next depth that way, at most ``EXPLORE_STEPS`` more times. Then all ranks keep the
+    same pick and run it; the candidates not picked are dropped."""
+    from gradsync.comm.runtime import EXPLORE_MARGIN, EXPLORE_STEPS
 
     reports = launch(WORKER, ["explore", str(tmp_path), "switch:3"], 3, tmp_path)
     first = reports[0]
     name, p = first["model"]
-    want = {f"{name}/{q}" for q in (p, 2 * p, p // 2) if q in first["pipelines"]}
-    assert len(want) >= 2, first
-    rounds = (1 + first["reps"]) * len(want)
+    record = first["record"]
+    assert record["online"] is True and record["model"] == [name, p], record
+    steps = record["steps"]
+    want = [[name, q] for q in (p, 2 * p, p // 2) if q in first["pipelines"]]
+    assert len(want) >= 2 and steps[0]["candidates"] == want, (want, steps)
+    assert 1 <= len(steps) <= 1 + EXPLORE_STEPS, steps
+    for i, step in enumerate(steps):  # each pick by the margin rule; each next step from the last one's pick
+        measured, incumbent = step["measured_s"], "/".join(map(str, step["candidates"][0]))
+        assert set(measured) == {"/".join(map(str, c)) for c in step["candidates"]}, step
+        fastest = min(measured, key=measured.get)
+        expect = fastest if measured[fastest] < (1 - EXPLORE_MARGIN) * measured[incumbent] else incumbent
+        assert "/".join(map(str, step["pick"])) == expect, step
+        depths = [c[1] for c in step["candidates"]]
+        moved, q = step["pick"] != step["candidates"][0], step["pick"][1]
+        edge = 2 * q if moved and q == max(depths) else q // 2 if moved and q == min(depths) else None
+        if i + 1 < len(steps):
+            assert steps[i + 1]["candidates"] == [step["pick"], [name, edge]], steps
+        else:  # the last step: nothing further that way, or no steps left
+            assert (edge is None or edge < 1 or edge not in first["pipelines"] or i == EXPLORE_STEPS), steps
+    rounds = sum((1 + first["reps"]) * len(step["candidates"]) for step in steps)
     for rank, rep in enumerate(reports):
         assert rep["exact"], (rank, rep)
-        assert rep["record"] == first["record"] and rep["pick"] == first["pick"], (rank, rep)
+        assert rep["record"] == record and rep["pick"] == steps[-1]["pick"] == record["choice"], (rank, rep)
         # it explored for exactly its rounds (calls come in pairs), then settled
         assert rep["calls"] == rounds + rounds % 2 and rep["exploring"][-1] is False, (rank, rep)
         assert all(rep["exploring"][:-1]), (rank, rep)
         assert rep["runs_pick"] and rep["planned_only"] is False, (rank, rep)
         picked = "/".join(map(str, rep["pick"]))
-        assert picked in rep["kept"] and (set(rep["kept"]) & want) - set(rep["before"]) <= {picked}, (rank, rep)
-    record = first["record"]
-    assert record["online"] is True and record["model"] == [name, p] and set(record["measured_s"]) == want
-    measured = record["measured_s"]
-    fastest = min(measured, key=measured.get)
-    expect = fastest if measured[fastest] < (1 - EXPLORE_MARGIN) * measured[f"{name}/{p}"] else f"{name}/{p}"
-    assert "/".join(map(str, first["pick"])) == expect and record["choice"] == first["pick"], record
+        tried = {"/".join(map(str, c)) for step in steps for c in step["candidates"]}
+        assert picked in rep["kept"] and (set(rep["kept"]) & tried) - set(rep["before"]) <= {picked}, (rank, rep)
 
 
 def test_ddp_hook_matches_ddp_without_hook(tmp_path):

@@ -420,6 +420,55 @@ def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
     assert set(rt._explorers) == {4 << 20} and rt._explorers[4 << 20] is None  # decided once: nothing to time
 
 
+@pytest.mark.parametrize("model, cost, steps, pick", [
+    # the double wins twice, then the next double is within the margin: the last winner stays
+    (1, {1: 10.0, 2: 8.0, 4: 6.0, 8: 5.9}, [[1, 2], [2, 4], [4, 8]], 4),
+    # the half keeps winning: EXPLORE_STEPS more steps, then it stops even though 1 would be faster still
+    (16, {32: 11.0, 16: 10.0, 8: 9.0, 4: 8.0, 2: 7.0, 1: 6.0}, [[16, 32, 8], [8, 4], [4, 2]], 2),
+    # the model's depth wins the first step: nothing more to measure
+    (4, {8: 10.0, 4: 9.0, 2: 9.5}, [[4, 8, 2]], 4),
+])
+def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, steps, pick):
+    """``_Explorer``'s rule on timings it is handed (a fake clock: each depth's call takes ``cost``): a step
+    keeps its first candidate unless another beats it by ``EXPLORE_MARGIN``; a pick at the edge is timed
+    against the next depth that way, at most ``EXPLORE_STEPS`` more times; then the pick is recorded and run."""
+    import gradsync.comm.runtime as runtime
+    from gradsync.comm import Runtime
+    from gradsync.comm.runtime import EXPLORE_REPS, EXPLORE_STEPS, _Explorer
+
+    assert EXPLORE_STEPS == 2  # the second case's three steps
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    clock = [0.0]
+    ran: list[int] = []
+
+    class Fake:
+        def __init__(self, depth: int) -> None:
+            self.depth, self.schedule = depth, None
+
+        def run(self, tensors, op="sum"):
+            ran.append(self.depth)
+            clock[0] += cost[self.depth]
+            return tensors
+
+    monkeypatch.setattr(runtime.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runtime, "_max_over_ranks", lambda transport, group, values: list(values))
+    monkeypatch.setattr(rt, "_executor_of", lambda name, depth, size: Fake(depth))
+    first = [("ring", model)] + [("ring", q) for q in (2 * model, model // 2) if q >= 1]
+    ex = _Explorer(rt, object(), 4 << 20, first)
+    calls = 0
+    while ex.pick is None:
+        ex.run(torch.zeros(1))
+        calls += 1
+        assert calls <= 40
+    record = rt.tuned[4 << 20]
+    assert [[c[1] for c in step["candidates"]] for step in record["steps"]] == steps
+    assert ex.pick == ("ring", pick) and record["choice"] == ["ring", pick] and rt.choice(4 << 20) == ("ring", pick)
+    assert calls == sum((1 + EXPLORE_REPS) * len(step) for step in steps)
+    assert ran[-len(steps[-1]):] == steps[-1]  # the last round: the last step's candidates, in turn
+    ex.run(torch.zeros(1))
+    assert ran[-1] == pick and record["measured_s"]["ring/" + str(pick)] == cost[pick]
+
+
 def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten(tmp_path, monkeypatch):
     """The calibration's and the tuned choices' cache (``_cached``): a corrupt file is ignored with a warning
     naming it, the result is measured and written by rank 0, and the next init uses the file, measuring nothing."""

@@ -76,6 +76,9 @@ EXPLORE_REPS = 3
 #: ... and keeps the model's depth unless another is faster by more than this share. Large messages time
 #: steadily (the noise of a 4-64 KB call is in its fixed costs), so the margin is smaller than tuning's.
 EXPLORE_MARGIN = 0.03
+#: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
+#: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
+EXPLORE_STEPS = 2
 #: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
 PLAN_TIMEOUT_S = 600.0
 
@@ -250,16 +253,8 @@ class Runtime:
         ex = None
         if group is not None and self.world_size > 1 and model[0] != NATIVE:
             def candidates() -> bytes:  # priced by rank 0, like every choice
-                name, p = model
-                out = [model]
-                for q in (2 * p, p // 2):
-                    if q in self.cost_model.pipelines:
-                        try:
-                            self.chooser.schedule(name, q)
-                        except PlanError:
-                            continue  # too large to plan here: not a candidate
-                        out.append((name, q))
-                return json.dumps(out).encode()
+                return json.dumps([model] + [(model[0], q) for q in (2 * model[1], model[1] // 2)
+                                             if self._plannable(model[0], q)]).encode()
 
             tried = [(str(a), int(p)) for a, p in json.loads(self._decide(f"g{self._generation}/explore/{size}",
                                                                            candidates))]
@@ -267,6 +262,16 @@ class Runtime:
                 ex = _Explorer(self, group, size, tried)
         self._explorers[size] = ex
         return ex
+
+    def _plannable(self, name: str, pipeline: int) -> bool:
+        """Whether ``name`` at depth ``pipeline`` may be explored: a depth the cost model prices, and planned here."""
+        if pipeline not in self.cost_model.pipelines:
+            return False
+        try:
+            self.chooser.schedule(name, pipeline)
+        except PlanError:
+            return False  # too large to plan here: not a candidate
+        return True
 
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
         """``compute()`` once for the job (rank 0, shared through the transport) or here when it cannot share."""
@@ -756,28 +761,38 @@ class Runtime:
 
 class _Explorer:
     """``auto``'s first calls of one large size class: the model's pipeline depth against its half and its
-    double, measured on the job's own allreduces.
+    double, measured on the job's own allreduces, stepping on while the edge wins.
 
     Above :data:`TUNE_MAX_BYTES` the α-β model ranks algorithms well but not always depths: it charges each
     message's cost in series, while the executor's per-peer lanes overlap much of it (BML on bcube:3,2:
     depth 2 measured 7.6% faster than the chosen depth 1 at 50 MiB, 1-7% at 12.5 MiB, and 7% slower at
-    4 MiB). Timing the neighbours costs a few calls per class, once per job. Call ``i`` runs candidate
-    ``i mod m`` (the first round warms up: plans, scratch, lane threads); after :data:`EXPLORE_REPS` timed
-    rounds the slowest rank's median per candidate (one small all-reduce, at the same call on every rank:
-    all ranks run a class's calls in the same order) picks with :func:`tuned_choice` and
-    :data:`EXPLORE_MARGIN`, and later calls run the pick. Every candidate computes the same sum, so the
-    calls that measure are real work, not extra collectives.
+    4 MiB). Timing the neighbours costs a few calls per class, once per job. Call ``i`` of a step runs
+    candidate ``i mod m`` (the first round warms up: plans, scratch, lane threads); after
+    :data:`EXPLORE_REPS` timed rounds the slowest rank's median per candidate (one small all-reduce, at the
+    same call on every rank: all ranks run a class's calls in the same order) picks with
+    :func:`tuned_choice` and :data:`EXPLORE_MARGIN`, the step's first candidate being the incumbent. When
+    the pick is the double (the half), the optimum may lie further that way: up to :data:`EXPLORE_STEPS`
+    more steps time the pick against its own double (half), with a fresh warm-up round. Later calls run
+    the last pick. Every candidate computes the same sum, so the calls that measure are real work, not
+    extra collectives.
     """
 
     def __init__(self, rt: Runtime, group: Any, size: int, candidates: Sequence[tuple[str, int]]) -> None:
         self.rt, self.group, self.size = rt, group, size
-        self.candidates = list(candidates)
-        self.calls = 0
-        self.times: dict[tuple[str, int], list[float]] = {c: [] for c in self.candidates}
+        self.model = candidates[0]
+        self.calls = 0  # in this job, all steps
         self.pick: tuple[str, int] | None = None
+        #: each step's candidates (incumbent first), measured times and pick: the record ``rt.tuned`` keeps
+        self.steps: list[dict[str, Any]] = []
         self._had = set(rt._executors)  # executors that existed before: never dropped here
+        self._begin(candidates)
         #: the model's choice, planned now on the caller's thread (as ``auto`` without exploring would)
-        self.first = rt._executor_of(*self.candidates[0], size)
+        self.first = rt._executor_of(*self.model, size)
+
+    def _begin(self, candidates: Sequence[tuple[str, int]]) -> None:
+        self.candidates = list(candidates)
+        self.step_calls = 0
+        self.times: dict[tuple[str, int], list[float]] = {c: [] for c in self.candidates}
 
     @property
     def schedule(self) -> Schedule:
@@ -788,34 +803,66 @@ class _Explorer:
         if self.pick is not None:  # queued before the decision
             return self.rt._executor_of(*self.pick, self.size).run(tensors, op)
         m = len(self.candidates)
-        cand = self.candidates[self.calls % m]
+        cand = self.candidates[self.step_calls % m]
         ex = self.rt._executor_of(*cand, self.size)
         t0 = time.perf_counter()
         out = ex.run(tensors, op)
-        if self.calls >= m:  # the first round warmed up
+        if self.step_calls >= m:  # the first round warmed up
             self.times[cand].append(time.perf_counter() - t0)
+        self.step_calls += 1
         self.calls += 1
-        if self.calls == m * (1 + EXPLORE_REPS):
+        if self.step_calls == m * (1 + EXPLORE_REPS):
             self._settle()
         return out
 
     def _settle(self) -> None:
-        """Agree on the timings (the slowest rank's), pick, record it, and drop the executors nothing runs."""
+        """Agree on the step's timings (the slowest rank's) and pick; then step on, or record the pick and drop
+        the executors nothing runs."""
         import statistics
 
         slowest = _max_over_ranks(self.rt.transport, self.group, [statistics.median(self.times[c]) for c in self.candidates])
         measured = dict(zip(self.candidates, slowest))
-        model = self.candidates[0]
-        pick = tuned_choice(measured, model, EXPLORE_MARGIN)
+        incumbent = self.candidates[0]
+        pick = tuned_choice(measured, incumbent, EXPLORE_MARGIN)
         rt = self.rt
-        rt.tuned[self.size] = {"choice": list(pick), "model": list(model), "online": True,
-                               "measured_s": {f"{a}/{p}": s for (a, p), s in measured.items()}}
+        self.steps.append({"candidates": [list(c) for c in self.candidates], "pick": list(pick),
+                           "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}})
+        beyond = self._beyond(pick, incumbent)
+        keep = self._in_use() | {pick} | ({beyond} if beyond else set())
+        rt._drop_built(self.candidates, self._had, keep)  # their lanes and scratch go
+        if beyond is not None:
+            self._begin([pick, beyond])
+            return
+        measured_all = {k: v for step in self.steps for k, v in step["measured_s"].items()}  # latest time each
+        rt.tuned[self.size] = {"choice": list(pick), "model": list(self.model), "online": True,
+                               "measured_s": measured_all, "steps": self.steps}
         rt._choices[self.size] = pick
         self.pick = pick
-        # kept: what some class runs or is measuring (one only planned builds its candidates again if it runs)
-        in_use = set(rt._choices.values()) | {c for e in rt._explorers.values()
-                                              if e is not None and e.pick is None and e.calls > 0 for c in e.candidates}
-        rt._drop_built(self.candidates, self._had, in_use)  # their lanes and scratch go
+
+    def _beyond(self, pick: tuple[str, int], incumbent: tuple[str, int]) -> tuple[str, int] | None:
+        """The next depth past ``pick`` when it beat the incumbent from the edge of the step's candidates (the
+        double: its double; the half: its half), while steps remain; decided by rank 0 for every rank."""
+        name, p = pick
+        if pick == incumbent or len(self.steps) > EXPLORE_STEPS:
+            return None
+        depths = [q for _, q in self.candidates]
+        if p == max(depths) and p > incumbent[1]:
+            q = 2 * p
+        elif p == min(depths) and p < incumbent[1]:
+            q = p // 2
+        else:
+            return None
+        rt = self.rt
+        measured = {tuple(c) for step in self.steps for c in step["candidates"]}
+        raw = rt._decide(f"g{rt._generation}/explore/{self.size}/{len(self.steps)}",
+                         lambda: json.dumps(q >= 1 and (name, q) not in measured and rt._plannable(name, q)).encode())
+        return (name, q) if json.loads(raw) else None
+
+    def _in_use(self) -> set[tuple[str, int]]:
+        """What some class runs or is measuring (one only planned builds its candidates again if it runs)."""
+        rt = self.rt
+        return set(rt._choices.values()) | {c for e in rt._explorers.values() if e is not None and e is not self
+                                            and e.pick is None and e.calls > 0 for c in e.candidates}
 
 
 def _max_over_ranks(transport: Transport, group: Any, values: Sequence[float]) -> list[float]:
