@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,6 +151,13 @@ def test_plan_round_trips_through_json_and_scales_rates() -> None:
     assert TestbedPlan.from_dict(old).tcp_cc == "host"
     with pytest.raises(TestbedError, match="tcp_cc='vegas': choose one of cubic, reno, bbr, host"):
         build_plan(get_topology("switch:2"), "50mbit", tcp_cc="vegas")
+    # slow start after idle: Linux's default unless asked, also for states written before the choice
+    assert again.idle_restart is True and data["tcp_idle_restart"] is True
+    assert TestbedPlan.from_dict({k: v for k, v in data.items() if k != "tcp_idle_restart"}).idle_restart is True
+    tuned = build_plan(get_topology("switch:2"), "50mbit", idle_restart=False)
+    assert TestbedPlan.from_dict(json.loads(json.dumps(tuned.to_dict()))).idle_restart is False
+    with pytest.raises(TestbedError, match="idle_restart='no' must be True .* or False"):
+        build_plan(get_topology("switch:2"), "50mbit", idle_restart="no")  # type: ignore[arg-type]
     # A link of twice the unit bandwidth gets twice the rate (p3.16xlarge: 2 NVLinks = 50 GB/s).
     dgx = plan_for("p3.16xlarge")
     assert {n.rate_mbit for s in dgx.servers for n in s.nics} == {100.0, 200.0}
@@ -235,12 +243,12 @@ def _no_gs_objects() -> list[str]:
 
 
 @contextlib.contextmanager
-def _bring_up(spec: str, state: Path) -> Iterator[TestbedPlan]:
+def _bring_up(spec: str, state: Path, **options: Any) -> Iterator[TestbedPlan]:
     left = leftovers()
     if left["namespaces"] or left["links"]:
         pytest.skip(f"a gs- testbed is already up ({left}); run 'gradsync testbed down' to run these tests")
     try:
-        yield up(spec, "100mbit", state_path=state)
+        yield up(spec, "100mbit", state_path=state, **options)
     finally:
         down(state_path=state)
 
@@ -310,6 +318,16 @@ class TestSwitch3:
         finally:
             server.wait(timeout=30)
 
+    def test_every_server_slow_starts_after_idle_as_the_plan_says(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        """``net.ipv4.tcp_slow_start_after_idle`` is per namespace: written from the plan (Linux's 1 by
+        default), whatever the host's own value is."""
+        plan, state = switch3_bed
+        assert plan.idle_restart is True and tb_status(state_path=state)["tcp_idle_restart"] is True
+        for s in plan.servers:
+            got = subprocess.run(tb_netns.ns_exec(s.namespace, ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"]),
+                                 capture_output=True, text=True, timeout=30)
+            assert got.returncode == 0 and got.stdout.strip() == "1", (s.namespace, got)
+
     def test_probe_is_within_15_percent_of_100mbit(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
         plan, state = switch3_bed
         out = io.StringIO()
@@ -329,13 +347,21 @@ class TestSwitch3:
 @pytest.fixture(scope="class")
 def bcube22_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestbedPlan, Path]]:
     state = tmp_path_factory.mktemp("testbed") / "state.json"
-    with _bring_up("bcube:2,2", state) as plan:
+    with _bring_up("bcube:2,2", state, idle_restart=False) as plan:  # a cluster tuned for training
         yield plan, state
 
 
 @needs_root
 @pytest.mark.timeout(180)
 class TestBcube22:
+
+    def test_no_idle_restart_is_written_in_every_namespace(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
+        plan, state = bcube22_bed
+        assert plan.idle_restart is False and tb_status(state_path=state)["tcp_idle_restart"] is False
+        for s in plan.servers:
+            got = subprocess.run(tb_netns.ns_exec(s.namespace, ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"]),
+                                 capture_output=True, text=True, timeout=30)
+            assert got.returncode == 0 and got.stdout.strip() == "0", (s.namespace, got)
 
     def test_level0_neighbours_use_the_level0_nic(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
         plan, state = bcube22_bed

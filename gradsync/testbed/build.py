@@ -198,6 +198,9 @@ class TestbedPlan:
     prefix: str = PREFIX
     #: TCP congestion control on every route of every server (:data:`TCP_CC`), or ``"host"``: the host's default
     tcp_cc: str = DEFAULT_TCP_CC
+    #: ``net.ipv4.tcp_slow_start_after_idle`` in every namespace: True (Linux's default) restarts a connection's
+    #: congestion window after it idles one RTO; False keeps it, as clusters tuned for training set it
+    idle_restart: bool = True
     _by_address: dict[str, Nic] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -300,6 +303,7 @@ class TestbedPlan:
             "rate_mbit": self.rate_mbit,
             "delay_ms": self.delay_ms,
             "tcp_cc": self.tcp_cc,
+            "tcp_idle_restart": self.idle_restart,
             "address_plan": f"{ADDRESS_PREFIX}.<subnet>.<rank+1>/24",
             "master_addr": self.master_addr,
             "namespaces": self.namespaces,
@@ -339,6 +343,7 @@ class TestbedPlan:
                 trunks=tuple(Trunk(**{**t, "link": tuple(t["link"])}) for t in data["trunks"]),
                 dropped=tuple(tuple(d) for d in data["dropped"]), prefix=data.get("prefix", PREFIX),
                 tcp_cc=data.get("tcp_cc", "host"),  # states written before the choice existed kept the host's
+                idle_restart=bool(data.get("tcp_idle_restart", True)),  # ... and Linux's idle restart
             )
         except (KeyError, TypeError) as exc:
             raise TestbedError(f"testbed state is incomplete or from another version ({exc!r}); "
@@ -422,13 +427,16 @@ def _next_hops(n: int, subnets_of: dict[int, set[int]], digits: list[tuple[int, 
 
 
 def build_plan(topology: Topology, rate: str | float = "200mbit", delay: str | float | None = None,
-               prefix: str = PREFIX, tcp_cc: str = DEFAULT_TCP_CC) -> TestbedPlan:
+               prefix: str = PREFIX, tcp_cc: str = DEFAULT_TCP_CC, idle_restart: bool = True) -> TestbedPlan:
     """Turn a topology into namespaces, bridges, veths, addresses and routes (see the module docstring)."""
     rate_mbit = parse_rate(rate)
     delay_ms = parse_delay(delay)
     if tcp_cc not in TCP_CC:
         raise TestbedError(f"tcp_cc={tcp_cc!r}: choose one of {', '.join(TCP_CC)} (cubic is Linux's default; "
                            f"'host' keeps whatever this host's net.ipv4.tcp_congestion_control says)")
+    if not isinstance(idle_restart, bool):
+        raise TestbedError(f"idle_restart={idle_restart!r} must be True (Linux's default: slow start again after "
+                           f"an idle RTO) or False (keep the window, net.ipv4.tcp_slow_start_after_idle=0)")
     topo = topology
     n = len(topo.ranks)
     if n > MAX_SERVERS:
@@ -541,7 +549,7 @@ def build_plan(topology: Topology, rate: str | float = "200mbit", delay: str | f
         servers.append(Server(src, topo.ranks[src], f"{prefix}h{src}", tuple(nics[src]), tuple(routes),
                               forwarding=len(nics[src]) > 1))
     return TestbedPlan(topo.name, rate_mbit, delay_ms, tuple(servers), tuple(bridges), tuple(trunks),
-                       tuple(dropped), prefix, tcp_cc)
+                       tuple(dropped), prefix, tcp_cc, idle_restart)
 
 
 def sample_pairs(plan: TestbedPlan, limit: int = 16) -> list[tuple[int, int]]:

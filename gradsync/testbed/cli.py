@@ -30,11 +30,12 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
 def _cmd_up(args: argparse.Namespace) -> int:
     from gradsync.testbed.control import resolve_state_path, up
 
-    plan = up(args.topology, args.rate, args.delay, state_path=args.state, tcp_cc=args.tcp_cc)
+    plan = up(args.topology, args.rate, args.delay, state_path=args.state, tcp_cc=args.tcp_cc,
+              idle_restart=args.idle_restart)
     nics = sum(len(s.nics) for s in plan.servers)
     print(f"testbed {plan.topology}: {plan.world_size} servers, {len(plan.bridges)} bridges, {nics} NICs "
           f"at {plan.rate_mbit:g} Mbit/s" + (f", {plan.delay_ms:g} ms delay" if plan.delay_ms else "")
-          + f", TCP {plan.tcp_cc}")
+          + f", TCP {plan.tcp_cc}" + ("" if plan.idle_restart else ", no slow start after idle"))
     if plan.dropped:
         print(f"  {len(plan.dropped)} redundant switch links left out (STP is off; one L2 tree per domain)")
     for s in plan.servers:
@@ -101,7 +102,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"no testbed is up (no state file {info['state']})")
     else:
         print(f"testbed {info['topology']} ({'up' if info['up'] else 'BROKEN: namespaces missing'}), "
-              f"{info['rate_mbit']:g} Mbit/s per unit link, TCP {info['tcp_cc']}, MASTER_ADDR={info['master_addr']}, "
+              f"{info['rate_mbit']:g} Mbit/s per unit link, TCP {info['tcp_cc']}"
+              f"{'' if info['tcp_idle_restart'] else ' (no slow start after idle)'}, MASTER_ADDR={info['master_addr']}, "
               f"state {info['state']}")
         for s in info["servers"]:
             nics = " ".join(f"{n['ifname']}={n['address']}" for n in s["nics"])
@@ -136,6 +138,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     u.add_argument("--tcp-cc", default=DEFAULT_TCP_CC, choices=TCP_CC,
                    help="TCP congestion control on every route (default cubic, Linux's default, whatever this "
                         "host's own is; 'host' keeps the host's)")
+    u.add_argument("--no-idle-restart", dest="idle_restart", action="store_false",
+                   help="keep each connection's congestion window across idle gaps "
+                        "(net.ipv4.tcp_slow_start_after_idle=0, as clusters tuned for training set it; "
+                        "default: Linux's slow start again after an idle RTO)")
     u.set_defaults(testbed_func=_cmd_up)
 
     r = sub.add_parser("run", parents=[common], help="run a command once per server, torchrun-style")

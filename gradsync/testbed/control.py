@@ -65,10 +65,12 @@ def _shape(ifname: str, rate_mbit: float, delay_ms: float | None = None, ns: str
                  f"{delay_ms * 1000:.0f}us", ns=ns)
 
 
-def _sysctls(forwarding: bool) -> dict[str, str]:
+def _sysctls(forwarding: bool, idle_restart: bool = True) -> dict[str, str]:
     base = "/proc/sys/net"
     return {
         f"{base}/ipv4/ip_forward": "1" if forwarding else "0",
+        # Per namespace: written either way, so the plan says what the kernel does (not the host's value).
+        f"{base}/ipv4/tcp_slow_start_after_idle": "1" if idle_restart else "0",
         # Relayed replies may arrive on another NIC than the one the route to their source uses.
         f"{base}/ipv4/conf/all/rp_filter": "0",
         f"{base}/ipv4/conf/default/rp_filter": "0",
@@ -84,7 +86,7 @@ def _build(plan: TestbedPlan) -> None:
             netns.ip("netns", "add", s.namespace)
         except TestbedError as exc:
             raise TestbedError(f"cannot create network namespace {s.namespace}: {exc}") from None
-        netns.write_sysctls(s.namespace, _sysctls(s.forwarding))
+        netns.write_sysctls(s.namespace, _sysctls(s.forwarding, plan.idle_restart))
         netns.ip("link", "set", "lo", "up", ns=s.namespace)
     for b in plan.bridges:
         netns.ip("link", "add", "name", b.name, "type", "bridge", "stp_state", "0")
@@ -114,17 +116,20 @@ def _build(plan: TestbedPlan) -> None:
 
 
 def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | float | None = None, *,
-       state_path: str | os.PathLike[str] | None = None, tcp_cc: str = DEFAULT_TCP_CC) -> TestbedPlan:
+       state_path: str | os.PathLike[str] | None = None, tcp_cc: str = DEFAULT_TCP_CC,
+       idle_restart: bool = True) -> TestbedPlan:
     """Build the emulated cluster for ``topology`` (spec or object) and write its state file.
 
     ``rate`` is each unit link's rate in each direction (tc syntax: ``200mbit``); ``delay`` adds netem delay
     on every server's egress; ``tcp_cc`` is the TCP congestion control of every route (a route attribute, so
-    the host's own default is left alone; ``"host"`` keeps that default: see :data:`TCP_CC`). Refuses to run
-    over leftovers of another testbed.
+    the host's own default is left alone; ``"host"`` keeps that default: see :data:`TCP_CC`);
+    ``idle_restart=False`` keeps a connection's congestion window across idle gaps (a cluster tuned for
+    training: ``net.ipv4.tcp_slow_start_after_idle=0``; Linux restarts slow start after an idle RTO).
+    Refuses to run over leftovers of another testbed.
     """
     netns.require()
     topo = get_topology(topology)
-    plan = build_plan(topo, rate, delay, tcp_cc=tcp_cc)
+    plan = build_plan(topo, rate, delay, tcp_cc=tcp_cc, idle_restart=idle_restart)
     left = netns.leftovers(plan.prefix)
     if left["namespaces"] or left["links"]:
         found = ", ".join(left["namespaces"] + left["links"])
@@ -200,6 +205,7 @@ def status(*, state_path: str | os.PathLike[str] | None = None) -> dict[str, Any
         "rate_mbit": plan.rate_mbit,
         "delay_ms": plan.delay_ms,
         "tcp_cc": plan.tcp_cc,
+        "tcp_idle_restart": plan.idle_restart,
         "master_addr": plan.master_addr,
         "servers": [
             {"rank": s.rank, "device": s.device, "namespace": s.namespace, "address": s.address,
