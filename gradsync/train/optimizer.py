@@ -3,8 +3,11 @@
 Each parameter gets a post-accumulate-grad hook. When its gradient is final, the hook adds it to the open
 group of its dtype; once the group holds ``bucket_bytes`` (0: every gradient alone) the group is queued
 as one tensor collective on the runtime's communication thread, and backward goes on (wait-free
-backprop, seed 001 §4.1). ``step()`` flushes the open groups, waits for all of them, then runs the
-wrapped optimizer. Ranks produce gradients in the same order, so their groups match.
+backprop, seed 001 §4.1). The first group of an iteration closes at ``first_bucket_bytes`` instead (1 MiB
+by default, DDP's first bucket), so the last layers' gradients travel while backward computes the rest
+rather than waiting for a group that backward's remaining gradients will never fill. ``step()`` flushes
+the open groups, waits for all of them, then runs the wrapped optimizer. Ranks produce gradients in the
+same order, so their groups match.
 
 With ``compression=...`` the gradients go through :mod:`gradsync.compress` instead (issue 8, MergeComp's
 Algorithm 1): they are cut in backward order into the groups ``merge`` names, each group is compressed
@@ -29,7 +32,10 @@ if TYPE_CHECKING:
     from gradsync.compress import Compressor, Memory, Partition
     from gradsync.compress.merge import CostModel
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "FIRST_BUCKET_BYTES"]
+
+#: The first group's default size limit (``torch.distributed``'s ``_DEFAULT_FIRST_BUCKET_BYTES``, DDP's).
+FIRST_BUCKET_BYTES = 1 << 20
 
 
 class DistributedOptimizer:
@@ -37,6 +43,8 @@ class DistributedOptimizer:
 
     ``named_parameters``: the model's ``named_parameters()`` (default: every parameter of the optimizer).
     ``bucket_bytes``: fuse consecutive gradients of one dtype until a group holds this many bytes.
+    ``first_bucket_bytes``: the limit of an iteration's first group (default ``min(bucket_bytes,
+    FIRST_BUCKET_BYTES)``, as DDP; ``bucket_bytes`` keeps every group alike).
     ``compression``: a compressor name (``gradsync compress list``) or a :class:`~gradsync.compress.Compressor`;
     ``memory`` (default: the compressor's usual error feedback) and ``communicator`` (default: the
     compressor's own) complete the step. ``merge``: ``"layerwise"`` (default, each tensor alone), an int
@@ -56,6 +64,7 @@ class DistributedOptimizer:
         op: str = "avg",
         algorithm: str | None = None,
         bucket_bytes: int = 0,
+        first_bucket_bytes: int | None = None,
         compression: Compressor | str | None = None,
         merge: Partition | int | str = "layerwise",
         memory: Memory | str | None = None,
@@ -67,11 +76,16 @@ class DistributedOptimizer:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
         if bucket_bytes < 0:
             raise GradsyncError(f"bucket_bytes={bucket_bytes} must be >= 0 (0 sends every gradient alone)")
+        if first_bucket_bytes is not None and (isinstance(first_bucket_bytes, bool) or not isinstance(first_bucket_bytes, int)
+                                               or first_bucket_bytes < 0):
+            raise GradsyncError(f"first_bucket_bytes={first_bucket_bytes!r} must be an integer >= 0 or None "
+                                f"(None: min(bucket_bytes, {FIRST_BUCKET_BYTES}), DDP's first bucket)")
         self.optimizer = optimizer
         self.runtime = runtime or get_runtime()
         self.op = op
         self.algorithm = algorithm
         self.bucket_bytes = int(bucket_bytes)
+        self.first_bucket_bytes = min(self.bucket_bytes, FIRST_BUCKET_BYTES) if first_bucket_bytes is None else first_bucket_bytes
         in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
         if named_parameters is None:
             named = [(f"param{i}", p) for i, p in enumerate(in_optimizer)]
@@ -114,7 +128,7 @@ class DistributedOptimizer:
         group, size = self._open.get(grad.dtype, ([], 0))
         group.append(grad)
         size += grad.numel() * grad.element_size()
-        if size >= self.bucket_bytes:
+        if size >= (self.bucket_bytes if self._works else self.first_bucket_bytes):  # nothing sent yet: the first group
             self._works.append(self.runtime.allreduce_async(group, self.op, self.algorithm))
             self._open.pop(grad.dtype, None)
         else:
@@ -128,10 +142,9 @@ class DistributedOptimizer:
 
         if self.op != "avg":
             raise GradsyncError(f"op={self.op!r} with compression: compressed gradients are averaged (op='avg') or voted")
-        if self.bucket_bytes:
-            raise GradsyncError(
-                f"bucket_bytes={self.bucket_bytes} with compression: merge=... decides the groups (e.g. merge=4 or 'auto')"
-            )
+        for what, value in (("bucket_bytes", self.bucket_bytes), ("first_bucket_bytes", self.first_bucket_bytes)):
+            if value:
+                raise GradsyncError(f"{what}={value} with compression: merge=... decides the groups (e.g. merge=4 or 'auto')")
         trainable = [(n, p) for n, p in named if p.requires_grad]
         dtypes = sorted({str(p.dtype) for _, p in trainable})
         if len(dtypes) > 1:
