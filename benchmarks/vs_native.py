@@ -26,8 +26,8 @@ servers: heavy for 2 cores, not in the default set). Writes ``vs_native.json`` a
 TCP is cubic, without slow start after idle (``net.ipv4.tcp_slow_start_after_idle=0`` in every
 namespace; ``--idle-restart`` keeps Linux's default). The methods alternate call by call, so each one's
 connections sit idle for seconds while the others run, longer than the retransmission timeout (200 ms at
-least) after which Linux shrinks an idle connection's window back to 10 segments; a training loop that
-calls one method every step leaves no such gaps. With the restart, the interleaving itself moved the
+least) after which Linux shrinks an idle connection's window toward its initial 10 segments; a training
+loop that runs one method leaves its connections idle only for a forward pass. With the restart, the interleaving itself moved the
 samples: on bcube:3,2 at 12.5 MiB gradsync's between 0.53 and 0.59 s (0.516-0.527 s without; the model
 says 0.509), and on racks at 4 MiB gloo's between 0.61 and 0.73 s (0.59-0.65 s without).
 """
