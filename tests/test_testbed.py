@@ -253,6 +253,15 @@ def _bring_up(spec: str, state: Path, **options: Any) -> Iterator[TestbedPlan]:
         down(state_path=state)
 
 
+def _check_idle_restart(plan: TestbedPlan, state: Path, restart: bool) -> None:
+    """The plan, the status and every namespace's kernel agree on slow start after idle."""
+    assert plan.idle_restart is restart and tb_status(state_path=state)["tcp_idle_restart"] is restart
+    for s in plan.servers:
+        got = subprocess.run(tb_netns.ns_exec(s.namespace, ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"]),
+                             capture_output=True, text=True, timeout=30)
+        assert got.returncode == 0 and got.stdout.strip() == str(int(restart)), (s.namespace, got)
+
+
 def _tx(ns: str, ifname: str, what: str = "tx_bytes") -> int:
     path = f"/sys/class/net/{ifname}/statistics/{what}"
     return int(subprocess.run(["ip", "netns", "exec", ns, "cat", path], capture_output=True, text=True, check=True).stdout)
@@ -321,12 +330,7 @@ class TestSwitch3:
     def test_every_server_slow_starts_after_idle_as_the_plan_says(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
         """``net.ipv4.tcp_slow_start_after_idle`` is per namespace: written from the plan (Linux's 1 by
         default), whatever the host's own value is."""
-        plan, state = switch3_bed
-        assert plan.idle_restart is True and tb_status(state_path=state)["tcp_idle_restart"] is True
-        for s in plan.servers:
-            got = subprocess.run(tb_netns.ns_exec(s.namespace, ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"]),
-                                 capture_output=True, text=True, timeout=30)
-            assert got.returncode == 0 and got.stdout.strip() == "1", (s.namespace, got)
+        _check_idle_restart(*switch3_bed, True)
 
     def test_probe_is_within_15_percent_of_100mbit(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
         plan, state = switch3_bed
@@ -356,12 +360,7 @@ def bcube22_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Test
 class TestBcube22:
 
     def test_no_idle_restart_is_written_in_every_namespace(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
-        plan, state = bcube22_bed
-        assert plan.idle_restart is False and tb_status(state_path=state)["tcp_idle_restart"] is False
-        for s in plan.servers:
-            got = subprocess.run(tb_netns.ns_exec(s.namespace, ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"]),
-                                 capture_output=True, text=True, timeout=30)
-            assert got.returncode == 0 and got.stdout.strip() == "0", (s.namespace, got)
+        _check_idle_restart(*bcube22_bed, False)
 
     def test_level0_neighbours_use_the_level0_nic(self, bcube22_bed: tuple[TestbedPlan, Path]) -> None:
         plan, state = bcube22_bed
