@@ -138,7 +138,8 @@ class Runtime:
         self.tuned: dict[int, dict[str, Any]] = {}
         #: Whether ``auto`` measures the pipeline depths next to the model's on the first calls of each size
         #: class above :data:`TUNE_MAX_BYTES` (:class:`_Explorer`; ``init(calibrate=True)`` turns it on, as does
-        #: ``init(explore=True)``). The outcome is recorded in :attr:`tuned` with ``"online": true``.
+        #: ``init(explore=True)``). The outcome is recorded in :attr:`tuned` with ``"online": true`` and each
+        #: step's candidates, times and pick under ``"steps"``.
         self.explore = False
         self._explorers: dict[int, _Explorer | None] = {}
         self._generation = 0  # bumped when the cost model changes: decisions are per model
