@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -450,7 +451,9 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
             clock[0] += cost[self.depth]
             return tensors
 
-    monkeypatch.setattr(runtime.time, "perf_counter", lambda: clock[0])
+    real = runtime.time  # only the runtime module's clock is faked: other threads keep the real one
+    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(**fake))
     monkeypatch.setattr(runtime, "_max_over_ranks", lambda transport, group, values: list(values))
     monkeypatch.setattr(rt, "_executor_of", lambda name, depth, size: Fake(depth))
     first = [("ring", model)] + [("ring", q) for q in (2 * model, model // 2) if q >= 1]
