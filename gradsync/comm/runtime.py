@@ -829,8 +829,7 @@ class _Explorer:
         self.steps.append({"candidates": [list(c) for c in self.candidates], "pick": list(pick),
                            "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}})
         beyond = self._beyond(pick, incumbent)
-        keep = self._in_use() | {pick} | ({beyond} if beyond else set())
-        rt._drop_built(self.candidates, self._had, keep)  # their lanes and scratch go
+        rt._drop_built(self.candidates, self._had, self._in_use() | {pick})  # their lanes and scratch go
         if beyond is not None:
             self._begin([pick, beyond])
             return
@@ -841,18 +840,13 @@ class _Explorer:
         self.pick = pick
 
     def _beyond(self, pick: tuple[str, int], incumbent: tuple[str, int]) -> tuple[str, int] | None:
-        """The next depth past ``pick`` when it beat the incumbent from the edge of the step's candidates (the
-        double: its double; the half: its half), while steps remain; decided by rank 0 for every rank."""
+        """The next depth past ``pick`` when it beat the incumbent (a step's other candidates are the incumbent's
+        double and half, so the double's next is its double, the half's its half), while steps remain; decided
+        by rank 0 for every rank."""
         name, p = pick
         if pick == incumbent or len(self.steps) > EXPLORE_STEPS:
             return None
-        depths = [q for _, q in self.candidates]
-        if p == max(depths) and p > incumbent[1]:
-            q = 2 * p
-        elif p == min(depths) and p < incumbent[1]:
-            q = p // 2
-        else:
-            return None
+        q = 2 * p if p > incumbent[1] else p // 2
         rt = self.rt
         measured = {tuple(c) for step in self.steps for c in step["candidates"]}
         raw = rt._decide(f"g{rt._generation}/explore/{self.size}/{len(self.steps)}",
