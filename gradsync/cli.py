@@ -359,6 +359,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"{name:18s} {r['accuracy']:8.3f} {r['step_ms']:8.2f} {r['comm_ms']:8.2f} {r['wait_ms']:8.2f}  "
                   f"{'yes' if r['replicas_identical'] else 'NO'}")
         print("comm ms: time the communication thread was busy per step; waited: the part training waited for.")
+        plans = train["results"].get("auto", {}).get("plans")
+        if plans:
+            print("auto (calibrated on this wire) ran, per gradient group: "
+                  + ", ".join(f"{int(n) / 1024:.1f} KiB {plan}" for n, plan in plans.items()))
         print(f"plot: {train['plot']}")
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2))
@@ -451,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-train", action="store_true", help="only the planning table, no training run")
     d.add_argument("--workers", type=int, default=4, help="local worker processes for the training run")
     d.add_argument("--steps", type=int, default=120, help="training steps per algorithm")
-    d.add_argument("--algorithms", default="", help="comma-separated (default: every applicable one + torch.all_reduce)")
+    d.add_argument("--algorithms", default="", help="comma-separated (default: torch.all_reduce, auto and every applicable one)")
     d.add_argument("--plot", default="gradsync-demo.png", help="where to save the training plot (.png/.svg)")
     d.set_defaults(func=cmd_demo)
     return p

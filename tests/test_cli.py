@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from gradsync.plan import SYNTHESIZERS
+
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gradsync", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
@@ -107,16 +109,27 @@ def test_topo_list_show_export_draw(tmp_path):
     assert p.returncode == 0 and (tmp_path / "p2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_trains_on_workers(tmp_path):
-    """The main job's training part, shortened: 2 workers, two algorithms and the torch baseline."""
+def test_demo_trains_on_workers(tmp_path, monkeypatch):
+    """The main job's training part, shortened: 2 workers, ``auto`` (calibrated), two algorithms and the torch
+    baseline."""
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path / "cache"))
     p = run("demo", "--no-train", cwd=tmp_path)
     assert p.returncode == 0
-    p = run("demo", "--workers", "2", "--steps", "40", "--algorithms", "torch.all_reduce,ring,lp", "-o", "d.json",
+    p = run("demo", "--workers", "2", "--steps", "40", "--algorithms", "torch.all_reduce,auto,ring,lp", "-o", "d.json",
             "--plot", "d.png", cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     train = json.loads((tmp_path / "d.json").read_text())["training"]
     res = train["results"]
-    assert list(res) == ["torch.all_reduce", "ring", "lp"]
+    assert list(res) == ["torch.all_reduce", "auto", "ring", "lp"]
+    # auto ran calibrated (the calibration and the tuned small sizes are cached) and says what it ran for
+    # every gradient group; the groups hold every parameter's gradient once
+    assert {f.name.split("-")[0] for f in (tmp_path / "cache").iterdir()} == {"cost_model", "tuned"}
+    auto = res["auto"]
+    assert sum(auto["groups"]) == 4 * train["params"]
+    assert set(auto["plans"]) == {str(n) for n in auto["groups"]}
+    known = set(SYNTHESIZERS.names()) | {"native"}
+    assert all(plan.split("/")[0] in known and int(plan.split("/")[1]) >= 1 for plan in auto["plans"].values())
+    assert "auto (calibrated on this wire) ran, per gradient group:" in p.stdout
     for name, r in res.items():
         assert r["replicas_identical"], name
         # same data, same initial weights: the algorithms differ only in summation order

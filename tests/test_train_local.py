@@ -63,6 +63,7 @@ def test_the_first_group_closes_at_first_bucket_bytes(first, expect):
         rt.groups.clear()
         _step(opt, model)
         assert rt.groups == expect
+        assert opt.group_bytes == [sum(g) for g in expect]  # the statistic names the groups of the last step
     opt.remove_hooks()
 
 

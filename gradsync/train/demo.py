@@ -3,7 +3,10 @@
 ``run_demo()`` starts ``workers`` processes on loopback (torchrun-style, :mod:`gradsync.launch`). Each
 runs :func:`worker` : for every algorithm it trains LeNet-5 from the same initial weights on the same
 data order with :class:`~gradsync.train.optimizer.DistributedOptimizer` (gradients start travelling as
-backward produces them), plus a baseline with ``torch.distributed.all_reduce``. Rank 0 reports test
+backward produces them), plus a baseline with ``torch.distributed.all_reduce``. ``auto`` (gradsync's default)
+runs as a user would run it: the runtime is calibrated on this wire at start (message costs, rates, the
+small sizes timed; cached per topology in ``$GRADSYNC_CACHE``), and the plan it ran for each gradient group
+is reported. Rank 0 reports test
 accuracy, time per step, communication time per step (time the communication thread was busy) and the
 part of it training waited for. The parent prints the table and saves a plot.
 """
@@ -59,11 +62,11 @@ class DemoConfig:
         usable = [a for a in SYNTHESIZERS.names() if a != "auto" and not SYNTHESIZERS.get(a).applicable(topo)]
         if algorithms:
             for a in algorithms:
-                if a != BASELINE and a not in usable:
+                if a not in (BASELINE, "auto") and a not in usable:
                     raise GradsyncError(f"algorithm {a!r} does not run on {self.topology!r}; choose from {usable} or {BASELINE!r}")
             self.algorithms = list(algorithms)
         else:
-            self.algorithms = [BASELINE, *usable]
+            self.algorithms = [BASELINE, "auto", *usable]
 
 
 def worker(argv: Sequence[str] | None = None) -> int:
@@ -78,7 +81,9 @@ def worker(argv: Sequence[str] | None = None) -> int:
 
     args = _args(argv)
     torch.set_num_threads(1)
-    rt = init(topology=args.topology, algorithm="ring", timeout_s=120)
+    # calibrated as a user of ``auto`` would run it: the wire's message costs and rates, the small sizes
+    # timed (cached per topology in $GRADSYNC_CACHE, so a second run skips it)
+    rt = init(topology=args.topology, algorithm="auto", timeout_s=120, calibrate="auto" in args.algorithms.split(","))
     rank, world = rt.rank, rt.world_size
     data = load_digits(32)
     algorithms = [a for a in args.algorithms.split(",") if a]
@@ -132,6 +137,9 @@ def worker(argv: Sequence[str] | None = None) -> int:
             "comm_ms": 1e3 * comm / args.steps, "wait_ms": 1e3 * waited / args.steps,
             "replicas_identical": bool(same_t.item() == 1.0),
         }
+        if alg == "auto":  # what auto ran for each group size of the last step (the groups are the same every step)
+            results[alg]["groups"] = opt.group_bytes
+            results[alg]["plans"] = {str(n): "/".join(map(str, rt.choice(n))) for n in sorted(set(opt.group_bytes))}
         if alg != BASELINE:
             opt.remove_hooks()
         if rank == 0:

@@ -98,6 +98,10 @@ class DistributedOptimizer:
         self.names = {id(p): n for n, p in named}
         self._open: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
         self._works: list[Work] = []
+        self._sent: list[int] = []  # bytes of each group queued in this iteration, in order
+        #: bytes of each group the last synchronized iteration sent, in the order they were queued (DDP's
+        #: bucket sizes, for this optimizer): what ``auto`` planned for (``runtime.choice(n)`` per size)
+        self.group_bytes: list[int] = []
         self.wait_seconds = 0.0  # time step() spent waiting on communication (exposed comm time)
         self.compression = None
         if compression is not None:
@@ -129,7 +133,7 @@ class DistributedOptimizer:
         group.append(grad)
         size += grad.numel() * grad.element_size()
         if size >= (self.bucket_bytes if self._works else self.first_bucket_bytes):  # nothing sent yet: the first group
-            self._works.append(self.runtime.allreduce_async(group, self.op, self.algorithm))
+            self._queue(group, size)
             self._open.pop(grad.dtype, None)
         else:
             self._open[grad.dtype] = (group, size)
@@ -238,14 +242,20 @@ class DistributedOptimizer:
         if self.compression is not None:
             self._synchronize_compressed()
             return
-        for group, _ in self._open.values():
-            self._works.append(self.runtime.allreduce_async(group, self.op, self.algorithm))
+        for group, size in self._open.values():
+            self._queue(group, size)
         self._open.clear()
         t0 = time.perf_counter()
         works, self._works = self._works, []
+        self.group_bytes, self._sent = self._sent, []
         for w in works:
             w.wait()
         self.wait_seconds += time.perf_counter() - t0
+
+    def _queue(self, group: list[torch.Tensor], size: int) -> None:
+        """One fused allreduce of ``group`` (``size`` bytes) on the communication thread."""
+        self._works.append(self.runtime.allreduce_async(group, self.op, self.algorithm))
+        self._sent.append(size)
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()
