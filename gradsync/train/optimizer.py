@@ -100,7 +100,8 @@ class DistributedOptimizer:
         self._works: list[Work] = []
         self._sent: list[int] = []  # bytes of each group queued in this iteration, in order
         #: bytes of each group the last synchronized iteration sent, in the order they were queued (DDP's
-        #: bucket sizes, for this optimizer): what ``auto`` planned for (``runtime.choice(n)`` per size)
+        #: bucket sizes, for this optimizer): what ``auto`` planned for (``runtime.choice(n)`` per size).
+        #: Without compression only: compressed groups are ``merge``'s partition.
         self.group_bytes: list[int] = []
         self.wait_seconds = 0.0  # time step() spent waiting on communication (exposed comm time)
         self.compression = None
