@@ -81,12 +81,12 @@ def worker(argv: Sequence[str] | None = None) -> int:
 
     args = _args(argv)
     torch.set_num_threads(1)
+    algorithms = [a for a in args.algorithms.split(",") if a]
     # calibrated as a user of ``auto`` would run it: the wire's message costs and rates, the small sizes
     # timed (cached per topology in $GRADSYNC_CACHE, so a second run skips it)
-    rt = init(topology=args.topology, algorithm="auto", timeout_s=120, calibrate="auto" in args.algorithms.split(","))
+    rt = init(topology=args.topology, algorithm="auto", timeout_s=120, calibrate="auto" in algorithms)
     rank, world = rt.rank, rt.world_size
     data = load_digits(32)
-    algorithms = [a for a in args.algorithms.split(",") if a]
     results: dict[str, Any] = {}
     n_train = data.x_train.shape[0]
     for alg in algorithms:
