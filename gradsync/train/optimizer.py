@@ -97,8 +97,7 @@ class DistributedOptimizer:
                 raise GradsyncError(f"named_parameters {stray[:5]} are not in the optimizer; pass model.named_parameters() of the optimized model")
         self.names = {id(p): n for n, p in named}
         self._open: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
-        self._works: list[Work] = []
-        self._sent: list[int] = []  # bytes of each group queued in this iteration, in order
+        self._works: list[tuple[Work, int]] = []  # this iteration's queued groups and their bytes, in order
         #: bytes of each group the last synchronized iteration sent, in the order they were queued (DDP's
         #: bucket sizes, for this optimizer): what ``auto`` planned for (``runtime.choice(n)`` per size).
         #: Without compression only: compressed groups are ``merge``'s partition.
@@ -248,15 +247,14 @@ class DistributedOptimizer:
         self._open.clear()
         t0 = time.perf_counter()
         works, self._works = self._works, []
-        self.group_bytes, self._sent = self._sent, []
-        for w in works:
+        self.group_bytes = [size for _, size in works]
+        for w, _ in works:
             w.wait()
         self.wait_seconds += time.perf_counter() - t0
 
     def _queue(self, group: list[torch.Tensor], size: int) -> None:
         """One fused allreduce of ``group`` (``size`` bytes) on the communication thread."""
-        self._works.append(self.runtime.allreduce_async(group, self.op, self.algorithm))
-        self._sent.append(size)
+        self._works.append((self.runtime.allreduce_async(group, self.op, self.algorithm), size))
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()
