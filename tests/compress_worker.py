@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -389,6 +390,15 @@ def scenario_fp16hook() -> dict:
         return fut
 
     rt.native_allreduce_async = counting  # type: ignore[method-assign]
+    groups: list[object] = []  # the group of every allreduce the hook issues on this (the caller's) thread
+    real_all_reduce = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if threading.current_thread() is threading.main_thread():
+            groups.append(kwargs.get("group"))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording  # the runtime looks it up on the module at each call
 
     def grads(fast: bool) -> list[torch.Tensor]:
         net = _ddp_model()
@@ -407,6 +417,7 @@ def scenario_fp16hook() -> dict:
 
     fast = grads(True)
     fast_calls = list(taken)
+    dist.all_reduce = real_all_reduce
     general = grads(False)
     plain = _ddp_model()
     closed = []
@@ -416,6 +427,8 @@ def scenario_fp16hook() -> dict:
                                  for n in local[0]]))
     gradsync.shutdown()
     return {"fast_calls": len(fast_calls), "fast_taken": all(fast_calls), "general_calls": len(taken) - len(fast_calls),
+            "native_groups": len(groups), "on_user_group": all(g is dist.group.WORLD for g in groups),
+            "dedicated_group_differs": rt.transport.group is not dist.group.WORLD,
             "same_as_general": all(torch.equal(a, b) for a, b in zip(fast, general)),
             "same_as_closed_form": all(torch.equal(a, b) for a, b in zip(fast, closed))}
 
