@@ -472,6 +472,73 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
     assert ran[-1] == pick and record["measured_s"]["ring/" + str(pick)] == cost[pick]
 
 
+def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timing(tmp_path, monkeypatch):
+    """A size class the first calls settled (``_Explorer``) is written beside the tuned small classes (rank 0,
+    the cache of ``init(calibrate=True)``); a runtime that reads that file back runs the pick from its first
+    call and times nothing; under a new cost model the class is priced and explored afresh, and a pick made
+    then is not written into the old model's file."""
+    import gradsync.comm.runtime as runtime
+    from gradsync.comm import Runtime
+    from gradsync.comm.runtime import TUNED_TYPE, _cached, _Explorer, calibration_cache
+    from gradsync.sim.cost import CostModel
+
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    size = 4 << 20
+    cost = {1: 10.0, 2: 8.0, 4: 6.0, 8: 5.9}  # the double wins twice, then the margin keeps 4
+    clock = [0.0]
+
+    class Fake:
+        def __init__(self, depth: int) -> None:
+            self.depth, self.schedule = depth, None
+
+        def run(self, tensors, op="sum"):
+            clock[0] += cost[self.depth]
+            return tensors
+
+    real = runtime.time
+    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(**fake))
+    monkeypatch.setattr(runtime, "_max_over_ranks", lambda transport, group, values: list(values))
+
+    def explore(rt: Runtime) -> _Explorer:
+        monkeypatch.setattr(rt, "_executor_of", lambda name, depth, size: Fake(depth))
+        ex = _Explorer(rt, object(), size, [("ring", 1), ("ring", 2)])
+        for _ in range(40):
+            if ex.pick is not None:
+                break
+            ex.run(torch.zeros(1))
+        return ex
+
+    small = {"4096": {"choice": ["tree", 1], "model": ["ring", 1]}}  # what tune() measured at init
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    path = Path(calibration_cache(rt, "tuned"))
+    path.write_text(json.dumps({"type": TUNED_TYPE, "classes": small}))
+    _cached(rt, "tuned", "tuned choices", rt.use_tuned, lambda: pytest.fail("the file should be read"))
+    rt.tuned_cache = (str(path), rt._generation)  # as init(calibrate=True) leaves it
+    assert explore(rt).pick == ("ring", 4)
+    doc = json.loads(path.read_text())
+    assert doc["type"] == TUNED_TYPE and doc["classes"]["4096"]["choice"] == ["tree", 1]  # the small class kept
+    assert doc["classes"][str(size)]["choice"] == ["ring", 4] and doc["classes"][str(size)]["online"] is True
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
+
+    again = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    _cached(again, "tuned", "tuned choices", again.use_tuned, lambda: pytest.fail("the file should be read"))
+    again.explore = True
+    monkeypatch.setattr(again.transport, "group", object(), raising=False)  # as if it could time its calls
+    ex = again.executor("auto", 3 << 20)  # the class of 4 MiB: a real executor of the kept pick, nothing timed
+    assert isinstance(ex, Executor) and (ex.schedule.algorithm, again.choice(3 << 20)) == ("ring", ("ring", 4))
+    assert again._explorers[size] is None and not again.exploring()
+    assert again.tuned[size]["cached"] is True and again.tuned[4096]["choice"] == ["tree", 1]
+
+    again.tuned_cache = (str(path), again._generation)
+    again.set_cost_model(CostModel(message_s=again.cost_model.message_s * 2))
+    assert size not in again._explorers and size not in again._choices  # a new model: priced, explored afresh ...
+    before = path.read_text()
+    cost[2] = 5.0
+    assert explore(again).pick == ("ring", 2)
+    assert path.read_text() == before  # ... and not written under the old model's key
+
+
 def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten(tmp_path, monkeypatch):
     """The calibration's and the tuned choices' cache (``_cached``): a corrupt file is ignored with a warning
     naming it, the result is measured and written by rank 0, and the next init uses the file, measuring nothing."""

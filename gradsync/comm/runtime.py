@@ -142,6 +142,11 @@ class Runtime:
         #: step's candidates, times and pick under ``"steps"``.
         self.explore = False
         self._explorers: dict[int, _Explorer | None] = {}
+        #: Where rank 0 keeps :attr:`tuned` (:func:`calibration_cache`), with the cost-model generation it is
+        #: keyed by: ``init(calibrate=True)`` sets it, and each size class the first calls settle is added, so
+        #: the next job with the same wire and model runs the measured pick from its first call. None: kept
+        #: nowhere.
+        self.tuned_cache: tuple[str, int] | None = None
         self._generation = 0  # bumped when the cost model changes: decisions are per model
         self._executors: dict[tuple[str, int], Executor | NativeAllreduce] = {}
         # reduce-scatter / allgather: a chooser per collective, choices and executors keyed by collective too
@@ -273,6 +278,27 @@ class Runtime:
         except PlanError:
             return False  # too large to plan here: not a candidate
         return True
+
+    def _keep_tuned(self) -> None:
+        """Rewrite :attr:`tuned_cache` with :attr:`tuned` (rank 0; atomically: a job killed while writing
+        leaves the old file), while the cost model is still the one it is keyed by. A failed write warns:
+        the next job measures again."""
+        if self.tuned_cache is None or self.rank != 0:
+            return
+        path, generation = self.tuned_cache
+        if generation != self._generation:
+            return  # a different cost model now: these picks are not that file's
+        doc = {"type": TUNED_TYPE, "classes": {str(size): {k: v for k, v in record.items() if k != "cached"}
+                                                for size, record in sorted(self.tuned.items())}}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as exc:
+            warnings.warn(f"could not keep the measured choices in {path} ({exc}); the next job measures again",
+                          stacklevel=2)
 
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
         """``compute()`` once for the job (rank 0, shared through the transport) or here when it cannot share."""
@@ -420,7 +446,9 @@ class Runtime:
 
     def use_tuned(self, doc: Any) -> None:
         """Adopt :meth:`tune`'s choices from its cached JSON (``{"type": "gradsync.tuned", "classes": {bytes:
-        {"choice": [algorithm, pipeline], ...}}}``), checked first: a wrong one raises and changes nothing."""
+        {"choice": [algorithm, pipeline], ...}}}``), checked first: a wrong one raises and changes nothing.
+        Larger classes there were settled by an earlier job's first calls (:attr:`explore`): they run their pick
+        at once, with nothing timed (until a new cost model, which prices every class afresh)."""
         if not isinstance(doc, dict) or doc.get("type") != TUNED_TYPE or not isinstance(doc.get("classes"), dict):
             raise GradsyncError(f"tuned choices must be a JSON object with \"type\": \"{TUNED_TYPE}\" and \"classes\"")
         choices: dict[int, tuple[str, int]] = {}
@@ -436,6 +464,7 @@ class Runtime:
             choices[size] = (choice[0], choice[1])
             records[size] = {**entry, "cached": True}
         self._choices.update(choices)
+        self._explorers.update(dict.fromkeys(choices))  # measured already (a larger class: by an earlier job's calls)
         self.tuned = records
 
     def _tune(self, group: Any, max_bytes: int, reps: int) -> dict[int, dict[str, Any]]:
@@ -842,6 +871,7 @@ class _Explorer:
                                "measured_s": measured_all, "steps": self.steps}
         rt._choices[self.size] = pick
         self.pick = pick
+        rt._keep_tuned()
 
     def _beyond(self, pick: tuple[str, int], incumbent: tuple[str, int]) -> tuple[str, int] | None:
         """The next depth past ``pick`` when it beat the incumbent (a step's other candidates are the incumbent's
@@ -1061,7 +1091,8 @@ def init(
     and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then
     ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`), cached the same way,
     and the first calls of each larger class time the model's pipeline depth beside its half and its
-    double (:attr:`Runtime.explore`; ``explore`` turns that on or off, default: as ``calibrate``).
+    double (:attr:`Runtime.explore`; ``explore`` turns that on or off, default: as ``calibrate``); each such
+    pick joins the same cache, so the next job runs it from its first call.
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -1137,6 +1168,7 @@ def _tuned(rt: Runtime) -> None:
         return {"type": TUNED_TYPE, "classes": {str(k): v for k, v in tuned.items()}} if tuned else None
 
     _cached(rt, "tuned", "tuned choices", rt.use_tuned, measure)
+    rt.tuned_cache = (calibration_cache(rt, "tuned"), rt._generation)  # the larger classes' picks join it
 
 
 def _calibrated(rt: Runtime) -> None:
