@@ -89,6 +89,23 @@ def test_bad_first_bucket_bytes_is_named(bad):
                              bucket_bytes=1 << 20, first_bucket_bytes=bad)
 
 
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1MB", float("inf")])
+def test_bad_bucket_bytes_is_named(bad):
+    model = _model()
+    with pytest.raises(GradsyncError, match=rf"bucket_bytes={bad!r} must be an integer >= 0 \(0 sends every"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=_Recorder(model), bucket_bytes=bad)
+
+
+def test_byte_limits_written_as_floats_are_whole_bytes():
+    """``25e6`` is how a size is often written: taken as the integer it is, for both limits."""
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=_Recorder(model),
+                               bucket_bytes=25e6, first_bucket_bytes=1e6)
+    assert (opt.bucket_bytes, opt.first_bucket_bytes) == (25_000_000, 1_000_000)
+    assert type(opt.bucket_bytes) is int and type(opt.first_bucket_bytes) is int
+    opt.remove_hooks()
+
+
 def test_first_bucket_bytes_with_compression_is_refused():
     model = _model()
     with pytest.raises(GradsyncError, match="first_bucket_bytes=4096 with compression: merge=... decides"):

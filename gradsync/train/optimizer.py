@@ -18,6 +18,7 @@ above, unchanged.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -74,17 +75,15 @@ class DistributedOptimizer:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if op not in OPS:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
-        if bucket_bytes < 0:
-            raise GradsyncError(f"bucket_bytes={bucket_bytes} must be >= 0 (0 sends every gradient alone)")
-        if first_bucket_bytes is not None and (isinstance(first_bucket_bytes, bool) or not isinstance(first_bucket_bytes, int)
-                                               or first_bucket_bytes < 0):
-            raise GradsyncError(f"first_bucket_bytes={first_bucket_bytes!r} must be an integer >= 0 or None "
-                                f"(None: min(bucket_bytes, {FIRST_BUCKET_BYTES}), DDP's first bucket)")
+        bucket_bytes = _byte_count("bucket_bytes", bucket_bytes, "(0 sends every gradient alone)")
+        if first_bucket_bytes is not None:
+            first_bucket_bytes = _byte_count("first_bucket_bytes", first_bucket_bytes,
+                                             f"or None (None: min(bucket_bytes, {FIRST_BUCKET_BYTES}), DDP's first bucket)")
         self.optimizer = optimizer
         self.runtime = runtime or get_runtime()
         self.op = op
         self.algorithm = algorithm
-        self.bucket_bytes = int(bucket_bytes)
+        self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = min(self.bucket_bytes, FIRST_BUCKET_BYTES) if first_bucket_bytes is None else first_bucket_bytes
         in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
         if named_parameters is None:
@@ -273,3 +272,13 @@ def _layerwise(n: int) -> Partition:
     from gradsync.compress.merge import Partition
 
     return Partition.layerwise(n)
+
+
+def _byte_count(name: str, value: object, hint: str) -> int:
+    """``value`` as a whole number of bytes >= 0: an int, or a float with an integral value (``25e6``, as a size is
+    often written); anything else (a bool, 1.5, "1MB", a negative) is refused with ``name`` and ``hint``."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GradsyncError(f"{name}={value!r} must be an integer >= 0 {hint}")
+    return value
