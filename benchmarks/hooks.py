@@ -13,7 +13,7 @@ decompress, future).
 * ``gradsync_fp16``: ``model.register_comm_hook(gradsync.CompressionHookState("fp16", model=net),
   gradsync.compression_hook)``, on the process group as a user would (no ``gradsync.init()``).
 
-Every step runs each method once, in an order from :func:`balanced_orders` (each method in each position
+Every step runs each method once, in an order from :func:`gradsync.sim.bench.balanced_orders` (each method in each position
 and after each other method equally often over 6 steps), after ``--warmup`` steps each. A sample is the slowest
 rank's step (forward, backward with the hook, optimizer step); reported: medians, the median of the per-step
 ratios gradsync_fp16 / torch_fp16 with a bootstrap 95 % interval (the goal's figure), the ratio of medians and the
@@ -31,9 +31,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
-import itertools
 import json
 import os
 import statistics
@@ -58,46 +56,6 @@ def _model() -> Any:
                                torch.nn.Linear(1024, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
-def balanced_orders(methods: Sequence[str]) -> list[tuple[str, ...]]:
-    """Every ordering of ``methods`` once, sequenced so that, running them back to back and cycling, each method
-    takes each position equally often and follows every other method equally often, never itself.
-
-    Why: on a 2-core machine the step before shapes the next (gloo's threads, caches). With a plain rotation
-    (d t g, t g d, g d t) ``torch_fp16`` followed ``ddp`` twice as often as ``gradsync_fp16`` did, and that alone
-    moved their ratio by 4-8 % (medians by phase, three runs, stop 35). A carry-over-balanced (Williams-type)
-    sequence gives both the same neighbours. Found by search: 5! candidates for three methods.
-    """
-    perms = list(itertools.permutations(methods))
-    for rest in itertools.permutations(perms[1:]):
-        flat = [m for order in (perms[0], *rest) for m in order]
-        counts = collections.Counter(zip(flat[-1:] + flat[:-1], flat))
-        if all(a != b for a, b in counts) and len(set(counts.values())) == 1 and len(counts) == len(methods) * (len(methods) - 1):
-            return [perms[0], *rest]
-    raise ValueError(f"no carry-over-balanced sequence of the orderings of {list(methods)}")
-
-
-def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
-    """``a[i] / b[i]``: each step's two methods ran back to back, so a slow spell of the shared machine
-    (another process, a frequency change) scales both and cancels in their ratio, where it would move
-    either median alone."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired samples need equal, non-zero lengths (got {len(a)} and {len(b)})")
-    return [x / y for x, y in zip(a, b)]
-
-
-def bootstrap_median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
-                        seed: int = 0) -> tuple[float, float]:
-    """A percentile-bootstrap confidence interval for the median of ``values`` (seeded: the same samples give
-    the same interval)."""
-    import random
-
-    rng = random.Random(seed)
-    n = len(values)
-    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    tail = (1 - level) / 2
-    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
-
-
 def worker(args: argparse.Namespace) -> int:
     """One rank: every method's replica, steps alternating; rank 0 writes the report."""
     import torch
@@ -106,6 +64,7 @@ def worker(args: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsync
+    from gradsync.sim.bench import balanced_orders, bootstrap_median_ci, paired_ratios
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -19,11 +19,15 @@ It writes ``sim_scaling.json`` and ``sim_scaling.png`` to ``--out``::
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
+import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,9 +38,57 @@ from typing import Any
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
-__all__ = ["Benchmark", "BENCHMARKS", "register_benchmark", "SimCase", "SIM_CASES", "sim_scaling_main"]
+__all__ = ["Benchmark", "BENCHMARKS", "register_benchmark", "SimCase", "SIM_CASES", "sim_scaling_main",
+           "balanced_orders", "paired_ratios", "bootstrap_median_ci"]
 
 _ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- side by side: the order methods run in, and what their paired samples say -------------------------------
+def balanced_orders(methods: Sequence[str]) -> list[tuple[str, ...]]:
+    """Orders to run two or three ``methods`` in, one per round, cycling: each method takes each position equally
+    often and follows each other method equally often (three: never itself; two: ABBA).
+
+    Why: on a 2-core machine the round before shapes the next (gloo's threads, caches, the allocator). In ``bench
+    hooks`` a plain rotation (d t g, t g d, g d t) had ``torch_fp16`` follow ``ddp`` twice as often as
+    ``gradsync_fp16``, and that alone moved their ratio by 4-8 %. A carry-over-balanced (Williams-type) sequence
+    gives every method the same neighbours; for three it is found among the 5! sequences of the six orders.
+    """
+    methods = tuple(methods)
+    if len(set(methods)) != len(methods) or len(methods) not in (2, 3):
+        raise GradsyncError(f"balanced_orders takes 2 or 3 distinct methods, got {list(methods)}")
+    perms = list(itertools.permutations(methods))
+    if len(methods) == 2:
+        return perms
+    for rest in itertools.permutations(perms[1:]):
+        flat = [m for order in (perms[0], *rest) for m in order]
+        counts = collections.Counter(zip(flat[-1:] + flat[:-1], flat))
+        if all(a != b for a, b in counts) and len(counts) == 6 and len(set(counts.values())) == 1:
+            return [perms[0], *rest]
+    raise AssertionError("unreachable: a balanced sequence of three methods' orders exists")  # pragma: no cover
+
+
+def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """``a[i] / b[i]``: each step's two methods ran back to back, so a slow spell of the shared machine
+    (another process, a frequency change) scales both and cancels in their ratio, where it would move
+    either median alone."""
+    if len(a) != len(b) or not a:
+        raise GradsyncError(f"paired samples need equal, non-zero lengths (got {len(a)} and {len(b)})")
+    return [x / y for x, y in zip(a, b)]
+
+
+def bootstrap_median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap confidence interval for the median of ``values`` (seeded: the same samples give
+    the same interval)."""
+    if not values or not 0 < level < 1 or isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise GradsyncError(f"bootstrap_median_ci needs samples ({len(values)} given), 0 < level < 1 (got {level!r}) "
+                            f"and an integer resamples >= 1 (got {resamples!r})")
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 @dataclass(frozen=True)
