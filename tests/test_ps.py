@@ -518,7 +518,10 @@ def test_checkpoint_restores_values_and_optimizer_state(tmp_path) -> None:  # ty
     c.stop()
     files = list(tmp_path.iterdir())
     assert [f.name for f in files] == ["server-0.npz"]  # no temporary file left behind
+    (tmp_path / "server-0.tmp4242").write_bytes(b"half a checkpoint")  # a predecessor killed mid-write
+    (tmp_path / "server-1.tmp4242").write_bytes(b"another server's")
     restored = Server(ServerConfig(checkpoint_dir=str(tmp_path)))
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["server-0.npz", "server-1.tmp4242"]  # its own removed
     slot = restored.slots[("a", 0)]
     assert torch.allclose(slot.value, torch.arange(6, dtype=torch.float64) - 0.1)
     assert slot.version == 1 and torch.equal(slot.state["momentum"], torch.ones(6, dtype=torch.float64))

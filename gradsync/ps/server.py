@@ -844,11 +844,15 @@ class Server:
                 "sessions": {str(k): v for k, v in self.sessions.items()}}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk, an interrupt: the last complete checkpoint stays, alone
+            raise
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -860,7 +864,12 @@ class Server:
 
     def _restore(self) -> None:
         path = self.config.checkpoint_path
-        if path is None or not path.exists():
+        if path is None:
+            return
+        # a predecessor killed mid-write (SIGKILL, power) left its partial file; the renamed one is whole
+        for stale in path.parent.glob(f"{path.stem}.tmp*"):
+            stale.unlink(missing_ok=True)
+        if not path.exists():
             return
         try:
             with np.load(path, allow_pickle=False) as z:
