@@ -8,6 +8,7 @@ and backward can go on while gradients travel (wait-free backprop, Horovod's des
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -299,6 +300,8 @@ class Runtime:
         except OSError as exc:
             warnings.warn(f"could not keep the measured choices in {path} ({exc}); the next job measures again",
                           stacklevel=2)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
         """``compute()`` once for the job (rank 0, shared through the transport) or here when it cannot share."""
