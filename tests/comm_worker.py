@@ -126,6 +126,40 @@ def scenario_ddp(topology: str) -> dict:
     return out
 
 
+def scenario_ddp_native(topology: str) -> dict:
+    """Where the runtime sums natively, the hook issues the process group's allreduce itself (no hand-off to
+    the communication thread): the bits of the queued path, DDP's gradients within rounding."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rt = gradsync.init(topology=topology, algorithm="native", timeout_s=60)
+    x, y = _batch()
+    taken: list[bool] = []
+    native = rt.native_allreduce_async
+
+    def counting(tensor: torch.Tensor, algorithm: str | None = None):  # noqa: ANN202
+        fut = native(tensor, algorithm)
+        taken.append(fut is not None)
+        return fut
+
+    grads, buckets = {}, {}
+    for how in ("ddp", "native", "queued"):
+        rt.native_allreduce_async = counting if how == "native" else (lambda tensor, algorithm=None: None)  # type: ignore[method-assign]
+        model = DDP(_model().double(), bucket_cap_mb=0.002)  # tiny buckets: several per backward
+        state = gradsync.GradsyncHookState(rt)
+        if how != "ddp":
+            model.register_comm_hook(state, gradsync.allreduce_hook)
+        for _ in range(2):  # DDP rebuilds its buckets after the first iteration
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(_shard(x).double()), _shard(y)).backward()
+        grads[how] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        buckets[how] = state.buckets
+    rt.native_allreduce_async = native  # type: ignore[method-assign]
+    gradsync.shutdown()
+    return {"native_calls": len(taken), "all_native": all(taken), "buckets": buckets["native"],
+            "same_as_queued": bool(torch.equal(grads["native"], grads["queued"])),
+            "vs_ddp": float((grads["native"] - grads["ddp"]).abs().max() / grads["ddp"].abs().max())}
+
+
 def scenario_optimizer(topology: str) -> dict:
     """3 steps with DistributedOptimizer == single-process training on the union batch, on every rank."""
     rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=60)
@@ -256,7 +290,7 @@ def scenario_explore(topology: str) -> dict:
     return out
 
 
-SCENARIOS = {"calibrate": scenario_calibrate, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "optimizer": scenario_optimizer, "kill": scenario_kill}
+SCENARIOS = {"calibrate": scenario_calibrate, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill}
 
 
 def main() -> None:

@@ -127,6 +127,14 @@ def test_ddp_hook_matches_ddp_without_hook(tmp_path):
         assert rep["torch.float32_ok"] and rep["torch.float64_ok"], (rank, rep)
 
 
+def test_ddp_hook_issues_a_native_size_itself_with_the_queued_paths_bits(tmp_path):
+    reports = launch(WORKER, ["ddp_native", str(tmp_path), "switch:3"], 3, tmp_path)
+    for rank, rep in enumerate(reports):
+        # every bucket of both iterations (DDP's first runs as one bucket, then rebuilt: 1 + 2) took the native path
+        assert rep["native_calls"] == rep["buckets"] >= 3 and rep["all_native"], (rank, rep)
+        assert rep["same_as_queued"] and rep["vs_ddp"] <= 1e-12, (rank, rep)
+
+
 def test_distributed_optimizer_equals_union_batch_training(tmp_path):
     reports = launch(WORKER, ["optimizer", str(tmp_path), "switch:3"], 3, tmp_path)
     for rank, rep in enumerate(reports):

@@ -52,7 +52,22 @@ class GradsyncHookState:
 
 
 def allreduce_hook(state: GradsyncHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """``hook(state, bucket) -> Future[Tensor]``: allreduce ``bucket.buffer()`` in place with the schedule."""
+    """``hook(state, bucket) -> Future[Tensor]``: allreduce ``bucket.buffer()`` in place with the schedule.
+
+    Where the runtime would run the bucket's size natively (``auto`` on a flat switch, small buckets) and has
+    nothing of its own pending, the process group's async allreduce is issued here, as DDP itself does, with
+    no hand-off to the communication thread and back; ``avg`` divides after the sum, as the queued path does,
+    so both give the same bits.
+    """
     state.buckets += 1
-    assert state.runtime is not None  # set in __post_init__
-    return state.runtime.allreduce_async(bucket.buffer(), state.op, state.algorithm).future
+    runtime = state.runtime
+    if runtime is None:  # pragma: no cover - __post_init__ sets it
+        raise GradsyncError("GradsyncHookState.runtime is None; build the state after gradsync.init()")
+    buffer = bucket.buffer()
+    fut = runtime.native_allreduce_async(buffer, state.algorithm)
+    if fut is None:
+        return runtime.allreduce_async(buffer, state.op, state.algorithm).future
+    if state.op == "sum":
+        return fut.then(lambda f: f.value()[0])
+    world = runtime.world_size
+    return fut.then(lambda f: f.value()[0].div_(world))
