@@ -149,6 +149,8 @@ def scenario_ddp_native(topology: str) -> dict:
         if how != "ddp":
             model.register_comm_hook(state, gradsync.allreduce_hook)
         for _ in range(2):  # DDP rebuilds its buckets after the first iteration
+            if RANK == 0:  # one rank's queue busy (a local job) while its buckets come: the group must not depend on it
+                rt.submit(lambda: time.sleep(0.3), "busy")
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(_shard(x).double()), _shard(y)).backward()
         grads[how] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])

@@ -156,8 +156,8 @@ def _native_cast(
 
     The general path below gives the same bits (an elementwise cast sums the same flat buffer, averaged
     after in the gradient's dtype) at several times the overhead: a TensorInfo, a payload and a decode per
-    gradient, and two thread hand-offs. None when the runtime has its own collectives pending (then the
-    bucket queues behind them, in order).
+    gradient, and two thread hand-offs. None when the runtime plans this size itself (the bucket then takes
+    the general path); the same on every rank, as the plan is.
     """
     runtime = state.step.communicator.runtime
     compressed = buffer.to(wire)
