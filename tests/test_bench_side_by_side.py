@@ -28,12 +28,6 @@ def test_three_methods_take_every_position_and_every_predecessor_equally_often()
     assert counts == {(a, b): 3 for a in methods for b in methods if a != b}  # never after itself
 
 
-def test_a_plain_rotation_is_not_balanced_which_is_why_the_search_exists():
-    rotation = [("d", "t", "g"), ("t", "g", "d"), ("g", "d", "t")]
-    counts = _transitions(rotation)
-    assert counts[("d", "t")] != counts[("d", "g")]  # t follows d more often than g does
-
-
 def test_two_methods_alternate_abba_and_bad_lists_are_named():
     assert balanced_orders(["a", "b"]) == [("a", "b"), ("b", "a")]
     for bad in (["a"], ["a", "a"], ["a", "b", "c", "d"]):
