@@ -54,10 +54,10 @@ class GradsyncHookState:
 def allreduce_hook(state: GradsyncHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """``hook(state, bucket) -> Future[Tensor]``: allreduce ``bucket.buffer()`` in place with the schedule.
 
-    Where the runtime would run the bucket's size natively (``auto`` on a flat switch, small buckets) and has
-    nothing of its own pending, the process group's async allreduce is issued here, as DDP itself does, with
-    no hand-off to the communication thread and back; ``avg`` divides after the sum, as the queued path does,
-    so both give the same bits.
+    Where the runtime runs the bucket's size natively (``auto`` on a flat switch, small buckets), the process
+    group's async allreduce is issued here, as DDP itself does, with no hand-off to the communication thread
+    and back (:meth:`~gradsync.comm.runtime.Runtime.native_allreduce_async`); ``avg`` divides after the sum,
+    as the queued path does, so both give the same bits.
     """
     state.buckets += 1
     runtime = state.runtime
