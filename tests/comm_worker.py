@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import gradsync
 from gradsync.plan import SYNTHESIZERS
+from tests.dist_launch import counting_native
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -133,14 +134,8 @@ def scenario_ddp_native(topology: str) -> dict:
 
     rt = gradsync.init(topology=topology, algorithm="native", timeout_s=60)
     x, y = _batch()
-    taken: list[bool] = []
     native = rt.native_allreduce_async
-
-    def counting(tensor: torch.Tensor, algorithm: str | None = None):  # noqa: ANN202
-        fut = native(tensor, algorithm)
-        taken.append(fut is not None)
-        return fut
-
+    counting, taken = counting_native(rt)
     grads, buckets = {}, {}
     for how in ("ddp", "native", "queued"):
         rt.native_allreduce_async = counting if how == "native" else (lambda tensor, algorithm=None: None)  # type: ignore[method-assign]

@@ -27,6 +27,7 @@ from gradsync.compress import (
     simulate_step,
 )
 from gradsync.train import CompressionHookState, CompressionStep, MergedGroups, compression_hook
+from tests.dist_launch import counting_native
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -381,14 +382,7 @@ def scenario_fp16hook() -> dict:
 
     dist.init_process_group("gloo")
     rt = gradsync.init(algorithm="native")
-    taken: list[bool] = []
-    native = rt.native_allreduce_async
-
-    def counting(tensor: torch.Tensor, algorithm: str | None = None):  # noqa: ANN202
-        fut = native(tensor, algorithm)
-        taken.append(fut is not None)
-        return fut
-
+    counting, taken = counting_native(rt)
     rt.native_allreduce_async = counting  # type: ignore[method-assign]
     groups: list[object] = []  # the group of every allreduce the hook issues on this (the caller's) thread
     real_all_reduce = dist.all_reduce

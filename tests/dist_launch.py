@@ -12,7 +12,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gradsync.launch import free_port, torchrun_env
 
@@ -61,3 +63,18 @@ def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: f
         f = out_dir / f"rank{r}.json"
         out.append(json.loads(f.read_text()) if f.exists() else None)
     return out
+
+
+# ---- worker side ----------------------------------------------------------------------------------------------
+def counting_native(rt: Any) -> tuple[Callable[..., Any], list[bool]]:
+    """A stand-in for ``rt.native_allreduce_async`` that calls it and records whether each call took the native
+    path, and that record; the caller installs it (``rt.native_allreduce_async = counting``)."""
+    native = rt.native_allreduce_async
+    taken: list[bool] = []
+
+    def counting(tensor: Any, algorithm: str | None = None) -> Any:
+        fut = native(tensor, algorithm)
+        taken.append(fut is not None)
+        return fut
+
+    return counting, taken
