@@ -281,9 +281,8 @@ class Runtime:
         return True
 
     def _keep_tuned(self) -> None:
-        """Rewrite :attr:`tuned_cache` with :attr:`tuned` (rank 0; atomically: a job killed while writing
-        leaves the old file), while the cost model is still the one it is keyed by. A failed write warns:
-        the next job measures again."""
+        """Rewrite :attr:`tuned_cache` with :attr:`tuned` (rank 0, :func:`_write_cache`), while the cost model is
+        still the one it is keyed by."""
         if self.tuned_cache is None or self.rank != 0:
             return
         path, generation = self.tuned_cache
@@ -291,17 +290,7 @@ class Runtime:
             return  # a different cost model now: these picks are not that file's
         doc = {"type": TUNED_TYPE, "classes": {str(size): {k: v for k, v in record.items() if k != "cached"}
                                                 for size, record in sorted(self.tuned.items())}}
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-            os.replace(tmp, path)
-        except OSError as exc:
-            warnings.warn(f"could not keep the measured choices in {path} ({exc}); the next job measures again",
-                          stacklevel=2)
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+        _write_cache(path, doc, "measured choices", stacklevel=3)
 
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
         """``compute()`` once for the job (rank 0, shared through the transport) or here when it cannot share."""
@@ -1151,13 +1140,23 @@ def _cached(rt: Runtime, kind: str, what: str, use: Callable[[Any], None], measu
             warnings.warn(f"ignoring the cached {what} {path} ({exc}); measuring again", stacklevel=4)
     doc = measure()
     if rt.rank == 0 and doc is not None:
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-        except OSError as exc:
-            warnings.warn(f"could not cache the {what} in {path} ({exc}); the next init measures again",
-                          stacklevel=4)
+        _write_cache(path, doc, what, stacklevel=5)
+
+
+def _write_cache(path: str, doc: Any, what: str, stacklevel: int) -> None:
+    """Write ``doc`` as JSON to ``path`` whole or not at all (a temporary file, then a rename: a job killed while
+    writing leaves the old file). A failed write warns, naming ``what``, at ``stacklevel`` counted from here (1:
+    this function), and the next job measures again."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not cache the {what} in {path} ({exc}); the next job measures again", stacklevel=stacklevel)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def _tuned(rt: Runtime) -> None:
