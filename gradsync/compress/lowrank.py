@@ -70,8 +70,8 @@ def outer_into(p: Tensor, qt: Tensor, out: Tensor, *, subtract: bool = False) ->
     """
     r = p.shape[1]
     if r != 2 or out.numel() < BROADCAST_MIN_ELEMENTS:
-        if subtract:
-            return out.addmm_(p, qt, alpha=-1)
+        if subtract:  # the product, then the subtraction: addmm_ fuses them into other bits on some BLAS builds
+            return out.sub_(torch.mm(p, qt))
         return torch.mm(p, qt, out=out)
     qt = qt.contiguous()  # rows of Q^T: each pass reads one contiguous row
     if subtract:
@@ -202,9 +202,9 @@ class PowerSGD(TwoRoundCompressor):
         return outer_into(p, qt, buf.view(rows, cols)).view(ctx.info.shape)
 
     def subtract_decoded(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Context, *, inplace: bool = False) -> Tensor:
-        """``M - P Q^T`` in ``M``'s own buffer, by ``addmm_`` (no d-element product tensor; the same bits as the
-        separate product and subtraction with the BLAS measured here), or at rank 2 on a large matrix by two
-        broadcast passes (:func:`outer_into`: faster there, one rounding apart)."""
+        """``M - P Q^T`` in ``M``'s own buffer: the product, then the subtraction (the same bits as
+        ``M - decompress``), or at rank 2 on a large matrix by two broadcast passes (:func:`outer_into`: faster
+        there, one rounding apart)."""
         plan = self.matrix_plan(ctx.info.shape)
         dtype = work_dtype(ctx.info.dtype)
         if (plan is None or not inplace or tensor.dtype != dtype or not tensor.is_contiguous()
