@@ -20,9 +20,9 @@ from gradsync.commands.order import add_parser as add_order_parser
 from gradsync.errors import GradsyncError
 from gradsync.launch import Terminated
 from gradsync.paths import check_output, write_text
-from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
+from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time
 from gradsync.ps.launch import add_parser as add_launch_parser
-from gradsync.sim.cost import plan_auto  # noqa: F401 - registers the "auto" synthesizer before --algorithm's choices
+from gradsync.sim.choose import algorithm_names, synthesize  # every synthesizer, and auto
 from gradsync.testbed.cli import add_parser as add_testbed_parser
 from gradsync.topology import BUILDERS, get_topology, save
 
@@ -322,7 +322,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.no_train:
         check_output(args.plot, "--plot")
     size = parse_size(args.size)
-    algorithms = [a for a in SYNTHESIZERS.names() if a != "auto"]
+    algorithms = SYNTHESIZERS.names()
     rows = []
     print(f"gradsync demo: every built-in topology x every applicable algorithm, allreduce of {args.size}")
     width = {a: max(9, len(a)) for a in algorithms}
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan an allreduce (reduce-scatter, allgather) schedule and report its cost, "
                                      "bounds and time")
     pl.add_argument("--topology", "-t", required=True, help="registry spec or .json/.yaml file")
-    pl.add_argument("--algorithm", "-a", default="lp", choices=SYNTHESIZERS.names())
+    pl.add_argument("--algorithm", "-a", default="lp", choices=algorithm_names())
     pl.add_argument("--size", default="100MB", help="message size in bytes (e.g. 548MB, 1GiB)")
     pl.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")
     pl.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")
@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser("simulate", help="simulate a schedule on the flow-level network simulator and compare with the planner")
     sm.add_argument("--topology", "-t", required=True, help="registry spec or .json/.yaml file")
-    sm.add_argument("--algorithm", "-a", default="lp", choices=SYNTHESIZERS.names())
+    sm.add_argument("--algorithm", "-a", default="lp", choices=algorithm_names())
     sm.add_argument("--schedule", help="simulate this saved schedule (from 'gradsync plan -o') instead of planning")
     sm.add_argument("--size", default="100MB", help="bytes (548MB, 1GiB) or a tensor list (4MB,16MB,1MB)")
     sm.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from gradsync.plan import SYNTHESIZERS
+from gradsync.sim.choose import algorithms_for
 from tests.dist_launch import counting_native
 
 RANK = int(os.environ["RANK"])
@@ -32,9 +32,9 @@ def scenario_sums(topology: str, only: str = "") -> dict:
     """Every applicable synthesizer (or those in ``only``): the result equals the exact sum on every rank."""
     rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=60)
     checked, failures = [], []
-    names = [*SYNTHESIZERS.names(), "native"]  # native: the backend's all_reduce, which auto may choose
+    names = [*algorithms_for(rt.topology), "native"]  # native: the backend's all_reduce, which auto may choose
     for alg in names:
-        if (alg != "native" and SYNTHESIZERS.get(alg).applicable(rt.topology)) or (only and alg not in only.split(",")):
+        if only and alg not in only.split(","):
             continue
         dtypes = (torch.float32, torch.float64, torch.int64) if alg in ("auto", "native") else (torch.float32, torch.float64)
         for dtype in dtypes:
@@ -61,10 +61,7 @@ def scenario_sharded(topology: str) -> dict:
     all_gather_into_tensor results exactly (expected from the known inputs, and from gloo's own all_gather)."""
     rt = gradsync.init(topology=topology, algorithm="ring", timeout_s=60)
     checked, failures = [], []
-    for alg in SYNTHESIZERS.names():
-        entry = SYNTHESIZERS.get(alg)
-        if entry.applicable(rt.topology) or "allgather" not in entry.supported:
-            continue
+    for alg in algorithms_for(rt.topology, "allgather"):
         for dtype in (torch.float32, torch.float64, torch.int64):
             for k in (0, 1, 13, 1009):
                 x = ((torch.arange(WORLD * k, dtype=torch.float64) % 89) * (RANK + 1) - 7).to(dtype)
@@ -226,9 +223,9 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
     rt = gradsync.init(topology=topology, calibrate=True, timeout_s=60)
     first = rt.cost_model.to_dict()
     tuned = {str(k): v["choice"] for k, v in rt.tuned.items()}
-    kept = sorted(f"{a}/{p}" for a, p in rt._executors)  # what tuning left cached
+    kept = sorted(f"{a}/{p}" for a, p in rt.plans.built())  # what tuning left cached
     measured = {str(k): sorted(v["measured_s"]) for k, v in rt.tuned.items()}
-    used = {str(k): list(rt._choice(k)) for k in rt.tuned}  # what auto now runs per tuned class
+    used = {str(k): list(rt.plans.choice(k)) for k in rt.tuned}  # what auto now runs per tuned class
     exact = True
     for n in (1, 1000, 1 << 15, 1 << 16):  # 4 B .. 256 KB: every tuned class's choice, and one above
         x = torch.full((n,), float(RANK + 1))
@@ -250,18 +247,18 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
 def scenario_explore(topology: str) -> dict:
     """auto's first calls of a large class time the model's depth beside its half and double, then keep one:
     every call exact (queued or inline), the same decision on every rank, and later calls run it."""
-    from gradsync.comm.runtime import EXPLORE_REPS
+    from gradsync.comm.tuning import EXPLORE_REPS
 
     rt = gradsync.init(topology=topology, mapping=list(range(WORLD)), timeout_s=60)  # a mapping: no native
     rt.explore = True
     n = 200_001  # 800 KB: the 1 MiB class, an odd size
     size = 1 << 20
-    model = list(rt._choice(size))
+    model = list(rt.plans.choice(size))
     want = WORLD * (WORLD + 1) / 2
     exact, exploring, calls = True, [], 0
     rt.executor(None, 64 << 20)  # planned only (as a hook's set-up does): no call measured, nothing pending
     planned_only = rt.exploring()
-    before = sorted(f"{a}/{p}" for a, p in rt._executors)
+    before = sorted(f"{a}/{p}" for a, p in rt.plans.built())
     while rt.exploring() or calls == 0:
         xs = [torch.full((n,), float(RANK + 1)) for _ in range(2)]
         works = [gradsync.allreduce_async(x) for x in xs]  # queued: the comm thread runs them in order
@@ -279,8 +276,8 @@ def scenario_explore(topology: str) -> dict:
     gradsync.allreduce(x)  # inline, after the decision
     exact &= bool(torch.all(x == want))
     out = {"model": model, "exact": exact, "calls": calls, "exploring": exploring, "record": record,
-           "pick": list(pick), "runs_pick": after is rt._executors.get(tuple(pick)),
-           "kept": sorted(f"{a}/{p}" for a, p in rt._executors), "before": before, "planned_only": planned_only, "reps": EXPLORE_REPS,
+           "pick": list(pick), "runs_pick": tuple(pick) in rt.plans.built() and after is rt.plans.executor(*pick, size),
+           "kept": sorted(f"{a}/{p}" for a, p in rt.plans.built()), "before": before, "planned_only": planned_only, "reps": EXPLORE_REPS,
            "pipelines": list(rt.cost_model.pipelines)}
     gradsync.shutdown()
     dist.barrier()

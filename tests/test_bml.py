@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-import gradsync.sim  # noqa: F401 - registers the "auto" synthesizer
 from gradsync.errors import PlanError
-from gradsync.plan import PlanOptions, evaluate, synthesize
+from gradsync.plan import PlanOptions, evaluate
 from gradsync.plan.bml import calc_gset, check_digits, piece_digits, piece_index
+from gradsync.sim.choose import synthesize  # every synthesizer, and auto
 from gradsync.topology import get_topology
 
 #: Every BCube(n, k) with n >= 2, k >= 1 and N = n**k <= 64.

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gradsync.sim  # noqa: F401 - registers "auto"
 from gradsync.comm import Runtime, run_ranks
 from gradsync.errors import GradsyncError
-from gradsync.plan import SYNTHESIZERS, PlanOptions, synthesize
+from gradsync.plan import PlanOptions, synthesize
+from gradsync.sim.choose import algorithms_for
 from gradsync.sim.engine import simulate
 from gradsync.topology.io import get_topology
 
@@ -18,8 +18,7 @@ SHARDED = ("reduce_scatter", "allgather")
 
 
 def _planners(topology: str, collective: str) -> list[str]:
-    topo = get_topology(topology)
-    return [n for n, e in SYNTHESIZERS.items() if not e.applicable(topo) and collective in e.supported]
+    return algorithms_for(get_topology(topology), collective)
 
 
 @pytest.mark.parametrize("spec", ["p3.8xlarge", "bcube:2,2", "racks:2,2,2"])

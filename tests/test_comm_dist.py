@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import gradsync.sim  # noqa: F401 - registers "auto", as the workers' runtime does: same list run alone or in the suite
-from gradsync.plan import SYNTHESIZERS
+from gradsync.sim.choose import algorithms_for
 from gradsync.topology.io import get_topology
 from tests.dist_launch import launch
 
@@ -14,7 +13,7 @@ WORKER = "tests/comm_worker.py"
 
 def _applicable(topology: str) -> list[str]:
     topo = get_topology(topology)
-    return [a for a in SYNTHESIZERS.names() if not SYNTHESIZERS.get(a).applicable(topo)] + ["native"]
+    return [*algorithms_for(topo), "native"]
 
 
 @pytest.mark.parametrize("world,topology", [(2, "switch:2"), (3, "switch:3"), (4, "bcube:2,2")])
@@ -39,7 +38,7 @@ def test_reduce_scatter_and_allgather_on_processes(tmp_path, world, topology):
     """Issue 14 part 3: every synthesizer that plans them gives torch's exact results over gloo."""
     reports = launch(WORKER, ["sharded", str(tmp_path), topology], world, tmp_path)
     topo = get_topology(topology)
-    expected = [a for a, e in SYNTHESIZERS.items() if not e.applicable(topo) and "allgather" in e.supported]
+    expected = algorithms_for(topo, "allgather")
     assert {"ring", "ps", "tree", "lp", "auto"} <= set(expected)
     for rank, rep in enumerate(reports):
         assert rep is not None and rep["checked"] == expected and rep["failures"] == [], (rank, rep)
@@ -84,7 +83,7 @@ def test_auto_times_the_depths_beside_the_models_on_a_large_class_and_keeps_one(
     on the slowest rank's medians against its first candidate, and a pick at the edge (the double, the half)
     is timed against the next depth that way, at most ``EXPLORE_STEPS`` more times. Then all ranks keep the
     same pick and run it; the candidates not picked are dropped."""
-    from gradsync.comm.runtime import EXPLORE_MARGIN, EXPLORE_STEPS
+    from gradsync.comm.tuning import EXPLORE_MARGIN, EXPLORE_STEPS
 
     reports = launch(WORKER, ["explore", str(tmp_path), "switch:3"], 3, tmp_path)
     first = reports[0]

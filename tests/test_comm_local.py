@@ -6,6 +6,7 @@ The real-process tests (gloo) are in test_comm_dist.py; these cover the combinat
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,7 +44,7 @@ def _cases():
         topo = get_topology(name)
         for alg in SYNTHESIZERS.names():
             # auto returns one of the others' schedules; the process tests run it
-            if alg != "auto" and not SYNTHESIZERS.get(alg).applicable(topo):
+            if not SYNTHESIZERS.get(alg).applicable(topo):
                 yield name, alg
 
 
@@ -358,7 +359,7 @@ def test_get_runtime_without_a_process_group_says_how_to_start():
 
 
 def test_tuned_choice_keeps_the_model_unless_a_candidate_is_clearly_faster():
-    from gradsync.comm.runtime import TUNE_MARGIN, tuned_choice
+    from gradsync.comm.tuning import TUNE_MARGIN, tuned_choice
 
     model = ("native", 1)
     # within the margin (noise): the model's choice stays, even when another measured a little faster
@@ -376,12 +377,12 @@ def test_cached_tuned_choices_are_checked_before_auto_uses_them():
     """``use_tuned`` adopts a cache's choices per size class (what ``auto`` then runs, exact) and refuses a
     wrong file whole, naming the entry: an unknown algorithm, a size that is no class, a depth of 0."""
     from gradsync.comm import Runtime
-    from gradsync.comm.runtime import TUNED_TYPE
+    from gradsync.comm.tuning import TUNED_TYPE
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     good = {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1]}, "65536": {"choice": ["ring", 2]}}}
     rt.use_tuned(good)
-    assert rt._choice(4096) == ("tree", 1) and rt._choice(65536) == ("ring", 2)
+    assert rt.choice(4096) == ("tree", 1) and rt.choice(65536) == ("ring", 2)
     assert rt.executor("auto", 1000).schedule.algorithm == "tree" and rt.tuned[4096]["cached"] is True
     for bad in ({"type": "other", "classes": {}}, {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["nope", 1]}}},
                 {"type": TUNED_TYPE, "classes": {"5000": {"choice": ["tree", 1]}}},
@@ -389,10 +390,10 @@ def test_cached_tuned_choices_are_checked_before_auto_uses_them():
                 {"type": TUNED_TYPE, "classes": {"8192": {"choice": [["tree"], 1]}}},
                 {"type": TUNED_TYPE, "classes": {"8192": "tree"}}):
         fresh = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-        before = dict(fresh._choices)
+        before = fresh.plans.chosen()
         with pytest.raises(GradsyncError, match="tuned"):
             fresh.use_tuned(bad)
-        assert fresh._choices == before and fresh.tuned == {}
+        assert fresh.plans.chosen() == before and fresh.tuned == {}
 
 
 def test_tune_without_a_process_group_has_nothing_to_measure():
@@ -410,7 +411,7 @@ def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
     """``explore`` times depths on a job's own calls only where a process group can agree on the timings,
     and only above the tuned classes: without one, ``auto`` runs the model's choice, nothing is recorded."""
     from gradsync.comm import Runtime
-    from gradsync.comm.runtime import TUNE_MAX_BYTES
+    from gradsync.comm.tuning import TUNE_MAX_BYTES
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     rt.explore = True
@@ -418,7 +419,7 @@ def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
         ex = rt.executor("auto", nbytes)
         assert (ex.schedule.algorithm, ex.schedule is rt.executor("auto", nbytes).schedule) == (rt.choice(nbytes)[0], True)
     assert not rt.exploring() and rt.tuned == {}
-    assert set(rt._explorers) == {4 << 20} and rt._explorers[4 << 20] is None  # decided once: nothing to time
+    assert rt.tuning.explored() == {4 << 20: None}  # decided once: nothing to time
 
 
 @pytest.mark.parametrize("model, cost, steps, pick", [
@@ -430,12 +431,12 @@ def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
     (4, {8: 10.0, 4: 9.0, 2: 9.5}, [[4, 8, 2]], 4),
 ])
 def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, steps, pick):
-    """``_Explorer``'s rule on timings it is handed (a fake clock: each depth's call takes ``cost``): a step
+    """``Explorer``'s rule on timings it is handed (a fake clock: each depth's call takes ``cost``): a step
     keeps its first candidate unless another beats it by ``EXPLORE_MARGIN``; a pick at the edge is timed
     against the next depth that way, at most ``EXPLORE_STEPS`` more times; then the pick is recorded and run."""
-    import gradsync.comm.runtime as runtime
+    import gradsync.comm.tuning as tuning
     from gradsync.comm import Runtime
-    from gradsync.comm.runtime import EXPLORE_REPS, EXPLORE_STEPS, _Explorer
+    from gradsync.comm.tuning import EXPLORE_REPS, EXPLORE_STEPS, Explorer
 
     assert EXPLORE_STEPS == 2  # the second case's three steps
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
@@ -451,13 +452,13 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
             clock[0] += cost[self.depth]
             return tensors
 
-    real = runtime.time  # only the runtime module's clock is faked: other threads keep the real one
+    real = tuning.time  # only the tuning module's clock is faked: other threads keep the real one
     fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
-    monkeypatch.setattr(runtime, "time", SimpleNamespace(**fake))
-    monkeypatch.setattr(runtime, "_max_over_ranks", lambda transport, group, values: list(values))
-    monkeypatch.setattr(rt, "_executor_of", lambda name, depth, size: Fake(depth))
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
+    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
+    monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake(depth))
     first = [("ring", model)] + [("ring", q) for q in (2 * model, model // 2) if q >= 1]
-    ex = _Explorer(rt, object(), 4 << 20, first)
+    ex = Explorer(rt.tuning, object(), 4 << 20, first)
     calls = 0
     while ex.pick is None:
         ex.run(torch.zeros(1))
@@ -473,13 +474,13 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
 
 
 def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timing(tmp_path, monkeypatch):
-    """A size class the first calls settled (``_Explorer``) is written beside the tuned small classes (rank 0,
+    """A size class the first calls settled (``Explorer``) is written beside the tuned small classes (rank 0,
     the cache of ``init(calibrate=True)``); a runtime that reads that file back runs the pick from its first
     call and times nothing; under a new cost model the class is priced and explored afresh, and a pick made
     then is not written into the old model's file."""
-    import gradsync.comm.runtime as runtime
+    import gradsync.comm.tuning as tuning
     from gradsync.comm import Runtime
-    from gradsync.comm.runtime import TUNED_TYPE, _cached, _Explorer, calibration_cache
+    from gradsync.comm.tuning import TUNED_TYPE, Explorer
     from gradsync.sim.cost import CostModel
 
     monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
@@ -495,14 +496,14 @@ def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timin
             clock[0] += cost[self.depth]
             return tensors
 
-    real = runtime.time
+    real = tuning.time
     fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
-    monkeypatch.setattr(runtime, "time", SimpleNamespace(**fake))
-    monkeypatch.setattr(runtime, "_max_over_ranks", lambda transport, group, values: list(values))
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
+    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
 
-    def explore(rt: Runtime) -> _Explorer:
-        monkeypatch.setattr(rt, "_executor_of", lambda name, depth, size: Fake(depth))
-        ex = _Explorer(rt, object(), size, [("ring", 1), ("ring", 2)])
+    def explore(rt: Runtime) -> Explorer:
+        monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake(depth))
+        ex = Explorer(rt.tuning, object(), size, [("ring", 1), ("ring", 2)])
         for _ in range(40):
             if ex.pick is not None:
                 break
@@ -511,10 +512,10 @@ def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timin
 
     small = {"4096": {"choice": ["tree", 1], "model": ["ring", 1]}}  # what tune() measured at init
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-    path = Path(calibration_cache(rt, "tuned"))
+    path = Path(rt.tuning.cache_path("tuned"))
     path.write_text(json.dumps({"type": TUNED_TYPE, "classes": small}))
-    _cached(rt, "tuned", "tuned choices", rt.use_tuned, lambda: pytest.fail("the file should be read"))
-    rt.tuned_cache = (str(path), rt._generation)  # as init(calibrate=True) leaves it
+    rt.tuning.cached("tuned", "tuned choices", rt.use_tuned, lambda: pytest.fail("the file should be read"))
+    rt.tuned_cache = (str(path), rt.plans.generation)  # as init(calibrate=True) leaves it
     assert explore(rt).pick == ("ring", 4)
     doc = json.loads(path.read_text())
     assert doc["type"] == TUNED_TYPE and doc["classes"]["4096"]["choice"] == ["tree", 1]  # the small class kept
@@ -522,17 +523,17 @@ def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timin
     assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
 
     again = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-    _cached(again, "tuned", "tuned choices", again.use_tuned, lambda: pytest.fail("the file should be read"))
+    again.tuning.cached("tuned", "tuned choices", again.use_tuned, lambda: pytest.fail("the file should be read"))
     again.explore = True
-    monkeypatch.setattr(again.transport, "group", object(), raising=False)  # as if it could time its calls
+    monkeypatch.setattr(again.plans, "caps", replace(again.caps, group=object()))  # as if it could time its calls
     ex = again.executor("auto", 3 << 20)  # the class of 4 MiB: a real executor of the kept pick, nothing timed
     assert isinstance(ex, Executor) and (ex.schedule.algorithm, again.choice(3 << 20)) == ("ring", ("ring", 4))
-    assert again._explorers[size] is None and not again.exploring()
+    assert again.tuning.explored()[size] is None and not again.exploring()
     assert again.tuned[size]["cached"] is True and again.tuned[4096]["choice"] == ["tree", 1]
 
-    again.tuned_cache = (str(path), again._generation)
+    again.tuned_cache = (str(path), again.plans.generation)
     again.set_cost_model(CostModel(message_s=again.cost_model.message_s * 2))
-    assert size not in again._explorers and size not in again._choices  # a new model: priced, explored afresh ...
+    assert size not in again.tuning.explored() and size not in again.plans.chosen()  # a new model: priced, explored afresh ...
     before = path.read_text()
     cost[2] = 5.0
     assert explore(again).pick == ("ring", 2)
@@ -540,14 +541,14 @@ def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timin
 
 
 def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten(tmp_path, monkeypatch):
-    """The calibration's and the tuned choices' cache (``_cached``): a corrupt file is ignored with a warning
+    """The calibration's and the tuned choices' cache (``Tuning.cached``): a corrupt file is ignored with a warning
     naming it, the result is measured and written by rank 0, and the next init uses the file, measuring nothing."""
     from gradsync.comm import Runtime
-    from gradsync.comm.runtime import TUNED_TYPE, _cached, calibration_cache
+    from gradsync.comm.tuning import TUNED_TYPE
 
     monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-    path = Path(calibration_cache(rt, "tuned"))
+    path = Path(rt.tuning.cache_path("tuned"))
     assert path.parent == tmp_path
     path.write_text("{not json")
     doc = {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1]}}}
@@ -558,8 +559,46 @@ def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten
         return doc
 
     with pytest.warns(UserWarning, match=r"ignoring the cached tuned choices .*tuned-.*\.json"):
-        _cached(rt, "tuned", "tuned choices", rt.use_tuned, measure)
+        rt.tuning.cached("tuned", "tuned choices", rt.use_tuned, measure)
     assert measured == [1] and json.loads(path.read_text()) == doc
     again = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-    _cached(again, "tuned", "tuned choices", again.use_tuned, measure)
-    assert measured == [1] and again._choice(4096) == ("tree", 1)
+    again.tuning.cached("tuned", "tuned choices", again.use_tuned, measure)
+    assert measured == [1] and again.choice(4096) == ("tree", 1)
+
+
+def test_the_runtime_reads_what_a_transport_can_do_from_its_capabilities():
+    """A transport declares what it offers beyond isend/irecv in one record, read once: a point-to-point
+    transport plans without the native collective and decides locally; one that declares ``decide`` has every
+    plan decision go through it, keyed by the cost model's generation; nothing in comm probes a transport."""
+    import re
+    from pathlib import Path
+
+    from gradsync.comm import Runtime
+    from gradsync.comm.transport import Capabilities
+
+    local = LocalFabric(2).transport(0)
+    assert local.capabilities == Capabilities(failures=local.failures) and not local.capabilities.native
+    assert local.capabilities.collective_device() == torch.device("cpu")
+    rt = Runtime(local, "switch:2", "auto", timeout_s=5)
+    assert "native" not in {c.algorithm for c in rt.chooser.choose(1 << 20).candidates}
+    with pytest.raises(GradsyncError, match="calibration needs a torch.distributed transport"):
+        rt.calibrate()
+
+    asked: list[str] = []
+
+    def decide(key, compute, timeout_s):
+        asked.append(key)
+        return compute()
+
+    declared = LocalFabric(2).transport(0)
+    declared.capabilities = replace(declared.capabilities, decide=decide)
+    rt = Runtime(declared, "switch:2", "auto", timeout_s=5)
+    rt.executor("auto", 1 << 20)
+    assert "g0/choice/1048576" in asked and any(k.startswith("g0/order/allreduce/") for k in asked)
+    rt.set_cost_model(rt.cost_model)
+    rt.executor("auto", 1 << 20)
+    assert "g1/choice/1048576" in asked  # a new model decides afresh, under its own keys
+    comm = Path(__file__).resolve().parents[1] / "gradsync" / "comm"
+    probes = [f"{p.name}: {m}" for p in comm.glob("*.py")
+              for m in re.findall(r"getattr\((?:self\.)?transport\b[^)]*\)", p.read_text())]
+    assert probes == []

@@ -274,15 +274,15 @@ def test_powersgd_products_in_place_and_into_a_given_buffer(rank: int, shape) ->
 @pytest.mark.parametrize("n", [0, 1, 1000])
 def test_allgather_of_equal_sizes_skips_the_sizes_round_point_to_point(world: int, n: int) -> None:
     """equal_sizes: one round of messages (no sizes round) brings every rank's tensor, in rank order."""
+    from gradsync.comm.collectives import gather_p2p
     from gradsync.comm.local import run_ranks
-    from gradsync.comm.runtime import _gather_p2p
 
     def body(transport):  # type: ignore[no-untyped-def]
         mine = torch.arange(n, dtype=torch.int64) * 10 + transport.rank
         sent = []
         isend = transport.isend
         transport.isend = lambda t, peer, tag: sent.append(tag) or isend(t, peer, tag)
-        return _gather_p2p(mine, transport, 10.0, equal_sizes=True), sent
+        return gather_p2p(mine, transport, 10.0, equal_sizes=True), sent
 
     for result in run_ranks(world, body):
         assert not isinstance(result, BaseException), result

@@ -8,12 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from gradsync.comm.runtime import load_cost_model
+from gradsync.comm.tuning import load_cost_model
 from gradsync.errors import GradsyncError, PlanError, SimulationError
 from gradsync.plan import synthesize
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
 from gradsync.sim import simulate
-from gradsync.sim.cost import NATIVE, Chooser, CostModel, native_schedule, reverse_share_of, size_class
+from gradsync.sim.choose import Chooser
+from gradsync.sim.cost import NATIVE, CostModel, native_schedule, reverse_share_of, size_class
 from gradsync.topology import get_topology
 
 
@@ -252,24 +253,24 @@ def test_native_schedule_checks_itself():
 def test_chooser_skips_candidates_the_planner_refuses(monkeypatch):
     """A candidate too large to plan (the planner's memory estimate raises PlanError) is not a candidate:
     deeper pipelines of it stop, other algorithms still compete; with none left, the error names each."""
-    import gradsync.sim.cost as cost
+    import gradsync.plan.synthesizers as synthesizers
     from gradsync.errors import PlanError
     from gradsync.topology.io import get_topology
 
-    real = cost.synthesize
+    real = synthesizers.synthesize
 
     def guarded(name, topology, options, **kw):
         if name == "ring" or (name == "tree" and options.pipeline >= 4):
             raise PlanError(f"{name} at pipeline {options.pipeline} needs too much memory")
         return real(name, topology, options, **kw)
 
-    monkeypatch.setattr(cost, "synthesize", guarded)
+    monkeypatch.setattr(synthesizers, "synthesize", guarded)  # what the chooser plans with
     topo = get_topology("racks:2,2,4")
-    choice = cost.Chooser(topo, algorithms=["ring", "tree"]).choose(1 << 22, exact=True)
+    choice = Chooser(topo, algorithms=["ring", "tree"]).choose(1 << 22, exact=True)
     seen = {(c.algorithm, c.pipeline) for c in choice.candidates}
     assert seen and all(a == "tree" and p < 4 for a, p in seen)
     with pytest.raises(PlanError, match="no algorithm can be planned .* ring: ring at pipeline 1 needs too much"):
-        cost.Chooser(topo, algorithms=["ring"]).choose(1 << 22, exact=True)
+        Chooser(topo, algorithms=["ring"]).choose(1 << 22, exact=True)
 
 
 def test_chooser_keeps_the_native_ring_where_the_topology_gives_no_bandwidth_advantage():

@@ -14,6 +14,7 @@ from scipy.optimize import linprog
 from gradsync.cli import DEMO_TOPOLOGIES
 from gradsync.errors import PlanError
 from gradsync.plan import SYNTHESIZERS, PlanOptions, evaluate, limits, pack_trees, synthesize
+from gradsync.sim.choose import synthesize as synthesize_any
 from gradsync.topology import get_topology
 
 from .conftest import random_topology, set_partitions
@@ -154,14 +155,15 @@ def test_auto_is_fastest_under_the_cost_model_by_brute_force(spec, size):
     offers, each simulated as the runtime runs it: store-and-forward per sub-chunk, one message at a time per
     connection and per receiver, the model's per-message cost (no pruning here)."""
     from gradsync.sim import simulate
-    from gradsync.sim.cost import PRUNE, CostModel
+    from gradsync.sim.choose import PRUNE
+    from gradsync.sim.cost import CostModel
 
     t = get_topology(spec)
     model = CostModel()
-    auto = synthesize("auto", t, PlanOptions(size_bytes=size))
+    auto = synthesize_any("auto", t, PlanOptions(size_bytes=size))
     brute = {}
     for name in SYNTHESIZERS.names():
-        if name == "auto" or SYNTHESIZERS.get(name).applicable(t):
+        if SYNTHESIZERS.get(name).applicable(t):
             continue
         for p in model.pipelines:
             s = synthesize(name, t, PlanOptions(pipeline=p))
@@ -274,17 +276,27 @@ def test_planning_too_large_is_refused_before_allocating() -> None:
 
 
 def test_auto_lives_in_sim_and_plan_alone_says_so():
-    """``auto`` prices schedules with the runtime's cost model (sim, a layer above plan): planning alone does
-    not know it and says where it is; with gradsync.sim imported it plans."""
+    """``auto`` prices schedules with the runtime's cost model (sim, a layer above plan): it is no synthesizer,
+    whatever was imported before, and plan's ``synthesize`` says where it is; ``gradsync.sim.synthesize`` plans
+    it and every synthesizer, the same schedules as plan's."""
     import subprocess
     import sys
 
-    code = ("from gradsync.plan import synthesize, SYNTHESIZERS\nfrom gradsync.topology import get_topology\n"
+    code = ("import gradsync.sim\nfrom gradsync.plan import synthesize, SYNTHESIZERS\n"
+            "from gradsync.topology import get_topology\n"
             "from gradsync.errors import PlanError\nassert 'auto' not in SYNTHESIZERS\n"
             "try:\n    synthesize('auto', get_topology('switch:3'))\nexcept PlanError as e:\n    print(e)\n"
-            "import gradsync.sim\nprint(synthesize('auto', get_topology('switch:3')).meta['auto']['chosen'])\n")
+            "print(gradsync.sim.synthesize('auto', get_topology('switch:3')).meta['auto']['chosen'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "registered by gradsync.sim: import gradsync.sim first" in lines[0]
+    assert "is not a synthesizer" in lines[0] and "gradsync.sim.synthesize('auto'" in lines[0]
     assert lines[1] in SYNTHESIZERS.names()
+    from gradsync.sim import algorithm_names
+    from gradsync.sim import synthesize as synthesize_any
+
+    assert algorithm_names() == [*SYNTHESIZERS.names(), "auto"]
+    topo = get_topology("ring:4")
+    for name in SYNTHESIZERS.names():
+        if not SYNTHESIZERS.get(name).applicable(topo):
+            assert synthesize_any(name, topo).to_dict() == synthesize(name, topo).to_dict(), name

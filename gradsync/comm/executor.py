@@ -527,13 +527,12 @@ class Executor:
         """Name this rank, the transfer, and the rank that failed first according to the failure board."""
         me = self.transport.rank
         verb, prep = ("sending", "to") if act.send else ("receiving", "from")
-        board = getattr(self.transport, "failures", None)
-        reports = board.read() if board is not None else {}
+        board = self.transport.capabilities.failures
+        reports = board.read()
         # A rank that already lost a peer is itself not the culprit; blame the first peer no survivor reported.
         culprits = sorted({peer for reporter, (peer, _) in reports.items() if peer not in reports and peer != me})
         failed = culprits[0] if culprits else exc.peer
-        if board is not None:
-            board.post(me, failed, str(exc))
+        board.post(me, failed, str(exc))
         blame = "" if failed == exc.peer else f"; rank {failed} ({self._device_of_proc[failed]}) failed first, as other ranks reported"
         return PeerError(
             f"rank {me} ({self._device_of_proc[me]}), {self.schedule.algorithm} {self.schedule.collective}: {verb} chunk {act.chunk} "

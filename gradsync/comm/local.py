@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from gradsync.comm.transport import FailureBoard
+from gradsync.comm.transport import Capabilities, FailureBoard
 from gradsync.errors import PeerError
 
 __all__ = ["LocalFabric", "LocalTransport", "run_ranks"]
@@ -119,6 +119,7 @@ class LocalTransport:
         self.world_size = fabric.world_size
         self.name = "local"
         self.failures = _LocalBoard(fabric)
+        self.capabilities = Capabilities(failures=self.failures)  # point to point only; failures shared in-process
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _Done:
         self.fabric._put(self.rank, peer, tag, tensor.detach().clone())

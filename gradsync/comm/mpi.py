@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gradsync.comm.transport import TRANSPORTS, Handle, TransportEntry
+from gradsync.comm.transport import TRANSPORTS, Capabilities, Handle, TransportEntry
 from gradsync.errors import CommError, GradsyncError, PeerError
 
 __all__ = ["MPITransport", "MPIHandle", "mpi_available", "find_mpirun", "mpirun_command", "MPI_DTYPES"]
@@ -322,6 +322,7 @@ class MPITransport:
         self.tag_ub: int = int(tag_ub) if tag_ub is not None else 32767  # the standard guarantees at least 32767
         self._types = {dt: getattr(MPI, name) for dt, name in MPI_DTYPES.items()}
         self._orphans: list[MPIHandle] = []
+        self.capabilities = Capabilities()  # point to point only
 
     # ---- Transport protocol ---------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:

@@ -10,6 +10,11 @@ of ranks, so tags stay small (MPI guarantees only 32767) and never collide insid
 Backends that ignore tags and match by posting order (NCCL) set ``ordered = True``; the executor then
 posts each pair's messages in tag order.
 
+Capabilities: beyond ``isend``/``irecv``, a transport declares what else it offers in one frozen
+:class:`Capabilities` record (a process group for native collectives, the user's group, job-wide decisions,
+a failure board, the device its collectives reduce on). The runtime reads it once; nothing probes for
+attributes.
+
 Failures: ``wait`` raises :class:`~gradsync.errors.PeerError` naming the peer when it closed its
 connection or sent nothing within the timeout, so survivors report who is gone instead of hanging.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -27,7 +32,7 @@ from gradsync.comm import lifetime
 from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.registry import Registry
 
-__all__ = ["FailureBoard", "Handle", "Transport", "TorchTransport", "TRANSPORTS", "TransportEntry", "create_transport"]
+__all__ = ["Capabilities", "FailureBoard", "Handle", "Transport", "TorchTransport", "TRANSPORTS", "TransportEntry", "create_transport"]
 
 
 @runtime_checkable
@@ -36,21 +41,6 @@ class Handle(Protocol):
 
     def wait(self, timeout_s: float) -> None:
         """Block until done; raise :class:`PeerError` if the peer is gone or silent for ``timeout_s``."""
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Non-blocking point-to-point messages between the processes of one group (ranks 0..world_size-1)."""
-
-    name: str
-    rank: int
-    world_size: int
-    #: True when the backend matches messages by posting order instead of by tag (NCCL).
-    ordered: bool
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
-
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
 
 
 class FailureBoard:
@@ -67,6 +57,65 @@ class FailureBoard:
     def read(self) -> dict[int, tuple[int, str]]:
         """reporter -> (failed peer, message)."""
         return {}
+
+
+#: ``decide(key, compute, timeout_s)``: ``compute()`` once for the job, the same bytes on every rank.
+Decide = Callable[[str, Callable[[], bytes], float], bytes]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport offers beyond point-to-point messages, declared once (the runtime never probes).
+
+    The defaults describe a transport with point-to-point messages only (MPI, in-process): no native
+    collectives, every rank decides for itself, failures are not shared.
+    """
+
+    #: The torch.distributed process group gradsync's own collectives run on (``native`` allreduce, allgather,
+    #: calibration's timings); None: point to point only.
+    group: Any = None
+    #: The group the user's own collectives run on (DDP's, a logged loss): collectives gradsync issues on the
+    #: caller's thread go there, in program order with the user's. None: as :attr:`group`.
+    user_group: Any = None
+    #: The process group's backend (``"gloo"``, ``"nccl"``); ``""`` without one.
+    backend: str = ""
+    #: Job-wide decisions by rank 0 (:data:`Decide`); None: every rank computes its own (deterministic) answer.
+    decide: Decide | None = None
+    #: Where ranks post the peer they lost, so survivors name the rank that failed first.
+    failures: FailureBoard = field(default_factory=lambda: FailureBoard())
+
+    @property
+    def native(self) -> bool:
+        """Whether the backend's own collectives (``torch.distributed.all_reduce``...) can run."""
+        return self.group is not None
+
+    @property
+    def native_group(self) -> Any:
+        """The group for native collectives on the caller's thread (:attr:`user_group`, else :attr:`group`)."""
+        return self.user_group if self.user_group is not None else self.group
+
+    def collective_device(self) -> torch.device:
+        """Where the backend's collectives take their tensors: NCCL's on this process's GPU, others' on the CPU."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Non-blocking point-to-point messages between the processes of one group (ranks 0..world_size-1)."""
+
+    name: str
+    rank: int
+    world_size: int
+    #: True when the backend matches messages by posting order instead of by tag (NCCL).
+    ordered: bool
+    #: What else it offers (:class:`Capabilities`).
+    capabilities: Capabilities
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
 
 
 class _StoreBoard(FailureBoard):
@@ -165,6 +214,8 @@ class TorchTransport:
             self.failures = _StoreBoard(self._store, self.world_size, f"gradsync/failed/{self._group_name}")
         except Exception:  # noqa: BLE001
             pass
+        self.capabilities = Capabilities(group=self.group, user_group=self.user_group, backend=self.backend,
+                                         decide=self.decide, failures=self.failures)
 
     def decide(self, key: str, compute: Callable[[], bytes], timeout_s: float) -> bytes:
         """``compute()`` on rank 0, the same bytes on every rank (through the rendezvous store).

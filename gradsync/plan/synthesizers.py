@@ -45,8 +45,8 @@ class PlanOptions:
 
     ``pipeline``: sub-chunks per tree or ring chunk, so a tree streams (seed 000 §2) and the runtime can
     overlap hops. ``rings``: how many rings ``multiring`` splits the buffer over (seed 002 Fig. 9).
-    ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time; ``auto`` is registered by
-    :mod:`gradsync.sim.cost`). ``collective``: what to plan, one of :data:`PLANNED_COLLECTIVES`.
+    ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time; ``auto`` chooses among
+    the synthesizers in :mod:`gradsync.sim.choose`). ``collective``: what to plan, one of :data:`PLANNED_COLLECTIVES`.
     """
 
     pipeline: int = 1
@@ -88,7 +88,7 @@ class Synthesizer:
             return self.fn
         got = self.collectives.get(collective)
         if got is None:
-            able = [n for n, e in SYNTHESIZERS.items() if collective in e.collectives and n != "auto"]
+            able = [n for n, e in SYNTHESIZERS.items() if collective in e.collectives]
             raise PlanError(f"algorithm {self.name!r} does not plan {collective}; use --algorithm with one of "
                             f"{', '.join(able)}")
         return got
@@ -146,7 +146,7 @@ def plan_bytes(algorithm: str, topology: Topology, options: PlanOptions | None =
     rings; an allreduce ring keeps one compact ring block (n routes) per ring and pipeline stage; trees
     hold n - 1 routed edges per tree (the reduce-scatter and allgather forests as many) but, with
     switches, route over a dense ranks x devices shortest-path table. ``(0, "")`` where there is no estimate (one rank; ``hierarchical`` and ``bml``, which plan per
-    level; ``auto``, whose chooser skips each candidate the planner refuses)."""
+    level)."""
     opts = options or PlanOptions()
     name = SYNTHESIZERS.canonical(algorithm)
     n, v, p = topology.world_size, len(topology.devices), opts.pipeline
@@ -174,7 +174,7 @@ def _too_large(name: str, topology: Topology, options: PlanOptions, need: float,
     """Why planning is refused, and which applicable algorithm fits (or that none does, and what to do)."""
     fits = []
     for other in SYNTHESIZERS.names():
-        if other in (name, "auto") or SYNTHESIZERS.get(other).applicable(topology):
+        if other == name or SYNTHESIZERS.get(other).applicable(topology):
             continue
         b, w = plan_bytes(other, topology, options)
         fits.append((b, other, w))
@@ -195,9 +195,9 @@ def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None =
     """Plan ``algorithm`` on ``topology``; the result has passed its self-check unless ``check=False``.
 
     Refused with :class:`PlanError` when :func:`plan_bytes` says it needs more than ``max_bytes``."""
-    if algorithm == "auto" and "auto" not in SYNTHESIZERS:
-        raise PlanError("algorithm 'auto' chooses with the runtime's cost model and is registered by gradsync.sim: "
-                        "import gradsync.sim first (the CLI and the runtime do)")
+    if algorithm == "auto":
+        raise PlanError("algorithm 'auto' is not a synthesizer: it chooses among them by the runtime's cost model, "
+                        "one layer up; call gradsync.sim.synthesize('auto', ...) (it takes every name this does)")
     entry = SYNTHESIZERS.get(algorithm)
     reason = entry.applicable(topology)
     if reason:

@@ -415,7 +415,7 @@ class CollectiveKVStore(LocalKVStore):
             dist.broadcast(self.values[k], src=0)
 
     def _reduced(self, keys: list[Key], values: list[torch.Tensor]) -> list[torch.Tensor]:
-        from gradsync.comm.runtime import dtype_groups
+        from gradsync.comm.collectives import dtype_groups
 
         summed = [v.clone() for v in values]
         for group in dtype_groups(summed):  # one tensor-list collective per dtype (seed 002 §6.3)

@@ -4,11 +4,15 @@
 directions max-min fairly, honours the schedule's dependencies (streaming or store-and-forward) and the
 links' α–β costs, and returns a :class:`SimResult` with the time, per-link busy time and the timeline.
 
+``synthesize(algorithm, topology, options)`` plans any synthesizer or ``auto``, the pick with the least
+predicted time (:mod:`gradsync.sim.choose`).
+
 ``simulate_iteration(dag, order, IterationConfig(...))`` simulates one training/inference iteration of W
 workers (compute DAG + parameter transfers in a given order, PS or allreduce) for TicTac (seed 003).
 """
 
-from gradsync.sim.cost import Chooser, CostModel, plan_auto  # plan_auto: registers the "auto" synthesizer
+from gradsync.sim.choose import Chooser, algorithm_names, plan_auto, synthesize
+from gradsync.sim.cost import CostModel
 from gradsync.sim.engine import FAIRNESS, SimResult, simulate
 from gradsync.sim.flows import FlowSet, SimulationError, build_flows, by_step, schedule_dependencies, tensor_sizes
 from gradsync.sim.iteration import (
@@ -33,6 +37,7 @@ __all__ = [
     "IterationResult",
     "SimResult",
     "SimulationError",
+    "algorithm_names",
     "build_flows",
     "by_step",
     "plot_iteration",
@@ -42,5 +47,6 @@ __all__ = [
     "schedule_dependencies",
     "simulate",
     "simulate_iteration",
+    "synthesize",
     "tensor_sizes",
 ]

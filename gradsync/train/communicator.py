@@ -33,7 +33,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor
 
-from gradsync.comm.runtime import Runtime, Work, dtype_groups, get_runtime
+from gradsync.comm.collectives import dtype_groups
+from gradsync.comm.runtime import Runtime, Work, get_runtime
 from gradsync.compress.base import (
     CompressionError,
     Compressor,

@@ -59,7 +59,7 @@ class DemoConfig:
         topo = get_topology(self.topology)
         if topo.world_size != workers:
             raise GradsyncError(f"topology {self.topology!r} has {topo.world_size} ranks, not workers={workers}")
-        usable = [a for a in SYNTHESIZERS.names() if a != "auto" and not SYNTHESIZERS.get(a).applicable(topo)]
+        usable = [a for a in SYNTHESIZERS.names() if not SYNTHESIZERS.get(a).applicable(topo)]
         if algorithms:
             for a in algorithms:
                 if a not in (BASELINE, "auto") and a not in usable:

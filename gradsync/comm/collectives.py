@@ -1,0 +1,164 @@
+"""The collectives beside the planned executor, each behind the executor's ``run`` or as a plain function.
+
+* :class:`NativeAllreduce`: the backend's own ``torch.distributed.all_reduce`` with the executor's interface,
+  for where ``auto`` prices it fastest;
+* :func:`run_sharded`: a reduce-scatter or an allgather in torch.distributed's tensor forms, on a planned
+  schedule's executor;
+* :func:`gather_torch` / :func:`gather_p2p`: every rank's 1-D tensor, sizes allowed to differ, on a process
+  group or point to point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradsync.comm.executor import OPS, Executor
+from gradsync.comm.transport import Transport
+from gradsync.errors import CommError, GradsyncError
+from gradsync.plan.schedule import Schedule
+
+__all__ = ["NativeAllreduce", "Tensors", "check_sharded", "dtype_groups", "gather_p2p", "gather_torch", "nbytes_of",
+           "run_sharded"]
+
+Tensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+def nbytes_of(tensors: Tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class NativeAllreduce:
+    """The backend's own ``torch.distributed.all_reduce`` behind the executor's interface (``auto`` picks
+    it where the cost model says no planned schedule beats it). A tensor list of one dtype is reduced as
+    one flat buffer; in place, like :meth:`Executor.run`."""
+
+    def __init__(self, transport: Transport, schedule: Schedule) -> None:
+        self.transport = transport
+        self.schedule = schedule  # the rank-order ring it is priced as
+        self.runs = 0
+
+    def run(self, tensors: Tensors, op: str = "sum") -> Tensors:
+        import torch.distributed as dist
+
+        if op not in OPS:
+            raise GradsyncError(f"op={op!r} is not one of {OPS}")
+        single = isinstance(tensors, torch.Tensor)
+        tlist = [tensors] if single else list(tensors)
+        if op == "avg" and tlist and not (tlist[0].is_floating_point() or tlist[0].is_complex()):
+            raise TypeError(f"op='avg' needs a floating-point tensor, got {tlist[0].dtype}; use op='sum' or convert first")
+        group = self.transport.capabilities.group
+        try:
+            for same in dtype_groups(tlist):
+                if len(same) == 1 and same[0].is_contiguous():
+                    dist.all_reduce(same[0], group=group)
+                    flat = same[0]
+                else:
+                    flat = torch.cat([t.reshape(-1) for t in same])
+                    dist.all_reduce(flat, group=group)
+                    offset = 0
+                    for t in same:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+                if op == "avg":
+                    for t in same:
+                        t.div_(self.transport.world_size)
+        except RuntimeError as exc:
+            raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
+        self.runs += 1
+        return tensors if single else tlist
+
+
+def check_sharded(what: str, shard: torch.Tensor, full: torch.Tensor, world: int, *, big: str) -> None:
+    """Validate a (shard, full) pair as torch.distributed's tensor collectives do, with messages naming the fix."""
+    small = "output" if big == "input" else "input"
+    for name, t in ((small, shard), (big, full)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} is a {type(t).__name__}; pass a torch.Tensor")
+        if not t.is_contiguous():
+            raise TypeError(f"{what}: {name} (shape {tuple(t.shape)}) is not contiguous; pass {name}.contiguous()")
+    if shard.dtype != full.dtype or shard.device != full.device:
+        raise TypeError(f"{what}: {small} is {shard.dtype} on {shard.device} but {big} is {full.dtype} on {full.device}; "
+                        f"use one dtype and device")
+    if full.numel() != world * shard.numel():
+        raise GradsyncError(f"{what}: {big} has {full.numel()} elements but {small} has {shard.numel()}; {big} must "
+                            f"have world_size({world}) x {shard.numel()} = {world * shard.numel()}")
+
+
+def run_sharded(ex: Executor, shard: torch.Tensor, full: torch.Tensor, op: str | None) -> torch.Tensor:
+    """Run a reduce-scatter (``op`` given: ``full`` -> ``shard``) or an allgather (``shard`` -> ``full``).
+
+    The schedule's shards are in *schedule*-rank order and the caller's in process-rank order: schedule rank
+    ``r`` runs on process ``proc_of[r]``, so the work buffer holds the caller's slice ``proc_of[r]`` at
+    shard ``r`` (the identity without a mapping, when an allgather runs in ``full`` itself).
+    """
+    proc_of = ex.proc_of
+    k = shard.numel()
+    flat_full = full.view(-1)
+    identity = proc_of == list(range(len(proc_of)))
+    if op is not None:  # reduce-scatter: work on a copy, so the input is left as it was
+        work = flat_full.clone() if identity else torch.cat([flat_full[p * k:(p + 1) * k] for p in proc_of])
+        ex.run(work, op)
+        lo, hi = ex.schedule.shard(ex.rank, work.numel())
+        shard.view(-1).copy_(work[lo:hi])
+        return shard
+    if identity:
+        work = flat_full
+    else:
+        work = torch.empty_like(flat_full)
+    lo, hi = ex.schedule.shard(ex.rank, work.numel())
+    work[lo:hi].copy_(shard.view(-1))
+    ex.run(work)
+    if not identity:
+        for r, p in enumerate(proc_of):
+            flat_full[p * k:(p + 1) * k].copy_(work[r * k:(r + 1) * k])
+    return full
+
+
+def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split by dtype, in order of first appearance: a tensor collective moves one dtype."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
+
+
+def gather_torch(tensor: torch.Tensor, group: Any, world: int, equal_sizes: bool = False) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    if equal_sizes:
+        out = [torch.empty_like(tensor) for _ in range(world)]
+        if tensor.numel():
+            dist.all_gather(out, tensor, group=group)
+        return out
+    size = torch.tensor([tensor.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    counts = [int(s.item()) for s in sizes]
+    longest = max(counts)
+    if longest == 0:
+        return [tensor.new_zeros(0) for _ in range(world)]
+    padded = tensor if tensor.numel() == longest else torch.cat([tensor, tensor.new_zeros(longest - tensor.numel())])
+    out = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [o[:c] for o, c in zip(out, counts)]
+
+
+def gather_p2p(tensor: torch.Tensor, transport: Transport, timeout_s: float, equal_sizes: bool = False) -> list[torch.Tensor]:
+    rank, world = transport.rank, transport.world_size
+    peers = [p for p in range(world) if p != rank]
+    size = torch.tensor([tensor.numel()], dtype=torch.int64)
+    sizes = {p: size.clone() if equal_sizes else torch.zeros(1, dtype=torch.int64) for p in peers}
+    handles = [] if equal_sizes else [transport.isend(size, p, 0) for p in peers] + [transport.irecv(sizes[p], p, 0) for p in peers]
+    for h in handles:
+        h.wait(timeout_s)
+    out: list[torch.Tensor] = [tensor if p == rank else torch.empty(int(sizes[p].item()), dtype=tensor.dtype) for p in range(world)]
+    handles = [transport.isend(tensor, p, 1) for p in peers if tensor.numel()]
+    handles += [transport.irecv(out[p], p, 1) for p in peers if out[p].numel()]
+    for h in handles:
+        h.wait(timeout_s)
+    return [o.clone() if p == rank else o for p, o in enumerate(out)]

@@ -1,0 +1,185 @@
+"""The runtime's plans: one cache of choices and executors that serves allreduce, reduce-scatter and allgather.
+
+A plan is chosen per (collective, message-size class) and built once per (collective, algorithm, pipeline
+depth): the schedule from the collective's :class:`~gradsync.sim.choose.Chooser` (self-checked before it
+runs) and an :class:`~gradsync.comm.executor.Executor` that waits for its messages in the cost model's predicted
+arrival order. Every decision a rank could make differently (``auto``'s pick, that order) is made once for the
+job through the transport's ``decide`` and keyed by the cost model's generation: a new model prices afresh.
+Tuning (:mod:`gradsync.comm.tuning`) works only through the public methods here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from gradsync.comm.collectives import NativeAllreduce
+from gradsync.comm.executor import Executor
+from gradsync.comm.transport import Transport
+from gradsync.errors import GradsyncError, PlanError
+from gradsync.plan.schedule import Schedule
+from gradsync.plan.synthesizers import PlanOptions
+from gradsync.sim.choose import Chooser
+from gradsync.sim.cost import NATIVE, CostModel, native_schedule
+from gradsync.topology.model import Topology
+
+__all__ = ["ALLREDUCE", "MAX_ORDERED_TRANSFERS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
+
+#: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
+#: keep step order rather than spend a simulation at plan time.
+MAX_ORDERED_TRANSFERS = 200_000
+#: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
+PLAN_TIMEOUT_S = 600.0
+#: The collective every synthesizer plans, and the only one the backend's native collective is priced for.
+ALLREDUCE = "allreduce"
+
+#: An (algorithm, pipeline depth) pair: what a choice picks and what an executor runs.
+Pick = tuple[str, int]
+Runnable = Executor | NativeAllreduce
+
+
+class PlanCache:
+    """Choices per (collective, size class) and executors per (collective, algorithm, depth), for one job.
+
+    ``auto``'s chooser for allreduce has the backend's own collective among its candidates when the transport
+    has a process group and topology ranks are process ranks (it runs in process order), so ``auto`` never
+    loses to it where the model says they are equal (a flat switch, small messages).
+    """
+
+    def __init__(self, transport: Transport, topology: Topology, *, options: PlanOptions,
+                 mapping: Sequence[int] | Mapping[str, int] | None, timeout_s: float, cost_model: CostModel) -> None:
+        self.transport = transport
+        self.caps = transport.capabilities
+        self.topology = topology
+        self.options = options
+        self.mapping = mapping
+        self.timeout_s = timeout_s
+        self.cost_model = cost_model
+        #: bumped by :meth:`reset`: decisions are per cost model
+        self.generation = 0
+        self._choosers: dict[str, Chooser] = {}
+        self._planner: Chooser | None = None  # named allreduce plans, without pricing any candidate
+        self._choices: dict[tuple[str, int], Pick] = {}
+        self._executors: dict[tuple[str, str, int], Runnable] = {}
+
+    # ---- planning ---------------------------------------------------------------------------------------
+    def chooser(self, collective: str = ALLREDUCE) -> Chooser:
+        """Picks (algorithm, pipeline depth) per size class of ``collective`` with the cost model."""
+        got = self._choosers.get(collective)
+        if got is None:
+            if collective == ALLREDUCE:
+                native = self.caps.native and self.mapping is None
+                got = Chooser(self.topology, self.cost_model, native=native, options=self.options)
+            else:
+                got = Chooser(self.topology, self.cost_model, native=False,
+                              options=replace(self.options, collective=collective))
+            self._choosers[collective] = got
+        return got
+
+    def schedule(self, name: str, pipeline: int, collective: str = ALLREDUCE, *, check: bool = False) -> Schedule:
+        """``name`` planned at ``pipeline`` for ``collective`` (cached; ``check``: self-checked once). A named
+        allreduce is planned without building ``auto``'s candidates."""
+        if collective == ALLREDUCE and collective not in self._choosers:
+            if self._planner is None:
+                self._planner = Chooser(self.topology, self.cost_model, algorithms=[], native=True,
+                                        options=self.options)
+            return self._planner.schedule(name, pipeline, check=check)
+        return self.chooser(collective).schedule(name, pipeline, check=check)
+
+    def plannable(self, name: str, pipeline: int) -> bool:
+        """Whether allreduce by ``name`` at depth ``pipeline`` may be measured: a depth the cost model prices,
+        and one that plans here."""
+        if pipeline not in self.cost_model.pipelines:
+            return False
+        try:
+            self.chooser().schedule(name, pipeline)
+        except PlanError:
+            return False  # too large to plan here: not a candidate
+        return True
+
+    def decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
+        """``compute()`` once for the job (rank 0, shared through the transport) under this cost model, or
+        here when the transport cannot share."""
+        if self.caps.decide is None:
+            return compute()
+        return bytes(self.caps.decide(f"g{self.generation}/{key}", compute, max(self.timeout_s, PLAN_TIMEOUT_S)))
+
+    # ---- choices ----------------------------------------------------------------------------------------
+    def choice(self, size: int, collective: str = ALLREDUCE) -> Pick:
+        """``auto``'s pick for a size class: a measured one (:meth:`choose`), or the model's, priced once for
+        the job."""
+        got = self._choices.get((collective, size))
+        if got is None:
+            chooser = self.chooser(collective)
+
+            def compute() -> bytes:
+                c = chooser.choose(size)
+                return json.dumps([c.algorithm, c.pipeline]).encode()
+
+            where = "" if collective == ALLREDUCE else f"{collective}/"
+            name, pipeline = json.loads(self.decide(f"choice/{where}{size}", compute))
+            got = self._choices[(collective, size)] = (str(name), int(pipeline))
+        return got
+
+    def choose(self, size: int, pick: Pick, collective: str = ALLREDUCE) -> None:
+        """Run ``pick`` for the size class from now on (a measurement replaced the model's choice)."""
+        self._choices[(collective, size)] = pick
+
+    def chosen(self, collective: str = ALLREDUCE) -> dict[int, Pick]:
+        """The size classes decided so far, and their picks."""
+        return {size: pick for (c, size), pick in self._choices.items() if c == collective}
+
+    # ---- executors --------------------------------------------------------------------------------------
+    def executor(self, name: str, pipeline: int, size: int, collective: str = ALLREDUCE) -> Runnable:
+        """The executor of ``(name, pipeline)`` for ``collective``, built once; its wait order is priced at the
+        ``size`` it is first built for."""
+        key = (collective, name, pipeline)
+        ex = self._executors.get(key)
+        if ex is None:
+            if name == NATIVE:
+                if collective != ALLREDUCE or not self.caps.native:
+                    raise GradsyncError(f"algorithm {NATIVE!r} runs the backend's allreduce, which needs a "
+                                        f"torch.distributed transport; this one is {self.transport.name!r} and the "
+                                        f"collective {collective!r}")
+                ex = NativeAllreduce(self.transport, native_schedule(self.topology))
+            else:
+                schedule = self.schedule(name, pipeline, collective, check=True)
+                order = None
+                if schedule.num_transfers <= MAX_ORDERED_TRANSFERS:
+                    raw = self.decide(f"order/{collective}/{name}/{pipeline}/{size}", lambda: self.cost_model.wait_order(
+                        schedule, self.topology, size).astype("<f8").tobytes())
+                    order = np.frombuffer(raw, "<f8")
+                ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
+            self._executors[key] = ex
+        return ex
+
+    def built(self, collective: str = ALLREDUCE) -> set[Pick]:
+        """The (algorithm, depth) pairs with an executor for ``collective``."""
+        return {(name, p) for (c, name, p) in self._executors if c == collective}
+
+    def drop(self, picks: Iterable[Pick], collective: str = ALLREDUCE) -> None:
+        """Close and forget the executors of ``picks`` (measured candidates nothing goes on to run)."""
+        for name, pipeline in picks:
+            dropped = self._executors.pop((collective, name, pipeline), None)
+            if isinstance(dropped, Executor):
+                dropped.close()
+
+    def reset(self, model: CostModel) -> None:
+        """Price with ``model`` from now on: every choice, plan and executor made with the old one goes."""
+        self.close()
+        self.cost_model = model
+        self._choosers.clear()
+        self._planner = None
+        self._choices.clear()
+        self.generation += 1
+
+    def close(self) -> None:
+        """Stop every executor's waiting threads and forget the executors (the native one has none)."""
+        for ex in self._executors.values():
+            if isinstance(ex, Executor):
+                ex.close()
+        self._executors.clear()
+

@@ -1,0 +1,542 @@
+"""``auto`` by measurement: calibrate the cost model, tune small size classes, explore large ones, cache it all.
+
+The cost model (:mod:`gradsync.sim.cost`) prices every plan; this module checks the prices on the job's own wire:
+
+* :meth:`Tuning.calibrate` measures the per-message costs and the wire's two-way loss, and prices with them;
+* :meth:`Tuning.tune` times every candidate of each small size class, where α and a wire's short-transfer
+  behaviour decide and the model is least sure;
+* an :class:`Explorer` times the model's pipeline depth beside its half and its double on a large class's first
+  calls (real work: every candidate computes the same sum);
+* the results are kept as JSON beside the calibration (rank 0 writes, whole or not at all), so the next job on
+  the same wire starts decided.
+
+It works through :class:`~gradsync.comm.plans.PlanCache`'s public methods only, and runs its collectives on
+the runtime's communication thread through the ``submit`` it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from gradsync.comm.executor import Executor
+from gradsync.comm.plans import Pick, PlanCache
+from gradsync.errors import GradsyncError
+from gradsync.plan.synthesizers import SYNTHESIZERS
+from gradsync.sim.cost import NATIVE, CostModel, reverse_share_of, size_class
+
+__all__ = ["DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "TUNED_TYPE",
+           "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "load_cost_model", "max_over_ranks", "tuned_choice",
+           "write_cache"]
+
+#: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many).
+DUPLEX_BYTES = 4 << 20
+#: A calibrated ``reverse_share`` above this is capped: a link loaded both ways at under 2/3 of one way is
+#: a noisy measurement, not a property of the wire.
+MAX_REVERSE_SHARE = 0.5
+#: Size classes up to this many bytes are chosen by measurement after calibration (:meth:`Tuning.tune`):
+#: there α and the wire's short-transfer behaviour (a shaper's burst, a switch's buffers) decide, which
+#: the α-β model prices least well.
+TUNE_MAX_BYTES = 256 << 10
+#: The ``type`` of a cached :meth:`Tuning.tune` result.
+TUNED_TYPE = "gradsync.tuned"
+#: A measured candidate replaces the model's choice only when it is faster by more than this share.
+TUNE_MARGIN = 0.1
+#: Above :data:`TUNE_MAX_BYTES`, an exploring runtime's ``auto`` times the model's pipeline depth beside its
+#: half and its double on each class's first calls (:class:`Explorer`): one warm-up call each, then this many
+#: timed calls each, interleaved.
+EXPLORE_REPS = 3
+#: ... and keeps the model's depth unless another is faster by more than this share. Large messages time
+#: steadily (the noise of a 4-64 KB call is in its fixed costs), so the margin is smaller than tuning's.
+EXPLORE_MARGIN = 0.03
+#: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
+#: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
+EXPLORE_STEPS = 2
+
+Submit = Callable[[Callable[[], Any], str], Any]  # Runtime.submit: queue on the communication thread -> Work
+
+
+def tuned_choice(measured: Mapping[Pick, float], model: Pick, margin: float = TUNE_MARGIN) -> Pick:
+    """The model's choice, unless a measured candidate beats it by more than ``margin`` (a share of its time):
+    then the fastest. A tie within the margin keeps the model's choice, so noise does not flip it."""
+    if model not in measured:
+        raise GradsyncError(f"the model's choice {model} was not measured; measured: {sorted(measured)}")
+    fastest = min(measured, key=lambda k: (measured[k], k != model))
+    return fastest if measured[fastest] < (1.0 - margin) * measured[model] else model
+
+
+def max_over_ranks(group: Any, values: Sequence[float], device: torch.device) -> list[float]:
+    """Each of ``values``' largest over the ranks of ``group`` (timings: the slowest rank's), the same on every
+    rank; reduced on ``device``, where the backend takes its tensors (NCCL: this process's GPU)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.tolist()]
+
+
+def write_cache(path: str, doc: Any, what: str, stacklevel: int) -> None:
+    """Write ``doc`` as JSON to ``path`` whole or not at all (a temporary file, then a rename: a job killed while
+    writing leaves the old file). A failed write warns, naming ``what``, at ``stacklevel`` counted from here (1:
+    this function), and the next job measures again."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not cache the {what} in {path} ({exc}); the next job measures again", stacklevel=stacklevel)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def load_cost_model(source: CostModel | str | None) -> CostModel | None:
+    """A :class:`CostModel` as given, read from a JSON file (validated), or ``None`` for the defaults."""
+    if source is None or source == "" or isinstance(source, CostModel):
+        return source or None
+    try:
+        with open(source, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise GradsyncError(f"cost model file {source!r} cannot be read as JSON: {exc}; "
+                            f"write one with CostModel(...).to_dict() or unset GRADSYNC_COST_MODEL") from exc
+    return CostModel.from_dict(data)
+
+
+class Tuning:
+    """One runtime's measurements for ``auto``: calibration, tuned small classes, explored large ones.
+
+    ``submit`` queues a callable on the runtime's communication thread (:meth:`Runtime.submit`), so the
+    timings run in order with the job's collectives.
+    """
+
+    def __init__(self, plans: PlanCache, submit: Submit) -> None:
+        self.plans = plans
+        self._submit = submit
+        #: measurements per size class (:meth:`tune`'s, and the explorers' with ``"online": true`` and each
+        #: step's candidates, times and pick under ``"steps"``); a new cost model keeps them as a record, but
+        #: its choices are priced afresh
+        self.tuned: dict[int, dict[str, Any]] = {}
+        #: whether ``auto`` measures the pipeline depths next to the model's on the first calls of each size
+        #: class above :data:`TUNE_MAX_BYTES` (:class:`Explorer`)
+        self.explore = False
+        #: where rank 0 keeps :attr:`tuned` (:meth:`cache_path`), with the cost-model generation it is keyed by;
+        #: each class the first calls settle is added, so the next job with the same wire and model runs the
+        #: measured pick from its first call. None: kept nowhere.
+        self.tuned_cache: tuple[str, int] | None = None
+        self._explorers: dict[int, Explorer | None] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.plans.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.plans.transport.world_size
+
+    def set_cost_model(self, model: CostModel) -> None:
+        """Price with ``model`` from now on: plans, choices and explorations made with the old one are dropped."""
+        self.plans.reset(model)
+        self._explorers.clear()
+
+    # ---- the disk cache ---------------------------------------------------------------------------------
+    def cache_path(self, kind: str = "cost_model") -> str:
+        """Where the calibrated model is kept (``kind="cost_model"``: one file per topology, world size and base
+        model) or, for the calibrated model, ``auto``'s measured choices (``kind="tuned"``)."""
+        base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
+        plans = self.plans
+        what = [plans.topology.name, self.world_size, plans.cost_model.to_dict()] + \
+            ([TUNE_MAX_BYTES] if kind == "tuned" else [])
+        key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+        return os.path.join(base, f"{kind}-{key}.json")
+
+    def cached(self, kind: str, what: str, use: Callable[[Any], None], measure: Callable[[], Any]) -> None:
+        """Apply the cached ``kind`` result (:meth:`cache_path`) with ``use``, or ``measure()`` it: a JSON
+        document (None: nothing worth keeping), which rank 0 writes. Rank 0 reads the cache for every rank; one
+        that does not read back (``use`` raises) is measured again with a warning naming ``what``."""
+        path = self.cache_path(kind)
+        cached = self.plans.decide(f"{kind}/{os.path.basename(path)}",
+                                   lambda: open(path, "rb").read() if os.path.isfile(path) else b"")
+        if cached:
+            try:
+                use(json.loads(cached))
+                return
+            except (ValueError, GradsyncError) as exc:
+                warnings.warn(f"ignoring the cached {what} {path} ({exc}); measuring again", stacklevel=4)
+        doc = measure()
+        if self.rank == 0 and doc is not None:
+            write_cache(path, doc, what, stacklevel=5)
+
+    def load_or_calibrate(self) -> None:
+        """The cached calibration for this topology and model, or :meth:`calibrate` now."""
+        self.cached("cost_model", "calibration", lambda doc: self.set_cost_model(CostModel.from_dict(doc)),
+                    lambda: self.calibrate().to_dict())
+
+    def load_or_tune(self) -> None:
+        """``auto``'s cached small-size choices for the (calibrated) model, or :meth:`tune` now; then the larger
+        classes' explored picks join the same file."""
+
+        def measure() -> dict[str, Any] | None:
+            tuned = self.tune()
+            return {"type": TUNED_TYPE, "classes": {str(k): v for k, v in tuned.items()}} if tuned else None
+
+        self.cached("tuned", "tuned choices", self.use_tuned, measure)
+        self.tuned_cache = (self.cache_path("tuned"), self.plans.generation)
+
+    def keep_tuned(self) -> None:
+        """Rewrite :attr:`tuned_cache` with :attr:`tuned` (rank 0, :func:`write_cache`), while the cost model is
+        still the one it is keyed by."""
+        if self.tuned_cache is None or self.rank != 0:
+            return
+        path, generation = self.tuned_cache
+        if generation != self.plans.generation:
+            return  # a different cost model now: these picks are not that file's
+        doc = {"type": TUNED_TYPE, "classes": {str(size): {k: v for k, v in record.items() if k != "cached"}
+                                                for size, record in sorted(self.tuned.items())}}
+        write_cache(path, doc, "measured choices", stacklevel=3)
+
+    def use_tuned(self, doc: Any) -> None:
+        """Adopt :meth:`tune`'s choices from its cached JSON (``{"type": "gradsync.tuned", "classes": {bytes:
+        {"choice": [algorithm, pipeline], ...}}}``), checked first: a wrong one raises and changes nothing.
+        Larger classes there were settled by an earlier job's first calls (:attr:`explore`): they run their pick
+        at once, with nothing timed (until a new cost model, which prices every class afresh)."""
+        if not isinstance(doc, dict) or doc.get("type") != TUNED_TYPE or not isinstance(doc.get("classes"), dict):
+            raise GradsyncError(f"tuned choices must be a JSON object with \"type\": \"{TUNED_TYPE}\" and \"classes\"")
+        choices: dict[int, Pick] = {}
+        records: dict[int, dict[str, Any]] = {}
+        for key, entry in doc["classes"].items():
+            choice = entry.get("choice") if isinstance(entry, dict) else None
+            size = int(key) if isinstance(key, str) and key.isdigit() else -1
+            if (size != size_class(max(1, size)) or not isinstance(choice, list) or len(choice) != 2
+                    or not isinstance(choice[0], str) or not (choice[0] == NATIVE or choice[0] in SYNTHESIZERS)
+                    or isinstance(choice[1], bool) or not isinstance(choice[1], int) or choice[1] < 1):
+                raise GradsyncError(f"tuned class {key!r}: {entry!r} is not a size class with a choice "
+                                    f"[algorithm, pipeline >= 1]; delete the file to measure again")
+            choices[size] = (choice[0], choice[1])
+            records[size] = {**entry, "cached": True}
+        for size, pick in choices.items():
+            self.plans.choose(size, pick)
+        self._explorers.update(dict.fromkeys(choices))  # measured already (a larger class: by an earlier job's calls)
+        self.tuned = records
+
+    # ---- measuring ----------------------------------------------------------------------------------------
+    def slowest(self, fn: Callable[[], Any], reps: int) -> float:
+        """The slowest rank's median of ``reps`` timings of ``fn`` (after two warm-up calls when ``reps > 1``):
+        the same number on every rank."""
+        import torch.distributed as dist
+
+        caps = self.plans.caps
+        if reps > 1:
+            fn()
+            fn()
+        times = []
+        for _ in range(reps):
+            dist.barrier(group=caps.group)
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return max_over_ranks(caps.group, [statistics.median(times)], caps.collective_device())[0]
+
+    def calibrate(self, reps: int = 5, size_bytes: int = 4096) -> CostModel:
+        """Measure the per-message costs on this job's wire and price with them (returns the new model).
+
+        Times a ``size_bytes`` allreduce (so bytes hardly count) on the planned ring through the executor,
+        and the backend's own ``all_reduce``; the slowest rank's median of ``reps`` is the measurement. α is
+        the value at which the model predicts exactly that time (the prediction is affine in α for
+        messages this small), the same on every rank. Then rank 0 and the rank behind its slowest path
+        (:meth:`duplex_peer`) send half of :data:`DUPLEX_BYTES` and all of it, one way and both ways at once:
+        ``reverse_share`` κ is what a link loaded both ways loses on this wire in steady state (acknowledgements,
+        the transport's one thread per peer), measured on the extra bytes so that two streams' start-up is not
+        counted (:func:`~gradsync.sim.cost.reverse_share_of`; median over ``reps`` alternating repetitions,
+        kept in ``[0, 0.5]``). The one-way time of :data:`DUPLEX_BYTES` also checks the topology's rates: a
+        path more than ``RATE_TOLERANCE`` times slower than the file says rescales every link first
+        (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning), and α is solved on those rates. Runs
+        on the communication thread, in order with queued collectives; needs a torch.distributed transport.
+        """
+        if not self.plans.caps.native:
+            raise GradsyncError(f"calibration needs a torch.distributed transport; this one is "
+                                f"{self.plans.transport.name!r}")
+        if not isinstance(reps, int) or reps < 1:
+            raise GradsyncError(f"reps={reps!r} must be an integer >= 1")
+        if self.world_size == 1:
+            return self.plans.cost_model
+        return self._submit(lambda: self._calibrate(reps, int(size_bytes)), "calibrate").wait()
+
+    def _calibrate(self, reps: int, size: int) -> CostModel:
+        import torch.distributed as dist
+
+        plans, group, rank = self.plans, self.plans.caps.group, self.rank
+        ring = plans.schedule("ring", 1, check=True)
+        # lanes, as the runs the model mostly chooses for (over SMALL_RUN_BYTES) use: a small run's key-order
+        # waits are cheaper, so α measured with them would under-price every larger run
+        ex = Executor(ring, plans.transport, mapping=plans.mapping, timeout_s=plans.timeout_s, progress="lanes")
+        buf = torch.zeros(max(1, size // 4))
+        far = self.duplex_peer()
+        pair = rank in (0, far)
+        big = torch.zeros(DUPLEX_BYTES // 4) if pair else None
+        got = torch.empty(DUPLEX_BYTES // 4) if pair else None
+
+        def one_way(n: int) -> None:
+            if rank == 0:
+                dist.send(big[:n], group=group, group_dst=far)
+            elif rank == far:
+                dist.recv(got[:n], group=group, group_src=0)
+
+        def both_ways(n: int) -> None:
+            if pair:
+                peer = far if rank == 0 else 0
+                works = [dist.irecv(got[:n], group=group, group_src=peer),
+                         dist.isend(big[:n], group=group, group_dst=peer)]
+                for w in works:
+                    w.wait()
+
+        half, whole = DUPLEX_BYTES // 8, DUPLEX_BYTES // 4  # elements
+        try:
+            t_ex = self.slowest(lambda: ex.run(buf), reps)
+            t_nat = self.slowest(lambda: dist.all_reduce(buf, group=group), reps)
+            rows = []  # one way and both ways alternate, so a busy spell of the CPU hits both alike
+            for _ in range(reps + 1):  # the first repetition warms the connection up and is dropped
+                rows.append(tuple(self.slowest(lambda f=f, n=n: f(n), 1)
+                                  for f, n in ((one_way, half), (one_way, whole), (both_ways, half), (both_ways, whole))))
+        finally:
+            ex.close()
+        kappa = reverse_share_of(rows[1:], MAX_REVERSE_SHARE)
+        base = plans.cost_model
+        if plans.mapping is None:  # the one-way stream also says whether the file's rates are the wire's
+            base, note = base.refined(plans.topology, 0, far, DUPLEX_BYTES, statistics.median(r[1] for r in rows[1:]))
+            if note is not None and rank == 0:
+                warnings.warn(f"calibration: {note}; give the topology its real link rates (or a cost model from "
+                              f"`gradsync testbed probe --cost-model`) to plan with per-class rates", stacklevel=4)
+        nbytes = buf.numel() * 4
+        # α is solved on the refined rates: on rates the wire lacks it would absorb the missing transfer time
+        zero = replace(base, message_s=0.0, native_message_s=0.0)
+        one = replace(base, message_s=1e-3, native_message_s=1e-3)
+
+        def solve(at0: float, at1: float, measured: float, unchanged: float) -> float:
+            slope = (at1 - at0) / 1e-3
+            return max(1e-6, (measured - at0) / slope) if slope > 0 else unchanged
+
+        topo = plans.topology
+        alpha = solve(zero.predict(ring, topo, nbytes), one.predict(ring, topo, nbytes), t_ex, base.message_s)
+        native = solve(zero.predict_native(topo, nbytes), one.predict_native(topo, nbytes), t_nat,
+                       base.native_message_s)
+        model = replace(base, message_s=alpha, native_message_s=native, reverse_share=kappa,
+                        source=f"{base.source}; message costs calibrated on {self.world_size} ranks "
+                               f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native; both ways "
+                               f"{1 / (1 + kappa):.3f} of one way)")
+        self.set_cost_model(model)
+        return model
+
+    def duplex_peer(self) -> int:
+        """The rank whose path from rank 0 has the slowest bottleneck (then the fewest hops): the links that
+        bound the collectives are the ones whose loss both ways matters (rank 1 under a custom mapping)."""
+        plans = self.plans
+        if plans.mapping is not None:
+            return 1
+        paths = plans.cost_model.paths_from(plans.topology, 0)
+        return min(range(1, self.world_size), key=lambda p: (*paths[p], p))
+
+    def tune(self, max_bytes: int = TUNE_MAX_BYTES, reps: int = 3, *, auto: bool = True) -> dict[int, dict[str, Any]]:
+        """Choose ``auto``'s plan for every size class up to ``max_bytes`` by measuring, not only pricing.
+
+        For small messages the model's α-β prices are least sure: a few messages' fixed costs decide, and
+        a wire may pass a short transfer faster than its rate (a shaper's token bucket, a switch's buffers).
+        Per class, the model's choice, the native collective and every other algorithm at its best predicted
+        pipeline depth and at depth 1 each run ``reps`` times after two warm-ups (the slowest rank's median,
+        identical on every rank); a candidate replaces the model's choice only when it is more than
+        :data:`TUNE_MARGIN` faster.
+        Returns ``{class bytes: {"choice": [algorithm, pipeline], "model": [...], "measured_s": {...}}}``
+        (also kept in :attr:`tuned`). Runs on the communication thread like :meth:`calibrate`; a runtime
+        that is not ``auto`` (``auto=False``), or has one rank or no torch.distributed transport, has nothing
+        to tune.
+        """
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise GradsyncError(f"reps={reps!r} must be an integer >= 1")
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
+            raise GradsyncError(f"max_bytes={max_bytes!r} must be an integer >= 0 (0 tunes nothing)")
+        if not self.plans.caps.native or self.world_size == 1 or not auto:
+            return {}
+        return self._submit(lambda: self._tune(max_bytes, reps), "tune").wait()
+
+    def _tune(self, max_bytes: int, reps: int) -> dict[int, dict[str, Any]]:
+        plans = self.plans
+        results: dict[int, dict[str, Any]] = {}
+        size = size_class(1)
+        while size <= max_bytes:
+            def candidates(size: int = size) -> bytes:  # priced by rank 0, like every choice
+                choice = plans.chooser().choose(size)
+                model = (choice.algorithm, choice.pipeline)
+                best: dict[str, tuple[float, int]] = {}
+                for c in choice.candidates:  # each algorithm at its best predicted depth
+                    if c.algorithm not in best or c.predicted_s < best[c.algorithm][0]:
+                        best[c.algorithm] = (c.predicted_s, c.pipeline)
+                # ... and at depth 1, the fewest messages: at these sizes α, which pipelining multiplies, decides
+                pairs = [*((a, p) for a, (_, p) in best.items()), *((a, 1) for a in best)]
+                return json.dumps([model, *dict.fromkeys(pr for pr in pairs if pr != model)]).encode()
+
+            tried = [(str(a), int(p)) for a, p in json.loads(plans.decide(f"tune/{size}", candidates))]
+            model = tried[0]
+            buf = torch.zeros(size // 4)
+            measured = {}
+            had = plans.built()
+            for name, pipeline in tried:
+                ex = plans.executor(name, pipeline, size)
+                measured[(name, pipeline)] = self.slowest(lambda ex=ex, buf=buf: ex.run(buf, "sum"), reps)
+            pick = tuned_choice(measured, model)
+            plans.choose(size, pick)
+            # executors are cached per (algorithm, depth) with the wait order priced at their first size: drop
+            # the candidates this class built but did not pick, so a larger size that runs one later prices
+            # its own order, as without tuning (and no unused executor is kept)
+            plans.drop(c for c in tried if c not in had and c != pick)
+            results[size] = {"choice": list(pick), "model": list(model),
+                             "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}}
+            size *= 2
+        self.tuned = results
+        return results
+
+    # ---- exploring ----------------------------------------------------------------------------------------
+    def explorer(self, size: int, model: Pick) -> Explorer | None:
+        """The size class's :class:`Explorer` while it is still measuring (None: not exploring, a class tuning
+        covers, decided already, or nothing to compare: native, or no process group)."""
+        if not self.explore or size <= TUNE_MAX_BYTES:
+            return None
+        if size not in self._explorers:
+            self._explorers[size] = self._new_explorer(size, model)
+        ex = self._explorers[size]
+        return ex if ex is not None and ex.pick is None else None
+
+    def _new_explorer(self, size: int, model: Pick) -> Explorer | None:
+        plans = self.plans
+        if not plans.caps.native or self.world_size == 1 or model[0] == NATIVE:
+            return None
+
+        def candidates() -> bytes:  # priced by rank 0, like every choice
+            return json.dumps([model] + [(model[0], q) for q in (2 * model[1], model[1] // 2)
+                                         if plans.plannable(model[0], q)]).encode()
+
+        tried = [(str(a), int(p)) for a, p in json.loads(plans.decide(f"explore/{size}", candidates))]
+        return Explorer(self, plans.caps.group, size, tried) if len(tried) > 1 else None
+
+    def explored(self) -> dict[int, Explorer | None]:
+        """Each large size class met while exploring, and its explorer (None: nothing was timed)."""
+        return dict(self._explorers)
+
+    def exploring(self) -> bool:
+        """Whether some size class's first calls have started timing pipeline depths and not yet decided: a
+        benchmark warms up until this is False, so it times what ``auto`` settled on. A class only planned
+        (``executor()`` at set-up, no call run) does not count."""
+        return any(ex is not None and ex.pick is None and ex.calls > 0 for ex in self._explorers.values())
+
+    def in_use(self, besides: Explorer | None = None) -> set[Pick]:
+        """What some class runs or is measuring (besides ``besides``; a class only planned builds its
+        candidates again if it runs)."""
+        measuring = {c for e in self._explorers.values() if e is not None and e is not besides
+                     and e.pick is None and e.calls > 0 for c in e.candidates}
+        return set(self.plans.chosen().values()) | measuring
+
+    def settled(self, size: int, pick: Pick, record: dict[str, Any]) -> None:
+        """An explorer's outcome: ``auto`` runs ``pick`` for the class, recorded and cached."""
+        self.tuned[size] = record
+        self.plans.choose(size, pick)
+        self.keep_tuned()
+
+
+class Explorer:
+    """``auto``'s first calls of one large size class: the model's pipeline depth against its half and its
+    double, measured on the job's own allreduces, stepping on while the edge wins.
+
+    Above :data:`TUNE_MAX_BYTES` the α-β model ranks algorithms well but not always depths: it charges each
+    message's cost in series, while the executor's per-peer lanes overlap much of it. Timing the neighbours
+    costs a few calls per class, once per job. Call ``i`` of a step runs candidate ``i mod m`` (the first round
+    warms up: plans, scratch, lane threads); after :data:`EXPLORE_REPS` timed rounds the slowest rank's median
+    per candidate (one small all-reduce, at the same call on every rank: all ranks run a class's calls in the
+    same order) picks with :func:`tuned_choice` and :data:`EXPLORE_MARGIN`, the step's first candidate being
+    the incumbent. When the pick is the double (the half), the optimum may lie further that way: up to
+    :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a fresh warm-up round.
+    Later calls run the last pick. It runs like an executor: every candidate computes the same sum, so the
+    calls that measure are real work, not extra collectives.
+    """
+
+    def __init__(self, tuning: Tuning, group: Any, size: int, candidates: Sequence[Pick]) -> None:
+        self.tuning, self.plans, self.group, self.size = tuning, tuning.plans, group, size
+        self.model = candidates[0]
+        self.calls = 0  # in this job, all steps
+        self.pick: Pick | None = None
+        #: each step's candidates (incumbent first), measured times and pick: the record ``tuning.tuned`` keeps
+        self.steps: list[dict[str, Any]] = []
+        self._had = self.plans.built()  # executors that existed before: never dropped here
+        self._begin(candidates)
+        #: the model's choice, planned now on the caller's thread (as ``auto`` without exploring would)
+        self.first = self.plans.executor(*self.model, size)
+
+    def _begin(self, candidates: Sequence[Pick]) -> None:
+        self.candidates = list(candidates)
+        self.step_calls = 0
+        self.times: dict[Pick, list[float]] = {c: [] for c in self.candidates}
+
+    @property
+    def schedule(self) -> Any:
+        """The model's choice's schedule (the candidates differ only in pipeline depth)."""
+        return self.first.schedule
+
+    def run(self, tensors: Any, op: str = "sum") -> Any:
+        if self.pick is not None:  # queued before the decision
+            return self.plans.executor(*self.pick, self.size).run(tensors, op)
+        m = len(self.candidates)
+        cand = self.candidates[self.step_calls % m]
+        ex = self.plans.executor(*cand, self.size)
+        t0 = time.perf_counter()
+        out = ex.run(tensors, op)
+        if self.step_calls >= m:  # the first round warmed up
+            self.times[cand].append(time.perf_counter() - t0)
+        self.step_calls += 1
+        self.calls += 1
+        if self.step_calls == m * (1 + EXPLORE_REPS):
+            self._settle()
+        return out
+
+    def _settle(self) -> None:
+        """Agree on the step's timings (the slowest rank's) and pick; then step on, or record the pick and drop
+        the executors nothing runs."""
+        medians = [statistics.median(self.times[c]) for c in self.candidates]
+        slowest = max_over_ranks(self.group, medians, self.plans.caps.collective_device())
+        measured = dict(zip(self.candidates, slowest))
+        incumbent = self.candidates[0]
+        pick = tuned_choice(measured, incumbent, EXPLORE_MARGIN)
+        self.steps.append({"candidates": [list(c) for c in self.candidates], "pick": list(pick),
+                           "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}})
+        beyond = self._beyond(pick, incumbent)
+        keep = self.tuning.in_use(besides=self) | {pick}
+        self.plans.drop(c for c in self.candidates if c not in self._had and c not in keep)  # lanes and scratch go
+        if beyond is not None:
+            self._begin([pick, beyond])
+            return
+        measured_all = {k: v for step in self.steps for k, v in step["measured_s"].items()}  # latest time each
+        self.pick = pick
+        self.tuning.settled(self.size, pick, {"choice": list(pick), "model": list(self.model), "online": True,
+                                              "measured_s": measured_all, "steps": self.steps})
+
+    def _beyond(self, pick: Pick, incumbent: Pick) -> Pick | None:
+        """The next depth past ``pick`` when it beat the incumbent (a step's other candidates are the incumbent's
+        double and half, so the double's next is its double, the half's its half), while steps remain; decided
+        by rank 0 for every rank."""
+        name, p = pick
+        if pick == incumbent or len(self.steps) > EXPLORE_STEPS:
+            return None
+        q = 2 * p if p > incumbent[1] else p // 2
+        measured = {tuple(c) for step in self.steps for c in step["candidates"]}
+        plans = self.plans
+        raw = plans.decide(f"explore/{self.size}/{len(self.steps)}",
+                           lambda: json.dumps(q >= 1 and (name, q) not in measured and plans.plannable(name, q)).encode())
+        return (name, q) if json.loads(raw) else None

@@ -1,0 +1,214 @@
+"""``auto``: the (algorithm, pipeline depth) with the least predicted time, chosen among the synthesizers.
+
+``auto`` is not a synthesizer: it prices every applicable synthesizer's schedule with the runtime's cost model
+(:mod:`gradsync.sim.cost`, a simulation) and keeps the fastest, so it sits one layer above :mod:`gradsync.plan`.
+:func:`synthesize` is the planner's front door with ``auto`` included: a named algorithm goes to
+:func:`gradsync.plan.synthesize` unchanged. The runtime's plan cache (:mod:`gradsync.comm.plans`), the CLI and
+the benchmarks all choose through :class:`Chooser`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from gradsync.errors import PlanError
+from gradsync.plan import synthesizers as _plan
+from gradsync.plan.schedule import Schedule
+from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
+from gradsync.sim.cost import NATIVE, CostModel, native_schedule, size_class
+from gradsync.topology.model import Topology
+
+__all__ = ["AUTO", "Candidate", "Choice", "Chooser", "algorithm_names", "algorithms_for", "plan_auto", "synthesize"]
+
+#: The name that asks for the chooser's pick instead of one synthesizer.
+AUTO = "auto"
+
+#: A candidate that cannot beat the best so far by this fraction (by its lower bounds) is not simulated.
+PRUNE = 0.01
+
+
+def algorithm_names() -> list[str]:
+    """Every name :func:`synthesize` accepts: the registered synthesizers, then ``auto``."""
+    return [*SYNTHESIZERS.names(), AUTO]
+
+
+def algorithms_for(topology: Topology, collective: str = "allreduce") -> list[str]:
+    """The names of :func:`algorithm_names` that plan ``collective`` on ``topology`` (``auto`` wherever one does)."""
+    able = [n for n, e in SYNTHESIZERS.items() if not e.applicable(topology) and collective in e.supported]
+    return [*able, AUTO] if able else []
+
+
+@dataclass(frozen=True)
+class Candidate:
+    algorithm: str
+    pipeline: int
+    predicted_s: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen (algorithm, pipeline) for one size class, with every candidate's prediction."""
+
+    algorithm: str
+    pipeline: int
+    predicted_s: float
+    size_bytes: float
+    candidates: tuple[Candidate, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "pipeline": self.pipeline, "predicted_s": self.predicted_s,
+                "size_bytes": self.size_bytes,
+                "candidates": [{"algorithm": c.algorithm, "pipeline": c.pipeline, "predicted_s": c.predicted_s}
+                               for c in self.candidates]}
+
+
+class Chooser:
+    """Plans every applicable algorithm at every pipeline depth once, and picks per size class.
+
+    ``native=True`` adds the backend's own allreduce as a candidate (the runtime does, when its transport
+    has a process group). Ties go to the earlier candidate: ``native`` first, so gradsync only replaces the
+    backend's collective where the model says it is faster by more than ``margin`` (a fraction).
+    Deterministic: every rank that builds a chooser from the same inputs makes the same choices.
+    """
+
+    def __init__(self, topology: Topology, model: CostModel | None = None, *, algorithms: Iterable[str] | None = None,
+                 native: bool = False, options: PlanOptions | None = None, margin: float = 0.03) -> None:
+        self.topology = topology
+        self.model = model or CostModel()
+        self.options = options or PlanOptions()
+        self.native = native
+        if not 0 <= margin < 1:
+            raise PlanError(f"margin={margin!r} must lie in [0, 1)")
+        self.margin = margin
+        names = list(algorithms) if algorithms is not None else SYNTHESIZERS.names()
+        collective = self.options.collective
+        if native and collective != "allreduce":
+            raise PlanError(f"the backend's native collective is priced for allreduce only, not {collective}; "
+                            f"build the chooser with native=False")
+        self.algorithms = [n for n in names if not SYNTHESIZERS.get(n).applicable(topology)
+                           and collective in SYNTHESIZERS.get(n).supported]
+        if not self.algorithms and not native:
+            raise PlanError(f"no algorithm plans {collective} on topology {topology.name!r}")
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._checked: set[tuple[str, int]] = set()
+        self._choices: dict[int, Choice] = {}
+
+    def schedule(self, algorithm: str, pipeline: int, *, check: bool = False) -> Schedule:
+        """``algorithm`` planned at ``pipeline`` sub-chunks (cached); ``check``: also self-checked (once),
+        as a schedule must be before it runs. Pricing a candidate does not need the check."""
+        key = (algorithm, pipeline)
+        if key not in self._schedules:
+            if algorithm == NATIVE:
+                self._schedules[key] = native_schedule(self.topology)
+            else:
+                self._schedules[key] = _plan.synthesize(algorithm, self.topology, replace(self.options, pipeline=pipeline),
+                                                  check=False)
+        if check and key not in self._checked:
+            self._schedules[key].check(self.topology)
+            self._checked.add(key)
+        return self._schedules[key]
+
+    def candidates(self) -> list[tuple[str, int]]:
+        """Every (algorithm, pipeline) the chooser may consider, ``native`` first."""
+        return ([(NATIVE, 1)] if self.native else []) + [(n, p) for n in self.algorithms for p in self.model.pipelines]
+
+    def choose(self, nbytes: float, *, exact: bool = False) -> Choice:
+        """The choice for ``nbytes``'s size class (cached), or for ``nbytes`` itself with ``exact``."""
+        if exact:
+            return self._choose(float(nbytes))
+        size = size_class(nbytes)
+        got = self._choices.get(size)
+        if got is None:
+            got = self._choices[size] = self._choose(size)
+        return got
+
+    def _choose(self, size: float) -> Choice:
+        """Least predicted time over the candidates, with exact prunings by two lower bounds of a
+        schedule's prediction: its fluid time ``cost * size / unit_bw`` (which pipelining approaches from
+        above) and ``α`` times the most messages one rank receives (it handles them one at a time). A
+        candidate whose bound is within :data:`PRUNE` of the best so far is not simulated: it could win by
+        less than that at most (lp converging on BML's optimum at depth 64 would otherwise cost minutes).
+        Algorithms are tried by increasing fluid time, so the first good one prunes the rest; an
+        algorithm's pipeline depths are tried in increasing order until the prediction stops falling or
+        the bound passes the best (α grows with the depth while the fill time shrinks: one minimum)."""
+        cands: list[Candidate] = []
+        if self.native:
+            cands.append(Candidate(NATIVE, 1, self.model.predict_native(self.topology, size)))
+        unit = float(self.topology.unit_bandwidth_GBps or 1.0) * 1e9
+        fast = self.model.rates(self.topology)
+
+        def fluid_time(schedule: Schedule) -> float:
+            return schedule.link_loads(fast).cost(fast.directed_costs) * size / unit
+
+        fluid: dict[str, float] = {}
+        refused: dict[str, str] = {}
+        for name in self.algorithms:
+            try:
+                fluid[name] = fluid_time(self.schedule(name, self.model.pipelines[0]))
+            except PlanError as exc:  # too large to plan here (the planner's memory estimate): not a candidate
+                refused[name] = str(exc)
+        for name in sorted(fluid, key=lambda n: fluid[n]):  # stable: registry order on ties
+            best_so_far = min((c.predicted_s for c in cands), default=math.inf)
+            if fluid[name] >= best_so_far * (1 - PRUNE):
+                break  # every later algorithm's fluid time is larger still
+            prev = math.inf
+            for p in self.model.pipelines:
+                try:
+                    sched = self.schedule(name, p)
+                except PlanError:
+                    break  # deeper pipelines only grow
+                dst = sched.arrays["dst"]
+                busiest = int(np.bincount(dst).max()) if dst.size else 0
+                if max(fluid[name], busiest * self.model.message_s) >= min(best_so_far * (1 - PRUNE), prev):
+                    break
+                t = self.model.predict(sched, self.topology, size)
+                cands.append(Candidate(name, p, t))
+                if t >= prev:
+                    break
+                prev = t
+                best_so_far = min(best_so_far, t)
+        if not cands:
+            raise PlanError(f"no algorithm can be planned for {self.topology.name!r} here: "
+                            + "; ".join(f"{n}: {why}" for n, why in refused.items()))
+        best = min(cands, key=lambda c: c.predicted_s)
+        if self.native and best.algorithm != NATIVE:
+            nat = cands[0]
+            if best.predicted_s > nat.predicted_s * (1 - self.margin):
+                best = nat  # not clearly faster: keep the backend's own collective
+            elif fluid[best.algorithm] >= fluid_time(self.schedule(NATIVE, 1)) * (1 - PRUNE):
+                # No bandwidth advantage over the backend's ring (a flat switch): any predicted gain is in
+                # the per-message costs, where calibration is least certain and the backend runs in C++.
+                best = nat
+        return Choice(best.algorithm, best.pipeline, best.predicted_s, size, tuple(cands))
+
+    def table(self, sizes: Sequence[float]) -> list[Choice]:
+        return [self.choose(s) for s in sizes]
+
+
+def plan_auto(topology: Topology, options: PlanOptions) -> Schedule:
+    """The (algorithm, pipeline depth) with the least time for ``size_bytes`` under the runtime's cost model
+    (store-and-forward per sub-chunk, a cost per message), not the fluid cost. The schedule's ``meta["auto"]``
+    records the pick and every candidate's predicted time."""
+    chooser = Chooser(topology, options=options)
+    choice = chooser.choose(options.size_bytes, exact=True)
+    chosen = chooser.schedule(choice.algorithm, choice.pipeline)
+    times = {f"{c.algorithm}/{c.pipeline}": c.predicted_s for c in choice.candidates}
+    meta = {**dict(chosen.meta), "auto": {"chosen": chosen.algorithm, "pipeline": choice.pipeline,
+                                          "algorithms": list(chooser.algorithms), "predicted_time_s": times}}
+    return replace(chosen, meta=meta)
+
+
+def synthesize(algorithm: str, topology: Topology, options: PlanOptions | None = None, *, check: bool = True,
+               max_bytes: float = _plan.MAX_PLAN_BYTES) -> Schedule:
+    """:func:`gradsync.plan.synthesize`, with ``auto`` (:func:`plan_auto`) among the names."""
+    if algorithm != AUTO:
+        return _plan.synthesize(algorithm, topology, options, check=check, max_bytes=max_bytes)
+    schedule = plan_auto(topology, options or PlanOptions())
+    if check:
+        schedule.check(topology)
+    return schedule
