@@ -60,6 +60,7 @@ from gradsync.plan.highs import HIGHS as _highs
 from gradsync.plan.highs import warm_simplex
 from gradsync.plan.symmetry import Symmetry, link_permutation, orbits, symmetry_of
 from gradsync.plan.trees import RoutedTree, TreePricer
+from gradsync.plan.unionfind import DisjointSets
 from gradsync.topology.model import Topology
 
 __all__ = [
@@ -141,20 +142,13 @@ def _slack_partition_bound(topology: Topology, loads: np.ndarray, cost: float) -
     At an optimum every link crossing the optimal Nash-Williams-Tutte partition is saturated, so these
     components refine it and very often attain it; it costs one union-find, not a solve.
     """
-    parent = {d.name: d.name for d in topology.devices}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    parts = DisjointSets(d.name for d in topology.devices)
     for lk, load, c in zip(topology.links, loads, topology.costs):
         if c * load < cost * (1 - 1e-7):
-            parent[find(lk.a)] = find(lk.b)
-    roots = {find(d.name) for d in topology.devices}
+            parts.union(lk.a, lk.b)
+    roots = {parts.find(d.name) for d in topology.devices}
     label = {r: i for i, r in enumerate(sorted(roots))}
-    part_of = {d.name: label[find(d.name)] for d in topology.devices}
+    part_of = {d.name: label[parts.find(d.name)] for d in topology.devices}
     if {part_of[r] for r in topology.ranks} != set(part_of.values()):
         return 0.0
     return partition_bound(topology, part_of)
