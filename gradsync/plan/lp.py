@@ -57,7 +57,7 @@ from scipy.optimize import linprog
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import cut_bound
 from gradsync.plan.highs import HIGHS as _highs
-from gradsync.plan.highs import warm_simplex
+from gradsync.plan.highs import solve_optimal, warm_simplex
 from gradsync.plan.symmetry import Symmetry, link_permutation, orbits, symmetry_of
 from gradsync.plan.trees import RoutedTree, TreePricer
 from gradsync.plan.unionfind import DisjointSets
@@ -219,15 +219,7 @@ class _Master:
             k = block.shape[1]
             h.addCols(k, np.ones(k), np.zeros(k), np.full(k, h.getInfinity()), len(values), starts, rows, values)
         h.setOptionValue("solver", "simplex" if exact else "ipm")
-        h.run()
-        status = h.getModelStatus()
-        if status != _highs.HighsModelStatus.kOptimal and not exact:
-            h.setOptionValue("solver", "simplex")  # IPM stalled (it can on degenerate masters): simplex always ends
-            h.run()
-            status = h.getModelStatus()
-        if status != _highs.HighsModelStatus.kOptimal:  # pragma: no cover - always feasible and bounded
-            raise PlanError(f"HiGHS failed on the tree-packing master LP: {h.modelStatusToString(status)}")
-        sol = h.getSolution()
+        sol = solve_optimal(h, "tree-packing master LP", simplex_retry=not exact)  # IPM may stall: then simplex
         return (np.asarray(sol.col_value, dtype=float), float(h.getInfo().objective_function_value),
                 np.maximum(np.asarray(sol.row_dual, dtype=float), 0.0))
 
