@@ -12,8 +12,8 @@ import pytest
 
 from gradsync.compress import CompressionError, create
 from gradsync.compress.merge import (
-    CostModel,
     LinearCost,
+    MergeCostModel,
     MergeError,
     Partition,
     fit_group_overhead,
@@ -37,13 +37,13 @@ from gradsync.errors import GradsyncError
 pytestmark = pytest.mark.usefixtures("single_intraop_thread")
 
 
-def _three(**kw: object) -> CostModel:
+def _three(**kw: object) -> MergeCostModel:
     """The worked example: h(x) = 0.5 + 0.01 x, g(x) = 1 + 0.02 x, gradients ready at 1, 2, 4 s."""
     args: dict[str, object] = {"h": (0.5, 0.01), "g": (1.0, 0.02), **kw}
-    return CostModel(sizes=(100, 200, 300), ready_s=(1.0, 2.0, 4.0), backward_end_s=4.0, **args)  # type: ignore[arg-type]
+    return MergeCostModel(sizes=(100, 200, 300), ready_s=(1.0, 2.0, 4.0), backward_end_s=4.0, **args)  # type: ignore[arg-type]
 
 
-def _random_model(n: int, seed: int, overlap: bool, *, measured: bool = False) -> CostModel:
+def _random_model(n: int, seed: int, overlap: bool, *, measured: bool = False) -> MergeCostModel:
     """Costs on the scale of backward so that merging, overlapping and not merging all win sometimes."""
     rng = random.Random(seed)
     sizes = [int(10 ** rng.uniform(0, 5)) for _ in range(n)]
@@ -57,12 +57,12 @@ def _random_model(n: int, seed: int, overlap: bool, *, measured: bool = False) -
         h = (rng.uniform(0, 1), rng.choice([0.0, rng.uniform(0, 1e-4), rng.uniform(0, 1e-3)]))
         g = (rng.uniform(0, 2), rng.choice([0.0, rng.uniform(0, 2e-4), rng.uniform(0, 2e-3)]))
     d = (rng.uniform(0, 0.3), rng.uniform(0, 1e-5)) if rng.random() < 0.3 else (0.0, 0.0)
-    return CostModel.from_backward_times(
+    return MergeCostModel.from_backward_times(
         sizes, backward, h, g, d=d, forward_s=rng.uniform(0, 1), overlap_compression=overlap
     )
 
 
-def _brute_force(model: CostModel) -> dict[int, float]:
+def _brute_force(model: MergeCostModel) -> dict[int, float]:
     """F_min(y) over all 2^(n-1) partitions."""
     best: dict[int, float] = {}
     n = model.n
@@ -201,7 +201,7 @@ def test_cost_model_rejects_bad_input(kw: dict[str, object], match: str) -> None
         "g": (1.0, 0.02),
     }
     with pytest.raises(MergeError, match=match):
-        CostModel(**{**base, **kw})  # type: ignore[arg-type]
+        MergeCostModel(**{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_iteration_time_rejects_a_partition_for_another_model() -> None:
@@ -212,10 +212,10 @@ def test_iteration_time_rejects_a_partition_for_another_model() -> None:
 
 
 def test_from_backward_times_accumulates_ready_times() -> None:
-    m = CostModel.from_backward_times([1, 2, 3], [0.5, 0.0, 1.5], (0, 0), (0, 0))
+    m = MergeCostModel.from_backward_times([1, 2, 3], [0.5, 0.0, 1.5], (0, 0), (0, 0))
     assert m.ready_s == (0.5, 0.5, 2.0) and m.backward_end_s == 2.0
     with pytest.raises(MergeError, match=r"backward_s\[1\]=-0\.1"):
-        CostModel.from_backward_times([1, 2], [0.5, -0.1], (0, 0), (0, 0))
+        MergeCostModel.from_backward_times([1, 2], [0.5, -0.1], (0, 0), (0, 0))
 
 
 # -- exact search ----------------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_single_group_and_layerwise_are_the_ends() -> None:
     per_y = optimal_per_y(model)
     assert per_y[1][0] == pytest.approx(model.single_group_time())
     assert per_y[7][0] == pytest.approx(model.no_merge_time())
-    one = CostModel(sizes=(5,), ready_s=(1.0,), backward_end_s=1.0, h=(1, 0), g=(1, 0))
+    one = MergeCostModel(sizes=(5,), ready_s=(1.0,), backward_end_s=1.0, h=(1, 0), g=(1, 0))
     assert search_optimal(one) == Partition(1) and optimal_per_y(one)[1][0] == pytest.approx(3.0)
 
 
@@ -264,14 +264,14 @@ def test_startup_costs_decide_between_merging_and_not() -> None:
     sizes, backward = [1000] * 12, [1.0] * 12
     # Free start-up: sending each gradient as it is ready hides everything but the last transfer, so
     # layer-wise is optimal (merging the early ones costs nothing either; ties go to fewer groups).
-    cheap = CostModel.from_backward_times(sizes, backward, h=(0.0, 1e-5), g=(0.0, 5e-4))
+    cheap = MergeCostModel.from_backward_times(sizes, backward, h=(0.0, 1e-5), g=(0.0, 5e-4))
     assert cheap.iteration_time(search_optimal(cheap)) == pytest.approx(cheap.no_merge_time())
     assert cheap.iteration_time(search_optimal(cheap, 2)) > cheap.no_merge_time()
     # Start-up far above the whole backward pass: one group.
-    costly = CostModel.from_backward_times(sizes, backward, h=(50.0, 1e-5), g=(50.0, 5e-4))
+    costly = MergeCostModel.from_backward_times(sizes, backward, h=(50.0, 1e-5), g=(50.0, 5e-4))
     assert search_optimal(costly) == Partition(12)
     # In between the optimum merges, and beats both ends.
-    mid = CostModel.from_backward_times(sizes, backward, h=(0.1, 1e-4), g=(1.5, 1e-3))
+    mid = MergeCostModel.from_backward_times(sizes, backward, h=(0.1, 1e-4), g=(1.5, 1e-3))
     best = search_optimal(mid)
     assert 1 < best.num_groups < 12
     assert mid.iteration_time(best) < min(mid.no_merge_time(), mid.single_group_time())
@@ -283,7 +283,7 @@ def test_search_optimal_rejects_bad_y(y: object) -> None:
     if y is None:
         with pytest.raises(MergeError, match=r"max_groups=0 must be an integer in 1\.\.n=8"):
             optimal_per_y(model, max_groups=0)
-        with pytest.raises(MergeError, match=r"model=3 must be a CostModel"):
+        with pytest.raises(MergeError, match=r"model=3 must be a MergeCostModel"):
             search_optimal(3)  # type: ignore[arg-type]
         return
     with pytest.raises(MergeError, match=rf"y={y!r} must be an integer in 1\.\.n=8"):
@@ -296,7 +296,7 @@ def test_dp_scales_to_resnet152_sized_models(overlap: bool) -> None:
     rng = np.random.default_rng(7)
     sizes = rng.choice([64, 256, 2048, 16384, 147456, 589824, 2359296], size=465).tolist()
     backward = (np.asarray(sizes) / sum(sizes) * 0.08 + 0.02 / 465).tolist()
-    model = CostModel.from_backward_times(
+    model = MergeCostModel.from_backward_times(
         sizes, backward, h=(50e-6, 2e-10), g=(100e-6, 1.6e-9), forward_s=0.05, overlap_compression=overlap
     )
     start = time.process_time()
@@ -345,7 +345,7 @@ def test_algorithm2_follows_its_lines_and_never_beats_the_optimum() -> None:
 def test_algorithm2_finds_the_optimum_when_f_min_is_unimodal() -> None:
     # Uniform layers: F_min(y) falls, then rises. With α -> 0 and Y = N the search stops right after the
     # minimum (lines 6-7), so it returns the global optimum.
-    model = CostModel.from_backward_times([4096] * 16, [1.0] * 16, h=(0.05, 1e-5), g=(0.3, 4e-4))
+    model = MergeCostModel.from_backward_times([4096] * 16, [1.0] * 16, h=(0.05, 1e-5), g=(0.3, 4e-4))
     f = [t for _, (t, _) in sorted(optimal_per_y(model).items())]
     k = int(np.argmin(f))
     assert 0 < k < len(f) - 1
@@ -358,7 +358,7 @@ def test_algorithm2_finds_the_optimum_when_f_min_is_unimodal() -> None:
 
 
 def test_algorithm2_returns_one_group_when_startup_dominates() -> None:
-    model = CostModel.from_backward_times([1000] * 6, [0.1] * 6, h=(5.0, 0.0), g=(5.0, 0.0))
+    model = MergeCostModel.from_backward_times([1000] * 6, [0.1] * 6, h=(5.0, 0.0), g=(5.0, 0.0))
     trace = search_mergecomp_trace(model, 2, 0.01)
     assert trace.partition == Partition(6) and trace.reason == "worse"
     assert trace.partition == search_optimal(model)
@@ -367,7 +367,7 @@ def test_algorithm2_returns_one_group_when_startup_dominates() -> None:
 def test_algorithm2_bisect_inner_search() -> None:
     # The seed's Theorem 3 proof: F(X_2) falls then rises in x_1 (inline, uniform layers: max of a falling
     # and a rising sequence), so binary search finds the exact X_2*.
-    model = CostModel.from_backward_times([4096] * 40, [1.0] * 40, h=(0.05, 1e-5), g=(0.6, 2e-4))
+    model = MergeCostModel.from_backward_times([4096] * 40, [1.0] * 40, h=(0.05, 1e-5), g=(0.6, 2e-4))
     exact = optimal_per_y(model, max_groups=3)
     trace = search_mergecomp_trace(model, 2, 1e-9, inner="bisect")
     assert trace.f_min[2] == pytest.approx(exact[2][0])
@@ -403,7 +403,7 @@ def test_algorithm2_rejects_bad_parameters(Y: object, alpha: object, kw: dict[st
 
 
 def test_algorithm2_needs_two_tensors() -> None:
-    one = CostModel(sizes=(5,), ready_s=(1.0,), backward_end_s=1.0, h=(1, 0), g=(1, 0))
+    one = MergeCostModel(sizes=(5,), ready_s=(1.0,), backward_end_s=1.0, h=(1, 0), g=(1, 0))
     with pytest.raises(MergeError, match=r"Y=2 must be an integer in \[2, N=1\].*only the single-group"):
         search_mergecomp(one, 2, 0.1)
 
@@ -542,8 +542,8 @@ def test_measured_costs_plan_like_linear_ones() -> None:
     h_line, g_line = LinearCost(0.05, 1e-5), LinearCost(0.6, 2e-4)
     h = MeasuredCost.from_samples(Samples(sizes, tuple(float(h_line(s)) for s in sizes)))
     g = MeasuredCost.from_samples(Samples(sizes, tuple(float(g_line(s)) for s in sizes)))
-    a = CostModel.from_backward_times([4096] * 16, [1.0] * 16, h=h_line, g=g_line)
-    b = CostModel.from_backward_times([4096] * 16, [1.0] * 16, h=h, g=g)
+    a = MergeCostModel.from_backward_times([4096] * 16, [1.0] * 16, h=h_line, g=g_line)
+    b = MergeCostModel.from_backward_times([4096] * 16, [1.0] * 16, h=h, g=g)
     assert b.iteration_time(search_optimal(b)) == pytest.approx(a.iteration_time(search_optimal(a)))
 
 
@@ -561,7 +561,7 @@ def test_fit_group_overhead_by_hand() -> None:
     assert search_optimal(m) == Partition(3, (1, 2))
     assert search_optimal(fitted) == Partition(3, (2,))
     # every other partition pays δ once per group on the compute stream: brute force on the shifted costs
-    shifted = CostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
+    shifted = MergeCostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
                         h=(0.5 + delta, 0.01), g=(1.0, 0.02))
     for cuts in [(), (1,), (2,), (1, 2)]:
         p = Partition(3, cuts)
@@ -581,14 +581,14 @@ def test_fit_group_overhead_hits_the_observation_on_random_models(seed: int) -> 
     rng = random.Random(seed)
     n = rng.randint(2, 9)
     sizes = [rng.randint(1, 1000) for _ in range(n)]
-    m = CostModel.from_backward_times(sizes, [rng.uniform(0, 2) for _ in range(n)],
+    m = MergeCostModel.from_backward_times(sizes, [rng.uniform(0, 2) for _ in range(n)],
                                       h=(rng.uniform(0, 1), rng.uniform(0, 0.01)), g=(rng.uniform(0, 1), rng.uniform(0, 0.02)),
                                       overlap_compression=bool(seed % 2))
     part = Partition(n, tuple(sorted(rng.sample(range(1, n), rng.randint(0, n - 1)))))
     observed = m.iteration_time(part) + rng.uniform(0.1, 20.0)
     fitted, delta = fit_group_overhead(m, part, observed)
     assert fitted.iteration_time(part) == pytest.approx(observed, abs=1e-5)
-    lower = CostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
+    lower = MergeCostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
                       h=(m.h.base_s + delta * 0.99, m.h.per_element_s), g=m.g, overlap_compression=m.overlap_compression)
     assert lower.iteration_time(part) < observed
 

@@ -30,9 +30,6 @@ __all__ = ["DEFAULT_MEMORY", "NoMemory", "ResidualMemory", "DGCMemory", "default
 class NoMemory(Memory):
     """No error feedback: what a compressor drops is lost (right for ``none``, ``fp16``, unbiased QSGD)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
         return tensor
 
@@ -48,9 +45,6 @@ class ResidualMemory(Memory):
 
     Over T steps, the sum of what was sent plus the final residual equals the sum of the gradients.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
 
     def residual(self, name: str) -> Tensor | None:
         """What ``name`` still owes (None before its first update)."""

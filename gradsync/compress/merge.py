@@ -7,9 +7,9 @@ contiguous groups and picks the partition with the shortest iteration. This modu
 functions over frozen records (hivemind ``load_balancing`` style):
 
 * :class:`Partition` -- cut points over ``n`` tensors in backward order;
-* :class:`CostModel` -- the seed's Assumption 5, ``h(x) = B_h + γ_h x`` (compression, encode and decode, per
+* :class:`MergeCostModel` -- the seed's Assumption 5, ``h(x) = B_h + γ_h x`` (compression, encode and decode, per
   group of ``x`` elements) and ``g(x) = B_g + γ_g x`` (communication), plus the backward timeline;
-  :meth:`CostModel.iteration_time` replays the two-stream pipeline exactly;
+  :meth:`MergeCostModel.iteration_time` replays the two-stream pipeline exactly;
 * :func:`search_mergecomp` -- the seed's Algorithm 2 (grow ``y`` while the best ``y``-partition keeps
   improving by at least ``α``);
 * :func:`search_optimal` / :func:`optimal_per_y` -- the exact optimum for every ``y`` by dynamic programming
@@ -19,7 +19,7 @@ Units: sizes ``x`` are **elements** for both ``h`` and ``g``, as in Assumption 5
 affine in the element count (``payload_bytes``), so a bytes-based link model becomes an element-based ``g``
 by composition; :func:`gradsync.compress.profile.measure_comm` measures ``g`` that way.
 
-    >>> m = CostModel(sizes=(100, 200, 300), ready_s=(1.0, 2.0, 4.0), backward_end_s=4.0,
+    >>> m = MergeCostModel(sizes=(100, 200, 300), ready_s=(1.0, 2.0, 4.0), backward_end_s=4.0,
     ...               h=(0.5, 0.01), g=(1.0, 0.02))
     >>> m.iteration_time(Partition(3, (1, 2))), m.single_group_time()
     (18.5, 23.5)
@@ -42,9 +42,9 @@ from gradsync.compress.base import CompressionError
 __all__ = [
     "MERGE_MODES",
     "Cost",
-    "CostModel",
     "LinearCost",
     "MergeCompSearch",
+    "MergeCostModel",
     "MergeError",
     "MergeSpec",
     "Partition",
@@ -253,8 +253,9 @@ class PipelineTrace:
 
 
 @dataclass(frozen=True)
-class CostModel:
+class MergeCostModel:
     """What a partition costs: per-group compression ``h`` and communication ``g``, and when gradients are ready.
+    (Not :class:`gradsync.sim.cost.CostModel`, the runtime's model of the wire.)
 
     Fields (tensors indexed in backward order, ``i = 0`` is the first gradient produced):
 
@@ -349,7 +350,7 @@ class CostModel:
         h: Cost | tuple[float, float],
         g: Cost | tuple[float, float],
         **kw: Any,
-    ) -> CostModel:
+    ) -> MergeCostModel:
         """A model whose gradient ``i`` takes ``backward_s[i]`` seconds of backward compute (ready times are the prefix sums)."""
         times = [_nonneg_float(f"backward_s[{i}]", t, "seconds of backward compute") for i, t in enumerate(backward_s)]
         ready = tuple(itertools.accumulate(times))
@@ -481,7 +482,7 @@ def _lead_bounds(hx: np.ndarray, gx: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return lo, hi
 
 
-def _dp(model: CostModel, max_groups: int, exact_groups: int | None = None) -> dict[int, tuple[float, Partition]]:
+def _dp(model: MergeCostModel, max_groups: int, exact_groups: int | None = None) -> dict[int, tuple[float, Partition]]:
     """The best partition for every ``y <= max_groups`` (or only ``y = exact_groups``); see :func:`optimal_per_y`."""
     n = model.n
     inline = not model.overlap_compression
@@ -562,13 +563,13 @@ def _dp(model: CostModel, max_groups: int, exact_groups: int | None = None) -> d
     return out
 
 
-def optimal_per_y(model: CostModel, max_groups: int | None = None) -> dict[int, tuple[float, Partition]]:
+def optimal_per_y(model: MergeCostModel, max_groups: int | None = None) -> dict[int, tuple[float, Partition]]:
     """``{y: (F_min(y), X_y*)}``: the fastest partition into exactly ``y`` groups, for ``y = 1 .. max_groups`` (default n).
 
     **The DP.** Process groups left to right. After ``j`` groups ending at boundary ``k`` (tensors ``0..k-1``
     merged), the future of the pipeline depends on the past only through the pair ``(s, E_j)``, where ``s``
     is ``H_j`` (inline compression) or ``C_j`` (own compression stream) -- every later ``C``, ``E`` and ``T`` in
-    :class:`CostModel`'s recurrences is built from ``(s, E_j)`` and the future groups by ``+`` and ``max``
+    :class:`MergeCostModel`'s recurrences is built from ``(s, E_j)`` and the future groups by ``+`` and ``max``
     only. Both are non-decreasing in each argument, so a state ``(s, E)`` with ``s <= s'`` and ``E <= E'``
     leads, for every completion, to an iteration no slower than ``(s', E')``: a dominated state can be
     dropped without losing any optimum (the principle of optimality for a partial order). So each DP cell
@@ -601,16 +602,16 @@ def optimal_per_y(model: CostModel, max_groups: int | None = None) -> dict[int, 
     = ``O(n^3)`` for all ``y`` with fronts of one point (about a second for ``n = 467`` on one core), and
     ``O(y n^2)`` for :func:`search_optimal` with a fixed ``y``.
     """
-    if not isinstance(model, CostModel):
-        raise MergeError(f"model={model!r} must be a CostModel")
+    if not isinstance(model, MergeCostModel):
+        raise MergeError(f"model={model!r} must be a MergeCostModel")
     y_max = model.n if max_groups is None else _check_y("max_groups", max_groups, model.n)
     return _dp(model, y_max)
 
 
-def search_optimal(model: CostModel, y: int | None = None) -> Partition:
+def search_optimal(model: MergeCostModel, y: int | None = None) -> Partition:
     """The fastest partition into exactly ``y`` groups, or over all ``y`` when ``y`` is None (ties: fewest groups)."""
-    if not isinstance(model, CostModel):
-        raise MergeError(f"model={model!r} must be a CostModel")
+    if not isinstance(model, MergeCostModel):
+        raise MergeError(f"model={model!r} must be a MergeCostModel")
     if y is not None:
         y = _check_y("y", y, model.n)
         return _dp(model, y, exact_groups=y)[y][1]
@@ -634,7 +635,7 @@ class ShiftedCost:
         return self.cost(numel) + self.base_s
 
 
-def fit_group_overhead(model: CostModel, partition: Partition, observed_s: float, *, tol_s: float = 1e-7) -> tuple[CostModel, float]:
+def fit_group_overhead(model: MergeCostModel, partition: Partition, observed_s: float, *, tol_s: float = 1e-7) -> tuple[MergeCostModel, float]:
     """The model with a per-group overhead ``δ >= 0`` added to compression ``h`` that makes it predict
     ``observed_s`` for ``partition``, and ``δ``.
 
@@ -652,13 +653,13 @@ def fit_group_overhead(model: CostModel, partition: Partition, observed_s: float
     already predicts at least ``observed_s``, ``δ = 0`` and the model is returned as it is (an
     over-prediction is not evidence of a negative overhead).
     """
-    if not isinstance(model, CostModel):
-        raise MergeError(f"model={model!r} must be a CostModel")
+    if not isinstance(model, MergeCostModel):
+        raise MergeError(f"model={model!r} must be a MergeCostModel")
     observed = _nonneg_float("observed_s", observed_s, "seconds the step took")
     if model.iteration_time(partition) >= observed:
         return model, 0.0
 
-    def shifted(delta: float) -> CostModel:
+    def shifted(delta: float) -> MergeCostModel:
         return replace(model, h=ShiftedCost(model.h, delta))
 
     lo, hi = 0.0, observed / partition.num_groups
@@ -688,7 +689,7 @@ class MergeCompSearch:
     reason: str
 
 
-def _bisect_inner(model: CostModel, y: int, budget: int) -> tuple[float, Partition]:
+def _bisect_inner(model: MergeCostModel, y: int, budget: int) -> tuple[float, Partition]:
     """``argmin F(X_y)`` as the seed's proof of Theorem 3 computes it: fix ``x_1..x_{y-2}``, binary-search ``x_{y-1}``.
 
     The proof argues ``F`` is decreasing then increasing in the last free cut (fully hidden communication
@@ -727,7 +728,7 @@ def _bisect_inner(model: CostModel, y: int, budget: int) -> tuple[float, Partiti
 
 
 def search_mergecomp_trace(
-    model: CostModel,
+    model: MergeCostModel,
     Y: int,
     alpha: float,
     *,
@@ -757,8 +758,8 @@ def search_mergecomp_trace(
     where it stopped, never faster than the optimum over all ``y``, and equal to it whenever ``F_min`` is
     unimodal in ``y`` with no step smaller than ``α F_min`` before its minimum and that minimum at ``y <= Y``.
     """
-    if not isinstance(model, CostModel):
-        raise MergeError(f"model={model!r} must be a CostModel")
+    if not isinstance(model, MergeCostModel):
+        raise MergeError(f"model={model!r} must be a MergeCostModel")
     n = model.n
     if not _is_int(Y) or not 2 <= Y <= n:
         raise MergeError(
@@ -793,7 +794,7 @@ def search_mergecomp_trace(
 
 
 def search_mergecomp(
-    model: CostModel,
+    model: MergeCostModel,
     Y: int,
     alpha: float,
     *,

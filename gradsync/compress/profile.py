@@ -10,7 +10,7 @@ overheads dominate small groups. So this module measures, fits and reports how f
   allreduce in; sizes stay in **elements** and bytes come from the compressor's ``payload_bytes``;
 * :func:`fit_linear` -- ``LinearCost`` by least squares, with R² and the residual pattern;
 * :class:`MeasuredCost` -- piecewise-linear interpolation through the samples, a drop-in ``Cost`` for
-  :class:`~gradsync.compress.merge.CostModel` when the line is too coarse;
+  :class:`~gradsync.compress.merge.MergeCostModel` when the line is too coarse;
 * :func:`refit_if_drifted` -- re-fit (or rescale) a cost whose predictions missed new samples by more than a
   tolerance (the machine got busier, the clock changed).
 """
@@ -120,7 +120,7 @@ def measure_codec(
     """Seconds to compress and decompress one flat tensor of each size: the minimum of ``repeats`` runs.
 
     ``part="both"`` is the seed's ``h`` (Figure 3 counts encoding and decoding); ``"encode"`` or ``"decode"``
-    time one side (put a separately profiled decode into ``CostModel.d``). One untimed warm-up run per size
+    time one side (put a separately profiled decode into ``MergeCostModel.d``). One untimed warm-up run per size
     pays for allocations and lazy initialisation. A fresh copy of ``compressor`` is profiled, so stateful
     compressors (PowerSGD's warm start, SigNUM's momentum) keep their state; the thread count is left to
     the caller. For allgather compressors the decode of one payload is timed (a receiver decodes one per
@@ -280,7 +280,7 @@ def fit_linear(samples: Samples, *, relative: bool = True) -> LinearFit:
 
 @dataclass(frozen=True)
 class MeasuredCost:
-    """Piecewise-linear interpolation through measured ``(size, seconds)`` points: a :class:`Cost` for ``CostModel``.
+    """Piecewise-linear interpolation through measured ``(size, seconds)`` points: a :class:`Cost` for ``MergeCostModel``.
 
     Between knots it interpolates; outside it extends the first and last segments (the last segment's slope
     is the streaming per-element cost) and never goes below 0. With ``monotone=True`` (default, see

@@ -37,9 +37,6 @@ class NoCompression(Compressor):
     communicator = "allreduce"
     payload_shapes_fixed = True
 
-    def __init__(self) -> None:
-        super().__init__()
-
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         return [flat], Context(info)
 
@@ -57,9 +54,6 @@ class FP16(Compressor):
     communicator = "allreduce"
     payload_shapes_fixed = True
     cast_dtype = torch.float16
-
-    def __init__(self) -> None:
-        super().__init__()
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         return [flat.half()], Context(info)

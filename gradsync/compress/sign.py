@@ -81,9 +81,6 @@ class _SignOnly(Compressor):
 class SignSGD(_SignOnly):
     """signSGD with majority vote (Bernstein et al. 2018a): one bit per element, no scale."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
 
 @register_compressor("signum")
 class SigNUM(_SignOnly):
@@ -115,9 +112,6 @@ class EFSignSGD(Compressor):
 
     communicator = "allgather"
     payload_shapes_fixed = True
-
-    def __init__(self) -> None:
-        super().__init__()
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         x = flat.to(work_dtype(info.dtype))
@@ -180,9 +174,6 @@ class OneBit(Compressor):
 
     communicator = "allgather"
     payload_shapes_fixed = True
-
-    def __init__(self) -> None:
-        super().__init__()
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         x = flat.to(work_dtype(info.dtype))

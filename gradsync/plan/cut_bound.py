@@ -61,6 +61,7 @@ import scipy.sparse as sp
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from gradsync.errors import PlanError
+from gradsync.plan.unionfind import DisjointSets
 from gradsync.topology.model import Topology
 
 __all__ = ["CutBound", "cut_bound", "family_bound"]
@@ -199,26 +200,18 @@ def _dilworth(net: _Network, scale: int, offset: int) -> tuple[int, list[list[in
     ranks = net.ranks
     n_ranks = len(ranks)
     x = np.zeros(n_ranks, dtype=np.int64)
-    parent = list(range(n_ranks))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    sets = DisjointSets(range(n_ranks))
     position = np.full(net.n, -1, dtype=np.int64)
     position[ranks] = np.arange(n_ranks)
     for k in range(n_ranks):
         earlier = ranks[:k]
         value, side = net.min_cut(scale, int(ranks[k]), ranks[k + 1:], earlier, x[:k])
         x[k] = value - int(x[:k][x[:k] > 0].sum()) - offset
-        root = find(k)
         for j in position[side & (position >= 0)]:
-            parent[find(int(j))] = root
+            sets.union(int(j), k)
     groups: dict[int, list[int]] = {}
     for i in range(n_ranks):
-        groups.setdefault(find(i), []).append(i)
+        groups.setdefault(sets.find(i), []).append(i)
     return int(x.sum()), list(groups.values())
 
 

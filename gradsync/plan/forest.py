@@ -82,7 +82,7 @@ from scipy.sparse.csgraph import dijkstra, maximum_flow
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import _integer_capacities
 from gradsync.plan.highs import HIGHS as _highs
-from gradsync.plan.highs import warm_simplex
+from gradsync.plan.highs import solve_optimal, warm_simplex
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree
 from gradsync.plan.symmetry import Symmetry, directed_link_permutation, orbits, regular_selection, symmetry_of
 from gradsync.topology.model import Topology
@@ -505,11 +505,7 @@ class _ForestMaster:
             self._pending = []
             h.addCols(k, np.zeros(k), np.zeros(k), np.full(k, h.getInfinity()), len(idx),
                       np.array(starts, dtype=np.int32), np.array(idx, dtype=np.int32), np.array(vals))
-        h.run()
-        status = h.getModelStatus()
-        if status != _highs.HighsModelStatus.kOptimal:  # pragma: no cover - always feasible and bounded
-            raise PlanError(f"HiGHS failed on the out-tree packing master LP: {h.modelStatusToString(status)}")
-        sol = h.getSolution()
+        sol = solve_optimal(h, "out-tree packing master LP")
         x = np.asarray(sol.col_value, dtype=float)
         dual = np.asarray(sol.row_dual, dtype=float)
         return x[1:], float(x[0]), np.maximum(-dual[n:], 0.0), dual[:n]

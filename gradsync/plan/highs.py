@@ -5,6 +5,7 @@ enter at zero, so the previous optimal basis stays primal feasible and primal si
 pivots -- if the same HiGHS object is kept between solves. :func:`scipy.optimize.linprog` builds and checks
 a fresh model each time (on a DGX-1's out-tree master that cost more than the solves). SciPy >= 1.15 vendors
 highspy; without it, or if its private API changes shape, callers fall back to ``linprog``.
+:func:`solve_optimal` is the masters' one re-solve and check that HiGHS ended optimal.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from gradsync.errors import PlanError
+
 try:  # SciPy >= 1.15 vendors highspy; its Highs object keeps the basis between solves.
     from scipy.optimize._highspy import _core as HIGHS
 except ImportError:  # pragma: no cover - older SciPy: solve each master from scratch with linprog
     HIGHS = None
 
-__all__ = ["HIGHS", "warm_simplex"]
+__all__ = ["HIGHS", "solve_optimal", "warm_simplex"]
 
 
 def warm_simplex(highs: Any, build: Callable[[Any], None]) -> Any | None:
@@ -41,3 +44,22 @@ def warm_simplex(highs: Any, build: Callable[[Any], None]) -> Any | None:
     except (AttributeError, TypeError):  # pragma: no cover - a private API that changed shape
         return None
     return h
+
+
+def solve_optimal(h: Any, what: str, *, simplex_retry: bool = False) -> Any:
+    """Run the master ``h`` (from :func:`warm_simplex`) and return its solution; :class:`PlanError` naming
+    ``what`` (the LP) unless HiGHS ends optimal, since the masters are always feasible and bounded.
+
+    ``simplex_retry``: a run that ends short of optimal is run once more with the simplex solver -- HiGHS's
+    interior point method can stall on degenerate masters; simplex always ends.
+    """
+    optimal = HIGHS.HighsModelStatus.kOptimal
+    h.run()
+    status = h.getModelStatus()
+    if status != optimal and simplex_retry:
+        h.setOptionValue("solver", "simplex")
+        h.run()
+        status = h.getModelStatus()
+    if status != optimal:  # pragma: no cover - always feasible and bounded
+        raise PlanError(f"HiGHS failed on the {what}: {h.modelStatusToString(status)}")
+    return h.getSolution()

@@ -57,9 +57,10 @@ from scipy.optimize import linprog
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import cut_bound
 from gradsync.plan.highs import HIGHS as _highs
-from gradsync.plan.highs import warm_simplex
+from gradsync.plan.highs import solve_optimal, warm_simplex
 from gradsync.plan.symmetry import Symmetry, link_permutation, orbits, symmetry_of
 from gradsync.plan.trees import RoutedTree, TreePricer
+from gradsync.plan.unionfind import DisjointSets
 from gradsync.topology.model import Topology
 
 __all__ = [
@@ -141,20 +142,13 @@ def _slack_partition_bound(topology: Topology, loads: np.ndarray, cost: float) -
     At an optimum every link crossing the optimal Nash-Williams-Tutte partition is saturated, so these
     components refine it and very often attain it; it costs one union-find, not a solve.
     """
-    parent = {d.name: d.name for d in topology.devices}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    parts = DisjointSets(d.name for d in topology.devices)
     for lk, load, c in zip(topology.links, loads, topology.costs):
         if c * load < cost * (1 - 1e-7):
-            parent[find(lk.a)] = find(lk.b)
-    roots = {find(d.name) for d in topology.devices}
+            parts.union(lk.a, lk.b)
+    roots = {parts.find(d.name) for d in topology.devices}
     label = {r: i for i, r in enumerate(sorted(roots))}
-    part_of = {d.name: label[find(d.name)] for d in topology.devices}
+    part_of = {d.name: label[parts.find(d.name)] for d in topology.devices}
     if {part_of[r] for r in topology.ranks} != set(part_of.values()):
         return 0.0
     return partition_bound(topology, part_of)
@@ -225,15 +219,7 @@ class _Master:
             k = block.shape[1]
             h.addCols(k, np.ones(k), np.zeros(k), np.full(k, h.getInfinity()), len(values), starts, rows, values)
         h.setOptionValue("solver", "simplex" if exact else "ipm")
-        h.run()
-        status = h.getModelStatus()
-        if status != _highs.HighsModelStatus.kOptimal and not exact:
-            h.setOptionValue("solver", "simplex")  # IPM stalled (it can on degenerate masters): simplex always ends
-            h.run()
-            status = h.getModelStatus()
-        if status != _highs.HighsModelStatus.kOptimal:  # pragma: no cover - always feasible and bounded
-            raise PlanError(f"HiGHS failed on the tree-packing master LP: {h.modelStatusToString(status)}")
-        sol = h.getSolution()
+        sol = solve_optimal(h, "tree-packing master LP", simplex_retry=not exact)  # IPM may stall: then simplex
         return (np.asarray(sol.col_value, dtype=float), float(h.getInfo().objective_function_value),
                 np.maximum(np.asarray(sol.row_dual, dtype=float), 0.0))
 

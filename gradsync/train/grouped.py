@@ -30,7 +30,7 @@ from torch import Tensor
 from gradsync.comm.runtime import Runtime, Work
 from gradsync.compress.base import TensorInfo
 from gradsync.compress.memory import NoMemory
-from gradsync.compress.merge import CostModel, MergeError, Partition, fit_group_overhead, probe_sizes
+from gradsync.compress.merge import MergeCostModel, MergeError, Partition, fit_group_overhead, probe_sizes
 from gradsync.compress.profile import MeasuredCost, Samples, measure_codec, measure_comm
 from gradsync.train.communicator import CompressionStep
 
@@ -57,8 +57,8 @@ def profile_cost_model(
     points: int = 8,
     dtype: torch.dtype = torch.float32,
     observed: tuple[Partition, float] | None = None,
-) -> CostModel:
-    """A :class:`CostModel` for ``step`` measured on this machine, identical on every rank.
+) -> MergeCostModel:
+    """A :class:`MergeCostModel` for ``step`` measured on this machine, identical on every rank.
 
     What is timed matches what :class:`MergedGroups` does: ``h`` = encode, plus error feedback's in-place
     subtraction of the local payload when there is a memory, inline on the compute thread; ``g`` = the
@@ -113,7 +113,7 @@ def profile_cost_model(
     h = MeasuredCost.from_samples(Samples(probes, tuple(a + b for a, b in zip(e, f))))
     after = MeasuredCost.from_samples(Samples(probes, tuple(d)))
     send_cost = MeasuredCost.from_samples(Samples(probes, tuple(g)))
-    model = CostModel(
+    model = MergeCostModel(
         sizes=tuple(int(s) for s in sizes),
         ready_s=tuple(ready),
         backward_end_s=max(end, ready[-1]),

@@ -31,7 +31,7 @@ from gradsync.errors import GradsyncError
 
 if TYPE_CHECKING:
     from gradsync.compress import Compressor, Memory, Partition
-    from gradsync.compress.merge import CostModel
+    from gradsync.compress.merge import MergeCostModel
 
 __all__ = ["DistributedOptimizer", "FIRST_BUCKET_BYTES"]
 
@@ -156,7 +156,7 @@ class DistributedOptimizer:
         self._params = list(reversed(trainable))  # backward order: the reverse of registration (forward) order
         self._dtype = self._params[0][1].dtype if self._params else torch.float32
         self.partition = resolve_merge(merge, [p.numel() for _, p in self._params])
-        self.cost_model: CostModel | None = None
+        self.cost_model: MergeCostModel | None = None
         self._calibrating = self.partition is None  # "auto": the first step runs layer-wise and is timed
         self._arrivals: list[tuple[int, float]] = []
         self._inside = 0.0  # seconds the calibration step spent inside the groups' add()

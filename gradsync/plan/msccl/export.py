@@ -70,6 +70,7 @@ from gradsync.plan.msccl.program import (
 )
 from gradsync.plan.msccl.replay import check_msccl_xml
 from gradsync.plan.schedule import SHARDED, Schedule
+from gradsync.plan.unionfind import DisjointSets
 from gradsync.topology.model import Topology
 
 __all__ = ["MAX_AUTO_CHUNKS", "MSCCL_COLL", "MscclExport", "Quantization", "export_msccl", "quantize", "to_msccl_xml"]
@@ -454,22 +455,14 @@ class _Builder:
 
     def _order(self, ops: list[_Op], by_recv: dict[int, _Op], by_send: dict[int, _Op]) -> set[int]:
         """Chains (groups), a topological order of them, and each thread block's steps in that order."""
-        parent = list(range(len(ops)))
+        chains = DisjointSets(range(len(ops)))
         idx = {id(op): k for k, op in enumerate(ops)}
-
-        def find(a: int) -> int:
-            while parent[a] != a:
-                parent[a] = parent[parent[a]]
-                a = parent[a]
-            return a
-
         for t in range(len(self.x)):
-            a, b = find(idx[id(by_send[t])]), find(idx[id(by_recv[t])])
-            parent[a] = b
-        roots = sorted({find(k) for k in range(len(ops))})
+            chains.union(idx[id(by_send[t])], idx[id(by_recv[t])])
+        roots = sorted({chains.find(k) for k in range(len(ops))})
         gid = {r: g for g, r in enumerate(roots)}
         for k, op in enumerate(ops):
-            op.group = gid[find(k)]
+            op.group = gid[chains.find(k)]
         ngroups = len(roots)
         x = self.x
         gkey: list[tuple[int, int, int, int]] = [(1 << 60, 0, 0, 0)] * ngroups
