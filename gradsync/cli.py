@@ -16,13 +16,13 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gradsync.commands.launch import add_parser as add_launch_parser
 from gradsync.commands.order import add_parser as add_order_parser
 from gradsync.commands.testbed import add_parser as add_testbed_parser
 from gradsync.errors import GradsyncError
 from gradsync.launch import Terminated
 from gradsync.paths import check_output, write_text
 from gradsync.plan import SYNTHESIZERS, PlanOptions, Schedule, evaluate, limits, predicted_time, synthesize
-from gradsync.ps.launch import add_parser as add_launch_parser
 from gradsync.sim.cost import plan_auto  # noqa: F401 - registers the "auto" synthesizer before --algorithm's choices
 from gradsync.topology import BUILDERS, get_topology, save
 
