@@ -244,3 +244,35 @@ def test_topology_too_large_for_the_lp_exits_2_naming_what_fits():
     p = run("plan", "-t", "switch:100000")
     _one_line_error(p, "needs at least 112 GiB")
     assert "'ring' fits" in p.stderr and "use --algorithm ring" in p.stderr  # the compact ring: 0.02 GiB
+
+
+def test_every_command_module_is_registered_and_answers_help(capsys):
+    """One module per subcommand in gradsync/commands/, named after it, each in the CLI's list; ``--help``
+    works for every one (and for the testbed's actions)."""
+    import argparse
+    import pkgutil
+
+    import gradsync.commands
+    from gradsync.cli import COMMANDS, build_parser, main
+
+    modules = sorted(m.name for m in pkgutil.iter_modules(gradsync.commands.__path__) if not m.name.startswith("_"))
+    registered = [m.__name__.removeprefix("gradsync.commands.") for m in COMMANDS]
+    assert sorted(registered) == modules
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == registered
+    for argv in [[name] for name in registered] + [["testbed", a] for a in ("up", "run", "down", "probe", "status")]:
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--help"])
+        assert exc.value.code == 0, argv
+        assert capsys.readouterr().out.startswith(f"usage: gradsync {' '.join(argv)} [-h]"), argv
+
+
+def test_help_lists_every_command_and_loads_no_heavy_package():
+    code = ("import json, sys\nfrom gradsync.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\n"
+            "print(json.dumps([m for m in ('torch', 'zmq', 'mpi4py', 'matplotlib') if m in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.splitlines()[-1]) == []
+    for name in ("topo", "plan", "simulate", "bench", "testbed", "launch", "order", "run", "compress", "models", "demo"):
+        assert f"    {name} " in p.stdout, name

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linprog
 
-from gradsync.cli import DEMO_TOPOLOGIES
+from gradsync.commands.demo import DEMO_TOPOLOGIES
 from gradsync.errors import PlanError
 from gradsync.plan import SYNTHESIZERS, PlanOptions, evaluate, limits, pack_trees, synthesize
 from gradsync.sim.choose import synthesize as synthesize_any

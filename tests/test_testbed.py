@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gradsync.commands.testbed import add_parser, parse_pairs
 from gradsync.errors import GradsyncError
 from gradsync.testbed import (
     TestbedError,
@@ -36,7 +37,6 @@ from gradsync.testbed import (
 )
 from gradsync.testbed import netns as tb_netns
 from gradsync.testbed import status as tb_status
-from gradsync.testbed.cli import add_parser, parse_pairs
 from gradsync.topology import get_topology
 
 SPECS = ("switch:3", "switch:9", "bcube:2,2", "bcube:3,2", "bcube:2,3", "fattree:4", "ring:2", "ring:5")

@@ -1,6 +1,10 @@
-"""Subcommands of the ``gradsync`` command that bind several packages together (each has ``add_parser``).
+"""The ``gradsync`` subcommands, one module per subcommand, named after it (``plan.py`` is ``gradsync plan``).
 
-They sit at the top with :mod:`gradsync.cli`: ``gradsync order`` captures a model (``order``), orders its
-transfers and simulates the iteration (``sim``), and neither of those packages may know the other's
-command line.
+Each module has ``add_parser(subparsers)``, which adds its subcommand with its handler as ``func`` (the
+handler takes the parsed arguments and returns the exit code), and nothing else of the command line.
+:mod:`gradsync.cli` builds the parser from its list of these modules and runs the handler. What a command
+does belongs to its package (``testbed``, ``ps.launch``, ``order``, ``sim``); here are only its arguments,
+its printing and the imports that bind packages which may not know each other (``order`` + ``sim``). A
+command's heavy imports (torch, ZeroMQ, matplotlib) happen in its handler, so ``gradsync --help`` stays
+light. Modules whose name starts with ``_`` are helpers shared by the commands.
 """

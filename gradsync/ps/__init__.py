@@ -9,7 +9,7 @@ machine. The training loops on a KVStore (dist/mpi SGD, ASGD, ESGD) and the pull
 
 from typing import Any
 
-# Loaded on first use: the CLI imports gradsync.ps.launch without paying for torch and ZeroMQ.
+# Loaded on first use: `gradsync launch` imports gradsync.ps.launch without paying for torch and ZeroMQ.
 _EXPORTS = {
     "KVSTORES": "kvstore", "CollectiveKVStore": "kvstore", "KVStore": "kvstore", "KVStoreConfig": "kvstore",
     "LocalKVStore": "kvstore", "PSKVStore": "kvstore", "create": "kvstore", "Server": "server",

@@ -1,4 +1,4 @@
-"""``gradsync testbed up|run|down|probe|status``: :func:`add_parser` plugs these into the main CLI.
+"""``gradsync testbed up|run|down|probe|status``: the emulated cluster (:mod:`gradsync.testbed`) on the command line.
 
 Each handler returns the exit code; errors are :class:`~gradsync.testbed.errors.TestbedError` (a
 ``GradsyncError``), which the main CLI prints as one line.
