@@ -35,7 +35,7 @@ lint-imports: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
-	$(PY) benchmarks/plan_scaling.py
+	$(PY) -m benchmarks.plan_scaling
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -37,8 +37,8 @@ processes than cores (4 on a 2-core machine) they include scheduling noise.
 Run from the repository root::
 
     gradsync bench allreduce-loopback                       # defaults: 1-3 minutes on 2 cores
-    .venv/bin/python benchmarks/allreduce_loopback.py --worlds 2 --sizes 64K,16M --reps 5
-    .venv/bin/python benchmarks/allreduce_loopback.py --no-mpi --algorithms ring,tree --pipeline 8
+    .venv/bin/python -m benchmarks.allreduce_loopback --worlds 2 --sizes 64K,16M --reps 5
+    .venv/bin/python -m benchmarks.allreduce_loopback --no-mpi --algorithms ring,tree --pipeline 8
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import pythonpath
+
 RESULT_TYPE = "gradsync.bench.allreduce_loopback"
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 RATIO_MIN_BYTES = 16 * 2**20
@@ -68,7 +70,6 @@ INNER_BYTES = 16 << 20  # a timed sample moves at least this many bytes per meth
 INNER_MAX = 16
 LARGE_BYTES = 64 * 2**20
 PATTERN = 1024  # rank r holds (i % PATTERN) + PATTERN * r
-_ROOT = Path(__file__).resolve().parents[1]
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -313,7 +314,7 @@ def _launch_world(world: int, args: argparse.Namespace, use_mpi: bool) -> dict[s
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(free_port()),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+               "PYTHONPATH": pythonpath()}
         if use_mpi:
             from gradsync.comm.mpi import mpirun_command
 

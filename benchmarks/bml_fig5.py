@@ -40,8 +40,8 @@ Writes ``bml_fig5.json`` (``"type": "gradsync.bench.bml_fig5"``) and ``bml_fig5.
 Run from the repository root::
 
     gradsync bench bml-fig5                        # both scales, a few minutes
-    .venv/bin/python benchmarks/bml_fig5.py --scales 16
-    .venv/bin/python benchmarks/bml_fig5.py --no-simulate    # planned costs only
+    .venv/bin/python -m benchmarks.bml_fig5 --scales 16
+    .venv/bin/python -m benchmarks.bml_fig5 --no-simulate    # planned costs only
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ repository root::
 
     gradsync bench bml-testbed                       # 200mbit, 12.5 MiB and 50 MiB, 10 reps, 30 steps
     gradsync bench bml-testbed --rate 100mbit        # when the CPU cannot keep up at 200mbit
-    .venv/bin/python benchmarks/bml_testbed.py --quick   # 1 and 4 MiB, 3 reps, 5 steps: under a minute
+    .venv/bin/python -m benchmarks.bml_testbed --quick   # 1 and 4 MiB, 3 reps, 5 steps: under a minute
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import ROOT as _ROOT
+from benchmarks.common import pythonpath
 from gradsync.cli import parse_size
 from gradsync.errors import GradsyncError
 from gradsync.plan import PlanOptions, synthesize
@@ -89,7 +91,6 @@ from gradsync.testbed.probe import TCP_GOODPUT
 from gradsync.topology import Topology, get_topology
 
 RESULT_TYPE = "gradsync.bench.bml_testbed"
-_ROOT = Path(__file__).resolve().parents[1]
 WORKER = _ROOT / "benchmarks" / "bml_testbed_worker.py"
 #: TCP payload per byte on the wire at MTU 1500: 1448 B of payload (20 IP + 32 TCP with timestamps) in 1514 B frames.
 GOODPUT = TCP_GOODPUT
@@ -270,7 +271,7 @@ def run_case(case: Case, args: argparse.Namespace, tag: str) -> CaseResult:
                    "--batch", str(args.batch), "--model", args.model, "--pipeline", str(args.pipeline),
                    "--timeout", "300"]
             env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+                   "PYTHONPATH": pythonpath()}
             print(f"{tag}   running {case.algorithm} on 9 servers (timeout {limit:.0f} s) ...", flush=True)
             t1 = time.perf_counter()
             res.exit_code = testbed.run(cmd, env=env, timeout=limit)

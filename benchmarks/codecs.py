@@ -23,7 +23,7 @@ Writes ``codecs.json`` and ``codecs.png`` to ``--out``.
 Run from the repository root::
 
     gradsync bench codecs                      # about a minute on one core
-    .venv/bin/python benchmarks/codecs.py --sizes 1e4,1e6 --reps 5
+    .venv/bin/python -m benchmarks.codecs --sizes 1e4,1e6 --reps 5
 """
 
 from __future__ import annotations

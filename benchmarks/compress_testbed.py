@@ -54,10 +54,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import ROOT as _ROOT
+from benchmarks.common import pythonpath
 from gradsync.errors import GradsyncError
 
 RESULT_TYPE = "gradsync.bench.compress_testbed"
-_ROOT = Path(__file__).resolve().parents[1]
 #: Issue 20's goals for the best gradsync compressor with MergeComp on the communication-bound testbed.
 GOAL_VS_DDP = 2.0
 GOAL_VS_POWERSGD = 1.3
@@ -72,9 +73,7 @@ PROBE_PAIRS = ((0, 1), (0, 2), (1, 3))
 
 
 def _worker() -> Any:
-    """The worker module (its method registry), importable however this file was loaded."""
-    if str(_ROOT) not in sys.path:  # ``gradsync bench`` loads this file by path, from any directory
-        sys.path.insert(0, str(_ROOT))
+    """The worker module (its method registry), imported when needed: it imports torch."""
     import benchmarks.compress_testbed_worker as worker
 
     return worker
@@ -127,7 +126,7 @@ def _worker_cmd(args: argparse.Namespace, out: Path, topology: str | None, calib
 
 def _env(tmp: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1", "GRADSYNC_CACHE": tmp,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+            "PYTHONPATH": pythonpath()}
 
 
 def run_loopback(args: argparse.Namespace) -> dict[str, Any]:

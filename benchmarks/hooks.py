@@ -25,7 +25,7 @@ ranks. Writes
 Run from the repository root::
 
     gradsync bench hooks                      # about 20 s on 2 cores
-    .venv/bin/python benchmarks/hooks.py --steps 40
+    .venv/bin/python -m benchmarks.hooks --steps 40
 """
 
 from __future__ import annotations
@@ -152,13 +152,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("need --procs >= 2, --steps >= 1, --warmup >= 0, --batch >= 1 and --bucket-mb > 0")
     if args.worker:
         return worker(args)
+    from benchmarks.common import pythonpath
     from gradsync.launch import free_port, torchrun_env
 
-    root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "hooks.json"
         port = free_port()
-        env_base = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        env_base = {**os.environ, "PYTHONPATH": pythonpath()}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--report", str(report),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                "--bucket-mb", str(args.bucket_mb)]

@@ -39,8 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import pythonpath
+
 RESULT_TYPE = "gradsync.bench.mergecomp"
-_ROOT = Path(__file__).resolve().parents[1]
 STEP_COMPRESSORS = "fp16,dgc,efsignsgd,topk"
 CONFIGS = ("layerwise", "y1", "y2", "y4", "y8", "alg2", "exact", "exact_unfitted")
 
@@ -257,7 +258,7 @@ def _launch(cfg: dict[str, Any], world: int, tmp: Path) -> dict[str, Any]:
     cfg_path = tmp / f"cfg-{cfg['part']}-{world}.json"
     cfg = {**cfg, "result": str(tmp / f"result-{cfg['part']}-{world}.json")}
     cfg_path.write_text(json.dumps(cfg))
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": pythonpath()}
     code = launch_local([sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)], world, env=env, timeout=1800)
     if code != 0 or not Path(cfg["result"]).exists():
         raise GradsyncError(f"mergecomp workers failed (exit code {code}); their output is above")

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import ROOT
+
 WORKER = ROOT / "benchmarks" / "mxnet_mpi_worker.py"
 
 CONFIGS: list[tuple[str, int]] = [
@@ -176,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     topo = cost = None
     model = a.model or ("paper-lenet5" if a.testbed else "lenet5")
     if a.testbed:
-        if str(ROOT) not in sys.path:  # ``gradsync bench`` loads this file by path, from any directory
-            sys.path.insert(0, str(ROOT))
         from benchmarks.bml_testbed_worker import PaperLeNet5
         from gradsync import testbed
         from gradsync.models import create

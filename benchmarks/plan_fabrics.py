@@ -1,4 +1,4 @@
-"""Planning thousand-host fabrics (issue 18): ``gradsync bench plan-fabrics`` or ``plan_scaling.py --fabrics``.
+"""Planning thousand-host fabrics (issue 18): ``gradsync bench plan-fabrics`` or ``plan_scaling --fabrics``.
 
 Every case is planned the way ``gradsync plan --topology SPEC --algorithm ALG`` plans it — ``synthesize``
 (which includes the schedule's self-check) and ``evaluate`` (loads, cost and the certifying lower bound) — in
@@ -7,12 +7,12 @@ a fresh Python process, so the peak resident memory (``ru_maxrss``) is the case'
 * Fat-Trees ``fattree:8/12/16/24`` (128 to 3456 hosts) and BCubes ``bcube:8,2/16,2/8,3/16,3`` (64 to 4096);
 * ForestColl's GPU fabrics transcribed as files (``benchmarks/topologies/``): 2/4/8 boxes of 8 A100s on an
   NVSwitch with a NIC per GPU on two IB rails, and 1/2/4 boxes of 16 MI250 GCDs (xGMI mesh, one IB switch);
-* random 6-regular graphs (``regular6:N``, :func:`plan_scaling.random_regular`, the same graph on every run)
+* random 6-regular graphs (``regular6:N``, :func:`benchmarks.common.random_regular`, the same graph on every run)
   on 64 to 512 nodes;
 * ``ring`` on ``fattree:16`` (the O(N²) transfers the compact schedule no longer spells out).
 
-``--baseline REV`` plans the same cases, in the same run, with the gradsync of git revision ``REV`` (a
-temporary worktree), so each speed-up is measured side by side; a baseline case that exceeds
+``--baseline REV`` plans the same cases, in the same run, with the gradsync of git revision ``REV`` (its
+``gradsync/`` alone, extracted to a temporary directory; the benchmark code stays this checkout's), so each speed-up is measured side by side; a baseline case that exceeds
 ``--baseline-limit`` is recorded as ``> limit``. Cheap cases run up to ``--repeats`` times (median); a case
 stops repeating once it has used ``--repeat-budget`` seconds. The published figures of the anchors (TACOS,
 ForestColl's Python release) are quoted beside, not re-measured: neither is installable here.
@@ -25,6 +25,7 @@ minutes with gap ≤ 1 %; ``regular6:128`` ≤ 1 s and exact; ``ring`` on ``fatt
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -32,15 +33,17 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT as _ROOT
+from benchmarks.common import TOPOLOGIES as FILES
+
 RESULT_TYPE = "gradsync.bench.plan_fabrics"
-FILES = _ROOT / "benchmarks" / "topologies"
 
 #: (spec, algorithm); file fabrics are named by their stem and read from :data:`FILES`.
 CASES: tuple[tuple[str, str], ...] = (
@@ -67,8 +70,7 @@ def build(spec: str):  # noqa: ANN201 - a Topology; imported lazily so --help st
     from gradsync.topology import get_topology
 
     if spec.startswith("regular6:"):
-        sys.path.insert(0, str(_ROOT / "benchmarks"))
-        from plan_scaling import random_regular
+        from benchmarks.common import random_regular
 
         return random_regular(int(spec.split(":")[1]), 6, 0)
     path = FILES / f"{spec}.yaml"
@@ -100,8 +102,12 @@ def plan_once(spec: str, algorithm: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- the driver
 def run_case(spec: str, algorithm: str, limit_s: float, pythonpath: Path, repeats: int, budget_s: float) -> dict[str, Any]:
-    """Median over up to ``repeats`` fresh processes (fewer once ``budget_s`` is used); skipped past ``limit_s``."""
-    env = {**os.environ, "PYTHONPATH": str(pythonpath), "OMP_NUM_THREADS": "1"}
+    """Median over up to ``repeats`` fresh processes (fewer once ``budget_s`` is used); skipped past ``limit_s``.
+
+    ``pythonpath`` holds the ``gradsync`` to plan with (this checkout, or a baseline's); the checkout root follows
+    it, for the ``benchmarks`` package."""
+    path = os.pathsep.join(dict.fromkeys([str(pythonpath), str(_ROOT)]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     runs: list[dict[str, Any]] = []
     used = 0.0
     while len(runs) < repeats and (not runs or used < budget_s):
@@ -125,10 +131,13 @@ def run_case(spec: str, algorithm: str, limit_s: float, pythonpath: Path, repeat
 
 
 def baseline_tree(rev: str) -> Path:
-    """A detached worktree of ``rev`` (removed at exit by the caller)."""
+    """``rev``'s ``gradsync/`` package alone, in a temporary directory (removed at exit by the caller): on a worker's
+    ``PYTHONPATH`` ahead of the checkout it supplies ``gradsync``, while ``benchmarks`` stays this checkout's."""
     where = Path(tempfile.mkdtemp(prefix="gradsync-baseline-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(where), rev], cwd=_ROOT, check=True,
-                   capture_output=True, text=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", rev, "gradsync"], cwd=_ROOT, check=True,
+                             capture_output=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(where)
     return where
 
 
@@ -248,7 +257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{i}/{len(cases)}] {spec:14s} {alg:5s} now: {_fmt(row):34s} baseline: {_fmt(old)}", flush=True)
     finally:
         if tree is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=_ROOT, capture_output=True)
             shutil.rmtree(tree, ignore_errors=True)
     lines = goals(rows)
     doc = {"type": RESULT_TYPE, "machine": {"python": sys.version.split()[0], "cpus": os.cpu_count(),

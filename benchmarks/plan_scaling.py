@@ -27,13 +27,13 @@ the tree-packing allreduce (algbw = S / time; the trees win where GPUs have uneq
 75.0 vs 66.7 GB/s). Written to ``plan_collectives.json``. Goals: every case under 10 s, DGX-1 under 0.1 s.
 
 Large fabrics (issue 18: Fat-Trees to 3456 hosts, BCubes to 4096, ForestColl's A100/MI250 files, random graphs
-to 512 nodes, in fresh processes with peak memory and certified gaps): ``plan_scaling.py --fabrics [OPTIONS]``
-runs :mod:`plan_fabrics` (``gradsync bench plan-fabrics``); its options follow the flag.
+to 512 nodes, in fresh processes with peak memory and certified gaps): ``plan_scaling --fabrics [OPTIONS]``
+runs :mod:`benchmarks.plan_fabrics` (``gradsync bench plan-fabrics``); its options follow the flag.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/plan_scaling.py
-    .venv/bin/python benchmarks/plan_scaling.py --sizes 8,16,32,64 --full-sizes 4,8,16,32 --repeats 3
+    .venv/bin/python -m benchmarks.plan_scaling
+    .venv/bin/python -m benchmarks.plan_scaling --sizes 8,16,32,64 --full-sizes 4,8,16,32 --repeats 3
 """
 
 from __future__ import annotations
@@ -61,19 +61,18 @@ import networkx as nx  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy  # noqa: E402
 
+from benchmarks.common import TOPOLOGIES, random_regular  # noqa: E402
 from gradsync.errors import MscclError  # noqa: E402
 from gradsync.plan import PlanOptions, gather_cut_bound, synthesize  # noqa: E402
 from gradsync.plan.forest import forest_packing  # noqa: E402
 from gradsync.plan.lp import TreePacking, pack_trees  # noqa: E402
 from gradsync.plan.msccl import export_msccl  # noqa: E402
-from gradsync.topology import Device, Link, Topology, get_topology  # noqa: E402
+from gradsync.topology import Topology, get_topology  # noqa: E402
 
 BUILTINS: tuple[str, ...] = ("p3.16xlarge", "p3.8xlarge", "p2.16xlarge", "p2.8xlarge", "minsky:4", "switch:64")
-BANDWIDTHS_GBPS: tuple[float, ...] = (10.0, 20.0, 25.0, 50.0)
 GOALS: dict[str, float] = {"dgx1_s": 0.1, "nodes64_s": 2.0}
 DGX1 = "p3.16xlarge"
 RESULT_TYPE = "gradsync.bench.plan_scaling"
-MAX_SEED_TRIES = 1000
 
 
 class PlanTimeout(Exception):
@@ -102,30 +101,6 @@ class Case:
 
 
 # --------------------------------------------------------------------------- topologies
-
-
-def random_regular(n: int, degree: int, seed: int = 0) -> Topology:
-    """A connected random ``degree``-regular graph on ``n`` GPUs with seeded random bandwidths.
-
-    ``degree`` is clamped to ``n - 1`` and lowered by one when ``n * degree`` is odd.
-    """
-    d = min(degree, n - 1)
-    if (n * d) % 2:
-        d -= 1
-    if d < 1:
-        raise ValueError(f"cannot build a connected regular graph on {n} nodes")
-    for s in range(seed, seed + MAX_SEED_TRIES):
-        graph = nx.random_regular_graph(d, n, seed=s)
-        if nx.is_connected(graph):
-            break
-    else:
-        raise RuntimeError(f"no connected {d}-regular graph on {n} nodes in {MAX_SEED_TRIES} seeds")
-    rng = np.random.default_rng(s)
-    edges = sorted(tuple(sorted(e)) for e in graph.edges())
-    bws = rng.choice(BANDWIDTHS_GBPS, size=len(edges))
-    devices = tuple(Device(f"g{i}", "gpu") for i in range(n))
-    links = tuple(Link(f"g{a}", f"g{b}", float(bw)) for (a, b), bw in zip(edges, bws))
-    return Topology(f"regular{d}:{n}", devices, links)
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -319,7 +294,7 @@ def plot(path: Path, cases: Sequence[Case]) -> None:
 def a100_boxes(boxes: int) -> Topology:
     """ForestColl's ``a100_topology`` (8 GPUs on an NVSwitch, 300 GB/s, one 25 GB/s NIC each, two IB rails),
     transcribed in ``benchmarks/topologies/a100x{2,4,8}.yaml``."""
-    return get_topology(str(Path(__file__).resolve().parents[1] / "benchmarks" / "topologies" / f"a100x{boxes}.yaml"))
+    return get_topology(str(TOPOLOGIES / f"a100x{boxes}.yaml"))
 
 
 COLLECTIVE_CASES: dict[str, Callable[[], Topology]] = {
@@ -446,8 +421,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--fabrics"]:  # issue 18's large fabrics: benchmarks/plan_fabrics.py, its own options
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from plan_fabrics import main as fabrics_main
+        from benchmarks.plan_fabrics import main as fabrics_main
 
         return fabrics_main(argv[1:])
     args = parse_args(argv)

@@ -4,9 +4,9 @@ The cases, the goal (~250k transfers with ~60k active flows in < 30 s on 2 cores
 (``sim_scaling.json`` and ``sim_scaling.png`` under ``--out``, default ``benchmarks/results``) are documented
 in :mod:`gradsync.sim.bench`. Run from the repository root::
 
-    .venv/bin/python benchmarks/sim_scaling.py            # default cases
-    .venv/bin/python benchmarks/sim_scaling.py --quick    # seconds
-    .venv/bin/python benchmarks/sim_scaling.py --large    # adds BML on BCube(32, 2), 4.2M transfers
+    .venv/bin/python -m benchmarks.sim_scaling            # default cases
+    .venv/bin/python -m benchmarks.sim_scaling --quick    # seconds
+    .venv/bin/python -m benchmarks.sim_scaling --large    # adds BML on BCube(32, 2), 4.2M transfers
 """
 
 from __future__ import annotations

@@ -240,13 +240,13 @@ def _run_job(shaping: str, plan_path: Path, out_dir: Path, workers: int, timeout
     import signal
     import subprocess
 
+    from benchmarks.common import ROOT
     from gradsync.launch import free_port, run_workers
     from gradsync.ps.env import CLIENTS_ENV, SERVERS_ENV
     from gradsync.ps.launch import PSJob, launch
 
-    root = Path(__file__).resolve().parent.parent
-    worker = [sys.executable, str(root / "benchmarks" / "tictac_ps_worker.py"), str(plan_path), str(out_dir)]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    worker = [sys.executable, str(ROOT / "benchmarks" / "tictac_ps_worker.py"), str(plan_path), str(out_dir)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if shaping == "none":
         return launch(worker, PSJob(workers=workers, servers=1, timeout_s=timeout_s), env=env)
     from gradsync.testbed import netns

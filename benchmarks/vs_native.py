@@ -46,8 +46,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import ROOT as _ROOT
+from benchmarks.common import pythonpath
+
 RESULT_TYPE = "gradsync.bench.vs_native"
-_ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
@@ -122,7 +124,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             cmd += ["--calibrate"] if args.calibrate else []
             cmd += [] if args.explore else ["--no-explore"]
             env = {"OMP_NUM_THREADS": "1", "GRADSYNC_COST_MODEL": str(model_file), "GRADSYNC_CACHE": tmp,
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))}
+                   "PYTHONPATH": pythonpath()}
             t0 = time.perf_counter()
             code = testbed.run(cmd, env=env, timeout=args.timeout)
             if code != 0 or not out.is_file():

@@ -6,20 +6,14 @@ method's replica, the timing, the evaluation, the JSON and the summary are exerc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+import benchmarks.compress_testbed as bench
 from gradsync.errors import GradsyncError
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compress_testbed.py"
-_spec = importlib.util.spec_from_file_location("bench_compress_testbed", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 STEPS, WARMUP = 4, 1
 

@@ -1,20 +1,17 @@
-"""The cost model's price of one seed-002 round (``benchmarks/mxnet_mpi.py``'s :func:`ps_round`) against closed forms."""
+"""The cost model's price of one seed-002 round (``benchmarks.mxnet_mpi``'s :func:`ps_round`) against closed forms."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+import benchmarks.mxnet_mpi as bench
+from gradsync.sim.bench import BENCHMARKS
 from gradsync.sim.cost import CostModel
 from gradsync.topology import get_topology
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "mxnet_mpi.py"
-_spec = importlib.util.spec_from_file_location("bench_mxnet_mpi", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+_ROOT = Path(bench.__file__).resolve().parents[1]
 
 M = 4e6
 TOPO = get_topology("switch:10")
@@ -49,9 +46,10 @@ def test_esgd_exchanges_every_interval_rounds():
 
 
 def test_testbed_run_finds_its_model_from_any_directory_before_the_testbed_comes_up(monkeypatch, tmp_path):
-    """``gradsync bench`` loads the file by path: with ``--testbed`` it imports seed 001's LeNet-5 from the
-    repository's ``benchmarks`` package wherever it runs, and only then brings the testbed up (a failure before
-    the run's ``try`` would leave the testbed up). ``up`` is stubbed to stop there: no root needed."""
+    """``gradsync bench`` loads the checkout's ``benchmarks`` package wherever it runs, the checkout not on
+    ``sys.path``: with ``--testbed`` the benchmark imports seed 001's LeNet-5 from it, and only then brings the
+    testbed up (a failure before the run's ``try`` would leave the testbed up). ``up`` is stubbed to stop there:
+    no root needed."""
     import sys
 
     import gradsync.testbed as testbed
@@ -64,9 +62,10 @@ def test_testbed_run_finds_its_model_from_any_directory_before_the_testbed_comes
         raise Reached(spec)
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != _PATH.parents[1]])
-    monkeypatch.delitem(sys.modules, "benchmarks.bml_testbed_worker", raising=False)
-    monkeypatch.delitem(sys.modules, "benchmarks", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != _ROOT])
+    for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(testbed, "up", fake_up)
+    main = BENCHMARKS.get("mxnet-mpi").load()
     with pytest.raises(Reached, match="switch:10"):
-        bench.main(["--testbed", "--out", str(tmp_path)])
+        main(["--testbed", "--out", str(tmp_path)])

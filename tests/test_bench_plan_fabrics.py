@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_small_cases_write_json_with_costs_bounds_and_goal_lines(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "benchmarks/plan_scaling.py", "--fabrics", "--cases",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.plan_scaling", "--fabrics", "--cases",
                           "fattree:4/lp,switch:4/ring,a100x2/lp", "--repeats", "1", "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -29,7 +29,7 @@ def test_small_cases_write_json_with_costs_bounds_and_goal_lines(tmp_path: Path)
 
 
 def test_bad_case_syntax_is_named() -> None:
-    out = subprocess.run([sys.executable, "benchmarks/plan_fabrics.py", "--cases", "fattree:4"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "benchmarks.plan_fabrics", "--cases", "fattree:4"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "must be SPEC/ALG, e.g. fattree:16/lp" in out.stderr
     assert "Traceback" not in out.stderr

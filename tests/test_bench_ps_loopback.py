@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ps_loopback.py"
-_spec = importlib.util.spec_from_file_location("bench_ps_loopback", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+import benchmarks.ps_loopback as bench
 
 
 def test_goals_take_the_worst_ratio_of_the_sizes_each_covers() -> None:

@@ -1,9 +1,15 @@
 """Named benchmarks for ``gradsync bench``, and the simulator's own: ``sim-scaling``.
 
-The registry maps a name to a ``target``, ``"package.module:function"`` or ``"path/to/file.py:function"``
-(relative to the source checkout), loaded only when run, so registering costs nothing and a benchmark's
-heavy imports stay out of the CLI. The function takes ``argv`` (the arguments after the name) and returns
-an exit code. Other issues add theirs with :func:`register_benchmark` (e.g. ``bml-fig5``).
+The registry maps a name to a ``target``, ``"package.module:function"``, imported only when run, so registering
+costs nothing and a benchmark's heavy imports stay out of the CLI. The function takes ``argv`` (the arguments
+after the name) and returns an exit code. Other issues add theirs with :func:`register_benchmark`.
+
+The rule for where a benchmark lives: ``sim-scaling`` ships with gradsync (this module); every other one is a
+module of the source checkout's ``benchmarks`` package (``benchmarks/``, which the installed package does not
+ship: the benchmarks read ``benchmarks/topologies``, write ``benchmarks/results`` and some plan against git
+revisions) and is registered with ``checkout=True``. Run from a checkout (an editable install, ``pip install
+-e .``), ``gradsync bench NAME`` imports ``benchmarks.NAME`` from that checkout, whatever the working directory;
+from an installed gradsync without one it stops with an error that says so and names the fix.
 
 ``sim-scaling`` measures :func:`gradsync.sim.simulate` on large step-synchronous schedules: BML on BCube
 (when the ``bml`` synthesizer is registered), the parameter server on ``switch:N`` and ring allreduce on
@@ -38,10 +44,13 @@ from typing import Any
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
-__all__ = ["Benchmark", "BENCHMARKS", "register_benchmark", "SimCase", "SIM_CASES", "sim_scaling_main",
-           "balanced_orders", "paired_ratios", "bootstrap_median_ci"]
+__all__ = ["Benchmark", "BENCHMARKS", "register_benchmark", "CHECKOUT_PACKAGE", "SimCase", "SIM_CASES",
+           "sim_scaling_main", "balanced_orders", "paired_ratios", "bootstrap_median_ci"]
 
+#: Where a source checkout would be, were gradsync imported from one (an editable install).
 _ROOT = Path(__file__).resolve().parents[2]
+#: The checkout's package of benchmarks (``benchmarks/__init__.py`` beside ``gradsync/``); not installed.
+CHECKOUT_PACKAGE = "benchmarks"
 
 
 # ---- side by side: the order methods run in, and what their paired samples say -------------------------------
@@ -93,31 +102,24 @@ def bootstrap_median_ci(values: Sequence[float], level: float = 0.95, resamples:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """A named benchmark: ``target`` is ``module:function`` or ``file.py:function`` (from the checkout root)."""
+    """A named benchmark: ``target`` is ``module:function``; ``checkout`` marks a module of the source checkout's
+    :data:`CHECKOUT_PACKAGE` (``benchmarks.plan_scaling``), which an installed gradsync does not have."""
 
     name: str
     target: str
     summary: str
+    checkout: bool = False
 
     def load(self) -> Callable[[Sequence[str] | None], int]:
         where, _, func = self.target.rpartition(":")
-        if not where or not func:
+        if not where or not func or where.endswith(".py") or "/" in where:
             raise GradsyncError(f"benchmark {self.name!r} has target {self.target!r}; write module:function")
-        if where.endswith(".py"):
-            path = _ROOT / where
-            if not path.is_file():
-                raise GradsyncError(
-                    f"benchmark {self.name!r} lives in {where}, which this installation does not have; "
-                    f"run it from a source checkout"
-                )
-            spec = importlib.util.spec_from_file_location(f"gradsync_bench_{path.stem}", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            # Registered before running, as a normal import is: dataclasses resolve annotations through it.
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
+        if self.checkout:
+            if where.split(".")[0] != CHECKOUT_PACKAGE:
+                raise GradsyncError(f"benchmark {self.name!r}: a checkout benchmark's module is in the "
+                                    f"{CHECKOUT_PACKAGE!r} package, not {where!r}")
+            _checkout_package(self.name, where)
+        module = importlib.import_module(where)
         fn = getattr(module, func, None)
         if not callable(fn):
             raise GradsyncError(f"benchmark {self.name!r}: {where} has no function {func!r}")
@@ -127,54 +129,89 @@ class Benchmark:
         return int(self.load()(list(argv)) or 0)
 
 
+def _checkout_package(name: str, module: str) -> None:
+    """Make ``import benchmarks.x`` find the checkout's ``benchmarks/``, from any working directory.
+
+    Already imported (``python -m benchmarks.x`` from the checkout root, pytest): it must be this checkout's.
+    Otherwise the package is imported from its directory by location, under its own name, so its modules
+    import each other as ``benchmarks.x``; ``sys.path`` is left as it is. No such directory: gradsync is
+    installed without its checkout, and the error says what to do."""
+    package_dir = _ROOT / CHECKOUT_PACKAGE
+    loaded = sys.modules.get(CHECKOUT_PACKAGE)
+    if loaded is not None:
+        paths = [Path(p).resolve() for p in getattr(loaded, "__path__", ())]
+        if package_dir.resolve() not in paths:
+            raise GradsyncError(
+                f"benchmark {name!r}: the imported {CHECKOUT_PACKAGE!r} package ({', '.join(map(str, paths)) or loaded!r}) "
+                f"is not the one of the gradsync checkout at {_ROOT}; run it from that checkout")
+        return
+    init = package_dir / "__init__.py"
+    if not init.is_file():
+        raise GradsyncError(
+            f"benchmark {name!r} needs a gradsync source checkout: it is {module}, a module of the checkout's "
+            f"{CHECKOUT_PACKAGE}/ package, which an installed gradsync ({_ROOT / 'gradsync'}) does not ship. "
+            f"Clone the gradsync repository (git clone), install that clone with 'pip install -e .' and run it "
+            f"from there: 'gradsync bench {name}', or 'python -m {module}' in the clone's root")
+    spec = importlib.util.spec_from_file_location(CHECKOUT_PACKAGE, init, submodule_search_locations=[str(package_dir)])
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[CHECKOUT_PACKAGE] = package
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        del sys.modules[CHECKOUT_PACKAGE]
+        raise
+
+
 BENCHMARKS: Registry[Benchmark] = Registry("benchmark", GradsyncError)
 
 
-def register_benchmark(name: str, target: str, summary: str) -> Benchmark:
-    """Add a benchmark to ``gradsync bench``; ``target`` is resolved only when it runs."""
-    return BENCHMARKS.add(name, Benchmark(name, target, summary))
+def register_benchmark(name: str, target: str, summary: str, *, checkout: bool = False) -> Benchmark:
+    """Add a benchmark to ``gradsync bench``; ``target`` (``module:function``) is imported only when it runs.
+    ``checkout=True``: the module is in the source checkout's ``benchmarks`` package (see the module's rule)."""
+    return BENCHMARKS.add(name, Benchmark(name, target, summary, checkout))
 
 
 register_benchmark("sim-scaling", "gradsync.sim.bench:sim_scaling_main",
                    "simulator time on large schedules (BML/BCube, ps, ring); writes sim_scaling.{json,png}")
-register_benchmark("plan-scaling", "benchmarks/plan_scaling.py:main",
-                   "lp planner time as topologies grow; writes plan_scaling.{json,png}")
-register_benchmark("plan-fabrics", "benchmarks/plan_fabrics.py:main",
+register_benchmark("plan-scaling", "benchmarks.plan_scaling:main",
+                   "lp planner time as topologies grow; writes plan_scaling.{json,png}", checkout=True)
+register_benchmark("plan-fabrics", "benchmarks.plan_fabrics:main",
                    "issue 18: lp (and ring) planning of Fat-Trees, BCubes, ForestColl's A100/MI250 fabrics and random "
                    "regular graphs to 4096 ranks in fresh processes: time, peak memory, cost, certified gap; "
-                   "--baseline REV side by side; writes plan_fabrics.{json,png}")
-register_benchmark("bml-fig5", "benchmarks/bml_fig5.py:main",
-                   "seed 001 Fig. 5: GST of BML/PS on BCube vs hierarchical/PS on Fat-Tree; writes bml_fig5.{json,png}")
-register_benchmark("allreduce-loopback", "benchmarks/allreduce_loopback.py:main",
+                   "--baseline REV side by side; writes plan_fabrics.{json,png}", checkout=True)
+register_benchmark("bml-fig5", "benchmarks.bml_fig5:main",
+                   "seed 001 Fig. 5: GST of BML/PS on BCube vs hierarchical/PS on Fat-Tree; writes bml_fig5.{json,png}", checkout=True)
+register_benchmark("allreduce-loopback", "benchmarks.allreduce_loopback:main",
                    "gradsync executor (ring/tree/lp/multiring) vs gloo and MPI allreduce, 2 and 4 processes on "
-                   "loopback; writes allreduce_loopback.{json,png}")
-register_benchmark("bml-testbed", "benchmarks/bml_testbed.py:main",
+                   "loopback; writes allreduce_loopback.{json,png}", checkout=True)
+register_benchmark("bml-testbed", "benchmarks.bml_testbed:main",
                    "seed 001 in miniature on the emulated cluster (root): GST and JCT of BML on BCube(3,2) vs PS on "
-                   "switch:9 over TCP, measured and simulated; writes bml_testbed.{json,png}")
-register_benchmark("vs-native", "benchmarks/vs_native.py:main",
+                   "switch:9 over TCP, measured and simulated; writes bml_testbed.{json,png}", checkout=True)
+register_benchmark("vs-native", "benchmarks.vs_native:main",
                    "gradsync auto vs gloo all_reduce and DDP on the emulated cluster (root): racks:2,3,4, bcube:3,2, "
                    "switch:8; allreduce 4/12.5/50 MiB and LeNet-5 steps, with the cost model's predictions; writes "
-                   "vs_native.{json,png}")
-register_benchmark("mergecomp", "benchmarks/mergecomp.py:main", "seed 004: codec time vs size, ResNet-50 step time layer-wise/y/Algorithm 2/exact on gloo, accuracy; writes mergecomp.{json,png}")
-register_benchmark("codecs", "benchmarks/codecs.py:main",
+                   "vs_native.{json,png}", checkout=True)
+register_benchmark("mergecomp", "benchmarks.mergecomp:main", "seed 004: codec time vs size, ResNet-50 step time layer-wise/y/Algorithm 2/exact on gloo, accuracy; writes mergecomp.{json,png}", checkout=True)
+register_benchmark("codecs", "benchmarks.codecs:main",
                    "every compressor vs GRACE's algorithm at 1e4/1e6/2.5e7 elements: compress+decompress time, "
-                   "error, bytes; writes codecs.{json,png}")
-register_benchmark("hooks", "benchmarks/hooks.py:main",
+                   "error, bytes; writes codecs.{json,png}", checkout=True)
+register_benchmark("hooks", "benchmarks.hooks:main",
                    "gradsync's fp16 DDP hook vs torch's fp16_compress_hook (and plain DDP), 2 processes on gloo "
-                   "loopback, steps alternating; writes hooks.json")
-register_benchmark("tictac", "benchmarks/tictac.py:main",
+                   "loopback, steps alternating; writes hooks.json", checkout=True)
+register_benchmark("tictac", "benchmarks.tictac:main",
                    "seed 003 TicTac: makespan, E and stragglers of random/TIC/TAC orders per model in the iteration "
-                   "simulator; writes tictac.{json,png}")
-register_benchmark("mxnet-mpi", "benchmarks/mxnet_mpi.py:main",
+                   "simulator; writes tictac.{json,png}", checkout=True)
+register_benchmark("mxnet-mpi", "benchmarks.mxnet_mpi:main",
                    "seed 002 in miniature: 8 workers, 2 servers, clients 8/4/2/1/collective; time per epoch and "
-                   "accuracy vs time of dist/mpi SGD, ASGD, ESGD; writes mxnet_mpi.{json,png}")
-register_benchmark("compress-testbed", "benchmarks/compress_testbed.py:main",
+                   "accuracy vs time of dist/mpi SGD, ASGD, ESGD; writes mxnet_mpi.{json,png}", checkout=True)
+register_benchmark("compress-testbed", "benchmarks.compress_testbed:main",
                    "issue 20: DDP, torch's fp16/PowerSGD hooks and gradsync's compressors with MergeComp on the "
                    "emulated racks:2,2,2 cluster (root; --loopback without): step time and accuracy; writes "
-                   "compress_testbed.{json,png}")
-register_benchmark("ps-loopback", "benchmarks/ps_loopback.py:main",
+                   "compress_testbed.{json,png}", checkout=True)
+register_benchmark("ps-loopback", "benchmarks.ps_loopback:main",
                    "PS pushpull round trip on loopback (authenticated, without a secret, and push + pull) vs a gloo send/recv round "
-                   "trip of the same size, in one run; writes ps_loopback.{json,png}")
+                   "trip of the same size, in one run; writes ps_loopback.{json,png}", checkout=True)
 
 
 # ---- sim-scaling -----------------------------------------------------------------------------------------

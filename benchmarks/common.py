@@ -1,0 +1,55 @@
+"""What several benchmarks share: where the checkout is, a worker process's ``PYTHONPATH``, and the seeded
+random regular graphs (``plan-scaling`` and ``plan-fabrics``). Light on purpose: ``--help`` stays fast."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gradsync.topology import Topology
+
+#: The source checkout: the directory that holds ``benchmarks/`` (and ``gradsync/``).
+ROOT = Path(__file__).resolve().parents[1]
+#: ForestColl's fabrics and other topology files (``a100x2.yaml``, ...).
+TOPOLOGIES = ROOT / "benchmarks" / "topologies"
+
+#: Link bandwidths of the random regular graphs (GB/s).
+BANDWIDTHS_GBPS: tuple[float, ...] = (10.0, 20.0, 25.0, 50.0)
+MAX_SEED_TRIES = 1000
+
+
+def pythonpath(*first: str | Path) -> str:
+    """``PYTHONPATH`` for a worker process: ``first``, then the checkout root (so ``benchmarks`` imports), then the
+    caller's own ``PYTHONPATH``; empty entries dropped."""
+    return os.pathsep.join(filter(None, [*map(str, first), str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def random_regular(n: int, degree: int, seed: int = 0) -> Topology:
+    """A connected random ``degree``-regular graph on ``n`` GPUs with seeded random bandwidths.
+
+    ``degree`` is clamped to ``n - 1`` and lowered by one when ``n * degree`` is odd.
+    """
+    import networkx as nx
+    import numpy as np
+
+    from gradsync.topology import Device, Link, Topology
+
+    d = min(degree, n - 1)
+    if (n * d) % 2:
+        d -= 1
+    if d < 1:
+        raise ValueError(f"cannot build a connected regular graph on {n} nodes")
+    for s in range(seed, seed + MAX_SEED_TRIES):
+        graph = nx.random_regular_graph(d, n, seed=s)
+        if nx.is_connected(graph):
+            break
+    else:
+        raise RuntimeError(f"no connected {d}-regular graph on {n} nodes in {MAX_SEED_TRIES} seeds")
+    rng = np.random.default_rng(s)
+    edges = sorted(tuple(sorted(e)) for e in graph.edges())
+    bws = rng.choice(BANDWIDTHS_GBPS, size=len(edges))
+    devices = tuple(Device(f"g{i}", "gpu") for i in range(n))
+    links = tuple(Link(f"g{a}", f"g{b}", float(bw)) for (a, b), bw in zip(edges, bws))
+    return Topology(f"regular{d}:{n}", devices, links)
