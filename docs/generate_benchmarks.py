@@ -69,8 +69,8 @@ def load(rel: str) -> Any:
     return json.loads((RESULTS / rel).read_text())
 
 
-def sources(*rels: str) -> list[str]:
-    """Links to the results files and any plot beside them (same stem, .png or .svg)."""
+def sources(*rels: str, plots: Sequence[str] = ()) -> list[str]:
+    """Links to the results files and any plot beside them (same stem, .png or .svg), then ``plots``."""
     parts = []
     for rel in rels:
         parts.append(f"[`{rel}`](../benchmarks/results/{rel})")
@@ -80,6 +80,7 @@ def sources(*rels: str) -> list[str]:
             if plot.is_file():
                 prel = plot.relative_to(RESULTS).as_posix()
                 parts.append(f"plot [`{prel}`](../benchmarks/results/{prel})")
+    parts += [f"plot [`{p}`](../benchmarks/results/{p})" for p in plots if (RESULTS / p).is_file()]
     return ["Source: " + ", ".join(parts) + ".", ""]
 
 
@@ -202,7 +203,7 @@ def vs_native() -> list[str]:
 def tictac() -> list[str]:
     j = load("tictac/tictac.json")
     sim = j["simulation"]
-    out = ["## TicTac (seed 003, `gradsync bench tictac`)", "", *sources("tictac/tictac.json"),
+    out = ["## TicTac (seed 003, `gradsync bench tictac`)", "", *sources("tictac/tictac.json", plots=["tictac/tictac_processes.png"]),
            *block([sim["summary"]])]
     out += table(["model", "parameters", "bytes", "random makespan s", "TIC s", "TAC s", "TAC / random", "E random",
                   "E TAC", "straggler % random (max)", "straggler % TAC"],
