@@ -1,4 +1,4 @@
-"""The runtime: run any planned schedule on real processes (seeds 000, 001, 002).
+"""The runtime: run any planned schedule on real processes (OMS, BML, MXNET-MPI).
 
 Follow a tensor from planner to wire: :func:`init` plans a :class:`~gradsync.plan.schedule.Schedule` for
 the job's topology; :class:`Executor` compiles this rank's phases of it; a :class:`Transport`

@@ -4,10 +4,10 @@ The schedule is the program. For its own rank the executor compiles, per chunk, 
 steps at which this rank sends or receives that chunk) and then runs them as a dataflow:
 
 * a phase starts as soon as the previous phase of the same chunk has finished, so chunks never wait for
-  each other and a tree or ring streams (seed 000 §2, seed 002 Fig. 9): while one chunk's reduction is
+  each other and a tree or ring streams (OMS §2, MXNET-MPI Fig. 9): while one chunk's reduction is
   being added, other chunks' messages are on the wire;
 * sends go straight from the caller's tensor (no copy) when the chunk is one contiguous piece; a chunk that
-  spans several tensors (a "tensor collective", seed 002 §6; per-layer pieces, seed 001 §4.1) is packed
+  spans several tensors (a "tensor collective", MXNET-MPI §6; per-layer pieces, BML §4.1) is packed
   into one message of the chunk's size;
 * a reducing receive lands in a chunk-sized scratch buffer and is added in place; a copying receive lands
   directly in the caller's tensor. No full-size copy of the buffer is ever made.

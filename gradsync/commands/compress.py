@@ -33,7 +33,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``compress`` to the main CLI's subparsers."""
-    cp = subparsers.add_parser("compress", help="list the gradient compressors (MergeComp, seed 004)")
+    cp = subparsers.add_parser("compress", help="list the gradient compressors (MergeComp)")
     cp.add_argument("action", choices=["list"])
     cp.add_argument("--json", action="store_true", help="print one JSON object")
     cp.set_defaults(func=cmd_compress)

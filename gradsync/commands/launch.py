@@ -24,7 +24,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``launch`` to the main CLI's subparsers."""
     p = subparsers.add_parser(
-        "launch", help="start PS servers and workers on this machine (KVStore jobs, seed 002)",
+        "launch", help="start PS servers and workers on this machine (KVStore jobs, MXNET-MPI)",
         description="Start S parameter servers (ZeroMQ; on loopback, or with --testbed inside the emulated cluster), "
                     "then W workers grouped into C clients, with the "
                     "environment gradsync.kvstore.create() reads. Every frame is authenticated with a random per-job "

@@ -2,7 +2,7 @@
 
 Captures the model's DAG (or loads a saved one), profiles its ops (minimum of 5 runs), orders the
 parameters with ``--method`` and reports the order, the bounds U and L, efficiency E and speedup S, and the
-simulated makespan against random orders (seed 003's baseline), on 1 worker and on ``--workers``.
+simulated makespan against random orders (TicTac's baseline), on 1 worker and on ``--workers``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def cmd_order(args: argparse.Namespace) -> int:
     if args.save_dag:
         dag.save(args.save_dag)
     bandwidth = args.bandwidth if args.bandwidth is not None else bandwidth_for_ratio(dag, args.ratio, alpha_s=args.latency)
-    # E is defined for one PS worker (seed §3.2); an allreduce among 1 worker would move nothing.
+    # E is defined for one PS worker (TicTac §3.2); an allreduce among 1 worker would move nothing.
     one = IterationConfig(1, "ps", bandwidth, None, args.latency, args.partition, args.credit)
     many = IterationConfig(args.workers, args.mode, bandwidth, args.server_bandwidth, args.latency, args.partition, args.credit)
     oracle = time_oracle(dag, one.link)
@@ -106,7 +106,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "order", help="TicTac: order parameter transfers (tic/tac), report U/L/E/S and the simulated makespan",
         description="Capture MODEL's DAG, profile its ops (min of --runs runs), order its parameters and simulate "
-                    "one iteration against random orders (seed 003).",
+                    "one iteration against random orders (TicTac).",
     )
     p.add_argument("model", help="registered model (gradsync models) or a saved DAG .json")
     p.add_argument("--method", "-m", default="tac", choices=ORDERINGS.names(), help="ordering (default tac)")

@@ -1,4 +1,4 @@
-"""Gradient compression with error feedback: the compressors MergeComp schedules (seed 004 §2.1, Table 1).
+"""Gradient compression with error feedback: the compressors MergeComp schedules (§2.1, Table 1).
 
 GRACE's split (STYLE.md): a :class:`Compressor` (``compress``/``decompress``/``aggregate`` and
 ``payload_bytes`` so a scheduler can price a merge without compressing) and a :class:`Memory` (error

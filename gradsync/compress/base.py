@@ -1,7 +1,7 @@
 """The compression contract: Compressor, Memory and the one fixed step that joins them.
 
 GRACE's split (STYLE.md): a :class:`Compressor` turns a tensor into a payload and back, a :class:`Memory`
-does error feedback around it, and a communicator moves payloads. MergeComp's Algorithm 1 (seed 004 §4.1)
+does error feedback around it, and a communicator moves payloads. MergeComp's Algorithm 1 (§4.1)
 is exactly that loop: compress, communicate (allreduce or allgather, Table 1), decompress, aggregate.
 Communicators need the runtime and live elsewhere; :func:`simulate_step` is the pure-function reference of
 the step they must reproduce, run for W simulated workers in one process.
@@ -55,7 +55,7 @@ __all__ = [
     "stable_seed",
 ]
 
-#: How a compressor's payloads travel (seed 004 Table 1): summed in place, or gathered then aggregated.
+#: How a compressor's payloads travel (MergeComp Table 1): summed in place, or gathered then aggregated.
 COMMUNICATORS = ("allreduce", "allgather")
 
 

@@ -1,6 +1,6 @@
 """Error feedback (GRACE's ``Memory``): ``none``, ``residual``, ``dgc``.
 
-Seed 004 §3.2 counts error feedback as a second decode per step; its Theorem 2 assumes it for quantizers.
+MergeComp §3.2 counts error feedback as a second decode per step; its Theorem 2 assumes it for quantizers.
 Each memory is one worker's state, keyed by ``info.name``, and uses only the local payload it is given
 (``decompress`` is pure), so it never re-compresses.
 """

@@ -1,7 +1,7 @@
 """Bit packing: the byte strings that 1-bit, ternary and QSGD payloads really are on the wire.
 
 A compressor that claims "1 bit per element" must send ``ceil(d / 8)`` bytes, not a ``bool`` tensor (one
-byte per element): MergeComp prices a merge by payload bytes (seed 004 §4.3), so the bytes must be real.
+byte per element): MergeComp prices a merge by payload bytes (§4.3), so the bytes must be real.
 Everything here is vectorised (Python loops run over the fields of a group or the bytes of one field,
 never over elements) and works on any device. Fields narrower than a byte are packed in groups that fill
 whole bytes (8/bits fields, or 8 fields = ``bits`` bytes), one whole-column operation per field of a

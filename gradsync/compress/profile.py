@@ -1,6 +1,6 @@
-"""Measure the costs MergeComp plans with: codec time ``h(x)`` and communication time ``g(x)`` (seed 004 §4.3).
+"""Measure the costs MergeComp plans with: codec time ``h(x)`` and communication time ``g(x)`` (§4.3).
 
-Assumption 5 of the seed says both are linear in the group size ``x``. On a CPU they are not quite: a group
+MergeComp's Assumption 5 says both are linear in the group size ``x``. On a CPU they are not quite: a group
 that fits in cache compresses faster per element than one that streams from DRAM, and fixed Python/launch
 overheads dominate small groups. So this module measures, fits and reports how far from a line the data is:
 
@@ -119,7 +119,7 @@ def measure_codec(
 ) -> Samples:
     """Seconds to compress and decompress one flat tensor of each size: the minimum of ``repeats`` runs.
 
-    ``part="both"`` is the seed's ``h`` (Figure 3 counts encoding and decoding); ``"encode"`` or ``"decode"``
+    ``part="both"`` is MergeComp's ``h`` (Figure 3 counts encoding and decoding); ``"encode"`` or ``"decode"``
     time one side (put a separately profiled decode into ``MergeCostModel.d``). One untimed warm-up run per size
     pays for allocations and lazy initialisation. A fresh copy of ``compressor`` is profiled, so stateful
     compressors (PowerSGD's warm start, SigNUM's momentum) keep their state; the thread count is left to

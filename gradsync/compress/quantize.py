@@ -1,6 +1,6 @@
-"""Limited-bit and codebook quantizers (seed 004 §2.1): ``none``, ``fp16``, ``qsgd``, ``terngrad``.
+"""Limited-bit and codebook quantizers (MergeComp §2.1): ``none``, ``fp16``, ``qsgd``, ``terngrad``.
 
-``none`` and ``fp16`` are dense and summable, so they go by allreduce (seed 004 Table 1); QSGD and TernGrad
+``none`` and ``fp16`` are dense and summable, so they go by allreduce (MergeComp Table 1); QSGD and TernGrad
 send packed codes plus a scale, which do not sum, so they go by allgather.
 """
 
@@ -32,7 +32,7 @@ _SCALE_DTYPE = torch.float32  # norms and scales travel as float32 whatever the 
 
 @register_compressor("none", aliases=("fp32", "identity"))
 class NoCompression(Compressor):
-    """Send the tensor as is: the FP32 baseline every scaling factor in seed 004 is measured against."""
+    """Send the tensor as is: the FP32 baseline every scaling factor in MergeComp is measured against."""
 
     communicator = "allreduce"
     payload_shapes_fixed = True
@@ -49,7 +49,7 @@ class NoCompression(Compressor):
 
 @register_compressor("fp16")
 class FP16(Compressor):
-    """Half precision on the wire, still summable by allreduce (seed 004 Table 1, Horovod's fp16 option)."""
+    """Half precision on the wire, still summable by allreduce (MergeComp Table 1, Horovod's fp16 option)."""
 
     communicator = "allreduce"
     payload_shapes_fixed = True
@@ -71,7 +71,7 @@ class QSGD(Compressor):
 
     Element ``i`` becomes ``||x|| * sign(x_i) * l_i / s`` with ``l_i = floor(s |x_i| / ||x|| + u)``, so
     ``E[l_i] = s |x_i| / ||x||``. Each element costs ``ceil(log2(s + 1)) + 1`` bits (level and sign, packed),
-    plus one float32 norm per bucket. The default ``levels=127`` is seed 004's "8 bits per element".
+    plus one float32 norm per bucket. The default ``levels=127`` is MergeComp's "8 bits per element".
     ``bucket_size`` (QSGD §3's buckets, default 128 as in QSGD's experiments and GRACE) bounds the variance:
     one norm over a whole tensor -- worse, over a MergeComp group of many tensors -- makes every element's
     level tiny (relative error 2.3 at 1e6 elements against 0.036 with buckets of 128) to save 3% of bytes.

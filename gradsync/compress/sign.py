@@ -1,7 +1,7 @@
-"""1-bit quantizers (seed 004 §2.1): ``signsgd``, ``signum``, ``efsignsgd``, ``onebit``.
+"""1-bit quantizers (MergeComp §2.1): ``signsgd``, ``signum``, ``efsignsgd``, ``onebit``.
 
 Each sends one packed bit per element (``ceil(d / 8)`` bytes) plus at most two float32 scalars, and goes by
-allgather (seed 004 Table 1). A bit says ``x_i >= 0``, so an exact zero travels as ``+``. SignSGD and
+allgather (MergeComp Table 1). A bit says ``x_i >= 0``, so an exact zero travels as ``+``. SignSGD and
 SigNUM aggregate by majority vote (the sign of the sum of signs) and are not averaged; EFSignSGD and
 OneBit carry magnitudes, are averaged, and are meant to run with ``residual`` memory.
 """

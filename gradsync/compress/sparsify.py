@@ -1,4 +1,4 @@
-"""Sparsifiers with a fixed ratio (seed 004 §2.1): ``topk``, ``randk``, ``dgc``.
+"""Sparsifiers with a fixed ratio (MergeComp §2.1): ``topk``, ``randk``, ``dgc``.
 
 All three send ``k = round(ratio * d)`` values (at least one). Top-k and DGC choose different indices on
 each worker, so they send the indices too and go by allgather; Rand-k draws its indices from a seed every
@@ -84,7 +84,7 @@ class _SparseValuesIndices(Compressor):
 
 @register_compressor("topk")
 class TopK(_SparseValuesIndices):
-    """Top-k (Aji & Heafield 2017): exactly the k largest magnitudes; seed 004 finds ``topk()`` its bottleneck."""
+    """Top-k (Aji & Heafield 2017): exactly the k largest magnitudes; MergeComp finds ``topk()`` its bottleneck."""
 
     #: Sampled magnitudes for the threshold: enough that the ``2 * ratio`` quantile rests on >= 64 of them.
     _SAMPLE = 4096

@@ -1,6 +1,6 @@
-"""TicTac (seed 003): order parameter transfers by the model's critical path, and measure how good an order is.
+"""TicTac: order parameter transfers by the model's critical path, and measure how good an order is.
 
-The flow is the seed's §5 pipeline, on PyTorch models::
+The flow is TicTac's §5 pipeline, on PyTorch models::
 
     dag = capture(model, example)                         # tracing: ops, parameter reads, backward order
     dag = dag.with_times(profile_ops(model, example, dag))  # time oracle: min of 5 runs per op

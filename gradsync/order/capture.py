@@ -1,6 +1,6 @@
 """DAG capture from a PyTorch model: which ops read which parameters, and the order gradients become ready.
 
-TicTac's tracing module (seed 003, §5) reads TensorFlow's graph; PyTorch has no static graph, so we get one
+TicTac's tracing module (§5) reads TensorFlow's graph; PyTorch has no static graph, so we get one
 two ways, both in :data:`CAPTURES`:
 
 * ``fx``: :func:`torch.fx.symbolic_trace`. Each ``call_module`` node reads its module's parameters, a

@@ -1,4 +1,4 @@
-"""The worker's computation graph as plain data: TicTac's partitioned graph (seed 003, §3.1).
+"""The worker's computation graph as plain data: TicTac's partitioned graph (§3.1).
 
 A :class:`Dag` holds the model's parameters (each one a *recv* op: the transfer that brings it to the
 worker, a root of the graph) and its ops in topological order. An op names the ops it waits for

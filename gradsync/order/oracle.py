@@ -1,6 +1,6 @@
-"""The time oracle (seed 003, §3.1 and §5): ``Time(op)`` for every op of a worker's DAG.
+"""The time oracle (TicTac §3.1 and §5): ``Time(op)`` for every op of a worker's DAG.
 
-Compute ops are profiled on this machine: each op runs ``runs`` times (5, as the seed) and the oracle keeps
+Compute ops are profiled on this machine: each op runs ``runs`` times (5, as TicTac) and the oracle keeps
 the **minimum**, the run least disturbed by everything else on the machine. Transfers come from a link
 model, ``Time(recv p) = α + bytes(p) / β`` with β in GB/s (gradsync's unit everywhere), or from measured
 times per parameter. TIC uses :meth:`TimeOracle.general` instead: 1 per recv, 0 per everything else (Eq. 5).
@@ -93,7 +93,7 @@ def time_oracle(dag: Dag, link: LinkModel | None = None, *, measured: Mapping[st
 def bandwidth_for_ratio(dag: Dag, ratio: float = 1.0, *, alpha_s: float = 0.0) -> float:
     """The link bandwidth (GB/s) at which pulling every parameter takes ``ratio`` x the DAG's compute time.
 
-    ``ratio`` is the communication/computation ratio of seed §6.1; near 1 is where ordering matters most.
+    ``ratio`` is the communication/computation ratio of TicTac §6.1; near 1 is where ordering matters most.
     """
     if not (math.isfinite(ratio) and ratio > 0):
         raise DagError(f"ratio={ratio!r} must be a positive communication/computation ratio")

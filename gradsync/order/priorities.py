@@ -1,8 +1,8 @@
-"""Priority lists: the ordering wizard's output (seed 003, §5), computed once before training.
+"""Priority lists: the ordering wizard's output (TicTac §5), computed once before training.
 
 A priority list maps every parameter name to an integer, 0 = send first; equal numbers may go in any
 order. It is what an enforcement point consumes: the parameter server sends a worker's pulls in
-increasing priority (the seed's per-worker counter: a transfer waits until that many have been handed to
+increasing priority (TicTac's per-worker counter: a transfer waits until that many have been handed to
 the transport), and the runtime issues gradient transfers the same way.
 
 Orderings are named in :data:`ORDERINGS` (``tac``, ``tic``, ``fifo``, ``random``), so the CLI lists them.
@@ -46,7 +46,7 @@ def _fifo(dag: Dag, oracle: TimeOracle, rng: random.Random) -> dict[str, int]:
 
 @ORDERINGS.register("random")
 def _random(dag: Dag, oracle: TimeOracle, rng: random.Random) -> dict[str, int]:
-    """A uniformly random order: the seed's baseline (TensorFlow's arrival order is effectively random)."""
+    """A uniformly random order: TicTac's baseline (TensorFlow's arrival order is effectively random)."""
     names = [p.name for p in dag.params]
     rng.shuffle(names)
     return {n: i for i, n in enumerate(names)}

@@ -1,6 +1,6 @@
-r"""TIC and TAC (seed 003, §4) and the scheduling metrics U, L, E, S (§3.2), as pure functions of a DAG.
+r"""TIC and TAC (TicTac §4) and the scheduling metrics U, L, E, S (§3.2), as pure functions of a DAG.
 
-Notation (seed §4.1). ``R`` is the set of outstanding recv ops (parameters not yet transferred),
+Notation (TicTac §4.1). ``R`` is the set of outstanding recv ops (parameters not yet transferred),
 ``op.dep`` the recv ops an op depends on directly or transitively, ``Time`` the time oracle:
 
 * ``op.M  = Σ_{r ∈ op.dep ∩ R} Time(r)`` -- the communication still blocking the op (a recv's own ``M`` is
@@ -55,7 +55,7 @@ class RecvProperties:
 def dependency_matrix(dag: Dag) -> np.ndarray:
     """``D[i, j]`` is True iff op ``i`` depends (directly or transitively) on recv ``j``: ``op.dep`` as bits.
 
-    One pass in topological order (``D[i] = OR of D[inputs] | reads``), the seed's post-fix traversal.
+    One pass in topological order (``D[i] = OR of D[inputs] | reads``), TicTac's post-fix traversal.
     """
     col = dag.param_index
     deps = np.zeros((len(dag.ops), len(dag.params)), dtype=bool)
@@ -205,7 +205,7 @@ def speedup(upper: float, lower: float) -> float:
 
 
 def straggler_percent(finish_s: Sequence[float]) -> float:
-    """Seed §6.3: the longest any worker waits for the slowest, in percent of the iteration:
+    """TicTac §6.3: the longest any worker waits for the slowest, in percent of the iteration:
     ``100 · max_w (T - f_w) / T`` with ``T = max_w f_w``."""
     if not finish_s:
         raise DagError("straggler_percent needs the finish time of at least one worker")

@@ -1,4 +1,4 @@
-"""Planning: the Schedule representation, synthesizers in a registry, and physical limits (seeds 000-002)."""
+"""Planning: the Schedule representation, synthesizers in a registry, and physical limits (OMS, BML, MXNET-MPI)."""
 
 from gradsync.plan import bml, hierarchical  # noqa: F401  (register the bml and hierarchical synthesizers)
 from gradsync.plan.cut_bound import CutBound, cut_bound

@@ -1,4 +1,4 @@
-"""BML, seed 001's gradient synchronisation on BCube(n, k) (§3.2, Algorithm 1, Fig. 4).
+"""BML's gradient synchronisation on BCube(n, k) (§3.2, Algorithm 1, Fig. 4).
 
 Every server runs ``k`` threads ``t``; the buffer is split into ``k N`` equal pieces ``g = <e, v_{k-1} .. v_0>``
 (``N = n**k``), and thread ``t`` handles the pieces with ``e = t``. Piece ``g``'s digits are written like a
@@ -24,7 +24,7 @@ in the broadcast stage, each ``1 / (k N)`` of the buffer:
 Schedule encoding: piece ``<e, q>`` (``q`` the rank whose base-``n`` digits are ``v``) is chunk ``e N + q``
 (times ``pipeline`` sub-chunks), rooted at rank ``q``; aggregation step ``w`` is schedule step ``w`` (reduce)
 and broadcast step ``w`` is schedule step ``k + w`` (copy). Steps order transfers per chunk, so pieces run
-independently, as the seed's per-thread queues do. Its per-layer split (§4.1: every layer cut into ``k N``
+independently, as the paper's per-thread queues do. Its per-layer split (§4.1: every layer cut into ``k N``
 pieces) is what the schedule's chunk fractions mean for a tensor list: each tensor is cut the same way.
 Every route is ``server -> level-l switch -> server``.
 """
@@ -165,14 +165,14 @@ def calc_gset(s: Sequence[int], w: int, t: int, n: int, k: int) -> list[int]:
 
 
 def bml_closed_form(n: int, k: int) -> float:
-    """The seed's GST of BML in T_F: ``2 (N - 1) / (k N)`` with ``N = n**k``."""
+    """The paper's GST of BML in T_F: ``2 (N - 1) / (k N)`` with ``N = n**k``."""
     big_n = n**k
     return 2 * (big_n - 1) / (k * big_n)
 
 
 @synthesizer("bml", applicable=unless_raises(bcube_shape), halves=True)
 def plan_bml(topology: Topology, options: PlanOptions) -> Schedule:
-    """BML on BCube(n,k) (seed 001 Algorithm 1): k threads, k*N pieces, k aggregation then k broadcast steps."""
+    """BML on BCube(n,k) (Algorithm 1): k threads, k*N pieces, k aggregation then k broadcast steps."""
     shape = bcube_shape(topology)
     n, k, big_n = shape.n, shape.k, shape.servers
     sub = options.pipeline

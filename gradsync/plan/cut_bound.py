@@ -76,7 +76,7 @@ _MAX_DENOMINATOR = 2**20
 class CutBound:
     """The bound, the rank partition attaining it and how it was found."""
 
-    #: Lower bound on the allreduce cost (seed 000 units); 0 for a single rank.
+    #: Lower bound on the allreduce cost (OMS units); 0 for a single rank.
     value: float
     #: Rank partition ``A_1..A_q`` attaining ``value`` (rank names).
     parts: tuple[tuple[str, ...], ...]

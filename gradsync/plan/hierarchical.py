@@ -1,4 +1,4 @@
-"""Hierarchical allreduce by switch groups: seed 001 §3.3's "BML-like" algorithm on Fat-Tree, and on BCube.
+"""Hierarchical allreduce by switch groups: BML §3.3's "BML-like" algorithm on Fat-Tree, and on BCube.
 
 Ranks get mixed-radix addresses, one digit per level; the ranks that differ only in digit ``l`` form a
 level-``l`` group (servers under one edge switch, ...). The buffer is cut into ``N`` pieces, piece ``q``
@@ -14,7 +14,7 @@ hence every NIC link direction carries ``2 (N - 1) / N``.
 
 * ``fattree:k``: level 0 = the ``k/2`` servers under an edge switch (digit: port), level 1 = the servers on
   the same port of the ``k/2`` edge switches of a pod, routed through aggregation switch ``port`` (the
-  seed's "grouped by aggregation switches"), level 2 = the servers at the same (edge, port) in the ``k``
+  BML paper's "grouped by aggregation switches"), level 2 = the servers at the same (edge, port) in the ``k``
   pods, routed through core switch ``core{port}.{edge}``. Every uplink then carries one server's traffic
   only, so the host links bound the cost: ``2 (N - 1) / N``, the same GST as the parameter server (§3.3:
   "the single NIC at each server in Fat-Tree cannot speedup the synchronization").
@@ -211,7 +211,7 @@ def hierarchy_of(topology: Topology) -> Hierarchy:
 
 @synthesizer("hierarchical", applicable=unless_raises(hierarchy_of), halves=True)
 def plan_hierarchical(topology: Topology, options: PlanOptions) -> Schedule:
-    """Reduce within switch groups, then between groups, then broadcast back (seed 001 §3.3; Fat-Tree, BCube, racks)."""
+    """Reduce within switch groups, then between groups, then broadcast back (BML §3.3; Fat-Tree, BCube, racks)."""
     hier = hierarchy_of(topology)
     n, sub = topology.world_size, options.pipeline
     chunks, _ = split_chunks([1.0 / n] * n, sub, range(n))

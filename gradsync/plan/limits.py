@@ -1,6 +1,6 @@
-"""Physical limits of allreduce on a topology (seed 000 Lemma 2.1 and the Nash-Williams-Tutte optimum).
+"""Physical limits of allreduce on a topology (OMS Lemma 2.1 and the Nash-Williams-Tutte optimum).
 
-All values are in the seed's cost units (``c_e = unit_bw / bw_e``; the allreduce of S bytes takes at least
+All values are in OMS's cost units (``c_e = unit_bw / bw_e``; the allreduce of S bytes takes at least
 ``value * S / unit_bw`` with reduce and broadcast overlapped on duplex links).
 
 * Lemma 2.1: ``max_e c_e >= C(T_MWST) >= C(G) >= (n - 1) / sum_e c_e^-1`` on switch-free graphs.

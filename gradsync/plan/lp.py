@@ -1,12 +1,12 @@
-"""The seed's optimal multi-tree schedule: an LP over the spanning-tree polytope, solved exactly.
+"""OMS's optimal multi-tree schedule: an LP over the spanning-tree polytope, solved exactly.
 
-Problem (seed 000 eq. 2, extended to switches as in its §3)::
+Problem (OMS eq. 2, extended to switches as in its §3)::
 
     C(G) = min_{alpha >= 0, sum_T alpha_T = 1}  max_e  c_e * P_e,      P_e = sum_T alpha_T * L_eT
 
 where ``T`` ranges over routed spanning trees of the ranks (see :mod:`gradsync.plan.trees`), ``L_eT`` is
 the number of tree edges routed across link ``e`` and ``c_e = unit_bw / bw_e``. On a switch-free graph
-``L_eT`` is the 0/1 incidence vector and this is exactly the seed's LP on the spanning-tree polytope.
+``L_eT`` is the 0/1 incidence vector and this is exactly OMS's LP on the spanning-tree polytope.
 
 Column generation. The restricted master over a few trees is the LP
 

@@ -138,7 +138,7 @@ def evaluate(
     latency_s: float | None = None,
     bounds: Limits | None = None,
 ) -> PlanReport:
-    """Cost in the seed's units, bounds, predicted time and utilisation per link and per link class."""
+    """Cost in OMS's units, bounds, predicted time and utilisation per link and per link class."""
     costs = topology.costs
     directed_costs = topology.directed_costs
     loads = schedule.link_loads(topology)

@@ -43,8 +43,8 @@ PLANNED_COLLECTIVES = ("allreduce", *SHARDED)
 class PlanOptions:
     """Options every synthesizer accepts.
 
-    ``pipeline``: sub-chunks per tree or ring chunk, so a tree streams (seed 000 §2) and the runtime can
-    overlap hops. ``rings``: how many rings ``multiring`` splits the buffer over (seed 002 Fig. 9).
+    ``pipeline``: sub-chunks per tree or ring chunk, so a tree streams (OMS §2) and the runtime can
+    overlap hops. ``rings``: how many rings ``multiring`` splits the buffer over (MXNET-MPI Fig. 9).
     ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time; ``auto`` chooses among
     the synthesizers in :mod:`gradsync.sim.choose`). ``collective``: what to plan, one of :data:`PLANNED_COLLECTIVES`.
     """
@@ -353,7 +353,7 @@ def plan_ring(topology: Topology, options: PlanOptions) -> Schedule:
 def plan_multiring(topology: Topology, options: PlanOptions) -> Schedule:
     """MXNET-MPI's multi-ring allreduce: the buffer split over ``rings`` rings whose reductions overlap.
 
-    Seed 002 §6.3.2, Fig. 9: within one ring the next send waits for the previous reduction, so the
+    MXNET-MPI §6.3.2, Fig. 9: within one ring the next send waits for the previous reduction, so the
     buffer is split equally over several rings on the best ring order and the rings take turns: while
     ring r's arrival is being added, ring r+1's transfer is on the wire. Here ring r owns chunks
     ``r*n .. r*n+n-1`` and is rotated by r positions (its reductions complete on different ranks); the
@@ -432,7 +432,7 @@ def _tree_reduce_scatter(topology: Topology, options: PlanOptions) -> Schedule:
 
 @synthesizer("tree", collectives={"allgather": _tree_allgather, "reduce_scatter": _tree_reduce_scatter})
 def plan_tree(topology: Topology, options: PlanOptions) -> Schedule:
-    """The best single spanning tree: the bottleneck (minimum-weight) spanning tree, C(T_MWST) of seed 000."""
+    """The best single spanning tree: the bottleneck (minimum-weight) spanning tree, C(T_MWST) of OMS."""
     tree = root_tree(_best_tree(topology), 1.0)
     return _tree_schedule("tree", topology, [tree], options.pipeline, {})
 
@@ -457,7 +457,7 @@ def _lp_reduce_scatter(topology: Topology, options: PlanOptions) -> Schedule:
 
 @synthesizer("lp", collectives={"allgather": _lp_allgather, "reduce_scatter": _lp_reduce_scatter})
 def plan_lp(topology: Topology, options: PlanOptions) -> Schedule:
-    """Seed 000's optimal multi-tree schedule: min max_e c_e P_e over (routed) spanning trees, exact."""
+    """OMS's optimal multi-tree schedule: min max_e c_e P_e over (routed) spanning trees, exact."""
     packing = optimal_packing(topology)
     trees = [root_tree(t, w) for w, t in packing.trees]
     meta = {"lp_cost": packing.cost, "lp_lower_bound": packing.lower_bound, "lp_iterations": packing.iterations}

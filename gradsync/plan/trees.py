@@ -1,6 +1,6 @@
 """Routed spanning trees over the ranks: the columns of the LP and the shape of tree schedules.
 
-On a switch-free graph a spanning tree is a set of links. With switches (seed 000 §3) data must cross
+On a switch-free graph a spanning tree is a set of links. With switches (OMS §3) data must cross
 devices that cannot aggregate, so a tree is a spanning tree over the *ranks* whose edges are routed along
 device paths; a link's load is the number of tree edges whose route crosses it (in each direction: the
 reduce goes up every route and the broadcast comes back down it).

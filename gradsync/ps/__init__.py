@@ -1,4 +1,4 @@
-"""Parameter server and KVStore (seed 002, MXNET-MPI): ZeroMQ servers, PS / collective clients, SGD variants.
+"""Parameter server and KVStore (MXNET-MPI): ZeroMQ servers, PS / collective clients, SGD variants.
 
 ``wire``: the frame format (header + raw tensor bytes, a MAC (AES-GMAC, or HMAC-SHA256) over a job id, session and sequence number;
 no pickle). ``server``: one server process. ``client``: placement of keys on servers and the request/retry

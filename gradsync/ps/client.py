@@ -2,7 +2,7 @@
 
 :func:`place` decides where a key lives: a small key goes whole to one server (by a stable hash of its
 name); a key of ``slice_bytes`` or more is cut into contiguous parts, as many on every server, so a large
-tensor loads every server equally (seed 001 §4.2: whole-tensor placement leaves servers unbalanced); and
+tensor loads every server equally (BML §4.2: whole-tensor placement leaves servers unbalanced); and
 no message carries more than ``part_bytes`` of it (:data:`PART_BYTES`).
 
 :class:`PSClient` holds one DEALER socket per server and sends a batch of requests before waiting for

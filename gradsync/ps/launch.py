@@ -1,6 +1,6 @@
 """``gradsync launch --workers W --servers S --clients C -- python train.py``: a PS job on this machine.
 
-As seed 002 §4.1.2's launcher: it starts the S servers first (loopback, free ports), tells every worker
+As MXNET-MPI §4.1.2's launcher: it starts the S servers first (loopback, free ports), tells every worker
 where they are through the environment the KVStore reads (``GRADSYNC_PS_SERVERS``, ``GRADSYNC_PS_CLIENTS``,
 plus torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*`` for the client groups), runs the W workers with
 :func:`gradsync.launch.run_workers`, and stops the servers (SIGTERM: they checkpoint, if asked to, and exit)
@@ -9,7 +9,7 @@ when the workers are done. ``--servers 0`` is the pure-collective end of the ran
 ``--testbed`` runs the same job on the emulated cluster that ``gradsync testbed up`` built: every server and
 worker inside a server namespace (:class:`Placement`), servers bound to their host's address, workers with
 the testbed runner's environment (:func:`gradsync.testbed.runner.worker_env`), so the PS traffic crosses the
-emulated links. Workers take hosts ``0..W-1``; servers take the next ``S`` hosts (on their own, as the seed's
+emulated links. Workers take hosts ``0..W-1``; servers take the next ``S`` hosts (on their own, as MXNET-MPI's
 dist-SGD servers) or, with ``--colocate``, server ``i`` shares worker ``i mod W``'s host.
 
 Secure by default: unless the user set ``GRADSYNC_PS_SECRET``, each job gets a random secret

@@ -132,7 +132,7 @@ class Adam:
 
 @dataclass(frozen=True)
 class Elastic:
-    """Elastic averaging, seed 002 eq. (2): workers push their weights ``w``; the center moves towards them.
+    """Elastic averaging, MXNET-MPI eq. (2): workers push their weights ``w``; the center moves towards them.
 
     ``w̃ ← w̃ + α·Σᵢ(wᵢ − w̃)`` over the ``count`` pushes applied together (one push in async mode, so
     exactly eq. (2); a sync round applies the synchronous EASGD form).

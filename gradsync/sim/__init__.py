@@ -8,7 +8,7 @@ links' α–β costs, and returns a :class:`SimResult` with the time, per-link b
 predicted time (:mod:`gradsync.sim.choose`).
 
 ``simulate_iteration(dag, order, IterationConfig(...))`` simulates one training/inference iteration of W
-workers (compute DAG + parameter transfers in a given order, PS or allreduce) for TicTac (seed 003).
+workers (compute DAG + parameter transfers in a given order, PS or allreduce) for TicTac.
 """
 
 from gradsync.sim.choose import Chooser, algorithm_names, plan_auto, synthesize

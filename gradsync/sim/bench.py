@@ -181,18 +181,18 @@ register_benchmark("plan-fabrics", "benchmarks.plan_fabrics:main",
                    "regular graphs to 4096 ranks in fresh processes: time, peak memory, cost, certified gap; "
                    "--baseline REV side by side; writes plan_fabrics.{json,png}", checkout=True)
 register_benchmark("bml-fig5", "benchmarks.bml_fig5:main",
-                   "seed 001 Fig. 5: GST of BML/PS on BCube vs hierarchical/PS on Fat-Tree; writes bml_fig5.{json,png}", checkout=True)
+                   "BML Fig. 5: GST of BML/PS on BCube vs hierarchical/PS on Fat-Tree; writes bml_fig5.{json,png}", checkout=True)
 register_benchmark("allreduce-loopback", "benchmarks.allreduce_loopback:main",
                    "gradsync executor (ring/tree/lp/multiring) vs gloo and MPI allreduce, 2 and 4 processes on "
                    "loopback; writes allreduce_loopback.{json,png}", checkout=True)
 register_benchmark("bml-testbed", "benchmarks.bml_testbed:main",
-                   "seed 001 in miniature on the emulated cluster (root): GST and JCT of BML on BCube(3,2) vs PS on "
+                   "BML in miniature on the emulated cluster (root): GST and JCT of BML on BCube(3,2) vs PS on "
                    "switch:9 over TCP, measured and simulated; writes bml_testbed.{json,png}", checkout=True)
 register_benchmark("vs-native", "benchmarks.vs_native:main",
                    "gradsync auto vs gloo all_reduce and DDP on the emulated cluster (root): racks:2,3,4, bcube:3,2, "
                    "switch:8; allreduce 4/12.5/50 MiB and LeNet-5 steps, with the cost model's predictions; writes "
                    "vs_native.{json,png}", checkout=True)
-register_benchmark("mergecomp", "benchmarks.mergecomp:main", "seed 004: codec time vs size, ResNet-50 step time layer-wise/y/Algorithm 2/exact on gloo, accuracy; writes mergecomp.{json,png}", checkout=True)
+register_benchmark("mergecomp", "benchmarks.mergecomp:main", "MergeComp: codec time vs size, ResNet-50 step time layer-wise/y/Algorithm 2/exact on gloo, accuracy; writes mergecomp.{json,png}", checkout=True)
 register_benchmark("codecs", "benchmarks.codecs:main",
                    "every compressor vs GRACE's algorithm at 1e4/1e6/2.5e7 elements: compress+decompress time, "
                    "error, bytes; writes codecs.{json,png}", checkout=True)
@@ -200,10 +200,10 @@ register_benchmark("hooks", "benchmarks.hooks:main",
                    "gradsync's fp16 DDP hook vs torch's fp16_compress_hook (and plain DDP), 2 processes on gloo "
                    "loopback, steps alternating; writes hooks.json", checkout=True)
 register_benchmark("tictac", "benchmarks.tictac:main",
-                   "seed 003 TicTac: makespan, E and stragglers of random/TIC/TAC orders per model in the iteration "
+                   "TicTac: makespan, E and stragglers of random/TIC/TAC orders per model in the iteration "
                    "simulator; writes tictac.{json,png}", checkout=True)
 register_benchmark("mxnet-mpi", "benchmarks.mxnet_mpi:main",
-                   "seed 002 in miniature: 8 workers, 2 servers, clients 8/4/2/1/collective; time per epoch and "
+                   "MXNET-MPI in miniature: 8 workers, 2 servers, clients 8/4/2/1/collective; time per epoch and "
                    "accuracy vs time of dist/mpi SGD, ASGD, ESGD; writes mxnet_mpi.{json,png}", checkout=True)
 register_benchmark("compress-testbed", "benchmarks.compress_testbed:main",
                    "issue 20: DDP, torch's fp16/PowerSGD hooks and gradsync's compressors with MergeComp on the "

@@ -16,7 +16,7 @@ second formula that could drift from it. Closed forms it reproduces (tested):
   against overlap, and the best P grows like ``sqrt(M (h-1) / (α β))``;
 * k ranks sending M to one rank of a switch:         ``k M / β + k α`` (the fan-in a PS owner pays).
 
-The planner's fluid cost ``max_e c_e load_e`` (seed 000) is the P → ∞, α → 0 limit of this model.
+The planner's fluid cost ``max_e c_e load_e`` (OMS) is the P → ∞, α → 0 limit of this model.
 
 ``native`` is the backend's own collective (``torch.distributed.all_reduce``: gloo's ring in rank order,
 run in C++), priced by the same simulation of a rank-order ring with the backend's own α. A runtime whose

@@ -17,7 +17,7 @@ Model (fluid, α–β):
 * Store-and-forward (``streaming=False``): a flow starts when all its dependencies have *finished*,
   ``start_t = max_d finish_d``; that is the per-step α–β model, so ring allreduce on N ranks takes
   ``2(N-1) (bytes/N / β + α_route)``.
-* Streaming (default; seed 000's aggregation streams through trees): a flow may start once every
+* Streaming (default; OMS's aggregation streams through trees): a flow may start once every
   dependency has *started*, ``start_t = max_d (start_d + α_d)`` (its first byte arrives α_d after it
   left), and it can never have sent more bytes than any unfinished dependency: ``x_t <= min_d x_d``
   (same chunk, so the same size). In progressive filling a flow that is *caught up* with a dependency

@@ -4,7 +4,7 @@ A *flow* is what the simulator moves: one transfer of the schedule, carrying ``c
 its route. Link directions are numbered ``2 * link + direction`` (direction 0 is ``a -> b``), so the
 flows x link-directions incidence is one sparse 0/1 matrix and every per-link quantity is a matvec.
 
-Tensor lists (seed 001 §4.1 per-layer pieces): the schedule's chunk fractions apply to every tensor, so
+Tensor lists (BML §4.1 per-layer pieces): the schedule's chunk fractions apply to every tensor, so
 transfer ``t`` moves ``chunk.size * S_k`` bytes of tensor ``k``. With ``merge=True`` (the default) the
 pieces of one transfer are sent back to back as one message: one flow of ``chunk.size * sum_k S_k`` bytes,
 which is exactly the concatenated buffer and makes ``[a, b]`` simulate like ``a + b``. With

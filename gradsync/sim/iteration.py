@@ -1,6 +1,6 @@
 """Iteration simulator: one training or inference iteration of W workers, compute DAG plus transfers.
 
-Each worker runs the same :class:`~gradsync.order.Dag` (seed 003's Model Replica) on one compute resource,
+Each worker runs the same :class:`~gradsync.order.Dag` (TicTac's Model Replica) on one compute resource,
 one op at a time, an op starting once its inputs are done and the parameters it reads have arrived. The
 network, in ``mode``:
 
@@ -8,7 +8,7 @@ network, in ``mode``:
   ``bandwidth_GBps``; all workers' channels share the server's NIC of ``server_bandwidth_GBps`` per
   direction (``None``: the server is never the bottleneck). Sharing is max-min fair (fluid): with ``k``
   workers sending, each gets ``min(B, S/k)``, split equally among its in-flight chunks. Every pull is
-  activated when the iteration starts (the PS activates all sends, seed §2.2); a training DAG's send ops
+  activated when the iteration starts (the PS activates all sends, TicTac §2.2); a training DAG's send ops
   push a gradient once its backward ops are done, first-come first-served on the uplink.
 * ``allreduce``: one collective channel for all workers (ring cost: a chunk of ``n`` bytes takes
   ``2(W-1)/W · n/B + 2(W-1)α``). The parameter transfers are the allreduces of the previous iteration's
@@ -113,7 +113,7 @@ class IterationResult:
 
     @property
     def straggler_percent(self) -> float:
-        """Seed §6.3: the longest wait of a worker for the slowest, in percent of the iteration."""
+        """TicTac §6.3: the longest wait of a worker for the slowest, in percent of the iteration."""
         return straggler_percent(self.finish_s)
 
     def to_dict(self, *, events: bool = False) -> dict[str, Any]:

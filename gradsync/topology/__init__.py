@@ -1,4 +1,4 @@
-"""Topologies: compute devices, switches and duplex links, from named builders or files (seeds 000, 001)."""
+"""Topologies: compute devices, switches and duplex links, from named builders or files (OMS, BML)."""
 
 from gradsync.topology import bcube, fattree  # noqa: F401  (register the bcube:n,k and fattree:k builders)
 from gradsync.topology.builders import BUILDERS, DGX1_NVLINKS, NVLINK_GBPS, PCIE3_X16_GBPS, builder

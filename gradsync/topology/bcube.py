@@ -1,9 +1,9 @@
-"""BCube(n, k): the server-centric network BML runs on (seed 001 §3.1, Fig. 3).
+"""BCube(n, k): the server-centric network BML runs on (§3.1, Fig. 3).
 
 BCube(n, k) has ``N = n**k`` servers and ``k`` levels of n-port switches, ``n**(k-1)`` switches per level.
 A server is named by its address ``[v_{k-1}, ..., v_1, v_0]`` (digits ``v_i`` in ``[0, n)``); at level ``l``
 it connects to the switch whose ID is its address with digit ``v_l`` removed, so the ``n`` servers under
-one level-``l`` switch differ only in digit ``l`` (the seed's 1-hop neighbours ``N_l(a)``). Switches are
+one level-``l`` switch differ only in digit ``l`` (BML's 1-hop neighbours ``N_l(a)``). Switches are
 never joined to each other: a path between servers that differ in ``q`` digits crosses ``q`` switches and
 ``q - 1`` relaying servers.
 

@@ -126,7 +126,7 @@ def p3_8xlarge() -> Topology:
     return _nvlink_box("p3.8xlarge", [0, 1, 2, 3])
 
 
-# ---- PCIe trees (seed 000 §3, Fig. 2) -----------------------------------------------------------------
+# ---- PCIe trees (OMS §3, Fig. 2) -----------------------------------------------------------------
 def _k80_box(name: str, boards_per_half: int, halves: int) -> Topology:
     """K80 boards (2 GPUs behind an on-board PLX) under central PLX switches joined by one link."""
     devs: list[Device] = []
@@ -198,7 +198,7 @@ def racks(r: int, s: int, o: int) -> Topology:
 def minsky(m: int) -> Topology:
     """m IBM Minsky nodes: per socket a CPU and 2 P100s in an NVLink 3-clique; X-bus between sockets; IB between nodes.
 
-    As in seed 002 §6.1/Fig. 10 the network reaches host memory, not the GPUs: each node's NIC hangs off
+    As in MXNET-MPI §6.1/Fig. 10 the network reaches host memory, not the GPUs: each node's NIC hangs off
     socket 0's CPU and all NICs share one InfiniBand switch. The GPUs are the ranks; CPUs relay.
     """
     _need("minsky", m, 1, "m (nodes)")

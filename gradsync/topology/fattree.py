@@ -1,10 +1,10 @@
-"""The classic 3-layer k-ary Fat-Tree (Al-Fares et al., SIGCOMM'08), seed 001's baseline network (§2, Fig. 2).
+"""The classic 3-layer k-ary Fat-Tree (Al-Fares et al., SIGCOMM'08), BML's baseline network (§2, Fig. 2).
 
 ``fattree:k`` (k even) is built from k-port switches: ``k`` pods, each with ``k/2`` edge and ``k/2``
 aggregation switches; every edge switch serves ``k/2`` servers and joins every aggregation switch of its
 pod; aggregation switch ``a`` of every pod joins the ``k/2`` core switches ``core{a}.{j}``. So there are
 ``k**3/4`` servers, ``(k/2)**2`` core switches and ``5 k**2 / 4`` switches in all, i.e. ``5 N / k``: the
-seed's "a Fat-Tree needs 5N/n switches" (§3.1), against BCube's ``k N / n``.
+BML's "a Fat-Tree needs 5N/n switches" (§3.1), against BCube's ``k N / n``.
 
 All links run at the same rate (10 Gbit/s, 1.25 GB/s per direction, also the cost unit), which with these
 counts makes the network non-blocking (full bisection). Each server has one NIC, modelled as its single

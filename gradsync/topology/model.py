@@ -1,6 +1,6 @@
 """The topology model: devices, duplex links, and the ranks that hold data.
 
-A topology is plain data (seed 000 §2-3, seed 001 §3): compute devices that can aggregate (GPUs, CPUs,
+A topology is plain data (OMS §2-3, BML §3): compute devices that can aggregate (GPUs, CPUs,
 hosts), forwarding devices that cannot (PCIe/PLX and network switches, NICs), and duplex links with a
 bandwidth per direction and a latency. Two parallel physical links (two NVLinks) are one link with the
 summed bandwidth, so a link is identified by its unordered pair of endpoints.
@@ -8,7 +8,7 @@ summed bandwidth, so a link is identified by its unordered pair of endpoints.
 The *ranks* are the devices that hold a buffer and take part in a collective, in rank order: rank ``i``
 runs on device ``ranks[i]``. Other compute devices (Minsky's CPUs) and all switches only forward.
 
-Costs use the seed's units: ``c_e = unit_bandwidth / bandwidth_e``, the time to push the whole buffer
+Costs use OMS's units: ``c_e = unit_bandwidth / bandwidth_e``, the time to push the whole buffer
 through link ``e`` once, measured in units of the time over one reference link.
 """
 
@@ -36,7 +36,7 @@ __all__ = [
 
 #: Devices that can hold a buffer and add into it.
 COMPUTE_KINDS = frozenset({"gpu", "cpu", "host"})
-#: Devices that only forward bytes: they neither aggregate nor replicate (seed 000 §3).
+#: Devices that only forward bytes: they neither aggregate nor replicate (OMS §3).
 FORWARD_KINDS = frozenset({"switch", "nic"})
 DEVICE_KINDS = COMPUTE_KINDS | FORWARD_KINDS
 
@@ -130,7 +130,7 @@ class Topology:
     """Devices, links and ranks; validated on construction.
 
     ``ranks`` defaults to every GPU, or every compute device when there is no GPU.
-    ``unit_bandwidth_GBps`` is the reference link of the seed's cost units; it defaults to the
+    ``unit_bandwidth_GBps`` is the reference link of OMS's cost units; it defaults to the
     smallest link bandwidth.
     """
 
@@ -231,7 +231,7 @@ class Topology:
 
     @cached_property
     def costs(self) -> np.ndarray:
-        """``c_e = unit_bandwidth / bandwidth_e`` for every link (seed 000 eq. 1 units).
+        """``c_e = unit_bandwidth / bandwidth_e`` for every link (OMS eq. 1 units).
 
         On an asymmetric link ``bandwidth_e`` is its slower direction: a tree edge reduces one way and
         broadcasts the other, so a tree schedule loads both directions alike and the slower one binds.

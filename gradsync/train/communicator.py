@@ -1,4 +1,4 @@
-"""Communicators and the one fixed step that joins Compressor, Memory and Communicator (GRACE, seed 004 §4.1).
+"""Communicators and the one fixed step that joins Compressor, Memory and Communicator (GRACE, MergeComp §4.1).
 
 A :class:`Communicator` moves payloads between workers and returns the aggregate every worker applies
 (GRACE's ``send_receive``). Three kinds, in the :data:`COMMUNICATOR_TYPES` registry:
@@ -194,7 +194,7 @@ class AllgatherCommunicator(Communicator):
 
 @register_communicator("ps")
 class PSCommunicator(AllreduceCommunicator):
-    """Through the parameter server (seed 002): push each payload tensor, the servers sum a synchronous round,
+    """Through the parameter server (MXNET-MPI): push each payload tensor, the servers sum a synchronous round,
     pull the sum, decompress it once. Payloads must sum (the server adds raw tensors, it never decompresses).
 
     ``kv``: a ``dist_sync`` KVStore (default: created from the environment ``gradsync launch`` sets, on the
@@ -239,7 +239,7 @@ class PSCommunicator(AllreduceCommunicator):
 # -- the step -----------------------------------------------------------------------------------------------
 
 class CompressionStep:
-    """Compressor + Memory + Communicator, joined by one fixed step (GRACE's ``step``, seed 004 Algorithm 1).
+    """Compressor + Memory + Communicator, joined by one fixed step (GRACE's ``step``, MergeComp Algorithm 1).
 
     ``compressor``: a :class:`Compressor` or a registry name; ``memory``: a :class:`Memory`, a name, or None
     for :func:`default_memory`; ``communicator``: a :class:`Communicator`, a name, or None for the

@@ -3,7 +3,7 @@
 Gradients are indexed in backward order (0 = first ready) and cut into contiguous groups by a
 :class:`~gradsync.compress.merge.Partition`. :class:`MergedGroups` collects gradients as backward produces
 them; the moment a group's last gradient arrives it is flattened into one buffer, compressed once (on the
-caller's thread, as the seed compresses on the compute stream) and queued for exchange on the runtime's
+caller's thread, as MergeComp compresses on the compute stream) and queued for exchange on the runtime's
 communication thread, so it travels while backward goes on. :meth:`MergedGroups.wait` then writes each
 group's aggregate back into every parameter's ``.grad``.
 
@@ -12,7 +12,7 @@ own shape -- PowerSGD needs the matrix), an int ``y`` (:func:`~gradsync.compress
 about equal element counts), a :class:`Partition`, or ``"auto"``: :func:`profile_cost_model` measures the
 codec (``h``, ``d``) and the exchange (``g``) on this machine for the model's actual sizes, averages the
 measurements over ranks (so every rank plans the same partition) and :func:`search_optimal` picks the
-exact optimum of the seed's objective (7). Naming and searching a partition is pure and lives in
+exact optimum of MergeComp's objective (7). Naming and searching a partition is pure and lives in
 :mod:`gradsync.compress.merge`; this module runs it on a live backward pass and a runtime.
 """
 

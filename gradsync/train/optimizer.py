@@ -3,7 +3,7 @@
 Each parameter gets a post-accumulate-grad hook. When its gradient is final, the hook adds it to the open
 group of its dtype; once the group holds ``bucket_bytes`` (0: every gradient alone) the group is queued
 as one tensor collective on the runtime's communication thread, and backward goes on (wait-free
-backprop, seed 001 §4.1). The first group of an iteration closes at ``first_bucket_bytes`` instead (1 MiB
+backprop, BML §4.1). The first group of an iteration closes at ``first_bucket_bytes`` instead (1 MiB
 by default, DDP's first bucket), so the last layers' gradients travel while backward computes the rest
 rather than waiting for a group that backward's remaining gradients will never fill. ``step()`` flushes
 the open groups, waits for all of them, then runs the wrapped optimizer. Ranks produce gradients in the

@@ -1,4 +1,4 @@
-"""Overlap the forward pass with the parameter pulls still in flight (TicTac, seed 003 §4).
+"""Overlap the forward pass with the parameter pulls still in flight (TicTac §4).
 
 A worker that starts an ordered :meth:`~gradsync.ps.kvstore.KVStore.pull_async` need not wait for every
 parameter before computing: module ``m`` can run as soon as *its* parameters have arrived. This module

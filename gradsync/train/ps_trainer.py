@@ -1,7 +1,7 @@
-"""Seed 002 §5's training algorithms on the KVStore, as optimizer wrappers: call ``step()`` after backward.
+"""MXNET-MPI §5's training algorithms on the KVStore, as optimizer wrappers: call ``step()`` after backward.
 
 ==============  ================  ==========================================================================
-name            KVStore kind      what one step does (seed 002 Figs. 6–8)
+name            KVStore kind      what one step does (MXNET-MPI Figs. 6–8)
 ==============  ================  ==========================================================================
 ``dist-sgd``    dist_sync         push gradients, pull their sum, update locally with ``lr/mini_batch``
 ``mpi-sgd``     hybrid_sync       the same, gradients first allreduced inside each client
@@ -17,7 +17,7 @@ name            KVStore kind      what one step does (seed 002 Figs. 6–8)
 Keys are the parameter names; every step moves all of them in one multi-key call, so the parts of every
 key travel to all servers at once. Rank 0's initial weights are everyone's (``init`` + ``pull``).
 
-TicTac (seed 003) is one argument: ``priorities=gradsync.order.priorities(model, example, method="tac")``
+TicTac is one argument: ``priorities=gradsync.order.priorities(model, example, method="tac")``
 (or ``create_trainer(..., priorities="tac", example=x)``, computed once here, before training) switches the
 store's ordered pulls on and gives every key its rank, so the server sends each worker's pulls in the
 model's critical-path order. ``overlap=True`` (dist-sgd and dist-asgd patterns) ends ``step()`` once the
@@ -67,7 +67,7 @@ for _name, _spec in {
 class PSTrainer:
     """Runs ``algorithm`` for ``model``'s parameters: ``zero_grad()``, backward, then ``step()``.
 
-    ``lr``: the SGD step. ``interval``/``alpha``: elastic averaging's exchange period and α (seed 002 uses
+    ``lr``: the SGD step. ``interval``/``alpha``: elastic averaging's exchange period and α (MXNET-MPI uses
     64 and an α the user tunes). ``kv``: an existing store (default: created from the environment).
     ``priorities``: ``{param name: int}`` (0 = first), e.g. ``gradsync.order.priorities(model, example)``;
     it turns on ordered pulls (also on a ``kv`` given) so the PS enforces that order. ``overlap``: return
