@@ -1,4 +1,4 @@
-"""Seed 001's Fig. 5: the GST of BML and the parameter server on BCube against hierarchical and PS on Fat-Tree.
+"""BML's Fig. 5: the GST of BML and the parameter server on BCube against hierarchical and PS on Fat-Tree.
 
 The seed (§3.3, Fig. 5) compares the gradient synchronisation time (GST, in units of ``T_F``, the time to
 send the whole model once over one link) of four combinations at two scales:
@@ -144,7 +144,7 @@ def _machine() -> dict[str, Any]:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="gradsync bench bml-fig5",
-        description="Seed 001 Fig. 5: GST (in T_F) of BML and PS on BCube vs hierarchical and PS on Fat-Tree, "
+        description="BML Fig. 5: GST (in T_F) of BML and PS on BCube vs hierarchical and PS on Fat-Tree, "
                     "planned, simulated and in closed form; writes bml_fig5.{json,png}.",
     )
     p.add_argument("--scales", default="16,1024",
@@ -261,7 +261,7 @@ def plot(path: Path, cases: Sequence[Fig5Case]) -> None:
     ax.set_ylim(0, max(top * 1.18, 0.1))
     ax.set_ylabel("GST (× $T_F$)")
     how = "simulated (streaming, no latency)" if simulated else "planned (link loads)"
-    ax.set_title("Seed 001 Fig. 5: gradient synchronisation time, BML / PS on BCube vs Fat-Tree\n"
+    ax.set_title("BML Fig. 5: gradient synchronisation time, BML / PS on BCube vs Fat-Tree\n"
                  f"{how}; BML = 2(N−1)/(kN), PS on BCube(n,2) = 2(n−1)/n, Fat-Tree = 2(N−1)/N", fontsize=10)
     handles, names = ax.get_legend_handles_labels()
     order = [i for i, n in enumerate(names) if n != "closed form"] + [i for i, n in enumerate(names) if n == "closed form"]

@@ -1,4 +1,4 @@
-"""Seed 001's BML experiment in miniature: BML on BCube(3,2) against the co-located PS on one switch, over real TCP.
+"""The BML paper's experiment in miniature: BML on BCube(3,2) against the co-located PS on one switch, over real TCP.
 
 The seed (§4.2) builds a BCube(3,2) testbed of 9 dual-NIC servers and, for comparison, the same 9 servers on
 one non-blocking switch with one NIC each, running the P2P parameter server (every server is a worker and
@@ -29,7 +29,7 @@ Simulator prediction. The schedule each case runs (``synthesize(alg, topology)``
 :func:`gradsync.sim.simulate` on the same topology spec with every unit link set to the testbed's rate
 (``bandwidth_GBps = rate / 8e3``, no per-hop latency), both streaming and store-and-forward (how the executor
 runs a chunk: a step starts when the chunk's previous step has arrived). With ``T_F = size / rate`` the
-closed forms (seed §2-3) are
+closed forms (BML §2-3) are
 
 * PS on ``switch:N``: ``2 (N - 1) / N T_F`` = 16/9 T_F for N = 9 (every NIC carries 8/9 of the buffer up
   to the owners and 8/9 back down);
@@ -162,7 +162,7 @@ class CaseResult:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="gradsync bench bml-testbed",
-        description="Seed 001 on the emulated cluster: GST and JCT of BML on BCube(3,2) vs PS on switch:9, "
+        description="BML on the emulated cluster: GST and JCT of BML on BCube(3,2) vs PS on switch:9, "
                     "measured over TCP and simulated; writes bml_testbed.{json,png}. Needs root.",
     )
     p.add_argument("--rate", default="200mbit", help="per-NIC rate in each direction, tc syntax (default 200mbit)")
@@ -428,7 +428,7 @@ def plot(path: Path, results: Sequence[CaseResult], args: argparse.Namespace) ->
         ax2.set_ylim(0, max(jct + est) * 1.3)
         ax2.grid(True, axis="y", alpha=0.3)
         ax2.set_axisbelow(True)
-    fig.suptitle(f"Seed 001 on the emulated cluster: BML on BCube(3,2) vs PS on one switch, 9 servers, "
+    fig.suptitle(f"BML on the emulated cluster: BML on BCube(3,2) vs PS on one switch, 9 servers, "
                  f"{args.rate_mbit:g} Mbit/s per NIC (tc), gloo over TCP", fontsize=10.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

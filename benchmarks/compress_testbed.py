@@ -1,7 +1,7 @@
 """Compression where compression matters: ``gradsync bench compress-testbed`` (issue 20 part 4).
 
 On the emulated two-tier cluster (``gradsync.testbed``: namespaces, veth NICs, bridges, ``tc tbf``), four
-servers train seed 001's LeNet-5 (3,274,634 float32 parameters: 13.1 MB of gradient per step) on the
+servers train BML's LeNet-5 (3,274,634 float32 parameters: 13.1 MB of gradient per step) on the
 digits, one replica per method in the same processes, from the same weights on the same batches, methods
 interleaved step by step (``benchmarks/compress_testbed_worker.py``):
 

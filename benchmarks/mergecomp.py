@@ -1,8 +1,8 @@
-"""MergeComp on this machine (seed 004): codec cost per tensor, step time of ResNet-50's 161 gradients, accuracy.
+"""MergeComp on this machine: codec cost per tensor, step time of ResNet-50's 161 gradients, accuracy.
 
 Three parts, written to ``--out`` as ``mergecomp.json`` and ``mergecomp.png``:
 
-1. **Codec** (seed Fig. 3): encode and decode time of one flat float32 tensor per size, every compressor
+1. **Codec** (MergeComp Fig. 3): encode and decode time of one flat float32 tensor per size, every compressor
    (:func:`gradsync.compress.measure_codec`, minimum of ``--reps`` runs, in this process).
 2. **Step time**: ``--worlds`` gloo processes on loopback hold ResNet-50's 161 gradient tensors (shapes from
    ``gradsync.models``; values synthetic, element counts divided by ``--scale``). Backward is emulated: the
@@ -17,7 +17,7 @@ Three parts, written to ``--out`` as ``mergecomp.json`` and ``mergecomp.png``:
    partitions are measured in rounds, alternating. Reported: the median of ``--reps``, the speedup over
    layer-wise, whether the exact choice is within 5% of the best measured configuration, and the model's
    mean error with and without the fit.
-3. **Accuracy** (seed Table 4 in miniature): LeNet-5 on digits, 2 workers, FP32 against DGC and EFSignSGD
+3. **Accuracy** (MergeComp Table 4 in miniature): LeNet-5 on digits, 2 workers, FP32 against DGC and EFSignSGD
    layer-wise and merged (``merge="auto"``), test accuracy every 20 steps.
 
 Run from the repository root::
@@ -313,7 +313,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 ax.loglog(codec["sizes"], [t * 1e3 for t in v[part]], marker="o", ms=3, label=name)
         ax.set_xlabel("elements (float32)")
         ax.set_ylabel("ms")
-        ax.set_title(f"{part[:-2]} time per tensor (seed Fig. 3)")
+        ax.set_title(f"{part[:-2]} time per tensor (MergeComp Fig. 3)")
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7)
     for ax, step in zip(axes[2:], report["step"]):
@@ -334,7 +334,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             ax.plot(s, a, marker="o", ms=3, label=label)
         ax.set_xlabel("step")
         ax.set_ylabel("test accuracy")
-        ax.set_title("LeNet-5 on digits, 2 workers (seed Table 4 in miniature)")
+        ax.set_title("LeNet-5 on digits, 2 workers (MergeComp Table 4 in miniature)")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,4 +1,4 @@
-"""``gradsync bench mxnet-mpi``: seed 002's Figs. 11–14 in miniature (time per epoch, accuracy vs time).
+"""``gradsync bench mxnet-mpi``: MXNET-MPI's Figs. 11–14 in miniature (time per epoch, accuracy vs time).
 
 8 workers and 2 servers on this machine (``gradsync launch``), LeNet-5 on scikit-learn's digits; the
 number of clients goes from pure PS (8) through collective clients (4, 2, 1) to no servers at all:
@@ -48,7 +48,7 @@ ESGD_INTERVAL = 4
 
 
 def ps_round(topology: Any, workers: int, servers: int, clients: int) -> list[Any]:
-    """One synchronous round of seed 002's hybrid parameter server as the schedules of its phases, on
+    """One synchronous round of MXNET-MPI's hybrid parameter server as the schedules of its phases, on
     ``workers + servers`` hosts (workers first), for pricing with the runtime's cost model.
 
     Clients are ``clients`` groups of consecutive workers (0: one group, no servers: pure allreduce). The
@@ -140,13 +140,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         a.legend(fontsize=7)
     a.invert_yaxis()
     a.set_xlabel("median time per epoch (s)")
-    a.set_title("time per epoch (seed 002 Fig. 12)")
+    a.set_title("time per epoch (MXNET-MPI Fig. 12)")
     for r in results:
         b.plot([0] + [e["elapsed"] for e in r["epochs"]], [0.1] + [e["accuracy"] for e in r["epochs"]], marker="o",
                label=r["label"])
     b.set_xlabel("wall time (s)")
     b.set_ylabel("test accuracy")
-    b.set_title("accuracy vs time (seed 002 Figs. 11, 13)")
+    b.set_title("accuracy vs time (MXNET-MPI Figs. 11, 13)")
     b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run on the emulated cluster (switch:W+S, servers' links the bottleneck); needs root")
     p.add_argument("--rate", default="400mbit", help="with --testbed: every NIC's rate (tc syntax)")
     p.add_argument("--model", choices=["lenet5", "paper-lenet5"], default=None,
-                   help="default: lenet5 (61,706 parameters) on loopback, paper-lenet5 (seed 001's 3,274,634, "
+                   help="default: lenet5 (61,706 parameters) on loopback, paper-lenet5 (BML's 3,274,634, "
                         "13 MB of gradients a round) on the testbed, so that communication dominates a step")
     a = p.parse_args(argv)
     configs = QUICK if a.quick else CONFIGS

@@ -1,4 +1,4 @@
-"""One worker of ``gradsync bench mxnet-mpi``: LeNet-5 on the digits with one PS algorithm (seed 002 §5).
+"""One worker of ``gradsync bench mxnet-mpi``: LeNet-5 on the digits with one PS algorithm (MXNET-MPI §5).
 
 Each worker trains on its shard of the training set for ``--epochs`` epochs; rank 0 measures every
 epoch's wall time and the test accuracy after it, and writes them as JSON to ``--out``.
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=4)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--model", choices=["lenet5", "paper-lenet5"], default="lenet5",
-                   help="lenet5: 61,706 parameters; paper-lenet5: seed 001's 3,274,634 (link-limited on the testbed)")
+                   help="lenet5: 61,706 parameters; paper-lenet5: BML's 3,274,634 (link-limited on the testbed)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)

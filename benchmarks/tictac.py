@@ -1,11 +1,11 @@
-"""``gradsync bench tictac``: seed 003's experiments on gradsync's models, in the iteration simulator.
+"""``gradsync bench tictac``: TicTac's experiments on gradsync's models, in the iteration simulator.
 
 Simulation section (this file): for every model in ``gradsync models`` the DAG is captured, each op profiled
 (minimum of 5 runs, the seed's time oracle) and the link set so that pulling all parameters takes as long as
 the iteration's compute (communication/computation ratio ``--ratio``, default 1). Then, on one worker, the
 makespan and scheduling efficiency E of random orders (mean over ``--random-runs``), TIC (ties broken at
 random, mean) and TAC; and on ``--workers`` workers (default 4) with a different random order each, the
-straggler percentage (seed §6.3), against every worker following TAC.
+straggler percentage (TicTac §6.3), against every worker following TAC.
 
 Writes ``tictac.json`` (type ``gradsync.bench.tictac``; one key per section, so the real-process section, a
 PS with priorities on and off, can be merged in by :func:`write_results`) and ``tictac.png`` to ``--out``::
@@ -18,7 +18,7 @@ moving VGG-16's 32 parameter tensors, each shrunk by ``--scale`` (default 64: 2.
 worker per iteration, with VGG-16's relative sizes: the first classifier layer holds 74 % of the bytes),
 50 iterations with TAC enforcement (``gradsync.order.priorities("vgg16", ..., method="tac")``, computed once,
 sent as ordered pulls) and 50 with a fresh random order per worker and iteration (seeded): mean, p95 and a
-CDF of the step time (seed 003 Fig. 12b) in ``tictac_processes.png``. See ``benchmarks/tictac_ps_worker.py``
+CDF of the step time (TicTac Fig. 12b) in ``tictac_processes.png``. See ``benchmarks/tictac_ps_worker.py``
 for one iteration. Shaping (``--shaping``):
 
 * ``testbed`` (default; root): ``gradsync.testbed`` builds ``switch:5`` (network namespaces, veth pairs, a
@@ -351,7 +351,7 @@ def _rate_bits(text: str) -> float:
 
 
 def plot_processes(section: dict[str, Any], path: Path) -> Path:
-    """CDF of the step time, TAC vs random order (seed 003 Fig. 12b)."""
+    """CDF of the step time, TAC vs random order (TicTac Fig. 12b)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -6,7 +6,7 @@ mode (``tac`` or ``random``), the iteration count and the seed. Per iteration:
 
 1. start an ordered multi-key pull of every parameter (``KVStore.pull_async``): with ``tac`` the priority
    list computed once by ``gradsync.order.priorities``; with ``random`` a fresh random permutation drawn from
-   ``random.Random(seed, rank, iteration)`` (TensorFlow's arrival order is effectively random, seed 003 §6);
+   ``random.Random(seed, rank, iteration)`` (TensorFlow's arrival order is effectively random, TicTac §6);
 2. run the forward pass layer by layer: wait for that layer's weight and bias (``handle.wait(key)``), then
    compute for the layer's time (``time.sleep``: a synthetic compute that leaves the 2 shared CPU cores to
    the network stack; real VGG-16 convolutions at 224x224 would take seconds per image here);

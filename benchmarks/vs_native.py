@@ -10,7 +10,7 @@ alternating in the same processes (slowest rank per sample, medians):
 
 * allreduce of each ``--sizes``: ``torch.distributed.all_reduce`` (gloo) against ``gradsync.allreduce``
   with ``auto`` (algorithm and pipeline depth chosen per size class; the native collective is a candidate);
-* ``--steps`` training steps of seed 001's LeNet-5 (3,274,634 parameters): ``DistributedDataParallel``,
+* ``--steps`` training steps of BML's LeNet-5 (3,274,634 parameters): ``DistributedDataParallel``,
   DDP with gradsync's hook, and ``gradsync.DistributedOptimizer``, from the same weights on the same data;
   replicas are compared bit for bit across ranks and losses across methods.
 

@@ -8,7 +8,7 @@ methods alternating repetition by repetition so that drift hits both alike:
    today) against ``gradsync.allreduce`` (``auto``: the cost model's choice of algorithm and pipeline depth
    for that size, the native collective included). Each sample: refill, barrier, time on every rank, keep
    the slowest rank. The first result of each method is checked exactly (rank ``r`` fills ``r + 1``).
-2. **train** (``--steps`` > 0): data-parallel SGD of seed 001's LeNet-5 (3,274,634 parameters) from the same
+2. **train** (``--steps`` > 0): data-parallel SGD of BML's LeNet-5 (3,274,634 parameters) from the same
    weights on the same data, three replicas in the same processes: ``DistributedDataParallel`` (gloo),
    DDP with gradsync's allreduce hook, and :class:`gradsync.DistributedOptimizer`. Steps alternate
    between the three; a sample is the slowest rank's step time. At the end every replica's parameters are
