@@ -47,9 +47,8 @@ __all__ = ["Action", "Phase", "RankProgram", "ExecStats", "Executor", "compile_p
 PROGRESS = ("auto", "lanes", "ordered")
 #: Runs of at most this many bytes (the whole buffer) wait in key order even with ``progress="auto"``: a
 #: small run has no large message for another to wait behind, and each lane's hand-off costs a thread
-#: wake-up (4 ranks on the racks:2,2,2 testbed, tree, 4-64 KB: ordered 2.6-3.4 ms and 1.8-2.0 ms of CPU per
-#: call, lanes 3.3-3.8 ms and 2.1-2.9 ms; at 256 KB ordered 10.5 ms, lanes 11.2). Lanes win where large
-#: messages from several peers overlap (BML at 4 MiB on bcube:3,2: 174 ms against 246 ordered).
+#: wake-up (on the racks testbed, up to this size, key order took less time and less CPU per call). Lanes
+#: win where large messages from several peers overlap (BML at MiB sizes on bcube:3,2).
 SMALL_RUN_BYTES = 256 << 10
 #: Reduction ops the executor applies after the sum: ``avg`` divides by the world size in place.
 OPS = ("sum", "avg")
@@ -210,8 +209,8 @@ class Executor:
     ``recv_window_bytes``: receives are posted ahead of their phase, in key order, into scratch buffers, up to
     this many bytes in flight (scratch is kept for the next run: the memory is up to this much). gloo (and
     MPI's rendezvous protocol) send a large message only after the receiver posted it, and that "ready"
-    notice queues behind data on the same connection; posting early removes the round trip from every step
-    (BML on the testbed: 0.84 s -> 0.64 s). 0 disables it.
+    notice queues behind data on the same connection; posting early removes the round trip from every step.
+    0 disables it.
     ``order``: per transfer, when it is expected to finish (:meth:`gradsync.sim.cost.CostModel.wait_order`;
     every rank must pass the same); messages are waited for in that order instead of step order, so a
     relay handles each sub-chunk as it arrives. It must not decrease along a chunk's phases at either end.
@@ -260,7 +259,7 @@ class Executor:
         #: prediction (``perf_counter`` is one clock for every process of a host, testbed included).
         self.trace: list[tuple[int, bool, int, float]] | None = None
         self._pieces: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
-        # Reused receive buffers: a fresh large torch.empty page-faults on every run (~0.5 ms per 8 MB).
+        # Reused receive buffers: a fresh large torch.empty page-faults on every run.
         self._scratch: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     # ---- public -------------------------------------------------------------------------------------

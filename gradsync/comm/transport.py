@@ -196,7 +196,7 @@ class TorchTransport:
         #: The group the transport was built over (the user's; WORLD by default). Collectives gradsync issues on
         #: the caller's thread in program order, as ``torch``'s DDP hooks do, go here: a job that also runs
         #: its own collectives on this group (DDP, a logged loss) then never switches gloo contexts between
-        #: them, which cost about 1 ms per step on loopback (``gradsync bench hooks``).
+        #: them, which costs time on every step (measured: ``gradsync bench hooks``).
         self.user_group = base
         self.backend = str(dist.get_backend(group))
         self.name = f"torch-{self.backend}"
