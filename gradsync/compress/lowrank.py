@@ -43,11 +43,10 @@ def orthonormalize(p: Tensor) -> Tensor:
 def times(m: Tensor, q: Tensor) -> Tensor:
     """``m @ q`` for a thin ``q`` (PowerSGD's r columns), contiguous.
 
-    With 2-8 columns a single-core BLAS runs ``m @ q`` well below memory speed (1024x3136 float32, rank 2:
-    4.3 ms). The same product with ``q``'s columns laid out as contiguous rows was the fastest layout measured
-    at ranks 2-8 on 256x4096 and 1024x3136 (rank 2: 1.3 ms with ``m`` out of cache, 0.8 in cache, against 2.5
-    and 1.75 for ``(q^T m^T)^T``); at 16 columns plain ``m @ q`` was 4-12 % faster. One column is a
-    matrix-vector product either way.
+    With 2-8 columns a single-core BLAS runs ``m @ q`` well below memory speed. The same product with ``q``'s
+    columns laid out as contiguous rows was the fastest layout measured at ranks 2-8 on 256x4096 and 1024x3136
+    (with ``m`` in and out of cache, also against ``(q^T m^T)^T``); at 16 columns plain ``m @ q`` was
+    somewhat faster. One column is a matrix-vector product either way.
     """
     if q.shape[1] == 1:
         return m @ q
@@ -62,10 +61,9 @@ BROADCAST_MIN_ELEMENTS = 1 << 18
 def outer_into(p: Tensor, qt: Tensor, out: Tensor, *, subtract: bool = False) -> Tensor:
     """``out = p @ qt`` (or ``out -= p @ qt`` with ``subtract``) for a thin ``p`` (rows x r) and ``qt`` (r x cols).
 
-    At rank 2 a single-core BLAS writes a large ``p @ qt`` well below memory speed (1024x3136 float32, out
-    of cache: 2.25 ms, and 1.95 ms for ``addmm_``), while two broadcast passes (``p[:, 0] qt[0]``, then
-    ``addcmul_`` of the second column) take 1.22 ms either way; at ranks 1, 4 and 8, and on small matrices
-    (64x800), the gemm was as fast or faster (measured here), so it stays there. The passes round after
+    At rank 2 a single-core BLAS writes a large ``p @ qt`` well below memory speed (``addmm_`` too), while
+    two broadcast passes (``p[:, 0] qt[0]``, then ``addcmul_`` of the second column) are faster either way;
+    at ranks 1, 4 and 8, and on small matrices, the gemm was as fast or faster, so it stays there. The passes round after
     each column, the gemm once per element: they differ by one rounding of the first column's term.
     """
     r = p.shape[1]
@@ -80,8 +78,8 @@ def outer_into(p: Tensor, qt: Tensor, out: Tensor, *, subtract: bool = False) ->
 
 
 def transposed_times(m: Tensor, p: Tensor) -> Tensor:
-    """``m^T @ p`` as ``(p^T m)^T``, contiguous: the transposed gemm is 5-30x slower with 2-8 columns on one
-    core (1024x3136, rank 2: 7.8 ms against 0.6 ms)."""
+    """``m^T @ p`` as ``(p^T m)^T``, contiguous: the transposed gemm is several times slower with 2-8 columns
+    on one core."""
     return (p.T @ m).T.contiguous()
 
 
@@ -185,7 +183,7 @@ class PowerSGD(TwoRoundCompressor):
         """``P (sum_w Q_w)^T / divide_by`` (into ``out`` when it fits: the same product, no new tensor); the
         summed Q warm-starts the next step (its scale is irrelevant: P is orthonormalised). The division is
         applied to the thin ``Q`` (``cols x r``), not to the ``rows x cols`` product: one pass over the matrix
-        saved (a 3.2 M-element ``div_``: 0.5-0.7 ms on one core here)."""
+        saved."""
         plan = self.matrix_plan(ctx.info.shape)
         if plan is None or not ctx.extra:  # sent dense (or a one-round [P, Q] payload)
             result = self.decompress(payload_sum, ctx)

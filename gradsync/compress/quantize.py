@@ -118,7 +118,7 @@ class QSGD(Compressor):
         # floor(min(v, s)) = min(floor(v), s), and v >= 0 truncates to its floor: the integer conversion floors
         level.clamp_(max=self.levels)
         negative = less(rows, 0)  # 0/1 bytes
-        if self.bits <= 8:  # level <= 127 fits int8; float -> int8 is ~6x faster than float -> uint8
+        if self.bits <= 8:  # level <= 127 fits int8; float -> int8 is faster than float -> uint8
             code = level.to(torch.int8).view(torch.uint8).bitwise_left_shift_(1).bitwise_or_(negative)
         else:
             code = level.to(torch.int64).bitwise_left_shift_(1).bitwise_or_(negative)
@@ -175,7 +175,7 @@ class TernGrad(Compressor):
     The three values {-1, 0, +1} take 2 bits per element, packed, plus one float32 scale. ``clip`` (default
     2.5, TernGrad §3.3 and GRACE) first clamps ``x`` to ``±clip·σ`` (σ: the standard deviation of the tensor's
     elements): a few outliers set ``max|x|``, and without clipping every other element is sent as 0 or ±that
-    outlier (1.8-6x the error). Clipping biases the outliers (it is the paper's trade); the estimate is unbiased
+    outlier (a larger error). Clipping biases the outliers (it is the paper's trade); the estimate is unbiased
     for the clipped tensor. ``clip=None`` turns it off (an unbiased estimate of ``x`` itself).
     """
 

@@ -128,7 +128,7 @@ class EFSignSGD(Compressor):
         """``±scale`` by the sign bits, in the work dtype, into ``out`` when given.
 
         As ``b * 2s - s`` for ``b`` in {0, 1}: ``2s`` is exact and so is ``2s - s = s`` (Sterbenz), so these
-        are the same bits as ``(2b - 1) * s`` in three cheap passes (a ``where`` on bool is ~10x slower).
+        are the same bits as ``(2b - 1) * s`` in three cheap passes (a ``where`` on bool is slower).
         """
         scale, packed = payload
         dtype, numel = work_dtype(ctx.info.dtype), ctx.info.numel

@@ -98,7 +98,8 @@ class TopK(_SparseValuesIndices):
     def _select(self, magnitude: Tensor, k: int) -> Tensor:
         """The exact top-k, found among the candidates above a sampled threshold (as DGC does).
 
-        ``torch.topk`` over all of ``d`` costs ~10x the rest of the codec; the candidates (~``2k``) are few.
+        ``torch.topk`` over all of ``d`` costs many times the rest of the codec (measured against GRACE's
+        top-k: docs/benchmarks.md, ``gradsync bench codecs``); the candidates (~``2k``) are few.
         The sample only decides how many candidates there are, never which k win, so it comes from a
         fixed-seed generator; a threshold that lets fewer than k through falls back to the full top-k.
         """
@@ -154,7 +155,7 @@ def sampled_topk(magnitude: Tensor, k: int, samples: int, share: float, gen: tor
 
 
 def _at_least(values: Tensor, threshold: Tensor, flags: Tensor | None = None) -> Tensor:
-    """Ascending int64 indices where ``values >= threshold``; numpy on CPU (~3x ``torch.nonzero`` of a mask),
+    """Ascending int64 indices where ``values >= threshold``; numpy on CPU (faster than ``torch.nonzero`` of a mask),
     comparing into ``flags`` (a bool scratch) when given."""
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
         out = flags.numpy() if flags is not None and flags.shape == values.shape else None
@@ -165,7 +166,7 @@ def _at_least(values: Tensor, threshold: Tensor, flags: Tensor | None = None) ->
 def sample_without_replacement(n: int, k: int, gen: torch.Generator) -> Tensor:
     """``k`` distinct indices of ``range(n)``, a uniformly random ``k``-subset in random order, in O(k log k).
 
-    ``randperm(n)[:k]`` costs O(n) time and memory per call (11-18x GRACE's rand-k at 1 % of 2.5e7). For
+    ``randperm(n)[:k]`` costs O(n) time and memory per call (against GRACE's rand-k: ``gradsync bench codecs``). For
     ``k <= n / 4``: draw with replacement, keep the distinct values, draw again for the shortfall (expected
     draws < 1.2 k), then a random order of a random ``k`` of them. The result is symmetric under any
     permutation of ``range(n)``, hence uniform over ``k``-subsets; deterministic for a seeded ``gen``.
