@@ -87,7 +87,7 @@ def limits(topology: Topology, max_lp_ranks: int = MAX_LP_RANKS, *, achieved: fl
     """Compute every bound of the module docstring for ``topology``.
 
     ``achieved`` is the cost of a schedule in hand: on a fabric with switches, when the cut bound already
-    meets it the schedule is certified optimal and the LP (85 s on ``bcube:16,2``) is skipped.
+    meets it the schedule is certified optimal and the LP (slow on large fabrics: ``gradsync bench plan-fabrics``) is skipped.
     """
     aggregation = _singleton_cut(topology)
     cut = cut_bound(topology).value

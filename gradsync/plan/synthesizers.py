@@ -28,8 +28,8 @@ from gradsync.topology.model import Topology
 __all__ = ["MAX_PLAN_BYTES", "PLANNED_COLLECTIVES", "PlanOptions", "Synthesizer", "SYNTHESIZERS", "plan_bytes", "ring_blocks", "ring_transfers", "split_chunks",
            "synthesize", "unless_raises"]
 
-#: Memory one planned transfer holds (the Transfer, its route tuple, its list slots). About 750 B were
-#: measured for ring on switch:1000 (4 M transfers, 3 GB peak); rounded down so estimates are floors.
+#: Memory one planned transfer holds (the Transfer, its route tuple, its list slots): measured for ring on
+#: switch:1000 (peak memory over its transfers) and rounded down, so estimates are floors.
 TRANSFER_BYTES = 500
 #: Memory one route of a compact block holds (a tuple of a few device names), a floor as above.
 ROUTE_BYTES = 100
