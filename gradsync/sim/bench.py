@@ -58,9 +58,9 @@ def balanced_orders(methods: Sequence[str]) -> list[tuple[str, ...]]:
     """Orders to run two or three ``methods`` in, one per round, cycling: each method takes each position equally
     often and follows each other method equally often (three: never itself; two: ABBA).
 
-    Why: on a 2-core machine the round before shapes the next (gloo's threads, caches, the allocator). In ``bench
-    hooks`` a plain rotation (d t g, t g d, g d t) had ``torch_fp16`` follow ``ddp`` twice as often as
-    ``gradsync_fp16``, and that alone moved their ratio by 4-8 %. A carry-over-balanced (Williams-type) sequence
+    Why: on a machine with few cores the round before shapes the next (gloo's threads, caches, the allocator). In
+    ``bench hooks`` a plain rotation (d t g, t g d, g d t) had ``torch_fp16`` follow ``ddp`` twice as often as
+    ``gradsync_fp16``, and that alone moved their ratio by several percent. A carry-over-balanced (Williams-type) sequence
     gives every method the same neighbours; for three it is found among the 5! sequences of the six orders.
     """
     methods = tuple(methods)

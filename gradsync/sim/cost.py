@@ -65,8 +65,8 @@ def reverse_share_of(samples: Sequence[tuple[float, float, float, float]], cap: 
 
         κ = median( (both(M) - both(m)) / (one(M) - one(m)) ) - 1,
 
-    where the start-up and α cancel (racks:2,3,4's 100 Mbit/s uplink, gloo: 4 MiB alone gave 1.137, 16 MiB
-    1.098, the difference 1.085). A repetition whose differences are not positive (noise dwarfs the extra
+    where the start-up and α cancel (on racks:2,3,4's uplink with gloo, either size alone gave a larger ratio
+    than the difference, the smaller size the largest). A repetition whose differences are not positive (noise dwarfs the extra
     bytes, as on loopback) is skipped; with none left, the ratio of the large transfers stands in. The
     result is kept in ``[0, cap]``.
     """
@@ -222,7 +222,7 @@ class CostModel:
         The executor blocks on one message at a time (gloo's p2p work cannot be polled), the one with the
         smallest ``(order, step, ...)`` key. Waiting in step order makes a tree's root finish every
         sub-chunk of step 0 before it touches step 1's, whose early sub-chunks arrived long ago: its
-        broadcast starts late (head-of-line blocking; on the racks testbed 0.19 s of a 0.55 s allreduce).
+        broadcast starts late (head-of-line blocking; on the racks testbed a large share of the allreduce).
         Waiting in predicted arrival order removes that. Deadlock-freedom needs a *global* order in which
         every transfer comes after its dependencies and after the earlier phases of its chunk at both
         ends; :func:`phase_order` gives exactly that (``key[t] >= key[u]`` for every such ``u``, ties

@@ -193,7 +193,7 @@ def with_reverse_share(incidence: sp.csr_matrix, share: float) -> sp.csr_matrix:
     Direction ``2 l + d`` has opposite ``2 l + (1 - d)`` = ``e ^ 1``. A TCP stream's acknowledgements run
     against it and, on a link loaded both ways, queue behind the other direction's data: measured on the
     testbed, an exchange of equal streams over one link moves each ``1 + κ`` times slower than a lone
-    stream (κ ≈ 0.05–0.1, :func:`gradsync.testbed.probe.probe_duplex`) while one-way fan-in and fan-out
+    stream (κ: :func:`gradsync.testbed.probe.probe_duplex` measures it) while one-way fan-in and fan-out
     lose nothing. Charging κ of a flow's rate to the opposite direction reproduces both: alone, the
     opposite direction has room; loaded both ways, ``x + κ x = C`` gives each ``C / (1 + κ)``.
     """
