@@ -39,9 +39,9 @@ __all__ = [
 PREFIX = "gs-"
 #: TCP congestion control the testbed's routes may name (``congctl``), and ``host``: no choice (the host's
 #: default). ``cubic``, Linux's default, is the testbed's: results must not depend on how the host happens to
-#: be tuned, and BBR (v1) leaves a tbf-shaped port that two flows share about a quarter idle (measured on
-#: bcube:3,2 at 200 Mbit/s: BML's exchange with each NIC sending to and receiving from two peers took 592-616
-#: ms under BBR and 504-527 ms under cubic, while gloo's ring, one flow per NIC, took 975 ms under both).
+#: be tuned, and BBR (v1) leaves a tbf-shaped port that two flows share partly idle (measured on bcube:3,2:
+#: BML's exchange, each NIC sending to and receiving from two peers, was slower under BBR than under cubic,
+#: while gloo's ring, one flow per NIC, took the same time under both).
 TCP_CC = ("cubic", "reno", "bbr", "host")
 #: the testbed's choice unless told otherwise
 DEFAULT_TCP_CC = TCP_CC[0]

@@ -142,9 +142,8 @@ def probe(pairs: Iterable[tuple[int, int]] | None = None, seconds: float = 1.0, 
     """Measure each pair ``(src, dst)`` (default: every pair, or a sample of ``max_pairs``) and print a table.
 
     A pair that misses ``tolerance`` is measured again, up to ``attempts`` times, and its best rate is kept:
-    the probe asks what the emulated link can carry, and on a shared VM one second of TCP can lose half its
-    rate to CPU stalls in the Python sender or receiver (seen here: 20-95 Mbit/s on a 100 Mbit/s link
-    while the host was busy, 94-96 otherwise).
+    the probe asks what the emulated link can carry, and on a shared machine one second of TCP can lose much
+    of its rate to CPU stalls in the Python sender or receiver while the host is busy.
 
     Each row: ``src``, ``dst``, ``path`` (ranks crossed), ``measured_mbit``, ``expected_mbit``, ``ok``
     (within ``tolerance``), ``bytes``, ``seconds``, ``attempts``. With ``duplex`` each pair is also measured
