@@ -72,10 +72,9 @@ def profile_cost_model(
     ``observed``: a partition and the seconds one real step with it took on this rank (same origin as
     ``ready_s``), e.g. the layer-wise calibration step. The per-group overhead that the operation-by-operation
     measurements miss is then fitted to it (:func:`~gradsync.compress.merge.fit_group_overhead`, on the
-    rank-averaged time): without it the model prices groups too cheaply (``gradsync bench mergecomp
-    --quick``, 2 processes: 1.2-1.9 ms per group unaccounted; 8 groups measured 5-10 ms slower than 1 where
-    the unfitted profile said from 4 ms faster to 1 ms slower, and its exact search chose 8 groups for
-    fp16, 4-6 % slower than the best measured partition).
+    rank-averaged time): without it the model prices groups too cheaply, so its exact search picks too many
+    groups, slower than the best measured partition (measured: docs/benchmarks.md, ``gradsync bench
+    mergecomp``).
     """
     rt = step.communicator.runtime
     world = rt.world_size
