@@ -50,7 +50,7 @@ __all__ = ["Batch", "Heartbeat", "Part", "place", "PSClient", "Request", "SLICE_
 SLICE_BYTES = 1 << 20
 #: Largest part (bytes) of a key in one message. ZeroMQ receives a message into a fresh allocation, and
 #: above glibc's largest mmap threshold (32 MiB) every one is fresh memory: a 64 MiB round trip on loopback
-#: spent ~35% of its CPU in page faults (perf), half its CPU with 4 MiB parts, whose buffers are reused.
+#: spent much of its CPU in page faults (perf), far less with 4 MiB parts, whose buffers are reused.
 #: Parts also pipeline: a server works on one while the next travels.
 PART_BYTES = 4 << 20
 

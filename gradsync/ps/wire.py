@@ -25,9 +25,9 @@ tag over header ‖ payload; its first byte names the algorithm (:func:`mac_algo
   plaintext (whose ciphertext is dropped: GCM's tag covers both lengths, so the split cannot move). The key is
   HMAC-SHA256(secret, "gradsync-ps-gmac-v1"). Nonces are a random 64-bit prefix per process (drawn again in a
   forked child and when its counter wraps) and a 32-bit counter, so no two messages of a job share one.
-  GHASH runs at 7.6 GB/s on this project's CPUs against 1.5 GB/s for SHA-256, and a round trip hashes its
+  GHASH runs several times faster than SHA-256 on CPUs with carry-less multiply, and a round trip hashes its
   payload four times (sender and receiver, both ways): this is what brings an authenticated round trip near
-  an unauthenticated one.
+  an unauthenticated one (measured: docs/benchmarks.md, ``gradsync bench ps-loopback``).
 - ``1`` HMAC-SHA256(secret, header ‖ payload) (32 bytes), sent where ``cryptography`` is missing.
 
 A receiver accepts either (both are secure; the sender's library decides). A large payload's MAC may
@@ -210,7 +210,7 @@ with warnings.catch_warnings():  # torch's warn-once about read-only buffers, sp
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a tensor, without a copy when it is a contiguous CPU tensor (the usual case, taken in
-    about 2 us: this runs for every push and every reply)."""
+    in microseconds: this runs for every push and every reply)."""
     if t.requires_grad:
         t = t.detach()
     if not t.is_cpu:
