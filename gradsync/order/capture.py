@@ -5,7 +5,7 @@ two ways, both in :data:`CAPTURES`:
 
 * ``fx``: :func:`torch.fx.symbolic_trace`. Each ``call_module`` node reads its module's parameters, a
   ``get_attr`` node that names a parameter is the recv op itself, ``call_function``/``call_method`` nodes
-  read nothing. No tensor is computed, so ResNet-152 traces in ~0.1 s.
+  read nothing. No tensor is computed, so even ResNet-152 traces quickly.
 * ``autograd``: run the forward once and walk ``grad_fn`` back from the output. Every autograd node is the
   op that produced a tensor, ``AccumulateGrad`` leaves are the parameters. It works for any model that
   runs, including data-dependent control flow that fx cannot trace, but only sees ops on the gradient path.
