@@ -19,7 +19,7 @@ __all__ = ["BasicBlock", "Bottleneck", "ResNet", "init_conv_bn", "resnet18", "re
 
 def init_conv_bn(model: nn.Module) -> None:
     """torchvision's initialisation for conv + batch-norm networks (He normal, BN weight 1, bias 0)."""
-    if next(model.parameters()).is_meta:  # weightless: nothing to fill, and meta normal_() costs ~3 s
+    if next(model.parameters()).is_meta:  # weightless: nothing to fill, and meta normal_() is slow
         return
     for m in model.modules():
         if isinstance(m, nn.Conv2d):

@@ -57,7 +57,7 @@ class VGG(nn.Module):
             nn.Dropout(p=dropout),
             nn.Linear(4096, num_classes),
         )
-        on_meta = next(self.parameters()).is_meta  # weightless: nothing to fill, and meta normal_() costs ~3 s
+        on_meta = next(self.parameters()).is_meta  # weightless: nothing to fill, and meta normal_() is slow
         for m in () if on_meta else self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
