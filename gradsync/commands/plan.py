@@ -16,7 +16,7 @@ from gradsync.topology import get_topology
 __all__ = ["MAX_RUNTIME_PREDICT_TRANSFERS", "add_parser", "cmd_plan"]
 
 #: ``plan`` prices the schedule with the runtime's cost model (an event simulation) only up to this many
-#: transfers: on fattree:6 lp (5,724 transfers, 54 concurrent trees) it takes over a minute, 30x the plan.
+#: transfers: on fattree:6 lp (5,724 transfers, 54 concurrent trees) it takes far longer than planning did.
 MAX_RUNTIME_PREDICT_TRANSFERS = 4000
 
 
