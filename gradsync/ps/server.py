@@ -69,6 +69,7 @@ import zmq
 from gradsync.errors import GradsyncError
 from gradsync.ps.checkpoint import read_checkpoint, write_checkpoint
 from gradsync.ps.env import JOB_ENV, MAX_AHEAD_ENV, MAX_PARKED_ENV, MAX_PARKED_PER_CLIENT_ENV, SECRET_ENV
+from gradsync.ps.server_config import ELASTIC_TIMEOUT as ELASTIC_TIMEOUT
 from gradsync.ps.server_config import (
     MAX_AHEAD,
     MAX_PARKED,
