@@ -1,4 +1,4 @@
-"""The KVStore API in MXNet's shape (seed 002 §4): ``create(kind)``, ``init``, ``push``, ``pull``, ``pushpull``.
+"""The KVStore API in MXNet's shape (MXNET-MPI §4): ``create(kind)``, ``init``, ``push``, ``pull``, ``pushpull``.
 
 Kinds (a registry; ``gradsync.kvstore.create("dist_sync")``):
 
@@ -7,7 +7,7 @@ Kinds (a registry; ``gradsync.kvstore.create("dist_sync")``):
 ``dist_sync``      every worker is a PS client; synchronous rounds on the servers
 ``dist_async``     every worker is a PS client; each push applied when it arrives
 ``hybrid_sync``    workers grouped into C clients (torch.distributed subgroups): push = allreduce in the
-                   client, then its rank 0 pushes; pull = rank 0 pulls, then broadcasts (seed 002 Figs. 4–5)
+                   client, then its rank 0 pushes; pull = rank 0 pulls, then broadcasts (MXNET-MPI Figs. 4–5)
 ``hybrid_async``   the same with asynchronous servers (mpi-ASGD, mpi-ESGD)
 ``collective``     no servers (#servers = 0): pushpull is an allreduce on a schedule gradsync planned
 =================  ==========================================================================================
@@ -20,7 +20,7 @@ Keys are ints or strings; values are tensors or lists of tensors (summed before 
 ``handle.wait(key)`` returns as soon as that key's parts are in its ``out`` tensors (the others may still be
 travelling), ``handle.wait_all()`` when all are. With ordered pulls and the priorities of the model's
 critical path (``gradsync.order.priorities``), a worker starts its forward pass on the first layers while the
-server is still sending the last ones: the overlap TicTac's ordering exists for (seed 003 §4). It is
+server is still sending the last ones: the overlap TicTac's ordering exists for (TicTac §4). It is
 single-threaded: the sockets are pumped inside ``wait`` (ZeroMQ's I/O thread receives in the meantime).
 
 Workers read their place from the environment ``gradsync launch`` sets: ``RANK``, ``WORLD_SIZE``,
@@ -29,12 +29,12 @@ Workers read their place from the environment ``gradsync launch`` sets: ``RANK``
 (seconds), ``GRADSYNC_PS_JOB`` (the job id; when it is unset, one derived from torchrun's ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``TORCHELASTIC_RUN_ID``, so every worker of one job agrees and a second job pointed at
 the same servers is refused at ``create`` instead of sharing their rounds).
+:class:`KVStoreConfig` and :func:`job_from_env`, which read them, are :mod:`gradsync.ps.kvstore_config`
+(re-exported here).
 """
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +43,11 @@ import torch
 
 from gradsync.comm import lifetime
 from gradsync.errors import GradsyncError
-from gradsync.ps.client import PART_BYTES, SLICE_BYTES, Heartbeat, PSClient, Request, flat_view, place
-from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV, env_number
+from gradsync.ps.client import Heartbeat, PSClient, Request, flat_view, place
+from gradsync.ps.env import SERVERS_ENV
+from gradsync.ps.kvstore_config import KVStoreConfig, job_from_env
 from gradsync.ps.updaters import Updater, create_updater, default_updater
-from gradsync.ps.wire import Flag, Key, Message, Op, job_id, key_name
+from gradsync.ps.wire import Flag, Key, Message, Op, key_name
 from gradsync.registry import Registry
 
 __all__ = ["KVStore", "LocalKVStore", "PSKVStore", "CollectiveKVStore", "KVSTORES", "KVStoreConfig", "PullHandle",
@@ -54,84 +55,6 @@ __all__ = ["KVStore", "LocalKVStore", "PSKVStore", "CollectiveKVStore", "KVSTORE
 
 
 Value = torch.Tensor | Sequence[torch.Tensor]
-
-
-@dataclass(frozen=True)
-class KVStoreConfig:
-    """Where this worker sits. ``from_env`` reads what ``gradsync launch`` (or torchrun) sets."""
-
-    rank: int = 0
-    num_workers: int = 1
-    servers: tuple[str, ...] = ()
-    clients: int = 0  # 0: one client per worker
-    secret: bytes | None = None
-    timeout_s: float = 60.0
-    retry_s: float = 1.0
-    ordered: bool = False
-    slice_bytes: int = SLICE_BYTES
-    part_bytes: int = PART_BYTES  # the largest part of a key in one message (see gradsync.ps.client)
-    job: int = 0  # the job id in every frame (0: none); see from_env
-    #: sync rounds go on without a worker that stops answering (dist kinds; see PSKVStore)
-    elastic: bool = False
-    #: the servers' drop timeout (GRADSYNC_PS_ELASTIC_TIMEOUT, the same in every process of the job)
-    elastic_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.num_workers:
-            raise GradsyncError(f"rank {self.rank} is outside 0..{self.num_workers - 1} (WORLD_SIZE={self.num_workers})")
-        c = self.num_clients
-        if not 1 <= c <= self.num_workers or self.num_workers % c:
-            raise GradsyncError(f"clients={self.clients} must divide the {self.num_workers} workers into equal groups")
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0 and math.isfinite(self.retry_s)
-                and self.retry_s > 0) or self.slice_bytes <= 0 or self.part_bytes <= 0:
-            raise GradsyncError(f"timeout_s={self.timeout_s}, retry_s={self.retry_s}, slice_bytes="
-                                f"{self.slice_bytes} and part_bytes={self.part_bytes} must be > 0")
-        if self.elastic and not (math.isfinite(self.elastic_timeout_s)
-                                 and 0 < self.elastic_timeout_s < self.timeout_s):
-            raise GradsyncError(f"elastic: elastic_timeout_s={self.elastic_timeout_s} must be > 0 and below "
-                                f"timeout_s={self.timeout_s}, or the survivors give up on a round before the servers "
-                                f"drop the silent worker; raise {TIMEOUT_ENV} or lower {ELASTIC_TIMEOUT_ENV}")
-
-    @property
-    def num_clients(self) -> int:
-        return self.clients or self.num_workers
-
-    @property
-    def client(self) -> int:
-        """Which client (group of consecutive ranks) this worker belongs to."""
-        return self.rank // (self.num_workers // self.num_clients)
-
-    @property
-    def is_master(self) -> bool:
-        """Rank 0 of its client: the one that talks to the servers."""
-        return self.rank % (self.num_workers // self.num_clients) == 0
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> KVStoreConfig:
-        env = os.environ
-        fields: dict[str, Any] = {
-            "rank": env_number("RANK", 0, int), "num_workers": env_number("WORLD_SIZE", 1, int),
-            "servers": tuple(s for s in env.get(SERVERS_ENV, "").split(",") if s),
-            "clients": env_number(CLIENTS_ENV, 0, int), "timeout_s": env_number(TIMEOUT_ENV, 60.0, float),
-            "elastic_timeout_s": env_number(ELASTIC_TIMEOUT_ENV, 10.0, float),
-        }
-        if env.get(SECRET_ENV):
-            fields["secret"] = env[SECRET_ENV].encode()
-        fields["job"] = job_from_env()
-        fields.update(overrides)
-        return cls(**fields)
-
-
-def job_from_env() -> int:
-    """The job id: ``GRADSYNC_PS_JOB``, else derived from what every rank of a torchrun job shares (its
-    rendezvous address and run id), else 0 (no job id: a single process, or a hand-made setup)."""
-    env = os.environ
-    if env.get(JOB_ENV, "").strip():
-        return job_id(env[JOB_ENV])
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        run = env.get("TORCHELASTIC_RUN_ID", "none")
-        return job_id(f"torchrun:{run}:{env['MASTER_ADDR']}:{env['MASTER_PORT']}")
-    return 0
 
 
 def _as_list(keys: Key | Sequence[Key], values: Any, what: str) -> tuple[list[Key], list[Any]]:
@@ -387,7 +310,7 @@ class LocalKVStore(KVStore):
 
 
 class CollectiveKVStore(LocalKVStore):
-    """No servers (seed 002: #servers = 0): a push is an allreduce on gradsync's planned schedule, and the
+    """No servers (MXNET-MPI: #servers = 0): a push is an allreduce on gradsync's planned schedule, and the
     rule runs on every worker's copy, identically; init broadcasts rank 0's value."""
 
     kind = "collective"
@@ -418,13 +341,13 @@ class CollectiveKVStore(LocalKVStore):
         from gradsync.comm.collectives import dtype_groups
 
         summed = [v.clone() for v in values]
-        for group in dtype_groups(summed):  # one tensor-list collective per dtype (seed 002 §6.3)
+        for group in dtype_groups(summed):  # one tensor-list collective per dtype (MXNET-MPI §6.3)
             self.runtime.allreduce(group, op="sum")
         return summed
 
 
 class PSKVStore(KVStore):
-    """Workers as PS clients (dist_*) or grouped into collective clients (hybrid_*), seed 002 Figs. 4–5."""
+    """Workers as PS clients (dist_*) or grouped into collective clients (hybrid_*), MXNET-MPI Figs. 4–5."""
 
     kind = "dist"
 
@@ -531,7 +454,7 @@ class PSKVStore(KVStore):
 
     def push_master(self, key: Key | Sequence[Key], value: Any, priority: int | Sequence[int] = 0) -> None:
         """Push from each client's master only, without the client allreduce: for values that are already
-        equal inside a client (elastic averaging pushes the client's weights, seed 002 Fig. 8)."""
+        equal inside a client (elastic averaging pushes the client's weights, MXNET-MPI Fig. 8)."""
         keys, values = _as_list(key, value, "push_master")
         tensors = [_reduce(v, "push_master") for v in values]
         for k, t in zip(keys, tensors):
@@ -544,7 +467,7 @@ class PSKVStore(KVStore):
             import torch.distributed as dist
 
             values = [v.clone() for v in values]
-            for v in values:  # the client's tensor allreduce (seed 002 Fig. 4)
+            for v in values:  # the client's tensor allreduce (MXNET-MPI Fig. 4)
                 dist.all_reduce(v, group=self.group)
         if not self.config.is_master:
             return
@@ -572,7 +495,7 @@ class PSKVStore(KVStore):
             import torch.distributed as dist
 
             values = [v.clone() for v in values]
-            for v in values:  # the client's tensor allreduce (seed 002 Fig. 4), then its master's PUSHPULL
+            for v in values:  # the client's tensor allreduce (MXNET-MPI Fig. 4), then its master's PUSHPULL
                 dist.all_reduce(v, group=self.group)
         return self._pull_async(keys, outs, priorities, pushed=values)
 
@@ -580,7 +503,7 @@ class PSKVStore(KVStore):
                     pushed: list[torch.Tensor] | None = None) -> PullHandle:
         """Send the pull requests now; the handle pumps the sockets (and, in hybrid kinds, broadcasts each
         key inside the client) when waited on. The master ranks each server's parts by (priority, position):
-        with ``ordered`` those ranks are the server's release order (seed 003 §5's counter).
+        with ``ordered`` those ranks are the server's release order (TicTac §5's counter).
 
         With ``pushed`` (one tensor per key) every request is a ``PUSHPULL`` carrying that part of the push:
         sync rounds need no retained copy, since the request stays in flight (and is sent again to a
@@ -635,7 +558,7 @@ class PSKVStore(KVStore):
             if self.hybrid:
                 import torch.distributed as dist
 
-                for i in where[key]:  # the client's broadcast (seed 002 Fig. 5), key by key
+                for i in where[key]:  # the client's broadcast (MXNET-MPI Fig. 5), key by key
                     o = outs[i]
                     dist.broadcast(o[0], src=self._master_rank, group=self.group)
                     for t in o[1:]:

@@ -23,7 +23,7 @@ respect to requests: a pull sees a value before or after an update, never half o
   tracked). A stored value that a reply still sends from is copied before it is changed (copy on write,
   :meth:`Slot.writable`), so a reply never carries half of a later update and the common case, a value
   sent before the next push arrives, copies nothing.
-* **Ordered pulls** (TicTac, seed 003 §5): a sender that marks its pulls ``ORDERED`` with priorities
+* **Ordered pulls** (TicTac §5): a sender that marks its pulls ``ORDERED`` with priorities
   0..n−1 gets the replies in exactly that order; a per-sender counter releases reply ``p`` only after
   ``p − 1`` has gone out, whatever order the values became ready in.
 * **Bounds**: a sync push is buffered at most ``max_ahead`` rounds ahead of its key's round, and a pull
@@ -44,44 +44,45 @@ respect to requests: a pull sees a value before or after an update, never half o
 
 Run one with ``python -m gradsync.ps.server --bind tcp://127.0.0.1:5555``; the shared secret, if any, comes
 from the environment variable ``GRADSYNC_PS_SECRET`` (never the command line, which other users can read).
+
+This module is the loop and its request handlers, in one file on purpose: every handler reads and changes
+the same loop state (slots, parked requests, ordered-pull counters, sessions, the outbox), so a split would
+have one module reach into another's. What is not that state lives apart: the configuration and command
+line (:mod:`gradsync.ps.server_config`), the stored slice (:mod:`gradsync.ps.slot`) and the checkpoint file
+(:mod:`gradsync.ps.checkpoint`).
 """
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
-import json
 import logging
-import os
 import random
 import signal
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
 from gradsync.errors import GradsyncError
-from gradsync.ps.env import (
-    ELASTIC_TIMEOUT_ENV,
-    INSECURE_ENV,
-    JOB_ENV,
-    MAX_AHEAD_ENV,
-    MAX_PARKED_ENV,
-    MAX_PARKED_PER_CLIENT_ENV,
-    SECRET_ENV,
-    env_number,
+from gradsync.ps.checkpoint import read_checkpoint, write_checkpoint
+from gradsync.ps.env import JOB_ENV, MAX_AHEAD_ENV, MAX_PARKED_ENV, MAX_PARKED_PER_CLIENT_ENV, SECRET_ENV
+from gradsync.ps.server_config import ELASTIC_TIMEOUT as ELASTIC_TIMEOUT
+from gradsync.ps.server_config import (
+    MAX_AHEAD,
+    MAX_PARKED,
+    MAX_PARKED_PER_CLIENT,
+    ServerConfig,
+    argument_parser,
+    config_from_args,
+    is_loopback,
 )
+from gradsync.ps.slot import Slot
 from gradsync.ps.updaters import Updater, create_updater, default_updater, describe
 from gradsync.ps.wire import (
-    DTYPES,
     MAX_ELEMENTS,
-    MAX_PAYLOAD,
     ORDERED_BIT,
     Flag,
     Key,
@@ -92,7 +93,6 @@ from gradsync.ps.wire import (
     decode,
     encode,
     is_detached,
-    job_id,
     key_name,
     tag_frame,
 )
@@ -102,118 +102,8 @@ __all__ = ["ServerConfig", "Server", "Slot", "main", "SECRET_ENV", "MAX_AHEAD", 
 
 log = logging.getLogger("gradsync.ps")
 
-_CODES = {dt: c for c, dt in DTYPES.items()}
-
-#: Default rounds ahead of a key's current round that pushes are buffered and pulls parked for. A worker
-#: that pushes and pulls each round is at most one ahead; eight leaves room for push-only stretches.
-MAX_AHEAD = 8
 #: the most workers an elastic barrier may count (each may then keep a last-heard time here)
 MAX_ELASTIC_WORKERS = 1 << 16
-#: Default cap on pulls parked per key (a legitimate key has about one per client).
-MAX_PARKED = 1024
-#: Default cap on requests parked per client connection (about one per key slot it pulls).
-MAX_PARKED_PER_CLIENT = 16384
-#: Default seconds of silence after which an elastic key drops a client from its rounds.
-ELASTIC_TIMEOUT = 10.0
-
-
-def is_loopback(endpoint: str) -> bool:
-    """Whether ``endpoint`` is reachable from this host only: ipc/inproc, or tcp on a loopback address."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface name or a host name: other machines may reach it
-        return False
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """How one server runs. ``bind``: a ZeroMQ endpoint (loopback unless told otherwise; port 0 = any)."""
-
-    bind: str = "tcp://127.0.0.1:0"
-    server_id: int = 0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_interval_s: float = 0.0
-    secret: bytes | None = None
-    max_payload: int = MAX_PAYLOAD
-    insecure: bool = False  # allow a non-loopback bind without a secret
-    job: int = 0  # the job served (0: the first job id a request carries)
-    max_ahead: int = MAX_AHEAD
-    max_parked_per_key: int = MAX_PARKED
-    max_parked_per_client: int = MAX_PARKED_PER_CLIENT
-    elastic_timeout_s: float = ELASTIC_TIMEOUT  # silence after which elastic keys drop a client
-
-    def __post_init__(self) -> None:
-        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise GradsyncError(f"bind={self.bind!r} is not a ZeroMQ endpoint; write e.g. tcp://127.0.0.1:5555")
-        if not self.secret and not self.insecure and not is_loopback(self.bind):
-            raise GradsyncError(
-                f"refusing to bind {self.bind!r} without a shared secret: any host that reaches it could push, "
-                f"overwrite or stop this server. Set {SECRET_ENV} (the same in every worker; `gradsync launch` makes "
-                f"one), bind to tcp://127.0.0.1:PORT, or pass --insecure ({INSECURE_ENV}=1) on a trusted network")
-        for name in ("max_ahead", "max_parked_per_key", "max_parked_per_client"):
-            if getattr(self, name) < 1:
-                raise GradsyncError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0:
-            raise GradsyncError(f"checkpoint_every={self.checkpoint_every} and checkpoint_interval_s="
-                                f"{self.checkpoint_interval_s} must be >= 0 (0 = off)")
-        if self.max_payload <= 0:
-            raise GradsyncError(f"max_payload={self.max_payload} must be > 0")
-        if not self.elastic_timeout_s > 0:
-            raise GradsyncError(f"elastic_timeout_s={self.elastic_timeout_s} must be > 0 ({ELASTIC_TIMEOUT_ENV})")
-
-    @property
-    def checkpoint_path(self) -> Path | None:
-        return None if self.checkpoint_dir is None else Path(self.checkpoint_dir) / f"server-{self.server_id}.npz"
-
-
-@dataclass
-class Slot:
-    """One stored slice: elements ``[offset, offset + value.numel())`` of a tensor of ``shape``."""
-
-    value: torch.Tensor
-    shape: tuple[int, ...]
-    offset: int
-    parts: int
-    sync: bool
-    pushers: int
-    version: int = 0
-    pending: torch.Tensor | None = None
-    pending_from: set[int] = field(default_factory=set)
-    future: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # sync: round -> sender -> push
-    last_seq: dict[int, int] = field(default_factory=dict)  # async: sender -> last applied push
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    elastic: bool = False
-    #: the clients a sync round waits for (all ``pushers`` unless elastic ones were dropped)
-    members: set[int] = field(default_factory=set)
-    #: how many pushes the last completed round summed (its VALUE replies say so)
-    last_pushed: int = 0
-    #: when the round being summed got its first push (monotonic seconds): an elastic key waits for its
-    #: missing members from then (a member never heard from counts as silent since then)
-    round_started: float = 0.0
-    #: zmq trackers of replies sent from ``value``'s memory, not all known to be sent yet
-    sending: list[Any] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.members:
-            self.members = set(range(self.pushers))
-
-    def missing(self) -> list[int]:
-        return sorted(self.members - self.pending_from)
-
-    def writable(self) -> torch.Tensor:
-        """``value``, safe to change in place: first replaced by a copy if a reply may still be sending from
-        its memory (the old tensor lives on, referenced by ZeroMQ, until that reply has gone)."""
-        if self.sending:
-            if not all(t.done for t in self.sending):
-                self.value = self.value.clone()
-            self.sending.clear()
-        return self.value
 
 
 @dataclass
@@ -826,38 +716,8 @@ class Server:
         path = self.config.checkpoint_path
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        arrays: dict[str, np.ndarray] = {}
-        index = []
-        for i, ((key, part), s) in enumerate(self.slots.items()):
-            arrays[f"v{i}"] = _raw(s.value)
-            for name, t in s.state.items():
-                arrays[f"s{i}_{name}"] = _raw(t)
-            index.append({"key": key, "int_key": isinstance(key, int), "part": part, "parts": s.parts,
-                          "offset": s.offset, "shape": list(s.shape), "dtype": _CODES[s.value.dtype],
-                          "numel": s.value.numel(), "sync": s.sync, "pushers": s.pushers, "version": s.version,
-                          "elastic": s.elastic, "members": sorted(s.members), "last_pushed": s.last_pushed,
-                          "last_seq": {str(k): v for k, v in s.last_seq.items()},
-                          "state": {n: [_CODES[t.dtype], list(t.shape)] for n, t in s.state.items()}})
-        meta = {"format": "gradsync-ps-checkpoint", "version": 1, "server": self.config.server_id,
-                "updater": describe(self.updater) if self.updater else None, "slots": index, "job": self.job,
-                "sessions": {str(k): v for k, v in self.sessions.items()}}
-        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk, an interrupt: the last complete checkpoint stays, alone
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_checkpoint(path, self.slots, server_id=self.config.server_id, updater=self.updater, job=self.job,
+                         sessions=self.sessions)
         self.updates_at_checkpoint = self.updates
         self.checkpointed_at = time.monotonic()
         self.stats["checkpoints"] += 1
@@ -866,48 +726,13 @@ class Server:
         path = self.config.checkpoint_path
         if path is None:
             return
-        # a predecessor killed mid-write (SIGKILL, power) left its partial file; the renamed one is whole
-        for stale in path.parent.glob(f"{path.stem}.tmp*"):
-            stale.unlink(missing_ok=True)
-        if not path.exists():
+        restored = read_checkpoint(path, self.config.server_id, self.job)
+        if restored is None:
             return
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(bytes(z["meta"]).decode())
-                if meta.get("format") != "gradsync-ps-checkpoint":
-                    raise GradsyncError(f"{path} is not a gradsync PS checkpoint")
-                if not self.job:  # a job restarted by `gradsync launch` has a new id and keeps it
-                    self.job = int(meta.get("job", 0))
-                self.sessions = {int(k): int(v) for k, v in meta.get("sessions", {}).items()}
-                up = meta.get("updater")
-                self.updater = create_updater(up.pop("name"), **up) if up else None
-                for i, e in enumerate(meta["slots"]):
-                    key: Key = int(e["key"]) if e["int_key"] else str(e["key"])
-                    value = _unraw(z[f"v{i}"], e["dtype"], [e["numel"]])
-                    state = {n: _unraw(z[f"s{i}_{n}"], code, shape) for n, (code, shape) in e["state"].items()}
-                    self.slots[(key, int(e["part"]))] = Slot(
-                        value=value, shape=tuple(e["shape"]), offset=int(e["offset"]), parts=int(e["parts"]),
-                        sync=bool(e["sync"]), pushers=int(e["pushers"]), version=int(e["version"]),
-                        elastic=bool(e.get("elastic", False)), members={int(m) for m in e.get("members", [])},
-                        last_pushed=int(e.get("last_pushed", 0)),
-                        last_seq={int(k): int(v) for k, v in e["last_seq"].items()}, state=state)
-        except (OSError, KeyError, ValueError, TypeError) as e:
-            raise GradsyncError(f"cannot restore server {self.config.server_id} from {path}: {e}; move the file "
-                                f"away to start empty") from e
+        self.job, self.sessions, self.updater = restored.job, restored.sessions, restored.updater
+        self.slots.update(restored.slots)
         self.updates = self.updates_at_checkpoint = 0
         log.info("server %d: restored %d slots from %s", self.config.server_id, len(self.slots), path)
-
-
-def _raw(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().copy()
-
-
-def _unraw(a: np.ndarray, code: int, shape: list[int]) -> torch.Tensor:
-    dtype = DTYPES[int(code)]
-    flat = torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8).copy())
-    if flat.numel() == 0:
-        return torch.empty(shape, dtype=dtype)
-    return flat.view(dtype).reshape(shape).clone()
 
 
 _HANDLERS = {
@@ -919,52 +744,17 @@ _HANDLERS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gradsync.ps.server", description=__doc__.splitlines()[0])
-    p.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint (default: loopback, any port)")
-    p.add_argument("--id", type=int, default=0, help="this server's index (names its checkpoint file)")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint after this many updates (0: off)")
-    p.add_argument("--checkpoint-interval", type=float, default=0.0, help="checkpoint every S seconds (0: off)")
-    p.add_argument("--max-payload", type=int, default=MAX_PAYLOAD, help="largest payload accepted, bytes")
-    p.add_argument("--max-ahead", type=int, default=None,
-                   help=f"rounds ahead of a key's round that pushes are buffered for ({MAX_AHEAD_ENV}; {MAX_AHEAD})")
-    p.add_argument("--max-parked-per-key", type=int, default=None,
-                   help=f"pulls waiting per key ({MAX_PARKED_ENV}; default {MAX_PARKED})")
-    p.add_argument("--max-parked-per-client", type=int, default=None,
-                   help=f"requests waiting per client ({MAX_PARKED_PER_CLIENT_ENV}; default {MAX_PARKED_PER_CLIENT})")
-    p.add_argument("--job", default=None, help=f"serve only this job id ({JOB_ENV}; default: the first one seen)")
-    p.add_argument("--elastic-timeout", type=float, default=None,
-                   help=f"seconds of silence after which elastic keys drop a client ({ELASTIC_TIMEOUT_ENV}; "
-                        f"default {ELASTIC_TIMEOUT:g})")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads for the update rules (default 1: see below)")
-    p.add_argument("--insecure", action="store_true",
-                   help=f"allow a non-loopback --bind without {SECRET_ENV} ({INSECURE_ENV}=1): anyone who reaches it "
-                        f"can use and stop it")
-    a = p.parse_args(argv)
+    a = argument_parser(__doc__.splitlines()[0]).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.threads < 1:
         print(f"gradsync-ps: --threads {a.threads} must be >= 1", file=sys.stderr)
         return 2
     # The loop is one thread, and an update is a memory-bound add or copy. With torch's default pool, every
-    # update of more than ~32k elements wakes one thread per core, which then spin-wait after it: measured
-    # on 2 cores, a 1 MB pushpull cost the server 6.5 ms of CPU (0.5 ms with one thread) and took that
-    # time from the workers beside it.
+    # update of more than ~32k elements wakes one thread per core, which then spin-wait after it: CPU time
+    # (many times one thread's) taken from the workers beside the server.
     torch.set_num_threads(a.threads)
-    secret = os.environ.get(SECRET_ENV)
     try:
-        config = ServerConfig(
-            bind=a.bind, server_id=a.id, checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
-            checkpoint_interval_s=a.checkpoint_interval, secret=secret.encode() if secret else None,
-            max_payload=a.max_payload, insecure=a.insecure or os.environ.get(INSECURE_ENV, "") == "1",
-            job=job_id(a.job if a.job is not None else os.environ.get(JOB_ENV, "")),
-            max_ahead=a.max_ahead if a.max_ahead is not None else env_number(MAX_AHEAD_ENV, MAX_AHEAD, int),
-            max_parked_per_key=(a.max_parked_per_key if a.max_parked_per_key is not None
-                                else env_number(MAX_PARKED_ENV, MAX_PARKED, int)),
-            max_parked_per_client=(a.max_parked_per_client if a.max_parked_per_client is not None
-                                   else env_number(MAX_PARKED_PER_CLIENT_ENV, MAX_PARKED_PER_CLIENT, int)),
-            elastic_timeout_s=(a.elastic_timeout if a.elastic_timeout is not None
-                               else env_number(ELASTIC_TIMEOUT_ENV, ELASTIC_TIMEOUT, float)))
+        config = config_from_args(a)
         server = Server(config)
     except GradsyncError as e:
         print(f"gradsync-ps: {e}", file=sys.stderr)
