@@ -8,7 +8,7 @@ from gradsync.sim.choose import algorithms_for
 from gradsync.topology.io import get_topology
 from tests.dist_launch import launch
 
-WORKER = "tests/comm_worker.py"
+WORKER = "tests/workers/comm_worker.py"
 
 
 def _applicable(topology: str) -> list[str]:

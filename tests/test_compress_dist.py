@@ -1,6 +1,6 @@
 """Compression on real processes over gloo (loopback): communicators, MergeComp groups, the DDP hook, training.
 
-Each test launches 2 ranks of tests/compress_worker.py; the worker compares against expectations computed
+Each test launches 2 ranks of tests/workers/compress_worker.py; the worker compares against expectations computed
 without the communicators (closed forms, or simulate_step over every rank's regenerated inputs).
 """
 
@@ -11,7 +11,7 @@ import pytest
 from gradsync.compress import COMPRESSORS
 from tests.dist_launch import launch
 
-WORKER = "tests/compress_worker.py"
+WORKER = "tests/workers/compress_worker.py"
 WORLD = 2
 
 #: Bit-for-bit the same merged or layer-wise: element-wise and deterministic (seed 004's claim for them).

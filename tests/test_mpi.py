@@ -1,6 +1,6 @@
 """MPITransport on real processes under the MPI launcher: dtypes and sizes, timeouts, the executor, dead peers.
 
-Each test starts ``tests/mpi_worker.py`` with :func:`gradsync.comm.mpi.mpirun_command` (the shared launcher
+Each test starts ``tests/workers/mpi_worker.py`` with :func:`gradsync.comm.mpi.mpirun_command` (the shared launcher
 recipe) and checks that every rank reported ``OK``; a failing rank aborts the job and its traceback is shown.
 Skipped with :func:`mpi_available`'s reason where mpi4py or a launcher is missing.
 """
@@ -21,7 +21,7 @@ from gradsync.comm import mpi as gmpi
 from gradsync.errors import GradsyncError
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = "tests/mpi_worker.py"
+WORKER = "tests/workers/mpi_worker.py"
 REASON = gmpi.mpi_available()
 needs_mpi = pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {REASON}")
 

@@ -17,7 +17,7 @@ from gradsync.ps.env import CLIENTS_ENV, SERVERS_ENV
 from gradsync.ps.launch import PSJob, launch, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = [sys.executable, str(ROOT / "tests" / "ps_worker.py")]
+WORKER = [sys.executable, str(ROOT / "tests" / "workers" / "ps_worker.py")]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 

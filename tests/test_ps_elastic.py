@@ -30,7 +30,7 @@ from tests.test_faults import _Served
 from tests.test_ps import Cluster, run_workers
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = [sys.executable, str(ROOT / "tests" / "ps_worker.py"), "elastic"]
+WORKER = [sys.executable, str(ROOT / "tests" / "workers" / "ps_worker.py"), "elastic"]
 DROP_S = 2.0
 
 

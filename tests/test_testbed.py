@@ -486,13 +486,13 @@ def test_colocate_without_testbed_is_a_clear_error() -> None:
 @pytest.mark.timeout(240)
 def test_ps_launch_places_servers_and_workers_in_the_testbed(tmp_path: Path) -> None:
     """``gradsync launch --testbed``: 4 workers on hosts 0-3 and 2 servers on hosts 4-5 of ``switch:6``; each
-    worker pushes rank+1, so every pull of every round is W(W+1)/2 = 10 (tests/ps_worker.py's oracle). The
+    worker pushes rank+1, so every pull of every round is W(W+1)/2 = 10 (tests/workers/ps_worker.py's oracle). The
     servers listen on their hosts' testbed addresses and their NICs carry the replies (at least the pulled
     bytes), so the traffic crossed the emulated links. Too many processes for the hosts is a clear error."""
     from gradsync.ps.launch import PSJob, launch
 
     root = Path(__file__).resolve().parents[1]
-    worker = [sys.executable, str(root / "tests" / "ps_worker.py"), "oracle", "dist_sync"]
+    worker = [sys.executable, str(root / "tests" / "workers" / "ps_worker.py"), "oracle", "dist_sync"]
     state = tmp_path / "state.json"
     with _bring_up("switch:6", state) as plan:
         before = [_tx(plan.server(h).namespace, plan.server(h).ifname) for h in (4, 5)]

@@ -1,6 +1,6 @@
 """Worker program for test_comm_dist.py, launched once per rank with torchrun's environment.
 
-``python tests/comm_worker.py SCENARIO OUT_DIR``: runs the scenario, writes ``OUT_DIR/rank{R}.json`` with
+``python tests/workers/comm_worker.py SCENARIO OUT_DIR``: runs the scenario, writes ``OUT_DIR/rank{R}.json`` with
 what it observed (the test process asserts on it), exits 0. Each scenario computes its expectation
 independently of the executor: closed-form sums of known inputs, or a single-process reference.
 """

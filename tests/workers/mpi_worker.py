@@ -1,6 +1,6 @@
 """Worker program for test_mpi.py, started on every rank by the MPI launcher.
 
-``mpirun -n N python tests/mpi_worker.py CASE[,CASE...] N``: runs the cases in order on this rank (one launch
+``mpirun -n N python tests/workers/mpi_worker.py CASE[,CASE...] N``: runs the cases in order on this rank (one launch
 serves several tests: starting Python and torch dominates the cost) and prints ``OK CASE rank R`` after each
 case whose checks all passed. On any failure it prints the traceback to stderr and aborts the whole MPI job
 (``MPI_Abort``), so the launcher exits non-zero at once instead of leaving peers waiting. Each check compares

@@ -1,6 +1,6 @@
 """Worker program for test_compress_dist.py, launched once per rank with torchrun's environment.
 
-``python tests/compress_worker.py SCENARIO OUT_DIR``: runs the scenario, writes ``OUT_DIR/rank{R}.json``
+``python tests/workers/compress_worker.py SCENARIO OUT_DIR``: runs the scenario, writes ``OUT_DIR/rank{R}.json``
 and exits 0. Expectations are computed independently of the communicators: closed-form contents for the
 allgather, and :func:`gradsync.compress.simulate_step` run in this process over every rank's gradients
 (each rank can regenerate all ranks' inputs from seeds) for the compressed steps.
