@@ -1,4 +1,4 @@
-"""Worker scenarios for tests/test_ps_dist.py, started by ``gradsync launch`` (or the test) per rank.
+"""Worker scenarios for tests/ps/test_dist.py, started by ``gradsync launch`` (or the test) per rank.
 
 Each prints ``OK <detail>`` on success; assertions use closed forms: each worker pushes ones*(rank+1),
 so a sync round of W dist workers sums to W(W+1)/2 and so does a round of hybrid clients.

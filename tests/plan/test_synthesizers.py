@@ -16,8 +16,7 @@ from gradsync.errors import PlanError
 from gradsync.plan import SYNTHESIZERS, PlanOptions, evaluate, limits, pack_trees, synthesize
 from gradsync.sim.choose import synthesize as synthesize_any
 from gradsync.topology import get_topology
-
-from .conftest import random_topology, set_partitions
+from tests.conftest import random_topology, set_partitions
 
 
 # ---- independent brute force ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from gradsync.launch import free_port, run_workers, torchrun_env
 from gradsync.ps.env import CLIENTS_ENV, SERVERS_ENV
 from gradsync.ps.launch import PSJob, launch, start_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, str(ROOT / "tests" / "workers" / "ps_worker.py")]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

@@ -29,7 +29,7 @@ from gradsync.ps.wire import Flag, Op, encode
 from tests.test_faults import _Served
 from tests.test_ps import Cluster, run_workers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, str(ROOT / "tests" / "workers" / "ps_worker.py"), "elastic"]
 DROP_S = 2.0
 

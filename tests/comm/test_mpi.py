@@ -20,7 +20,7 @@ import pytest
 from gradsync.comm import mpi as gmpi
 from gradsync.errors import GradsyncError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests/workers/mpi_worker.py"
 REASON = gmpi.mpi_available()
 needs_mpi = pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {REASON}")

@@ -491,7 +491,7 @@ def test_ps_launch_places_servers_and_workers_in_the_testbed(tmp_path: Path) -> 
     bytes), so the traffic crossed the emulated links. Too many processes for the hosts is a clear error."""
     from gradsync.ps.launch import PSJob, launch
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     worker = [sys.executable, str(root / "tests" / "workers" / "ps_worker.py"), "oracle", "dist_sync"]
     state = tmp_path / "state.json"
     with _bring_up("switch:6", state) as plan:

@@ -1,6 +1,6 @@
 """Reduce-scatter and allgather simulated and run (issue 14 part 3, step 3): the event simulator's time equals
 the planned cost, and the runtime gives torch.distributed's exact results in-process for every synthesizer
-that plans them (the gloo multi-process run is in test_comm_dist.py)."""
+that plans them (the gloo multi-process run is in tests/comm/test_dist.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import gradsync.sim.bench as registry
 from gradsync.errors import GradsyncError
 from gradsync.sim.bench import BENCHMARKS, CHECKOUT_PACKAGE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "benchmarks"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 

@@ -11,8 +11,7 @@ from gradsync.errors import TopologyError
 from gradsync.plan import cut_bound, evaluate, limits, synthesize
 from gradsync.sim import simulate
 from gradsync.topology import Device, Link, Topology, from_dict, load, save
-
-from .conftest import random_fabric, set_partitions
+from tests.conftest import random_fabric, set_partitions
 
 
 def triangle(down: float) -> Topology:

@@ -15,8 +15,7 @@ from gradsync.plan.forest import gather_cut_bound, min_arborescence, reverse_sch
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
 from gradsync.topology import Device, Link, Topology
 from gradsync.topology.io import get_topology
-
-from .conftest import random_fabric, random_topology
+from tests.conftest import random_fabric, random_topology
 
 SHARDED = ("reduce_scatter", "allgather")
 

@@ -12,8 +12,7 @@ from gradsync.plan import limits, pack_trees
 from gradsync.plan.cut_bound import cut_bound, family_bound
 from gradsync.plan.limits import _singleton_cut
 from gradsync.topology import DGX1_NVLINKS, Device, Link, Topology, get_topology
-
-from .conftest import random_fabric, random_topology, set_partitions
+from tests.conftest import random_fabric, random_topology, set_partitions
 
 
 # ---- independent brute force ---------------------------------------------------------------------------------
@@ -67,7 +66,7 @@ def dgx1_boxes(boxes: int) -> Topology:
 def a100_boxes(boxes: int) -> Topology:
     """ForestColl's ``a100_topology`` (8 GPUs on an NVSwitch, 300 GB/s, one 25 GB/s NIC each, two IB rails),
     transcribed in ``benchmarks/topologies/a100x{2,4,8}.yaml``."""
-    return get_topology(str(Path(__file__).resolve().parents[1] / "benchmarks" / "topologies" / f"a100x{boxes}.yaml"))
+    return get_topology(str(Path(__file__).resolve().parents[2] / "benchmarks" / "topologies" / f"a100x{boxes}.yaml"))
 
 
 # ---- tests ---------------------------------------------------------------------------------------------------
