@@ -299,3 +299,15 @@ def test_auto_lives_in_sim_and_plan_alone_says_so():
     for name in SYNTHESIZERS.names():
         if not SYNTHESIZERS.get(name).applicable(topo):
             assert synthesize_any(name, topo).to_dict() == synthesize(name, topo).to_dict(), name
+
+
+def test_multiring_interleaves_rings():
+    topo = get_topology("switch:4")
+    s = synthesize("multiring", topo, PlanOptions(rings=3))
+    assert s.meta["num_rings"] == 3 and len(s.chunks) == 12
+    # each ring moves 1/3 of the buffer: per directed ring link, 2(n-1)/n * 1/3 in total
+    loads = s.link_loads(topo).directed
+    assert np.isclose(loads.max(), 2 * 3 / 4)
+    # rings are rotated: their chunks complete on different ranks
+    roots = [[s.chunks[r * 4 + p].root for p in range(4)] for r in range(3)]
+    assert roots[0] != roots[1] != roots[2]
