@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ def test_the_runtime_reads_what_a_transport_can_do_from_its_capabilities():
     transport plans without the native collective and decides locally; one that declares ``decide`` has every
     plan decision go through it, keyed by the cost model's generation; nothing in comm probes a transport."""
     import re
+    from pathlib import Path
 
     from gradsync.comm import Runtime
     from gradsync.comm.transport import Capabilities
