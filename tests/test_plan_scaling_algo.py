@@ -27,8 +27,7 @@ from gradsync.plan.symmetry import link_permutation, symmetry_of, torus_trees
 from gradsync.plan.trees import TreePricer, tree_loads
 from gradsync.topology import Device, Link, Topology, get_topology
 from gradsync.topology.io import from_dict
-
-from .conftest import random_fabric, random_topology
+from tests.conftest import random_fabric, random_topology
 
 lp = importlib.import_module("gradsync.plan.lp")
 

@@ -1,31 +1,22 @@
-"""TicTac (seed 003): the seed's toy examples, brute force on small DAGs, metrics by hand, capture, JSON, errors."""
+"""TicTac (seed 003): the seed's toy examples, brute force on small DAGs, metrics by hand
+(capture, the DAG, priorities and the CLI have their own files beside this one)."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 
 import pytest
 
-from gradsync.cli import main
-from gradsync.errors import GradsyncError
 from gradsync.order import (
     Dag,
-    DagError,
     LinkModel,
     Op,
     Param,
     RecvProperties,
     before,
-    capture,
-    capture_autograd,
     capture_fx,
-    check_priorities,
-    example_input,
     metrics,
-    ordering,
-    priorities,
     properties,
     rank_by,
     tac,
@@ -35,15 +26,10 @@ from gradsync.order import (
     training_dag,
 )
 from gradsync.sim import IterationConfig, simulate_iteration
+from tests.order.conftest import fig1
 
 # 1 byte takes 1 s on this link, so parameter sizes are their transfer times.
 SLOW = IterationConfig(bandwidth_GBps=1e-9)
-
-
-def fig1(t1: int = 2, t2: int = 3, op1: float = 4.0, op2: float = 1.0) -> Dag:
-    """Seed Fig. 1(a): recv1 -> op1; op1 + recv2 -> op2."""
-    return Dag("fig1", (Param("recv1", t1), Param("recv2", t2)),
-               (Op("op1", time_s=op1, reads=("recv1",)), Op("op2", time_s=op2, inputs=("op1",), reads=("recv2",))))
 
 
 def case1(ma: int, pa: float, mb: int, pb: float) -> Dag:
@@ -157,50 +143,6 @@ def test_efficiency_and_speedup_match_a_hand_computation() -> None:
     assert metrics(dag, oracle, bad).efficiency == 0.0
 
 
-# ---- capture ---------------------------------------------------------------------------------------------
-def test_capture_lenet5_params_reads_and_backward_order() -> None:
-    from gradsync.models import create
-
-    model = create("lenet5")
-    dag = capture(model, example_input("lenet5"), name="lenet5")
-    names = [n for n, _ in model.named_parameters()]
-    assert [p.name for p in dag.params] == names and len(names) == 10
-    assert dag.total_bytes == 4 * sum(p.numel() for p in model.parameters())
-    forward = [op for op in dag.ops if op.kind not in ("backward", "send")]
-    assert sorted(p for op in forward for p in op.reads) == sorted(names)  # each read by exactly one op
-    assert sum(op.kind == "send" for op in dag.ops) == 10
-    # Gradients become ready layer by layer from the output back: the reverse of forward order.
-    layers = list(dict.fromkeys(n.rpartition(".")[0] for n in names))
-    assert list(dict.fromkeys(n.rpartition(".")[0] for n in dag.grad_order)) == layers[::-1]
-    assert sorted(dag.grad_order) == sorted(names)
-
-
-def test_capture_leaves_the_model_unchanged() -> None:
-    from gradsync.models import create
-
-    model = create("resnet18")
-    before_state = {k: v.clone() for k, v in model.state_dict().items()}
-    capture(model, example_input("resnet18", image_size=32))
-    assert all(p.grad is None for p in model.parameters())
-    after = model.state_dict()
-    assert all(before_state[k].equal(after[k]) for k in before_state)  # batch-norm statistics untouched
-
-
-def test_fx_and_autograd_capture_agree_on_parameter_reads() -> None:
-    from gradsync.models import create
-
-    model = create("resnet18")
-    fx = capture_fx(model, None, "r18")
-    ag = capture_autograd(model, example_input("resnet18", image_size=32), "r18")
-    assert {p for op in fx.ops for p in op.reads} == {p for op in ag.ops for p in op.reads} == set(fx.param_index)
-    # Both see conv1.weight first and the fc layer last among the parameter-reading ops (autograd reads
-    # fc.weight in its own transpose op, next to the addmm that reads fc.bias).
-    for dag in (fx, ag):
-        reading = [op for op in dag.ops if op.reads]
-        assert reading[0].reads == ("conv1.weight",)
-        assert {"fc.weight", "fc.bias"} <= {p for op in reading[-2:] for p in op.reads}
-
-
 def test_tac_on_resnet152_completes() -> None:
     from gradsync.models import create
 
@@ -214,73 +156,3 @@ def test_tac_on_resnet152_completes() -> None:
     assert prio["conv1.weight"] == 0
     ranks = tic(dag)
     assert ranks["conv1.weight"] == 0 and set(ranks) == set(prio)
-
-
-# ---- priorities API, JSON, errors ------------------------------------------------------------------------
-def test_priorities_api_returns_a_rank_per_parameter_name() -> None:
-    from gradsync.models import create
-
-    names = [n for n, _ in create("lenet5").named_parameters()]
-    for method in ("tac", "tic", "fifo", "random"):
-        prio = priorities("lenet5", method=method, runs=1)
-        assert set(prio) == set(names) and all(isinstance(v, int) and v >= 0 for v in prio.values())
-    assert priorities("lenet5", method="fifo") == {n: i for i, n in enumerate(names)}
-
-
-def test_json_round_trip(tmp_path) -> None:
-    dag = training_dag(fig1()).with_times({"op1": 4.0})
-    dag = Dag(dag.name, dag.params, dag.ops, grad_order=("recv2", "recv1"), source="hand")
-    path = dag.save(tmp_path / "fig1.json")
-    back = Dag.load(path)
-    assert back == dag and back.op("bwd:op1").time_s == 8.0
-    assert json.loads(path.read_text())["type"] == "gradsync.order.dag"
-
-
-@pytest.mark.parametrize(("build", "message"), [
-    (lambda: Dag("d", (Param("p", 4),), (Op("a", inputs=("b",)), Op("b"))), "comes later"),
-    (lambda: Dag("d", (Param("p", 4),), (Op("a", inputs=("zz",)),)), "'zz', which is unknown"),
-    (lambda: Dag("d", (Param("p", 4),), (Op("a", reads=("q",)),)), "parameter 'q'"),
-    (lambda: Dag("d", (Param("p", 4), Param("p", 8)), ()), "listed twice"),
-    (lambda: Op("a", time_s=-1.0), "time_s=-1.0"),
-    (lambda: Param("p", -3), "nbytes=-3"),
-    (lambda: Op("a", kind="send"), "sends="),
-])
-def test_bad_dags_are_rejected_naming_the_value(build, message) -> None:
-    with pytest.raises(DagError, match=message):
-        build()
-
-
-def test_bad_files_and_inputs(tmp_path) -> None:
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"type": "gradsync.schedule", "version": 1}))
-    with pytest.raises(DagError, match="not a DAG file"):
-        Dag.load(bad)
-    bad.write_text("{not json")
-    with pytest.raises(DagError, match="not valid JSON"):
-        Dag.load(bad)
-    bad.write_text(json.dumps({"type": "gradsync.order.dag", "version": 1, "params": [{"nbytes": 3}]}))
-    with pytest.raises(DagError, match="missing"):
-        Dag.load(bad)
-    with pytest.raises(DagError, match="does not exist"):
-        Dag.load(tmp_path / "nope.json")
-    dag = fig1()
-    with pytest.raises(DagError, match="missing"):
-        check_priorities(dag, {"recv1": 0})
-    with pytest.raises(DagError, match="integers >= 0"):
-        check_priorities(dag, {"recv1": 0, "recv2": -1})
-    with pytest.raises(GradsyncError, match="unknown ordering 'tacc'.*Did you mean 'tac'"):
-        ordering(dag, "tacc")
-    with pytest.raises(DagError, match="does not have"):
-        dag.with_times({"op9": 1.0})
-    with pytest.raises(DagError, match="bandwidth_GBps=0"):
-        LinkModel(0)
-
-
-def test_cli_order_json(capsys) -> None:
-    assert main(["order", "lenet5", "--json", "--runs", "1", "--random-runs", "2", "--workers", "2"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["type"] == "gradsync.order" and report["params"] == 10
-    assert sorted(report["priorities"].values()) == list(range(10))
-    assert 0 <= report["metrics"]["E"] <= 1
-    assert main(["order", "nosuchmodel"]) == 2
-    assert "unknown model" in capsys.readouterr().err

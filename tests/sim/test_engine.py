@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,8 +14,7 @@ from gradsync.errors import GradsyncError, ScheduleError
 from gradsync.plan import Chunk, PlanOptions, Schedule, Transfer, evaluate, predicted_time, synthesize
 from gradsync.sim import SimResult, SimulationError, plot_timeline, schedule_dependencies, simulate
 from gradsync.topology import Device, Link, Topology, get_topology
-
-from .conftest import random_topology
+from tests.conftest import random_topology
 
 GB = 1e9
 
@@ -273,50 +270,3 @@ def test_bad_input_is_a_gradsync_error(kwargs, message):
 def test_schedule_for_other_ranks_is_rejected():
     with pytest.raises(ScheduleError, match="plan it again"):
         simulate(synthesize("ring", get_topology("ring:3")), get_topology("ring:4"), GB)
-
-
-# ---- CLI ---------------------------------------------------------------------------------------------------
-def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gradsync", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
-
-
-def test_cli_simulate_json():
-    p = run("simulate", "--topology", "p3.16xlarge", "--algorithm", "lp", "--size", "1GB", "--json")
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
-    assert out["type"] == "gradsync.simulation" and out["mode"] == "streaming"
-    assert out["gst_over_tf"] == pytest.approx(7 / 24, rel=1e-6)
-    assert out["time_s"] == pytest.approx(1e9 / 85.714285714e9, rel=1e-6)
-    assert out["planned"]["cost"] == pytest.approx(7 / 24) and out["sim_over_planned"] == pytest.approx(1.0)
-
-
-def test_cli_simulate_store_and_forward_latency_timeline(tmp_path):
-    p = run("simulate", "-t", "switch:4", "-a", "ring", "--size", "100MB,100MB", "--latency", "1e-4",
-            "--store-and-forward", "--timeline", "tl.png", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
-    assert "store-and-forward" in p.stdout and "simulated / planned = 1" in p.stdout
-    assert (tmp_path / "tl.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.parametrize("args, message", [
-    (["simulate", "-t", "p3.16xlarge", "--size", "lots"], "cannot read size 'lots'"),
-    (["simulate", "-t", "p3.16xlarge", "--size", "1GB,"], "cannot read sizes"),
-    (["simulate", "-t", "p3.16xlarge", "--timeline", "x.txt"], "must end in .png"),
-    (["bench", "nosuch"], "known: sim-scaling"),
-])
-def test_cli_errors_are_one_line(args, message, tmp_path):
-    p = run(*args, cwd=tmp_path)
-    assert p.returncode == 2
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("gradsync: error:") and message in lines[0]
-
-
-def test_cli_bench_lists_and_runs(tmp_path):
-    p = run("bench")
-    assert p.returncode == 0 and "sim-scaling" in p.stdout
-    p = run("bench", "sim-scaling", "--cases", "ps-switch16", "--modes", "store-and-forward", "--out", str(tmp_path))
-    assert p.returncode == 0, p.stderr
-    doc = json.loads((tmp_path / "sim_scaling.json").read_text())
-    assert doc["type"] == "gradsync.bench.sim_scaling" and len(doc["runs"]) == 2
-    assert all(r["gst_over_tf"] == pytest.approx(2 * 15 / 16) for r in doc["runs"] if r["latency_s"] == 0)
-    assert (tmp_path / "sim_scaling.png").exists()
