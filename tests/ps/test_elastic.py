@@ -26,8 +26,8 @@ from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, SERVERS_ENV
 from gradsync.ps.kvstore import KVStoreConfig, PSKVStore, create
 from gradsync.ps.launch import job_env, start_server
 from gradsync.ps.wire import Flag, Op, encode
+from tests.ps.cluster import Cluster, run_workers
 from tests.test_faults import _Served
-from tests.test_ps import Cluster, run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, str(ROOT / "tests" / "workers" / "ps_worker.py"), "elastic"]

@@ -17,8 +17,8 @@ from gradsync.ps.client import PSClient, place
 from gradsync.ps.kvstore import KVStoreConfig, PSKVStore
 from gradsync.ps.server import Slot
 from gradsync.ps.wire import Flag, Op, encode
+from tests.ps.cluster import Cluster, run_workers
 from tests.test_faults import _Served
-from tests.test_ps import Cluster, run_workers
 
 W, ROUNDS = 3, 4
 TOTAL = W * (W + 1) // 2

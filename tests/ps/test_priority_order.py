@@ -24,7 +24,7 @@ from gradsync.ps.kvstore import KVStoreConfig, PSKVStore
 from gradsync.ps.wire import Flag, Op, decode, encode
 from gradsync.train.ps_overlap import attach_pull_waits
 from gradsync.train.ps_trainer import PSTrainer, create_trainer
-from tests.test_ps import Cluster
+from tests.ps.cluster import Cluster
 
 # 10 keys: the "big*" ones (100 floats = 400 bytes >= slice_bytes 256) are sliced over both servers
 KEYS = [f"small{i}" for i in range(6)] + [f"big{i}" for i in range(4)]
