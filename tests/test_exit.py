@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = str(Path(__file__).resolve().parent / "exit_worker.py")
+WORKER = str(Path(__file__).resolve().parent / "workers" / "exit_worker.py")
 
 #: (usage, ending, runs): every documented usage ending with nothing, and both explicit orders of ending.
 CASES = [

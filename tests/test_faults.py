@@ -472,10 +472,10 @@ def test_no_secret_means_loopback_only(bind: str) -> None:
 def test_launch_makes_a_per_job_secret_so_an_outsider_cannot_stop_the_server() -> None:
     """With no GRADSYNC_PS_SECRET set, `gradsync launch` gives the job its own secret and job id; raw frames
     from a process without them (SHUTDOWN, PUSH, INIT, STATUS, a guessed tag) are all rejected and the
-    job's pushpull still works (tests/ps_worker.py intruder)."""
+    job's pushpull still works (tests/workers/ps_worker.py intruder)."""
     env = {k: v for k, v in ENV.items() if k not in ("GRADSYNC_PS_SECRET", "GRADSYNC_PS_JOB")}
     p = subprocess.run(_gradsync("launch", "-n", "1", "-s", "1", "--timeout", "120", "--", sys.executable,
-                                 str(ROOT / "tests" / "ps_worker.py"), "intruder"),
+                                 str(ROOT / "tests" / "workers" / "ps_worker.py"), "intruder"),
                        env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "OK intruder refused 5 times" in p.stdout, p.stdout[-3000:]

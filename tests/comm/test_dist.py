@@ -1,0 +1,152 @@
+"""The runtime on real processes over gloo (loopback): sums, DDP hook, DistributedOptimizer, dead peers."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradsync.sim.choose import algorithms_for
+from gradsync.topology.io import get_topology
+from tests.dist_launch import launch
+
+WORKER = "tests/workers/comm_worker.py"
+
+
+def _applicable(topology: str) -> list[str]:
+    topo = get_topology(topology)
+    return [*algorithms_for(topo), "native"]
+
+
+@pytest.mark.parametrize("world,topology", [(2, "switch:2"), (3, "switch:3"), (4, "bcube:2,2")])
+def test_every_synthesizer_sums_on_processes(tmp_path, world, topology):
+    reports = launch(WORKER, ["sums", str(tmp_path), topology], world, tmp_path)
+    expected = _applicable(topology)
+    if world == 4:
+        assert {"bml", "hierarchical", "multiring", "lp"} <= set(expected)
+    for rank, rep in enumerate(reports):
+        assert rep is not None, f"rank {rank} wrote no report"
+        assert rep["checked"] == expected
+        assert rep["failures"] == [], f"rank {rank}: {rep['failures']}"
+        assert rep["auto"] == reports[0]["auto"]  # every rank makes the same choice per size class
+    if topology == "switch:2":  # one link each way: nothing beats the backend's own ring, auto keeps it
+        assert {a for a, _ in reports[0]["auto"].values()} == {"native"}
+    if topology == "bcube:2,2":  # two switch levels: a planned schedule wins at some size
+        assert {a for a, _ in reports[0]["auto"].values()} - {"native"}
+
+
+@pytest.mark.parametrize("world,topology", [(2, "switch:2"), (3, "p3.8xlarge[0,1,2]"), (4, "bcube:2,2")])
+def test_reduce_scatter_and_allgather_on_processes(tmp_path, world, topology):
+    """Issue 14 part 3: every synthesizer that plans them gives torch's exact results over gloo."""
+    reports = launch(WORKER, ["sharded", str(tmp_path), topology], world, tmp_path)
+    topo = get_topology(topology)
+    expected = algorithms_for(topo, "allgather")
+    assert {"ring", "ps", "tree", "lp", "auto"} <= set(expected)
+    for rank, rep in enumerate(reports):
+        assert rep is not None and rep["checked"] == expected and rep["failures"] == [], (rank, rep)
+
+
+def test_bml_on_bcube_3_2_with_nine_processes(tmp_path):
+    reports = launch(WORKER, ["sums", str(tmp_path), "bcube:3,2", "bml"], 9, tmp_path, timeout_s=280)
+    for rank, rep in enumerate(reports):
+        assert rep is not None and rep["checked"] == ["bml"] and rep["failures"] == [], (rank, rep)
+
+
+def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
+    """The measured α is the same on every rank, positive and bounded, marked in the model's source, written
+    once to the cache, and a second init reads it back unchanged (no second measurement)."""
+    cache = tmp_path / "cache"
+    reports = launch(WORKER, ["calibrate", str(tmp_path), "switch:3", str(cache)], 3, tmp_path)
+    first = reports[0]["first"]
+    for rank, rep in enumerate(reports):
+        assert rep["exact"], (rank, rep)
+        assert rep["first"] == first and rep["second"] == first, (rank, rep)
+    assert "calibrated on 3 ranks" in first["source"]
+    assert 1e-6 <= first["message_s"] < 0.5 and 1e-6 <= first["native_message_s"] < 0.5, first
+    assert 0.0 <= first["reverse_share"] <= 0.5 and "both ways" in first["source"], first
+    files = reports[0]["files"]
+    assert len(files) == 2 and files[0].startswith("cost_model-") and files[1].startswith("tuned-"), files
+    # auto's small classes were timed: 4 KB .. 256 KB, the same choices on every rank, each one of the measured
+    # candidates (the native collective always among them), and what auto runs afterwards
+    tuned = reports[0]["tuned"]
+    assert sorted(int(k) for k in tuned) == [4096 << i for i in range(7)], tuned
+    for rank, rep in enumerate(reports):
+        assert rep["tuned"] == tuned and rep["used"] == tuned, (rank, rep["tuned"], rep["used"])
+        assert rep["tuned_again"] == tuned, (rank, rep["tuned_again"])  # the second init read them back
+        # only the picked plans stay cached: a candidate measured but not picked prices its wait order anew
+        assert set(rep["kept"]) <= {f"{a}/{p}" for a, p in tuned.values()}, (rank, rep["kept"], tuned)
+    for size, (algorithm, pipeline) in tuned.items():
+        assert f"{algorithm}/{pipeline}" in reports[0]["measured"][size] and "native/1" in reports[0]["measured"][size]
+
+
+def test_auto_times_the_depths_beside_the_models_on_a_large_class_and_keeps_one(tmp_path):
+    """With ``explore``, a class above 256 KB runs the model's depth, its double and its half in turn (one
+    warm-up round, then ``EXPLORE_REPS`` timed rounds), every result exact; a step picks by the margin rule
+    on the slowest rank's medians against its first candidate, and a pick at the edge (the double, the half)
+    is timed against the next depth that way, at most ``EXPLORE_STEPS`` more times. Then all ranks keep the
+    same pick and run it; the candidates not picked are dropped."""
+    from gradsync.comm.tuning import EXPLORE_MARGIN, EXPLORE_STEPS
+
+    reports = launch(WORKER, ["explore", str(tmp_path), "switch:3"], 3, tmp_path)
+    first = reports[0]
+    name, p = first["model"]
+    record = first["record"]
+    assert record["online"] is True and record["model"] == [name, p], record
+    steps = record["steps"]
+    want = [[name, q] for q in (p, 2 * p, p // 2) if q in first["pipelines"]]
+    assert len(want) >= 2 and steps[0]["candidates"] == want, (want, steps)
+    assert 1 <= len(steps) <= 1 + EXPLORE_STEPS, steps
+    for i, step in enumerate(steps):  # each pick by the margin rule; each next step from the last one's pick
+        measured, incumbent = step["measured_s"], "/".join(map(str, step["candidates"][0]))
+        assert set(measured) == {"/".join(map(str, c)) for c in step["candidates"]}, step
+        fastest = min(measured, key=measured.get)
+        expect = fastest if measured[fastest] < (1 - EXPLORE_MARGIN) * measured[incumbent] else incumbent
+        assert "/".join(map(str, step["pick"])) == expect, step
+        depths = [c[1] for c in step["candidates"]]
+        moved, q = step["pick"] != step["candidates"][0], step["pick"][1]
+        edge = 2 * q if moved and q == max(depths) else q // 2 if moved and q == min(depths) else None
+        if i + 1 < len(steps):
+            assert steps[i + 1]["candidates"] == [step["pick"], [name, edge]], steps
+        else:  # the last step: nothing further that way, or no steps left
+            assert (edge is None or edge < 1 or edge not in first["pipelines"] or i == EXPLORE_STEPS), steps
+    rounds = sum((1 + first["reps"]) * len(step["candidates"]) for step in steps)
+    for rank, rep in enumerate(reports):
+        assert rep["exact"], (rank, rep)
+        assert rep["record"] == record and rep["pick"] == steps[-1]["pick"] == record["choice"], (rank, rep)
+        # it explored for exactly its rounds (calls come in pairs), then settled
+        assert rep["calls"] == rounds + rounds % 2 and rep["exploring"][-1] is False, (rank, rep)
+        assert all(rep["exploring"][:-1]), (rank, rep)
+        assert rep["runs_pick"] and rep["planned_only"] is False, (rank, rep)
+        picked = "/".join(map(str, rep["pick"]))
+        tried = {"/".join(map(str, c)) for step in steps for c in step["candidates"]}
+        assert picked in rep["kept"] and (set(rep["kept"]) & tried) - set(rep["before"]) <= {picked}, (rank, rep)
+
+
+def test_ddp_hook_matches_ddp_without_hook(tmp_path):
+    reports = launch(WORKER, ["ddp", str(tmp_path), "p3.8xlarge[0,1,2]"], 3, tmp_path)
+    for rank, rep in enumerate(reports):
+        assert rep["torch.float32_ok"] and rep["torch.float64_ok"], (rank, rep)
+
+
+def test_ddp_hook_issues_a_native_size_itself_with_the_queued_paths_bits(tmp_path):
+    reports = launch(WORKER, ["ddp_native", str(tmp_path), "switch:3"], 3, tmp_path)
+    for rank, rep in enumerate(reports):
+        # every bucket of both iterations (DDP's first runs as one bucket, then rebuilt: 1 + 2) took the native path
+        assert rep["native_calls"] == rep["buckets"] >= 3 and rep["all_native"], (rank, rep)
+        assert rep["same_as_queued"] and rep["vs_ddp"] <= 1e-12, (rank, rep)
+
+
+def test_distributed_optimizer_equals_union_batch_training(tmp_path):
+    reports = launch(WORKER, ["optimizer", str(tmp_path), "switch:3"], 3, tmp_path)
+    for rank, rep in enumerate(reports):
+        for bucket, r in rep.items():
+            assert r["across_ranks"] == 0.0, (rank, bucket, r)  # every rank holds the same bits
+            assert r["vs_reference"] < 1e-12, (rank, bucket, r)
+
+
+def test_killed_rank_is_named_by_survivors_within_timeout(tmp_path):
+    reports = launch(WORKER, ["kill", str(tmp_path), "switch:3"], 3, tmp_path, allow_exit={2: 17})
+    assert reports[2] is None
+    for rank in (0, 1):
+        rep = reports[rank]
+        assert rep["error"] is not None, f"rank {rank} finished without noticing rank 2 died"
+        assert rep["peer"] == 2 and "rank 2" in rep["error"], rep
+        assert rep["seconds"] <= rep["timeout_s"] + 2.0, rep

@@ -1,0 +1,57 @@
+"""The runtime (gradsync.comm.runtime) on the in-process fabric: its communication thread and the module API without a process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.comm import run_ranks
+from gradsync.errors import GradsyncError
+
+
+def test_blocking_allreduce_runs_on_the_callers_thread_only_when_nothing_is_queued():
+    """``Runtime.allreduce`` skips the communication thread when it is idle, but never overtakes queued work:
+    a blocking call behind a queued one runs after it, on the communication thread, and every sum is exact."""
+    import threading
+
+    from gradsync.comm import Runtime
+
+    def body(tr):
+        rt = Runtime(tr, "switch:3", "ring", timeout_s=20)
+        ex = rt.executor()
+        ran: list[tuple[str, float]] = []
+        real_run = ex.run
+
+        def spy(tensors, op="sum"):
+            ran.append((threading.current_thread().name, float(tensors.flatten()[0])))
+            return real_run(tensors, op)
+
+        ex.run = spy
+        gate = threading.Event()
+        xs = [torch.full((517,), float(10 ** i * (tr.rank + 1))) for i in range(3)]
+        rt.submit(lambda: gate.wait(10))  # holds the queue until the timer fires
+        first = rt.allreduce_async(xs[0])
+        threading.Timer(0.2, gate.set).start()
+        rt.allreduce(xs[1])  # queued work ahead: must wait its turn on the communication thread
+        assert first.done()
+        rt.allreduce(xs[2])  # idle: runs right here
+        rt.shutdown()
+        return ran, [float(x[0]) for x in xs], threading.current_thread().name
+
+    for got in run_ranks(3, body):
+        assert not isinstance(got, BaseException), got
+        ran, sums, caller = got
+        assert sums == [6.0, 60.0, 600.0]
+        assert [who for who, _ in ran] == ["gradsync-comm", "gradsync-comm", caller]
+        assert ran[0][1] < 10 <= ran[1][1]  # the queued one went first, before the blocking one
+
+
+def test_get_runtime_without_a_process_group_says_how_to_start():
+    import torch.distributed as dist
+
+    import gradsync
+
+    if dist.is_initialized() or gradsync.is_initialized():
+        pytest.skip("a process group or runtime exists in this test process")
+    with pytest.raises(GradsyncError, match=r"call gradsync.init\(\), or torch.distributed.init_process_group\(\)"):
+        gradsync.get_runtime()

@@ -1,0 +1,226 @@
+"""Tuning (gradsync.comm.tuning) on the in-process fabric: tuned choices, their cache, and the explorer on a fake clock.
+
+The multi-process calibration and auto runs are in tests/comm/test_dist.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gradsync.comm import Executor
+from gradsync.comm.local import LocalFabric
+from gradsync.errors import GradsyncError
+
+
+def test_tuned_choice_keeps_the_model_unless_a_candidate_is_clearly_faster():
+    from gradsync.comm.tuning import TUNE_MARGIN, tuned_choice
+
+    model = ("native", 1)
+    # within the margin (noise): the model's choice stays, even when another measured a little faster
+    assert tuned_choice({model: 1.0, ("tree", 1): 1.0 - TUNE_MARGIN / 2}, model) == model
+    # clearly faster: the fastest wins (the 84 KB tree on the racks testbed: 1.7 ms against 6.4)
+    measured = {model: 6.4e-3, ("tree", 1): 1.7e-3, ("lp", 1): 1.6e-3, ("hierarchical", 1): 5.1e-3}
+    assert tuned_choice(measured, model) == ("lp", 1)
+    # the model's choice measured fastest: kept
+    assert tuned_choice({model: 1.0, ("ring", 1): 2.0}, model) == model
+    with pytest.raises(GradsyncError, match="was not measured"):
+        tuned_choice({("ring", 1): 1.0}, model)
+
+
+def test_cached_tuned_choices_are_checked_before_auto_uses_them():
+    """``use_tuned`` adopts a cache's choices per size class (what ``auto`` then runs, exact) and refuses a
+    wrong file whole, naming the entry: an unknown algorithm, a size that is no class, a depth of 0."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import TUNED_TYPE
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    good = {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1]}, "65536": {"choice": ["ring", 2]}}}
+    rt.use_tuned(good)
+    assert rt.choice(4096) == ("tree", 1) and rt.choice(65536) == ("ring", 2)
+    assert rt.executor("auto", 1000).schedule.algorithm == "tree" and rt.tuned[4096]["cached"] is True
+    for bad in ({"type": "other", "classes": {}}, {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["nope", 1]}}},
+                {"type": TUNED_TYPE, "classes": {"5000": {"choice": ["tree", 1]}}},
+                {"type": TUNED_TYPE, "classes": {"8192": {"choice": ["tree", 0]}}}, [1, 2],
+                {"type": TUNED_TYPE, "classes": {"8192": {"choice": [["tree"], 1]}}},
+                {"type": TUNED_TYPE, "classes": {"8192": "tree"}}):
+        fresh = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+        before = fresh.plans.chosen()
+        with pytest.raises(GradsyncError, match="tuned"):
+            fresh.use_tuned(bad)
+        assert fresh.plans.chosen() == before and fresh.tuned == {}
+
+
+def test_tune_without_a_process_group_has_nothing_to_measure():
+    from gradsync.comm import Runtime
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    assert rt.tune() == {} and rt.tuned == {}
+    with pytest.raises(GradsyncError, match="reps=0"):
+        rt.tune(reps=0)
+    with pytest.raises(GradsyncError, match="max_bytes=-1"):
+        rt.tune(max_bytes=-1)
+
+
+def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
+    """``explore`` times depths on a job's own calls only where a process group can agree on the timings,
+    and only above the tuned classes: without one, ``auto`` runs the model's choice, nothing is recorded."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import TUNE_MAX_BYTES
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    rt.explore = True
+    for nbytes in (1000, TUNE_MAX_BYTES, 4 << 20):
+        ex = rt.executor("auto", nbytes)
+        assert (ex.schedule.algorithm, ex.schedule is rt.executor("auto", nbytes).schedule) == (rt.choice(nbytes)[0], True)
+    assert not rt.exploring() and rt.tuned == {}
+    assert rt.tuning.explored() == {4 << 20: None}  # decided once: nothing to time
+
+
+@pytest.mark.parametrize("model, cost, steps, pick", [
+    # the double wins twice, then the next double is within the margin: the last winner stays
+    (1, {1: 10.0, 2: 8.0, 4: 6.0, 8: 5.9}, [[1, 2], [2, 4], [4, 8]], 4),
+    # the half keeps winning: EXPLORE_STEPS more steps, then it stops even though 1 would be faster still
+    (16, {32: 11.0, 16: 10.0, 8: 9.0, 4: 8.0, 2: 7.0, 1: 6.0}, [[16, 32, 8], [8, 4], [4, 2]], 2),
+    # the model's depth wins the first step: nothing more to measure
+    (4, {8: 10.0, 4: 9.0, 2: 9.5}, [[4, 8, 2]], 4),
+])
+def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, steps, pick):
+    """``Explorer``'s rule on timings it is handed (a fake clock: each depth's call takes ``cost``): a step
+    keeps its first candidate unless another beats it by ``EXPLORE_MARGIN``; a pick at the edge is timed
+    against the next depth that way, at most ``EXPLORE_STEPS`` more times; then the pick is recorded and run."""
+    import gradsync.comm.tuning as tuning
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import EXPLORE_REPS, EXPLORE_STEPS, Explorer
+
+    assert EXPLORE_STEPS == 2  # the second case's three steps
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    clock = [0.0]
+    ran: list[int] = []
+
+    class Fake:
+        def __init__(self, depth: int) -> None:
+            self.depth, self.schedule = depth, None
+
+        def run(self, tensors, op="sum"):
+            ran.append(self.depth)
+            clock[0] += cost[self.depth]
+            return tensors
+
+    real = tuning.time  # only the tuning module's clock is faked: other threads keep the real one
+    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
+    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
+    monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake(depth))
+    first = [("ring", model)] + [("ring", q) for q in (2 * model, model // 2) if q >= 1]
+    ex = Explorer(rt.tuning, object(), 4 << 20, first)
+    calls = 0
+    while ex.pick is None:
+        ex.run(torch.zeros(1))
+        calls += 1
+        assert calls <= 40
+    record = rt.tuned[4 << 20]
+    assert [[c[1] for c in step["candidates"]] for step in record["steps"]] == steps
+    assert ex.pick == ("ring", pick) and record["choice"] == ["ring", pick] and rt.choice(4 << 20) == ("ring", pick)
+    assert calls == sum((1 + EXPLORE_REPS) * len(step) for step in steps)
+    assert ran[-len(steps[-1]):] == steps[-1]  # the last round: the last step's candidates, in turn
+    ex.run(torch.zeros(1))
+    assert ran[-1] == pick and record["measured_s"]["ring/" + str(pick)] == cost[pick]
+
+
+def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timing(tmp_path, monkeypatch):
+    """A size class the first calls settled (``Explorer``) is written beside the tuned small classes (rank 0,
+    the cache of ``init(calibrate=True)``); a runtime that reads that file back runs the pick from its first
+    call and times nothing; under a new cost model the class is priced and explored afresh, and a pick made
+    then is not written into the old model's file."""
+    import gradsync.comm.tuning as tuning
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import TUNED_TYPE, Explorer
+    from gradsync.sim.cost import CostModel
+
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    size = 4 << 20
+    cost = {1: 10.0, 2: 8.0, 4: 6.0, 8: 5.9}  # the double wins twice, then the margin keeps 4
+    clock = [0.0]
+
+    class Fake:
+        def __init__(self, depth: int) -> None:
+            self.depth, self.schedule = depth, None
+
+        def run(self, tensors, op="sum"):
+            clock[0] += cost[self.depth]
+            return tensors
+
+    real = tuning.time
+    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
+    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
+
+    def explore(rt: Runtime) -> Explorer:
+        monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake(depth))
+        ex = Explorer(rt.tuning, object(), size, [("ring", 1), ("ring", 2)])
+        for _ in range(40):
+            if ex.pick is not None:
+                break
+            ex.run(torch.zeros(1))
+        return ex
+
+    small = {"4096": {"choice": ["tree", 1], "model": ["ring", 1]}}  # what tune() measured at init
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    path = Path(rt.tuning.cache_path("tuned"))
+    path.write_text(json.dumps({"type": TUNED_TYPE, "classes": small}))
+    rt.tuning.cached("tuned", "tuned choices", rt.use_tuned, lambda: pytest.fail("the file should be read"))
+    rt.tuned_cache = (str(path), rt.plans.generation)  # as init(calibrate=True) leaves it
+    assert explore(rt).pick == ("ring", 4)
+    doc = json.loads(path.read_text())
+    assert doc["type"] == TUNED_TYPE and doc["classes"]["4096"]["choice"] == ["tree", 1]  # the small class kept
+    assert doc["classes"][str(size)]["choice"] == ["ring", 4] and doc["classes"][str(size)]["online"] is True
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
+
+    again = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    again.tuning.cached("tuned", "tuned choices", again.use_tuned, lambda: pytest.fail("the file should be read"))
+    again.explore = True
+    monkeypatch.setattr(again.plans, "caps", replace(again.caps, group=object()))  # as if it could time its calls
+    ex = again.executor("auto", 3 << 20)  # the class of 4 MiB: a real executor of the kept pick, nothing timed
+    assert isinstance(ex, Executor) and (ex.schedule.algorithm, again.choice(3 << 20)) == ("ring", ("ring", 4))
+    assert again.tuning.explored()[size] is None and not again.exploring()
+    assert again.tuned[size]["cached"] is True and again.tuned[4096]["choice"] == ["tree", 1]
+
+    again.tuned_cache = (str(path), again.plans.generation)
+    again.set_cost_model(CostModel(message_s=again.cost_model.message_s * 2))
+    assert size not in again.tuning.explored() and size not in again.plans.chosen()  # a new model: priced, explored afresh ...
+    before = path.read_text()
+    cost[2] = 5.0
+    assert explore(again).pick == ("ring", 2)
+    assert path.read_text() == before  # ... and not written under the old model's key
+
+
+def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten(tmp_path, monkeypatch):
+    """The calibration's and the tuned choices' cache (``Tuning.cached``): a corrupt file is ignored with a warning
+    naming it, the result is measured and written by rank 0, and the next init uses the file, measuring nothing."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import TUNED_TYPE
+
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    path = Path(rt.tuning.cache_path("tuned"))
+    assert path.parent == tmp_path
+    path.write_text("{not json")
+    doc = {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1]}}}
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return doc
+
+    with pytest.warns(UserWarning, match=r"ignoring the cached tuned choices .*tuned-.*\.json"):
+        rt.tuning.cached("tuned", "tuned choices", rt.use_tuned, measure)
+    assert measured == [1] and json.loads(path.read_text()) == doc
+    again = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    again.tuning.cached("tuned", "tuned choices", again.use_tuned, measure)
+    assert measured == [1] and again.choice(4096) == ("tree", 1)

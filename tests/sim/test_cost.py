@@ -1,0 +1,232 @@
+"""The runtime's cost model (gradsync.sim.cost): closed forms, calibration input (the chooser: test_choose.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from gradsync.comm.tuning import load_cost_model
+from gradsync.errors import GradsyncError, PlanError, SimulationError
+from gradsync.plan import synthesize
+from gradsync.plan.schedule import Chunk, Schedule, Transfer
+from gradsync.sim import simulate
+from gradsync.sim.cost import CostModel, native_schedule, reverse_share_of, size_class
+from gradsync.topology import get_topology
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("alpha", [0.0, 1e-4])
+def test_native_ring_is_the_store_and_forward_closed_form(n, alpha):
+    """gloo's ring in rank order: 2(N-1) steps of M/N bytes, each paying α: 2(N-1)(M/(Nβ) + α)."""
+    t = get_topology(f"ring:{n}")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m = 3e7
+    model = CostModel(native_message_s=alpha)
+    assert model.predict_native(t, m) == pytest.approx(2 * (n - 1) * (m / (n * beta) + alpha), rel=1e-9)
+
+
+def test_bidirectional_ring_halves_the_bytes_per_step():
+    t = get_topology("ring:4")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m = 8e6
+    got = CostModel(message_s=0.0).predict(synthesize("ring", t), t, m)
+    assert got == pytest.approx(2 * 3 * m / (2 * 4 * beta), rel=1e-9)
+
+
+def _chain(hops: int, pipeline: int) -> Schedule:
+    """A buffer in ``pipeline`` sub-chunks relayed along ranks 0 -> 1 -> ... -> hops of ``ring:hops+1``."""
+    chunks = tuple(Chunk(j / pipeline, 1 / pipeline, 0) for j in range(pipeline))
+    transfers = tuple(Transfer(j, k, k + 1, (f"gpu{k}", f"gpu{k + 1}"), False, k)
+                      for j in range(pipeline) for k in range(hops))
+    return Schedule("chain", f"ring:{hops + 1}", tuple(f"gpu{i}" for i in range(hops + 1)), chunks, transfers,
+                    collective="broadcast")
+
+
+@pytest.mark.parametrize("hops,pipeline", [(1, 1), (2, 4), (3, 8), (4, 3)])
+@pytest.mark.parametrize("alpha", [0.0, 3e-4])
+def test_pipelined_chain_is_the_closed_form(hops, pipeline, alpha):
+    """One message at a time per connection and per receiver: sub-chunk j leaves hop k at (k + j + 1)(τ + α),
+    so the chain takes (h + P - 1)(M/(Pβ) + α) -- pipelining pays only where the bytes outweigh α."""
+    t = get_topology(f"ring:{hops + 1}")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m = 4e7
+    got = CostModel(message_s=alpha).predict(_chain(hops, pipeline), t, m)
+    assert got == pytest.approx((hops + pipeline - 1) * (m / (pipeline * beta) + alpha), rel=1e-9)
+
+
+def test_a_receiver_handles_its_messages_one_at_a_time():
+    """Three ranks send to rank 0 of a switch at once: they share its link (3M/β), then rank 0 handles the
+    three arrivals one after another (3α) -- the fan-in a parameter server's owner pays."""
+    t = get_topology("switch:4")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m, alpha = 1e6, 2e-4
+    routes = [(f"host{i}", "sw0", "host0") for i in range(1, 4)]
+    s = Schedule("gather", "switch:4", tuple(f"host{i}" for i in range(4)), (Chunk(0.0, 1.0, 0),),
+                 tuple(Transfer(0, i, 0, r, True, 0) for i, r in zip(range(1, 4), routes)), collective="reduce")
+    assert CostModel(message_s=alpha).predict(s, t, m) == pytest.approx(3 * m / beta + 3 * alpha, rel=1e-9)
+
+
+def test_measured_rates_and_goodput_scale_the_links():
+    t = get_topology("ring:4")
+    s = synthesize("ring", t)
+    base = CostModel(message_s=0.0).predict(s, t, 1e8)
+    kind = t.links[0].kind
+    slow = CostModel(message_s=0.0, link_GBps={kind: t.links[0].bandwidth_GBps / 2}, goodput=0.5).predict(s, t, 1e8)
+    assert slow == pytest.approx(4 * base, rel=1e-9)
+
+
+def test_a_calibration_stream_far_below_the_files_rate_rescales_every_class():
+    """racks:2,3,4 as built (10 Gbit/s NICs, 2.5 Gbit/s uplinks) on a wire 25x slower: rank 0 -> rank 3
+    crosses the uplink, 0.3125 GB/s x goodput 0.96 in the file; the stream measured 1/25 of that, so every
+    link shrinks 25x (through goodput) and keeps its 4:1 ratio, and auto then sees what the wire costs."""
+    t = get_topology("racks:2,3,4")
+    model = CostModel(goodput=0.96)
+    assert model.path_GBps(t, 0, 3) == pytest.approx(0.3125 * 0.96)
+    assert model.path_GBps(t, 0, 1) == pytest.approx(1.25 * 0.96)
+    # every path from rank 0 at once (what calibration picks its far rank from): the same rates, with hops
+    paths = model.paths_from(t, 0)
+    assert paths[0] == (math.inf, 0) and paths[1] == (pytest.approx(1.25 * 0.96), 2)
+    assert paths[3] == (pytest.approx(0.3125 * 0.96), 4)
+    assert [g for g, _ in paths[1:]] == pytest.approx([model.path_GBps(t, 0, p) for p in range(1, 6)])
+    nbytes = 4 << 20
+    seconds = nbytes / (0.3125 * 0.96 / 25 * 1e9)
+    refined, note = model.refined(t, 0, 3, nbytes, seconds)
+    assert refined.path_GBps(t, 0, 3) == pytest.approx(0.3125 * 0.96 / 25)
+    assert refined.path_GBps(t, 0, 1) == pytest.approx(1.25 * 0.96 / 25)  # the file's ratio between classes
+    assert refined.goodput == pytest.approx(0.96 / 25) and refined.link_GBps == model.link_GBps
+    assert refined.message_s == model.message_s
+    assert note is not None and "25.0x below" in note and note in refined.source
+    # a measured rate already in link_GBps is scaled from there, not from the file
+    measured = CostModel(link_GBps={"uplink": 0.1}, goodput=1.0)
+    again, _ = measured.refined(t, 0, 3, nbytes, nbytes / (0.1 / 4 * 1e9))
+    assert again.path_GBps(t, 0, 3) == pytest.approx(0.025) and again.link_GBps == {"uplink": 0.1}
+    # links of one class at different rates keep their ratio (a file with one kind for everything)
+    mixed = get_topology("racks:2,3,4")
+    mixed = replace(mixed, links=tuple(replace(lk, kind="network") for lk in mixed.links))
+    slow, _ = CostModel().refined(mixed, 0, 3, nbytes, nbytes / (0.3125 / 25 * 1e9))
+    assert slow.path_GBps(mixed, 0, 3) == pytest.approx(0.3125 / 25)
+    assert slow.path_GBps(mixed, 0, 1) == pytest.approx(1.25 / 25)
+    # the prediction follows: a 13 MB native ring now costs what the slower wire makes it cost
+    assert refined.predict_native(t, 13e6) > 20 * model.predict_native(t, 13e6)
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.9, 0.01])  # within RATE_TOLERANCE, or faster than the file (loopback)
+def test_a_calibration_stream_near_or_above_the_files_rate_changes_nothing(factor):
+    t = get_topology("racks:2,3,4")
+    model = CostModel(goodput=0.96)
+    seconds = (4 << 20) / (model.path_GBps(t, 0, 3) * 1e9) * factor
+    refined, note = model.refined(t, 0, 3, 4 << 20, seconds)
+    assert refined is model and note is None
+
+
+@pytest.mark.parametrize("nbytes, seconds", [(4 << 20, 0.0), (4 << 20, -1.0), (0, 0.1), (4 << 20, float("nan")),
+                                             (4 << 20, float("inf")), (True, 0.1)])
+def test_a_measurement_that_is_not_a_rate_keeps_the_files_rates_and_says_so(nbytes, seconds):
+    t = get_topology("racks:2,3,4")
+    model = CostModel()
+    refined, note = model.refined(t, 0, 3, nbytes, seconds)
+    assert refined is model and note is not None and "not a positive rate" in note
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.03, 0.2])
+def test_reverse_share_is_measured_on_the_extra_bytes_not_the_start(kappa):
+    """One stream: α + M/β; both ways: α + s + M(1+κ)/β, s a start-up that no later byte pays (two streams
+    ramping into one bottleneck). Plain both/one over-counts κ by s/(α + M/β); the difference of two sizes
+    gives κ exactly, whatever s and α are."""
+    beta, alpha, start = 12.5e6, 1e-3, 0.045
+    rows = []
+    for m_small, m_large in ((2e6, 4e6), (2.1e6, 4.2e6), (1.9e6, 4e6)):
+        rows.append((alpha + m_small / beta, alpha + m_large / beta, alpha + start + m_small * (1 + kappa) / beta,
+                     alpha + start + m_large * (1 + kappa) / beta))
+    assert reverse_share_of(rows) == pytest.approx(kappa, abs=1e-12)
+    plain = rows[0][3] / rows[0][1] - 1
+    assert plain > kappa + 0.1  # what a single size would have said
+
+
+def test_reverse_share_skips_noise_falls_back_and_stays_in_range():
+    # a repetition where the larger transfer was not slower (noise, loopback) is skipped
+    assert reverse_share_of([(1.0, 2.0, 1.0, 2.1), (1.0, 0.9, 1.0, 5.0)]) == pytest.approx(0.1)
+    # none usable: the large transfers' plain ratio stands in
+    assert reverse_share_of([(0.002, 0.002, 0.002, 0.0024)]) == pytest.approx(0.2)
+    # kept in [0, cap]
+    assert reverse_share_of([(1.0, 2.0, 1.0, 1.5)]) == 0.0
+    assert reverse_share_of([(1.0, 2.0, 1.0, 4.0)], cap=0.5) == 0.5
+    with pytest.raises(PlanError, match="one m, one M, both m, both M"):
+        reverse_share_of([(1.0, 2.0)])
+    with pytest.raises(PlanError, match="one m, one M, both m, both M"):
+        reverse_share_of([])
+
+
+def _pair(routes: list[tuple[int, int]], topology: str, hosts: int) -> Schedule:
+    """One whole-buffer message per ``(src, dst)`` of ``routes`` at step 0, each its own chunk, on a switch."""
+    chunks = tuple(Chunk(0.0, 1.0, src) for src, _ in routes)
+    transfers = tuple(Transfer(i, a, b, (f"host{a}", "sw0", f"host{b}"), False, 0) for i, (a, b) in enumerate(routes))
+    return Schedule("pairs", topology, tuple(f"host{i}" for i in range(hosts)), chunks, transfers,
+                    collective="broadcast")
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.05, 0.2])
+def test_a_link_loaded_both_ways_carries_one_over_one_plus_kappa_each_way(kappa):
+    """κ of a stream's rate runs against it (acknowledgements): an exchange over one switch takes
+    M(1 + κ)/β, a lone stream M/β, and fan-in from two senders 2M/β, as measured on the testbed (fan-in
+    and fan-out lose nothing, a link loaded both ways loses κ)."""
+    t = get_topology("switch:3")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m = 1e7
+    model = CostModel(message_s=0.0, reverse_share=kappa)
+    assert model.predict(_pair([(0, 1)], "switch:3", 3), t, m) == pytest.approx(m / beta, rel=1e-9)
+    assert model.predict(_pair([(0, 1), (1, 0)], "switch:3", 3), t, m) == pytest.approx(m * (1 + kappa) / beta, rel=1e-9)
+    assert model.predict(_pair([(1, 0), (2, 0)], "switch:3", 3), t, m) == pytest.approx(2 * m / beta, rel=1e-9)
+    with pytest.raises(SimulationError, match=r"reverse_share=1.5 must lie in \[0, 1\)"):
+        simulate(_pair([(0, 1)], "switch:3", 3), t, m, reverse_share=1.5)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_native_ring_with_reverse_share_is_the_closed_form(n):
+    """Every NIC of a switch is loaded both ways in gloo's ring: 2(N-1)(M(1+κ)/(Nβ) + α)."""
+    t = get_topology(f"switch:{n}")
+    beta = t.links[0].bandwidth_GBps * 1e9
+    m, alpha, kappa = 3e7, 1e-4, 0.08
+    got = CostModel(native_message_s=alpha, reverse_share=kappa).predict_native(t, m)
+    assert got == pytest.approx(2 * (n - 1) * (m * (1 + kappa) / (n * beta) + alpha), rel=1e-9)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"reverse_share": 1.0}, r"reverse_share=1.0 must lie in \[0, 1\)"),
+    ({"reverse_share": -0.1}, "reverse_share=-0.1"),
+    ({"reverse_share": True}, "reverse_share=True"),
+    ({"link_GBps": {"link": 0.0}}, "measured 0"),
+    ({"link_GBps": {"link": float("nan")}}, "positive number"),
+    ({"goodput": 0.0}, r"goodput=0.0 must lie in \(0, 1\]"),
+    ({"message_s": -1.0}, "message_s=-1.0"),
+    ({"pipelines": ()}, "pipelines"),
+])
+def test_bad_calibration_is_a_clear_error(bad, match):
+    with pytest.raises(PlanError, match=match):
+        CostModel(**bad)
+
+
+def test_cost_model_round_trips_through_json_and_rejects_unknown_fields(tmp_path):
+    m = CostModel(message_s=1e-4, goodput=0.9, reverse_share=0.07, link_GBps={"network": 1.25}, source="measured")
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps(m.to_dict()))
+    assert load_cost_model(str(f)) == m
+    with pytest.raises(PlanError, match="unknown cost model fields"):
+        CostModel.from_dict({**m.to_dict(), "alpha": 1})
+    f.write_text("{not json")
+    with pytest.raises(GradsyncError, match="cannot be read as JSON"):
+        load_cost_model(str(f))
+    assert load_cost_model(None) is None
+
+
+def test_size_classes_are_powers_of_two_from_4k():
+    assert [size_class(x) for x in (0, 1, 4096, 4097, 1 << 20, (1 << 20) + 1)] == [4096, 4096, 4096, 8192, 1 << 20, 1 << 21]
+
+
+def test_native_schedule_checks_itself():
+    for spec in ("switch:3", "bcube:2,2", "p3.8xlarge"):
+        t = get_topology(spec)
+        native_schedule(t).check(t)
