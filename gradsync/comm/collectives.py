@@ -35,7 +35,8 @@ def nbytes_of(tensors: Tensors) -> int:
 class NativeAllreduce:
     """The backend's own ``torch.distributed.all_reduce`` behind the executor's interface (``auto`` picks
     it where the cost model says no planned schedule beats it). A tensor list of one dtype is reduced as
-    one flat buffer; in place, like :meth:`Executor.run`."""
+    one flat buffer; in place, like :meth:`Executor.run`. Tensors on another device than the backend's
+    (CUDA tensors on gloo) are reduced in a staged copy there and copied back."""
 
     def __init__(self, transport: Transport, schedule: Schedule) -> None:
         self.transport = transport
@@ -51,14 +52,14 @@ class NativeAllreduce:
         tlist = [tensors] if single else list(tensors)
         if op == "avg" and tlist and not (tlist[0].is_floating_point() or tlist[0].is_complex()):
             raise TypeError(f"op='avg' needs a floating-point tensor, got {tlist[0].dtype}; use op='sum' or convert first")
-        group = self.transport.capabilities.group
+        caps = self.transport.capabilities
+        group, device = caps.group, caps.collective_device()
         try:
             for same in dtype_groups(tlist):
-                if len(same) == 1 and same[0].is_contiguous():
+                if len(same) == 1 and same[0].is_contiguous() and same[0].device == device:
                     dist.all_reduce(same[0], group=group)
-                    flat = same[0]
                 else:
-                    flat = torch.cat([t.reshape(-1) for t in same])
+                    flat = torch.cat([t.reshape(-1) for t in same]).to(device)
                     dist.all_reduce(flat, group=group)
                     offset = 0
                     for t in same:
@@ -127,36 +128,47 @@ def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def gather_torch(tensor: torch.Tensor, group: Any, world: int, equal_sizes: bool = False) -> list[torch.Tensor]:
+def gather_torch(tensor: torch.Tensor, group: Any, world: int, equal_sizes: bool = False,
+                 device: torch.device | None = None) -> list[torch.Tensor]:
+    """Every rank's 1-D ``tensor`` on a process group, in rank order, on ``tensor``'s device.
+
+    ``device``: where the backend takes its tensors (``Capabilities.collective_device()``: NCCL's GPU, gloo's
+    host); a tensor elsewhere is staged there and the results are brought back. The sizes round runs there too
+    and is read once on the host (one synchronisation; ``equal_sizes`` skips it).
+    """
     import torch.distributed as dist
 
+    home = tensor.device
+    device = home if device is None else device
+    src = tensor.to(device)
     if equal_sizes:
-        out = [torch.empty_like(tensor) for _ in range(world)]
-        if tensor.numel():
-            dist.all_gather(out, tensor, group=group)
-        return out
-    size = torch.tensor([tensor.numel()], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    counts = [int(s.item()) for s in sizes]
+        out = [torch.empty_like(src) for _ in range(world)]
+        if src.numel():
+            dist.all_gather(out, src, group=group)
+        return [o.to(home) for o in out]
+    size = torch.tensor([src.numel()], dtype=torch.int64, device=device)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    dist.all_gather(list(sizes.split(1)), size, group=group)
+    counts = [int(c) for c in sizes.tolist()]
     longest = max(counts)
     if longest == 0:
         return [tensor.new_zeros(0) for _ in range(world)]
-    padded = tensor if tensor.numel() == longest else torch.cat([tensor, tensor.new_zeros(longest - tensor.numel())])
-    out = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
+    padded = src if src.numel() == longest else torch.cat([src, src.new_zeros(longest - src.numel())])
+    out = [torch.empty(longest, dtype=src.dtype, device=device) for _ in range(world)]
     dist.all_gather(out, padded, group=group)
-    return [o[:c] for o, c in zip(out, counts)]
+    return [o[:c].to(home) for o, c in zip(out, counts)]
 
 
 def gather_p2p(tensor: torch.Tensor, transport: Transport, timeout_s: float, equal_sizes: bool = False) -> list[torch.Tensor]:
     rank, world = transport.rank, transport.world_size
     peers = [p for p in range(world) if p != rank]
-    size = torch.tensor([tensor.numel()], dtype=torch.int64)
-    sizes = {p: size.clone() if equal_sizes else torch.zeros(1, dtype=torch.int64) for p in peers}
+    size = torch.tensor([tensor.numel()], dtype=torch.int64)  # host: metadata; a transport stages what it must
+    sizes = {p: size.clone() if equal_sizes else torch.zeros(1, dtype=torch.int64) for p in peers}  # host
     handles = [] if equal_sizes else [transport.isend(size, p, 0) for p in peers] + [transport.irecv(sizes[p], p, 0) for p in peers]
     for h in handles:
         h.wait(timeout_s)
-    out: list[torch.Tensor] = [tensor if p == rank else torch.empty(int(sizes[p].item()), dtype=tensor.dtype) for p in range(world)]
+    out: list[torch.Tensor] = [tensor if p == rank else torch.empty(int(sizes[p].item()), dtype=tensor.dtype,
+                                                                    device=tensor.device) for p in range(world)]
     handles = [transport.isend(tensor, p, 1) for p in peers if tensor.numel()]
     handles += [transport.irecv(out[p], p, 1) for p in peers if out[p].numel()]
     for h in handles:

@@ -26,7 +26,7 @@ from gradsync.sim.choose import Chooser
 from gradsync.sim.cost import NATIVE, CostModel, native_schedule
 from gradsync.topology.model import Topology
 
-__all__ = ["ALLREDUCE", "MAX_ORDERED_TRANSFERS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
+__all__ = ["ALLREDUCE", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
 
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
 #: keep step order rather than spend a simulation at plan time.
@@ -35,6 +35,10 @@ MAX_ORDERED_TRANSFERS = 200_000
 PLAN_TIMEOUT_S = 600.0
 #: The collective every synthesizer plans, and the only one the backend's native collective is priced for.
 ALLREDUCE = "allreduce"
+#: Backends on which ``auto`` chooses among the planned schedules too. Elsewhere (NCCL) it runs the backend's
+#: own collective: no planned schedule has been measured there yet, and ``auto`` never picks a path that has
+#: not run on its engine. A named algorithm still runs, over the backend's point-to-point messages.
+PLANNED_BACKENDS = frozenset({"gloo", ""})
 
 #: An (algorithm, pipeline depth) pair: what a choice picks and what an executor runs.
 Pick = tuple[str, int]
@@ -72,7 +76,9 @@ class PlanCache:
         if got is None:
             if collective == ALLREDUCE:
                 native = self.caps.native and self.mapping is None
-                got = Chooser(self.topology, self.cost_model, native=native, options=self.options)
+                algorithms = None if self.caps.backend in PLANNED_BACKENDS or not native else []
+                got = Chooser(self.topology, self.cost_model, algorithms=algorithms, native=native,
+                              options=self.options)
             else:
                 got = Chooser(self.topology, self.cost_model, native=False,
                               options=replace(self.options, collective=collective))

@@ -283,8 +283,9 @@ class Runtime:
         groups each see the same sequence on every rank. (A choice that depended on timing would send one rank's
         collective to one group and its peer's to the other: a mismatch.)
         """
-        if not tensor.is_contiguous() or self._failed is not None or self.on_comm_thread():
-            return None
+        if (not tensor.is_contiguous() or tensor.device != self.caps.collective_device() or self._failed is not None
+                or self.on_comm_thread()):
+            return None  # (a tensor on another device than the backend's is staged on the queued path)
         if not isinstance(self.executor(algorithm, tensor.numel() * tensor.element_size()), NativeAllreduce):
             return None
         import torch.distributed as dist
@@ -359,7 +360,7 @@ class Runtime:
             raise GradsyncError(f"allgather takes a 1-D tensor, got {getattr(tensor, 'shape', type(tensor).__name__)}; flatten it first")
         tensor = tensor.contiguous()
         if self.caps.native:
-            return gather_torch(tensor, self.caps.group, self.world_size, equal_sizes)
+            return gather_torch(tensor, self.caps.group, self.world_size, equal_sizes, self.caps.collective_device())
         return gather_p2p(tensor, self.transport, self.timeout_s, equal_sizes)
 
     def allgather_async(self, tensor: torch.Tensor) -> Work:
@@ -461,6 +462,9 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
         )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        why = "no CUDA device is visible" if torch.backends.cuda.is_built() else "this torch is built without CUDA"
+        raise GradsyncError(f"backend='nccl' needs CUDA GPUs and NCCL, but {why}; use backend='gloo' on CPUs")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     lifetime.init_process_group(backend, timeout_s)  # ours, so destroyed cleanly at exit

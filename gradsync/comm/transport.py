@@ -95,7 +95,8 @@ class Capabilities:
         return self.user_group if self.user_group is not None else self.group
 
     def collective_device(self) -> torch.device:
-        """Where the backend's collectives take their tensors: NCCL's on this process's GPU, others' on the CPU."""
+        """Where the backend's collectives take their tensors: NCCL's on this process's GPU, others' on the CPU.
+        A tensor elsewhere (a CUDA tensor on gloo) is staged through a copy there and back."""
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -158,16 +159,31 @@ def _classify(exc: BaseException, peer: int, what: str, timeout_s: float) -> Pee
 
 
 class _TorchHandle:
-    __slots__ = ("_work", "_peer", "_what")
+    """A started send or receive; ``staged``: the copy on the backend's device that travels instead of the
+    caller's tensor (kept alive until done), and for a receive, the caller's tensor it is copied into."""
 
-    def __init__(self, work: Any, peer: int, what: str) -> None:
-        self._work, self._peer, self._what = work, peer, what
+    __slots__ = ("_work", "_peer", "_what", "_staged", "_into")
+
+    def __init__(self, work: Any, peer: int, what: str, staged: torch.Tensor | None = None,
+                 into: torch.Tensor | None = None) -> None:
+        self._work, self._peer, self._what, self._staged, self._into = work, peer, what, staged, into
 
     def wait(self, timeout_s: float) -> None:
         try:
             self._work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise _classify(exc, self._peer, self._what, timeout_s) from exc
+        if self._into is not None:
+            self._into.copy_(self._staged)
+            self._into = None
+        self._staged = None
+
+
+def staging_buffer(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An empty tensor shaped as ``like`` on ``device``: page-locked when it is the host and CUDA is up, so the
+    copies to and from the GPU run at the bus's speed."""
+    pin = device.type == "cpu" and like.device.type == "cuda"
+    return torch.empty(like.shape, dtype=like.dtype, device=device, pin_memory=pin)
 
 
 class TorchTransport:
@@ -216,6 +232,7 @@ class TorchTransport:
             pass
         self.capabilities = Capabilities(group=self.group, user_group=self.user_group, backend=self.backend,
                                          decide=self.decide, failures=self.failures)
+        self._device = self.capabilities.collective_device()
 
     def decide(self, key: str, compute: Callable[[], bytes], timeout_s: float) -> bytes:
         """``compute()`` on rank 0, the same bytes on every rank (through the rendezvous store).
@@ -239,10 +256,19 @@ class TorchTransport:
         return bytes(self._store.get(full))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
-        return _TorchHandle(self._dist.isend(tensor, self._global[peer], group=self.group, tag=tag), peer, "send")
+        staged = None
+        if tensor.device != self._device:  # gloo sends from host memory, NCCL from its GPU: stage a copy there
+            staged = staging_buffer(tensor, self._device).copy_(tensor)
+            tensor = staged
+        work = self._dist.isend(tensor, self._global[peer], group=self.group, tag=tag)
+        return _TorchHandle(work, peer, "send", staged)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
-        return _TorchHandle(self._dist.irecv(tensor, self._global[peer], group=self.group, tag=tag), peer, "receive")
+        if tensor.device == self._device:
+            return _TorchHandle(self._dist.irecv(tensor, self._global[peer], group=self.group, tag=tag), peer, "receive")
+        staged = staging_buffer(tensor, self._device)  # received there, copied into ``tensor`` by wait()
+        work = self._dist.irecv(staged, self._global[peer], group=self.group, tag=tag)
+        return _TorchHandle(work, peer, "receive", staged, tensor)
 
 
 @dataclass(frozen=True)

@@ -281,11 +281,12 @@ class Tuning:
         # lanes, as the runs the model mostly chooses for (over SMALL_RUN_BYTES) use: a small run's key-order
         # waits are cheaper, so α measured with them would under-price every larger run
         ex = Executor(ring, plans.transport, mapping=plans.mapping, timeout_s=plans.timeout_s, progress="lanes")
-        buf = torch.zeros(max(1, size // 4))
+        device = plans.caps.collective_device()  # where the backend takes tensors: what a job's gradients reach
+        buf = torch.zeros(max(1, size // 4), device=device)
         far = self.duplex_peer()
         pair = rank in (0, far)
-        big = torch.zeros(DUPLEX_BYTES // 4) if pair else None
-        got = torch.empty(DUPLEX_BYTES // 4) if pair else None
+        big = torch.zeros(DUPLEX_BYTES // 4, device=device) if pair else None
+        got = torch.empty(DUPLEX_BYTES // 4, device=device) if pair else None
 
         def one_way(n: int) -> None:
             if rank == 0:
@@ -387,7 +388,7 @@ class Tuning:
 
             tried = [(str(a), int(p)) for a, p in json.loads(plans.decide(f"tune/{size}", candidates))]
             model = tried[0]
-            buf = torch.zeros(size // 4)
+            buf = torch.zeros(size // 4, device=plans.caps.collective_device())
             measured = {}
             had = plans.built()
             for name, pipeline in tried:

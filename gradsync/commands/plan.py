@@ -28,7 +28,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.chunks_per_loop is not None and args.export != "msccl":
         raise GradsyncError("--chunks-per-loop sets the MSCCL chunk count; use it with --export msccl -o FILE.xml")
     if args.export == "msccl" and not args.output:
-        raise GradsyncError("--export msccl needs -o FILE.xml, the MSCCL algorithm file to write")
+        raise GradsyncError("--export msccl needs -o FILE.xml, the MSCCL algorithm file to write (with --algorithm "
+                            "auto: -o DIR, the directory of one algorithm per size range)")
+    if args.export == "msccl" and args.algorithm == "auto":
+        return _export_sizes(args, topo)
     schedule = synthesize(args.algorithm, topo, options)
     report = evaluate(schedule, topo, options.size_bytes, options.latency_s)
     export = None
@@ -98,6 +101,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_sizes(args: argparse.Namespace, topo: Any) -> int:
+    """``--algorithm auto --export msccl -o DIR``: the fastest algorithm per size range, one replayed file each."""
+    import os
+
+    from gradsync.plan.msccl import export_msccl_sizes
+
+    if args.chunks_per_loop is not None or args.collective != "allreduce":
+        raise GradsyncError("--algorithm auto --export msccl writes allreduce algorithms with their own chunk counts; "
+                            "drop --chunks-per-loop and --collective, or name one --algorithm")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise GradsyncError(f"-o {args.output!r} is a file; with --algorithm auto the export is a directory")
+    sized = export_msccl_sizes(topo, largest=max(1 << 12, int(parse_size(args.size))), latency_s=args.latency)
+    os.makedirs(args.output, exist_ok=True)
+    for e in sized:
+        write_text(os.path.join(args.output, e.filename), e.export.xml, "MSCCL algorithm file")
+    if args.json:
+        emit_json({"topology": topo.name, "directory": args.output,
+                   "algorithms": [{"algorithm": e.algorithm, "min_bytes": e.min_bytes, "max_bytes": e.max_bytes,
+                                   "file": e.filename, "algbw_GBps": e.export.algbw_GBps,
+                                   "predicted_s": e.predicted_s} for e in sized]})
+        return 0
+    print(f"MSCCL allreduce algorithms for {topo.name} by message size (replayed; the ranges tile every size), "
+          f"written to {args.output}:")
+    for e in sized:
+        top = "no limit" if e.max_bytes == 0 else f"{e.max_bytes} B"
+        print(f"  [{e.min_bytes} B, {top}): {e.algorithm:12s} algbw {e.export.algbw_GBps:.4g} GB/s  {e.filename}")
+    return 0
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``plan`` to the main CLI's subparsers."""
     pl = subparsers.add_parser("plan", help="plan an allreduce (reduce-scatter, allgather) schedule and report its "
@@ -113,7 +145,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.add_argument("-o", "--output", help="also write the schedule as tagged JSON to this file (with --export: the export)")
     pl.add_argument("--export", choices=["msccl"], help="write the schedule for a GPU executor instead: msccl = an "
-                    "MSCCL algorithm XML (RCCL/MSCCL, MSCCL_ALGO_DIR), replayed before it is written")
+                    "MSCCL algorithm XML (RCCL/MSCCL, MSCCL_ALGO_DIR), replayed before it is written; with "
+                    "--algorithm auto, -o is a directory of one algorithm per size range up to --size")
     pl.add_argument("--chunks-per-loop", type=int, default=None,
                     help="MSCCL nchunksperloop (default: the smallest within 1%% of the plan's bandwidth)")
     pl.set_defaults(func=cmd_plan)

@@ -224,5 +224,5 @@ class PowerSGD(TwoRoundCompressor):
         q = self._state.get(info.name)
         if q is None or q.shape != (cols, r):
             gen = torch.Generator().manual_seed(stable_seed("powersgd", self.seed, info.name))
-            q = torch.randn(cols, r, generator=gen, dtype=m.dtype)
+            q = torch.randn(cols, r, generator=gen, dtype=m.dtype)  # host: once per tensor, the same on every rank
         return q.to(device=m.device, dtype=m.dtype)

@@ -58,9 +58,10 @@ def pack_payload(tensors: Sequence[Tensor]) -> Tensor:
         words += [code, t.dim(), *t.shape]
         flats.append(t.detach().reshape(-1).contiguous().view(torch.uint8))
     words[2] = len(words)
-    header = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    header = torch.tensor(words, dtype=torch.int64).view(torch.uint8)  # host: a few words, copied in below
     total = header.numel() + sum(_aligned(f.numel()) for f in flats)
-    out = torch.zeros(total, dtype=torch.uint8)
+    # on the tensors' device: a payload of GPU tensors is sent from the GPU, with one small header copy
+    out = torch.zeros(total, dtype=torch.uint8, device=flats[0].device if flats else None)
     out[: header.numel()] = header
     at = header.numel()
     for f in flats:

@@ -116,8 +116,12 @@ def measure_codec(
     seed: int = 0,
     timer: Callable[[], float] = time.perf_counter,
     world: int = 1,
+    device: torch.device | str = "cpu",
 ) -> Samples:
     """Seconds to compress and decompress one flat tensor of each size: the minimum of ``repeats`` runs.
+
+    ``device``: where the tensors live (the gradients' device); on a GPU the timer waits for the device's
+    queued kernels first, so a time is the kernels' and not their launch's.
 
     ``part="both"`` is MergeComp's ``h`` (Figure 3 counts encoding and decoding); ``"encode"`` or ``"decode"``
     time one side (put a separately profiled decode into ``MergeCostModel.d``). One untimed warm-up run per size
@@ -142,12 +146,20 @@ def measure_codec(
         raise MergeError(f"world={world!r} must be an integer >= 1 (payloads a receiver combines)")
     codec = _fresh(compressor)
     gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    if device.type == "cuda":
+        clock = timer
+
+        def timer() -> float:
+            torch.cuda.synchronize(device)
+            return clock()
+
     out = []
     for size in sizes:
-        x = torch.randn(size, generator=gen).to(dtype)
+        x = torch.randn(size, generator=gen).to(device=device, dtype=dtype)  # host: the same data on any device
         info = TensorInfo(f"mergecomp.profile.{size}", (size,), dtype)
         best = math.inf
-        scratch = torch.empty(size, dtype=dtype)
+        scratch = torch.empty(size, dtype=dtype, device=device)
         for run in range(repeats + 1):
             if part == "decode":
                 payload, ctx = codec.compress(x, info)

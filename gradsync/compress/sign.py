@@ -8,6 +8,7 @@ OneBit carry magnitudes, are averaged, and are meant to run with ``residual`` me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -65,7 +66,8 @@ class _SignOnly(Compressor):
         """The majority vote straight from the packed bits: with ``c`` workers voting ``+`` out of ``W``, the sum
         of the ±1 votes is ``2c - W`` (an integer, exact in floating point), so count the set bits in bytes."""
         info, world = ctx.info, len(payloads)
-        counts = torch.zeros(info.numel, dtype=torch.uint8 if world < 256 else torch.int32)
+        counts = torch.zeros(info.numel, dtype=torch.uint8 if world < 256 else torch.int32,
+                             device=payloads[0][0].device)
         for payload in payloads:
             counts.add_(unpack_bits(payload[0], info.numel).view(torch.uint8))
         dtype = work_dtype(info.dtype)
@@ -128,15 +130,17 @@ class EFSignSGD(Compressor):
         """``±scale`` by the sign bits, in the work dtype, into ``out`` when given.
 
         As ``b * 2s - s`` for ``b`` in {0, 1}: ``2s`` is exact and so is ``2s - s = s`` (Sterbenz), so these
-        are the same bits as ``(2b - 1) * s`` in three cheap passes (a ``where`` on bool is slower).
+        are the same bits as ``(2b - 1) * s`` in three cheap passes (a ``where`` on bool is much slower). That
+        form needs ``s`` on the host to rule out an overflow of ``2s``; on another device the plain form runs
+        instead, one pass more but no synchronisation with the host.
         """
         scale, packed = payload
         dtype, numel = work_dtype(ctx.info.dtype), ctx.info.numel
-        s = float(scale.reshape(()))
         if out is None:
             out = torch.empty(numel, dtype=dtype, device=packed.device)
         bits = unpack_bits(packed, numel).view(torch.uint8)
-        if not abs(2 * s) <= torch.finfo(dtype).max:  # 2s would overflow (or s is not finite): the plain form
+        s = float(scale.reshape(())) if scale.device.type == "cpu" else math.inf
+        if not abs(2 * s) <= torch.finfo(dtype).max:  # 2s would overflow, s is not finite, or not on the host
             return out.copy_(bits).mul_(2).sub_(1).mul_(scale.to(dtype).reshape(()))
         return out.copy_(bits).mul_(2 * s).sub_(s)
 

@@ -108,7 +108,7 @@ class TopK(_SparseValuesIndices):
         if numel < self._SPARSE * samples or self.ratio > 1 / 8:
             return torch.topk(magnitude, k, sorted=False).indices
         return sampled_topk(magnitude, k, samples, self._OVERSAMPLE * self.ratio,
-                            self._generator(torch.device("cpu"), 0), self._flags(magnitude))
+                            self._generator(magnitude.device, 0), self._flags(magnitude))
 
 
 @register_compressor("dgc")
@@ -135,7 +135,7 @@ class DGC(_SparseValuesIndices):
         if samples * 2 >= numel:
             return torch.topk(magnitude, k, sorted=False).indices
         return sampled_topk(magnitude, k, samples, self._OVERSAMPLE * self.ratio,
-                            self._generator(torch.device("cpu"), self.seed), self._flags(magnitude))
+                            self._generator(magnitude.device, self.seed), self._flags(magnitude))
 
 
 def sampled_topk(magnitude: Tensor, k: int, samples: int, share: float, gen: torch.Generator | None,
@@ -144,8 +144,8 @@ def sampled_topk(magnitude: Tensor, k: int, samples: int, share: float, gen: tor
     quantile of ``samples`` random ones (DGC §3), or of all when fewer than ``k`` reach it. ``flags``: an
     optional bool scratch of ``magnitude``'s size for the comparison."""
     numel = magnitude.numel()
-    where = torch.randint(numel, (samples,), generator=gen)
-    sample = magnitude[where.to(magnitude.device)]
+    where = torch.randint(numel, (samples,), generator=gen, device=magnitude.device)
+    sample = magnitude[where]
     rank = min(samples, math.ceil(share * samples))
     threshold = torch.topk(sample, rank, sorted=False).values.min()
     candidates = _at_least(magnitude, threshold, flags)
@@ -171,13 +171,14 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator) -> Tensor:
     draws < 1.2 k), then a random order of a random ``k`` of them. The result is symmetric under any
     permutation of ``range(n)``, hence uniform over ``k``-subsets; deterministic for a seeded ``gen``.
     """
+    # host: the same indices on every worker whatever its device, so drawn on the host's generator
     if k * 4 > n:
-        return torch.randperm(n, generator=gen)[:k]
-    picked = torch.empty(0, dtype=torch.int64)
+        return torch.randperm(n, generator=gen)[:k]  # host
+    picked = torch.empty(0, dtype=torch.int64)  # host
     while picked.numel() < k:
-        more = torch.randint(n, (k - picked.numel() + 16,), generator=gen)
+        more = torch.randint(n, (k - picked.numel() + 16,), generator=gen)  # host
         picked = torch.unique(torch.cat([picked, more]))
-    return picked[torch.randperm(picked.numel(), generator=gen)[:k]]
+    return picked[torch.randperm(picked.numel(), generator=gen)[:k]]  # host
 
 
 @register_compressor("randk")

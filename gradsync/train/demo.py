@@ -96,7 +96,7 @@ def worker(argv: Sequence[str] | None = None) -> int:
         opt = base if alg == BASELINE else DistributedOptimizer(
             base, model.named_parameters(), runtime=rt, algorithm=alg, bucket_bytes=args.bucket_bytes)
         gen = torch.Generator().manual_seed(1)
-        order = torch.randperm(n_train, generator=gen)
+        order = torch.randperm(n_train, generator=gen)  # host: the data's order
         comm0 = rt.comm_seconds
         comm_baseline = 0.0
         curve = []
@@ -128,7 +128,7 @@ def worker(argv: Sequence[str] | None = None) -> int:
         spread = flat.clone()
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         same = bool(torch.equal(spread, flat))
-        same_t = torch.tensor([1.0 if same else 0.0])
+        same_t = torch.tensor([1.0 if same else 0.0])  # host: the demo runs on gloo
         dist.all_reduce(same_t, op=dist.ReduceOp.MIN)
         comm = comm_baseline if alg == BASELINE else rt.comm_seconds - comm0
         waited = comm_baseline if alg == BASELINE else opt.wait_seconds

@@ -41,7 +41,7 @@ __all__ = [
 
 
 def _average_over_ranks(runtime: Runtime, values: Sequence[float]) -> list[float]:
-    buf = torch.tensor(list(values), dtype=torch.float64)
+    buf = torch.tensor(list(values), dtype=torch.float64)  # host: timings; the collective stages them
     runtime.allreduce(buf, "avg")
     return buf.tolist()
 
@@ -57,6 +57,7 @@ def profile_cost_model(
     points: int = 8,
     dtype: torch.dtype = torch.float32,
     observed: tuple[Partition, float] | None = None,
+    device: torch.device | str = "cpu",
 ) -> MergeCostModel:
     """A :class:`MergeCostModel` for ``step`` measured on this machine, identical on every rank.
 
@@ -69,6 +70,8 @@ def profile_cost_model(
     ``h`` non-linear). This is a collective: every rank must call it with the same sizes. The timeline
     (``ready_s``, ``backward_end_s``) and all measurements are averaged over ranks before planning.
 
+    ``device``: where the gradients live; the codecs and the exchanges are timed with tensors there.
+
     ``observed``: a partition and the seconds one real step with it took on this rank (same origin as
     ``ready_s``), e.g. the layer-wise calibration step. The per-group overhead that the operation-by-operation
     measurements miss is then fitted to it (:func:`~gradsync.compress.merge.fit_group_overhead`, on the
@@ -79,22 +82,23 @@ def profile_cost_model(
     rt = step.communicator.runtime
     world = rt.world_size
     probes = probe_sizes(sizes, points)
-    enc = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="encode")
+    enc = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="encode", device=device)
     if isinstance(step.memory, NoMemory):
         feedback = Samples(probes, tuple(0.0 for _ in probes))
     else:
-        feedback = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="feedback")
+        feedback = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="feedback", device=device)
     gathers = step.communicator.name == "allgather"
-    dec = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, part="combine" if gathers else "decode",
+    dec = measure_codec(step.compressor, probes, repeats=repeats, dtype=dtype, device=device,
+                        part="combine" if gathers else "decode",
                         world=world)
 
     def send(nbytes: int) -> float:
         def job() -> float:
             t0 = time.perf_counter()
             if step.communicator.sums:
-                rt.run_allreduce(torch.zeros(max(1, nbytes // 4), dtype=torch.float32), "sum")
+                rt.run_allreduce(torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device), "sum")
             else:
-                rt.run_allgather(torch.zeros(nbytes + 64, dtype=torch.uint8),  # + the payload header
+                rt.run_allgather(torch.zeros(nbytes + 64, dtype=torch.uint8, device=device),  # + the payload header
                                  equal_sizes=step.compressor.payload_shapes_fixed)
             return time.perf_counter() - t0
 
@@ -194,6 +198,8 @@ floating dtype.
         #: Each merged group's flat buffer, reused every step (a fresh 13 MB tensor per step costs page faults
         #: on top of the copy): the gradients are concatenated into it, and the aggregate may come back in it.
         self._flat: dict[int, Tensor] = {}
+        #: where the gradients live (the last one added): missing ones are zeros there, merged buffers too
+        self._device = torch.device("cpu")
 
     @property
     def num_groups(self) -> int:
@@ -214,6 +220,7 @@ floating dtype.
             )
         got = self._pending.setdefault(j, {})
         got[index] = grad
+        self._device = grad.device
         if len(got) == len(self.groups[j].members):
             self._launch(self.groups[j])
 
@@ -226,7 +233,7 @@ floating dtype.
     def _launch(self, g: _Group) -> None:
         got = self._pending.pop(g.index, {})
         parts = [
-            got[i] if i in got else torch.zeros(self.shapes[i], dtype=self.dtype) for i in g.members
+            got[i] if i in got else torch.zeros(self.shapes[i], dtype=self.dtype, device=self._device) for i in g.members
         ]
         if g.parts:  # a batch: every member under its own name and shape, one exchange
             self._sent.add(g.index)
@@ -237,8 +244,8 @@ floating dtype.
             buf = parts[0].detach()
         else:
             buf = self._flat.get(g.index)
-            if buf is None or buf.dtype != self.dtype:
-                buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype)
+            if buf is None or buf.dtype != self.dtype or buf.device != self._device:
+                buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype, device=self._device)
             torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         self._sent.add(g.index)
         # a merged group's buf is ours: the aggregate may come back in it

@@ -215,9 +215,9 @@ class DistributedOptimizer:
         seen_set = set(seen)
         order = seen + [i for i in range(len(self._params)) if i not in seen_set]
         # Every rank must plan the same groups: keep the observed order only if all ranks observed it.
-        check = torch.tensor([float(i) for i in order], dtype=torch.float64)
+        check = torch.tensor([float(i) for i in order], dtype=torch.float64)  # host: the collective stages it
         self.runtime.allreduce(check, "avg")
-        if not torch.equal(check, torch.tensor([float(i) for i in order], dtype=torch.float64)):
+        if not torch.equal(check, torch.tensor([float(i) for i in order], dtype=torch.float64)):  # host
             order = list(range(len(self._params)))
         when = dict((i, t - start) for i, t in arrivals)
         ready, last = [], 0.0
@@ -229,8 +229,9 @@ class DistributedOptimizer:
         n = len(self._params)
         # the timed step ran layer-wise: its end-to-end time calibrates the per-group overhead
         inside, self._inside = self._inside, 0.0
+        device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),
-                                             observed=(_layerwise(n), synced - start))
+                                             observed=(_layerwise(n), synced - start), device=device)
         self.partition = search_optimal(self.cost_model)
         self.compression.compressor.reset()
         self.compression.memory.reset()

@@ -3,7 +3,8 @@
 :func:`export_msccl` / :func:`to_msccl_xml` write the XML the MSCCL executor (built into RCCL, and MSCCL
 for NVIDIA GPUs) loads from ``MSCCL_ALGO_DIR``; :func:`check_msccl_xml` executes a file's steps with the
 executor's semantics and raises :class:`~gradsync.errors.MscclError` naming the GPU, thread block and step
-where it is not an exact allreduce.
+where it is not an exact allreduce. :func:`export_msccl_sizes` writes the set MSCCL chooses from by message
+size: one algorithm per range, the ranges tiling every size.
 """
 
 from gradsync.plan.msccl.export import MAX_AUTO_CHUNKS, MscclExport, Quantization, export_msccl, quantize, to_msccl_xml
@@ -18,6 +19,7 @@ from gradsync.plan.msccl.program import (
     parse_msccl_xml,
 )
 from gradsync.plan.msccl.replay import ReplayStats, check_msccl_program, check_msccl_xml, validate_program
+from gradsync.plan.msccl.sizes import SizedExport, check_tiling, export_msccl_sizes
 
 __all__ = [
     "MAX_AUTO_CHUNKS",
@@ -30,10 +32,13 @@ __all__ = [
     "MscclThreadBlock",
     "Quantization",
     "ReplayStats",
+    "SizedExport",
     "StepKind",
     "check_msccl_program",
     "check_msccl_xml",
+    "check_tiling",
     "export_msccl",
+    "export_msccl_sizes",
     "parse_msccl_xml",
     "quantize",
     "to_msccl_xml",
