@@ -47,7 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         rows.append({"topology": topo.name, "lower_bound": bounds.lower_bound,
                      "cost": {a: r.cost for a, r in cells.items()},
                      "time_s": {a: r.time_s for a, r in cells.items()}, "best": best})
-    print("costs are the seed's C: time of the allreduce in units of sending the buffer once over the unit link.")
+    print("costs are OMS's C: time of the allreduce in units of sending the buffer once over the unit link.")
     report: dict = {"type": "gradsync.demo", "size_bytes": size, "rows": rows}
     if not args.no_train:
         from gradsync.train.demo import DemoConfig, run_demo

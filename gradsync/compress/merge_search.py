@@ -313,7 +313,7 @@ def search_mergecomp_trace(
     ):
         raise MergeError(f"alpha={alpha!r} must be in (0, 1) (the smallest relative gain worth another group)")
     if inner not in ("exact", "bisect"):
-        raise MergeError(f"inner={inner!r} must be 'exact' (the DP) or 'bisect' (the seed's Theorem 3 search)")
+        raise MergeError(f"inner={inner!r} must be 'exact' (the DP) or 'bisect' (MergeComp's Theorem 3 search)")
     if not is_int(max_evaluations) or max_evaluations < 1:
         raise MergeError(f"max_evaluations={max_evaluations!r} must be an integer >= 1")
     alpha = float(alpha)
