@@ -205,6 +205,10 @@ register_benchmark("tictac", "benchmarks.tictac:main",
 register_benchmark("mxnet-mpi", "benchmarks.mxnet_mpi:main",
                    "MXNET-MPI in miniature: 8 workers, 2 servers, clients 8/4/2/1/collective; time per epoch and "
                    "accuracy vs time of dist/mpi SGD, ASGD, ESGD; writes mxnet_mpi.{json,png}", checkout=True)
+register_benchmark("gpu", "benchmarks.gpu_check:main",
+                   "the GPU check: every compressor by optimizer and DDP hook on NCCL and on gloo with CUDA tensors, "
+                   "the executor's CUDA path, codecs and hooks against GRACE and torch; writes gpu_check-GPU.json "
+                   "(a CPU dry run without a GPU)", checkout=True)
 register_benchmark("compress-testbed", "benchmarks.compress_testbed:main",
                    "issue 20: DDP, torch's fp16/PowerSGD hooks and gradsync's compressors with MergeComp on the "
                    "emulated racks:2,2,2 cluster (root; --loopback without): step time and accuracy; writes "

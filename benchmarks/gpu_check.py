@@ -1,0 +1,369 @@
+"""The GPU check anyone with a CUDA GPU can run: ``gradsync bench gpu`` (one JSON, one call).
+
+Three parts, each case in its own try so one failure never hides the rest:
+
+* ``codecs``: every compressor's compress, decompress, combine and in-place residual on the device: the same
+  result as on the CPU where the codec is deterministic, and its time (median of ``--reps``, the device
+  synchronised) beside GRACE's formulas for the same method on the same device (``benchmarks.codecs``; rand-k
+  against both GRACE variants: a full ``randperm`` and ``randint`` with replacement);
+* ``engines``: in fresh processes, every compressor through ``DistributedOptimizer`` and through the DDP
+  ``compression_hook`` for a few steps of a small CNN, on NCCL with one rank and on gloo with CUDA tensors with
+  two ranks sharing the GPU; and ``gradsync.allreduce`` of a CUDA tensor with every synthesizer on gloo
+  (exact sums). A case passes when it runs, its result is finite, and (allreduce) exact;
+* ``hooks``: DDP step time on NCCL with one rank, methods interleaved: plain DDP, torch's
+  ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1) against gradsync's fp16 and powersgd hooks.
+
+Without a GPU it runs the same cases on the CPU with gloo (a dry run: NCCL cases are skipped and say so), which
+is what the test suite does with ``--quick``. The file records the GPU's name, torch's and NCCL's versions.
+
+Run from the repository root::
+
+    gradsync bench gpu                               # a few minutes on one GPU
+    python -m benchmarks.gpu_check --quick --out /tmp/gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULT_TYPE = "gradsync.bench.gpu"
+
+
+def _device() -> Any:
+    import torch
+
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _median_time(fn: Callable[[], Any], device: Any, reps: int) -> float:
+    fn()  # warm-up: allocations, lazy initialisation
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- codecs on the device ---------------------------------------------------------------------------------
+def _grace_randk_randint(x: Any, ratio: float = 0.01) -> tuple[Any, int]:
+    import torch
+
+    k = max(1, int(x.numel() * ratio))
+    idx = torch.randint(x.numel(), (k,), device=x.device)
+    out = torch.zeros_like(x).scatter_(0, idx, x[idx])
+    return out, k * (x.element_size() + 8)
+
+
+def _grace_randk_randperm(x: Any, ratio: float = 0.01) -> tuple[Any, int]:
+    import torch
+
+    k = max(1, int(x.numel() * ratio))
+    idx = torch.randperm(x.numel(), device=x.device)[:k]
+    out = torch.zeros_like(x).scatter_(0, idx, x[idx])
+    return out, k * (x.element_size() + 8)
+
+
+def codecs_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
+    import torch
+
+    from benchmarks import codecs as ref
+    from gradsync.compress import COMPRESSORS, create
+    from gradsync.compress.base import TensorInfo
+
+    device = _device()
+    grace = {"fp16": [("grace", ref.grace_fp16)], "qsgd": [("grace", ref.grace_qsgd)],
+             "terngrad": [("grace", ref.grace_terngrad)], "signsgd": [("grace", ref.grace_signsgd)],
+             "efsignsgd": [("grace", ref.grace_efsignsgd)], "topk": [("grace", ref.grace_topk)],
+             "randk": [("grace_randperm", _grace_randk_randperm), ("grace_randint", _grace_randk_randint)]}
+    deterministic = {"none", "fp16", "topk", "signsgd", "signum", "efsignsgd", "onebit", "randk", "powersgd"}
+    rows = []
+    for n in sizes:
+        x_cpu = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        x = x_cpu.to(device)
+        info = TensorInfo("w", (n,), torch.float32)
+        for name in COMPRESSORS.names():
+            row: dict[str, Any] = {"codec": name, "elements": n, "device": str(device)}
+            try:
+                c, c_cpu = create(name), create(name)
+                payload, ctx = c.compress(x, info)
+                decoded = c.decompress(payload, ctx)
+                combined = c.combine([payload, payload], ctx)
+                residual = c.subtract_decoded(x.clone(), payload, ctx, inplace=True)
+                on_device = all(t.device == device for t in (*payload, decoded, combined, residual))
+                row["on_device"] = on_device
+                if name in deterministic:
+                    p_cpu, ctx_cpu = c_cpu.compress(x_cpu, info)
+                    row["same_as_cpu"] = bool(torch.allclose(decoded.cpu(), c_cpu.decompress(p_cpu, ctx_cpu),
+                                                             rtol=1e-5, atol=1e-6))
+                timed = create(name)
+                row["gradsync_s"] = _median_time(lambda c=timed, x=x, i=info: c.decompress(*c.compress(x, i)), device,
+                                                 reps)
+                row["bytes"] = sum(t.numel() * t.element_size() for t in payload)
+                for label, fn in grace.get(name, []):
+                    row[f"{label}_s"] = _median_time(lambda fn=fn, x=x: fn(x), device, reps)
+                    row[f"ratio_{label}"] = row["gradsync_s"] / row[f"{label}_s"]
+                row["copy_s"] = _median_time(x.clone, device, reps)
+                row["ok"] = on_device and row.get("same_as_cpu", True)
+            except Exception as exc:  # noqa: BLE001 - recorded, the next case runs
+                row.update(ok=False, error=_first_line(exc))
+            rows.append(row)
+            print(f"  codec {name:9s} {n:>9d}: " + ("ok" if row["ok"] else f"FAIL {row.get('error', row)}"),
+                  flush=True)
+    return rows
+
+
+# ---- engines in fresh processes ------------------------------------------------------------------------------
+def _cnn() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 14 * 14, 10))
+
+
+def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, out: str) -> None:
+    """One rank of one engine: every compressor by optimizer and by hook, then allreduce per synthesizer."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsync
+    from gradsync.compress import COMPRESSORS
+    from gradsync.sim.choose import algorithms_for
+
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    results = []
+
+    def case(what: str, fn: Callable[[], bool]) -> None:
+        try:
+            ok = bool(fn())
+            results.append({"case": what, "ok": ok})
+        except Exception as exc:  # noqa: BLE001
+            results.append({"case": what, "ok": False, "error": _first_line(exc),
+                            "where": traceback.format_exc().strip().splitlines()[-3][:200]})
+
+    gen = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 3, 16, 16, generator=gen).to(device), torch.randint(0, 10, (8,), generator=gen).to(device))
+               for _ in range(steps)]
+
+    def train(model: Any, step: Callable[[], None], opt: Any) -> bool:
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            step()
+        return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+    for name in COMPRESSORS.names():
+        def by_optimizer(name: str = name) -> bool:
+            model = _cnn().to(device)
+            opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                                compression=name)
+            return train(model, opt.step, opt)
+
+        def by_hook(name: str = name) -> bool:
+            net = _cnn().to(device)
+            model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+            model.register_comm_hook(gradsync.CompressionHookState(name, model=net), gradsync.compression_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            return train(model, opt.step, opt)
+
+        case(f"optimizer/{name}", by_optimizer)
+        case(f"hook/{name}", by_hook)
+    if backend == "gloo":
+        rt = gradsync.get_runtime()
+        for algorithm in algorithms_for(rt.topology):
+            def exact(algorithm: str = algorithm) -> bool:
+                x = torch.full((1000,), float(rank + 1), device=device)
+                gradsync.allreduce(x, algorithm=algorithm)
+                return bool((x == world * (world + 1) / 2).all()) and x.device == device
+
+            case(f"allreduce/{algorithm}", exact)
+    gradsync.shutdown()
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(results))
+
+
+def engines_part(steps: int) -> list[dict[str, Any]]:
+    import torch
+    import torch.multiprocessing as mp
+
+    cuda = torch.cuda.is_available()
+    runs = [("nccl", 1), ("gloo", 2)]
+    rows = []
+    for backend, world in runs:
+        label = f"{backend}/{world}"
+        if backend == "nccl" and not (cuda and torch.distributed.is_nccl_available()):
+            rows.append({"engine": label, "skipped": "no CUDA GPU / NCCL here"})
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
+            try:
+                mp.start_processes(_spawned, args=(world, backend, os.path.join(tmp, "store"), steps, tmp),
+                                   nprocs=world, join=True, start_method="spawn")
+            except Exception as exc:  # noqa: BLE001 - a rank died: what the others wrote still counts
+                rows.append({"engine": label, "ok": False, "error": _first_line(exc)})
+            for r, path in enumerate(outs):
+                if os.path.exists(path):
+                    for res in json.loads(Path(path).read_text()):
+                        rows.append({"engine": label, "rank": r, **res})
+        print(f"  engine {label}: {sum(1 for x in rows if x.get('engine') == label and x.get('ok'))} cases ok, "
+              f"{sum(1 for x in rows if x.get('engine') == label and x.get('ok') is False)} failed", flush=True)
+    return rows
+
+
+def _spawned(rank: int, world: int, backend: str, store: str, steps: int, tmp: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _engine_rank(rank, world, backend, store, steps, os.path.join(tmp, f"rank{rank}.json"))
+
+
+# ---- hook step time ------------------------------------------------------------------------------------------
+def hooks_part(steps: int) -> list[dict[str, Any]]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [{"skipped": "step times are measured on a GPU with NCCL"}]
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "hooks.json")
+        mp.start_processes(_hooks_rank, args=(os.path.join(tmp, "store"), steps, out), nprocs=1, join=True,
+                           start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsync
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    device = torch.device("cuda", 0)
+
+    def net() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(64, 128, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(2048, 1000),
+                                   torch.nn.ReLU(), torch.nn.Linear(1000, 10)).to(device)
+
+    methods: dict[str, Any] = {}
+    for name in ("ddp", "torch_fp16", "gradsync_fp16", "torch_powersgd", "gradsync_powersgd"):
+        base = net()
+        model = DDP(base, device_ids=[0])
+        if name == "torch_fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif name == "gradsync_fp16":
+            model.register_comm_hook(gradsync.CompressionHookState("fp16", model=base), gradsync.compression_hook)
+        elif name == "torch_powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif name == "gradsync_powersgd":
+            model.register_comm_hook(gradsync.CompressionHookState("powersgd", model=base), gradsync.compression_hook)
+        methods[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = torch.randn(64, 3, 32, 32, device=device), torch.randint(0, 10, (64,), device=device)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for step in range(steps + 5):
+        order = list(methods) if step % 2 == 0 else list(reversed(methods))
+        for name in order:
+            model, opt = methods[name]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            torch.cuda.synchronize()
+            if step >= 5:
+                times[name].append(time.perf_counter() - t0)
+    med = {m: statistics.median(t) for m, t in times.items()}
+    rows = [{"method": m, "median_s": s} for m, s in med.items()]
+    rows.append({"ratio": "gradsync_fp16/torch_fp16", "value": med["gradsync_fp16"] / med["torch_fp16"]})
+    rows.append({"ratio": "gradsync_powersgd/torch_powersgd", "value": med["gradsync_powersgd"] / med["torch_powersgd"]})
+    gradsync.shutdown()
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(rows))
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+def environment() -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                           "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+        try:
+            env["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception as exc:  # noqa: BLE001
+            env["nccl"] = _first_line(exc)
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gradsync bench gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes and few steps (the test suite's dry run)")
+    p.add_argument("--parts", default="codecs,engines,hooks", help="comma-separated: codecs, engines, hooks")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per codec case (default 15, quick 3)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    parts = [s for s in args.parts.split(",") if s]
+    unknown = set(parts) - {"codecs", "engines", "hooks"}
+    if unknown:
+        print(f"unknown part(s) {sorted(unknown)}; use codecs, engines, hooks", file=sys.stderr)
+        return 2
+    reps = args.reps or (3 if args.quick else 15)
+    sizes = (1000, 100_000) if args.quick else (1_000_000, 25_000_000)
+    doc: dict[str, Any] = {"type": RESULT_TYPE, "environment": environment(), "quick": args.quick}
+    print(f"gradsync bench gpu on {doc['environment'].get('gpu', 'the CPU (no GPU: a dry run)')}", flush=True)
+    if "codecs" in parts:
+        doc["codecs"] = codecs_part(sizes, reps)
+    if "engines" in parts:
+        doc["engines"] = engines_part(2 if args.quick else 4)
+    if "hooks" in parts:
+        doc["hooks"] = hooks_part(10 if args.quick else 40)
+    failed = [r for part in ("codecs", "engines") for r in doc.get(part, []) if r.get("ok") is False]
+    doc["failed"] = len(failed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = doc["environment"].get("gpu", "cpu").lower().replace(" ", "_")
+    path = args.out / f"gpu_check-{gpu}.json"
+    path.write_text(json.dumps(doc, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v))
+    print(f"{len(failed)} case(s) failed; wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
