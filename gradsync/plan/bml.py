@@ -21,8 +21,10 @@ in the broadcast stage, each ``1 / (k N)`` of the buffer:
 
 ``1/k`` of the parameter server's ``2 (N - 1) / N`` on a non-blocking Fat-Tree (§2, §3.2).
 
-Schedule encoding: piece ``<e, q>`` (``q`` the rank whose base-``n`` digits are ``v``) is chunk ``e N + q``
-(times ``pipeline`` sub-chunks), rooted at rank ``q``; aggregation step ``w`` is schedule step ``w`` (reduce)
+Schedule encoding: piece ``<e, q>`` (``q`` the number whose base-``n`` digits are ``v``) is chunk ``e N + q``
+(times ``pipeline`` sub-chunks), rooted at the server with address ``v`` (rank ``q`` when ranks are in address
+order, as ``bcube:n,k`` numbers them; the levels and addresses come from the links, so a topology file of a
+BCube plans the same way, see :mod:`gradsync.topology.hierarchy`); aggregation step ``w`` is schedule step ``w`` (reduce)
 and broadcast step ``w`` is schedule step ``k + w`` (copy). Steps order transfers per chunk, so pieces run
 independently, as the paper's per-thread queues do. Its per-layer split (§4.1: every layer cut into ``k N``
 pieces) is what the schedule's chunk fractions mean for a tensor list: each tensor is cut the same way.
@@ -35,9 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gradsync.errors import PlanError
+from gradsync.plan.hierarchical import switch_hierarchy_of
 from gradsync.plan.schedule import Schedule, Transfer
 from gradsync.plan.synthesizers import PlanOptions, split_chunks, synthesizer, unless_raises
-from gradsync.topology.bcube import bcube_digits, bcube_switch_name
 from gradsync.topology.model import Topology
 
 __all__ = [
@@ -54,13 +56,19 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BCubeShape:
-    """A BCube topology as BML sees it: ``n``, ``k`` and every rank's digits ``d`` (``d[i] = v_i``)."""
+    """A BCube topology as BML sees it: ``n``, ``k`` and every rank's digits ``d`` (``d[i] = v_i``).
+
+    ``switches[r][l]`` names rank ``r``'s level-``l`` switch; ``rank_at[q]`` is the rank whose digits read
+    ``q`` in base ``n`` (``q`` itself when ranks are in address order, as the builder numbers them).
+    """
 
     n: int
     k: int
     #: Per rank, the paper's ``s.d[0..k-1]`` (least significant first: ``d[0] = v_0``).
     digits: tuple[tuple[int, ...], ...]
     names: tuple[str, ...]
+    switches: tuple[tuple[str, ...], ...]
+    rank_at: tuple[int, ...]
 
     @property
     def servers(self) -> int:
@@ -69,11 +77,11 @@ class BCubeShape:
     def neighbours(self, a: int, level: int) -> list[int]:
         """``N_l(a)``: the ``n - 1`` ranks under ``a``'s level-``level`` switch (only digit ``level`` differs)."""
         step = self.n**level
-        base = a - self.digits[a][level] * step
-        return [base + x * step for x in range(self.n) if x != self.digits[a][level]]
+        base = sum(d * self.n**i for i, d in enumerate(self.digits[a])) - self.digits[a][level] * step
+        return [self.rank_at[base + x * step] for x in range(self.n) if x != self.digits[a][level]]
 
     def switch(self, a: int, level: int) -> str:
-        return bcube_switch_name(level, tuple(reversed(self.digits[a])), self.n)
+        return self.switches[a][level]
 
     def route(self, a: int, s: int, level: int) -> tuple[str, str, str]:
         """``a -> level switch -> s``; ``a`` and ``s`` must be level-``level`` neighbours."""
@@ -81,45 +89,20 @@ class BCubeShape:
 
 
 def bcube_shape(topology: Topology) -> BCubeShape:
-    """Read ``n``, ``k`` and the server digits of a ``bcube:n,k`` topology, or raise :class:`PlanError`.
+    """``n``, ``k``, the server digits and switches of a BCube, read from the links, or :class:`PlanError`.
 
-    A rank selection of a BCube keeps its attrs but is no longer a BCube, so the ranks themselves are
-    checked: there must be ``n**k`` of them, rank ``r`` carrying the base-``n`` digits of ``r`` and linked to
-    its switch at every level.
+    Any topology whose ranks are each linked to one switch per level, the switches of a level partitioning
+    the ranks by one digit, is BCube(n, k) (:mod:`gradsync.topology.hierarchy`); a rank selection of a
+    BCube is not, nor is a tree of switches.
     """
-    attrs = topology.attrs
-    if attrs.get("family") != "bcube":
+    sh = switch_hierarchy_of(topology)
+    if sh.family != "bcube":
         raise PlanError(
-            f"{topology.name!r} is not a BCube (attrs family={attrs.get('family')!r}); "
-            f"build one with get_topology('bcube:n,k'), e.g. 'bcube:3,2'"
+            f"{topology.name!r} is not a BCube: its links form a {sh.family} hierarchy ({', '.join(sh.levels)}), "
+            f"not servers on one switch per level; use --algorithm hierarchical there, or a 'bcube:n,k' topology"
         )
-    n, k = attrs.get("n"), attrs.get("k")
-    if not (isinstance(n, int) and isinstance(k, int) and n >= 2 and k >= 1):
-        raise PlanError(f"{topology.name!r} has BCube attrs n={n!r}, k={k!r}; they must be integers n >= 2, k >= 1")
-    if topology.world_size != n**k:
-        raise PlanError(
-            f"{topology.name!r} has {topology.world_size} ranks but BCube({n},{k}) has n**k = {n**k} servers; "
-            f"plan on the whole BCube, not on a rank selection"
-        )
-    digits: list[tuple[int, ...]] = []
-    for r, name in enumerate(topology.ranks):
-        want = bcube_digits(r, n, k)  # (v_{k-1}, ..., v_0)
-        have = topology.device(name).attrs.get("digits")
-        if have is None or tuple(have) != want:
-            raise PlanError(
-                f"rank {r} ({name!r}) of {topology.name!r} has digits {have!r}, expected {list(want)}; "
-                f"ranks must be the BCube servers in address order"
-            )
-        digits.append(tuple(reversed(want)))
-    shape = BCubeShape(n, k, tuple(digits), tuple(topology.ranks))
-    for r in range(len(digits)):
-        for level in range(k):
-            if not topology.has_link(shape.names[r], shape.switch(r, level)):
-                raise PlanError(
-                    f"{topology.name!r}: server {shape.names[r]!r} has no link to its level-{level} switch "
-                    f"{shape.switch(r, level)!r}; rebuild it with get_topology('bcube:{n},{k}')"
-                )
-    return shape
+    return BCubeShape(sh.radices[0], len(sh.radices), sh.digits, tuple(topology.ranks),
+                      tuple(tuple(path[1] for path in levels) for levels in sh.paths), sh.rank_at)
 
 
 # ---- Algorithm 1, literally --------------------------------------------------------------------------------
@@ -177,7 +160,7 @@ def plan_bml(topology: Topology, options: PlanOptions) -> Schedule:
     n, k, big_n = shape.n, shape.k, shape.servers
     sub = options.pipeline
     pieces = k * big_n
-    chunks, _ = split_chunks([1.0 / pieces] * pieces, sub, [p % big_n for p in range(pieces)])
+    chunks, _ = split_chunks([1.0 / pieces] * pieces, sub, [shape.rank_at[p % big_n] for p in range(pieces)])
     routes: dict[tuple[int, int], tuple[str, str, str]] = {}
 
     def route(a: int, s: int, level: int) -> tuple[str, str, str]:

@@ -21,31 +21,37 @@ hence every NIC link direction carries ``2 (N - 1) / N``.
 * ``bcube:n,k``: level ``l`` = the servers under one level-``l`` switch. One thread uses one level per step,
   so the level-0 links carry ``2 (n - 1) / n`` while the other NICs idle; BML's ``k`` threads rotate the
   levels to spread exactly this load over all ``k`` NICs.
+
+The levels come from the links (:mod:`gradsync.topology.hierarchy`), not from a builder's ``attrs``: a
+topology file of the same fabric gets the same groups, routes and cost, and any two-tier leaf/spine file is
+planned like ``racks:r,s,o`` (level 0 = a leaf's hosts, level 1 = the same port under every leaf).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gradsync.errors import PlanError
-from gradsync.plan.bml import bcube_shape
-from gradsync.plan.routing import router_for
+from gradsync.errors import PlanError, TopologyError
 from gradsync.plan.schedule import Schedule, Transfer
-from gradsync.plan.synthesizers import PlanOptions, split_chunks, synthesizer, unless_raises
+from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions, split_chunks, synthesizer, unless_raises
+from gradsync.topology.hierarchy import SwitchHierarchy, address_index, switch_hierarchy
 from gradsync.topology.model import Topology
 
-__all__ = ["Hierarchy", "bcube_hierarchy", "fattree_hierarchy", "racks_hierarchy", "hierarchy_of", "hierarchical_transfers",
-           "plan_hierarchical"]
+__all__ = ["HIERARCHY_SYNTHESIZERS", "Hierarchy", "bcube_hierarchy", "fattree_hierarchy", "racks_hierarchy", "hierarchy_of",
+           "hierarchical_transfers", "others_that_apply", "plan_hierarchical", "switch_hierarchy_of"]
+
+#: Synthesizers that need a switch hierarchy; a refusal names the others, which apply to any topology.
+HIERARCHY_SYNTHESIZERS = ("hierarchical", "bml")
 
 
 @dataclass(frozen=True)
 class Hierarchy:
     """Ranks as mixed-radix addresses: ``digits[r][l]`` in ``[0, radices[l])``, level 0 reduced first.
 
-    Rank ``r``'s address must be the mixed-radix digits of ``r`` (level 0 least significant), so the
-    address of piece ``q`` is rank ``q``'s. ``route(src, dst, level)`` is the device path between two
-    ranks of one level-``level`` group.
+    Every address belongs to one rank; piece ``q`` is named by address ``q`` and completes at the rank
+    holding it (``rank_at[q]``, which is ``q`` when ranks are numbered in address order, as builders do).
+    ``route(src, dst, level)`` is the device path between two ranks of one level-``level`` group.
     """
 
     radices: tuple[int, ...]
@@ -53,6 +59,7 @@ class Hierarchy:
     route: Callable[[int, int, int], tuple[str, ...]]
     #: What each level groups by, for reports (``edge``, ``aggregation``, ``pod``, ``level0``, ...).
     levels: tuple[str, ...]
+    rank_at: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         size = 1
@@ -62,25 +69,23 @@ class Hierarchy:
             size *= m
         if size != len(self.digits):
             raise PlanError(f"hierarchy radices {self.radices} describe {size} ranks, got {len(self.digits)}")
+        rank_at = [-1] * size
         for r, d in enumerate(self.digits):
-            if _index(d, self.radices) != r:
-                raise PlanError(f"rank {r} has address {d}, not the mixed-radix digits of {r} in radices {self.radices}")
+            if len(d) != len(self.radices) or not all(0 <= x < m for x, m in zip(d, self.radices)):
+                raise PlanError(f"rank {r} has address {d}, outside radices {self.radices}")
+            q = address_index(d, self.radices)
+            if rank_at[q] >= 0:
+                raise PlanError(f"ranks {rank_at[q]} and {r} share address {d}; every rank needs its own")
+            rank_at[q] = r
+        object.__setattr__(self, "rank_at", tuple(rank_at))
 
     def group(self, a: int, level: int) -> list[int]:
         """The other ranks of ``a``'s level-``level`` group (only digit ``level`` differs)."""
         stride = 1
         for m in self.radices[:level]:
             stride *= m
-        base = a - self.digits[a][level] * stride
-        return [base + x * stride for x in range(self.radices[level]) if x != self.digits[a][level]]
-
-
-def _index(d: tuple[int, ...], radices: tuple[int, ...]) -> int:
-    out, stride = 0, 1
-    for x, m in zip(d, radices):
-        out += x * stride
-        stride *= m
-    return out
+        base = address_index(self.digits[a], self.radices) - self.digits[a][level] * stride
+        return [self.rank_at[base + x * stride] for x in range(self.radices[level]) if x != self.digits[a][level]]
 
 
 def _pieces(hier: Hierarchy, fixed: dict[int, int]) -> list[int]:
@@ -120,93 +125,59 @@ def hierarchical_transfers(hier: Hierarchy, sub: int = 1) -> list[Transfer]:
     return out
 
 
+def others_that_apply(topology: Topology) -> str:
+    """The synthesizers that plan ``topology`` without a switch hierarchy, for refusals to name."""
+    able = [n for n in SYNTHESIZERS.names()
+            if n not in HIERARCHY_SYNTHESIZERS and not SYNTHESIZERS.get(n).applicable(topology)]
+    return f"use --algorithm with one of {', '.join(able)}, which apply to any topology" if able else "no other algorithm applies"
+
+
+def switch_hierarchy_of(topology: Topology) -> SwitchHierarchy:
+    """The switch hierarchy inferred from ``topology``'s links, or :class:`PlanError` saying there is none and
+    which synthesizers apply instead."""
+    try:
+        return switch_hierarchy(topology)
+    except TopologyError as exc:
+        raise PlanError(f"{exc}; 'hierarchical' and 'bml' need hosts under leaf switches (racks, Fat-Tree pods) "
+                        f"or BCube levels: {others_that_apply(topology)}") from None
+
+
+def _from_switches(sh: SwitchHierarchy) -> Hierarchy:
+    return Hierarchy(sh.radices, sh.digits, sh.route, sh.levels)
+
+
+def _of_family(topology: Topology, family: str, example: str) -> Hierarchy:
+    sh = switch_hierarchy_of(topology)
+    if sh.family != family:
+        raise PlanError(f"{topology.name!r} is a {sh.family} hierarchy ({', '.join(sh.levels)}), not {family}; "
+                        f"use hierarchy_of, or a topology like {example!r}")
+    return _from_switches(sh)
+
+
 def fattree_hierarchy(topology: Topology) -> Hierarchy:
-    """Edge switch, then aggregation switch, then pod groups of a ``fattree:k`` topology (see module doc)."""
-    k = topology.attrs.get("k")
-    if topology.attrs.get("family") != "fattree" or not isinstance(k, int) or k < 2 or k % 2:
-        raise PlanError(
-            f"{topology.name!r} is not a Fat-Tree (attrs family={topology.attrs.get('family')!r}, k={k!r}); "
-            f"build one with get_topology('fattree:k'), e.g. 'fattree:4'"
-        )
-    half = k // 2
-    if topology.world_size != k * half * half:
-        raise PlanError(
-            f"{topology.name!r} has {topology.world_size} ranks but fattree:{k} has k**3/4 = {k * half * half} "
-            f"servers; plan on the whole Fat-Tree, not on a rank selection"
-        )
-    digits = []
-    for r, name in enumerate(topology.ranks):
-        at = topology.device(name).attrs
-        d = (at.get("index"), at.get("edge"), at.get("pod"))
-        if not all(isinstance(x, int) for x in d) or _index(d, (half, half, k)) != r:
-            raise PlanError(
-                f"rank {r} ({name!r}) of {topology.name!r} has pod/edge/index {d[::-1]}; ranks must be the "
-                f"Fat-Tree servers in (pod, edge, index) order"
-            )
-        digits.append(d)
-    names = topology.ranks
-    via = router_for(topology)  # D-mod-k: level 1 climbs to aggregation switch `port`, level 2 to core `core{port}.{edge}`
-
-    def route(a: int, s: int, level: int) -> tuple[str, ...]:
-        return via(names[a], names[s])
-
-    return Hierarchy((half, half, k), tuple(digits), route, ("edge", "aggregation", "pod"))
+    """Edge switch, then aggregation switch, then pod groups of a Fat-Tree-like topology (see module doc)."""
+    return _of_family(topology, "fattree", "fattree:4")
 
 
 def bcube_hierarchy(topology: Topology) -> Hierarchy:
     """BCube levels 0, 1, .., k-1 in order: the level-``l`` group is the servers under one level-``l`` switch."""
-    shape = bcube_shape(topology)
-
-    def route(a: int, s: int, level: int) -> tuple[str, ...]:
-        return shape.route(a, s, level)
-
-    return Hierarchy((shape.n,) * shape.k, shape.digits, route, tuple(f"level{lv}" for lv in range(shape.k)))
+    return _of_family(topology, "bcube", "bcube:3,2")
 
 
 def racks_hierarchy(topology: Topology) -> Hierarchy:
-    """Hosts of one rack, then the hosts with the same index in every rack (``racks:r,s,o``).
+    """Hosts of one rack, then the hosts with the same index in every rack (``racks:r,s,o`` or any two-tier file).
 
     Each host ends the rack stage owning 1/s of its rack's sum, then allreduces that share with its
     counterparts in the other racks: every uplink direction carries the buffer once, like a rack-first tree,
     but as ``s`` flows from ``s`` hosts instead of one flow into one root (whose NIC the rack's own traffic
     fills while the uplink flow waits behind it).
     """
-    r, s = topology.attrs.get("racks"), topology.attrs.get("hosts_per_rack")
-    if topology.attrs.get("family") != "racks" or not isinstance(r, int) or not isinstance(s, int):
-        raise PlanError(f"{topology.name!r} is not a racks:r,s,o topology; build one with get_topology('racks:2,3,4')")
-    if topology.world_size != r * s:
-        raise PlanError(f"{topology.name!r} has {topology.world_size} ranks, not r*s = {r * s}; plan on the whole cluster")
-    digits = []
-    for q, name in enumerate(topology.ranks):
-        at = topology.device(name).attrs
-        d = (at.get("index"), at.get("rack"))
-        if not all(isinstance(x, int) for x in d) or _index(d, (s, r)) != q:
-            raise PlanError(f"rank {q} ({name!r}) of {topology.name!r} has rack/index {d[::-1]}; ranks must be in rack order")
-        digits.append(d)
-    names = topology.ranks
-    via = router_for(topology)
-
-    def route(a: int, b: int, level: int) -> tuple[str, ...]:
-        return via(names[a], names[b])
-
-    return Hierarchy((s, r), tuple(digits), route, ("rack", "across racks"))
-
-
-_HIERARCHIES: dict[str, Callable[[Topology], Hierarchy]] = {
-    "fattree": fattree_hierarchy, "bcube": bcube_hierarchy, "racks": racks_hierarchy,
-}
+    return _of_family(topology, "racks", "racks:2,3,4")
 
 
 def hierarchy_of(topology: Topology) -> Hierarchy:
-    """The switch-group hierarchy of a Fat-Tree or BCube topology, or :class:`PlanError`."""
-    family = topology.attrs.get("family")
-    make = _HIERARCHIES.get(family) if isinstance(family, str) else None
-    if make is None:
-        raise PlanError(
-            f"{topology.name!r} has no switch hierarchy the planner knows (attrs family={family!r}); "
-            f"use a 'fattree:k', 'bcube:n,k' or 'racks:r,s,o' topology"
-        )
-    return make(topology)
+    """The switch-group hierarchy the links of ``topology`` form (racks, Fat-Tree, BCube), or :class:`PlanError`."""
+    return _from_switches(switch_hierarchy_of(topology))
 
 
 @synthesizer("hierarchical", applicable=unless_raises(hierarchy_of), halves=True)
@@ -214,7 +185,7 @@ def plan_hierarchical(topology: Topology, options: PlanOptions) -> Schedule:
     """Reduce within switch groups, then between groups, then broadcast back (BML §3.3; Fat-Tree, BCube, racks)."""
     hier = hierarchy_of(topology)
     n, sub = topology.world_size, options.pipeline
-    chunks, _ = split_chunks([1.0 / n] * n, sub, range(n))
+    chunks, _ = split_chunks([1.0 / n] * n, sub, hier.rank_at)
     transfers = hierarchical_transfers(hier, sub)
     meta = {"hierarchy": {"levels": list(hier.levels), "radices": list(hier.radices)}}
     return Schedule("hierarchical", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)

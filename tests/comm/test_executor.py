@@ -5,6 +5,8 @@ The real-process tests (gloo) are in tests/comm/test_dist.py; these cover the co
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from gradsync.errors import GradsyncError, PeerError, PlanError
 from gradsync.plan import SYNTHESIZERS, PlanOptions, synthesize
 from gradsync.topology.io import get_topology
 from tests.conftest import random_topology
+from tests.topology.test_hierarchy import stripped
 
 TOPOLOGIES = ["switch:2", "switch:3", "ring:4", "p3.8xlarge", "bcube:2,2", "bcube:3,2", "fattree:4", "p2.8xlarge", "racks:2,3,4"]
 
@@ -70,6 +73,18 @@ def test_random_topologies_lp_and_tree():
             exp = sum(_inputs(r, [101], torch.float64)[0] for r in range(5))
             assert all(torch.equal(x[0], exp) for x in res), (seed, alg)
 
+
+@pytest.mark.parametrize("spec,algorithm", [("bcube:2,2", "bml"), ("bcube:3,2", "hierarchical"), ("racks:3,2,4", "hierarchical")])
+def test_hierarchy_from_a_shuffled_file_sums_exactly(spec, algorithm, tmp_path):
+    """The hierarchy inferred from a topology file in a shuffled rank order: pieces root at permuted ranks."""
+    built = get_topology(spec)
+    ranks = list(built.ranks)
+    random.Random(5).shuffle(ranks)
+    topo = stripped(built, tmp_path, ranks)
+    schedule = synthesize(algorithm, topo, PlanOptions(pipeline=2))
+    res = _allreduce_everywhere(schedule, [7, 1009], torch.float64)
+    exp = [sum(_inputs(r, [7, 1009], torch.float64)[i] for r in range(topo.world_size)) for i in range(2)]
+    assert all(torch.equal(x[i], exp[i]) for x in res for i in range(2)), (spec, algorithm)
 
 def test_avg_divides_and_rejects_integers():
     schedule = synthesize("ring", get_topology("switch:4"))
