@@ -59,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     b = report.limits
     coll = schedule.collective
     what = "" if coll == "allreduce" else f" {coll}"
-    print(f"{report.algorithm}{what} on {topo.name}: cost C = {report.cost:.6g} (seed units, unit link "
+    print(f"{report.algorithm}{what} on {topo.name}: cost C = {report.cost:.6g} (OMS units: the buffer once over the unit link of "
           f"{report.unit_bandwidth_GBps:g} GB/s)")
     if coll == "allreduce":
         how = "" if b.method == "lp" else " (cut bound only: too many ranks for the LP)"

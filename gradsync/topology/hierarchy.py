@@ -144,6 +144,9 @@ def _infer(topology: Topology, one_switch: str | None) -> SwitchHierarchy:
     for name in topology.ranks:
         peers = sorted(g[name], key=topology.device_index.__getitem__)
         direct = [p for p in peers if p in rank_of]
+        if not peers:
+            raise _NoHierarchy(f"rank {name!r} has no links" + (" (one rank: nothing to aggregate)"
+                                                                 if len(topology.ranks) == 1 else ""))
         if direct:
             raise _NoHierarchy(f"rank {name!r} is linked straight to rank {direct[0]!r}, not through a switch")
         uplinks.append(peers)

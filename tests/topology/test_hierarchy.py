@@ -177,3 +177,13 @@ def test_no_hierarchy_says_why(topology, why):
 def test_addresses_must_be_distinct():
     with pytest.raises(TopologyError, match="share address"):
         SwitchHierarchy("racks", ("rack",), (2,), ((0,), (0,)), ((("a", "s"),), (("b", "s"),)))
+
+
+def test_a_single_rank_or_an_unlinked_rank_has_no_hierarchy():
+    """One rank (a selection like ``p3.16xlarge[3]``) has no links: no hierarchy, said as such, not a crash."""
+    from gradsync.errors import TopologyError
+    from gradsync.topology import get_topology
+    from gradsync.topology.hierarchy import infer_hierarchy
+
+    with pytest.raises(TopologyError, match="has no links .one rank: nothing to aggregate."):
+        infer_hierarchy(get_topology("p3.16xlarge[3]"))
