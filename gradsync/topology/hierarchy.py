@@ -179,11 +179,18 @@ def _tree(topology: Topology, leaf_of: list[str], one_switch: str | None) -> Swi
         raise _NoHierarchy(f"every rank hangs off one switch {leaves[0]!r}: a single level, nothing to group")
     up: dict[str, set[str]] = {}
     for leaf in leaves:
-        ups = {v for v in g[leaf] if v not in topology.rank_index}
-        linked = sorted(ups & set(leaves), key=order.__getitem__)
+        up[leaf] = {v for v in g[leaf] if v not in topology.rank_index}
+    if len(leaves) == 2 and up[leaves[0]] == {leaves[1]} and up[leaves[1]] == {leaves[0]}:
+        # two racks whose switches are linked straight to each other (no spine): they meet at the second one
+        digits = tuple((port[r], leaf_no[leaf_of[r]]) for r in range(len(names)))
+        paths = tuple(((names[r], leaf_of[r]), (names[r], *leaves) if leaf_of[r] == leaves[0] else (names[r], leaves[1]))
+                      for r in range(len(names)))
+        return SwitchHierarchy("racks", ("rack", "across racks"), (s, 2), digits, paths)
+    for leaf in leaves:
+        linked = sorted(up[leaf] & set(leaves), key=order.__getitem__)
         if linked:
-            raise _NoHierarchy(f"leaf switches {leaf!r} and {linked[0]!r} are linked to each other, not through a spine")
-        up[leaf] = ups
+            raise _NoHierarchy(f"leaf switches {leaf!r} and {linked[0]!r} are linked to each other, not through a spine"
+                               f" (only two racks may link their switches straight to each other)")
     spines = sorted(set.intersection(*up.values()), key=order.__getitem__)
     if spines:
         digits = tuple((port[r], leaf_no[leaf_of[r]]) for r in range(len(names)))

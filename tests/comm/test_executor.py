@@ -305,3 +305,15 @@ def test_auto_progress_waits_in_order_for_small_runs_and_uses_lanes_for_large():
         (small_ok, small_lanes), (big_ok, big_lanes) = got
         assert small_ok and big_ok
         assert small_lanes == 0 and big_lanes > 0
+
+
+def test_two_racks_linked_straight_sum_exactly():
+    """hierarchical on two rack switches linked to each other (no spine), every dtype, odd sizes."""
+    from tests.plan.test_hierarchical import _two_racks_linked_straight
+
+    topo = _two_racks_linked_straight()
+    schedule = synthesize("hierarchical", topo, PlanOptions(pipeline=2))
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        res = _allreduce_everywhere(schedule, [7, 1009], dtype)
+        exp = [sum(_inputs(r, [7, 1009], torch.float64)[i] for r in range(topo.world_size)) for i in range(2)]
+        assert all(torch.equal(x[i].to(torch.float64), exp[i]) for x in res for i in range(2)), dtype

@@ -59,3 +59,35 @@ def test_bml_refuses_a_tree_and_points_to_hierarchical(tmp_path):
 def test_no_hierarchy_names_what_applies(topology, algorithm):
     with pytest.raises(PlanError, match=r"no switch hierarchy: .*use --algorithm with one of ring, .*tree, lp"):
         synthesize(algorithm, topology)
+
+
+def _two_racks_linked_straight(hosts: int = 3, host_bw: float = 4.0, up_bw: float = 1.0):
+    """Two racks as a user writes them without a spine: each rack switch's hosts, the two switches linked."""
+    from gradsync.topology import from_dict
+
+    devices = [{"name": f"tor{r}", "kind": "switch"} for r in range(2)]
+    devices += [{"name": f"h{r}{h}", "kind": "host"} for r in range(2) for h in range(hosts)]
+    links = [{"a": f"h{r}{h}", "b": f"tor{r}", "bandwidth_GBps": host_bw} for r in range(2) for h in range(hosts)]
+    links.append({"a": "tor0", "b": "tor1", "bandwidth_GBps": up_bw})
+    return from_dict({"name": "two-racks", "devices": devices, "links": links})
+
+
+def test_two_rack_switches_linked_straight_plan_at_the_cut_bound():
+    """No spine: the racks meet across their switches' link. Every exact allreduce moves the buffer once each
+    way across that link (the cut bound), and hierarchical does exactly that, self-checked, every collective."""
+    topo = _two_racks_linked_straight()
+    for collective in ("allreduce", "reduce_scatter", "allgather"):
+        s = synthesize("hierarchical", topo, PlanOptions(pipeline=2, collective=collective))
+        if collective == "allreduce":
+            report = evaluate(s, topo, 1e9)
+            assert report.cost == pytest.approx(report.limits.cut, rel=1e-12) and report.cost == pytest.approx(1.0)
+    from gradsync.topology.hierarchy import infer_hierarchy
+
+    h = infer_hierarchy(topo)
+    assert (h.family, h.radices) == ("racks", (3, 2))
+    for level in (0, 1):  # every route is a path of links; across racks it takes the switches' link
+        for r in range(topo.world_size):
+            for b in h.group(r, level):
+                route = h.route(r, b, level)
+                assert all(topo.graph.has_edge(u, v) for u, v in zip(route, route[1:])), route
+                assert (("tor0" in route) and ("tor1" in route)) == (level == 1), route
