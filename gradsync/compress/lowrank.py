@@ -68,8 +68,8 @@ def outer_into(p: Tensor, qt: Tensor, out: Tensor, *, subtract: bool = False) ->
     """
     r = p.shape[1]
     if r != 2 or out.numel() < BROADCAST_MIN_ELEMENTS:
-        if subtract:  # the product, then the subtraction: addmm_ fuses them into other bits on some BLAS builds
-            return out.sub_(torch.mm(p, qt))
+        if subtract:  # fused: no product buffer and one pass fewer (a BLAS may round the fused form differently)
+            return out.addmm_(p, qt, alpha=-1)
         return torch.mm(p, qt, out=out)
     qt = qt.contiguous()  # rows of Q^T: each pass reads one contiguous row
     if subtract:
@@ -200,9 +200,10 @@ class PowerSGD(TwoRoundCompressor):
         return outer_into(p, qt, buf.view(rows, cols)).view(ctx.info.shape)
 
     def subtract_decoded(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Context, *, inplace: bool = False) -> Tensor:
-        """``M - P Q^T`` in ``M``'s own buffer: the product, then the subtraction (the same bits as
-        ``M - decompress``), or at rank 2 on a large matrix by two broadcast passes (:func:`outer_into`: faster
-        there, one rounding apart)."""
+        """``M - P Q^T`` in ``M``'s own buffer by ``addmm_`` (no product tensor; several times faster than the
+        product then the subtraction), or at rank 2 on a large matrix by two broadcast passes (:func:`outer_into`).
+        Either is within a rounding of ``M - decompress``: whether a BLAS fuses the multiply-add decides the
+        last bit, which error feedback (a rank's own state) does not need to match."""
         plan = self.matrix_plan(ctx.info.shape)
         dtype = work_dtype(ctx.info.dtype)
         if (plan is None or not inplace or tensor.dtype != dtype or not tensor.is_contiguous()

@@ -561,8 +561,8 @@ def test_outer_into_is_the_product_and_the_subtraction(r: int, shape) -> None:
     torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6)
     got = outer_into(p, q.T, m.clone(), subtract=True)
     torch.testing.assert_close(got.double(), m.double() - exact, rtol=1e-6, atol=1e-6)
-    if r != 2 or rows * cols < BROADCAST_MIN_ELEMENTS:  # the gemm path: the same bits as mm, then a subtraction
-        assert torch.equal(out, p @ q.T) and torch.equal(got, m - p @ q.T)
+    if r != 2 or rows * cols < BROADCAST_MIN_ELEMENTS:  # the gemm path: mm's bits, and addmm_'s in place
+        assert torch.equal(out, p @ q.T) and torch.equal(got, m.addmm(p, q.T, alpha=-1))
     # a PowerSGD step through finish and the in-place residual takes the same path
     c = PowerSGD(rank=r, min_compression_rate=0)
     info = _info(m)

@@ -41,6 +41,10 @@ def _reference_aggregate(c: Compressor, payloads: list[list[torch.Tensor]], ctx)
     return torch.stack(decoded).sum(dim=0)  # the sum, added in worker order
 
 
+#: Compressors whose in-place residual is one fused multiply-add (PowerSGD's ``addmm_``): its last bit depends
+#: on whether the BLAS fuses, so it is compared within a rounding, not bit for bit.
+FUSED_RESIDUAL = {"powersgd"}
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
@@ -75,7 +79,10 @@ def test_subtract_decoded_is_tensor_minus_decompress_in_place_or_not(name: str, 
     assert torch.equal(out, want) and torch.equal(x, kept)  # not in place: x untouched
     before = [t.clone() for t in payload]
     out = c.subtract_decoded(x, payload, ctx, inplace=True)
-    assert torch.equal(out, want), (name, shape, dtype)
+    if name in FUSED_RESIDUAL:  # a fused multiply-add: within a rounding of the separate product and subtraction
+        torch.testing.assert_close(out, want, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+    else:
+        assert torch.equal(out, want), (name, shape, dtype)
     # in place only where no payload tensor is x itself ('none' sends x): the payload still holds what was sent
     assert all(torch.equal(a, b) for a, b in zip(payload, before))
     if not shares_memory(kept, payload):
@@ -122,8 +129,13 @@ def test_residual_memory_in_place_gives_the_out_of_place_recursion(name: str) ->
         ref_x = g_copy if e is None else g_copy + e
         ref_payload, ref_ctx = ref_c.compress(ref_x, info)
         e = ref_x - ref_c.decompress(ref_payload, ref_ctx)
-        assert all(torch.equal(a, b) for a, b in zip(payload, ref_payload))
-        assert torch.equal(memory.residual("w"), e), (name, step)
+        if name in FUSED_RESIDUAL:  # within roundings: the fused residual's last bits feed the next step
+            for a, b in zip(payload, ref_payload):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(memory.residual("w"), e, rtol=1e-5, atol=1e-6)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(payload, ref_payload))
+            assert torch.equal(memory.residual("w"), e), (name, step)
         buffers.add(memory.residual("w").data_ptr())
     if name not in ("none", "fp16"):  # these send x itself: the residual cannot live in x
         assert len(buffers) <= 2  # the first residual is new; after that it stays in its buffer
@@ -261,8 +273,9 @@ def test_powersgd_products_in_place_and_into_a_given_buffer(rank: int, shape) ->
     firsts = [c.first_round(g, info) for c, g in zip(workers, grads)]
     rounds = [c.second_round(g, info, firsts[0] + firsts[1]) for c, g in zip(workers, grads)]
     x = grads[0].clone()
-    assert torch.equal(workers[0].subtract_decoded(x, *rounds[0], inplace=True),
-                       grads[0] - workers[0].decompress(*rounds[0]))
+    eps = 4 * torch.finfo(torch.float32).eps  # a fused multiply-add (FUSED_RESIDUAL): within a rounding
+    torch.testing.assert_close(workers[0].subtract_decoded(x, *rounds[0], inplace=True),
+                               grads[0] - workers[0].decompress(*rounds[0]), rtol=eps, atol=eps)
     summed = [rounds[0][0][0] + rounds[1][0][0]]
     plain = workers[0].finish(summed, rounds[0][1])
     out = torch.full(shape, float("nan"))
