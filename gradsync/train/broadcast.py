@@ -82,7 +82,8 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0, *, runtime: Ru
             if "tensor" in desc:
                 t = g.get(key)
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(desc["shape"]):
-                    t = g[key] = torch.zeros(desc["shape"], dtype=getattr(torch, desc["tensor"]))
+                    device = torch.device("cpu") if desc["cpu"] or not g["params"] else g["params"][0].device
+                    t = g[key] = torch.zeros(desc["shape"], dtype=getattr(torch, desc["tensor"]), device=device)
                 group_tensors.append(t)
     _broadcast_tensors(rt, tensors + group_tensors, root_rank, "broadcast_optimizer_state")
     for i, key, desc in manifest["state"]:
@@ -138,9 +139,12 @@ def _manifest(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[st
 
 def _broadcast_bytes(rt: Runtime, data: bytes, root: int) -> bytes:
     """Rank root's ``data`` on every rank (its length first)."""
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    size = torch.tensor([len(data)], dtype=torch.int64)  # host: a length; the broadcast stages it
     _broadcast_tensors(rt, [size], root, "broadcast", check=False)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rt.rank == root else torch.zeros(int(size), dtype=torch.uint8)
+    if rt.rank == root:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.zeros(int(size), dtype=torch.uint8)  # host: the manifest's bytes, read on the host
     _broadcast_tensors(rt, [buf], root, "broadcast", check=False)
     return bytes(buf.tolist()) if rt.rank != root else data
 
@@ -156,7 +160,7 @@ def _agree(rt: Runtime, problem: str, what: str) -> None:
 def _broadcast_tensors(rt: Runtime, tensors: list[torch.Tensor], root: int, what: str, *, check: bool = True) -> None:
     if check:
         sig = zlib.crc32(repr([(str(t.dtype), tuple(t.shape)) for t in tensors]).encode())
-        here = torch.tensor([len(tensors), sum(t.numel() for t in tensors), sig], dtype=torch.int64)
+        here = torch.tensor([len(tensors), sum(t.numel() for t in tensors), sig], dtype=torch.int64)  # host: a check
         mine = here.clone()
         _broadcast_tensors(rt, [here], root, what, check=False)
         problem = ""
