@@ -41,6 +41,8 @@ _RUNTIME_NAMES = (
     "allreduce_hook",
     "CompressionHookState",
     "compression_hook",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
 )
 
 __all__ = [
@@ -69,6 +71,10 @@ def __getattr__(name: str) -> Any:
         from gradsync.train import compressed_hook
 
         return getattr(compressed_hook, name)
+    if name in ("broadcast_parameters", "broadcast_optimizer_state"):
+        from gradsync.train import broadcast
+
+        return getattr(broadcast, name)
     if name in _RUNTIME_NAMES:
         from gradsync import comm
 

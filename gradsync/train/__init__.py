@@ -11,7 +11,8 @@ another name than the function, so importing one never hides the other).
 server) and :class:`CompressionStep`, which joins them to a compressor and a memory. ``grouped``:
 MergeComp's merged groups, overlapped with backward (:class:`MergedGroups`), and the profiled cost model.
 ``ps_trainer``: dist/mpi SGD, ASGD and ESGD on a KVStore as training loops (:class:`PSTrainer`).
-``ps_overlap``: forward pre-hooks that wait for each parameter's pull. ``demo``: ``gradsync demo``'s workers.
+``broadcast``: Horovod's :func:`broadcast_parameters` and :func:`broadcast_optimizer_state` (every replica
+starts from one rank's values). ``ps_overlap``: forward pre-hooks that wait for each parameter's pull. ``demo``: ``gradsync demo``'s workers.
 
 Names are loaded on first use, so ``gradsync.DistributedOptimizer`` does not import ZeroMQ.
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 _EXPORTS = {
     "DistributedOptimizer": "optimizer",
+    "broadcast_parameters": "broadcast", "broadcast_optimizer_state": "broadcast",
     "GradsyncHookState": "hooks", "allreduce_hook": "hooks",
     "CompressionHookState": "compressed_hook", "compression_hook": "compressed_hook",
     "COMMUNICATOR_TYPES": "communicator", "AllgatherCommunicator": "communicator",

@@ -205,6 +205,11 @@ floating dtype.
     def num_groups(self) -> int:
         return len(self.groups)
 
+    @property
+    def started(self) -> bool:
+        """Whether this step has gradients added or groups sent (:meth:`wait` ends the step)."""
+        return bool(self._works or self._pending)
+
     def add(self, index: int, grad: Tensor) -> None:
         """Gradient of tensor ``index`` (backward order) is final; send its group if this was the last one."""
         if grad.dtype != self.dtype:

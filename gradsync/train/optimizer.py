@@ -14,13 +14,21 @@ Algorithm 1): they are cut in backward order into the groups ``merge`` names, ea
 once when its last gradient is ready and exchanged by its communicator while backward goes on, and
 ``step()`` writes the aggregates back into ``.grad``. ``compression=None`` (the default) is the plain path
 above, unchanged.
+
+Gradient accumulation (``backward_passes_per_step=N``, Horovod's name): each parameter's hook counts the backward
+passes of the step and sends the gradient only on the N-th, once the N micro-batches have summed into ``.grad``
+(autograd's accumulation); ``op`` then averages (or sums) that accumulated gradient over ranks, as DDP does after
+``no_sync()``. Scale each micro-batch's loss by ``1/N`` to get the mean over every rank's micro-batches (single-process
+training on them all). A pass beyond N before ``step()`` raises instead of being lost. :meth:`no_sync` is DDP's
+form: passes inside it accumulate locally and are sent with the next pass outside it (or at ``step()``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +61,9 @@ class DistributedOptimizer:
     ``"auto"``: the first step runs layer-wise while recording when each gradient is ready, then h and g
     are profiled on this machine and the exact search picks the partition (compressor and memory state are
     reset then). Backward order is assumed to be the reverse of ``named_parameters`` (``"auto"`` observes it).
+    ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
+    gradients travel on the last one (gradient accumulation; scale each micro-batch's loss by 1/N for a mean). A
+    parameter's gradient arriving more often raises; :meth:`no_sync` marks extra passes as local instead.
     Other attributes (``param_groups``, ``state``, ``zero_grad`` ...) are the wrapped optimizer's.
     """
 
@@ -70,6 +81,7 @@ class DistributedOptimizer:
         merge: Partition | int | str = "layerwise",
         memory: Memory | str | None = None,
         communicator: str | None = None,
+        backward_passes_per_step: int = 1,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -79,6 +91,15 @@ class DistributedOptimizer:
         if first_bucket_bytes is not None:
             first_bucket_bytes = _byte_count("first_bucket_bytes", first_bucket_bytes,
                                              f"or None (None: min(bucket_bytes, {FIRST_BUCKET_BYTES}), DDP's first bucket)")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise GradsyncError(f"backward_passes_per_step={backward_passes_per_step!r} must be an integer >= 1 "
+                                "(the backward passes summed into .grad before each step(); 1: no accumulation)")
+        self.backward_passes_per_step = backward_passes_per_step
+        #: this step's backward passes per parameter (id) that count toward backward_passes_per_step (outside no_sync)
+        self._passes: dict[int, int] = {}
+        #: parameters (id) whose .grad holds passes not sent yet (fewer than N so far, or inside no_sync)
+        self._unsent: set[int] = set()
+        self._sync = True  # False inside no_sync()
         self.optimizer = optimizer
         self.runtime = runtime or get_runtime()
         self.op = op
@@ -110,8 +131,8 @@ class DistributedOptimizer:
                 f"merge={merge!r}, memory={memory!r}, communicator={communicator!r} only apply with compression=...; "
                 "pass a compressor (e.g. compression='fp16') or leave them out"
             )
-        hook = self._on_grad if compression is None else self._on_grad_compressed
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in named if p.requires_grad]
+        self._trainable = [(n, p) for n, p in named if p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in self._trainable]
         self.runtime.executor(algorithm)  # plan now
 
     def __getattr__(self, name: str) -> Any:
@@ -121,6 +142,55 @@ class DistributedOptimizer:
         if inner is None:
             raise AttributeError(name)
         return getattr(inner, name)
+
+    def _hook(self, param: torch.Tensor) -> None:
+        """A backward pass finished ``param``'s gradient: count it, and send it on the step's last pass."""
+        key = id(param)
+        n = self.backward_passes_per_step
+        done = self._passes.get(key, 0)
+        if done >= n:  # already sent this step: this pass would be summed into a gradient in flight, then lost
+            name = self.names.get(key, "?")
+            raise GradsyncError(
+                f"the gradient of {name!r} arrived from backward pass {done + 1} since the last step(), but "
+                f"backward_passes_per_step={n} sent it after pass {n}; pass backward_passes_per_step={done + 1} "
+                f"(the micro-batches per step) to DistributedOptimizer, or run the extra passes inside "
+                f"`with optimizer.no_sync():`, or call step() (or zero_grad() to drop them) after every {n} pass(es)"
+            )
+        if not self._sync:
+            self._unsent.add(key)
+            return
+        done += 1
+        self._passes[key] = done
+        if done < n:
+            self._unsent.add(key)
+            return
+        self._unsent.discard(key)
+        self._send(param)
+
+    def _send(self, param: torch.Tensor) -> None:
+        if self.compression is None:
+            self._on_grad(param)
+        else:
+            self._on_grad_compressed(param)
+
+    def _send_unsent(self) -> None:
+        """At step(): send the gradients that still hold unsent passes (fewer than N, or only inside no_sync), in
+        backward order (the same on every rank that ran the same passes)."""
+        unsent, self._unsent = self._unsent, set()
+        for _, p in reversed(self._trainable):  # backward order, as the hooks would have sent them
+            if id(p) in unsent and p.grad is not None:
+                self._passes[id(p)] = self.backward_passes_per_step
+                self._send(p)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()``: backward passes inside accumulate into ``.grad`` without communicating; the next
+        pass outside (or ``step()``) sends the sum. They do not count toward ``backward_passes_per_step``."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
 
     def _on_grad(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -239,6 +309,8 @@ class DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Send any open groups and wait until every gradient of this iteration is reduced."""
+        self._send_unsent()
+        self._passes.clear()
         if self.compression is not None:
             self._synchronize_compressed()
             return
@@ -261,7 +333,22 @@ class DistributedOptimizer:
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's; in the middle of a step (passes since the last ``step()``) the step's passes are
+        dropped: what is in flight is waited for first (every rank ran it), then the count starts again."""
+        if self._passes or self._unsent:
+            self._unsent.clear()
+            self._drain()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _drain(self) -> None:
+        """Wait for this step's communication and forget it (zero_grad() before step() drops the step)."""
+        self._passes.clear()
+        if self.compression is None:
+            self.synchronize()
+            return
+        if self._groups.started:
+            self._groups.wait()
+        self._arrivals, self._inside = [], 0.0
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -111,3 +111,78 @@ def test_first_bucket_bytes_with_compression_is_refused():
     with pytest.raises(GradsyncError, match="first_bucket_bytes=4096 with compression: merge=... decides"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=_Recorder(model),
                              compression="fp16", first_bucket_bytes=4096)
+
+
+# ---- gradient accumulation (backward_passes_per_step, no_sync) ------------------------------------------------------
+def _scalar() -> tuple[torch.nn.Module, torch.nn.Parameter]:
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(1))
+    return model, model.w
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.0, "2", True, None])
+def test_bad_backward_passes_per_step_is_named(bad):
+    model, w = _scalar()
+    with pytest.raises(GradsyncError, match=rf"backward_passes_per_step={bad!r} must be an integer >= 1"):
+        DistributedOptimizer(torch.optim.SGD([w], lr=1.0), model.named_parameters(), runtime=_Recorder(model),
+                             backward_passes_per_step=bad)
+
+
+def test_two_passes_then_one_step_apply_the_accumulated_gradient_sent_once():
+    """The issue's case: gradients 2 and 3 in two passes move the weight by 5 (the accumulated gradient), and the
+    gradient travels once, after the second pass."""
+    model, w = _scalar()
+    rt = _Recorder(model)
+    opt = DistributedOptimizer(torch.optim.SGD([w], lr=1.0), model.named_parameters(), runtime=rt, backward_passes_per_step=2)
+    for step in range(2):
+        opt.zero_grad()
+        (w * 2).sum().backward()
+        assert rt.groups == [[4]] * step  # nothing sent after the first pass
+        (w * 3).sum().backward()
+        assert rt.groups == [[4]] * (step + 1)
+        opt.step()
+        assert w.item() == -5.0 * (step + 1)
+    opt.remove_hooks()
+
+
+def test_a_second_pass_without_accumulation_raises_naming_the_count_and_the_fix():
+    model, w = _scalar()
+    opt = DistributedOptimizer(torch.optim.SGD([w], lr=1.0), model.named_parameters(), runtime=_Recorder(model))
+    (w * 2).sum().backward()
+    with pytest.raises(GradsyncError, match=r"'w' arrived from backward pass 2 .* backward_passes_per_step=2 .*no_sync"):
+        (w * 3).sum().backward()
+    opt.zero_grad()  # drops the step; the next one works
+    (w * 2).sum().backward()
+    opt.step()
+    assert w.item() == -2.0
+    opt.remove_hooks()
+
+
+def test_no_sync_passes_accumulate_locally_and_travel_with_the_next_pass():
+    model, w = _scalar()
+    rt = _Recorder(model)
+    opt = DistributedOptimizer(torch.optim.SGD([w], lr=1.0), model.named_parameters(), runtime=rt)
+    with opt.no_sync():
+        (w * 2).sum().backward()
+        (w * 4).sum().backward()
+    assert rt.groups == []
+    (w * 3).sum().backward()
+    assert rt.groups == [[4]]
+    opt.step()
+    assert w.item() == -9.0
+    with opt.no_sync():  # only no_sync passes: step() sends them
+        (w * 1).sum().backward()
+    opt.step()
+    assert rt.groups == [[4], [4]] and w.item() == -9.0 - 10.0  # .grad was not zeroed: 9 + 1
+    opt.remove_hooks()
+
+
+def test_a_step_after_fewer_passes_sends_them_at_step():
+    model, w = _scalar()
+    rt = _Recorder(model)
+    opt = DistributedOptimizer(torch.optim.SGD([w], lr=1.0), model.named_parameters(), runtime=rt, backward_passes_per_step=3)
+    (w * 2).sum().backward()
+    assert rt.groups == []
+    opt.step()
+    assert rt.groups == [[4]] and w.item() == -2.0
+    opt.remove_hooks()

@@ -1,0 +1,37 @@
+"""Multi-process runs of the training layer (2 gloo ranks, tests/workers/train_worker.py): gradient accumulation
+with DistributedOptimizer against single-process training, and broadcast_parameters / broadcast_optimizer_state."""
+
+from __future__ import annotations
+
+from tests.dist_launch import launch
+
+WORKER = "tests/workers/train_worker.py"
+WORLD = 2
+
+
+def test_accumulated_micro_batches_equal_single_process_training_on_all_of_them(tmp_path):
+    reports = launch(WORKER, ["accumulate", str(tmp_path)], WORLD, tmp_path, timeout_s=180)
+    for rank, rep in enumerate(reports):
+        for variant, r in rep.items():
+            assert r["moved"] > 1e-3, (rank, variant, r)  # the reference trained: the comparison means something
+            assert r["across_ranks"] == 0.0, (rank, variant, r)
+            tol = 2e-3 if variant.startswith("fp16") else 1e-12  # fp16 rounds the exchanged gradients
+            assert r["vs_reference"] < tol, (rank, variant, r)
+
+
+def test_a_pass_beyond_backward_passes_per_step_raises_naming_the_fix(tmp_path):
+    reports = launch(WORKER, ["too_many_passes", str(tmp_path)], WORLD, tmp_path, timeout_s=120)
+    for rank, rep in enumerate(reports):
+        for path, r in rep.items():
+            assert r["passes_at_error"] == 3, (rank, path, r)
+            assert "backward pass 3" in r["error"] and "backward_passes_per_step=3" in r["error"], (rank, path, r)
+            assert "no_sync" in r["error"], (rank, path, r)
+
+
+def test_broadcast_makes_every_parameter_and_optimizer_state_rank_0s(tmp_path):
+    reports = launch(WORKER, ["broadcast", str(tmp_path)], WORLD, tmp_path, timeout_s=120)
+    for rank, rep in enumerate(reports):
+        assert rep["vs_root"] == 0.0 and rep["after_step_vs_root"] == 0.0, (rank, rep)
+        assert rep["state_tensors"] == 3 * 4, (rank, rep)  # Adam: step, exp_avg, exp_avg_sq per parameter (4)
+        assert rep["hyper"] == reports[0]["hyper"] and rep["hyper"][0]["lr"] == 0.01, (rank, rep)
+        assert rep["mismatch_error"] and "pass the same tensors on every rank" in rep["mismatch_error"], (rank, rep)

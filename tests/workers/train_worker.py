@@ -1,0 +1,177 @@
+"""Worker program for tests/train/test_dist.py, launched once per rank with torchrun's environment.
+
+``python tests/workers/train_worker.py SCENARIO OUT_DIR``: runs the scenario, writes ``OUT_DIR/rank{R}.json`` with
+what it observed (the test process asserts on it), exits 0. Expectations are single-process references computed
+here (every rank can regenerate every rank's micro-batches) or rank 0's values gathered from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import gradsync
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+MICRO = 2  # micro-batches per rank per step
+PER = 3  # samples per micro-batch
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+
+
+def _micro(step: int, rank: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``k`` of ``rank`` at ``step``: any rank can make any rank's."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
+    return torch.randn(PER, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (PER,), generator=g)
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def scenario_accumulate() -> dict:
+    """2 micro-batches per rank per step (losses scaled by 1/2) == single-process training on every rank's micro-batches
+    concatenated, for the plain path (two bucket sizes), no_sync(), and the compressed path with merged groups; a last
+    step with one pass of two still sends (at step()). Reports the worst difference to the reference and across ranks."""
+    rt = gradsync.init(algorithm="ring", timeout_s=60)
+    variants = {
+        "plain": {"backward_passes_per_step": MICRO},
+        "plain_buckets": {"backward_passes_per_step": MICRO, "bucket_bytes": 200},
+        "no_sync": {},
+        "compressed_merged": {"backward_passes_per_step": MICRO, "compression": "none", "merge": 2},
+        "fp16_layerwise": {"backward_passes_per_step": MICRO, "compression": "fp16"},
+    }
+    result = {}
+    for name, kwargs in variants.items():
+        model, ref = _model(), _model()
+        opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                            model.named_parameters(), runtime=rt, **kwargs)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            passes = MICRO if step < 3 else 1  # the last step: fewer passes than backward_passes_per_step
+            opt.zero_grad()
+            for k in range(passes):
+                x, y = _micro(step, RANK, k)
+                if name == "no_sync" and k < passes - 1:
+                    with opt.no_sync():
+                        (_loss(model, x, y) / MICRO).backward()
+                else:
+                    (_loss(model, x, y) / MICRO).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            batches = [_micro(step, r, k) for r in range(WORLD) for k in range(passes)]
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            # the mean over all WORLD * passes micro-batches, scaled as the ranks' losses are (passes / MICRO)
+            (_loss(ref, x, y) * passes / MICRO).backward()
+            ref_opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        ref_flat = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+        everyone = [torch.zeros_like(flat) for _ in range(WORLD)]
+        dist.all_gather(everyone, flat)
+        result[name] = {
+            "vs_reference": float((flat - ref_flat).abs().max()),
+            "moved": float((ref_flat - torch.cat([p.detach().reshape(-1) for p in _model().parameters()])).abs().max()),
+            "across_ranks": float(max((e - flat).abs().max() for e in everyone)),
+        }
+        opt.remove_hooks()
+    gradsync.shutdown()
+    return result
+
+
+def scenario_too_many_passes() -> dict:
+    """A third backward pass with backward_passes_per_step=2 raises naming the count and the fix, on every rank."""
+    rt = gradsync.init(algorithm="ring", timeout_s=60)
+    out = {}
+    for name, kwargs in (("plain", {}), ("compressed", {"compression": "none", "merge": 2})):
+        model = _model()
+        opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                            runtime=rt, backward_passes_per_step=2, **kwargs)
+        error, at = None, 0
+        for k in range(3):
+            try:
+                _loss(model, *_micro(0, RANK, k)).backward()
+            except gradsync.GradsyncError as exc:
+                error, at = str(exc), k + 1
+                break
+        opt.zero_grad()  # drops the step: what was sent is waited for on every rank
+        # and the optimizer goes on: one correct step afterwards
+        for k in range(2):
+            _loss(model, *_micro(1, RANK, k)).backward()
+        opt.step()
+        out[name] = {"error": error, "passes_at_error": at}
+        opt.remove_hooks()
+    gradsync.shutdown()
+    return out
+
+
+def scenario_broadcast() -> dict:
+    """Ranks start from different seeds and take different local steps with Adam; after broadcast_parameters (a
+    state_dict and named_parameters) and broadcast_optimizer_state, everything equals rank 0's. Rank 1 also starts
+    with a fresh optimizer (no state): it gets rank 0's state created."""
+    gradsync.init(algorithm="ring", timeout_s=60)
+    model = _model(seed=RANK + 5)
+    model.register_buffer("count", torch.tensor([RANK * 7 + 1], dtype=torch.int64))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (RANK + 1), betas=(0.9, 0.99 - 0.01 * RANK))
+    if RANK == 0:
+        for step in range(2):
+            opt.zero_grad()
+            _loss(model, *_micro(step, RANK, 0)).backward()
+            opt.step()
+    gradsync.broadcast_parameters(model.state_dict(), root_rank=0)
+    gradsync.broadcast_optimizer_state(opt, root_rank=0)
+    # a second time with named_parameters and a list: nothing changes
+    gradsync.broadcast_parameters(model.named_parameters(), root_rank=0)
+    gradsync.broadcast_parameters(list(model.parameters()), root_rank=0)
+    values = [v.double().reshape(-1) for v in model.state_dict().values()]
+    state = [v.double().reshape(-1) for p in model.parameters() for v in opt.state[p].values() if torch.is_tensor(v)]
+    flat = torch.cat(values + state)
+    mine = torch.tensor([float(len(state))], dtype=torch.float64)
+    everyone = [torch.zeros_like(flat) for _ in range(WORLD)]
+    dist.all_gather(everyone, flat)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    # one more step from the shared start gives the same weights everywhere
+    opt.zero_grad()
+    _loss(model, *_micro(9, 0, 0)).backward()
+    opt.step()
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    after_all = [torch.zeros_like(after) for _ in range(WORLD)]
+    dist.all_gather(after_all, after)
+    error = None
+    try:
+        gradsync.broadcast_parameters([torch.zeros(3 + RANK)], root_rank=0)
+    except gradsync.GradsyncError as exc:
+        error = str(exc)
+    gradsync.shutdown()
+    return {
+        "vs_root": float((everyone[0] - flat).abs().max()),
+        "state_tensors": int(mine),
+        "hyper": json.loads(json.dumps(hyper)),
+        "after_step_vs_root": float((after_all[0] - after).abs().max()),
+        "mismatch_error": error,
+    }
+
+
+SCENARIOS = {"accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    name, out_dir, *rest = sys.argv[1:]
+    result = SCENARIOS[name](*rest)
+    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo teardown: a dead peer can make destroy_process_group hang
+
+
+if __name__ == "__main__":
+    main()
