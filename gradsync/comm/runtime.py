@@ -16,6 +16,7 @@ sharded tensor forms) are in :mod:`gradsync.comm.collectives`.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -130,6 +131,11 @@ class Runtime:
         self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
 
     # ---- planning (the plan cache and tuning do the work) ----------------------------------------------------
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """Where the backend's collectives take their tensors (others are staged there); read once."""
+        return self.caps.collective_device()
+
     @property
     def rank(self) -> int:
         return self.transport.rank
@@ -283,7 +289,7 @@ class Runtime:
         groups each see the same sequence on every rank. (A choice that depended on timing would send one rank's
         collective to one group and its peer's to the other: a mismatch.)
         """
-        if (not tensor.is_contiguous() or tensor.device != self.caps.collective_device() or self._failed is not None
+        if (not tensor.is_contiguous() or tensor.device != self.device or self._failed is not None
                 or self.on_comm_thread()):
             return None  # (a tensor on another device than the backend's is staged on the queued path)
         if not isinstance(self.executor(algorithm, tensor.numel() * tensor.element_size()), NativeAllreduce):
@@ -360,7 +366,7 @@ class Runtime:
             raise GradsyncError(f"allgather takes a 1-D tensor, got {getattr(tensor, 'shape', type(tensor).__name__)}; flatten it first")
         tensor = tensor.contiguous()
         if self.caps.native:
-            return gather_torch(tensor, self.caps.group, self.world_size, equal_sizes, self.caps.collective_device())
+            return gather_torch(tensor, self.caps.group, self.world_size, equal_sizes, self.device)
         return gather_p2p(tensor, self.transport, self.timeout_s, equal_sizes)
 
     def allgather_async(self, tensor: torch.Tensor) -> Work:

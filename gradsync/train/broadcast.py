@@ -174,7 +174,7 @@ def _broadcast_tensors(rt: Runtime, tensors: list[torch.Tensor], root: int, what
     def job() -> None:
         import torch.distributed as dist
 
-        group, device = rt.caps.group, rt.caps.collective_device()
+        group, device = rt.caps.group, rt.device
         src = dist.get_global_rank(group, root) if group is not None and group != dist.group.WORLD else root
         kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
