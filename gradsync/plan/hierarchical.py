@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from gradsync.errors import PlanError, TopologyError
 from gradsync.plan.schedule import Schedule, Transfer
 from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions, split_chunks, synthesizer, unless_raises
-from gradsync.topology.hierarchy import SwitchHierarchy, address_index, switch_hierarchy
+from gradsync.topology.hierarchy import SwitchHierarchy, group_of, rank_table, switch_hierarchy
 from gradsync.topology.model import Topology
 
 __all__ = ["HIERARCHY_SYNTHESIZERS", "Hierarchy", "bcube_hierarchy", "fattree_hierarchy", "racks_hierarchy", "hierarchy_of",
@@ -62,30 +62,11 @@ class Hierarchy:
     rank_at: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        size = 1
-        for m in self.radices:
-            if m < 1:
-                raise PlanError(f"hierarchy radices {self.radices} must all be >= 1")
-            size *= m
-        if size != len(self.digits):
-            raise PlanError(f"hierarchy radices {self.radices} describe {size} ranks, got {len(self.digits)}")
-        rank_at = [-1] * size
-        for r, d in enumerate(self.digits):
-            if len(d) != len(self.radices) or not all(0 <= x < m for x, m in zip(d, self.radices)):
-                raise PlanError(f"rank {r} has address {d}, outside radices {self.radices}")
-            q = address_index(d, self.radices)
-            if rank_at[q] >= 0:
-                raise PlanError(f"ranks {rank_at[q]} and {r} share address {d}; every rank needs its own")
-            rank_at[q] = r
-        object.__setattr__(self, "rank_at", tuple(rank_at))
+        object.__setattr__(self, "rank_at", rank_table(self.digits, self.radices, PlanError))
 
     def group(self, a: int, level: int) -> list[int]:
         """The other ranks of ``a``'s level-``level`` group (only digit ``level`` differs)."""
-        stride = 1
-        for m in self.radices[:level]:
-            stride *= m
-        base = address_index(self.digits[a], self.radices) - self.digits[a][level] * stride
-        return [self.rank_at[base + x * stride] for x in range(self.radices[level]) if x != self.digits[a][level]]
+        return group_of(self.digits, self.radices, self.rank_at, a, level)
 
 
 def _pieces(hier: Hierarchy, fixed: dict[int, int]) -> list[int]:

@@ -29,15 +29,17 @@ A builder's ``attrs`` are a hint only: ``family`` ``racks`` or ``bcube`` admits 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
 
 import networkx as nx
 
-from gradsync.errors import TopologyError
+from gradsync.errors import GradsyncError, TopologyError
 from gradsync.topology.model import Topology
 
-__all__ = ["HIERARCHY_FAMILIES", "SwitchHierarchy", "infer_hierarchy", "switch_hierarchy"]
+__all__ = ["HIERARCHY_FAMILIES", "SwitchHierarchy", "address_index", "group_of", "infer_hierarchy", "rank_table",
+           "switch_hierarchy"]
 
 #: The shapes :func:`infer_hierarchy` recognises (and the builder families that hint at them).
 HIERARCHY_FAMILIES = ("racks", "fattree", "bcube")
@@ -63,18 +65,9 @@ class SwitchHierarchy:
     def __post_init__(self) -> None:
         if not (len(self.levels) == len(self.radices) and all(m >= 1 for m in self.radices)):
             raise TopologyError(f"hierarchy levels {self.levels} and radices {self.radices} must pair up, radices >= 1")
-        size = prod(self.radices)
-        if len(self.digits) != size or len(self.paths) != size:
-            raise TopologyError(f"hierarchy radices {self.radices} describe {size} ranks, got {len(self.digits)}")
-        rank_at = [-1] * size
-        for r, d in enumerate(self.digits):
-            if len(d) != len(self.radices) or not all(0 <= x < m for x, m in zip(d, self.radices)):
-                raise TopologyError(f"rank {r} has address {d}, outside radices {self.radices}")
-            a = address_index(d, self.radices)
-            if rank_at[a] >= 0:
-                raise TopologyError(f"ranks {rank_at[a]} and {r} share address {d}; addresses must be distinct")
-            rank_at[a] = r
-        object.__setattr__(self, "rank_at", tuple(rank_at))
+        if len(self.paths) != len(self.digits):
+            raise TopologyError(f"hierarchy has {len(self.digits)} addresses but {len(self.paths)} ranks' paths")
+        object.__setattr__(self, "rank_at", rank_table(self.digits, self.radices))
 
     @property
     def world_size(self) -> int:
@@ -86,10 +79,7 @@ class SwitchHierarchy:
 
     def group(self, rank: int, level: int) -> list[int]:
         """The other ranks of ``rank``'s level-``level`` group (only digit ``level`` differs), by digit."""
-        stride = prod(self.radices[:level])
-        base = self.address(rank) - self.digits[rank][level] * stride
-        mine = self.digits[rank][level]
-        return [self.rank_at[base + x * stride] for x in range(self.radices[level]) if x != mine]
+        return group_of(self.digits, self.radices, self.rank_at, rank, level)
 
     def groups(self, level: int) -> list[frozenset[int]]:
         """Every level-``level`` group as a set of ranks (for comparing hierarchies whatever their labels)."""
@@ -104,6 +94,35 @@ class SwitchHierarchy:
         if up[-1] != down[-1]:
             raise TopologyError(f"ranks {a} and {b} do not meet at one switch on level {level} ({up[-1]!r}, {down[-1]!r})")
         return up + down[-2::-1]
+
+
+def rank_table(digits: Sequence[tuple[int, ...]], radices: tuple[int, ...],
+               error: type[GradsyncError] = TopologyError) -> tuple[int, ...]:
+    """``rank_at[address]``: the rank holding each mixed-radix address, checked to be a one-to-one numbering of every
+    address (``error`` names the first fault)."""
+    if not all(m >= 1 for m in radices):
+        raise error(f"hierarchy radices {radices} must all be >= 1")
+    size = prod(radices)
+    if len(digits) != size:
+        raise error(f"hierarchy radices {radices} describe {size} ranks, got {len(digits)}")
+    rank_at = [-1] * size
+    for r, d in enumerate(digits):
+        if len(d) != len(radices) or not all(0 <= x < m for x, m in zip(d, radices)):
+            raise error(f"rank {r} has address {d}, outside radices {radices}")
+        a = address_index(d, radices)
+        if rank_at[a] >= 0:
+            raise error(f"ranks {rank_at[a]} and {r} share address {d}; every rank needs its own")
+        rank_at[a] = r
+    return tuple(rank_at)
+
+
+def group_of(digits: Sequence[tuple[int, ...]], radices: tuple[int, ...], rank_at: Sequence[int], rank: int,
+             level: int) -> list[int]:
+    """The other ranks of ``rank``'s level-``level`` group (only digit ``level`` differs), by digit."""
+    stride = prod(radices[:level])
+    mine = digits[rank][level]
+    base = address_index(digits[rank], radices) - mine * stride
+    return [rank_at[base + x * stride] for x in range(radices[level]) if x != mine]
 
 
 def address_index(digits: tuple[int, ...], radices: tuple[int, ...]) -> int:
