@@ -81,6 +81,11 @@ class Work:
         return self.future.done()
 
 
+def _label(ex: Any) -> str:
+    """The profiler range of an allreduce on ``ex``: ``gradsync::allreduce::<algorithm>``."""
+    return f"gradsync::allreduce::{ex.schedule.algorithm}"
+
+
 _STOP = object()
 _CALL = object()  # marks a queued callable (``Runtime.submit``) among queued allreduces
 
@@ -251,7 +256,7 @@ class Runtime:
     def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
         """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once."""
         ex = self._executor_for(tensors, op, algorithm)
-        return Work(self._enqueue(ex, tensors, op), ex.schedule.algorithm)
+        return Work(self._enqueue(ex, tensors, op, _label(ex)), ex.schedule.algorithm)
 
     def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
         """All-reduce in place and return ``tensors``; raises :class:`~gradsync.errors.PeerError` on a lost peer.
@@ -266,10 +271,10 @@ class Runtime:
             if inline:
                 self._pending += 1
         if not inline:
-            return self._enqueue(ex, tensors, op).wait()
+            return self._enqueue(ex, tensors, op, _label(ex)).wait()
         try:
             with self._running:
-                return self._run(ex, tensors, op)
+                return self._run(ex, tensors, op, _label(ex))
         finally:
             with self._mutex:
                 self._pending -= 1
@@ -297,7 +302,8 @@ class Runtime:
         import torch.distributed as dist
 
         try:
-            work = dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
+            with torch.profiler.record_function("gradsync::allreduce::native"):
+                work = dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
         except RuntimeError as exc:
             raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
         return work.get_future()
@@ -308,7 +314,7 @@ class Runtime:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
         return self.executor(algorithm, nbytes_of(tensors))
 
-    def _enqueue(self, ex: Any, payload: Any, op: str | None) -> torch.futures.Future:
+    def _enqueue(self, ex: Any, payload: Any, op: str | None, label: str) -> torch.futures.Future:
         """Queue one item for the communication thread; its future, failed at once if the runtime has."""
         fut: torch.futures.Future = torch.futures.Future()
         if self._failed is not None:
@@ -316,14 +322,16 @@ class Runtime:
             return fut
         with self._mutex:
             self._pending += 1
-        self._queue.put((ex, payload, op, fut))
+        self._queue.put((ex, payload, op, label, fut))
         return fut
 
-    def _run(self, ex: Any, payload: Any, op: str | None) -> Any:
-        """Run one item (a collective or a submitted callable) now; a failure fails the runtime."""
+    def _run(self, ex: Any, payload: Any, op: str | None, label: str) -> Any:
+        """Run one item (a collective or a submitted callable) now, as the profiler range ``label``; a failure fails
+        the runtime."""
         t0 = time.perf_counter()
         try:
-            return payload() if ex is _CALL else ex.run(payload, op)
+            with torch.profiler.record_function(label):
+                return payload() if ex is _CALL else ex.run(payload, op)
         except BaseException as exc:
             self._failed = exc
             raise
@@ -341,7 +349,7 @@ class Runtime:
         """
         if not callable(fn):
             raise GradsyncError(f"fn={fn!r} must be callable (it runs on the communication thread)")
-        return Work(self._enqueue(_CALL, fn, None), name)
+        return Work(self._enqueue(_CALL, fn, None, f"gradsync::{name}"), name)
 
     def on_comm_thread(self) -> bool:
         """Whether the caller is this runtime's communication thread (where ``run_*`` may be called)."""
@@ -430,12 +438,12 @@ class Runtime:
             item = self._queue.get()
             if item is _STOP:
                 return
-            ex, payload, op, fut = item
+            ex, payload, op, label, fut = item
             try:
                 with self._running:
                     if self._failed is not None:
                         raise CommError(f"the gradsync runtime failed earlier: {self._failed}")
-                    result = self._run(ex, payload, op)
+                    result = self._run(ex, payload, op, label)
             except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
                 fut.set_exception(exc)
                 continue

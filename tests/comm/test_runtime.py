@@ -55,3 +55,34 @@ def test_get_runtime_without_a_process_group_says_how_to_start():
         pytest.skip("a process group or runtime exists in this test process")
     with pytest.raises(GradsyncError, match=r"call gradsync.init\(\), or torch.distributed.init_process_group\(\)"):
         gradsync.get_runtime()
+
+
+def test_every_collective_is_a_named_range_in_the_profiler(tmp_path):
+    """Each collective runs inside ``record_function("gradsync::<what>")``: an inline allreduce shows on the
+    caller's thread in any trace; queued work runs on the communication thread, which torch's profiler records
+    with ``profile_all_threads``, and the Chrome trace a user opens holds it."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from gradsync.comm import LocalFabric, Runtime
+
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        every_thread = _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        pytest.skip("this torch's profiler cannot record every thread")
+    rt = Runtime(LocalFabric(1).transport(0), "switch:1", "ring", timeout_s=10)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as caller_only:
+            rt.allreduce(torch.ones(10))
+        assert "gradsync::allreduce::ring" in {e.name for e in caller_only.events()}
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+            rt.allreduce_async(torch.ones(10)).wait()
+            rt.allgather(torch.ones(3))
+        prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    finally:
+        rt.shutdown()
+    names = {e["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if "name" in e}
+    assert {"gradsync::allreduce::ring", "gradsync::allgather"} <= names
