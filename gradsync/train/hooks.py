@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm.executor import OPS
-from gradsync.comm.runtime import Runtime, get_runtime
+from gradsync.comm.runtime import Runtime, get_runtime, is_initialized
 from gradsync.errors import GradsyncError
 
 __all__ = ["GradsyncHookState", "allreduce_hook"]
@@ -30,7 +30,9 @@ __all__ = ["GradsyncHookState", "allreduce_hook"]
 class GradsyncHookState:
     """State for :func:`allreduce_hook`.
 
-    * ``runtime``: the :class:`Runtime` whose transport and schedules to use (default: ``gradsync.init``'s).
+    * ``runtime``: the :class:`Runtime` whose transport and schedules to use (default: ``gradsync.init``'s, or, when
+      neither gradsync nor torch.distributed has started yet, the one started at the first bucket: a trainer
+      such as Lightning builds the state before it makes the process group).
     * ``op``: ``"avg"`` (DDP's semantics: the mean gradient) or ``"sum"``.
     * ``algorithm``: a synthesizer name to use instead of the runtime's default.
     * ``buckets``: counts buckets reduced (statistics).
@@ -44,11 +46,19 @@ class GradsyncHookState:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise GradsyncError(f"op={self.op!r} is not one of {OPS}; DDP expects 'avg' for averaged gradients")
+        if self.runtime is None and not (is_initialized() or (dist.is_available() and dist.is_initialized())):
+            return  # nothing to run on yet: resolve() at the first bucket
+        self.resolve()
+
+    def resolve(self) -> Runtime:
+        """The runtime, started (``gradsync.get_runtime()``) if none was given, with the algorithm planned: a bad
+        algorithm fails here, not mid-backward."""
         if self.runtime is None:
             self.runtime = get_runtime()
         if not isinstance(self.runtime, Runtime):
             raise TypeError(f"runtime must be a gradsync Runtime (from gradsync.init()), got {type(self.runtime).__name__}")
-        self.runtime.executor(self.algorithm)  # plan now so a bad algorithm fails here, not mid-backward
+        self.runtime.executor(self.algorithm)
+        return self.runtime
 
 
 def allreduce_hook(state: GradsyncHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -60,9 +70,7 @@ def allreduce_hook(state: GradsyncHookState, bucket: dist.GradBucket) -> torch.f
     as the queued path does, so both give the same bits.
     """
     state.buckets += 1
-    runtime = state.runtime
-    if runtime is None:  # pragma: no cover - __post_init__ sets it
-        raise GradsyncError("GradsyncHookState.runtime is None; build the state after gradsync.init()")
+    runtime = state.runtime or state.resolve()
     buffer = bucket.buffer()
     fut = runtime.native_allreduce_async(buffer, state.algorithm)
     if fut is None:

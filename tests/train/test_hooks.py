@@ -1,0 +1,50 @@
+"""The DDP hook's state as a trainer builds it: Lightning makes ``DDPStrategy(ddp_comm_state=...)`` before the
+process group exists, so the state must wait for the first bucket to find its runtime."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import os, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import gradsync
+
+state = gradsync.GradsyncHookState()          # before any process group: nothing to run on yet
+assert state.runtime is None and not gradsync.is_initialized()
+try:
+    gradsync.GradsyncHookState(op="max")
+except gradsync.GradsyncError as exc:         # a bad op still fails at once
+    assert "op='max'" in str(exc)
+else:
+    raise SystemExit("op='max' was accepted")
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+net, ref = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+ref.load_state_dict(net.state_dict())
+model = DDP(net)
+model.register_comm_hook(state, gradsync.allreduce_hook)
+x = torch.randn(4, 8)
+model(x).sum().backward()
+ref(x).sum().backward()
+assert state.runtime is gradsync.get_runtime() and state.buckets >= 1
+assert torch.equal(net.weight.grad, ref.weight.grad)  # one rank: the mean is the local gradient
+print("ok")
+gradsync.shutdown()
+dist.destroy_process_group()
+"""
+
+
+def test_the_hook_state_built_before_the_process_group_starts_its_runtime_at_the_first_bucket(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "store")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
