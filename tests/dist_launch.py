@@ -78,3 +78,18 @@ def counting_native(rt: Any) -> tuple[Callable[..., Any], list[bool]]:
         return fut
 
     return counting, taken
+
+
+def run_scenario(scenarios: dict[str, Callable[..., Any]], rank: int) -> None:
+    """A worker's entry point: ``argv = NAME OUT_DIR ARGS...`` runs ``scenarios[NAME](*ARGS)`` with one intra-op
+    thread and writes its JSON result to ``OUT_DIR/rank<rank>.json``, then leaves without gloo's teardown (a dead
+    peer can make ``destroy_process_group`` hang)."""
+    import torch
+
+    torch.set_num_threads(1)
+    name, out_dir, *rest = sys.argv[1:]
+    result = scenarios[name](*rest)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)

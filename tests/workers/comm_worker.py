@@ -7,9 +7,7 @@ independently of the executor: closed-form sums of known inputs, or a single-pro
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import threading
 import time
 
@@ -18,7 +16,7 @@ import torch.distributed as dist
 
 import gradsync
 from gradsync.sim.choose import algorithms_for
-from tests.dist_launch import counting_native
+from tests.dist_launch import counting_native, run_scenario
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -288,13 +286,7 @@ SCENARIOS = {"calibrate": scenario_calibrate, "explore": scenario_explore, "sums
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    name, out_dir, topology, *rest = sys.argv[1:]
-    result = SCENARIOS[name](topology, *rest)
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    os._exit(0)  # skip gloo teardown: a dead peer can make destroy_process_group hang
+    run_scenario(SCENARIOS, RANK)  # argv: NAME OUT_DIR TOPOLOGY ARGS...
 
 
 if __name__ == "__main__":

@@ -8,9 +8,7 @@ allgather, and :func:`gradsync.compress.simulate_step` run in this process over 
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import threading
 
 import torch
@@ -27,7 +25,7 @@ from gradsync.compress import (
     simulate_step,
 )
 from gradsync.train import CompressionHookState, CompressionStep, MergedGroups, compression_hook
-from tests.dist_launch import counting_native
+from tests.dist_launch import counting_native, run_scenario
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -431,13 +429,7 @@ SCENARIOS = {"fp16hook": scenario_fp16hook, "lazy": scenario_lazy, "auto": scena
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    name, out_dir, *rest = sys.argv[1:]
-    result = SCENARIOS[name](*rest)
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    os._exit(0)  # skip gloo teardown
+    run_scenario(SCENARIOS, RANK)  # argv: NAME OUT_DIR ARGS...
 
 
 if __name__ == "__main__":

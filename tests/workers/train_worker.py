@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 import gradsync
+from tests.dist_launch import run_scenario
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -164,13 +164,7 @@ SCENARIOS = {"accumulate": scenario_accumulate, "too_many_passes": scenario_too_
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    name, out_dir, *rest = sys.argv[1:]
-    result = SCENARIOS[name](*rest)
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    os._exit(0)  # skip gloo teardown: a dead peer can make destroy_process_group hang
+    run_scenario(SCENARIOS, RANK)  # argv: NAME OUT_DIR ARGS...
 
 
 if __name__ == "__main__":
