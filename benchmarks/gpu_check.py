@@ -275,6 +275,12 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
 
     def net() -> Any:
         torch.manual_seed(0)
+        try:  # the issue's model: ResNet-18 at 32x32, 10 classes
+            import torchvision
+
+            return torchvision.models.resnet18(num_classes=10).to(device)
+        except ImportError:
+            pass
         return torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
                                    torch.nn.Conv2d(64, 128, 3, padding=1), torch.nn.ReLU(),
                                    torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(2048, 1000),
@@ -308,6 +314,19 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
             torch.cuda.synchronize()
             if step >= 5:
                 times[name].append(time.perf_counter() - t0)
+    if os.environ.get("GRADSYNC_GPU_PROFILE"):  # where a hook's step time goes: the top ops of 3 steps each
+        for name in ("torch_powersgd", "gradsync_powersgd", "torch_fp16", "gradsync_fp16"):
+            model, opt = methods[name]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                torch.cuda.synchronize()
+            print(f"---- profile {name}", flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50),
+                  flush=True)
     med = {m: statistics.median(t) for m, t in times.items()}
     rows = [{"method": m, "median_s": s} for m, s in med.items()]
     rows.append({"ratio": "gradsync_fp16/torch_fp16", "value": med["gradsync_fp16"] / med["torch_fp16"]})
@@ -333,6 +352,20 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def summary(doc: dict[str, Any]) -> None:
+    """The figures a reader wants first: codec time over GRACE's and over a copy, hook step ratios."""
+    for row in doc.get("codecs", []):
+        if "gradsync_s" in row:
+            ratios = " ".join(f"{k[6:]}={v:.2f}x" for k, v in row.items() if k.startswith("ratio_"))
+            print(f"  {row['codec']:9s} {row['elements']:>9d}: {row['gradsync_s'] * 1e3:8.3f} ms "
+                  f"({row['gradsync_s'] / row['copy_s']:.1f}x a copy) {ratios}", flush=True)
+    for row in doc.get("hooks", []):
+        print("  hooks:", row, flush=True)
+    for row in doc.get("engines", []):
+        if row.get("ok") is False:
+            print("  FAILED:", row, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gradsync bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (the test suite's dry run)")
@@ -355,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["engines"] = engines_part(2 if args.quick else 4)
     if "hooks" in parts:
         doc["hooks"] = hooks_part(10 if args.quick else 40)
+    summary(doc)
     failed = [r for part in ("codecs", "engines") for r in doc.get(part, []) if r.get("ok") is False]
     doc["failed"] = len(failed)
     args.out.mkdir(parents=True, exist_ok=True)

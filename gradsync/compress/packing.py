@@ -61,6 +61,9 @@ def pack_bits(bits: Tensor) -> Tensor:
     flat = bits.reshape(-1)
     if flat.dtype == torch.bool and flat.device.type == "cpu":  # no conversion: numpy packs bools
         return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
+    if flat.device.type != "cpu" and _WORDS:  # a bool is one 0/1 byte: pack it as is, no conversion pass
+        n = flat.numel()
+        return _pack_words(flat.view(torch.uint8) if flat.dtype == torch.bool else flat & 1, 1, n, packed_nbytes(n, 1))
     return pack_uint(flat.to(torch.uint8), 1)
 
 
@@ -69,13 +72,27 @@ def pack_nonnegative(x: Tensor) -> Tensor:
     flat = x.reshape(-1)
     if _numpy_ok(flat):
         return torch.from_numpy(np.packbits(np.greater_equal(flat.numpy(), 0), bitorder="little"))
+    if flat.device.type != "cpu" and _WORDS:
+        return _pack_nonnegative_words(flat)
     return pack_bits(flat >= 0)
+
+
+def _pack_nonnegative_words(flat: Tensor) -> Tensor:
+    """:func:`pack_nonnegative` off the CPU: compare straight into zero-padded words, then :func:`_multiply_pack`."""
+    n = flat.numel()
+    nbytes = packed_nbytes(n, 1)
+    flags = torch.empty(nbytes * 8, dtype=torch.bool, device=flat.device)
+    torch.ge(flat, 0, out=flags[:n])
+    flags[n:] = False
+    return _multiply_pack(flags.view(torch.uint8), 1)
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` bits of ``packed`` as a 1-D bool tensor."""
     if packed.dtype == torch.uint8 and packed.device.type == "cpu" and packed.numel() * 8 >= n >= 0:
         return torch.from_numpy(np.unpackbits(packed.reshape(-1).numpy(), count=n, bitorder="little")).view(torch.bool)
+    if packed.dtype == torch.uint8 and packed.device.type != "cpu":
+        return unpack_fields(packed, 1, n).view(torch.bool)  # fields are 0/1 bytes: a bool view, no conversion
     return unpack_uint(packed, 1, n).to(torch.bool)
 
 
@@ -197,31 +214,60 @@ def _unpack_small(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
 
 
 def _pack_words(flat: Tensor, bits: int, n: int, nbytes: int) -> Tensor:
-    """Fields of 1, 2 or 4 bits, one per byte, packed ``g = 8 // bits`` at a time by whole-word shifts.
+    """Fields of 1, 2 or 4 bits, one per byte, packed ``g = 8 // bits`` at a time by one multiplication per word.
 
-    Seen as a little-endian word of ``g`` bytes, field ``i`` sits at bit ``8 i``; it must move to bit
-    ``bits * i``. Round ``r`` (``r = 0 .. log2 g - 1``) ORs the word with itself shifted right by
-    ``2**r * (8 - bits)``: runs of ``2**r`` packed fields, ``8 * 2**r`` bits apart, merge pairwise into runs
-    of ``2**(r + 1)``. After the last round the low byte holds all ``g`` fields (junk lands only above it).
+    Seen as a little-endian word of ``g`` bytes, field ``i`` sits at bit ``8 i`` (:func:`_multiply_pack`).
     """
     group = 8 // bits
-    fields = torch.zeros(nbytes * group, dtype=torch.uint8, device=flat.device)
+    if n == nbytes * group and flat.dtype == torch.uint8 and flat.is_contiguous() and _aligned(flat, group):
+        return _multiply_pack(flat, bits)  # whole words already: no padded copy
+    fields = torch.empty(nbytes * group, dtype=torch.uint8, device=flat.device)
     torch.bitwise_and(flat, (1 << bits) - 1, out=fields[:n])
-    word = fields.view(_WORD_OF[bits])
-    for r in range(group.bit_length() - 1):
-        word = word | (word >> ((8 - bits) << r))
-    return word.to(torch.uint8)  # the low byte (conversion to uint8 is modulo 256)
+    fields[n:] = 0
+    return _multiply_pack(fields, bits)
+
+
+def _multiply_pack(fields: Tensor, bits: int) -> Tensor:
+    """Whole words of ``g = 8 // bits`` one-field bytes (each field below ``2**bits``) to one packed byte each.
+
+    Multiplying the word by ``M = sum_m 2**(bits (g - 1) + (8 - bits) m)`` puts the partial product of field ``i``
+    and term ``m = g - 1 - i`` at bit ``8 (g - 1) + bits i``: the top byte of the product holds every field at its
+    packed place. The other partial products land on their own bits (for ``bits * g = 8`` no two overlap, so
+    nothing carries into the top byte) or beyond the word (dropped modulo ``2**(8 g)``). Two device passes
+    (the product, then the top bytes), where shifting in rounds takes seven.
+    """
+    group = 8 // bits
+    magic = sum(1 << (bits * (group - 1) + (8 - bits) * m) for m in range(group))
+    product = fields.view(_WORD_OF[bits]) * magic  # wraps modulo 2**(8 g) in two's complement
+    return product.view(torch.uint8).view(-1, group)[:, group - 1].contiguous()
+
+
+def _aligned(t: Tensor, group: int) -> bool:
+    return t.storage_offset() % group == 0
 
 
 def _unpack_words(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
-    """Inverse of :func:`_pack_words`: the rounds in reverse order with left shifts, then a per-byte mask."""
+    """Inverse of :func:`_pack_words` as one uint8 field per byte.
+
+    On CPU the word-shift rounds in reverse (fewest temporaries); on a device one broadcast shift and one mask,
+    two passes over the output bytes.
+    """
     group = 8 // bits
+    if flat.device.type != "cpu":
+        return _unpack_shift(flat, bits, n, need)
     wide = _WORD_OF[bits]
     word = flat[:need].to(wide)
     for r in reversed(range(group.bit_length() - 1)):
         word = word | (word << ((8 - bits) << r))
     mask = int.from_bytes(bytes([(1 << bits) - 1]) * group, "little")
     return word.bitwise_and_(mask).view(torch.uint8)[:n]
+
+
+def _unpack_shift(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
+    """:func:`_unpack_words` off the CPU: one broadcast shift and one mask, two passes over the output bytes."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
+    fields = torch.bitwise_right_shift(flat[:need].unsqueeze(1), shifts).bitwise_and_((1 << bits) - 1)
+    return fields.view(-1)[:n]
 
 
 def _check_bits(bits: int) -> None:

@@ -39,8 +39,12 @@ def majority_vote(signs: Sequence[Tensor]) -> Tensor:
 
 
 def _signs(bits: Tensor, dtype: torch.dtype) -> Tensor:
-    """±1 from bits, in place after the one conversion (``bits * 2 - 1`` would make three tensors)."""
-    return bits.to(dtype).mul_(2).sub_(1)
+    """±1 from bits: on CPU in place after the one conversion (``bits * 2 - 1`` would make three tensors); on a
+    device one ``where`` pass (a bool ``where`` is slow on CPU only)."""
+    if bits.device.type == "cpu":
+        return bits.to(dtype).mul_(2).sub_(1)
+    signs = torch.where(bits.view(torch.bool), 1.0, -1.0)
+    return signs if signs.dtype == dtype else signs.to(dtype)
 
 
 class _SignOnly(Compressor):
@@ -130,9 +134,9 @@ class EFSignSGD(Compressor):
         """``±scale`` by the sign bits, in the work dtype, into ``out`` when given.
 
         As ``b * 2s - s`` for ``b`` in {0, 1}: ``2s`` is exact and so is ``2s - s = s`` (Sterbenz), so these
-        are the same bits as ``(2b - 1) * s`` in three cheap passes (a ``where`` on bool is much slower). That
-        form needs ``s`` on the host to rule out an overflow of ``2s``; on another device the plain form runs
-        instead, one pass more but no synchronisation with the host.
+        are the same bits as ``(2b - 1) * s`` in three cheap passes (a ``where`` on bool is much slower on CPU).
+        That form needs ``s`` on the host to rule out an overflow of ``2s``; on another device one ``where``
+        picks ``±s`` (exactly) in one pass, with no synchronisation with the host.
         """
         scale, packed = payload
         dtype, numel = work_dtype(ctx.info.dtype), ctx.info.numel
@@ -141,7 +145,8 @@ class EFSignSGD(Compressor):
         bits = unpack_bits(packed, numel).view(torch.uint8)
         s = float(scale.reshape(())) if scale.device.type == "cpu" else math.inf
         if not abs(2 * s) <= torch.finfo(dtype).max:  # 2s would overflow, s is not finite, or not on the host
-            return out.copy_(bits).mul_(2).sub_(1).mul_(scale.to(dtype).reshape(()))
+            s_dev = scale.to(dtype).reshape(())
+            return torch.where(bits.view(torch.bool), s_dev, s_dev.neg(), out=out)  # ±s exactly, one pass
         return out.copy_(bits).mul_(2 * s).sub_(s)
 
     def combine(self, payloads: Sequence[Sequence[Tensor]], ctx: Context, out: Tensor | None = None) -> Tensor:

@@ -9,6 +9,7 @@ or ``dgc`` for DGC's momentum correction): what is not sent this step is sent la
 from __future__ import annotations
 
 import math
+import sys
 from abc import abstractmethod
 from collections.abc import Sequence
 
@@ -29,7 +30,7 @@ from gradsync.compress.base import (
     stable_seed,
 )
 
-__all__ = ["TopK", "RandK", "DGC", "sampled_topk", "scatter_flat"]
+__all__ = ["TopK", "RandK", "DGC", "Strata", "sampled_topk", "scatter_flat", "strata_reference"]
 
 
 def scatter_flat(values: Tensor, indices: Tensor, numel: int) -> Tensor:
@@ -163,31 +164,78 @@ def _at_least(values: Tensor, threshold: Tensor, flags: Tensor | None = None) ->
     return torch.nonzero(values >= threshold).reshape(-1)
 
 
-def sample_without_replacement(n: int, k: int, gen: torch.Generator) -> Tensor:
-    """``k`` distinct indices of ``range(n)``, a uniformly random ``k``-subset in random order, in O(k log k).
+#: splitmix64's odd constants (Steele et al. 2014) as signed int64: a Weyl step and a multiplier.
+_WEYL = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX = 0xBF58476D1CE4E5B9 - (1 << 64)
+_LITTLE = sys.byteorder == "little"
 
-    ``randperm(n)[:k]`` costs O(n) time and memory per call (against GRACE's rand-k: ``gradsync bench codecs``). For
-    ``k <= n / 4``: draw with replacement, keep the distinct values, draw again for the shortfall (expected
-    draws < 1.2 k), then a random order of a random ``k`` of them. The result is symmetric under any
-    permutation of ``range(n)``, hence uniform over ``k``-subsets; deterministic for a seeded ``gen``.
+
+def _signed64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
+
+
+class Strata:
+    """Rand-k's blocks for ``k`` of ``n`` elements: ``k`` runs of consecutive indices, ``n // k`` or one more long.
+
+    One index is drawn per block (:meth:`draw`), so the k are distinct and ascending, and each element is sent
+    with probability ``1 / len(its block)`` (``k / n`` when ``k`` divides ``n``): error feedback's contraction
+    ``E|x - C(x)|^2 = (1 - k/n) |x|^2`` holds as for a uniform k-subset. The offsets come from a counter-based
+    hash (splitmix64's finaliser, cut to its high 32 bits) of ``(seed, block)``, computed with int64 tensor ops
+    that wrap identically on every device: every worker gets the same indices whatever its device, with no
+    generator, no host round trip and no sort (a uniform k-subset without replacement needs one or the other).
     """
-    # host: the same indices on every worker whatever its device, so drawn on the host's generator
-    if k * 4 > n:
-        return torch.randperm(n, generator=gen)[:k]  # host
-    picked = torch.empty(0, dtype=torch.int64)  # host
-    while picked.numel() < k:
-        more = torch.randint(n, (k - picked.numel() + 16,), generator=gen)  # host
-        picked = torch.unique(torch.cat([picked, more]))
-    return picked[torch.randperm(picked.numel(), generator=gen)[:k]]  # host
+
+    def __init__(self, n: int, k: int, device: torch.device) -> None:
+        if not 0 < k <= n:
+            raise ValueError(f"k={k} must be in [1, n={n}] (one index per block)")
+        q, r = divmod(n, k)
+        j = torch.arange(k, dtype=torch.int64, device=device)
+        #: First index of each block: the first r blocks are q + 1 long.
+        self.start = j * q + j.clamp(max=r)
+        #: Each block's length (a plain int when all are equal).
+        self.size: Tensor | int = q if r == 0 else torch.where(j < r, q + 1, q)
+        #: ``j * _WEYL`` (wrapping): the hash's Weyl sequence without its seed.
+        self.weyl = j * _WEYL
+
+    def draw(self, seed: int) -> Tensor:
+        """The k indices (int64, ascending, on the strata's device) for a 64-bit ``seed``: five passes over k."""
+        x = self.weyl + _signed64(seed)
+        if _LITTLE:
+            halves = x.view(torch.int32).view(-1, 2)  # [low, high] of each word
+            halves[:, 0].bitwise_xor_(halves[:, 1])  # x ^= x >>> 32
+            x.mul_(_MIX)
+            high = x.view(torch.int32).view(-1, 2)[:, 1]  # the signed high half, without a pass
+        else:
+            x.bitwise_xor_((x >> 32) & 0xFFFFFFFF)
+            high = x.mul_(_MIX) >> 32
+        return self.start + torch.remainder(high, self.size)
+
+
+def strata_reference(n: int, k: int, seed: int) -> list[int]:
+    """:meth:`Strata.draw` in plain Python integers: the independent expectation the tests compare against."""
+    q, r = divmod(n, k)
+    out = []
+    for j in range(k):
+        x = (j * (_WEYL % (1 << 64)) + seed) % (1 << 64)
+        x ^= x >> 32
+        x = (x * (_MIX % (1 << 64))) % (1 << 64)
+        high = x >> 32
+        high = high - (1 << 32) if high >> 31 else high
+        out.append(j * q + min(j, r) + high % (q + 1 if j < r else q))
+    return out
 
 
 @register_compressor("randk")
 class RandK(Compressor):
-    """Rand-k (Stich et al. 2018): k indices drawn from a generator seeded by ``(seed, info.name, step)``.
+    """Rand-k (Stich et al. 2018), stratified: one index in each of k blocks of consecutive elements, at an offset
+    hashed from ``(seed, info.name, step)`` (:class:`Strata`).
 
-    Every worker draws the same indices, so only the values travel and they sum by allreduce. ``step``
-    counts this compressor's ``compress`` calls per tensor name (one per training step); values are not
-    rescaled by ``d / k``: use it with ``residual`` memory, as Stich et al. do.
+    Every worker draws the same indices on its own device, so only the values travel and they sum by allreduce.
+    ``step`` counts this compressor's ``compress`` calls per tensor name (one per training step); values are not
+    rescaled by ``d / k``: use it with ``residual`` memory, as Stich et al. do. Stratifying keeps each element's
+    chance ``k / d`` of a uniform k-subset and spreads the k over the tensor; it is what lets the draw run on the
+    device in a few passes over k (GRACE's ``randperm`` costs O(d), its ``randint`` repeats indices).
     """
 
     communicator = "allreduce"
@@ -197,16 +245,20 @@ class RandK(Compressor):
         super().__init__()
         self.ratio = check_ratio("ratio", ratio)
         self.seed = check_seed(seed, optional=False)
+        self._strata: dict[tuple[int, torch.device], Strata] = {}
 
-    def indices(self, info: TensorInfo, step: int) -> Tensor:
-        """The indices every worker uses for ``info.name`` at ``step`` (int64, CPU)."""
-        gen = torch.Generator().manual_seed(stable_seed("randk", self.seed, info.name, step))
-        return sample_without_replacement(info.numel, k_of(info.numel, self.ratio), gen)
+    def indices(self, info: TensorInfo, step: int, device: torch.device | str = "cpu") -> Tensor:
+        """The indices every worker uses for ``info.name`` at ``step`` (int64, ascending, on ``device``)."""
+        device = torch.device(device)
+        strata = self._strata.get((info.numel, device))
+        if strata is None:
+            strata = self._strata[(info.numel, device)] = Strata(info.numel, k_of(info.numel, self.ratio), device)
+        return strata.draw(stable_seed("randk", self.seed, info.name, step))
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         step = self._state.get(info.name, 0)
         self._state[info.name] = step + 1
-        indices = self.indices(info, step).to(flat.device)
+        indices = self.indices(info, step, flat.device)
         return [flat.index_select(0, indices)], Context(info, (indices,))
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:

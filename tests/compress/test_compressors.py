@@ -33,6 +33,7 @@ from gradsync.compress import (
     unpack_bits,
     unpack_uint,
 )
+from gradsync.compress.base import stable_seed
 from gradsync.errors import GradsyncError
 
 NAMES = COMPRESSORS.names()
@@ -88,6 +89,7 @@ def test_whole_word_packing_matches_numpy_bit_by_bit(bits: int, n: int) -> None:
     assert np.array_equal(packed.numpy(), np.packbits(stream, bitorder="little"))
     fields = packing._unpack_words(packed, bits, n, nbytes)
     assert fields.dtype == torch.uint8 and torch.equal(fields, values)
+    assert torch.equal(packing._unpack_shift(packed, bits, n, nbytes), values)  # the off-CPU inverse
     if bits > 1:
         assert torch.equal(packing.unpack_fields(pack_uint(values, bits), bits, n), values)
 
@@ -99,6 +101,17 @@ def test_less_and_pack_nonnegative_match_torch() -> None:
         assert torch.equal(packing.less(t, 0), (t < 0).to(torch.uint8))
         assert torch.equal(packing.less(t, t.flip(0)), (t < t.flip(0)).to(torch.uint8))
         assert torch.equal(packing.pack_nonnegative(t), pack_bits(t >= 0))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1001])
+def test_off_cpu_sign_packing_matches_numpy(n: int) -> None:
+    """The paths a GPU takes (a comparison into padded words, one multiplication per word), run on CPU tensors."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    if n:
+        x[0] = -0.0
+    expected = np.packbits(x.numpy() >= 0, bitorder="little")
+    assert np.array_equal(packing._pack_nonnegative_words(x).numpy(), expected)
+    assert np.array_equal(packing._multiply_pack(torch.ones(64, dtype=torch.uint8), 1).numpy(), [255] * 8)
 
 
 def test_pack_bits_round_trip() -> None:
@@ -336,18 +349,31 @@ def test_qsgd_default_buckets_of_128_keep_the_error_small_on_large_tensors() -> 
     assert rel(bucketed) < 0.06 < 0.5 < rel(whole)
 
 
-def test_randk_draws_a_uniform_subset_without_a_full_permutation() -> None:
-    """O(k) sampling: k distinct indices, deterministic per seed; every index about equally often."""
-    from gradsync.compress.sparsify import sample_without_replacement
+@pytest.mark.parametrize(("n", "k"), [(1000, 20), (1003, 20), (7, 7), (10, 1), (2**20 + 5, 10_000)])
+def test_randk_strata_match_the_pure_python_hash_one_index_per_block(n: int, k: int) -> None:
+    """The tensor draw (wrapping int64 ops, the same on every device) against plain Python integers, and its
+    shape: k distinct ascending indices, the j-th inside block j."""
+    from gradsync.compress.sparsify import Strata, strata_reference
 
-    n, k = 1000, 20
-    draws = [sample_without_replacement(n, k, torch.Generator().manual_seed(s)) for s in range(2000)]
-    assert all(d.numel() == k and len(set(d.tolist())) == k and 0 <= d.min() and d.max() < n for d in draws)
-    assert torch.equal(draws[5], sample_without_replacement(n, k, torch.Generator().manual_seed(5)))
-    counts = torch.bincount(torch.cat(draws), minlength=n).double()  # expected 40 each
+    strata = Strata(n, k, torch.device("cpu"))
+    for seed in (0, 1, 2**62 + 12345, (1 << 63) - 1):
+        drawn = strata.draw(seed)
+        assert drawn.dtype == torch.int64 and drawn.tolist() == strata_reference(n, k, seed)
+        ends = torch.cat([strata.start[1:], torch.tensor([n])])
+        assert bool(((strata.start <= drawn) & (drawn < ends)).all())
+
+
+def test_randk_sends_each_element_with_probability_k_over_n() -> None:
+    """Over 2000 steps every element of a 1000-element tensor is drawn about 40 times (k = 20): chi-square."""
+    from gradsync.compress.sparsify import Strata
+
+    strata = Strata(1000, 20, torch.device("cpu"))
+    draws = torch.cat([strata.draw(stable_seed("t", s)) for s in range(2000)])
+    counts = torch.bincount(draws, minlength=1000).double()
     chi2 = (((counts - 40) ** 2) / 40).sum().item()
-    assert chi2 < 1200  # 999 degrees of freedom: mean 999, sd ~45
-    assert sample_without_replacement(10, 9, torch.Generator().manual_seed(0)).unique().numel() == 9
+    assert chi2 < 1200  # 999 degrees of freedom (fewer: each block's counts sum to 2000): mean <= 999, sd ~45
+    with pytest.raises(ValueError, match="k=0"):
+        Strata(10, 0, torch.device("cpu"))
 
 
 # -- 1-bit methods -----------------------------------------------------------------------------------------
