@@ -71,6 +71,23 @@ def _median_time(fn: Callable[[], Any], device: Any, reps: int) -> float:
     return statistics.median(times)
 
 
+def _launches(fn: Callable[[], Any], device: Any) -> dict[str, int]:
+    """What one call costs besides bytes: device operations (kernels, copies, fills) and host synchronisations,
+    counted by torch.profiler (on a GPU only)."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy"))
+    return {"kernels": kernels, "host_syncs": max(0, syncs - 1)}  # minus the one closing synchronize
+
+
 # ---- codecs on the device ---------------------------------------------------------------------------------
 def _grace_randk_randint(x: Any, ratio: float = 0.01) -> tuple[Any, int]:
     import torch
@@ -130,6 +147,9 @@ def codecs_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
                     row[f"{label}_s"] = _median_time(lambda fn=fn, x=x: fn(x), device, reps)
                     row[f"ratio_{label}"] = row["gradsync_s"] / row[f"{label}_s"]
                 row["copy_s"] = _median_time(x.clone, device, reps)
+                row.update(_launches(lambda c=timed, x=x, i=info: c.decompress(*c.compress(x, i)), device))
+                for label, fn in grace.get(name, [])[:1]:
+                    row.update({f"{label}_{k}": v for k, v in _launches(lambda fn=fn, x=x: fn(x), device).items()})
                 row["ok"] = on_device and row.get("same_as_cpu", True)
             except Exception as exc:  # noqa: BLE001 - recorded, the next case runs
                 row.update(ok=False, error=_first_line(exc))
@@ -357,8 +377,10 @@ def summary(doc: dict[str, Any]) -> None:
     for row in doc.get("codecs", []):
         if "gradsync_s" in row:
             ratios = " ".join(f"{k[6:]}={v:.2f}x" for k, v in row.items() if k.startswith("ratio_"))
+            launches = (f" kernels={row['kernels']} syncs={row['host_syncs']}" if "kernels" in row else "") + "".join(
+                f" {k}={v}" for k, v in row.items() if k.endswith("_kernels"))
             print(f"  {row['codec']:9s} {row['elements']:>9d}: {row['gradsync_s'] * 1e3:8.3f} ms "
-                  f"({row['gradsync_s'] / row['copy_s']:.1f}x a copy) {ratios}", flush=True)
+                  f"({row['gradsync_s'] / row['copy_s']:.1f}x a copy) {ratios}{launches}", flush=True)
     for row in doc.get("hooks", []):
         print("  hooks:", row, flush=True)
     for row in doc.get("engines", []):

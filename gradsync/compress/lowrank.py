@@ -32,12 +32,36 @@ from gradsync.compress.base import (
     work_dtype,
 )
 
-__all__ = ["PowerSGD", "orthonormalize", "outer_into", "times", "transposed_times"]
+__all__ = ["PowerSGD", "gram_schmidt", "orthonormalize", "outer_into", "times", "transposed_times"]
 
 
 def orthonormalize(p: Tensor) -> Tensor:
-    """Orthonormal columns spanning ``p``'s (Householder QR; PowerSGD uses Gram-Schmidt, same span)."""
-    return torch.linalg.qr(p, mode="reduced").Q
+    """Orthonormal columns spanning ``p``'s.
+
+    One column (rank 1, the common case) is divided by its norm. More columns: Householder QR on the CPU;
+    elsewhere Gram-Schmidt, as PyTorch's PowerSGD hook does, because a GPU's QR is a solver call per matrix
+    that also copies its status to the host, a dozen launches and a synchronisation where Gram-Schmidt is a
+    few passes over ``rows x r``. A zero column stays zero (its norm is floored at the dtype's tiny), where
+    dividing by zero would turn a zero gradient into NaN.
+    """
+    if p.shape[1] == 1:
+        return p / torch.linalg.vector_norm(p).clamp_min(torch.finfo(p.dtype).tiny)
+    if p.device.type == "cpu":
+        return torch.linalg.qr(p, mode="reduced").Q
+    return gram_schmidt(p)
+
+
+def gram_schmidt(p: Tensor) -> Tensor:
+    """Orthonormal columns spanning ``p``'s by modified Gram-Schmidt (a new tensor; zero columns stay zero)."""
+    q = p.clone()
+    tiny = torch.finfo(p.dtype).tiny
+    for i in range(q.shape[1]):
+        col = q[:, i : i + 1]
+        if i:
+            done = q[:, :i]
+            col.sub_(done @ (done.T @ col))
+        col.div_(torch.linalg.vector_norm(col).clamp_min(tiny))
+    return q
 
 
 def times(m: Tensor, q: Tensor) -> Tensor:

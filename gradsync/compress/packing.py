@@ -263,9 +263,15 @@ def _unpack_words(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
     return word.bitwise_and_(mask).view(torch.uint8)[:n]
 
 
+#: Each field's bit offset within its byte, per (bits, device): made once, not a launch per call.
+_SHIFTS: dict[tuple[int, torch.device], Tensor] = {}
+
+
 def _unpack_shift(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
     """:func:`_unpack_words` off the CPU: one broadcast shift and one mask, two passes over the output bytes."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
+    shifts = _SHIFTS.get((bits, flat.device))
+    if shifts is None:
+        shifts = _SHIFTS[(bits, flat.device)] = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
     fields = torch.bitwise_right_shift(flat[:need].unsqueeze(1), shifts).bitwise_and_((1 << bits) - 1)
     return fields.view(-1)[:n]
 

@@ -500,6 +500,21 @@ def test_powersgd_full_rank_reconstructs_exactly(shape: tuple[int, ...]) -> None
     torch.testing.assert_close(compressor.decompress(payload, ctx), x, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("r", [1, 3])
+def test_orthonormalize_off_cpu_spans_the_same_columns_as_qr(r: int) -> None:
+    """Gram-Schmidt (the GPU's path, called directly) and the rank-1 division against Householder QR: the same
+    projector ``Q Q^T``, orthonormal columns; a zero column stays zero instead of NaN."""
+    from gradsync.compress.lowrank import gram_schmidt, orthonormalize
+
+    p = torch.randn(40, r, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+    qr = torch.linalg.qr(p, mode="reduced").Q
+    for q in (gram_schmidt(p), orthonormalize(p)):
+        torch.testing.assert_close(q.T @ q, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(q @ q.T, qr @ qr.T, rtol=0, atol=1e-12)
+    zero = torch.zeros(40, r)
+    assert torch.equal(gram_schmidt(zero), zero) and torch.equal(orthonormalize(zero[:, :1]), zero[:, :1])
+
+
 def test_powersgd_recovers_a_rank_one_matrix_in_one_step() -> None:
     gen = torch.Generator().manual_seed(14)
     u, v = torch.randn(30, 1, generator=gen), torch.randn(1, 50, generator=gen)
