@@ -219,15 +219,15 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
 
         case(f"optimizer/{name}", by_optimizer)
         case(f"hook/{name}", by_hook)
-    if backend == "gloo":
-        rt = gradsync.get_runtime()
-        for algorithm in algorithms_for(rt.topology):
-            def exact(algorithm: str = algorithm) -> bool:
-                x = torch.full((1000,), float(rank + 1), device=device)
-                gradsync.allreduce(x, algorithm=algorithm)
-                return bool((x == world * (world + 1) / 2).all()) and x.device == device
+    # every synthesizer on both engines (on NCCL a named plan runs over its point-to-point messages), and auto
+    rt = gradsync.get_runtime()
+    for algorithm in [*algorithms_for(rt.topology), "auto"]:
+        def exact(algorithm: str = algorithm) -> bool:
+            x = torch.full((1000,), float(rank + 1), device=device)
+            gradsync.allreduce(x, algorithm=algorithm)
+            return bool((x == world * (world + 1) / 2).all()) and x.device == device
 
-            case(f"allreduce/{algorithm}", exact)
+        case(f"allreduce/{algorithm}", exact)
     gradsync.shutdown()
     dist.destroy_process_group()
     Path(out).write_text(json.dumps(results))
