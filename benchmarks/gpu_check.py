@@ -78,14 +78,19 @@ def _launches(fn: Callable[[], Any], device: Any) -> dict[str, int]:
 
     if device.type != "cuda":
         return {}
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize(device)
-    events = prof.events()
-    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy"))
-    return {"kernels": kernels, "host_syncs": max(0, syncs - 1)}  # minus the one closing synchronize
+
+    def counted(fn: Callable[[], Any]) -> tuple[int, int]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        events = prof.events()
+        return (sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")))
+
+    kernels, syncs = counted(fn)
+    _, closing = counted(lambda: None)  # what the closing synchronize itself counts
+    return {"kernels": kernels, "host_syncs": max(0, syncs - closing)}
 
 
 # ---- codecs on the device ---------------------------------------------------------------------------------
