@@ -189,9 +189,10 @@ class OneBit(Compressor):
         positive = x >= 0
         n_pos = positive.sum()
         n_neg = x.numel() - n_pos
-        zero = torch.zeros_like(x)
-        sum_pos = torch.where(positive, x, zero).sum()
-        sum_neg = torch.where(positive, zero, x).sum()
+        # each side's sum without a zeros tensor: clamping at 0 moves the other side's elements to (+-)0, which
+        # adds nothing (a NaN stays NaN, as in a masked sum)
+        sum_pos = x.clamp(min=0).sum()
+        sum_neg = x.clamp(max=0).sum()
         means = torch.stack([sum_pos / n_pos.clamp(min=1), sum_neg / n_neg.clamp(min=1)])
         return [means.to(_SCALE_DTYPE), pack_bits(positive)], Context(info)
 
