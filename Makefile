@@ -9,6 +9,7 @@ STAMP := $(VENV)/.gradsync-installed
 .PHONY: demo test lint lint-imports bench clean sysdeps
 
 $(STAMP): pyproject.toml
+	@echo "gradsync: first run: creating $(VENV) and installing torch and gradsync's dependencies (about 2 minutes, quiet)..."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'

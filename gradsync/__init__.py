@@ -5,6 +5,7 @@ the schedule's transfers. The packages form layers, each importing only from the
 (``[tool.importlinter]`` in pyproject.toml holds the contract; the README shows the map)::
 
     cli, commands                      the gradsync command and its subcommands
+    integrations                       the hooks inside trainers (Lightning's callback, Accelerate's recipe)
     train | kvstore                    DistributedOptimizer, DDP hooks, compression steps, PS training loops
     ps                                 parameter server, clients, KVStore (its collective kind runs on comm)
     comm | testbed                     the runtime (executor, transports) | the emulated cluster

@@ -19,18 +19,60 @@ from gradsync.commands.demo import DEMO_TOPOLOGIES
 from gradsync.errors import GradsyncError
 from gradsync.launch import Terminated
 
-__all__ = ["COMMANDS", "DEMO_TOPOLOGIES", "build_parser", "main", "parse_size", "parse_sizes"]
+__all__ = ["COMMANDS", "DEMO_TOPOLOGIES", "EXAMPLES", "HelpFormatter", "build_parser", "main", "parse_size", "parse_sizes"]
 
 #: One module per subcommand, in the order ``gradsync --help`` lists them; each has ``add_parser(subparsers)``,
 #: which adds its subcommand with the handler as ``func``.
 COMMANDS: tuple[ModuleType, ...] = (topo, plan, simulate, bench, testbed, launch, order, run, compress, models, demo)
 
 
+#: Two examples per subcommand, shown at the end of its ``--help``.
+EXAMPLES: dict[str, tuple[str, str]] = {
+    "topo": ("gradsync topo list", "gradsync topo draw p3.16xlarge -o p3.png"),
+    "plan": ("gradsync plan -t p3.16xlarge -a lp --size 100MB",
+             "gradsync plan -t racks:2,2,2 -a auto --size 64MB --json"),
+    "simulate": ("gradsync simulate -t switch:8 -a ring --size 64MB --timeline ring.png",
+                 "gradsync simulate -t p3.16xlarge -a lp --trace plan.json   # open in ui.perfetto.dev"),
+    "bench": ("gradsync bench", "gradsync bench sim-scaling --cases ps-switch16"),
+    "testbed": ("sudo gradsync testbed up --topology switch:4", "sudo gradsync testbed run -- python train.py"),
+    "launch": ("gradsync launch --workers 4 --servers 1 -- python train.py",
+               "gradsync launch --workers 8 --servers 2 --checkpoint-dir ckpt -- python train.py"),
+    "order": ("gradsync order resnet50 --method tic --workers 4", "gradsync order vgg16 --mode allreduce --json"),
+    "run": ("gradsync run --workers 2 -- python train.py",
+            "GRADSYNC_TRACE=run.json gradsync run --workers 4 --topology switch:4 -- python train.py"),
+    "compress": ("gradsync compress list", "gradsync compress list --json"),
+    "models": ("gradsync models", "gradsync models --json"),
+    "demo": ("gradsync demo", "gradsync demo --workers 4 --steps 50 --no-train"),
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each option's help (unless the help already says it, or there is none to show) and the
+    description and examples as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or "%(default)" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
+def _with_help(parser: argparse.ArgumentParser, examples: tuple[str, ...] = ()) -> None:
+    """``parser`` and its own subcommands (``gradsync topo``'s actions...) show defaults; ``examples`` end its help."""
+    parser.formatter_class = HelpFormatter
+    if examples:
+        parser.epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _with_help(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradsync", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        command.add_parser(sub)
+        _with_help(command.add_parser(sub), EXAMPLES.get(command.__name__.rsplit(".", 1)[-1], ()))
     return p
 
 

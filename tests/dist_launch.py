@@ -65,6 +65,32 @@ def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: f
     return out
 
 
+def torchrun(script: str, args: list[str], world: int, out_dir: Path, timeout_s: float = 240) -> list[dict | None]:
+    """Run ``script`` on ``world`` ranks under torch's own launcher (``python -m torch.distributed.run --standalone``,
+    what ``torchrun`` is), as a user launches a trainer; return each rank's ``rank{r}.json`` (None if absent)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(ROOT / script), *args]
+    with open(out_dir / "torchrun.log", "w+") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # torchrun and its workers: the group this test started
+            proc.wait()
+            code = None
+        if code != 0:
+            log.seek(0)
+            raise AssertionError(f"torchrun {script} {args} exited {code}:\n{log.read()[-4000:]}")
+    out = []
+    for r in range(world):
+        f = out_dir / f"rank{r}.json"
+        out.append(json.loads(f.read_text()) if f.exists() else None)
+    return out
+
+
 # ---- worker side ----------------------------------------------------------------------------------------------
 def counting_native(rt: Any) -> tuple[Callable[..., Any], list[bool]]:
     """A stand-in for ``rt.native_allreduce_async`` that calls it and records whether each call took the native

@@ -276,3 +276,36 @@ def test_help_lists_every_command_and_loads_no_heavy_package():
     assert json.loads(p.stdout.splitlines()[-1]) == []
     for name in ("topo", "plan", "simulate", "bench", "testbed", "launch", "order", "run", "compress", "models", "demo"):
         assert f"    {name} " in p.stdout, name
+
+
+def test_every_subcommand_help_shows_defaults_and_two_examples_that_parse():
+    import shlex
+
+    from gradsync.cli import COMMANDS, EXAMPLES, build_parser
+
+    names = {c.__name__.rsplit(".", 1)[-1] for c in COMMANDS}
+    assert set(EXAMPLES) == names
+    for name in sorted(names):
+        p = subprocess.run([sys.executable, "-m", "gradsync", name, "--help"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        tail = p.stdout.split("examples:\n", 1)[1].strip().splitlines()
+        assert len(tail) == 2, (name, tail)
+        for line in tail:  # each example is a command line the parser accepts
+            words = [w for w in shlex.split(line.split("#")[0]) if w != "sudo" and "=" not in w.split("-")[0]]
+            assert words[0] == "gradsync", line
+            build_parser().parse_args(words[1:])
+    plan = subprocess.run([sys.executable, "-m", "gradsync", "plan", "--help"], capture_output=True, text=True,
+                          timeout=60).stdout
+    plan = " ".join(plan.split())  # argparse wraps lines
+    assert "(default: 100MB)" in plan and "the synthesizer" in plan and "(default: lp)" in plan
+
+
+def test_bench_marks_the_benchmarks_that_need_a_checkout():
+    from gradsync.sim.bench import BENCHMARKS
+
+    out = subprocess.run([sys.executable, "-m", "gradsync", "bench"], capture_output=True, text=True, timeout=60).stdout
+    rows = {line.split()[0]: line for line in out.splitlines() if line and line.split()[0] in BENCHMARKS.names()}
+    assert set(rows) == set(BENCHMARKS.names())
+    for name, line in rows.items():
+        assert (line.split()[1] == "*") == BENCHMARKS.get(name).checkout, line
+    assert "* needs a gradsync source checkout" in out

@@ -39,6 +39,7 @@ from gradsync.comm.collectives import (
 )
 from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.plans import PlanCache, Runnable
+from gradsync.comm.trace import TraceRecorder
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.comm.tuning import TUNE_MAX_BYTES, Explorer, Tuning, load_cost_model
 from gradsync.errors import CommError, GradsyncError
@@ -103,6 +104,7 @@ class Runtime:
         mapping: Sequence[int] | Mapping[str, int] | None = None,
         timeout_s: float = 60.0,
         cost_model: CostModel | None = None,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         self.transport = transport
         if topology is None:
@@ -131,6 +133,11 @@ class Runtime:
         self._running = threading.Lock()  # held while a collective runs: one at a time, in call order
         self._failed: BaseException | None = None
         self.comm_seconds = 0.0  # time the communication thread spent running collectives
+        trace = trace if trace is not None else os.environ.get("GRADSYNC_TRACE") or None
+        #: the Chrome trace of this rank's collectives (``trace=`` or ``$GRADSYNC_TRACE``), written at shutdown
+        self.trace: TraceRecorder | None = (
+            TraceRecorder(trace, transport.rank, transport.world_size) if trace is not None else None
+        )
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
         self._thread.start()
         self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
@@ -301,12 +308,19 @@ class Runtime:
             return None
         import torch.distributed as dist
 
+        start = TraceRecorder.now_us()
         try:
             with torch.profiler.record_function("gradsync::allreduce::native"):
                 work = dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
         except RuntimeError as exc:
             raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
-        return work.get_future()
+        fut = work.get_future()
+        if self.trace is not None:
+            trace, caller, nbytes = self.trace, threading.current_thread(), tensor.numel() * tensor.element_size()
+            # issued on the caller's thread, done when the backend finishes it
+            fut.add_done_callback(lambda _: trace.record("gradsync::allreduce::native", "allreduce", "native", nbytes,
+                                                         start, TraceRecorder.now_us(), caller))
+        return fut
 
     def _executor_for(self, tensors: Tensors, op: str, algorithm: str | None) -> Runnable | Explorer:
         """The executor an allreduce of ``tensors`` runs on, after checking ``op``."""
@@ -329,6 +343,7 @@ class Runtime:
         """Run one item (a collective or a submitted callable) now, as the profiler range ``label``; a failure fails
         the runtime."""
         t0 = time.perf_counter()
+        start = TraceRecorder.now_us() if self.trace is not None else 0.0
         try:
             with torch.profiler.record_function(label):
                 return payload() if ex is _CALL else ex.run(payload, op)
@@ -337,6 +352,12 @@ class Runtime:
             raise
         finally:
             self.comm_seconds += time.perf_counter() - t0
+            if self.trace is not None:
+                if ex is _CALL:
+                    self.trace.record(label, label.removeprefix("gradsync::"), None, None, start, TraceRecorder.now_us())
+                else:
+                    self.trace.record(label, "allreduce", ex.schedule.algorithm, nbytes_of(payload), start,
+                                      TraceRecorder.now_us())
 
     # ---- additions for compression (issue 8): arbitrary work and allgather, in the same FIFO ----------
     def submit(self, fn: Callable[[], Any], name: str = "call") -> Work:
@@ -458,6 +479,8 @@ class Runtime:
             self._queue.put(_STOP)
             self._thread.join(self.timeout_s)
         self.plans.close()
+        if self.trace is not None:
+            self.trace.write()
 
 
 _RUNTIME: Runtime | None = None
@@ -471,7 +494,7 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise GradsyncError(
-            f"environment variables {missing} are not set; launch with torchrun (or `gradsync launch`), "
+            f"environment variables {missing} are not set; launch with torchrun (or `gradsync run`), "
             f"or call torch.distributed.init_process_group() yourself and pass group=..."
         )
     if backend is None:
@@ -497,6 +520,7 @@ def init(
     cost_model: CostModel | str | None = None,
     calibrate: bool = False,
     explore: bool | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> Runtime:
     """Start gradsync in this process and return the runtime (also kept as the default).
 
@@ -512,7 +536,9 @@ def init(
     ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`), cached the same way,
     and the first calls of each larger class time the model's pipeline depth beside its half and its
     double (:attr:`Runtime.explore`; ``explore`` turns that on or off, default: as ``calibrate``); each such
-    pick joins the same cache, so the next job runs it from its first call.
+    pick joins the same cache, so the next job runs it from its first call. ``trace`` (default
+    ``$GRADSYNC_TRACE``): a ``.json`` path where each rank writes a Chrome trace-event file of its collectives at
+    shutdown (``name.rank<r>.json`` with several ranks, or put ``{rank}`` in the path; :mod:`gradsync.comm.trace`).
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -525,7 +551,8 @@ def init(
     if _RUNTIME is not None:
         _RUNTIME.shutdown()
     model = load_cost_model(cost_model if cost_model is not None else os.environ.get("GRADSYNC_COST_MODEL"))
-    _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model)
+    _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model,
+                       trace=trace)
     if calibrate:
         _RUNTIME.tuning.load_or_calibrate()
         _RUNTIME.tuning.load_or_tune()

@@ -9,12 +9,14 @@ __all__ = ["add_parser", "cmd_bench"]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from gradsync.sim.bench import BENCHMARKS
+    from gradsync.sim.bench import BENCHMARKS, checkout_available
 
     if not args.name:
         for name, entry in BENCHMARKS.items():
-            print(f"{name:16s} {entry.summary}")
-        print("\nRun one with 'gradsync bench NAME [its options]'; 'gradsync bench NAME --help' lists them.")
+            print(f"{name:16s} {'*' if entry.checkout else ' '} {entry.summary}")
+        here = "found" if checkout_available() else "not found: these fail from a wheel install"
+        print(f"\n* needs a gradsync source checkout (git clone, pip install -e .); {here}")
+        print("Run one with 'gradsync bench NAME [its options]'; 'gradsync bench NAME --help' lists them.")
         return 0
     return BENCHMARKS.get(args.name).run(args.args)
 

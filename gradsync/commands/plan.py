@@ -135,7 +135,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pl = subparsers.add_parser("plan", help="plan an allreduce (reduce-scatter, allgather) schedule and report its "
                                             "cost, bounds and time")
     pl.add_argument("--topology", "-t", required=True, help="registry spec or .json/.yaml file")
-    pl.add_argument("--algorithm", "-a", default="lp", choices=algorithm_names())
+    pl.add_argument("--algorithm", "-a", default="lp", choices=algorithm_names(),
+                    help="the synthesizer: lp (optimal spanning trees), ring, multiring, tree, ps, hierarchical, "
+                         "bml, or auto (the least predicted time at --size)")
     pl.add_argument("--size", default="100MB", help="message size in bytes (e.g. 548MB, 1GiB)")
     pl.add_argument("--latency", type=float, default=None, help="per-hop latency in seconds (default: the links' own)")
     pl.add_argument("--pipeline", type=int, default=1, help="sub-chunks per tree or ring chunk")

@@ -23,6 +23,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.size)
     if args.timeline and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise GradsyncError(f"--timeline {args.timeline!r} must end in .png, .svg or .pdf")
+    if args.trace and Path(args.trace).suffix.lower() != ".json":
+        raise GradsyncError(f"--trace {args.trace!r} must end in .json (Chrome trace-event JSON, opens in Perfetto)")
     total = sum(sizes)
     if args.latency is not None and not args.latency >= 0:
         raise GradsyncError(f"--latency {args.latency!r} must be >= 0 seconds (per hop)")
@@ -46,12 +48,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     planned_s = predicted_time(schedule, topo, total, args.latency, cost=cost)
     if args.timeline:
         plot_timeline(result, args.timeline, by=args.timeline_by)
+    if args.trace:
+        from gradsync.sim.trace import simulation_trace
+
+        simulation_trace(result, args.trace)
     if args.json:
         out = result.to_dict()
         out["planned"] = {"cost": cost, "time_s": planned_s, "gst_over_tf": planned_s / result.t_f_s}
         out["sim_over_planned"] = result.time_s / planned_s if planned_s > 0 else None
         if args.timeline:
             out["timeline"] = str(args.timeline)
+        if args.trace:
+            out["trace"] = str(args.trace)
         emit_json(out)
         return 0
     mode = "streaming" if result.streaming else "store-and-forward"
@@ -68,6 +76,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"  {kind:16s} {c['links']:5d}  {c['max_utilisation']:8.1%}  {c['mean_utilisation']:9.1%}")
     if args.timeline:
         print(f"  timeline written to {args.timeline}")
+    if args.trace:
+        print(f"  trace written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
@@ -91,6 +101,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="link sharing: max-min fair per byte (default) or per flow")
     sm.add_argument("--per-tensor", action="store_true", help="a flow per (tensor, transfer) instead of merged tensors")
     sm.add_argument("--timeline", help="write a Gantt chart (.png/.svg/.pdf)")
+    sm.add_argument("--trace", help="write the flows as a Chrome trace-event .json (Perfetto, chrome://tracing), "
+                    "the format of the runtime's GRADSYNC_TRACE")
     sm.add_argument("--timeline-by", default="link", choices=["link", "rank"], help="timeline rows (default link)")
     sm.add_argument("--progress", action="store_true", help="progress line on stderr every 2 s (default: only on a terminal)")
     sm.add_argument("--json", action="store_true", help="print one JSON object")

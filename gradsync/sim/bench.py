@@ -45,12 +45,17 @@ from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
 __all__ = ["Benchmark", "BENCHMARKS", "register_benchmark", "CHECKOUT_PACKAGE", "SimCase", "SIM_CASES",
-           "sim_scaling_main", "balanced_orders", "paired_ratios", "bootstrap_median_ci"]
+           "sim_scaling_main", "checkout_available", "balanced_orders", "paired_ratios", "bootstrap_median_ci"]
 
 #: Where a source checkout would be, were gradsync imported from one (an editable install).
 _ROOT = Path(__file__).resolve().parents[2]
 #: The checkout's package of benchmarks (``benchmarks/__init__.py`` beside ``gradsync/``); not installed.
 CHECKOUT_PACKAGE = "benchmarks"
+
+
+def checkout_available() -> bool:
+    """Whether gradsync runs from a source checkout whose ``benchmarks/`` package the ``checkout`` ones need."""
+    return (_ROOT / CHECKOUT_PACKAGE / "__init__.py").is_file()
 
 
 # ---- side by side: the order methods run in, and what their paired samples say -------------------------------

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import networkx as nx
 
-matplotlib.use("Agg")  # files only; no display on servers or CI
-import matplotlib.pyplot as plt  # noqa: E402
-import networkx as nx  # noqa: E402
-
-from gradsync.topology.model import Topology  # noqa: E402
+from gradsync.topology.model import Topology
 
 __all__ = ["draw"]
 
@@ -21,7 +17,13 @@ def draw(topology: Topology, path: str | Path) -> Path:
     """Write a picture of ``topology``; edge width grows with bandwidth, labels give GB/s."""
     g = topology.graph
     pos = nx.kamada_kawai_layout(g) if len(g) > 2 else nx.spring_layout(g, seed=0)
-    fig, ax = plt.subplots(figsize=(8, 6))
+    # the object API draws into its own canvas: no pyplot, no backend chosen for the whole process (a notebook's stays)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     widths = [1 + 2 * g.edges[e]["bandwidth"] / topology.unit_bandwidth_GBps for e in g.edges]
     nx.draw_networkx_edges(g, pos, ax=ax, width=widths, edge_color="#555555")
     nx.draw_networkx_edge_labels(
@@ -35,5 +37,4 @@ def draw(topology: Topology, path: str | Path) -> Path:
     ax.axis("off")
     out = Path(path)
     fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     return out

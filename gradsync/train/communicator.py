@@ -80,9 +80,26 @@ class Communicator(ABC):
     sums: ClassVar[bool] = False
 
     def __init__(self, runtime: Runtime | None = None) -> None:
-        self.runtime = runtime if runtime is not None else get_runtime()
-        if not isinstance(self.runtime, Runtime):
-            raise CompressionError(f"runtime must be a gradsync Runtime (gradsync.init()), got {type(self.runtime).__name__}")
+        if runtime is not None and not isinstance(runtime, Runtime):
+            raise CompressionError(f"runtime must be a gradsync Runtime (gradsync.init()), got {type(runtime).__name__}")
+        self._runtime = runtime
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime given, else ``gradsync.get_runtime()`` at first use: a trainer may build the communicator
+        (in a hook state) before it makes the process group."""
+        if self._runtime is None:
+            self._runtime = get_runtime()
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, value: Runtime) -> None:
+        self._runtime = value
+
+    @property
+    def resolved(self) -> bool:
+        """Whether :attr:`runtime` has been found (given, or looked up at first use)."""
+        return self._runtime is not None
 
     @property
     def world_size(self) -> int:
@@ -132,7 +149,7 @@ def register_communicator(name: str, *, aliases: tuple[str, ...] = ()) -> Callab
 
 
 def create_communicator(name: str, runtime: Runtime | None = None, **params: Any) -> Communicator:
-    """A communicator by registry name, on ``runtime`` (default: ``gradsync.init``'s)."""
+    """A communicator by registry name, on ``runtime`` (default: ``gradsync.init``'s, looked up at first use)."""
     return COMMUNICATOR_TYPES.get(name)(runtime=runtime, **params)
 
 

@@ -7,6 +7,10 @@ Usage::
     model = DistributedDataParallel(net, bucket_cap_mb=1)
     model.register_comm_hook(state, compression_hook)
 
+The state may also be built before any process group exists (Lightning's ``DDPStrategy(ddp_comm_state=...)``
+does): bad arguments fail at once, and the runtime is found (or started on the process group) at the first
+bucket (:meth:`CompressionHookState.resolve`).
+
 Per bucket, the hook compensates and compresses each gradient (``merge="layerwise"``: each parameter's
 gradient with its own shape, so PowerSGD sees matrices) or the whole bucket as one merged group
 (``merge="bucket"``: DDP's bucket *is* a MergeComp group), then queues one job on the runtime's
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.comm.runtime import Runtime, is_initialized
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
 from gradsync.compress.memory import NoMemory
 from gradsync.train.communicator import AllreduceCommunicator, CompressionStep, write_aggregate
@@ -45,7 +50,8 @@ class CompressionHookState:
     * ``compression`` -- a compressor name or :class:`Compressor`; ``memory`` (default: the compressor's
       usual error feedback) and ``communicator`` (default: the compressor's own) complete the step;
     * ``merge`` -- ``"layerwise"`` or ``"bucket"`` (see the module doc);
-    * ``runtime`` -- the gradsync runtime whose communication thread runs the exchanges (default: ``gradsync.init``'s);
+    * ``runtime`` -- the gradsync runtime whose communication thread runs the exchanges (default: ``gradsync.init``'s,
+      or, when neither gradsync nor torch.distributed has started yet, the one started at the first bucket);
     * ``model`` / ``named_parameters`` -- where parameter names come from (default ``param<i>`` in the order
       DDP first shows them; pass the model so names match across runs).
 
@@ -87,6 +93,18 @@ class CompressionHookState:
             if type(step.memory) is NoMemory and type(step.communicator) is AllreduceCommunicator
             else None
         )
+        if runtime is not None or is_initialized() or (dist.is_available() and dist.is_initialized()):
+            self.resolve()  # something to run on already: look it up now, as GradsyncHookState does
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the runtime has been found (:meth:`resolve`)."""
+        return self.step.communicator.resolved
+
+    def resolve(self) -> Runtime:
+        """The runtime the exchanges run on: the one given, else ``gradsync.get_runtime()`` (started on the
+        process group the trainer made, if gradsync was not initialised). Called at the first bucket."""
+        return self.step.communicator.runtime
 
     def name_of(self, param: torch.Tensor) -> str:
         key = id(param)
@@ -97,6 +115,8 @@ class CompressionHookState:
 
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Compress the bucket's gradients, exchange them on the communication thread, return the averaged bucket."""
+    if not state.resolved:
+        state.resolve()
     buffer = bucket.buffer()
     if state.cast_dtype is not None:
         fut = _native_cast(state, bucket, buffer, state.cast_dtype)

@@ -38,3 +38,16 @@ def test_cli_errors_are_one_line(args, message, tmp_path):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gradsync: error:") and message in lines[0]
+
+
+def test_cli_simulate_trace_writes_chrome_trace_events(tmp_path):
+    from tests.trace_events import load_trace, spans
+
+    p = run("simulate", "-t", "switch:3", "-a", "ring", "--size", "1MB", "--trace", "sim.json", "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    got = spans(load_trace(tmp_path / "sim.json"))
+    assert out["trace"] == "sim.json" and len(got) == out["flows"] > 0
+    assert max(e["ts"] + e["dur"] for e in got) == pytest.approx(out["time_s"] * 1e6, rel=1e-9)
+    p = run("simulate", "-t", "switch:3", "--trace", "sim.txt", cwd=tmp_path)
+    assert p.returncode == 2 and "must end in .json" in p.stderr and len(p.stderr.strip().splitlines()) == 1
