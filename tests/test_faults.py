@@ -417,7 +417,8 @@ def test_checkpoint_keeps_the_job_and_the_replay_window(tmp_path: Path) -> None:
     """A restarted server still serves its job and still refuses frames it accepted before the crash; a
     server given another job (a new `gradsync launch` resuming the checkpoint) serves that one."""
     s = _Served(secret=KEY, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    init = seal(encode(Op.INIT, key="w", tensor=torch.ones(2), count=1, job=5, session=9), seq=3, secret=KEY)
+    init = seal(encode(Op.INIT, key="w", tensor=torch.ones(2), count=1, job=5, session=9), seq=3, secret=KEY,
+                incarnation=s.server.incarnation)
     try:
         assert s.ask(init).op == Op.ACK
     finally:
@@ -448,7 +449,8 @@ def test_shutdown_needs_an_authenticated_peer(caplog: pytest.LogCaptureFixture) 
                 reply = decode(s.sock.recv_multipart()) if s.sock.poll(5000) else None
                 assert reply is not None and reply.op == Op.ERROR and "rejected" in reply.text()
             assert not s.server.stopping
-            assert s.ask(seal(encode(Op.SHUTDOWN, session=5), seq=1, secret=KEY)).op == Op.ACK
+            assert s.ask(seal(encode(Op.SHUTDOWN, session=5), seq=1, secret=KEY,
+                              incarnation=s.server.incarnation)).op == Op.ACK
             s.thread.join(timeout=5)
             assert not s.thread.is_alive()
         finally:
