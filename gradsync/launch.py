@@ -6,10 +6,17 @@ parameter-server launcher. When a worker fails, the others get a short grace per
 as torchrun does: a collective would otherwise wait for its timeout. The failure is reported with the
 failing process's label, exit code and last lines. Every child leads its own session, and is ended with
 its whole process group, also when the launcher gets SIGTERM or SIGINT (:func:`end_on_signals`).
+
+A launcher killed outright (SIGKILL, the OOM killer) runs no cleanup, so a watchdog does it: the first child
+started also starts a small guard process (:func:`guard_group`), which learns each child's process group from a
+pipe and, when the pipe closes without a goodbye (its launcher died), kills every group still listed:
+workers, servers and whatever they started in their groups. ``PR_SET_PDEATHSIG`` would not do: it reaches
+direct children only, and fires when the *thread* that started the child ends, not the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import shutil
@@ -27,8 +34,9 @@ from typing import TextIO
 
 from gradsync.errors import GradsyncError
 
-__all__ = ["TIMEOUT_EXIT", "TAIL_LINES", "Child", "Terminated", "check_command", "check_timeout", "end_on_signals", "free_port",
-           "kill_group", "pump", "torchrun_env", "run_workers", "worker_command", "launch_local", "run_launcher"]
+__all__ = ["TIMEOUT_EXIT", "TAIL_LINES", "MAX_PROCESSES", "MAX_PROCESSES_ENV", "Child", "Terminated", "check_command",
+           "check_count", "check_timeout", "end_on_signals", "free_port", "kill_group", "pump", "torchrun_env",
+           "run_workers", "worker_command", "launch_local", "run_launcher", "guard_group"]
 
 #: Exit code reported when the timeout stopped the workers (as coreutils ``timeout`` does).
 TIMEOUT_EXIT = 124
@@ -36,6 +44,109 @@ TIMEOUT_EXIT = 124
 GRACE_S = 5.0
 #: Lines of a failed process's output repeated in the failure report.
 TAIL_LINES = 20
+#: Most processes one launcher starts on this machine, unless ``MAX_PROCESSES_ENV`` says otherwise; also at
+#: most :data:`PROCESSES_PER_CPU` per CPU. Tens of thousands of Python processes exhaust memory and the
+#: process table long before they do any work: refused at once, not after minutes of silence.
+MAX_PROCESSES = 4096
+PROCESSES_PER_CPU = 64
+MAX_PROCESSES_ENV = "GRADSYNC_MAX_PROCESSES"
+
+#: The guard: reads "+PGID" / "-PGID" lines; at end of input without "bye", SIGKILLs every group listed.
+_GUARD = """\
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin:
+    line = line.strip()
+    if line == "bye":
+        sys.exit(0)
+    if line[:1] in "+-" and line[1:].isdigit():
+        (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _Guard:
+    """This process's guard (see the module docstring): started on first use, told goodbye at exit."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[str] | None = None
+        self.owner = 0
+        os.register_at_fork(after_in_child=self._forget)
+        atexit.register(self.close)
+
+    def tell(self, line: str) -> None:
+        with self.lock:
+            if self.proc is None or self.owner != os.getpid():
+                self.proc = subprocess.Popen([sys.executable, "-S", "-c", _GUARD], stdin=subprocess.PIPE, text=True,
+                                             start_new_session=True, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL)
+                self.owner = os.getpid()
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(line + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # the guard is gone (killed by hand): nothing more to do than without one
+
+    def close(self) -> None:
+        """Goodbye: every child was ended by the launcher itself (``finally`` blocks), none is to be killed."""
+        with self.lock:
+            proc, self.proc = self.proc, None
+            if proc is None or self.owner != os.getpid() or proc.stdin is None:
+                return
+            try:
+                proc.stdin.write("bye\n")
+                proc.stdin.close()
+            except (BrokenPipeError, ValueError):
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def _forget(self) -> None:
+        """In a forked child: drop the parent's pipe (its death, not ours, must close it), keep no guard."""
+        if self.proc is not None and self.proc.stdin is not None:
+            try:
+                os.close(self.proc.stdin.fileno())
+            except OSError:
+                pass
+        self.proc, self.lock = None, threading.Lock()
+
+
+_guard = _Guard()
+
+
+def guard_group(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    """Have the guard kill ``proc``'s process group (it leads its own session) if this launcher dies
+    without ending it; :func:`kill_group` takes it off the list."""
+    _guard.tell(f"+{proc.pid}")
+
+
+def check_count(n: int, what: str) -> None:
+    """Refuse to start ``n`` processes (``what`` says which option asked for them) past :data:`MAX_PROCESSES`
+    or :data:`PROCESSES_PER_CPU` per CPU, naming the limit and how to raise it."""
+    text = os.environ.get(MAX_PROCESSES_ENV, "").strip()
+    cpus = os.cpu_count() or 1
+    if text:
+        try:
+            limit = int(text)
+        except ValueError:
+            raise GradsyncError(f"{MAX_PROCESSES_ENV}={text!r} is not an integer; e.g. {MAX_PROCESSES_ENV}=8192") from None
+        source = f"{MAX_PROCESSES_ENV}={limit}"
+    else:
+        limit = min(MAX_PROCESSES, PROCESSES_PER_CPU * cpus)
+        source = f"the lower of {MAX_PROCESSES} and {PROCESSES_PER_CPU} per CPU ({cpus} CPUs)"
+    if n > limit:
+        raise GradsyncError(f"{what}: {n} processes on one machine, more than the limit of {limit} ({source}); "
+                            f"set {MAX_PROCESSES_ENV}=N to allow more")
 
 
 class Terminated(BaseException):
@@ -161,6 +272,7 @@ def kill_group(proc: subprocess.Popen[str], timeout: float = 5.0) -> None:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
+    _guard.tell(f"-{proc.pid}")
 
 
 
@@ -249,6 +361,7 @@ def run_workers(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, s
             except OSError as e:
                 raise GradsyncError(f"cannot start {label} {cmd[0]!r}: {e.strerror or e}; check the command "
                                     f"after --") from None
+            guard_group(proc)
             child = Child(label, proc)
             children.append(child)
             t = threading.Thread(target=pump, args=(proc, label, out, lock, child.tail), daemon=True)
@@ -287,6 +400,7 @@ def launch_local(cmd: Sequence[str], world_size: int, *, env: Mapping[str, str] 
         raise GradsyncError("nothing to run: give a command, e.g. python train.py")
     if world_size < 1:
         raise GradsyncError(f"world_size={world_size} must be >= 1")
+    check_count(world_size, f"--workers {world_size}")
     check_timeout("timeout", timeout)
     port = free_port()
     base = {**os.environ, **(env or {})}
@@ -323,6 +437,7 @@ def run_launcher(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, ti
         proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), start_new_session=True)
     except OSError as e:
         raise GradsyncError(f"cannot start {cmd[0]!r}: {e.strerror or e}") from None
+    guard_group(proc)
     try:
         try:
             rc = _exit_code(proc.wait(timeout=timeout))

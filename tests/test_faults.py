@@ -161,6 +161,37 @@ def test_signal_to_launch_ends_every_process_it_started(sig: signal.Signals) -> 
     assert f"stopped by {sig.name}" in err and "Traceback" not in err, err
 
 
+def test_sigkill_of_launch_leaves_no_process_of_the_job() -> None:
+    """SIGKILL (the OOM killer's signal) gives the launcher no chance to clean up: its guard process does, and
+    5 s later no server, worker or worker's child is alive (they used to live on under PID 1)."""
+    launcher = subprocess.Popen(_gradsync("launch", "-n", "2", "-s", "1", "--", sys.executable, "-c", SLEEPER),
+                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    started: set[int] = set()
+    try:
+        _await_children(launcher, 6, started)  # the guard, 1 server, 2 workers and their 2 sleeps
+        time.sleep(0.5)  # let the server finish importing
+        started.update(_children_of(launcher.pid))
+        workers = [p for p in started if b"ready" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 2, started
+        launcher.kill()
+        t0 = time.monotonic()
+        launcher.communicate(timeout=5)
+        time.sleep(max(0.0, 5 - (time.monotonic() - t0)))
+        assert [p for p in started if _alive(p)] == []
+    finally:
+        _reap(started, launcher)
+    assert launcher.returncode == -signal.SIGKILL
+
+
+def test_absurd_worker_count_is_refused_at_once() -> None:
+    t0 = time.monotonic()
+    p = subprocess.run(_gradsync("launch", "--workers", "100000", "--", "true"), env=ENV, capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "100001 processes on one machine, more than the limit of" in p.stderr, p.stderr
+    assert "GRADSYNC_MAX_PROCESSES=N" in p.stderr and time.monotonic() - t0 < 30
+
+
 def test_failing_rank_is_named_with_its_code_and_output() -> None:
     worker = ("import os, sys; r = os.environ['RANK']; print('hello from rank', r, flush=True); "
               "sys.exit(3 if r == '1' else 0)")
@@ -417,7 +448,8 @@ def test_checkpoint_keeps_the_job_and_the_replay_window(tmp_path: Path) -> None:
     """A restarted server still serves its job and still refuses frames it accepted before the crash; a
     server given another job (a new `gradsync launch` resuming the checkpoint) serves that one."""
     s = _Served(secret=KEY, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    init = seal(encode(Op.INIT, key="w", tensor=torch.ones(2), count=1, job=5, session=9), seq=3, secret=KEY)
+    init = seal(encode(Op.INIT, key="w", tensor=torch.ones(2), count=1, job=5, session=9), seq=3, secret=KEY,
+                incarnation=s.server.incarnation)
     try:
         assert s.ask(init).op == Op.ACK
     finally:
@@ -448,7 +480,8 @@ def test_shutdown_needs_an_authenticated_peer(caplog: pytest.LogCaptureFixture) 
                 reply = decode(s.sock.recv_multipart()) if s.sock.poll(5000) else None
                 assert reply is not None and reply.op == Op.ERROR and "rejected" in reply.text()
             assert not s.server.stopping
-            assert s.ask(seal(encode(Op.SHUTDOWN, session=5), seq=1, secret=KEY)).op == Op.ACK
+            assert s.ask(seal(encode(Op.SHUTDOWN, session=5), seq=1, secret=KEY,
+                              incarnation=s.server.incarnation)).op == Op.ACK
             s.thread.join(timeout=5)
             assert not s.thread.is_alive()
         finally:

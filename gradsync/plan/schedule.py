@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from gradsync.errors import ScheduleError
-from gradsync.paths import write_text
+from gradsync.paths import parse_json, read_input, write_text
 from gradsync.plan.blocks import (
     BLOCKS,
     Block,
@@ -70,6 +70,10 @@ from gradsync.topology.model import Topology
 
 __all__ = ["COLLECTIVES", "SHARDED", "Block", "Chunk", "shard_bounds", "Transfer", "Tree", "TreeBlock", "RingBlock", "Schedule",
            "LinkLoads", "ring_transfers", "tree_transfers"]
+
+#: Largest schedule file read (GRADSYNC_MAX_INPUT_BYTES overrides); large plans are stored compactly (blocks)
+MAX_SCHEDULE_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class LinkLoads:
@@ -369,7 +373,8 @@ class Schedule:
     def load(cls, path: str | Path) -> Schedule:
         p = Path(path)
         try:
-            data = json.loads(p.read_bytes().decode("utf-8"))
+            text = read_input(p, "schedule file", ScheduleError, MAX_SCHEDULE_BYTES).decode("utf-8")
+            data = parse_json(text, f"schedule file {str(p)!r}", ScheduleError)
         except UnicodeDecodeError as exc:
             raise ScheduleError(f"schedule file {str(p)!r} is not a text file (byte {exc.object[exc.start]:#04x} "
                                 f"at offset {exc.start} is not UTF-8); give a schedule written by "

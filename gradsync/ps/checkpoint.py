@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,8 +84,8 @@ def read_checkpoint(path: Path, server_id: int, job: int = 0) -> Restored | None
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(bytes(z["meta"]).decode())
-            if meta.get("format") != "gradsync-ps-checkpoint":
-                raise GradsyncError(f"{path} is not a gradsync PS checkpoint")
+            if not isinstance(meta, dict) or meta.get("format") != "gradsync-ps-checkpoint":
+                raise ValueError("its index does not name the gradsync-ps-checkpoint format")
             if not job:  # a job restarted by `gradsync launch` has a new id and keeps it
                 job = int(meta.get("job", 0))
             sessions = {int(k): int(v) for k, v in meta.get("sessions", {}).items()}
@@ -101,9 +102,14 @@ def read_checkpoint(path: Path, server_id: int, job: int = 0) -> Restored | None
                     elastic=bool(e.get("elastic", False)), members={int(m) for m in e.get("members", [])},
                     last_pushed=int(e.get("last_pushed", 0)),
                     last_seq={int(k): int(v) for k, v in e["last_seq"].items()}, state=state)
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise GradsyncError(f"cannot restore server {server_id} from {path}: {e}; move the file "
-                            f"away to start empty") from e
+    except GradsyncError:
+        raise
+    # an empty, truncated or foreign file: numpy and zipfile raise any of these (EOFError for an empty one,
+    # BadZipFile for a cut one, IndexError/AttributeError for a plain .npy array in place of the archive)
+    except (OSError, EOFError, zipfile.BadZipFile, KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise GradsyncError(f"cannot restore server {server_id} from {path}: {why} (not a whole gradsync "
+                            f"checkpoint); move the file away to start empty") from None
     return Restored(job, sessions, updater, slots)
 
 

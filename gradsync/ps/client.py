@@ -16,8 +16,16 @@ seconds): if a round still waits for pushes it raises :class:`~gradsync.errors.P
 missing client; if the server does not answer, :class:`~gradsync.errors.CommError` naming its endpoint.
 
 Frames are built untagged and sealed when sent (:func:`gradsync.ps.wire.seal`): each send gets the next
-number of this client's random session, under the tag when there is a secret, so a retry is a new frame
-and a captured copy replayed later is refused by the server. Every frame carries the job id.
+number of this client's random session, the index of the server it goes to and that server's incarnation
+as last heard (0 before the first reply: only a PING is accepted so), under the tag when there is a
+secret, so a retry is a new frame and a captured copy replayed later, to the same server after a restart or
+to another server, is refused. A server with a secret refuses a request bound to an incarnation it is not
+with a ``STALE`` ERROR carrying its own, and the client sends the request again. Every frame carries the
+job id.
+
+A server whose checkpoint writes fail says so in every reply (``Flag.DISK_FAILING``): the client then asks
+its STATUS once, keeps the reason in :attr:`PSClient.notices` and warns (``RuntimeWarning``) naming the
+server, the file and the OS error; a later timeout's error repeats it.
 
 Requests travel in batches: :meth:`PSClient.start` sends one and returns a :class:`Batch`, and
 :meth:`PSClient.wait` pumps the sockets until a predicate holds (by default: the batch is complete). Every
@@ -33,6 +41,7 @@ import itertools
 import secrets
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +122,8 @@ class Request:
     op: Op | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     batch: Batch | None = None
+    #: the server incarnation its last send was bound to (0: none known then)
+    sent_incarnation: int = 0
 
     @property
     def ordered(self) -> bool:
@@ -190,6 +201,10 @@ class PSClient:
         self.bytes_received = 0
         #: replies whose tag follows on its own, per server (:class:`gradsync.ps.wire.TagJoiner`)
         self.joiner = TagJoiner(secret)
+        #: what servers reported about themselves (a failing checkpoint disk), by server
+        self.notices: dict[int, str] = {}
+        #: servers whose STATUS was asked for because a reply flagged a failing disk
+        self._asked: set[int] = set()
 
     def connect(self) -> None:
         """Wait until every server answers a PING (learning its incarnation); a clear error if one is down."""
@@ -219,9 +234,12 @@ class PSClient:
         if held is not None and held[0] <= version:
             del self.retained[(server, key, part)]
 
-    def _send(self, server: int, frames: list[Any]) -> None:
-        """Seal and send one request; a large one's tag goes after it (hashed while the payload travels)."""
-        frames = seal(frames, seq=next(self._seq), secret=self.secret, detach=True)
+    def _send(self, server: int, frames: list[Any]) -> int:
+        """Seal and send one request, bound to ``server`` and its incarnation as known now (returned); a large
+        one's tag goes after it (hashed while the payload travels)."""
+        incarnation = self.incarnation[server] or 0
+        frames = seal(frames, seq=next(self._seq), secret=self.secret, detach=True, dest=server,
+                      incarnation=incarnation)
         sock = self.socks[server]
         sock.send_multipart(frames, copy=False)
         self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
@@ -229,6 +247,7 @@ class PSClient:
             mac = tag_frame(frames, self.secret)
             sock.send(mac, copy=True)
             self.bytes_sent += len(mac)
+        return incarnation
 
     def call(self, requests: Sequence[Request], timeout_s: float | None = None) -> None:
         """Send every request, then wait for all replies (running each ``on_reply``). Raises on errors."""
@@ -246,7 +265,7 @@ class PSClient:
             r.sent_at = now
             r.batch = batch
             self.inflight[r.req_id] = r
-            self._send(r.server, r.frames)
+            r.sent_incarnation = self._send(r.server, r.frames)
         return batch
 
     def wait(self, batch: Batch, until: Callable[[], bool] | None = None) -> None:
@@ -308,13 +327,25 @@ class PSClient:
             if plain is not None and plain.op == Op.ERROR and plain.req_id == 0:
                 raise CommError(f"server {server} rejected a request: {plain.text()}") from None
             raise CommError(f"server {server} ({self.endpoints[server]}) sent an invalid reply: {e}") from None
-        if msg.count and self.incarnation[server] != msg.count:
+        if msg.incarnation and self.incarnation[server] != msg.incarnation:
             restarted = self.incarnation[server] is not None
-            self.incarnation[server] = msg.count
+            self.incarnation[server] = msg.incarnation
+            self._asked.discard(server)
             if restarted:  # it lost what it had not checkpointed, and every request we had in flight
                 self._resend_retained(server)
                 self._resend_inflight(server)
+        if msg.flags & Flag.DISK_FAILING:
+            self._ask_why(server)
+        elif server in self.notices and msg.incarnation:
+            del self.notices[server]  # it wrote a checkpoint again
+            self._asked.discard(server)
         req = self.inflight.get(msg.req_id)
+        if msg.op == Op.ERROR and msg.flags & Flag.STALE:
+            # our request named an incarnation the server no longer runs as (it restarted before we heard):
+            # not a failure; send it again bound to the one this reply carries, unless that was done
+            if req is not None and req.sent_incarnation != self.incarnation[server]:
+                req.sent_incarnation = self._send(server, req.frames)
+            return
         if msg.op == Op.ERROR:
             if req is None and msg.req_id == 0:
                 raise CommError(f"server {server} rejected a request: {msg.text()}")
@@ -333,6 +364,28 @@ class PSClient:
                 req.on_reply(msg)
             except Exception as e:  # noqa: BLE001 - raised by the waiter of this request's batch
                 self._fail(req, e)
+
+    def _ask_why(self, server: int) -> None:
+        """Ask ``server`` once (per incarnation) for its STATUS, whose ``disk`` says why its checkpoint writes
+        fail; the answer is kept in :attr:`notices` and warned about. Nobody waits for it."""
+        if server in self._asked:
+            return
+        self._asked.add(server)
+
+        def noted(m: Message) -> None:
+            info = m.json()
+            disk = info.get("disk") if isinstance(info, dict) else None
+            if disk and self.notices.get(server) != disk:
+                self.notices[server] = disk
+                warnings.warn(f"PS server {server} ({self.endpoints[server]}) reports: {disk}. It serves on from "
+                              f"memory, but what it acknowledged since its last checkpoint would be lost if it "
+                              f"stopped now: free or fix that disk", RuntimeWarning, stacklevel=2)
+
+        probe = self.request(server, Op.STATUS, what=f"status of server {server}", on_reply=noted)
+        probe.batch = Batch(ids={probe.req_id}, requests={probe.req_id: probe}, started=time.monotonic(),
+                            timeout_s=self.timeout_s)  # its own: an error in it is nobody's failure
+        self.inflight[probe.req_id] = probe
+        probe.sent_incarnation = self._send(server, probe.frames)
 
     @staticmethod
     def _fail(req: Request, error: BaseException) -> None:
@@ -357,7 +410,7 @@ class PSClient:
                 r.fields.update(priority=rank, count=len(group))
                 r.frames = encode(r.op, req_id=r.req_id, job=self.job, session=self.session, **r.fields)
         for r in mine:
-            self._send(server, r.frames)
+            r.sent_incarnation = self._send(server, r.frames)
 
     def _resend_retained(self, server: int) -> None:
         for (srv, _key, _part), (_round, frames) in self.retained.items():
@@ -414,6 +467,8 @@ class PSClient:
                           f"client(s) {missing} (crashed or stalled?)")
             else:
                 detail = f"; {where} is alive but did not answer in time (overloaded? raise the timeout)"
+        if r.server in self.notices:
+            detail += f"; it reported earlier: {self.notices[r.server]}"
         message = (f"{r.what}: no reply from {where} within {timeout:.1f} s "
                    f"({len(pending)} request(s) outstanding){detail}")
         if missing:
@@ -438,7 +493,8 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 class Heartbeat:
     """PINGs every server each ``interval_s`` from a thread of its own (own sockets and session), so that
     servers keep an elastic client as a member while its main thread computes for longer than their
-    timeout; a killed or hung process stops beating and is dropped. Replies are read and discarded."""
+    timeout; a killed or hung process stops beating and is dropped. Replies are read only for the
+    server's incarnation, which a beat must carry to count (a beat replayed after a restart does not)."""
 
     def __init__(self, endpoints: Sequence[str], sender: int, *, interval_s: float, secret: bytes | None = None,
                  job: int = 0, context: zmq.Context | None = None) -> None:
@@ -462,12 +518,13 @@ class Heartbeat:
                 s.connect(ep)
                 socks.append(s)
             session, seq = secrets.randbits(64) | 1, itertools.count(1)
+            incarnations = [0] * len(socks)  # learned from the ACKs: a beat counts only bound to one
             while True:
-                for s in socks:
+                for i, s in enumerate(socks):
                     while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        s.recv_multipart(zmq.NOBLOCK)
+                        incarnations[i] = _incarnation(s.recv_multipart(zmq.NOBLOCK), self.secret) or incarnations[i]
                     frames = seal(encode(Op.PING, sender=self.sender, job=self.job, session=session),
-                                  seq=next(seq), secret=self.secret)
+                                  seq=next(seq), secret=self.secret, dest=i, incarnation=incarnations[i])
                     try:
                         s.send_multipart(frames, zmq.NOBLOCK)
                     except zmq.Again:
@@ -483,3 +540,11 @@ class Heartbeat:
         """Stop beating (the thread ends within one interval)."""
         self._stop.set()
         self._thread.join(timeout=self.interval_s + 5.0)
+
+
+def _incarnation(frames: list[bytes], secret: bytes | None) -> int:
+    """The incarnation a server's reply carries (0 for anything that is not an authentic reply)."""
+    try:
+        return decode(frames, secret=secret).incarnation
+    except WireError:
+        return 0

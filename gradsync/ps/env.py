@@ -6,7 +6,7 @@ from typing import TypeVar
 from gradsync.errors import GradsyncError
 
 __all__ = ["env_number", "SERVERS_ENV", "CLIENTS_ENV", "TIMEOUT_ENV", "SECRET_ENV", "JOB_ENV", "INSECURE_ENV", "MAX_AHEAD_ENV",
-           "MAX_PARKED_ENV", "MAX_PARKED_PER_CLIENT_ENV", "ELASTIC_TIMEOUT_ENV"]
+           "MAX_PARKED_ENV", "MAX_PARKED_PER_CLIENT_ENV", "ELASTIC_TIMEOUT_ENV", "MAX_KEYS_ENV", "MAX_BYTES_ENV"]
 
 #: comma-separated ZeroMQ endpoints of the servers, in server order
 SERVERS_ENV = "GRADSYNC_PS_SERVERS"
@@ -31,6 +31,10 @@ MAX_PARKED_PER_CLIENT_ENV = "GRADSYNC_PS_MAX_PARKED_PER_CLIENT"
 #: seconds without a frame from a client (its heartbeat included) after which a server drops it from the
 #: rounds of elastic keys (kvstore.create(..., elastic=True)); read by servers and workers (default 10)
 ELASTIC_TIMEOUT_ENV = "GRADSYNC_PS_ELASTIC_TIMEOUT"
+#: key slices one server stores at most (default 1048576)
+MAX_KEYS_ENV = "GRADSYNC_PS_MAX_KEYS"
+#: bytes of stored values one server holds at most (default: half of this machine's memory)
+MAX_BYTES_ENV = "GRADSYNC_PS_MAX_BYTES"
 
 
 N = TypeVar("N", int, float)

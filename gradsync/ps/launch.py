@@ -38,8 +38,10 @@ from gradsync.launch import (
     Child,
     Terminated,
     check_command,
+    check_count,
     check_timeout,
     free_port,
+    guard_group,
     kill_group,
     pump,
     run_workers,
@@ -72,6 +74,7 @@ class PSJob:
             raise GradsyncError(f"--workers {self.workers}: a job needs at least one worker")
         if self.servers < 0:
             raise GradsyncError(f"--servers {self.servers} must be >= 0 (0: collective, no servers)")
+        check_count(self.workers + self.servers, f"--workers {self.workers} and --servers {self.servers}")
         c = self.clients or self.workers
         if not 1 <= c <= self.workers or self.workers % c:
             raise GradsyncError(f"--clients {self.clients} must divide --workers {self.workers} into equal groups")
@@ -194,6 +197,7 @@ def start_server(index: int, endpoint: str, *, checkpoint_dir: str | None = None
         cmd += ["--checkpoint-interval", str(checkpoint_interval_s)]
     proc = subprocess.Popen(argv(cmd) if argv else cmd, env=dict(env or os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, start_new_session=True)
+    guard_group(proc)
     server = ServerProcess(proc, endpoint, index)
     threading.Thread(target=pump, args=(proc, f"[server {index}]", stream or sys.stdout, lock or threading.Lock(),
                                         server.tail), daemon=True).start()

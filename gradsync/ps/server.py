@@ -32,7 +32,11 @@ respect to requests: a pull sees a value before or after an update, never half o
   flood of future rounds cannot grow the server's memory. INIT shapes must describe exactly the elements
   sent (whole keys) and fit ``parts`` frames of ``max_payload`` bytes (sliced keys).
 * **Trust**: with a shared secret every frame is authenticated, and a frame whose (session, seq) is not
-  newer than the last one seen from that session is a replay: refused and logged. SHUTDOWN is refused
+  newer than the last one seen from that session is a replay: refused and logged. A frame must also name
+  this server (``dest``, its index) and its incarnation (a random nonce drawn at each start, which every
+  reply carries: clients learn it from the first one, a PING's ACK or a ``STALE`` refusal), so a frame
+  captured on its way to another server, or to this server before a restart (which forgot its replay
+  window unless it had a checkpoint), is refused too. Only a PING may carry no incarnation. SHUTDOWN is refused
   unless the frame was authenticated. Without a secret the server binds only to loopback (or ipc), unless
   told ``insecure``. A server serves one job: the first job id it sees (or ``job``), and requests of any
   other job are refused at their first frame (the worker's connect), not mixed into its rounds.
@@ -41,6 +45,14 @@ respect to requests: a pull sees a value before or after an update, never half o
   ``checkpoint_interval_s`` seconds, before the replies those updates release go out; a restarted server
   loads it, and workers re-send what it lost (see :mod:`gradsync.ps.client`). Checkpoints are ``.npz``
   files of raw bytes plus a JSON index, read with ``allow_pickle=False``.
+* **A failing disk** (full, read-only, gone) does not stop the server: a failed checkpoint write is logged,
+  retried with a doubling backoff (``checkpoint_retry_s`` up to a minute), and the server keeps serving from
+  memory, where everything it acknowledged still is. Every reply carries ``Flag.DISK_FAILING`` while the
+  last write failed, every ERROR says why, and STATUS gives the path and the OS error (clients fetch it and
+  warn). ``checkpoint_dir`` is checked at start (a writable directory), and a checkpoint that cannot be read
+  is an error naming the file.
+* **Capacity**: at most ``max_keys`` stored slices and ``max_bytes`` bytes of stored values; an INIT past
+  either gets an ERROR naming the limit (``--max-keys``/``--max-bytes``, their environment variables).
 
 Run one with ``python -m gradsync.ps.server --bind tcp://127.0.0.1:5555``; the shared secret, if any, comes
 from the environment variable ``GRADSYNC_PS_SECRET`` (never the command line, which other users can read).
@@ -54,10 +66,13 @@ line (:mod:`gradsync.ps.server_config`), the stored slice (:mod:`gradsync.ps.slo
 
 from __future__ import annotations
 
+import errno
 import logging
-import random
+import os
+import secrets
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -68,7 +83,16 @@ import zmq
 
 from gradsync.errors import GradsyncError
 from gradsync.ps.checkpoint import read_checkpoint, write_checkpoint
-from gradsync.ps.env import JOB_ENV, MAX_AHEAD_ENV, MAX_PARKED_ENV, MAX_PARKED_PER_CLIENT_ENV, SECRET_ENV
+from gradsync.ps.env import (
+    JOB_ENV,
+    MAX_AHEAD_ENV,
+    MAX_BYTES_ENV,
+    MAX_KEYS_ENV,
+    MAX_PARKED_ENV,
+    MAX_PARKED_PER_CLIENT_ENV,
+    SECRET_ENV,
+    SERVERS_ENV,
+)
 from gradsync.ps.server_config import ELASTIC_TIMEOUT as ELASTIC_TIMEOUT
 from gradsync.ps.server_config import (
     MAX_AHEAD,
@@ -104,6 +128,8 @@ log = logging.getLogger("gradsync.ps")
 
 #: the most workers an elastic barrier may count (each may then keep a last-heard time here)
 MAX_ELASTIC_WORKERS = 1 << 16
+#: the longest wait between two tries of a failing checkpoint write (seconds)
+MAX_CHECKPOINT_BACKOFF_S = 60.0
 
 
 @dataclass
@@ -130,6 +156,7 @@ class Server:
 
     def __init__(self, config: ServerConfig, *, context: zmq.Context | None = None) -> None:
         self.config = config
+        _check_checkpoint_dir(config)  # before the bind: a bad directory leaves nothing open
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -142,7 +169,9 @@ class Server:
                     if e.errno == zmq.EADDRINUSE else "write e.g. tcp://127.0.0.1:5555 (an address of this host)")
             raise GradsyncError(f"cannot bind the server to {config.bind!r}: {e}; {hint}") from None
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.incarnation = random.getrandbits(31) | 1  # tells workers a restarted server from the old one
+        #: a random nonce per start: tells workers a restarted server from the old one, and (bound under the
+        #: tag of every request) makes frames sent to the old one worthless to this one
+        self.incarnation = secrets.randbits(63) | 1
         self.slots: dict[tuple[Key, int], Slot] = {}
         self.updater: Updater | None = None
         self.deferred: dict[tuple[Key, int], dict[tuple[bytes, int], Message]] = {}
@@ -162,7 +191,14 @@ class Server:
         self.updates_at_checkpoint = 0
         self.checkpointed_at = time.monotonic()
         self.stopping = False
-        self.stats = {"requests": 0, "errors": 0, "rejected": 0, "replayed": 0, "checkpoints": 0}
+        self.stats = {"requests": 0, "errors": 0, "rejected": 0, "replayed": 0, "stale": 0, "misrouted": 0,
+                      "checkpoints": 0, "checkpoint_failures": 0}
+        #: why the last checkpoint write failed (None: it did not), when to try again and the next backoff
+        self.disk_error: str | None = None
+        self._retry_at = 0.0
+        self._backoff = config.checkpoint_retry_s
+        #: bytes of stored values (the ``max_bytes`` cap)
+        self.stored_bytes = 0
         #: requests handled per op name (STATUS reports them: which exchange the workers use)
         self.ops: dict[str, int] = {}
         #: when each client (sender id) was last heard from; elastic keys drop the silent ones
@@ -172,7 +208,12 @@ class Server:
         self._expired_at = 0.0
         #: requests whose tag follows on its own, per client connection (:class:`gradsync.ps.wire.TagJoiner`)
         self.joiner = TagJoiner(config.secret)
-        self._restore()
+        try:
+            self._restore()
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
+        self.stored_bytes = sum(_nbytes(s.value) for s in self.slots.values())
         self._max_pushers = max((s.pushers for s in self.slots.values()), default=0)
 
     # ---- loop -----------------------------------------------------------------------------------
@@ -193,7 +234,7 @@ class Server:
             self._expire()
             self._finish()
         if self.config.checkpoint_path is not None:
-            self.checkpoint()
+            self.checkpoint()  # a failure is logged and left in disk_error (main exits 1)
         self.sock.close(linger=1000)
 
     def _finish(self) -> None:
@@ -242,10 +283,12 @@ class Server:
         except WireError as e:
             self._reject(ident, str(e))
             return
-        if self.config.secret and not self._fresh(ident, msg):
+        if self.config.secret and not (self._addressed(ident, msg) and self._fresh(ident, msg)):
             return
         self.ops[msg.op.name] = self.ops.get(msg.op.name, 0) + 1
-        if msg.sender < self._max_pushers:  # bounded: clients that some key counts, not any number sent
+        # bounded: clients that some key counts, not any number sent; and with a secret only a frame bound
+        # to this incarnation (a PING replayed from before a restart does not keep a dead client a member)
+        if msg.sender < self._max_pushers and (not self.config.secret or msg.incarnation == self.incarnation):
             self.seen[msg.sender] = time.monotonic()
         try:
             self._check_job(msg)
@@ -255,19 +298,50 @@ class Server:
             handler(self, ident, msg)
         except GradsyncError as e:
             self.stats["errors"] += 1
-            self._reply(ident, Op.ERROR, msg, payload=str(e).encode())
+            self._reply(ident, Op.ERROR, msg, payload=self._error_text(str(e)).encode())
         except Exception as e:  # noqa: BLE001 - a bug must not take the server (and every key) down
             self.stats["errors"] += 1
             log.exception("server %d: internal error on %s", self.config.server_id, msg.op.name)
-            self._reply(ident, Op.ERROR, msg, payload=f"internal server error: {type(e).__name__}: {e}".encode())
+            self._reply(ident, Op.ERROR, msg,
+                        payload=self._error_text(f"internal server error: {type(e).__name__}: {e}").encode())
+
+    def _error_text(self, why: str) -> str:
+        """An ERROR reply's text: ``why``, and that the disk fails when it does (the worker may be about to
+        decide whether to restart this server, and should know its checkpoint is stale)."""
+        return why if self.disk_error is None else f"{why} (note: {self.disk_error}; it serves on from memory)"
 
     def _reject(self, ident: bytes, why: str, stat: str = "rejected") -> None:
         self.stats[stat] += 1
         log.warning("server %d: rejected a frame from %r: %s", self.config.server_id, ident, why)
         # unsigned: the sender may not hold the secret, and the reply carries no data, only why
-        self.outbox.append(([ident, *encode(Op.ERROR, payload=f"rejected: {why}".encode(),
-                                            sender=self.config.server_id, count=self.incarnation)], None))
+        self.outbox.append(([ident, *encode(Op.ERROR, payload=f"rejected: {why}".encode(), flags=self._flags(),
+                                            sender=self.config.server_id, incarnation=self.incarnation)], None))
 
+    def _flags(self, flags: int = 0) -> Flag:
+        """A reply's flags: ``flags``, plus ``DISK_FAILING`` while the checkpoint cannot be written."""
+        return Flag(int(flags) | (int(Flag.DISK_FAILING) if self.disk_error is not None else 0))
+
+    def _addressed(self, ident: bytes, msg: Message) -> bool:
+        """Whether an authenticated frame is for this server and this run of it (``dest``, ``incarnation``):
+        a copy of a frame sent to another server of the job, or to this one before it restarted, is not.
+        A stale one gets a signed ``STALE`` ERROR carrying the current incarnation, so its client (if it is
+        one, not a replayer) learns it and sends the request again."""
+        if msg.dest != self.config.server_id:
+            self._reject(ident, f"{msg.op.name} frame is addressed to server {msg.dest}, but this is server "
+                                f"{self.config.server_id}: a copy of a frame sent to another server of the job, or "
+                                f"a client whose server list ({SERVERS_ENV}) is not in --id order", "misrouted")
+            return False
+        if msg.incarnation == self.incarnation or (msg.incarnation == 0 and msg.op == Op.PING):
+            return True
+        self.stats["stale"] += 1
+        log.warning("server %d: refused a %s frame of session %016x bound to incarnation %016x, not this run's "
+                    "%016x (sent before a restart, or replayed)", self.config.server_id, msg.op.name, msg.session,
+                    msg.incarnation, self.incarnation)
+        self._reply(ident, Op.ERROR, msg, flags=Flag.STALE,
+                    payload=f"{msg.op.name} frame is bound to incarnation {msg.incarnation:016x} of server "
+                            f"{self.config.server_id}, which now runs as {self.incarnation:016x} (it restarted): "
+                            f"sent before the restart, or replayed; send it again".encode())
+        return False
     def _fresh(self, ident: bytes, msg: Message) -> bool:
         """Whether an authenticated frame is new: its session's seq must grow (a replayed copy does not)."""
         last = self.sessions.get(msg.session)
@@ -330,7 +404,8 @@ class Server:
             kw.setdefault("parts", msg.parts)
             kw.setdefault("req_id", msg.req_id)
         kw.setdefault("sender", self.config.server_id)
-        kw.setdefault("count", self.incarnation)
+        kw.setdefault("incarnation", self.incarnation)
+        kw["flags"] = self._flags(kw.get("flags", 0))
         kw.setdefault("job", self.job)
         self.outbox.append(([ident, *encode(op, secret=self.config.secret, detach=True, **kw)], source))
 
@@ -372,10 +447,12 @@ class Server:
             self._hold(ident, f"join of key {key_name(msg.key)}")
             waiting[(ident, msg.req_id)] = replace(msg, payload=b"")
             return
+        self._check_capacity(msg)
         self._max_pushers = max(self._max_pushers, msg.count)
         slot = self.slots[where] = Slot(  # type: ignore[index]
             value=msg.tensor().clone(), shape=msg.shape, offset=msg.offset, parts=msg.parts,
             sync=bool(msg.flags & Flag.SYNC), pushers=msg.count, elastic=bool(msg.flags & Flag.ELASTIC))
+        self.stored_bytes += _nbytes(slot.value)
         self.updates += 1
         self._force_checkpoint()
         self._reply(ident, Op.ACK, msg, version=0)
@@ -386,6 +463,19 @@ class Server:
                 self._join(who, joined, slot)
             except GradsyncError as e:
                 self._reply(who, Op.ERROR, joined, payload=str(e).encode())
+
+    def _check_capacity(self, msg: Message) -> None:
+        """Refuse a new slice past ``max_keys`` slices or ``max_bytes`` bytes of stored values."""
+        cfg = self.config
+        if len(self.slots) >= cfg.max_keys:
+            raise GradsyncError(f"init of key {key_name(msg.key)}: server {cfg.server_id} already stores {len(self.slots)} "
+                                f"key slices, its limit (--max-keys, {MAX_KEYS_ENV}); raise it, use more servers, or "
+                                f"use fewer keys")
+        size = msg.numel * msg.tensor().element_size()
+        if self.stored_bytes + size > cfg.max_bytes:
+            raise GradsyncError(f"init of key {key_name(msg.key)} ({size} bytes): server {cfg.server_id} stores "
+                                f"{self.stored_bytes} bytes, and {self.stored_bytes + size} would pass its limit of "
+                                f"{cfg.max_bytes} (--max-bytes, {MAX_BYTES_ENV}); raise it or use more servers")
 
     def _join(self, ident: bytes, msg: Message, slot: Slot) -> None:
         """Answer an INIT of an existing key with its version; an elastic key takes the sender back as a
@@ -580,7 +670,8 @@ class Server:
         frames = encode(Op.VALUE, key=msg.key, tensor=slot.value.clone(), shape=slot.shape, offset=slot.offset,
                         part=msg.part, parts=msg.parts, req_id=msg.req_id, version=slot.version,
                         priority=msg.priority, pushed=slot.last_pushed, sender=self.config.server_id,
-                        count=self.incarnation, secret=self.config.secret, detach=True)
+                        count=msg.count, incarnation=self.incarnation, flags=self._flags(),
+                        secret=self.config.secret, detach=True)
         if msg.priority not in state.ready:
             self.parked[ident] = self.parked.get(ident, 0) + 1  # bounded: on_pull refused it past the cap
         state.ready[msg.priority] = frames
@@ -674,8 +765,9 @@ class Server:
                     for (k, p), s in self.slots.items() if k == msg.key]
         else:
             info = {"server": self.config.server_id, "keys": len({k for k, _ in self.slots}), "slots": len(self.slots),
-                    "updates": self.updates, "updater": describe(self.updater) if self.updater else None,
-                    "ops": dict(self.ops), **self.stats}
+                    "bytes": self.stored_bytes, "updates": self.updates,
+                    "updater": describe(self.updater) if self.updater else None, "ops": dict(self.ops),
+                    "disk": self.disk_error, **self.stats}
         self._reply(ident, Op.INFO, msg, json_payload=info)
 
     def on_ping(self, ident: bytes, msg: Message) -> None:
@@ -684,7 +776,8 @@ class Server:
     def on_checkpoint(self, ident: bytes, msg: Message) -> None:
         if self.config.checkpoint_path is None:
             raise GradsyncError("this server has no checkpoint directory (start it with --checkpoint-dir)")
-        self.checkpoint()
+        if not self.checkpoint():
+            raise GradsyncError(f"checkpoint not written: {self.disk_error}")
         self._reply(ident, Op.ACK, msg)
 
     def on_shutdown(self, ident: bytes, msg: Message) -> None:
@@ -703,6 +796,8 @@ class Server:
         cfg = self.config
         if cfg.checkpoint_path is None or self.updates == self.updates_at_checkpoint:
             return False
+        if self.disk_error is not None and time.monotonic() < self._retry_at:
+            return False  # backing off: the disk failed the last try
         if cfg.checkpoint_every and self.updates - self.updates_at_checkpoint >= cfg.checkpoint_every:
             return True
         return bool(cfg.checkpoint_interval_s) and time.monotonic() - self.checkpointed_at >= cfg.checkpoint_interval_s
@@ -711,16 +806,35 @@ class Server:
         if self.config.checkpoint_path is not None:
             self.updates_at_checkpoint = -1  # due now, whatever the interval
 
-    def checkpoint(self) -> None:
-        """Write every slot (value, version, optimizer state) atomically: tmp file, fsync, rename."""
+    def checkpoint(self) -> bool:
+        """Write every slot (value, version, optimizer state) atomically: tmp file, fsync, rename. Whether it
+        was written: a disk that fails it (full, read-only) is logged, remembered in ``disk_error`` (which
+        replies then report) and tried again after a backoff; the server serves on from memory."""
         path = self.config.checkpoint_path
         if path is None:
-            return
-        write_checkpoint(path, self.slots, server_id=self.config.server_id, updater=self.updater, job=self.job,
-                         sessions=self.sessions)
+            return True
+        try:
+            write_checkpoint(path, self.slots, server_id=self.config.server_id, updater=self.updater, job=self.job,
+                             sessions=self.sessions)
+        except OSError as e:
+            self._disk_failed(path, e)
+            return False
+        if self.disk_error is not None:
+            log.warning("server %d: checkpoint %s written again; the disk works", self.config.server_id, path)
+            self.disk_error, self._backoff = None, self.config.checkpoint_retry_s
         self.updates_at_checkpoint = self.updates
         self.checkpointed_at = time.monotonic()
         self.stats["checkpoints"] += 1
+        return True
+
+    def _disk_failed(self, path: os.PathLike[str], e: OSError) -> None:
+        code = errno.errorcode.get(e.errno or 0, str(e.errno))
+        self.stats["checkpoint_failures"] += 1
+        self.disk_error = f"server {self.config.server_id} cannot write its checkpoint {path}: {e.strerror or e} ({code})"
+        self._retry_at = time.monotonic() + self._backoff
+        log.error("%s; serving on from memory (what it acknowledged since its last checkpoint is only there), "
+                  "next try in %.3g s", self.disk_error, self._backoff)
+        self._backoff = min(self._backoff * 2, MAX_CHECKPOINT_BACKOFF_S)
 
     def _restore(self) -> None:
         path = self.config.checkpoint_path
@@ -741,6 +855,33 @@ _HANDLERS = {
     Op.BARRIER: Server.on_barrier, Op.STATUS: Server.on_status, Op.PING: Server.on_ping,
     Op.CHECKPOINT: Server.on_checkpoint, Op.SHUTDOWN: Server.on_shutdown,
 }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check_checkpoint_dir(config: ServerConfig) -> None:
+    """Refuse a ``checkpoint_dir`` that is not a directory this process can write to (at start, not at
+    the first checkpoint, by which time the job has run for a while)."""
+    if config.checkpoint_dir is None:
+        return
+    where = config.checkpoint_dir
+    try:
+        os.makedirs(where, exist_ok=True)
+    except FileExistsError:
+        raise GradsyncError(f"--checkpoint-dir {where!r} is a file, not a directory; give a directory "
+                            f"(it is created if missing)") from None
+    except OSError as e:
+        raise GradsyncError(f"--checkpoint-dir {where!r} cannot be created: {e.strerror}; give a writable "
+                            f"directory") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".gradsync-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise GradsyncError(f"--checkpoint-dir {where!r} is not writable: {e.strerror}; give a directory this "
+                            f"server can write its checkpoint to") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -769,6 +910,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     print(f"gradsync-ps server {a.id} listening on {server.endpoint}", flush=True)
     server.serve()
+    if server.disk_error is not None:
+        print(f"gradsync-ps: stopped without a final checkpoint: {server.disk_error}; what it held since its "
+              f"last checkpoint is lost", file=sys.stderr)
+        return 1
     return 0
 
 

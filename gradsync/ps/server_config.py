@@ -15,6 +15,8 @@ from gradsync.ps.env import (
     INSECURE_ENV,
     JOB_ENV,
     MAX_AHEAD_ENV,
+    MAX_BYTES_ENV,
+    MAX_KEYS_ENV,
     MAX_PARKED_ENV,
     MAX_PARKED_PER_CLIENT_ENV,
     SECRET_ENV,
@@ -23,7 +25,7 @@ from gradsync.ps.env import (
 from gradsync.ps.wire import MAX_PAYLOAD, job_id
 
 __all__ = ["ServerConfig", "is_loopback", "argument_parser", "config_from_args", "MAX_AHEAD", "MAX_PARKED",
-           "MAX_PARKED_PER_CLIENT", "ELASTIC_TIMEOUT"]
+           "MAX_PARKED_PER_CLIENT", "ELASTIC_TIMEOUT", "MAX_KEYS", "MAX_BYTES", "CHECKPOINT_RETRY_S"]
 
 #: Default rounds ahead of a key's current round that pushes are buffered and pulls parked for. A worker
 #: that pushes and pulls each round is at most one ahead; eight leaves room for push-only stretches.
@@ -34,6 +36,13 @@ MAX_PARKED = 1024
 MAX_PARKED_PER_CLIENT = 16384
 #: Default seconds of silence after which an elastic key drops a client from its rounds.
 ELASTIC_TIMEOUT = 10.0
+#: Default cap on key slices stored per server (a whole key is one; a sliced key one per part here).
+MAX_KEYS = 1 << 20
+#: Default cap on bytes of stored values per server: half of this machine's memory, so that a flood of
+#: INITs is refused with a message instead of ending in the OOM killer.
+MAX_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+#: Default first wait (seconds) before a failed checkpoint write is tried again (doubled per failure).
+CHECKPOINT_RETRY_S = 1.0
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -66,6 +75,9 @@ class ServerConfig:
     max_parked_per_key: int = MAX_PARKED
     max_parked_per_client: int = MAX_PARKED_PER_CLIENT
     elastic_timeout_s: float = ELASTIC_TIMEOUT  # silence after which elastic keys drop a client
+    max_keys: int = MAX_KEYS
+    max_bytes: int = MAX_BYTES
+    checkpoint_retry_s: float = CHECKPOINT_RETRY_S  # first backoff after a failed checkpoint write
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -75,7 +87,7 @@ class ServerConfig:
                 f"refusing to bind {self.bind!r} without a shared secret: any host that reaches it could push, "
                 f"overwrite or stop this server. Set {SECRET_ENV} (the same in every worker; `gradsync launch` makes "
                 f"one), bind to tcp://127.0.0.1:PORT, or pass --insecure ({INSECURE_ENV}=1) on a trusted network")
-        for name in ("max_ahead", "max_parked_per_key", "max_parked_per_client"):
+        for name in ("max_ahead", "max_parked_per_key", "max_parked_per_client", "max_keys", "max_bytes"):
             if getattr(self, name) < 1:
                 raise GradsyncError(f"{name}={getattr(self, name)} must be >= 1")
         if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0:
@@ -83,6 +95,8 @@ class ServerConfig:
                                 f"{self.checkpoint_interval_s} must be >= 0 (0 = off)")
         if self.max_payload <= 0:
             raise GradsyncError(f"max_payload={self.max_payload} must be > 0")
+        if not self.checkpoint_retry_s > 0:
+            raise GradsyncError(f"checkpoint_retry_s={self.checkpoint_retry_s} must be > 0")
         if not self.elastic_timeout_s > 0:
             raise GradsyncError(f"elastic_timeout_s={self.elastic_timeout_s} must be > 0 ({ELASTIC_TIMEOUT_ENV})")
 
@@ -110,6 +124,10 @@ def argument_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--elastic-timeout", type=float, default=None,
                    help=f"seconds of silence after which elastic keys drop a client ({ELASTIC_TIMEOUT_ENV}; "
                         f"default {ELASTIC_TIMEOUT:g})")
+    p.add_argument("--max-keys", type=int, default=None,
+                   help=f"key slices stored at most ({MAX_KEYS_ENV}; default {MAX_KEYS})")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help=f"bytes of stored values at most ({MAX_BYTES_ENV}; default half of this machine's memory)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the update rules (default 1: see below)")
     p.add_argument("--insecure", action="store_true",
@@ -133,4 +151,6 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         max_parked_per_client=(a.max_parked_per_client if a.max_parked_per_client is not None
                                else env_number(MAX_PARKED_PER_CLIENT_ENV, MAX_PARKED_PER_CLIENT, int)),
         elastic_timeout_s=(a.elastic_timeout if a.elastic_timeout is not None
-                           else env_number(ELASTIC_TIMEOUT_ENV, ELASTIC_TIMEOUT, float)))
+                           else env_number(ELASTIC_TIMEOUT_ENV, ELASTIC_TIMEOUT, float)),
+        max_keys=a.max_keys if a.max_keys is not None else env_number(MAX_KEYS_ENV, MAX_KEYS, int),
+        max_bytes=a.max_bytes if a.max_bytes is not None else env_number(MAX_BYTES_ENV, MAX_BYTES, int))

@@ -6,11 +6,12 @@ the shape and the UTF-8 key, and the payload is the tensor's raw bytes (sent zer
 a UTF-8 error message, or a JSON object (optimizer settings, status). ``decode`` checks every field before
 anything is allocated, so garbage, truncated or oversize frames raise :class:`WireError` and never crash.
 
-Header (``HEADER``, 96 bytes, then ``ndim`` × u64 shape, then ``key_len`` bytes of key)::
+Header (``HEADER``, 112 bytes, then ``ndim`` × u64 shape, then ``key_len`` bytes of key)::
 
     magic "GSPS" | proto u8 | op u8 | dtype u8 | flags u8 | part u16 | parts u16 | ndim u8 | pad u8 |
     key_len u16 | sender u32 | count u32 | req_id u64 | version u64 | offset u64 | numel u64 |
-    nbytes u64 | priority i32 | pushed u32 | job u64 | session u64 | seq u64
+    nbytes u64 | priority i32 | pushed u32 | job u64 | session u64 | dest u32 | pad u32 |
+    incarnation u64 | seq u64
 
 ``pushed`` (once padding, 0 in requests): in a ``VALUE`` of a sync key, how many pushes the round that
 produced it summed; fewer than the key's pushers after an elastic server dropped a silent client, so a
@@ -36,8 +37,13 @@ travel as a message of its own right after it (``Flag.DETACHED``, :data:`DETACH_
 ``job`` names the job a request belongs to (0: none), so a server shared by two jobs by mistake refuses
 the second one instead of mixing their rounds. ``session`` (random per client) and ``seq`` (increasing per
 session, set when the frame is sent: :func:`seal`) lie under the tag, so a server with a secret rejects a
-captured frame sent again (a replay): each session's ``seq`` must grow. Protocol 2 added these three
-fields and protocol 3 the tag's algorithm byte; older peers are refused with a message saying so.
+captured frame sent again (a replay): each session's ``seq`` must grow. ``dest`` (the server's index) and
+``incarnation`` (the random nonce a server draws at each start; requests carry the one of the server they
+are for, replies their sender's) are under the tag too, so a server with a secret refuses a frame captured
+on its way to another server of the job, or to an earlier run of itself (whose replay window died with it).
+Like ``seq`` they are written when the frame is sent (:func:`seal`), so a retry to a restarted server is
+a new frame. Protocol 2 added job, session and seq, protocol 3 the tag's algorithm byte and protocol 4
+dest and incarnation; older peers are refused with a message saying so.
 
 ``PUSHPULL`` is a PUSH and the PULL that follows it in one request (MXNet's ``kv.pushpull``): its fields
 are the push's (``version`` names the round), and its only reply is the ``VALUE`` of that round (of the
@@ -77,10 +83,12 @@ __all__ = [
 ]
 
 MAGIC = b"GSPS"
-PROTO = 3
-HEADER = struct.Struct("<4sBBBBHHBBHIIQQQQQiIQQQ")
-#: where ``seq`` (the header's last u64) sits: :func:`seal` rewrites it on every send
+PROTO = 4
+HEADER = struct.Struct("<4sBBBBHHBBHIIQQQQQiIQQIIQQ")
+#: where ``dest``, ``incarnation`` and ``seq`` (the header's last fields) sit: :func:`seal` rewrites them on every send
 _SEQ_AT = HEADER.size - 8
+_INCARNATION_AT = HEADER.size - 16
+_DEST_AT = HEADER.size - 24
 #: Largest element count a shape may describe (torch indexes with int64).
 MAX_ELEMENTS = (1 << 63) - 1
 #: Default cap on one payload (bytes). Servers take it as an option; a larger frame is refused, not read.
@@ -118,9 +126,12 @@ class Flag(enum.IntFlag):
     ELASTIC = 8  # INIT: a sync key whose rounds go on without a client that stopped answering
     JOIN = 16  # INIT: join the key as it is (wait for it to exist; never create it)
     DETACHED = 32  # the tag follows as a message of its own (:data:`DETACH_BYTES`; :class:`TagJoiner`)
+    STALE = 64  # ERROR: the request named an earlier incarnation of this server (send it again with this one)
+    DISK_FAILING = 128  # any reply: the server's last checkpoint write failed (its STATUS says why)
 
 
-_ALL_FLAGS = int(Flag.INT_KEY | Flag.SYNC | Flag.ORDERED | Flag.ELASTIC | Flag.JOIN | Flag.DETACHED)
+_ALL_FLAGS = int(Flag.INT_KEY | Flag.SYNC | Flag.ORDERED | Flag.ELASTIC | Flag.JOIN | Flag.DETACHED | Flag.STALE
+                 | Flag.DISK_FAILING)
 _DETACHED = int(Flag.DETACHED)
 #: the header byte holding ``flags`` (after magic, proto, op, dtype)
 _FLAGS_AT = 7
@@ -176,6 +187,8 @@ class Message:
     pushed: int = 0
     job: int = 0
     session: int = 0
+    dest: int = 0
+    incarnation: int = 0
     seq: int = 0
     payload: Any = field(default=b"", repr=False)
 
@@ -228,7 +241,7 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
            payload: bytes | None = None, json_payload: Any = None, part: int = 0, parts: int = 1, offset: int = 0,
            sender: int = 0, count: int = 0, req_id: int = 0, version: int = 0, priority: int = 0,
            flags: Flag = Flag.NONE, pushed: int = 0, job: int = 0, session: int = 0, seq: int = 0,
-           secret: bytes | None = None, detach: bool = False) -> list[Any]:
+           dest: int = 0, incarnation: int = 0, secret: bytes | None = None, detach: bool = False) -> list[Any]:
     """The frames of one message. ``tensor`` is sent as raw bytes (its memory, not a copy).
 
     Without ``secret`` the frames are ``[header, payload]``; :func:`seal` sets ``seq`` and adds the tag.
@@ -265,11 +278,13 @@ def encode(op: Op, *, key: Key | None = None, tensor: torch.Tensor | None = None
     flags = (int(flags) & ~_DETACHED) | (_DETACHED if detached else 0)  # a request's flags echoed: not ours
     try:
         head = HEADER.pack(MAGIC, PROTO, op, dtype_code, flags, part, parts, len(shape), 0, len(key_bytes),
-                           sender, count, req_id, version, offset, numel, nbytes, priority, pushed, job, session, seq)
+                           sender, count, req_id, version, offset, numel, nbytes, priority, pushed, job, session, dest,
+                           0, incarnation, seq)
         head += _SHAPES[len(shape)].pack(*shape) + key_bytes
     except struct.error as e:
         raise WireError(f"{op.name} message field out of range ({e}): shape {shape}, part {part}/{parts}, "
-                        f"sender {sender}, count {count}, version {version}, job {job}") from None
+                        f"sender {sender}, count {count}, version {version}, job {job}, dest {dest}, "
+                        f"incarnation {incarnation}") from None
     frames: list[Any] = [head, body]
     if secret:
         frames.append(_prefix() if detached else _tag(secret, head, body))
@@ -378,13 +393,19 @@ def _verify(secret: bytes, head: bytes, body: Any, tag: Any, expected: bytes | N
     return hmac.compare_digest(expected, mac)
 
 
-def seal(frames: Sequence[Any], *, seq: int, secret: bytes | None = None, detach: bool = False) -> list[Any]:
-    """``frames`` (from :func:`encode`, tagged or not) with ``seq`` written into the header and, with a
-    ``secret``, a fresh tag. A client seals each frame when it sends it, so a retry is a new frame the
-    server accepts while a copy of an old one is refused; the payload is neither copied nor changed.
-    ``detach``: as in :func:`encode` (the MAC then comes from :func:`tag_frame`, sent after the frames)."""
+def seal(frames: Sequence[Any], *, seq: int, secret: bytes | None = None, detach: bool = False,
+         dest: int | None = None, incarnation: int | None = None) -> list[Any]:
+    """``frames`` (from :func:`encode`, tagged or not) with ``seq`` (and ``dest``, ``incarnation`` when given)
+    written into the header and, with a ``secret``, a fresh tag. A client seals each frame when it sends it,
+    so a retry is a new frame the server accepts while a copy of an old one is refused; the payload is
+    neither copied nor changed. ``detach``: as in :func:`encode` (the MAC then comes from :func:`tag_frame`,
+    sent after the frames)."""
     head = bytearray(bytes(frames[0]))
     struct.pack_into("<Q", head, _SEQ_AT, seq)
+    if dest is not None:
+        struct.pack_into("<I", head, _DEST_AT, dest)
+    if incarnation is not None:
+        struct.pack_into("<Q", head, _INCARNATION_AT, incarnation)
     body = frames[1]
     detached = _detaches(secret, detach, memoryview(body).nbytes)
     if detached:
@@ -475,7 +496,7 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
     if len(head) < HEADER.size:
         raise WireError(f"header is {len(head)} bytes; at least {HEADER.size} expected (truncated frame?)")
     (_magic, _proto, op, dtype_code, flags, part, parts, ndim, _pad, key_len, sender, count, req_id, version, offset,
-     numel, nbytes, priority, pushed, job, session, seq) = HEADER.unpack_from(head)
+     numel, nbytes, priority, pushed, job, session, dest, _pad2, incarnation, seq) = HEADER.unpack_from(head)
     if secret:
         if len(frames) != 3:
             raise WireError("message has no authentication tag; this server requires one (set the shared secret)")
@@ -526,4 +547,4 @@ def decode(frames: list[Any], *, secret: bytes | None = None, max_payload: int =
         raise WireError(f"unknown flags {flags:#x}")
     return Message(op=op_v, key=key, dtype=dtype, shape=shape, part=part, parts=parts, offset=offset, numel=numel,
                    sender=sender, count=count, req_id=req_id, version=version, priority=priority, flags=flag_v,
-                   pushed=pushed, job=job, session=session, seq=seq, payload=body)
+                   pushed=pushed, job=job, session=session, dest=dest, incarnation=incarnation, seq=seq, payload=body)

@@ -21,11 +21,15 @@ from typing import Any
 import yaml
 
 from gradsync.errors import TopologyError
-from gradsync.paths import write_text
+from gradsync.paths import parse_json, parse_yaml, read_input, write_text
 from gradsync.topology.builders import BUILDERS
 from gradsync.topology.model import Device, Link, Topology
 
-__all__ = ["from_dict", "load", "save", "get_topology", "parse_spec"]
+__all__ = ["from_dict", "load", "save", "get_topology", "parse_spec", "MAX_TOPOLOGY_BYTES"]
+
+#: Largest topology file read (GRADSYNC_MAX_INPUT_BYTES overrides): a 4 MiB file already describes some
+#: 50,000 devices, more than the planners handle in reasonable time
+MAX_TOPOLOGY_BYTES = 4 << 20
 
 _TOP_KEYS = {"type", "version", "name", "devices", "links", "ranks", "unit_bandwidth_GBps", "attrs"}
 _DEVICE_KEYS = {"name", "kind", "attrs"}
@@ -123,7 +127,7 @@ def load(path: str | Path) -> Topology:
     if not p.is_file():
         raise TopologyError(f"topology file {str(p)!r} does not exist")
     try:
-        text = p.read_bytes().decode("utf-8")
+        text = read_input(p, "topology file", TopologyError, MAX_TOPOLOGY_BYTES).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise TopologyError(f"topology file {str(p)!r} is not a text file (byte {exc.object[exc.start]:#04x} at "
                             f"offset {exc.start} is not UTF-8); give a .json or .yaml topology, e.g. from "
@@ -131,7 +135,8 @@ def load(path: str | Path) -> Topology:
     except OSError as exc:
         raise TopologyError(f"cannot read topology file {str(p)!r}: {exc.strerror}") from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        what = f"topology file {str(p)!r}"
+        data = parse_json(text, what, TopologyError) if p.suffix == ".json" else parse_yaml(text, what, TopologyError)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0]
         raise TopologyError(f"topology file {str(p)!r} is not valid {p.suffix[1:].upper() or 'YAML'}: {first}") from None

@@ -135,3 +135,18 @@ def test_pieces_split_every_tensor_by_the_chunk_fractions():
         assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))
     # Shares stay balanced: each chunk gets 1/4 of the big layer, not whole layers.
     assert [sum(b - a for t, a, b in chunk if t == 3) for chunk in pieces] == [250, 250, 250, 250]
+
+
+def test_schedule_file_limits_depth_and_size(tmp_path, monkeypatch):
+    """A schedule file nested 100k deep, or larger than the input limit, is one ScheduleError naming the
+    limit and its override (the CLI turns it into one line, exit 2); a real schedule loads as before."""
+    topo = get_topology("ring:3")
+    good = synthesize("ring", topo).save(tmp_path / "ring.json")
+    assert Schedule.load(good).to_dict() == synthesize("ring", topo).to_dict()
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ScheduleError, match="more than 64 deep.*GRADSYNC_MAX_INPUT_DEPTH"):
+        Schedule.load(deep)
+    monkeypatch.setenv("GRADSYNC_MAX_INPUT_BYTES", "100")
+    with pytest.raises(ScheduleError, match=r"more than the limit of 100 bytes.*GRADSYNC_MAX_INPUT_BYTES=\d+"):
+        Schedule.load(good)

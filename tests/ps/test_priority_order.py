@@ -178,13 +178,13 @@ def test_restart_renumbers_outstanding_ordered_pulls() -> None:
 
         def reply(ident: bytes, m: Any, incarnation: int) -> None:
             router.send_multipart([ident, *encode(Op.VALUE, key=m.key, tensor=torch.ones(1), req_id=m.req_id,
-                                                  count=incarnation)])
+                                                  incarnation=incarnation)])
 
         ident, ping = recv()
-        router.send_multipart([ident, *encode(Op.ACK, req_id=ping.req_id, count=11)])
+        router.send_multipart([ident, *encode(Op.ACK, req_id=ping.req_id, incarnation=11)])
         first = [recv()[1] for _ in range(4)]
         reply(ident, min(first, key=lambda m: m.priority), 11)  # priority 0 goes out, then "crash"
-        router.send_multipart([ident, *encode(Op.ACK, req_id=0, count=23)])  # a PING's ACK from the new process
+        router.send_multipart([ident, *encode(Op.ACK, req_id=0, incarnation=23)])  # a PING's ACK from the new process
         again = [recv()[1] for _ in range(3)]
         resent.extend((m.key, m.priority, m.count) for m in again)
         for m in sorted(again, key=lambda m: m.priority):

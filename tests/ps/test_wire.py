@@ -201,4 +201,4 @@ def test_fuzz_headers_with_valid_magic(rest: bytes, body: bytes) -> None:
 
 
 def test_struct_header_is_documented_size() -> None:
-    assert HEADER.size == 96 and struct.calcsize("<Q") == 8
+    assert HEADER.size == 112 and struct.calcsize("<Q") == 8
