@@ -11,7 +11,8 @@ backprop, Horovod's design). What it runs comes from two rooms beside it:
   job's own wire, and their cache on disk.
 
 The collectives beside the planned executor (the backend's own allreduce, allgather of uneven sizes, the
-sharded tensor forms) are in :mod:`gradsync.comm.collectives`.
+sharded tensor forms) are in :mod:`gradsync.comm.collectives`. Each rank counts what it asked for
+(:mod:`gradsync.comm.ledger`, host counters only), so a failed collective names the rank whose calls differ.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ from gradsync.comm.collectives import (
     run_sharded,
 )
 from gradsync.comm.executor import OPS, Executor
+from gradsync.comm.ledger import Ledger, describe_mismatch
 from gradsync.comm.plans import PlanCache, Runnable
 from gradsync.comm.trace import TraceRecorder
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.comm.tuning import TUNE_MAX_BYTES, Explorer, Tuning, load_cost_model
-from gradsync.errors import CommError, GradsyncError
+from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.plan.synthesizers import PlanOptions
 from gradsync.sim.choose import AUTO, Chooser
@@ -89,6 +91,8 @@ def _label(ex: Any) -> str:
 
 _STOP = object()
 _CALL = object()  # marks a queued callable (``Runtime.submit``) among queued allreduces
+#: How long a failed rank waits for its peers' ledgers: they fail within about the same timeout, or posted at shutdown.
+LEDGER_WAIT_S = 5.0
 
 
 class Runtime:
@@ -138,6 +142,8 @@ class Runtime:
         self.trace: TraceRecorder | None = (
             TraceRecorder(trace, transport.rank, transport.world_size) if trace is not None else None
         )
+        #: what this rank asked for, compared with the other ranks' only when a collective fails
+        self.ledger = Ledger()
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
         self._thread.start()
         self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
@@ -309,11 +315,12 @@ class Runtime:
         import torch.distributed as dist
 
         start = TraceRecorder.now_us()
+        self._record("allreduce", tensor)
         try:
             with torch.profiler.record_function("gradsync::allreduce::native"):
                 work = dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
         except RuntimeError as exc:
-            raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
+            raise self._named(CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}")) from exc
         fut = work.get_future()
         if self.trace is not None:
             trace, caller, nbytes = self.trace, threading.current_thread(), tensor.numel() * tensor.element_size()
@@ -346,9 +353,15 @@ class Runtime:
         start = TraceRecorder.now_us() if self.trace is not None else 0.0
         try:
             with torch.profiler.record_function(label):
-                return payload() if ex is _CALL else ex.run(payload, op)
+                if ex is _CALL:
+                    return payload()
+                self._record("allreduce", payload)
+                return ex.run(payload, op)
         except BaseException as exc:
-            self._failed = exc
+            named = self._named(exc)
+            self._failed = named
+            if named is not exc:
+                raise named from exc
             raise
         finally:
             self.comm_seconds += time.perf_counter() - t0
@@ -379,7 +392,9 @@ class Runtime:
     def run_allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
         """All-reduce now, on the communication thread (inside :meth:`submit`); elsewhere use :meth:`allreduce`."""
         self._check_comm_thread("run_allreduce", "allreduce")
-        return self._executor_for(tensors, op, algorithm).run(tensors, op)
+        ex = self._executor_for(tensors, op, algorithm)
+        self._record("allreduce", tensors)
+        return ex.run(tensors, op)
 
     def run_allgather(self, tensor: torch.Tensor, *, equal_sizes: bool = False) -> list[torch.Tensor]:
         """Every rank's 1-D ``tensor`` (sizes may differ between ranks), in rank order; comm thread only.
@@ -394,6 +409,7 @@ class Runtime:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
             raise GradsyncError(f"allgather takes a 1-D tensor, got {getattr(tensor, 'shape', type(tensor).__name__)}; flatten it first")
         tensor = tensor.contiguous()
+        self._record("allgather", tensor, sized=equal_sizes)
         if self.caps.native:
             return gather_torch(tensor, self.caps.group, self.world_size, equal_sizes, self.device)
         return gather_p2p(tensor, self.transport, self.timeout_s, equal_sizes)
@@ -416,7 +432,7 @@ class Runtime:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
         check_sharded("reduce_scatter_tensor", output, input, self.world_size, big="input")
         ex = self.sharded_executor("reduce_scatter", algorithm, nbytes_of(input))
-        return self.submit(lambda: run_sharded(ex, output, input, op), "reduce_scatter")
+        return self.submit(lambda: self._sharded("reduce_scatter", ex, output, input, op), "reduce_scatter")
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                               algorithm: str | None = None) -> torch.Tensor:
@@ -440,7 +456,44 @@ class Runtime:
         ``torch.distributed.all_gather_into_tensor`` (``output`` has ``world_size * input.numel()`` elements)."""
         check_sharded("all_gather_into_tensor", input, output, self.world_size, big="output")
         ex = self.sharded_executor("allgather", algorithm, nbytes_of(output))
-        return self.submit(lambda: run_sharded(ex, input, output, None), "allgather")
+        return self.submit(lambda: self._sharded("all_gather_into_tensor", ex, input, output, None), "allgather")
+
+    def _sharded(self, kind: str, ex: Executor, shard: torch.Tensor, full: torch.Tensor, op: str | None) -> torch.Tensor:
+        self._record(kind, full)
+        return run_sharded(ex, shard, full, op)
+
+    def _record(self, kind: str, tensors: Tensors, *, sized: bool = True) -> None:
+        """Count the call; a (kind, size, dtype) new to this rank goes on the board before it runs (gloo aborts a
+        rank that receives more than it expects, and its peers then read its signatures there)."""
+        if self.ledger.record(kind, tensors, sized=sized):
+            self.caps.failures.share(self.rank, self.ledger.encode("running"))
+
+    # ---- naming what differs when a collective fails -----------------------------------------------------------
+    def _named(self, exc: BaseException) -> BaseException:
+        """``exc`` with what differs between the ranks' calls in front (:mod:`gradsync.comm.ledger`), when it is a
+        failed collective and the peers' ledgers say; otherwise ``exc`` itself.
+
+        Runs only on the failure path: this rank posts its ledger to the transport's board and reads the others'
+        for up to :data:`LEDGER_WAIT_S` (peers stuck in the same mismatch fail within about the same timeout;
+        a rank that made fewer calls posted at shutdown)."""
+        if not isinstance(exc, RuntimeError) or getattr(exc, "gradsync_named", False):
+            return exc
+        board = self.caps.failures
+        mine = self.ledger.encode("failed")
+        board.share(self.rank, mine)
+        deadline = time.monotonic() + min(LEDGER_WAIT_S, self.timeout_s)
+        peers = board.shared()
+        while len(peers) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            peers = board.shared()
+        peers.pop(self.rank, None)
+        what = describe_mismatch(self.rank, mine, peers, self.world_size)
+        if what is None:
+            return exc
+        message = f"{what} (seen by rank {self.rank}): {exc}"
+        named: CommError = PeerError(message, exc.peer) if isinstance(exc, PeerError) else CommError(message)
+        named.gradsync_named = True  # type: ignore[attr-defined]
+        return named
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor,
                                algorithm: str | None = None) -> torch.Tensor:
@@ -478,6 +531,8 @@ class Runtime:
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join(self.timeout_s)
+            if self._failed is None:  # a peer still inside a collective can then name what this rank did
+                self.caps.failures.share(self.rank, self.ledger.encode("finished"))
         self.plans.close()
         if self.trace is not None:
             self.trace.write()

@@ -58,6 +58,14 @@ class FailureBoard:
         """reporter -> (failed peer, message)."""
         return {}
 
+    def share(self, rank: int, text: str) -> None:
+        """Post ``rank``'s ledger of collectives (:mod:`gradsync.comm.ledger`): on a failure or at shutdown only."""
+        return None
+
+    def shared(self) -> dict[int, str]:
+        """rank -> the ledger it posted (only ranks that did)."""
+        return {}
+
 
 #: ``decide(key, compute, timeout_s)``: ``compute()`` once for the job, the same bytes on every rank.
 Decide = Callable[[str, Callable[[], bytes], float], bytes]
@@ -139,6 +147,23 @@ class _StoreBoard(FailureBoard):
                 if self._store.check([key]):
                     peer, _, msg = self._store.get(key).decode().partition("|")
                     out[r] = (int(peer), msg)
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    def share(self, rank: int, text: str) -> None:
+        try:
+            self._store.set(f"{self._prefix}/ledger/{rank}", text)
+        except Exception:  # noqa: BLE001 - the store may have died with rank 0; the local error still stands
+            pass
+
+    def shared(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        try:
+            for r in range(self._n):
+                key = f"{self._prefix}/ledger/{r}"
+                if self._store.check([key]):
+                    out[r] = self._store.get(key).decode()
         except Exception:  # noqa: BLE001
             pass
         return out

@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import math
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,9 +45,12 @@ __all__ = [
     "Memory",
     "TensorInfo",
     "TwoRoundCompressor",
+    "Verdict",
+    "Verdicts",
     "as_buffer",
     "create",
     "create_memory",
+    "nonfinite_marks",
     "payload_nbytes",
     "register_compressor",
     "register_memory",
@@ -132,6 +136,9 @@ class Compressor(ABC):
     ``info.numel`` elements, and ``payload_bytes``; the public methods check shapes and restore the
     input's shape and dtype. Constructor parameters are stored under their own names (``__repr__`` and
     :func:`create` rely on it).
+
+    Per-tensor state changes by *replacing* ``_state[name]`` (never by writing into the old value): a step whose
+    tensor was non-finite on some worker puts back the value :meth:`checkpoint` saw (see :meth:`commit`).
     """
 
     #: Registry name, set by :func:`register_compressor`.
@@ -159,12 +166,16 @@ class Compressor(ABC):
         self._generators: dict[torch.device, torch.Generator] = {}
         #: Scratch buffers (:meth:`_workspace`), never part of a payload or of the state.
         self._workspaces: dict[tuple[str, torch.dtype, torch.device, int], Tensor] = {}
+        #: Per tensor name: the checkpoint of a committed step and its verdict, decided at the name's next use.
+        self._pending: dict[str, tuple[Checkpoint, Verdict]] = {}
 
     # -- the contract ---------------------------------------------------------------------------------
 
     def compress(self, tensor: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         """Payload tensors to send and the receiver-side context."""
         check_matches(tensor, info)
+        if self._pending:
+            self._settle(info.name)
         if tensor.requires_grad:
             tensor = tensor.detach()
         return self._compress(tensor if len(info.shape) == 1 else tensor.reshape(-1), info)
@@ -255,6 +266,36 @@ class Compressor(ABC):
         """Forget all per-tensor state (momentum, warm starts, step counters)."""
         self._state.clear()
         self._generators.clear()
+        self._pending.clear()
+
+    # -- non-finite steps ---------------------------------------------------------------------------------
+
+    def checkpoint(self, name: str) -> Checkpoint:
+        """What a non-finite step of ``name`` rolls back to: its state (a reference: state is replaced, never
+        written into) and the seeded generators' positions. Call before the step's first round."""
+        self._settle(name)
+        gens = tuple((device, g.get_state()) for device, g in self._generators.items()) if self._generators else ()
+        return Checkpoint(self._state.get(name, _ABSENT), gens)
+
+    def commit(self, name: str, verdict: Verdict, checkpoint: Checkpoint) -> None:
+        """End ``name``'s step: when ``verdict`` says it was non-finite on some worker, its state (SigNUM's momentum,
+        PowerSGD's warm start, Rand-k's step) and the generators go back to ``checkpoint`` -- read on the host at
+        the name's next use, not now (no synchronisation with a GPU on the step's path)."""
+        self._pending[name] = (checkpoint, verdict)
+
+    def _settle(self, name: str) -> None:
+        entry = self._pending.pop(name, None)
+        if entry is None or entry[1]:
+            return
+        checkpoint = entry[0]
+        if checkpoint.state is _ABSENT:
+            self._state.pop(name, None)
+        else:
+            self._state[name] = checkpoint.state
+        for device, position in checkpoint.generators:
+            gen = self._generators.get(device)
+            if gen is not None:
+                gen.set_state(position)
 
     @abstractmethod
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]: ...
@@ -330,12 +371,27 @@ class TwoRoundCompressor(Compressor):
 
 
 class Memory(ABC):
-    """Error feedback around a compressor (GRACE's ``Memory``): add back what earlier steps did not send."""
+    """Error feedback around a compressor (GRACE's ``Memory``): add back what earlier steps did not send.
+
+    A step is a transaction per tensor name: :meth:`compensate` reads the committed state and leaves it as it is,
+    :meth:`update` proposes the next state, and :meth:`commit` attaches the step's :class:`Verdict`. The proposal
+    replaces the state at the name's next use when the tensor was finite on every worker; otherwise it is dropped,
+    the state stays what it was before the step (as if the step never happened, :class:`torch.amp.GradScaler`'s
+    skipped step), and :attr:`nonfinite_steps` counts it. A proposal never committed (a caller that runs
+    compensate and update alone) is kept. Subclasses keep state through :meth:`_committed` and :meth:`_propose`;
+    one that writes ``_state`` directly is not rolled back (its non-finite steps are still counted).
+    """
 
     name: ClassVar[str] = ""
 
     def __init__(self) -> None:
         self._state: dict[str, Any] = {}
+        #: name -> [proposed state, verdict or None until committed]
+        self._pending: dict[str, list[Any]] = {}
+        #: name -> a dropped state whose buffers the next :meth:`compensate` may write into
+        self._spare: dict[str, Any] = {}
+        self._nonfinite = 0
+        self._warned = False
 
     @abstractmethod
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
@@ -347,13 +403,163 @@ class Memory(ABC):
     ) -> None:
         """Record what ``payload`` failed to carry of ``tensor`` (the compensated tensor)."""
 
+    def commit(self, info: TensorInfo, verdict: Verdict) -> None:
+        """Attach the step's verdict to ``info.name``'s proposed update (decided at the name's next use)."""
+        entry = self._pending.get(info.name)
+        if entry is None or entry[1] is not None:
+            self._pending[info.name] = [_ABSENT, verdict]
+        else:
+            entry[1] = verdict
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Tensor-steps whose update was dropped because the tensor was non-finite (NaN or inf) on some worker.
+
+        Reading it decides every committed step (on a GPU: waits for their flags, long computed by then)."""
+        for name in [n for n, entry in self._pending.items() if entry[1] is not None]:
+            self._settle(name)
+        return self._nonfinite
+
     def reset(self) -> None:
         self._state.clear()
+        self._pending.clear()
+        self._spare.clear()
+
+    def _propose(self, name: str, value: Any) -> None:
+        self._pending[name] = [value, None]
+
+    def _committed(self, name: str) -> Any:
+        """``name``'s state after deciding its last step (None before its first update)."""
+        if self._pending:
+            self._settle(name)
+        return self._state.get(name)
+
+    def _settle(self, name: str) -> None:
+        entry = self._pending.pop(name, None)
+        if entry is None:
+            return
+        value, verdict = entry
+        if verdict is None or verdict:
+            if value is not _ABSENT:
+                old = self._state.get(name)
+                self._state[name] = value
+                if old is not None:
+                    self._spare[name] = old
+            return
+        self._nonfinite += 1
+        if value is not _ABSENT:
+            self._spare[name] = value
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"gradsync: tensor {name!r} was NaN or inf on some worker: its aggregate is NaN (GradScaler skips such "
+                f"steps) and {type(self).__name__} kept its state from before the step; memory.nonfinite_steps counts "
+                "these (warned once)", RuntimeWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
         args = ", ".join(f"{p}={getattr(self, p)!r}" for p in names if hasattr(self, p))
         return f"{type(self).__name__}({args})"
+
+
+# -- non-finite gradients: marks that travel with the payload, verdicts read lazily on the host ---------------
+
+#: "No value": a state absent before the step, or a memory commit with nothing proposed.
+_ABSENT: Any = type("_Absent", (), {"__repr__": lambda self: "<absent>"})()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A compressor's state for one tensor name before a step, and its seeded generators' positions."""
+
+    state: Any
+    generators: tuple[tuple[torch.device, Tensor], ...] = ()
+
+
+class Verdicts:
+    """Whether each tensor of one exchange was finite on every worker.
+
+    Decided on the device (``finite``: a bool per tensor) and read on the host only when the state it guards is
+    next used: on a GPU the flags go to pinned memory with a non-blocking copy and an event, so reading them a
+    step later waits for nothing (no ``.item()`` per tensor per step); on the CPU they are read at once.
+    """
+
+    def __init__(self, finite: Tensor) -> None:
+        finite = finite.reshape(-1)
+        self._event: Any = None
+        self._values: list[bool] | None = None
+        if finite.device.type == "cuda":
+            self._flags = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)  # host: read a step later
+            self._flags.copy_(finite, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        elif finite.device.type == "cpu":
+            self._values = finite.tolist()
+        else:
+            self._flags = finite  # another device: read (one copy) when first needed
+
+    def __len__(self) -> int:
+        return len(self._values) if self._values is not None else self._flags.numel()
+
+    def __getitem__(self, index: int) -> Verdict:
+        return Verdict(self, index)
+
+    def finite(self, index: int) -> bool:
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._flags.tolist()
+        return self._values[index]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One tensor's entry of :class:`Verdicts`: true when it was finite on every worker."""
+
+    verdicts: Verdicts
+    index: int
+
+    def __bool__(self) -> bool:
+        return self.verdicts.finite(self.index)
+
+
+def nonfinite_marks(groups: Sequence[Sequence[Tensor]], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Per group, 0 when every floating tensor in it is finite, NaN when one holds a NaN or an inf.
+
+    The mark a step sends with each tensor's payload: summed over workers it stays 0 only where every worker's
+    tensor was finite, and the aggregate divided by ``world + mark`` (multiplied by ``1 + mark``) is unchanged
+    there and all NaN elsewhere -- whatever the codec does to a NaN (a sign bit or an unsent index would hide
+    it). One fused max-norm over the tensors (a max-norm is NaN or inf exactly when an element is), on the device.
+    """
+    tensors: list[Tensor] = []
+    owner: list[int] = []
+    for i, group in enumerate(groups):
+        seen: set[tuple[int, int]] = set()
+        for t in group:
+            key = (t.data_ptr(), t.numel()) if t.device.type != "meta" else (id(t), 0)
+            if t.is_floating_point() and t.numel() and key not in seen:
+                seen.add(key)
+                tensors.append(t)
+                owner.append(i)
+    marks = torch.zeros(len(groups), dtype=dtype, device=device)
+    if tensors:
+        norms = torch.stack(torch._foreach_norm(tensors, math.inf)).to(dtype)
+        marks.index_add_(0, _owner_index(tuple(owner), marks.device), norms.mul_(0))  # inf * 0 and NaN * 0 are NaN
+    return marks
+
+
+_OWNERS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _owner_index(owner: tuple[int, ...], device: torch.device) -> Tensor:
+    """``owner`` as an index tensor on ``device``, kept per layout: a host-to-device copy per step would wait."""
+    key = (owner, device)
+    index = _OWNERS.get(key)
+    if index is None:
+        if len(_OWNERS) > 256:
+            _OWNERS.clear()
+        index = _OWNERS[key] = torch.tensor(owner, dtype=torch.int64, device=device)
+    return index
 
 
 COMPRESSORS: Registry[type[Compressor]] = Registry("compressor", CompressionError)
@@ -422,6 +628,10 @@ def simulate_step(
     payloads and decompresses the sum; allgather decompresses each payload with the receiver's own ctx
     and aggregates; a :class:`TwoRoundCompressor` runs its two allreduce rounds. The result is averaged
     over W unless the compressor says not to (majority vote).
+
+    Non-finite gradients (docs/mergecomp.md): when any worker's compensated tensor or payload holds a NaN or an
+    inf, the result is all NaN, and every worker's memory and compressor state for ``info.name`` stays as it was
+    before this step (counted in ``memory.nonfinite_steps``).
     """
     world = len(grads_per_worker)
     if world < 1 or len(compressors) != world or len(memories) != world:
@@ -434,6 +644,7 @@ def simulate_step(
         raise CompressionError(f"all workers must run the same compressor, got {sorted(k.__name__ for k in kinds)}")
     compressor = compressors[0]
     compensated = [m.compensate(g, info) for m, g in zip(memories, grads_per_worker)]
+    checkpoints = [c.checkpoint(info.name) for c in compressors]
 
     two_round = [c for c in compressors if isinstance(c, TwoRoundCompressor)]
     if two_round:
@@ -446,6 +657,8 @@ def simulate_step(
     # the payload cannot corrupt the residual.
     for memory, c, x, (payload, ctx) in zip(memories, compressors, compensated, rounds):
         memory.update(x, info, c, payload, ctx)
+    # each worker's non-finite mark travels with its payload; their sum is NaN where any worker's was
+    mark = _sum([nonfinite_marks([[x, *payload]], torch.float32, x.device) for x, (payload, _) in zip(compensated, rounds)])
 
     if two_round:
         summed = [_sum([payload[i] for payload, _ in rounds]) for i in range(len(rounds[0][0]))]
@@ -458,8 +671,12 @@ def simulate_step(
     else:
         # Each receiver decompresses every gathered payload with its own ctx; worker 0 stands for all.
         result = compressor.combine([payload for payload, _ in rounds], rounds[0][1])
-    if compressor.average:
-        result = result / world
+    # the same bits as ``/ world`` (or nothing) where every worker was finite, all NaN where one was not
+    result = result / (mark[0] + world) if compressor.average else result * (mark[0] + 1)
+    verdict = Verdicts(torch.isfinite(mark))[0]
+    for memory, c, checkpoint in zip(memories, compressors, checkpoints):
+        memory.commit(info, verdict)
+        c.commit(info.name, verdict, checkpoint)
     return result.reshape(info.shape).to(info.dtype)
 
 

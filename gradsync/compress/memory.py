@@ -3,6 +3,10 @@
 MergeComp §3.2 counts error feedback as a second decode per step; its Theorem 2 assumes it for quantizers.
 Each memory is one worker's state, keyed by ``info.name``, and uses only the local payload it is given
 (``decompress`` is pure), so it never re-compresses.
+
+A step never writes into the committed state: compensate works in a spare buffer (the state a previous step
+left behind), so a step that turns out non-finite on some worker is dropped by keeping the old buffer -- a
+pointer, no copy (:class:`~gradsync.compress.base.Memory`). The price is a second buffer per tensor.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class NoMemory(Memory):
     """No error feedback: what a compressor drops is lost (right for ``none``, ``fp16``, unbiased QSGD)."""
 
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
+        if self._pending:
+            self._settle(info.name)  # only counts a non-finite step: there is no state
         return tensor
 
     def update(
@@ -39,33 +45,53 @@ class NoMemory(Memory):
         return None
 
 
+def _reusable(spare: Tensor | None, like: Tensor) -> bool:
+    return (spare is not None and spare.shape == like.shape and spare.dtype == like.dtype
+            and spare.device == like.device and spare.is_contiguous())
+
+
 @register_memory("residual", aliases=("ef", "error-feedback"))
 class ResidualMemory(Memory):
     """Error feedback (Seide et al. 2014; Karimireddy et al. 2019): ``e <- (g + e) - decompress(compress(g + e))``.
 
-    Over T steps, the sum of what was sent plus the final residual equals the sum of the gradients.
+    Over T steps, the sum of what was sent plus the final residual equals the sum of the gradients (a step
+    dropped as non-finite counts as never taken).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: name -> the compensated buffer :meth:`compensate` handed out (the memory's own, so update may write it)
+        self._lent: dict[str, Tensor] = {}
 
     def residual(self, name: str) -> Tensor | None:
         """What ``name`` still owes (None before its first update)."""
-        return self._state.get(name)
+        return self._committed(name)
 
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
-        """``tensor + e``, added into ``e``'s own buffer (no new d-element tensor per step): until :meth:`update`
-        the buffer holds the compensated tensor, and :meth:`update` turns it back into the residual in place."""
-        residual = self._state.get(info.name)
+        """``e + tensor``, written into the spare buffer a previous step left (no new d-element tensor per step);
+        :meth:`update` turns it into the proposed residual in place, and ``e`` stays for a non-finite step."""
+        residual = self._committed(info.name)
         if residual is None or residual.shape != tensor.shape:
             return tensor
-        if residual.dtype != tensor.dtype or not residual.is_contiguous():
+        if residual.dtype != tensor.dtype:
             return tensor + residual.to(tensor.dtype)
-        return residual.add_(tensor)
+        spare = self._spare.pop(info.name, None)
+        if not _reusable(spare, residual) or spare is residual:
+            spare = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        out = torch.add(residual, tensor, out=spare)
+        self._lent[info.name] = out
+        return out
 
     def update(
         self, tensor: Tensor, info: TensorInfo, compressor: Compressor, payload: Sequence[Tensor], ctx: Context
     ) -> None:
-        # In place only in the buffer compensate returned (never the caller's gradient): O(k) when sparse.
-        owned = tensor is self._state.get(info.name)
-        self._state[info.name] = compressor.subtract_decoded(tensor, payload, ctx, inplace=owned)
+        # In place only in the buffer compensate lent (never the caller's gradient): O(k) when sparse.
+        owned = self._lent.pop(info.name, None) is tensor
+        self._propose(info.name, compressor.subtract_decoded(tensor, payload, ctx, inplace=owned))
+
+    def reset(self) -> None:
+        super().reset()
+        self._lent.clear()
 
 
 @register_memory("dgc")
@@ -80,50 +106,66 @@ class DGCMemory(Memory):
     def __init__(self, momentum: float = 0.9) -> None:
         super().__init__()
         self.momentum = check_unit_interval("momentum", momentum, "DGC's momentum m")
+        #: name -> the (u, v) :meth:`compensate` computed, in the memory's own buffers
+        self._lent: dict[str, tuple[Tensor, Tensor]] = {}
 
     def velocity(self, name: str) -> Tensor | None:
         """The accumulated ``v`` still owed for ``name`` (None before its first update)."""
-        state = self._state.get(name)
+        state = self._committed(name)
         return None if state is None else state[1]
 
     def momentum_buffer(self, name: str) -> Tensor | None:
-        """The corrected momentum ``u`` for ``name``, zero where it was last sent (None before compensate)."""
-        state = self._state.get(name)
+        """The corrected momentum ``u`` for ``name``, zero where it was last sent (None before its first update)."""
+        state = self._committed(name)
         return None if state is None else state[0]
 
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
-        """``u <- m u + g``; ``v <- v + u``, in the memory's own buffers after the first step (same bits)."""
-        u, v = self._state.get(info.name, (None, None))
+        """``u <- m u + g``; ``v <- v + u``, in spare buffers after the first step (same bits; the committed
+        ``u`` and ``v`` stay for a non-finite step)."""
+        u, v = self._committed(info.name) or (None, None)
         if u is None or u.shape != tensor.shape or u.dtype != tensor.dtype:
             u = torch.zeros_like(tensor) * self.momentum + tensor
             v = torch.zeros_like(tensor) + u
         else:
-            u.mul_(self.momentum).add_(tensor)
-            v.add_(u)
-        self._state[info.name] = (u, v)
+            su, sv = self._spare.pop(info.name, (None, None))
+            if not _reusable(su, u) or su is u:
+                su = torch.empty_like(u, memory_format=torch.contiguous_format)
+            if not _reusable(sv, v) or sv is v:
+                sv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            u = torch.mul(u, self.momentum, out=su).add_(tensor)
+            v = torch.add(v, u, out=sv)
+        self._lent[info.name] = (u, v)
         return v
 
     def update(
         self, tensor: Tensor, info: TensorInfo, compressor: Compressor, payload: Sequence[Tensor], ctx: Context
     ) -> None:
-        u, v = self._state.get(info.name, (None, None))
-        if u is None or u.shape != tensor.shape:
-            u = torch.zeros_like(tensor)
-        # In place only in the buffers compensate returned (never the caller's tensor).
-        owned = tensor is v and u.is_contiguous()
+        lent = self._lent.pop(info.name, None)
+        if lent is not None:
+            u, v = lent
+        else:
+            u, v = self._committed(info.name) or (None, None)
+            if u is None or u.shape != tensor.shape:
+                u = torch.zeros_like(tensor)
+        # In place only in the buffers compensate lent (never the caller's tensor nor the committed state).
+        owned = lent is not None and tensor is v and u.is_contiguous()
         pair = compressor.sparse(payload, ctx)
         if owned and pair is not None:  # O(k): mask u where a non-zero was sent, subtract what was sent
             indices, values = pair
             u.view(-1).index_fill_(0, indices[values != 0].to(torch.int64), 0)
-            self._state[info.name] = (u, compressor.subtract_decoded(tensor, payload, ctx, inplace=True))
+            self._propose(info.name, (u, compressor.subtract_decoded(tensor, payload, ctx, inplace=True)))
             return
         sent = compressor.decompress(payload, ctx)
         mask = sent != 0
         u = u.masked_fill_(mask, 0) if owned else u.masked_fill(mask, 0)
         if owned and not shares_memory(tensor, [*payload, sent]):
-            self._state[info.name] = (u, tensor.sub_(sent))
+            self._propose(info.name, (u, tensor.sub_(sent)))
         else:
-            self._state[info.name] = (u, tensor - sent)
+            self._propose(info.name, (u, tensor - sent))
+
+    def reset(self) -> None:
+        super().reset()
+        self._lent.clear()
 
 
 #: Error feedback each compressor is meant to run with (biased ones need it; unbiased or voting ones do not).

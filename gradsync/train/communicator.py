@@ -22,6 +22,13 @@ from a future callback, and the buckets' rounds can then interleave differently 
 
 :class:`CompressionStep` is the step: compensate -> compress -> memory update -> exchange -> decompress and
 aggregate -> average; it reproduces :func:`gradsync.compress.base.simulate_step` on real processes.
+
+Non-finite gradients (``GradScaler``'s overflow steps, a diverging run): each tensor's payload travels with a mark
+(:func:`~gradsync.compress.base.nonfinite_marks`: 0, or NaN when its compensated values or payload hold a NaN or
+an inf), summed with the payload (allreduce) or packed into the same buffer (allgather). Where the sum is NaN the
+aggregate comes back all NaN on every rank -- whatever the codec would have made of it -- and every rank's memory
+and compressor state for that tensor stay as they were before the step (counted in ``memory.nonfinite_steps``).
+The marks ride in collectives the step runs anyway and are read on the host only at the tensor's next step.
 """
 
 from __future__ import annotations
@@ -36,14 +43,17 @@ from torch import Tensor
 from gradsync.comm.collectives import dtype_groups
 from gradsync.comm.runtime import Runtime, Work, get_runtime
 from gradsync.compress.base import (
+    Checkpoint,
     CompressionError,
     Compressor,
     Context,
     Memory,
     TensorInfo,
     TwoRoundCompressor,
+    Verdicts,
     create,
     create_memory,
+    nonfinite_marks,
     shares_memory,
 )
 from gradsync.compress.memory import default_memory
@@ -114,10 +124,13 @@ class Communicator(ABC):
         return self.runtime.submit(fn, self.name)
 
     @abstractmethod
-    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None,
+                 marks: Tensor | None = None) -> list[Tensor]:
         """Every worker's payload for each item -> the aggregated tensor per item (comm thread only).
 
         ``outs``: per item, a buffer the aggregate may be written into (or None); a communicator may ignore it.
+        ``marks``: per item, this rank's non-finite mark (0 or NaN, :func:`nonfinite_marks`); it travels with the
+        payloads and is summed over ranks in place, and an item whose sum is NaN comes back all NaN.
         """
 
     def reduce_sum(self, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -125,12 +138,26 @@ class Communicator(ABC):
         raise CompressionError(f"communicator {self.name!r} cannot sum tensors; two-round compressors need 'allreduce'")
 
     def _finish(self, compressor: Compressor, result: Tensor, info: TensorInfo, *, owned: bool = False,
-                averaged: bool = False) -> Tensor:
+                averaged: bool = False, mark: Tensor | None = None) -> Tensor:
         """The average over workers (``owned``: divided in ``result``'s own buffer; ``averaged``: it already
-        is), in ``info``'s shape and dtype."""
+        is), in ``info``'s shape and dtype. ``mark``: the item's summed non-finite mark (0 or NaN, float32): the
+        division is by ``world + mark`` -- the same bits where it is 0, all NaN where not, in the same pass."""
         if compressor.average and not averaged:
-            result = result.div_(self.world_size) if owned and result.dtype.is_floating_point else result / self.world_size
+            divisor: Any = self.world_size if mark is None else mark + self.world_size
+            result = result.div_(divisor) if owned and result.dtype.is_floating_point else result / divisor
+        elif mark is not None:  # x * 1 is x exactly
+            result = result.mul_(mark + 1) if owned else result * (mark + 1)
         return result.reshape(info.shape).to(info.dtype)
+
+
+def _summed_marks(marks: Tensor | None) -> Tensor | None:
+    """Per-item float32 marks for :meth:`Communicator._finish`, or None where nothing needs marking: no marks, or
+    on the CPU all finite (read at once there; a GPU never reads them on the host and always applies them)."""
+    if marks is None:
+        return None
+    if marks.device.type == "cpu" and not bool(torch.isnan(marks).any()):
+        return None
+    return marks.to(torch.float32)
 
 
 COMMUNICATOR_TYPES: Registry[type[Communicator]] = Registry("communicator", CompressionError)
@@ -173,14 +200,18 @@ class AllreduceCommunicator(Communicator):
             self.runtime.run_allreduce(group, "sum")
         return tensors
 
-    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None,
+                 marks: Tensor | None = None) -> list[Tensor]:
         flat = [t for payload, _ in items for t in payload]
-        self.reduce_sum(flat)
-        return [self._decoded(compressor, compressor.decompress(payload, ctx), payload, ctx) for payload, ctx in items]
+        self.reduce_sum(flat if marks is None else [*flat, marks])  # the marks join a payload dtype's collective
+        summed = _summed_marks(marks)
+        return [self._decoded(compressor, compressor.decompress(payload, ctx), payload, ctx,
+                              None if summed is None else summed[i]) for i, (payload, ctx) in enumerate(items)]
 
-    def _decoded(self, compressor: Compressor, result: Tensor, payload: Sequence[Tensor], ctx: Context) -> Tensor:
+    def _decoded(self, compressor: Compressor, result: Tensor, payload: Sequence[Tensor], ctx: Context,
+                 mark: Tensor | None = None) -> Tensor:
         """:meth:`_finish` of a decoded sum: averaged in place unless it is a payload tensor (``none`` sends x)."""
-        return self._finish(compressor, result, ctx.info, owned=not shares_memory(result, payload))
+        return self._finish(compressor, result, ctx.info, owned=not shares_memory(result, payload), mark=mark)
 
 
 @register_communicator("allgather")
@@ -190,21 +221,28 @@ class AllgatherCommunicator(Communicator):
     All items of one call travel in one buffer, so a DDP bucket or a merged group costs one allgather.
     """
 
-    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None) -> list[Tensor]:
+    def exchange(self, compressor: Compressor, items: Sequence[Item], outs: Sequence[Tensor | None] | None = None,
+                 marks: Tensor | None = None) -> list[Tensor]:
         counts = [len(payload) for payload, _ in items]
-        mine = pack_payload([t for payload, _ in items for t in payload])
-        gathered = [unpack_payload(b) for b in self.runtime.run_allgather(mine, equal_sizes=compressor.payload_shapes_fixed)]
+        mine = [t for payload, _ in items for t in payload]
+        sent = len(mine) + (marks is not None)
+        packed = pack_payload(mine if marks is None else [*mine, marks])  # the marks: the buffer's last tensor
+        gathered = [unpack_payload(b) for b in self.runtime.run_allgather(packed, equal_sizes=compressor.payload_shapes_fixed)]
         for rank, tensors in enumerate(gathered):
-            if len(tensors) != sum(counts):
+            if len(tensors) != sent:
                 raise CompressionError(
-                    f"rank {rank} sent {len(tensors)} payload tensors where this rank sent {sum(counts)}: the ranks "
+                    f"rank {rank} sent {len(tensors)} payload tensors where this rank sent {sent}: the ranks "
                     "ran different compressors or partitions"
                 )
+        if marks is not None:
+            marks.copy_(torch.stack([tensors[-1] for tensors in gathered]).sum(dim=0))
+        summed = _summed_marks(marks)
         out, at = [], 0
         for i, ((_, ctx), n) in enumerate(zip(items, counts)):
             # decoded and summed into the destination where given; either way the caller's: averaged in place
             combined = compressor.combine([tensors[at : at + n] for tensors in gathered], ctx, outs[i] if outs else None)
-            out.append(self._finish(compressor, combined, ctx.info, owned=True))
+            out.append(self._finish(compressor, combined, ctx.info, owned=True,
+                                    mark=None if summed is None else summed[i]))
             at += n
         return out
 
@@ -318,29 +356,63 @@ class CompressionStep:
             return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), free))
         items: list[Item] = []
         outs: list[Tensor | None] = []
+        checkpoints = [self.compressor.checkpoint(info.name) for info in infos]
         for t, x, info in zip(free, compensated, infos):
             payload, ctx = self.compressor.compress(x, info)
             self.memory.update(x, info, self.compressor, payload, ctx)
             items.append((payload, ctx))
             outs.append(None if t is None or shares_memory(t, payload) else t)
-        return self.communicator.submit(lambda: self.communicator.exchange(self.compressor, items, outs))
+        marks = self._marks(compensated, items)
+
+        def job() -> list[Tensor]:
+            results = self.communicator.exchange(self.compressor, items, outs, marks)
+            self._commit(infos, marks, checkpoints)
+            return results
+
+        return self.communicator.submit(job)
+
+    @staticmethod
+    def _marks(xs: Sequence[Tensor], items: Sequence[Item]) -> Tensor | None:
+        """This rank's non-finite mark per item, in the first payload's dtype (so that an allreduce sums it in the
+        payload's own collective) on the tensors' device."""
+        if not items:
+            return None
+        first = items[0][0][0] if items[0][0] else xs[0]
+        dtype = first.dtype if first.is_floating_point() else torch.float32
+        return nonfinite_marks([[x, *payload] for x, (payload, _) in zip(xs, items)], dtype, xs[0].device)
+
+    def _commit(self, infos: Sequence[TensorInfo], marks: Tensor | None, checkpoints: Sequence[Checkpoint]) -> None:
+        """Give every tensor's memory update and compressor state the step's verdict (decided at its next use)."""
+        if marks is None:
+            return
+        verdicts = Verdicts(torch.isfinite(marks))
+        for i, (info, checkpoint) in enumerate(zip(infos, checkpoints)):
+            self.memory.commit(info, verdicts[i])
+            self.compressor.commit(info.name, verdicts[i], checkpoint)
 
     def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], outs: list[Tensor | None]) -> list[Tensor]:
         c = self.compressor
         assert isinstance(c, TwoRoundCompressor)  # guarded by self.two_rounds
+        checkpoints = [c.checkpoint(info.name) for info in infos]
         firsts = [c.first_round(x, info) for x, info in zip(xs, infos)]
         self.communicator.reduce_sum([p for p in firsts if p is not None])
         rounds = [c.second_round(x, info, p) for x, info, p in zip(xs, infos, firsts)]
         for x, info, (payload, ctx) in zip(xs, infos, rounds):
             self.memory.update(x, info, c, payload, ctx)
-        self.communicator.reduce_sum([t for payload, _ in rounds for t in payload])
+        marks = self._marks(xs, rounds)
+        flat = [t for payload, _ in rounds for t in payload]
+        self.communicator.reduce_sum(flat if marks is None else [*flat, marks])
+        summed = _summed_marks(marks)
         results = []
         divide_by = self.communicator.world_size if c.average else 1
-        for (payload, ctx), out in zip(rounds, outs):
+        for i, ((payload, ctx), out) in enumerate(zip(rounds, outs)):
             # the average, in a new tensor or ``out`` (the compressor divides where it is cheapest)
             result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out,
                               divide_by=divide_by)
-            results.append(self.communicator._finish(c, result, ctx.info, averaged=True))
+            results.append(self.communicator._finish(c, result, ctx.info, averaged=True,
+                                                     owned=not shares_memory(result, payload),
+                                                     mark=None if summed is None else summed[i]))
+        self._commit(infos, marks, checkpoints)
         return results
 
 

@@ -150,3 +150,20 @@ def test_killed_rank_is_named_by_survivors_within_timeout(tmp_path):
         assert rep["error"] is not None, f"rank {rank} finished without noticing rank 2 died"
         assert rep["peer"] == 2 and "rank 2" in rep["error"], rep
         assert rep["seconds"] <= rep["timeout_s"] + 2.0, rep
+
+
+@pytest.mark.parametrize("what, named, aborts", [
+    ("size", "allreduce #5 differs between ranks: rank 0 sent 1000 float32, rank 1 500 (seen by rank 0)", True),
+    ("dtype", "allreduce #5 differs between ranks: rank 0 sent 1000 float32, rank 1 1000 float16", True),
+    ("count", "ranks made different collective calls: rank 1 called allreduce 4 times, rank 0 5 times", False),
+])
+def test_mismatched_collectives_name_the_rank_and_the_difference(tmp_path, what, named, aborts):
+    """Issue 42: not "a peer left or timed out?" but what differs and on which rank, within the timeout (plus the
+    few seconds a failed rank waits for its peers' ledgers). gloo itself aborts the rank that receives more bytes
+    than it expects (rank 1 here): rank 0 names it from the signature rank 1 posted when it first used it."""
+    reports = launch(WORKER, ["mismatch", str(tmp_path), "switch:2", what, "native"], 2, tmp_path, timeout_s=60,
+                     allow_exit={1: -6} if aborts else None)
+    rep = reports[0]
+    assert rep is not None and rep["error"], reports
+    assert named in rep["error"], rep
+    assert rep["seconds"] <= rep["timeout_s"] + 6.0, rep

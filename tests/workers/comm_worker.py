@@ -215,6 +215,32 @@ def scenario_kill(topology: str) -> dict:
     return {"error": None}
 
 
+def scenario_mismatch(topology: str, what: str, algorithm: str = "ring") -> dict:
+    """Ranks whose collectives differ (issue 42): ``size`` (rank 1 sends half as many elements), ``dtype``
+    (rank 1 sends float16) or ``count`` (rank 1 makes one allreduce fewer, then shuts down). A short timeout;
+    every rank that fails reports the error, which must name the difference and the rank. (gloo aborts the rank
+    that receives more bytes than it expects -- here rank 1 -- so rank 0, which hosts the store, survives.)"""
+    timeout_s = 3.0
+    rt = gradsync.init(topology=topology, algorithm=algorithm, timeout_s=timeout_s)
+    for _ in range(4):
+        rt.allreduce(torch.ones(1000))
+    n = 500 if what == "size" and RANK == 1 else 1000
+    dtype = torch.float16 if what == "dtype" and RANK == 1 else torch.float32
+    t0 = time.monotonic()
+    try:
+        if not (what == "count" and RANK == 1):
+            rt.allreduce(torch.ones(n, dtype=dtype))
+    except gradsync.CommError as exc:
+        out = {"error": str(exc), "seconds": time.monotonic() - t0, "timeout_s": timeout_s}
+        # rank 0 hosts the store: stay until the peer had its chance to read (bounded)
+        time.sleep(1.0 if RANK else timeout_s + 3.0)
+        return out
+    gradsync.shutdown()
+    if RANK == 0:
+        time.sleep(timeout_s + 3.0)
+    return {"error": None}
+
+
 def scenario_calibrate(topology: str, cache: str) -> dict:
     """init(calibrate=True) measures α on this wire once and caches it; a second init reads the cache."""
     os.environ["GRADSYNC_CACHE"] = cache
@@ -282,7 +308,7 @@ def scenario_explore(topology: str) -> dict:
     return out
 
 
-SCENARIOS = {"calibrate": scenario_calibrate, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill}
+SCENARIOS = {"mismatch": scenario_mismatch, "calibrate": scenario_calibrate, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill}
 
 
 def main() -> None:

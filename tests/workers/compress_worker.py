@@ -33,6 +33,7 @@ WORLD = int(os.environ["WORLD_SIZE"])
 #: Parameters per compressor: seeded where a compressor draws random numbers, so the reference can redo it.
 PARAMS = {"qsgd": {"levels": 15}, "topk": {"ratio": 0.2}, "randk": {"ratio": 0.2}, "dgc": {"ratio": 0.2, "seed": 3}}
 SEEDED_PER_WORKER = ("qsgd", "terngrad")  # each worker draws its own noise: seed = worker + 1
+GENERATORS = (*SEEDED_PER_WORKER, "dgc")  # a seeded torch.Generator per compressor
 
 
 def _compressor(name: str, worker: int):
@@ -152,6 +153,53 @@ def scenario_merged() -> dict:
             "vs_simulate": {m: v[0] for m, v in per_merge.items()},
             "merged_equals_layerwise": {m: bool(torch.equal(v[1], layer)) for m, v in per_merge.items()},
         }
+    gradsync.shutdown()
+    return report
+
+
+# ---- non-finite gradients (issue 42) ---------------------------------------------------------------------------
+
+def scenario_nonfinite() -> dict:
+    """Every compressor (its own memory and ``residual``), two tensors per exchange: at step 2 rank 0's ``a`` holds
+    one NaN (inf for every other compressor). Against a run whose step 2 sent only ``b``: ``a`` comes back all NaN
+    at step 2 and bit for bit the never-bad run's afterwards, ``b`` is untouched, and the count is 1 on every rank.
+    A compressor with a seeded generator shares it between its tensors (a rewind for ``a`` would replay ``b``'s
+    draws), so there ``b`` goes through a compressor of its own."""
+    rt = gradsync.init(algorithm="ring", timeout_s=60)
+    shapes = {"a": (40, 25), "b": (300,)}
+    report: dict = {}
+    for index, comp in enumerate(COMPRESSORS.names()):
+        bad = float("nan") if index % 2 == 0 else float("inf")
+        for memory in (default_memory(comp), "residual"):
+            runs = []
+            for skip in (False, True):
+                step = CompressionStep(_compressor(comp, RANK), memory, runtime=rt)
+                alone = CompressionStep(_compressor(comp, RANK), memory, runtime=rt) if comp in GENERATORS else None
+                outs = []
+                for s in range(5):
+                    g = torch.Generator().manual_seed(100 * s + RANK)
+                    grads = {n: torch.randn(shape, generator=g) for n, shape in shapes.items()}
+                    if s == 2 and RANK == 0 and not skip:
+                        grads["a"].view(-1)[3] = bad
+                    names = ["b"] if s == 2 and skip else ["a", "b"]
+                    infos = {n: TensorInfo(n, shapes[n], torch.float32) for n in names}
+                    if alone is not None:
+                        got = {"b": alone.step(grads["b"], infos["b"])}
+                        if "a" in names:
+                            got["a"] = step.step(grads["a"], infos["a"])
+                        outs.append(got)
+                        continue
+                    got = step.step_async([grads[n] for n in names], list(infos.values())).wait()
+                    outs.append(dict(zip(names, got)))
+                runs.append((outs, step.memory.nonfinite_steps))
+            (seen, count), (never, count_never) = runs
+            report[f"{comp}/{memory}"] = {
+                "bad_step_all_nan": bool(torch.isnan(seen[2]["a"]).all()),
+                "later_equal": all(torch.equal(seen[s]["a"], never[s]["a"]) for s in (3, 4)),
+                "later_finite": all(bool(torch.isfinite(seen[s]["a"]).all()) for s in (3, 4)),
+                "b_equal": all(torch.equal(seen[s]["b"], never[s]["b"]) for s in range(5)),
+                "counts": [count, count_never],
+            }
     gradsync.shutdown()
     return report
 
@@ -425,7 +473,7 @@ def scenario_fp16hook() -> dict:
             "same_as_closed_form": all(torch.equal(a, b) for a, b in zip(fast, closed))}
 
 
-SCENARIOS = {"fp16hook": scenario_fp16hook, "lazy": scenario_lazy, "auto": scenario_auto, "allgather": scenario_allgather, "merged": scenario_merged, "ddp": scenario_ddp, "train": scenario_train}
+SCENARIOS = {"nonfinite": scenario_nonfinite, "fp16hook": scenario_fp16hook, "lazy": scenario_lazy, "auto": scenario_auto, "allgather": scenario_allgather, "merged": scenario_merged, "ddp": scenario_ddp, "train": scenario_train}
 
 
 def main() -> None:
