@@ -280,13 +280,10 @@ class Detector:
         self.conditions = after
         self.generation += 1
         old, new = self.plan_name(before), self.plan_name(after)
-        gain = None
-        if self.predictor is not None:
-            t_old, t_new = self.predictor(before, after), self.predictor(after, after)
-            gain = t_old - t_new
+        times = None if self.predictor is None else (self.predictor(before, after), self.predictor(after, after))
+        gain = None if times is None else times[0] - times[1]
         return Switch(self.generation, self.collectives, before, after, old, new, gain,
-                      _line(self.generation, self.collectives, before, after, old, new, gain,
-                            None if self.predictor is None else (t_old, t_new)))
+                      _line(self.generation, self.collectives, before, after, old, new, times))
 
     def _recent(self, key: Hashable, k: int) -> float:
         got = self.estimates.median(key, last=k)
@@ -309,7 +306,7 @@ def _step(track: _Track, value: float, h: Hysteresis) -> bool:
 
 
 def _line(generation: int, collective: int, before: Conditions, after: Conditions, old: str, new: str,
-          gain: float | None, times: tuple[float, float] | None) -> str:
+          times: tuple[float, float] | None) -> str:
     """The one log line of a switch: what was seen, the old plan and the new one, the predicted gain."""
     seen = [f"{key!r} at {r:.2f}x its modelled rate" for key, r in after.link_scale]
     if after.straggler is not None:
@@ -319,8 +316,8 @@ def _line(generation: int, collective: int, before: Conditions, after: Condition
         cleared.append(f"rank {before.straggler} on time again")
     what = "; ".join(seen + cleared) or "nothing left degraded"
     pred = ""
-    if times is not None and gain is not None:
-        pred = f", predicted {times[0]:.3g} s -> {times[1]:.3g} s per collective (gain {gain:.3g} s)"
+    if times is not None:
+        pred = f", predicted {times[0]:.3g} s -> {times[1]:.3g} s per collective (gain {times[0] - times[1]:.3g} s)"
     return f"gradsync: plan generation {generation} at collective {collective}: {what}; {old} -> {new}{pred}"
 
 
