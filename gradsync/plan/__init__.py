@@ -1,6 +1,6 @@
 """Planning: the Schedule representation, synthesizers in a registry, and physical limits (OMS, BML, MXNET-MPI)."""
 
-from gradsync.plan import bml, hierarchical  # noqa: F401  (register the bml and hierarchical synthesizers)
+from gradsync.plan import bml, hierarchical, straggler  # noqa: F401  (register the bml, hierarchical and straggler synthesizers)
 from gradsync.plan.cut_bound import CutBound, cut_bound
 from gradsync.plan.forest import ForestPacking, GatherBound, gather_cut_bound, pack_arborescences
 from gradsync.plan.limits import Limits, limits

@@ -47,6 +47,7 @@ class PlanOptions:
     overlap hops. ``rings``: how many rings ``multiring`` splits the buffer over (MXNET-MPI Fig. 9).
     ``size_bytes`` and ``latency_s`` only steer ``auto``'s choice (predicted time; ``auto`` chooses among
     the synthesizers in :mod:`gradsync.sim.choose`). ``collective``: what to plan, one of :data:`PLANNED_COLLECTIVES`.
+    ``straggler``: the rank that ``straggler`` lets join last (:mod:`gradsync.plan.straggler`; None: the last rank).
     """
 
     pipeline: int = 1
@@ -54,6 +55,7 @@ class PlanOptions:
     latency_s: float | None = None
     rings: int = 2
     collective: str = "allreduce"
+    straggler: int | None = None
 
     def __post_init__(self) -> None:
         if self.collective not in PLANNED_COLLECTIVES:
@@ -67,6 +69,9 @@ class PlanOptions:
             raise PlanError(f"rings={self.rings!r} must be an integer >= 1 (rings multiring splits the buffer over)")
         if self.latency_s is not None and not self.latency_s >= 0:
             raise PlanError(f"latency_s={self.latency_s!r} must be >= 0 seconds")
+        if self.straggler is not None and (isinstance(self.straggler, bool) or not isinstance(self.straggler, int)
+                                           or self.straggler < 0):
+            raise PlanError(f"straggler={self.straggler!r} must be a rank (an integer >= 0) or None")
 
 
 Planner = Callable[[Topology, PlanOptions], Schedule]

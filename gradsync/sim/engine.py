@@ -29,6 +29,13 @@ Model (fluid, α–β):
   while streaming hides most of them behind bandwidth (between one and ``2(N-1)``); a chain of h hops
   streams in ``M/β + h α`` (cut-through) against ``h (M/β + α)`` store-and-forward.
 
+Late ranks (``start_delay_s``): a rank that reaches the collective ``Δ_r`` seconds after the others (a
+straggler, StragglAR's persistent one) sends nothing before then: every flow it sends starts at
+``max(ready_t, Δ_r)``, which delays everything that depends on it. Flows *into* it are not held back (the
+transport buffers what arrives early, as a TCP socket and the executor's posted receives do). ``time_s`` is
+measured from the on-time ranks' start, so a ring with one rank late by Δ takes at least ``Δ`` plus that
+rank's share of the ring (its link carries ``2 (N - 1) / N`` of the buffer after it arrives).
+
 Events: a flow drains (its bytes are all sent), a flow catches up with its dependencies' envelope
 ``min_d x_d`` (or the envelope's slowest member changes), a flow becomes startable. Rates are recomputed at
 every event; all flows that drain or start at the same instant (to 1e-9 relative) are one batch, which is
@@ -41,9 +48,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -54,7 +62,7 @@ from gradsync.plan.schedule import Schedule
 from gradsync.sim.flows import FlowSet, SimulationError, _ranges, build_flows, by_step, tensor_sizes
 from gradsync.topology.model import Topology
 
-__all__ = ["FAIRNESS", "SimResult", "simulate"]
+__all__ = ["FAIRNESS", "SimResult", "simulate", "start_delays"]
 
 #: How flows share a link direction: max-min fair in bytes/s per byte of flow, or per flow.
 FAIRNESS = ("size", "flow")
@@ -110,6 +118,8 @@ class SimResult:
     flow_link_idx: np.ndarray = field(repr=False)
     #: κ of :func:`simulate`: the share of a flow's rate taken on the opposite link directions.
     reverse_share: float = 0.0
+    #: Per rank, when it reached the collective (``simulate(start_delay_s=...)``); empty: all at 0.
+    start_delay_s: tuple[float, ...] = ()
 
     @property
     def size_bytes(self) -> float:
@@ -160,6 +170,7 @@ class SimResult:
             "fairness": self.fairness,
             "fifo": self.fifo,
             "reverse_share": self.reverse_share,
+            **({"start_delay_s": list(self.start_delay_s)} if self.start_delay_s else {}),
             "latency_s_per_hop": self.latency_s,
             "time_s": self.time_s,
             "t_f_s": self.t_f_s,
@@ -217,7 +228,8 @@ class _Engine:
     """
 
     def __init__(self, fs: FlowSet, streaming: bool, weight: np.ndarray, progress: TextIO | None, label: str,
-                 fifo: bool = False, message_s: float = 0.0, reverse_share: float = 0.0) -> None:
+                 fifo: bool = False, message_s: float = 0.0, reverse_share: float = 0.0,
+                 release_s: np.ndarray | None = None) -> None:
         n, ng = fs.num_flows, fs.num_groups
         self.fs = fs
         # What the rates see: a flow uses every link direction on its route fully and, with
@@ -243,7 +255,9 @@ class _Engine:
         self.start = np.full(n, np.nan)
         self.sent = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
-        self.ready_at = np.zeros(n)
+        # The earliest a flow may start whatever its dependencies: its sender's arrival (late ranks).
+        self.release = np.zeros(n) if release_s is None else release_s
+        self.ready_at = self.release.copy()
         self.tol_all = fs.size * _REL + 1e-12
         self.gneed = np.diff(fs.gdep_ptr)  # dependencies not yet started (streaming) / finished (s&f)
         self.gready = np.zeros(ng)  # max over dependencies of start + α (streaming) / finish (s&f)
@@ -287,7 +301,7 @@ class _Engine:
         if ready.size:
             mcnt = self.gmem_cnt[ready]
             members = fs.gmem_idx[_ranges(fs.gmem_ptr[ready], mcnt)]
-            self.ready_at[members] = np.repeat(self.gready[ready], mcnt)
+            self.ready_at[members] = np.maximum(np.repeat(self.gready[ready], mcnt), self.release[members])
             self.pending = np.concatenate([self.pending, members])
 
     def _start_ready(self) -> None:
@@ -605,6 +619,7 @@ def simulate(
     fairness: str = "size",
     fifo: bool = False,
     reverse_share: float = 0.0,
+    start_delay_s: Sequence[float] | Mapping[int, float] | None = None,
     progress: bool | TextIO | None = None,
     max_events: int | None = None,
 ) -> SimResult:
@@ -623,6 +638,9 @@ def simulate(
     * ``reverse_share``: κ in [0, 1): every flow also takes κ of its rate from the opposite direction of
       each link on its route (TCP acknowledgements on a link loaded both ways, :func:`with_reverse_share`);
       the runtime's cost model sets it from a probe, 0 is the pure fluid model.
+    * ``start_delay_s``: when each rank reaches the collective, in seconds after the on-time ranks (one value
+      per rank, or ``{rank: delay}`` for the late ones): a late rank sends nothing before then (module
+      docstring). ``None`` (default): every rank at 0.
     * ``progress``: a line on stderr every 2 s; ``None``: only when stderr is a terminal; or a stream.
     * ``max_events``: stop with :class:`SimulationError` after this many events (default: no limit).
 
@@ -634,6 +652,7 @@ def simulate(
                               f"its acknowledgements take on the opposite link direction")
     if fairness not in FAIRNESS:
         raise SimulationError(f"fairness={fairness!r}; use one of {list(FAIRNESS)}")
+    delays = start_delays(start_delay_s, topology.world_size)
     wall = time.perf_counter()
     fs = build_flows(schedule, topology, sizes, merge=merge_tensors, latency=latency, latency_s=latency_s, message_s=message_s)
     stream: TextIO | None
@@ -648,7 +667,8 @@ def simulate(
     label = f"{schedule.algorithm} on {topology.name}"
     weight = fs.size / max(float(fs.size.max()), 1e-300) if fairness == "size" and fs.num_flows else np.ones(fs.num_flows)
     ordered, perm = by_step(fs)
-    eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s, float(reverse_share))
+    release = np.asarray(delays)[ordered.src] if delays and ordered.num_flows else None
+    eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s, float(reverse_share), release)
     eng.run(max_events)
     back = np.empty_like(perm)  # flow in schedule order -> its index in step order
     back[perm] = np.arange(perm.shape[0], dtype=np.int64)
@@ -690,4 +710,30 @@ def simulate(
         flow_link_ptr=inc.indptr.astype(np.int64),
         flow_link_idx=inc.indices.astype(np.int64),
         reverse_share=float(reverse_share),
+        start_delay_s=delays,
     )
+
+
+def start_delays(delays: Sequence[float] | Mapping[int, float] | None, world_size: int) -> tuple[float, ...]:
+    """Per-rank arrival times from :func:`simulate`'s ``start_delay_s``; ``()`` when nobody is late.
+
+    Raises :class:`SimulationError` naming the value: a delay is a finite number of seconds >= 0, given
+    for ranks ``0 .. world_size - 1``."""
+    if delays is None:
+        return ()
+    if isinstance(delays, Mapping):
+        out = [0.0] * world_size
+        for rank, d in delays.items():
+            if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
+                raise SimulationError(f"start_delay_s names rank {rank!r}; the topology has ranks 0..{world_size - 1}")
+            out[rank] = d
+    else:
+        out = list(delays)
+        if len(out) != world_size:
+            raise SimulationError(f"start_delay_s has {len(out)} values for {world_size} ranks; give one per rank "
+                                  f"or a {{rank: delay}} mapping")
+    for rank, d in enumerate(out):
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not (math.isfinite(d) and d >= 0):
+            raise SimulationError(f"start_delay_s[{rank}]={d!r} must be a finite number of seconds >= 0")
+    vals = tuple(float(d) for d in out)
+    return vals if any(vals) else ()

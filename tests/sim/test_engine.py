@@ -270,3 +270,57 @@ def test_bad_input_is_a_gradsync_error(kwargs, message):
 def test_schedule_for_other_ranks_is_rejected():
     with pytest.raises(ScheduleError, match="plan it again"):
         simulate(synthesize("ring", get_topology("ring:3")), get_topology("ring:4"), GB)
+
+
+# ---- late ranks (start_delay_s) ------------------------------------------------------------------------------
+def _chain(topo: Topology) -> Schedule:
+    """Rank 0's buffer copied to rank 1 (step 0), which forwards it to rank 2 (step 1)."""
+    return Schedule("chain", topo.name, topo.ranks, (Chunk(0.0, 1.0, 0),),
+                    (Transfer(0, 0, 1, ("host0", "sw0", "host1"), False, 0),
+                     Transfer(0, 1, 2, ("host1", "sw0", "host2"), False, 1)), collective="broadcast")
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("delay_in_hops", [0.0, 0.5, 1.0, 3.0])
+def test_a_late_sender_starts_at_its_arrival(streaming, delay_in_hops, debug_invariants):
+    """Closed forms on switch:3, hop time h = M/β. Rank 1 late by d: it forwards at max(arrival of its input, d),
+    so the chain ends at max(h, d) + h (store-and-forward); streaming, the forward starts at d and trails the
+    first hop, ending at max(h, d + h) = d + h. The late rank *receiving* is not held back."""
+    topo = get_topology("switch:3")
+    hop = GB / 1.25e9
+    d = delay_in_hops * hop
+    r = simulate(_chain(topo), topo, GB, streaming=streaming, start_delay_s=[0.0, d, 0.0], progress=False)
+    expected = d + hop if streaming else max(hop, d) + hop
+    assert r.time_s == pytest.approx(expected, rel=1e-9)
+    assert r.start_s[1] == pytest.approx(d if streaming else max(hop, d), rel=1e-9, abs=1e-12)
+    # Late by d as the first sender: the whole chain shifts by d; as the last receiver: nothing changes.
+    first = simulate(_chain(topo), topo, GB, streaming=streaming, start_delay_s={0: d}, progress=False)
+    assert first.time_s == pytest.approx(d + (hop if streaming else 2 * hop), rel=1e-9)
+    last = simulate(_chain(topo), topo, GB, streaming=streaming, start_delay_s={2: d}, progress=False)
+    assert last.time_s == pytest.approx(hop if streaming else 2 * hop, rel=1e-9)
+
+
+def test_no_delay_is_the_old_simulation():
+    topo = get_topology("switch:4")
+    schedule = synthesize("ring", topo, PlanOptions(pipeline=2))
+    base = simulate(schedule, topo, GB, progress=False)
+    for none in (None, {}, [0.0] * 4, {2: 0}):
+        same = simulate(schedule, topo, GB, start_delay_s=none, progress=False)
+        assert same.time_s == base.time_s and np.array_equal(same.finish_s, base.finish_s)
+        assert same.start_delay_s == () and "start_delay_s" not in same.to_dict(links=False)
+    late = simulate(schedule, topo, GB, start_delay_s={2: 0.5}, progress=False)
+    assert late.start_delay_s == (0.0, 0.0, 0.5, 0.0) and late.to_dict(links=False)["start_delay_s"] == [0, 0, 0.5, 0]
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([0.0, 1.0], r"start_delay_s has 2 values for 4 ranks"),
+    ({4: 1.0}, r"start_delay_s names rank 4; the topology has ranks 0\.\.3"),
+    ({True: 1.0}, r"names rank True"),
+    ([0.0, -1.0, 0.0, 0.0], r"start_delay_s\[1\]=-1\.0 must be a finite number of seconds >= 0"),
+    ({0: float("nan")}, r"start_delay_s\[0\]=nan"),
+    ({0: "1"}, r"start_delay_s\[0\]='1'"),
+])
+def test_bad_start_delays_name_the_value(bad, match):
+    topo = get_topology("switch:4")
+    with pytest.raises(SimulationError, match=match):
+        simulate(synthesize("ring", topo), topo, GB, start_delay_s=bad, progress=False)
