@@ -57,7 +57,7 @@ def late_rank(topology: Topology, options: PlanOptions) -> int:
     return s
 
 
-@synthesizer("straggler")
+@synthesizer("straggler", candidate_when=lambda options: options.straggler is not None)
 def plan_straggler(topology: Topology, options: PlanOptions) -> Schedule:
     """Straggler-tolerant allreduce (StragglAR): the others reduce-scatter while one rank is late, then it joins."""
     n = topology.world_size

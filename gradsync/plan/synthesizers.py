@@ -86,6 +86,13 @@ class Synthesizer:
     applicable: Callable[[Topology], str | None]
     #: Planners of the other collectives it supports (``reduce_scatter``, ``allgather``).
     collectives: Mapping[str, Planner] = field(default_factory=dict)
+    #: When ``auto`` may consider it, given the plan options (None: always). A schedule for a condition the
+    #: topology does not show (a late rank) is a candidate only once something reports that condition.
+    candidate_when: Callable[[PlanOptions], bool] | None = None
+
+    def candidate(self, options: PlanOptions) -> bool:
+        """Whether ``auto`` considers this synthesizer under ``options``."""
+        return self.candidate_when is None or self.candidate_when(options)
 
     def planner(self, collective: str) -> Planner:
         """The planner of ``collective``, or :class:`PlanError` naming the algorithms that plan it."""
@@ -124,9 +131,11 @@ def unless_raises(probe: Callable[[Topology], object]) -> Callable[[Topology], s
 
 
 def synthesizer(name: str, applicable: Callable[[Topology], str | None] = _always, *, halves: bool = False,
-                collectives: Mapping[str, Planner] | None = None) -> Callable:
+                collectives: Mapping[str, Planner] | None = None,
+                candidate_when: Callable[[PlanOptions], bool] | None = None) -> Callable:
     """Register an allreduce planner. ``halves``: its allreduce is a reduce-scatter then an allgather on equal
-    rank-order shards, so those two are its halves (:func:`allreduce_half`); ``collectives`` adds others."""
+    rank-order shards, so those two are its halves (:func:`allreduce_half`); ``collectives`` adds others;
+    ``candidate_when``: see :attr:`Synthesizer.candidate_when`."""
 
     def deco(fn: Planner) -> Planner:
         summary = (fn.__doc__ or "").strip().splitlines()[0]
@@ -134,7 +143,7 @@ def synthesizer(name: str, applicable: Callable[[Topology], str | None] = _alway
         if halves:
             more = {c: functools.partial(_planned_half, fn, c) for c in SHARDED}
         more.update(collectives or {})
-        SYNTHESIZERS.add(name, Synthesizer(name, fn, summary, applicable, more))
+        SYNTHESIZERS.add(name, Synthesizer(name, fn, summary, applicable, more, candidate_when))
         return fn
 
     return deco

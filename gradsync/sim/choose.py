@@ -85,7 +85,8 @@ class Chooser:
         if not 0 <= margin < 1:
             raise PlanError(f"margin={margin!r} must lie in [0, 1)")
         self.margin = margin
-        names = list(algorithms) if algorithms is not None else SYNTHESIZERS.names()
+        names = (list(algorithms) if algorithms is not None
+                 else [n for n in SYNTHESIZERS.names() if SYNTHESIZERS.get(n).candidate(self.options)])
         collective = self.options.collective
         if native and collective != "allreduce":
             raise PlanError(f"the backend's native collective is priced for allreduce only, not {collective}; "

@@ -57,3 +57,13 @@ def test_chooser_keeps_the_native_ring_where_the_topology_gives_no_bandwidth_adv
     assert flat.choose(4 << 20).algorithm == NATIVE
     racks = Chooser(get_topology("racks:2,3,4"), CostModel(message_s=1e-4, native_message_s=1e-4), native=True)
     assert racks.choose(16 << 20).algorithm != NATIVE
+
+
+def test_auto_considers_the_straggler_schedule_only_when_a_late_rank_is_named():
+    """A schedule for a condition the topology does not show is no candidate until something reports it."""
+    from gradsync.plan import PlanOptions
+
+    topo = get_topology("switch:4")
+    assert "straggler" not in Chooser(topo).algorithms
+    assert "straggler" in Chooser(topo, options=PlanOptions(straggler=2)).algorithms
+    assert "straggler" in Chooser(topo, algorithms=["straggler", "ring"]).algorithms  # named: always
