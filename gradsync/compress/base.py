@@ -257,6 +257,12 @@ class Compressor(ABC):
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         """Bytes one worker sends for a tensor of this shape, without compressing (MergeComp prices merges)."""
 
+    def sends_exactly(self, info: TensorInfo) -> bool:
+        """Whether a two-round compressor sends this tensor as it is (PowerSGD's vectors): its aggregate is the
+        plain sum, with no error to feed back, no state to roll back and nothing to decode, so a step sums it
+        with the rest and divides it in place (a NaN or inf then reaches the aggregate by the sum itself)."""
+        return False
+
     def estimate_ratio(self, info: TensorInfo) -> float:
         """Payload bytes over uncompressed bytes (1.0 for ``none``)."""
         raw = info.nbytes
@@ -363,11 +369,13 @@ class TwoRoundCompressor(Compressor):
 
     @abstractmethod
     def finish(self, payload_sum: Sequence[Tensor], ctx: Context, out: Tensor | None = None, *,
-               divide_by: int = 1) -> Tensor:
+               divide_by: int | Tensor = 1) -> Tensor:
         """Decompress the summed payload divided by ``divide_by`` (the world size, for an average: a
         low-rank result divides its thin factor instead of the full tensor) and keep what the next step
         warm-starts from; ``out`` as in :meth:`Compressor.combine` (a buffer the result may be written
-        into, or None). A result that is a payload tensor itself may only come back when ``divide_by == 1``."""
+        into, or None). A result that is a payload tensor itself may only come back when ``divide_by == 1``.
+        ``divide_by`` may be a 0-d tensor on the payload's device (the world size plus a non-finite mark): it is
+        never compared on the host."""
 
 
 class Memory(ABC):

@@ -107,6 +107,11 @@ def transposed_times(m: Tensor, p: Tensor) -> Tensor:
     return (p.T @ m).T.contiguous()
 
 
+def _is_one(divide_by: int | Tensor) -> bool:
+    """``divide_by == 1`` for a number; False for a tensor (never read on the host: dividing by it is one pass)."""
+    return not isinstance(divide_by, Tensor) and divide_by == 1
+
+
 @register_compressor("powersgd")
 class PowerSGD(TwoRoundCompressor):
     """Rank-``rank`` PowerSGD with one power iteration per step and a warm-started Q per tensor.
@@ -151,6 +156,9 @@ class PowerSGD(TwoRoundCompressor):
         if r < 1 or rows * cols < self.min_compression_rate * (rows + cols) * r:
             return None
         return rows, cols, r
+
+    def sends_exactly(self, info: TensorInfo) -> bool:
+        return self.matrix_plan(info.shape) is None
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
         plan = self.matrix_plan(shape)
@@ -203,7 +211,7 @@ class PowerSGD(TwoRoundCompressor):
         return [transposed_times(m, p).to(info.dtype)], Context(info, (p,))
 
     def finish(self, payload_sum: Sequence[Tensor], ctx: Context, out: Tensor | None = None, *,
-               divide_by: int = 1) -> Tensor:
+               divide_by: int | Tensor = 1) -> Tensor:
         """``P (sum_w Q_w)^T / divide_by`` (into ``out`` when it fits: the same product, no new tensor); the
         summed Q warm-starts the next step (its scale is irrelevant: P is orthonormalised). The division is
         applied to the thin ``Q`` (``cols x r``), not to the ``rows x cols`` product: one pass over the matrix
@@ -211,11 +219,11 @@ class PowerSGD(TwoRoundCompressor):
         plan = self.matrix_plan(ctx.info.shape)
         if plan is None or not ctx.extra:  # sent dense (or a one-round [P, Q] payload)
             result = self.decompress(payload_sum, ctx)
-            return result if divide_by == 1 else result / divide_by
+            return result if _is_one(divide_by) else result / divide_by
         dtype = work_dtype(ctx.info.dtype)
         q = payload_sum[0].to(dtype)
         self._state[ctx.info.name] = q
-        qt = (q if divide_by == 1 else q / divide_by).T.contiguous()  # rows of Q^T: the faster gemm layout
+        qt = (q if _is_one(divide_by) else q / divide_by).T.contiguous()  # rows of Q^T: the faster gemm layout
         p = ctx.extra[0].to(dtype)
         rows, cols, _ = plan
         buf = as_buffer(out, rows * cols, dtype) if ctx.info.dtype == dtype else None

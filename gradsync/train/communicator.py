@@ -349,7 +349,11 @@ class CompressionStep:
         """
         if len(tensors) != len(infos):
             raise CompressionError(f"{len(tensors)} tensors but {len(infos)} TensorInfos: give one info per tensor")
-        compensated = [self.memory.compensate(t, i) for t, i in zip(tensors, infos)]
+        if self.two_rounds:  # tensors sent as they are skip the memory (nothing to feed back)
+            compensated = [t if self.compressor.sends_exactly(i) else self.memory.compensate(t, i)
+                           for t, i in zip(tensors, infos)]
+        else:
+            compensated = [self.memory.compensate(t, i) for t, i in zip(tensors, infos)]
         # an input the memory copied is free once compressed (the memory holds x, not t)
         free = [t if reuse and x is not t and not shares_memory(t, [x]) else None for t, x in zip(tensors, compensated)]
         if self.two_rounds:
@@ -393,26 +397,38 @@ class CompressionStep:
     def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], outs: list[Tensor | None]) -> list[Tensor]:
         c = self.compressor
         assert isinstance(c, TwoRoundCompressor)  # guarded by self.two_rounds
-        checkpoints = [c.checkpoint(info.name) for info in infos]
-        firsts = [c.first_round(x, info) for x, info in zip(xs, infos)]
+        # Tensors sent as they are (PowerSGD's vectors) join the second round's sum and are divided in place, all
+        # at once: no memory, marks, state or decode per tensor, whose launches would dominate a GPU step.
+        exact = [i for i, info in enumerate(infos) if c.sends_exactly(info)]
+        lossy = [i for i, info in enumerate(infos) if not c.sends_exactly(info)]
+        lx, linfos = [xs[i] for i in lossy], [infos[i] for i in lossy]
+        dense = [xs[i].detach().reshape(-1) for i in exact]  # a view where contiguous: summed in place
+        checkpoints = [c.checkpoint(info.name) for info in linfos]
+        firsts = [c.first_round(x, info) for x, info in zip(lx, linfos)]
         self.communicator.reduce_sum([p for p in firsts if p is not None])
-        rounds = [c.second_round(x, info, p) for x, info, p in zip(xs, infos, firsts)]
-        for x, info, (payload, ctx) in zip(xs, infos, rounds):
+        rounds = [c.second_round(x, info, p) for x, info, p in zip(lx, linfos, firsts)]
+        for x, info, (payload, ctx) in zip(lx, linfos, rounds):
             self.memory.update(x, info, c, payload, ctx)
-        marks = self._marks(xs, rounds)
-        flat = [t for payload, _ in rounds for t in payload]
+        marks = self._marks(lx, rounds)
+        flat = [t for payload, _ in rounds for t in payload] + dense
         self.communicator.reduce_sum(flat if marks is None else [*flat, marks])
         summed = _summed_marks(marks)
-        results = []
+        results: list[Tensor] = list(xs)
         divide_by = self.communicator.world_size if c.average else 1
-        for i, ((payload, ctx), out) in enumerate(zip(rounds, outs)):
+        if dense and divide_by != 1:
+            torch._foreach_div_(dense, divide_by)  # one fused launch on a GPU
+        for i, d in zip(exact, dense):
+            results[i] = d.view(infos[i].shape)
+        # a non-finite mark joins the divisor (world + mark: the same bits, or all NaN) in the pass finish makes anyway
+        divisors = None if summed is None else summed + divide_by
+        for j, (i, (payload, ctx)) in enumerate(zip(lossy, rounds)):
+            out = outs[i]
             # the average, in a new tensor or ``out`` (the compressor divides where it is cheapest)
             result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out,
-                              divide_by=divide_by)
-            results.append(self.communicator._finish(c, result, ctx.info, averaged=True,
-                                                     owned=not shares_memory(result, payload),
-                                                     mark=None if summed is None else summed[i]))
-        self._commit(infos, marks, checkpoints)
+                              divide_by=divide_by if divisors is None else divisors[j])
+            results[i] = self.communicator._finish(c, result, ctx.info, averaged=True,
+                                                   owned=not shares_memory(result, payload))
+        self._commit(linfos, marks, checkpoints)
         return results
 
 
