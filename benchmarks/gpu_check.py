@@ -271,6 +271,70 @@ def _spawned(rank: int, world: int, backend: str, store: str, steps: int, tmp: s
     _engine_rank(rank, world, backend, store, steps, os.path.join(tmp, f"rank{rank}.json"))
 
 
+# ---- trainers: Lightning's documented GPU recipe ---------------------------------------------------------------
+def trainers_part(steps: int) -> list[dict[str, Any]]:
+    """``DDPStrategy(ddp_comm_state=<gradsync state built before any process group>, ddp_comm_hook=...)`` on one
+    GPU, each hook in a fresh process: it passes when the hook ran (buckets > 0) and the weights are finite."""
+    import torch
+    import torch.multiprocessing as mp
+
+    if not torch.cuda.is_available():
+        return [{"skipped": "Lightning registers DDP hooks on CUDA only"}]
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return [{"skipped": "lightning is not installed"}]
+    rows = []
+    for hook in ("allreduce", "fp16", "powersgd"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            try:
+                mp.start_processes(_lightning_case, args=(hook, steps, out), nprocs=1, join=True, start_method="spawn")
+                rows.append(json.loads(Path(out).read_text()))
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"case": f"lightning/{hook}", "ok": False, "error": _first_line(exc)})
+        print(f"  trainer lightning/{hook}: {'ok' if rows[-1].get('ok') else rows[-1]}", flush=True)
+    return rows
+
+
+def _lightning_case(rank: int, hook: str, steps: int, out: str, accelerator: str = "gpu") -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import gradsync
+
+    states = {"allreduce": (gradsync.GradsyncHookState, (), gradsync.allreduce_hook),
+              "fp16": (gradsync.CompressionHookState, ("fp16",), gradsync.compression_hook),
+              "powersgd": (gradsync.CompressionHookState, ("powersgd",), gradsync.compression_hook)}
+    cls, args, fn = states[hook]
+    state = cls(*args)  # before any process group, as Lightning builds its strategy
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+        def training_step(self, batch: Any, _: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    gen = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(32 * steps, 32, generator=gen), torch.randint(0, 10, (32 * steps,), generator=gen)), batch_size=32)
+    model = Net()
+    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=fn),
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, data)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    Path(out).write_text(json.dumps({"case": f"lightning/{hook}", "ok": state.buckets > 0 and finite,
+                                     "buckets": state.buckets}))
+
+
 # ---- hook step time ------------------------------------------------------------------------------------------
 def hooks_part(steps: int) -> list[dict[str, Any]]:
     import torch
@@ -396,14 +460,15 @@ def summary(doc: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gradsync bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (the test suite's dry run)")
-    p.add_argument("--parts", default="codecs,engines,hooks", help="comma-separated: codecs, engines, hooks")
+    p.add_argument("--parts", default="codecs,engines,hooks,trainers",
+                   help="comma-separated: codecs, engines, hooks, trainers")
     p.add_argument("--reps", type=int, default=None, help="timed runs per codec case (default 15, quick 3)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     parts = [s for s in args.parts.split(",") if s]
-    unknown = set(parts) - {"codecs", "engines", "hooks"}
+    unknown = set(parts) - {"codecs", "engines", "hooks", "trainers"}
     if unknown:
-        print(f"unknown part(s) {sorted(unknown)}; use codecs, engines, hooks", file=sys.stderr)
+        print(f"unknown part(s) {sorted(unknown)}; use codecs, engines, hooks, trainers", file=sys.stderr)
         return 2
     reps = args.reps or (3 if args.quick else 15)
     sizes = (1000, 100_000) if args.quick else (1_000_000, 25_000_000)
@@ -415,8 +480,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["engines"] = engines_part(2 if args.quick else 4)
     if "hooks" in parts:
         doc["hooks"] = hooks_part(10 if args.quick else 40)
+    if "trainers" in parts:
+        doc["trainers"] = trainers_part(5)
     summary(doc)
-    failed = [r for part in ("codecs", "engines") for r in doc.get(part, []) if r.get("ok") is False]
+    failed = [r for part in ("codecs", "engines", "trainers") for r in doc.get(part, []) if r.get("ok") is False]
     doc["failed"] = len(failed)
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = doc["environment"].get("gpu", "cpu").lower().replace(" ", "_")
