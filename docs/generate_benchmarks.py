@@ -344,6 +344,12 @@ def gpu() -> list[str]:
                        num(r.get("kernels")), num(next((v for k, v in r.items() if k.endswith("_kernels")), None)),
                        num(r.get("host_syncs"))]
                       for r in j["codecs"] if "gradsync_s" in r))
+        trainers = [r for r in j.get("trainers", []) if "case" in r]
+        if trainers:
+            out += ["Lightning's documented GPU recipe (`DDPStrategy(ddp_comm_state=<gradsync state built before the "
+                    "process group>, ddp_comm_hook=...)`, one GPU): "
+                    + "; ".join(f"{r['case']} {'ran' if r.get('ok') else 'FAILED'} ({r.get('buckets', 0)} buckets)"
+                                for r in trainers) + ".", ""]
         hooks = {r["method"]: r["median_s"] for r in j.get("hooks", []) if "method" in r}
         if hooks:
             out += ["DDP step time, NCCL with one rank, methods interleaved (median):", ""]
