@@ -125,6 +125,9 @@ class AutoCompression:
         self._steps: dict[str, CompressionStep] = {"none": CompressionStep("none", runtime=runtime)}
         self._groups: dict[str, _Group] = {}
         self._this_step: list[tuple[str, float]] = []
+        #: the groups the last complete step launched (DDP rebuilds its buckets after the first iteration: the
+        #: first ones are never seen again)
+        self._live: list[str] = []
         self._lock = threading.Lock()
         self._last_done = -math.inf
         self._events: list[threading.Event] = []
@@ -155,15 +158,19 @@ class AutoCompression:
             step = self._steps[codec] = CompressionStep(CODECS.get(codec).create(), runtime=self.runtime)
         return step
 
+    def _current_groups(self) -> list[str]:
+        return [k for k in self._live if k in self._groups] or list(self._groups)
+
     @property
     def choices(self) -> dict[str, AutoChoice]:
-        """The choice per group so far (settled or on trial)."""
-        return {k: g.choice for k, g in self._groups.items() if g.choice is not None}
+        """The choice per group in use (settled or on trial)."""
+        return {k: c for k in self._current_groups() if (c := self._groups[k].choice) is not None}
 
     @property
     def settled(self) -> bool:
-        """Whether every group seen has a final choice."""
-        return bool(self._groups) and all(g.final for g in self._groups.values())
+        """Whether every group in use (those of the last complete step) has a final choice."""
+        keys = self._current_groups()
+        return bool(keys) and all(self._groups[k].final for k in keys)
 
     # ---- one launch ----------------------------------------------------------------------------------------
     def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False,
@@ -205,9 +212,12 @@ class AutoCompression:
 
     def end_step(self) -> None:
         """Backward is over (the optimizer's ``step()``; the hook infers it from a group launching again): each
-        group's slack is the time from its launch to the last launch (or now, when called with none open)."""
+        group's slack is the time from its launch to the last launch. The step's timing callbacks are waited for
+        (bounded): one that ran late would otherwise charge the next step's launches to this step's times."""
+        self._wait_records()
         if not self._this_step:
             return
+        self._live = [k for k, _ in self._this_step]
         end = max(t for _, t in self._this_step)
         for key, t in self._this_step:
             self._groups[key].slack_s = max(0.0, end - t)
@@ -332,14 +342,15 @@ class AutoCompression:
         if not self.use_cache or self.runtime.rank != 0:
             return
         doc = {"type": AUTO_TYPE, "key": self.cache_key(),
-               "groups": {k: g.choice.to_dict() for k, g in self._groups.items() if g.choice is not None}}
+               "groups": {k: c.to_dict() for k, c in self.choices.items()}}
         write_cache(self.cache_path(), doc, "auto compression choices", stacklevel=4)
 
     # ---- the table -----------------------------------------------------------------------------------------
     def table(self) -> list[dict[str, Any]]:
         """One row per group: bytes, codec, predicted and measured seconds (None: not measured), and why."""
         rows = []
-        for key, g in self._groups.items():
+        for key in self._current_groups():
+            g = self._groups[key]
             c = g.choice
             codec = c.codec if c is not None else "none"
             measured = g.times.get(codec)
