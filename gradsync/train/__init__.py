@@ -10,6 +10,7 @@ another name than the function, so importing one never hides the other).
 ``communicator``: the communicators (allreduce on the planned schedule, allgather, through the parameter
 server) and :class:`CompressionStep`, which joins them to a compressor and a memory. ``grouped``:
 MergeComp's merged groups, overlapped with backward (:class:`MergedGroups`), and the profiled cost model.
+``auto_compression``: ``compression="auto"`` (:class:`AutoCompression`: a codec per group, measured against none).
 ``ps_trainer``: dist/mpi SGD, ASGD and ESGD on a KVStore as training loops (:class:`PSTrainer`).
 ``broadcast``: Horovod's :func:`broadcast_parameters` and :func:`broadcast_optimizer_state` (every replica
 starts from one rank's values). ``ps_overlap``: forward pre-hooks that wait for each parameter's pull. ``demo``: ``gradsync demo``'s workers.
@@ -27,6 +28,7 @@ _EXPORTS = {
     "COMMUNICATOR_TYPES": "communicator", "AllgatherCommunicator": "communicator",
     "AllreduceCommunicator": "communicator", "Communicator": "communicator", "CompressionStep": "communicator",
     "PSCommunicator": "communicator", "create_communicator": "communicator", "register_communicator": "communicator",
+    "AutoCompression": "auto_compression",
     "MergedGroups": "grouped", "profile_cost_model": "grouped",
     "ALGORITHMS": "ps_trainer", "PSTrainer": "ps_trainer", "create_trainer": "ps_trainer",
     "PullWaits": "ps_overlap", "attach_pull_waits": "ps_overlap",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from gradsync.comm.runtime import Runtime, is_initialized
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
 from gradsync.compress.memory import NoMemory
+from gradsync.train.auto_compression import AutoCompression, param_signature
 from gradsync.train.communicator import AllreduceCommunicator, CompressionStep, write_aggregate
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
@@ -47,7 +48,10 @@ class CompressionHookState:
 
     Hyper-parameters:
 
-    * ``compression`` -- a compressor name or :class:`Compressor`; ``memory`` (default: the compressor's
+    * ``compression`` -- a compressor name or :class:`Compressor`, or ``"auto"`` (a codec per bucket from those
+      ``allow`` permits: ``"lossless"``, ``"cast"`` (default), ``"any"``; measured against ``"none"`` on the first
+      steps and dropped where slower; ``state.auto.report()`` prints the choices) or an
+      :class:`~gradsync.train.AutoCompression`; ``memory`` (default: the compressor's
       usual error feedback) and ``communicator`` (default: the compressor's own) complete the step;
     * ``merge`` -- ``"layerwise"`` or ``"bucket"`` (see the module doc);
     * ``runtime`` -- the gradsync runtime whose communication thread runs the exchanges (default: ``gradsync.init``'s,
@@ -62,8 +66,9 @@ class CompressionHookState:
 
     def __init__(
         self,
-        compression: Compressor | str,
+        compression: Compressor | AutoCompression | str,
         *,
+        allow: str | None = None,
         memory: Memory | str | None = None,
         communicator: str | None = None,
         merge: str = "layerwise",
@@ -75,9 +80,22 @@ class CompressionHookState:
             raise CompressionError(f"merge={merge!r} must be one of {HOOK_MERGE_MODES} for the DDP hook")
         if model is not None and named_parameters is not None:
             raise CompressionError("pass model or named_parameters, not both (they name the same parameters)")
-        self.step = CompressionStep(compression, memory, communicator, runtime=runtime)
+        named = list(model.named_parameters() if model is not None else named_parameters or [])
+        auto = compression == "auto" if isinstance(compression, str) else isinstance(compression, AutoCompression)
+        if allow is not None and not auto:
+            raise CompressionError(f"allow={allow!r} only applies with compression='auto'; pass it or leave allow out")
+        #: compression="auto"'s per-bucket choices (None for a fixed compressor)
+        self.auto: AutoCompression | None = None
+        if auto:
+            if memory is not None or communicator is not None:
+                raise CompressionError("compression='auto' picks each bucket's memory and communicator itself; "
+                                       f"leave out memory={memory!r} and communicator={communicator!r}")
+            self.auto = compression if isinstance(compression, AutoCompression) else AutoCompression(
+                allow or "cast", runtime=runtime, signature=param_signature(named) if named else None)
+            self.step = self.auto.base
+        else:
+            self.step = CompressionStep(compression, memory, communicator, runtime=runtime)  # type: ignore[arg-type]
         self.merge = merge
-        named = model.named_parameters() if model is not None else named_parameters
         self._names: dict[int, str] = {id(p): n for n, p in named} if named is not None else {}
         #: For ``merge="bucket"``: each merged group's name -> the parameter names in it, as DDP bucketed them.
         self.bucket_members: dict[str, list[str]] = {}
@@ -90,7 +108,7 @@ class CompressionHookState:
         #: then casts the whole bucket and sums it with the process group's own future where it can.
         self.cast_dtype: torch.dtype | None = (
             step.compressor.cast_dtype
-            if type(step.memory) is NoMemory and type(step.communicator) is AllreduceCommunicator
+            if self.auto is None and type(step.memory) is NoMemory and type(step.communicator) is AllreduceCommunicator
             else None
         )
         if runtime is not None or is_initialized() or (dist.is_available() and dist.is_initialized()):
@@ -135,11 +153,15 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
             for i, (p, g) in enumerate(zip(bucket.parameters(), tensors))
         ]
     for info in infos:
-        state.payload_bytes += comp.payload_bytes(info.shape, info.dtype)
+        state.payload_bytes += comp.payload_bytes(info.shape, info.dtype) if state.auto is None else 0
         state.dense_bytes += info.nbytes
     # The views in ``tensors`` alias ``buffer``; the local half copies what it needs before anything is written,
     # and an aggregate may be decoded straight into its gradient's place in the bucket (reuse).
-    inner = state.step.step_async(tensors, infos, reuse=True)
+    if state.auto is not None:  # the bucket is auto's group, whatever merge says
+        key = infos[0].name if state.merge == "bucket" else _bucket_key(state, bucket)
+        inner = state.auto.step_async(tensors, infos, reuse=True, key=key)
+    else:
+        inner = state.step.step_async(tensors, infos, reuse=True)
     out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def write_back(fut: torch.futures.Future) -> None:

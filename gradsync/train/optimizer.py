@@ -61,6 +61,10 @@ class DistributedOptimizer:
     ``"auto"``: the first step runs layer-wise while recording when each gradient is ready, then h and g
     are profiled on this machine and the exact search picks the partition (compressor and memory state are
     reset then). Backward order is assumed to be the reverse of ``named_parameters`` (``"auto"`` observes it).
+    ``compression="auto"`` (issue 40): each group runs the codec :mod:`gradsync.compress.auto` picks from those
+    ``allow`` permits (``"lossless"``, ``"cast"`` -- the default --, ``"any"``), measured against ``"none"`` on its
+    first steps and dropped where slower (:class:`~gradsync.train.AutoCompression`; pass one to set its wire,
+    codec costs or clock); ``optimizer.compression.report()`` prints the choices.
     ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
     gradients travel on the last one (gradient accumulation; scale each micro-batch's loss by 1/N for a mean). A
     parameter's gradient arriving more often raises; :meth:`no_sync` marks extra passes as local instead.
@@ -82,6 +86,7 @@ class DistributedOptimizer:
         memory: Memory | str | None = None,
         communicator: str | None = None,
         backward_passes_per_step: int = 1,
+        allow: str | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -124,8 +129,10 @@ class DistributedOptimizer:
         self.group_bytes: list[int] = []
         self.wait_seconds = 0.0  # time step() spent waiting on communication (exposed comm time)
         self.compression = None
+        if allow is not None and not _is_auto(compression):
+            raise GradsyncError(f"allow={allow!r} only applies with compression='auto'; pass compression='auto' or leave allow out")
         if compression is not None:
-            self._init_compression(named, compression, merge, memory, communicator)
+            self._init_compression(named, compression, merge, memory, communicator, allow)
         elif merge != "layerwise" or memory is not None or communicator is not None:
             raise GradsyncError(
                 f"merge={merge!r}, memory={memory!r}, communicator={communicator!r} only apply with compression=...; "
@@ -209,8 +216,9 @@ class DistributedOptimizer:
 
     # ---- compressed path (gradsync.compress) -----------------------------------------------------------
     def _init_compression(self, named: list[tuple[str, torch.nn.Parameter]], compression: Any, merge: Any,
-                          memory: Any, communicator: str | None) -> None:
+                          memory: Any, communicator: str | None, allow: str | None = None) -> None:
         from gradsync.compress.merge import resolve_merge
+        from gradsync.train.auto_compression import AutoCompression, param_signature
         from gradsync.train.communicator import CompressionStep
 
         if self.op != "avg":
@@ -222,7 +230,15 @@ class DistributedOptimizer:
         dtypes = sorted({str(p.dtype) for _, p in trainable})
         if len(dtypes) > 1:
             raise GradsyncError(f"compression merges one dtype, but the parameters are {dtypes}; cast the model first")
-        self.compression = CompressionStep(compression, memory, communicator, runtime=self.runtime)
+        if _is_auto(compression):
+            if merge == "auto" or memory is not None or communicator is not None:
+                raise GradsyncError(f"compression='auto' picks each group's codec, memory and communicator itself; "
+                                    f"merge={merge!r}, memory={memory!r}, communicator={communicator!r} cannot be combined "
+                                    "with it (pass merge='layerwise', an int or a Partition, and no memory/communicator)")
+            self.compression = compression if isinstance(compression, AutoCompression) else AutoCompression(
+                allow or "cast", runtime=self.runtime, signature=param_signature(trainable))
+        else:
+            self.compression = CompressionStep(compression, memory, communicator, runtime=self.runtime)
         self._params = list(reversed(trainable))  # backward order: the reverse of registration (forward) order
         self._dtype = self._params[0][1].dtype if self._params else torch.float32
         self.partition = resolve_merge(merge, [p.numel() for _, p in self._params])
@@ -265,6 +281,9 @@ class DistributedOptimizer:
         results = self._groups.wait()
         synced = time.perf_counter()
         self.wait_seconds += synced - t0
+        end_step = getattr(self.compression, "end_step", None)
+        if end_step is not None:  # compression="auto": backward is over, its groups' slack is known
+            end_step()
         for (_, p), r in zip(self._params, results):
             if p.grad is None:
                 p.grad = r.detach().clone()
@@ -354,6 +373,15 @@ class DistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _is_auto(compression: object) -> bool:
+    """Whether ``compression`` asks for per-group choice ("auto" or an AutoCompression)."""
+    if isinstance(compression, str):
+        return compression == "auto"
+    from gradsync.train.auto_compression import AutoCompression
+
+    return isinstance(compression, AutoCompression)
 
 
 def _layerwise(n: int) -> Partition:

@@ -35,3 +35,12 @@ def test_broadcast_makes_every_parameter_and_optimizer_state_rank_0s(tmp_path):
         assert rep["state_tensors"] == 3 * 4, (rank, rep)  # Adam: step, exp_avg, exp_avg_sq per parameter (4)
         assert rep["hyper"] == reports[0]["hyper"] and rep["hyper"][0]["lr"] == 0.01, (rank, rep)
         assert rep["mismatch_error"] and "pass the same tensors on every rank" in rep["mismatch_error"], (rank, rep)
+
+
+def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and_the_hook(tmp_path):
+    reports = launch(WORKER, ["auto", str(tmp_path)], WORLD, tmp_path, timeout_s=180)
+    for path in ("optimizer", "hook"):
+        got = [rep[path] for rep in reports]
+        assert all(g["settled"] for g in got), got
+        assert got[0]["codecs"] and all(g["codecs"] == got[0]["codecs"] for g in got), got  # decided once for the job
+        assert all(g["hash"] == got[0]["hash"] for g in got), [g["report"] for g in got]

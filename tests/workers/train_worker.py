@@ -160,7 +160,42 @@ def scenario_broadcast() -> dict:
     }
 
 
-SCENARIOS = {"accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast}
+def scenario_auto() -> dict:
+    """compression="auto" through the optimizer and the DDP hook on a slow (fake) wire: each replica's parameters,
+    hashed, and the codecs chosen -- the same on every rank."""
+    import hashlib
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradsync.compress.auto import AlphaBeta
+    from gradsync.train import AutoCompression
+
+    rt = gradsync.init()
+    wire = AlphaBeta(1e-4, 1e6)  # 1 MB/s: compressing pays on the model's side
+    out = {}
+    for path in ("optimizer", "hook"):
+        model = _model()
+        auto = AutoCompression("any", runtime=rt, wire=wire, codec_cost=lambda codec, numel: 0.0, probe_steps=1)
+        if path == "optimizer":
+            opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                                runtime=rt, compression=auto)
+            net = model
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            net = DDP(model)
+            net.register_comm_hook(gradsync.CompressionHookState(auto, runtime=rt, model=model), gradsync.compression_hook)
+        for step in range(4):
+            _loss(net, *_micro(step, RANK, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[path] = {"hash": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "settled": auto.settled,
+                     "codecs": {k: c.codec for k, c in auto.choices.items()}, "report": auto.report()}
+    gradsync.shutdown()
+    return out
+
+
+SCENARIOS = {"auto": scenario_auto, "accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast}
 
 
 def main() -> None:

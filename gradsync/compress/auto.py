@@ -1,0 +1,283 @@
+"""``compression="auto"``: pick a codec per merged group (or DDP bucket) that never loses to not compressing.
+
+Pure algorithm layer (issue 40): given what a group is (bytes, dtype, shapes), a wire model (seconds to move
+``n`` bytes by allreduce or allgather over ``W`` ranks), the codec costs measured on this device and the
+time backward still runs after the group is ready, :func:`choose` prices every codec the policy allows and
+keeps the cheapest; :func:`review` drops a choice that measured slower than ``"none"``. The runtime half
+(measuring, agreeing across ranks, caching) is :class:`gradsync.train.AutoCompression`.
+
+Per group and codec ``c`` (``h``: encode + decode here, ``g``: the wire, ``slack``: backward left)::
+
+    predicted(c) = h_c(x) + rounds_c * wire(collective_c, payload_c / rounds_c, W)
+    exposed(c)   = max(0, predicted(c) - slack)        # hidden behind backward: free
+
+The smallest ``exposed`` wins; ties go to the earlier codec of the policy (``"none"`` first, then casts,
+then error-feedback codecs), so a group that any codec would hide is not compressed. Groups are priced
+one by one: that they share one communication stream is left to the measurement (:func:`review`).
+
+Policies (``allow=``) say what accuracy a user gives up, as data (:data:`POLICIES`):
+
+* ``"lossless"`` -- ``"none"``, and casts to the gradient's own dtype (fp16 on an fp16 model);
+* ``"cast"`` -- plus fp16 (rounds each gradient once, no error feedback needed);
+* ``"any"`` -- plus the error-feedback codecs: PowerSGD at ranks 1 and 4, top-k and DGC at 1% / 0.1%,
+  EF-signSGD and QSGD.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gradsync.compress.base import COMMUNICATORS, CompressionError, Compressor, TwoRoundCompressor, create
+from gradsync.compress.merge_model import Cost
+from gradsync.compress.profile import MeasuredCost, measure_codec
+from gradsync.registry import Registry
+
+__all__ = [
+    "ACCURACY",
+    "CODECS",
+    "POLICIES",
+    "AlphaBeta",
+    "AutoChoice",
+    "CodecOption",
+    "CodecProfile",
+    "GroupSpec",
+    "WireModel",
+    "allowed",
+    "choose",
+    "profile_codecs",
+    "review",
+]
+
+#: Accuracy classes from none lost to most: a policy allows every class up to its own.
+ACCURACY = ("lossless", "cast", "any")
+
+
+@dataclass(frozen=True)
+class CodecOption:
+    """One codec ``auto`` may pick: a registry compressor with fixed parameters and its accuracy class.
+
+    ``accuracy``: ``"lossless"`` (the exact sum), ``"cast"`` (rounds to ``cast_to``; lossless on a model of that
+    dtype) or ``"any"`` (needs error feedback to converge).
+    """
+
+    name: str
+    compressor: str
+    params: tuple[tuple[str, Any], ...] = ()
+    accuracy: str = "any"
+    cast_to: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.accuracy not in ACCURACY:
+            raise CompressionError(f"accuracy={self.accuracy!r} of codec {self.name!r} must be one of {ACCURACY}")
+
+    def create(self) -> Compressor:
+        """A fresh compressor (its own per-tensor state)."""
+        return create(self.compressor, **dict(self.params))
+
+    def accuracy_for(self, dtype: torch.dtype) -> str:
+        """The class on a model of ``dtype``: a cast to the model's own dtype rounds nothing."""
+        return "lossless" if self.cast_to is not None and self.cast_to == dtype else self.accuracy
+
+
+#: The codecs ``auto`` considers, in preference order (ties go to the earlier one).
+CODECS: Registry[CodecOption] = Registry("auto codec", CompressionError)
+for _option in (
+    CodecOption("none", "none", accuracy="lossless"),
+    CodecOption("fp16", "fp16", accuracy="cast", cast_to=torch.float16),
+    CodecOption("powersgd-r4", "powersgd", (("rank", 4),)),
+    CodecOption("powersgd-r1", "powersgd", (("rank", 1),)),
+    CodecOption("topk-1%", "topk", (("ratio", 0.01),)),
+    CodecOption("dgc-0.1%", "dgc", (("ratio", 0.001), ("seed", 0))),
+    CodecOption("qsgd", "qsgd", (("levels", 127), ("seed", 0))),
+    CodecOption("efsignsgd", "efsignsgd"),
+):
+    CODECS.add(_option.name, _option)
+
+#: ``allow=`` names -> the accuracy class they allow up to.
+POLICIES: Mapping[str, str] = {"lossless": "lossless", "cast": "cast", "any": "any"}
+
+
+def allowed(policy: str, dtype: torch.dtype) -> tuple[CodecOption, ...]:
+    """The codecs ``policy`` allows on gradients of ``dtype``, in preference order (``"none"`` always first)."""
+    if policy not in POLICIES:
+        raise CompressionError(f"allow={policy!r} must be one of {sorted(POLICIES)} (what accuracy auto may give up)")
+    limit = ACCURACY.index(POLICIES[policy])
+    return tuple(o for o in (CODECS.get(n) for n in CODECS.names()) if ACCURACY.index(o.accuracy_for(dtype)) <= limit)
+
+
+# -- inputs ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One merged group or DDP bucket as the codec sees it.
+
+    ``shapes``: the tensors it compresses, each alone (one flat ``(numel,)`` for a merged flat group, each
+    parameter's shape for a layer-wise bucket), so PowerSGD's payload is that of its matrices. ``slack_s``:
+    seconds of backward still to run once the group is ready (0: nothing to hide behind).
+    """
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    slack_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        shapes = tuple(tuple(int(s) for s in shape) for shape in self.shapes)
+        if not shapes:
+            raise CompressionError(f"group {self.name!r} has no tensors; give at least one shape")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise CompressionError(f"dtype={self.dtype!r} of group {self.name!r} must be a floating torch.dtype")
+        if not (isinstance(self.slack_s, (int, float)) and math.isfinite(self.slack_s) and self.slack_s >= 0):
+            raise CompressionError(f"slack_s={self.slack_s!r} of group {self.name!r} must be seconds >= 0")
+        object.__setattr__(self, "shapes", shapes)
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def payload_bytes(self, compressor: Compressor) -> int:
+        """What one rank sends with ``compressor``: each tensor's payload, summed."""
+        return sum(compressor.payload_bytes(s, self.dtype) for s in self.shapes)
+
+
+class WireModel(Protocol):
+    """Seconds one collective of ``nbytes`` per rank takes over ``world`` ranks (``collective``: allreduce/allgather)."""
+
+    def __call__(self, collective: str, nbytes: float, world: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """The α–β wire: ring allreduce ``2 (W-1) (α + M / (W β))``, allgather ``(W-1) (α + M / β)``.
+
+    ``alpha_s``: seconds per message step; ``bytes_per_s``: the slowest link's rate (``inf``: a wire that is
+    infinitely fast). The runtime builds one from its calibrated :class:`~gradsync.sim.cost.CostModel`.
+    """
+
+    alpha_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.alpha_s) and self.alpha_s >= 0):
+            raise CompressionError(f"alpha_s={self.alpha_s!r} must be finite seconds >= 0")
+        if not self.bytes_per_s > 0:
+            raise CompressionError(f"bytes_per_s={self.bytes_per_s!r} must be > 0 (inf: an infinitely fast wire)")
+
+    def __call__(self, collective: str, nbytes: float, world: int) -> float:
+        if world <= 1:
+            return 0.0
+        if collective == "allreduce":
+            return 2 * (world - 1) * (self.alpha_s + nbytes / (world * self.bytes_per_s))
+        if collective == "allgather":
+            return (world - 1) * (self.alpha_s + nbytes / self.bytes_per_s)
+        raise CompressionError(f"collective={collective!r} must be one of {COMMUNICATORS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON (``inf`` as the string ``"inf"``): part of the cache key."""
+        rate = "inf" if math.isinf(self.bytes_per_s) else self.bytes_per_s
+        return {"type": "gradsync.alpha_beta", "alpha_s": self.alpha_s, "bytes_per_s": rate}
+
+
+@dataclass(frozen=True)
+class CodecProfile:
+    """Measured codec seconds per element count, one :class:`Cost` per codec name (``"none"`` costs 0)."""
+
+    costs: Mapping[str, Cost] = field(default_factory=dict)
+
+    def __call__(self, codec: str, numel: int) -> float:
+        if codec == "none":
+            return 0.0
+        cost = self.costs.get(codec)
+        if cost is None:
+            raise CompressionError(f"codec {codec!r} was not profiled (have {sorted(self.costs)}); profile it first")
+        return float(cost(numel))
+
+
+def profile_codecs(
+    options: Sequence[CodecOption], sizes: Sequence[int], dtype: torch.dtype, *, device: torch.device | str = "cpu",
+    repeats: int = 2,
+) -> CodecProfile:
+    """``measure_codec`` (encode + decode, min of ``repeats``) of each option at ``sizes``, interpolated."""
+    costs: dict[str, Cost] = {}
+    for option in options:
+        if option.name != "none":
+            samples = measure_codec(option.create(), sizes, repeats=repeats, dtype=dtype, device=device)
+            costs[option.name] = MeasuredCost.from_samples(samples)
+    return CodecProfile(costs)
+
+
+# -- choosing ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The codec picked for one group, what it sends, and its predicted seconds (and ``"none"``'s)."""
+
+    group: str
+    nbytes: int
+    codec: str
+    payload_bytes: int
+    predicted_s: float
+    none_s: float
+    #: why it is this codec: ``"model"`` (priced), ``"measured"`` (kept after measuring), ``"dropped"``
+    #: (measured slower than none), ``"cached"`` (an earlier job's)
+    reason: str = "model"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec, "nbytes": self.nbytes, "payload_bytes": self.payload_bytes,
+                "predicted_s": self.predicted_s, "none_s": self.none_s, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, group: str, doc: Any) -> AutoChoice:
+        try:
+            choice = cls(group, int(doc["nbytes"]), str(doc["codec"]), int(doc["payload_bytes"]),
+                         float(doc["predicted_s"]), float(doc["none_s"]), str(doc.get("reason", "cached")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CompressionError(f"cached choice for {group!r} is malformed ({exc}): {doc!r}") from None
+        CODECS.get(choice.codec)  # an unknown codec raises, naming the known ones
+        return choice
+
+
+def _price(option: CodecOption, spec: GroupSpec, wire: WireModel, codec_cost: Callable[[str, int], float],
+           world: int) -> tuple[int, float]:
+    comp = option.create()
+    payload = spec.payload_bytes(comp)
+    rounds = 2 if isinstance(comp, TwoRoundCompressor) else 1
+    seconds = codec_cost(option.name, spec.numel) + rounds * wire(comp.communicator, payload / rounds, world)
+    return payload, float(seconds)
+
+
+def choose(groups: Sequence[GroupSpec], *, policy: str, wire: WireModel, codec_cost: Callable[[str, int], float],
+           world: int) -> tuple[AutoChoice, ...]:
+    """Per group, the allowed codec with the least exposed time (module docstring); ties to the earlier codec."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CompressionError(f"world={world!r} must be an integer >= 1 (ranks the gradients are averaged over)")
+    out = []
+    for spec in groups:
+        options = allowed(policy, spec.dtype)
+        priced = [(o, *_price(o, spec, wire, codec_cost, world)) for o in options]
+        none_s = priced[0][2]
+        best = min(range(len(priced)), key=lambda i: (max(0.0, priced[i][2] - spec.slack_s), i))
+        option, payload, seconds = priced[best]
+        out.append(AutoChoice(spec.name, spec.nbytes, option.name, payload, seconds, none_s))
+    return tuple(out)
+
+
+def review(choice: AutoChoice, measured_s: float, measured_none_s: float) -> AutoChoice:
+    """After measuring: a choice slower than ``"none"`` on this group is dropped for ``"none"``; else kept."""
+    if choice.codec == "none":
+        return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "measured")
+    if measured_s > measured_none_s:
+        return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "dropped")
+    return AutoChoice(choice.group, choice.nbytes, choice.codec, choice.payload_bytes, choice.predicted_s,
+                      choice.none_s, "measured")

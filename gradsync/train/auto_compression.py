@@ -1,0 +1,372 @@
+"""``compression="auto"`` on a live job: per group, run the codec :func:`gradsync.compress.auto.choose` picks,
+measure it against ``"none"``, and drop it where it loses (issue 40).
+
+Each group (a merged group of :class:`DistributedOptimizer`, or a DDP bucket of the compressed hook) goes
+through the same few steps, as ``auto`` explores plans:
+
+1. its first ``probe_steps`` launches run ``"none"``, timed: the baseline, and when the group is ready
+   against when backward ends (its *slack*, the time a transfer can hide behind);
+2. at the next launch the codec is chosen (wire model + codec costs profiled on this device + slack), once
+   for the job: rank 0 computes it and every rank gets the same bytes (the runtime's job-wide decide, as
+   :meth:`PlanCache.decide <gradsync.comm.plans.PlanCache.decide>`), so replicas stay bit-identical;
+3. the chosen codec then runs ``probe_steps`` launches, timed; at the next one rank 0's measurements decide,
+   for every rank, whether it stays (:func:`~gradsync.compress.auto.review`: slower than ``"none"`` -> dropped).
+
+Settled choices are cached (JSON) per model signature, wire model, device, world size and policy, so the next
+job with the same ones starts decided; another wire or parameter signature misses the cache.
+:meth:`AutoCompression.report` prints one table: group, bytes, codec, predicted and measured time.
+A measured time is the group's local half (compensate, compress) plus its exchange's service time on the
+communication thread (from when it could start -- queued behind the previous job -- to its end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gradsync.comm.runtime import Runtime, Work
+from gradsync.comm.tuning import write_cache
+from gradsync.compress.auto import (
+    CODECS,
+    POLICIES,
+    AlphaBeta,
+    AutoChoice,
+    GroupSpec,
+    WireModel,
+    allowed,
+    choose,
+    profile_codecs,
+    review,
+)
+from gradsync.compress.base import CompressionError, TensorInfo
+from gradsync.train.communicator import CompressionStep
+
+__all__ = ["AUTO_TYPE", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
+
+#: The cache file's ``"type"``.
+AUTO_TYPE = "gradsync.compression_auto"
+#: Launches per group timed with ``"none"``, then with the choice.
+PROBE_STEPS = 2
+#: How long a review waits for a timing callback of a job already finished (it runs on the comm thread).
+RECORD_WAIT_S = 5.0
+
+
+def wire_of(runtime: Runtime) -> AlphaBeta:
+    """The runtime's calibrated wire as α–β: α of one native ring step (or one executor message), β the
+    slowest link's rate (measured per link class where calibrated) times the transport's goodput."""
+    cm = runtime.cost_model
+    rates = list(cm.link_GBps.values()) or [min(link.directed_GBps) for link in runtime.topology.links]
+    alpha = cm.native_message_s if getattr(runtime.caps, "native", False) else cm.message_s
+    return AlphaBeta(float(alpha), min(rates) * cm.goodput * 1e9)
+
+
+def param_signature(named: Iterable[tuple[str, Tensor]]) -> list[list[Any]]:
+    """``[name, shape, dtype]`` per parameter: what a cached choice is valid for."""
+    return [[n, list(p.shape), str(p.dtype)] for n, p in named]
+
+
+@dataclass
+class _Group:
+    spec: GroupSpec
+    launches: int = 0
+    choice: AutoChoice | None = None
+    final: bool = False
+    slack_s: float = 0.0
+    times: dict[str, list[float]] = field(default_factory=dict)
+
+
+class AutoCompression:
+    """Per-group codec choice for ``compression="auto"``; duck-types :class:`CompressionStep`'s ``step_async``.
+
+    ``allow``: the policy (``"lossless"``, ``"cast"``, ``"any"``; :data:`gradsync.compress.auto.POLICIES`).
+    ``wire``: seconds per collective (default: :func:`wire_of` the runtime); ``codec_cost``: seconds per
+    ``(codec, numel)`` (default: profiled on this device by rank 0 at the first choice). ``clock``: the timer
+    (a fake one in tests). ``signature``: the parameters (:func:`param_signature`) the cache is keyed by;
+    None keeps nothing on disk (``cache=False`` too). ``current``: the codec of the launch in progress.
+    """
+
+    def __init__(
+        self,
+        allow: str = "cast",
+        *,
+        runtime: Runtime | None = None,
+        wire: WireModel | None = None,
+        codec_cost: Callable[[str, int], float] | None = None,
+        probe_steps: int = PROBE_STEPS,
+        clock: Callable[[], float] = time.perf_counter,
+        signature: list[list[Any]] | None = None,
+        cache: bool = True,
+    ) -> None:
+        if allow not in POLICIES:
+            raise CompressionError(f"allow={allow!r} must be one of {sorted(POLICIES)} (what accuracy auto may give up)")
+        if isinstance(probe_steps, bool) or not isinstance(probe_steps, int) or probe_steps < 1:
+            raise CompressionError(f"probe_steps={probe_steps!r} must be an integer >= 1 (timed launches per codec)")
+        if wire is not None and not callable(wire):
+            raise CompressionError(f"wire={wire!r} must be a callable (collective, nbytes, world) -> seconds")
+        self.allow = allow
+        self.probe_steps = probe_steps
+        self.clock = clock
+        self.signature = signature
+        self.use_cache = cache and signature is not None
+        self._wire = wire
+        self._codec_cost = codec_cost
+        self._steps: dict[str, CompressionStep] = {"none": CompressionStep("none", runtime=runtime)}
+        self._groups: dict[str, _Group] = {}
+        self._this_step: list[tuple[str, float]] = []
+        #: the groups the last complete step launched (DDP rebuilds its buckets after the first iteration: the
+        #: first ones are never seen again)
+        self._live: list[str] = []
+        self._lock = threading.Lock()
+        self._last_done = -math.inf
+        self._events: list[threading.Event] = []
+        self._loaded = False
+        #: whether the settled choices came from an earlier job's cache
+        self.cached = False
+        self.current = "none"
+
+    # ---- the runtime --------------------------------------------------------------------------------------
+    @property
+    def base(self) -> CompressionStep:
+        """The ``"none"`` step: its communicator finds the runtime (at once or at the first bucket)."""
+        return self._steps["none"]
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.base.communicator.runtime
+
+    @property
+    def wire(self) -> WireModel:
+        if self._wire is None:
+            self._wire = wire_of(self.runtime)
+        return self._wire
+
+    def _step(self, codec: str) -> CompressionStep:
+        step = self._steps.get(codec)
+        if step is None:
+            step = self._steps[codec] = CompressionStep(CODECS.get(codec).create(), runtime=self.runtime)
+        return step
+
+    def _current_groups(self) -> list[str]:
+        return [k for k in self._live if k in self._groups] or list(self._groups)
+
+    @property
+    def choices(self) -> dict[str, AutoChoice]:
+        """The choice per group in use (settled or on trial)."""
+        return {k: c for k in self._current_groups() if (c := self._groups[k].choice) is not None}
+
+    @property
+    def settled(self) -> bool:
+        """Whether every group in use (those of the last complete step) has a final choice."""
+        keys = self._current_groups()
+        return bool(keys) and all(self._groups[k].final for k in keys)
+
+    # ---- one launch ----------------------------------------------------------------------------------------
+    def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False,
+                   key: str | None = None) -> Work:
+        """Run the group's codec (see the module doc) on ``tensors``; the work's result is their aggregates."""
+        if not infos:
+            raise CompressionError("step_async needs at least one tensor and its TensorInfo")
+        if not self._loaded:
+            self._loaded = True
+            self._load_cache()
+        key = key or (infos[0].name if len(infos) == 1 else f"{infos[0].name}..{infos[-1].name}")
+        if any(k == key for k, _ in self._this_step):
+            self.end_step()
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype))
+        t0 = self.clock()
+        self._this_step.append((key, t0))
+        codec, sink = self._codec_for(group)
+        group.launches += 1
+        self.current = codec
+        work = self._step(codec).step_async(tensors, infos, reuse=reuse)
+        t1 = self.clock()
+        event = threading.Event()
+
+        def record(_: Any) -> None:
+            now = self.clock()
+            with self._lock:
+                start = max(t1, self._last_done)
+                self._last_done = now
+            if sink is not None:
+                sink.append((t1 - t0) + max(0.0, now - start))
+            event.set()
+
+        if sink is not None:
+            self._events.append(event)
+        work.future.add_done_callback(record)
+        return work
+
+    def end_step(self) -> None:
+        """Backward is over (the optimizer's ``step()``; the hook infers it from a group launching again): each
+        group's slack is the time from its launch to the last launch. The step's timing callbacks are waited for
+        (bounded): one that ran late would otherwise charge the next step's launches to this step's times."""
+        self._wait_records()
+        if not self._this_step:
+            return
+        self._live = [k for k, _ in self._this_step]
+        end = max(t for _, t in self._this_step)
+        for key, t in self._this_step:
+            self._groups[key].slack_s = max(0.0, end - t)
+        self._this_step = []
+
+    def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
+        """The codec of this launch and the list its time goes to (None: not timed)."""
+        p, n = self.probe_steps, group.launches
+        if group.final:
+            return group.choice.codec, None  # type: ignore[union-attr]
+        if n < p:
+            return "none", group.times.setdefault("none", [])
+        if n == p:
+            group.choice = self._agree_choice(group)
+            if group.choice.codec == "none":
+                self._settle(group, review(group.choice, 0.0, 0.0))
+                return "none", None
+            return group.choice.codec, group.times.setdefault(group.choice.codec, [])
+        if n < 2 * p:
+            codec = group.choice.codec  # type: ignore[union-attr]
+            return codec, group.times.setdefault(codec, [])
+        self._settle(group, self._agree_review(group))
+        return group.choice.codec, None  # type: ignore[union-attr]
+
+    # ---- deciding once for the job -------------------------------------------------------------------------
+    def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
+        """``compute()`` on rank 0, the same bytes everywhere (the runtime's job-wide decide); with one rank, here."""
+        rt = self.runtime
+        if rt.world_size == 1:
+            return compute()
+        return rt.plans.decide(f"compression-auto/{key}", compute)
+
+    def _agree_choice(self, group: _Group) -> AutoChoice:
+        def compute() -> bytes:
+            spec = GroupSpec(group.spec.name, group.spec.shapes, group.spec.dtype, group.slack_s)
+            (choice,) = choose([spec], policy=self.allow, wire=self.wire, codec_cost=self.codec_cost,
+                               world=self.runtime.world_size)
+            return json.dumps(choice.to_dict()).encode()
+
+        return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"choose/{group.spec.name}", compute)))
+
+    def _agree_review(self, group: _Group) -> AutoChoice:
+        choice = group.choice
+        if choice is None:
+            raise CompressionError(f"group {group.spec.name!r} is reviewed before it was given a codec")
+
+        def compute() -> bytes:
+            self._wait_records()
+            measured = float(np.mean(group.times.get(choice.codec) or [math.inf]))
+            none = float(np.mean(group.times.get("none") or [math.inf]))
+            return json.dumps(review(choice, measured, none).to_dict()).encode()
+
+        return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"review/{group.spec.name}", compute)))
+
+    def _wait_records(self) -> None:
+        events, self._events = self._events, []
+        deadline = time.monotonic() + RECORD_WAIT_S
+        for e in events:
+            e.wait(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def codec_cost(self) -> Callable[[str, int], float]:
+        """Codec seconds per ``(codec, numel)``: given, or profiled here at sizes spanning the groups seen."""
+        if self._codec_cost is None:
+            sizes = [g.spec.numel for g in self._groups.values()]
+            probes = sorted({int(round(v)) for v in np.geomspace(max(1, min(sizes)), max(1, max(sizes)), 4)})
+            dtype = next(iter(self._groups.values())).spec.dtype
+            self._codec_cost = profile_codecs(allowed(self.allow, dtype), probes, dtype, device=self._device())
+        return self._codec_cost
+
+    def _device(self) -> torch.device:
+        try:
+            return self.runtime.device
+        except AttributeError:
+            return torch.device("cpu")
+
+    def _settle(self, group: _Group, choice: AutoChoice) -> None:
+        group.choice, group.final = choice, True
+        if self.settled:
+            self._write_cache()
+
+    # ---- the cache -----------------------------------------------------------------------------------------
+    def cache_key(self) -> dict[str, Any]:
+        """What cached choices are valid for: parameters, wire, device, world size, policy and codecs."""
+        wire = self.wire
+        wire_doc = wire.to_dict() if hasattr(wire, "to_dict") else repr(wire)
+        return {"signature": self.signature, "wire": wire_doc, "device": self._device().type,
+                "world": self.runtime.world_size, "allow": self.allow, "codecs": CODECS.names()}
+
+    def cache_path(self) -> str:
+        base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
+        digest = hashlib.sha256(json.dumps(self.cache_key(), sort_keys=True).encode()).hexdigest()[:16]
+        return os.path.join(base, f"compression-auto-{digest}.json")
+
+    def _load_cache(self) -> None:
+        if not self.use_cache:
+            return
+        path = self.cache_path()
+        raw = self._decide(f"cache/{os.path.basename(path)}",
+                           lambda: open(path, "rb").read() if os.path.isfile(path) else b"")
+        if not raw:
+            return
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("type") != AUTO_TYPE or doc.get("key") != self.cache_key():
+                raise CompressionError("written for other parameters, another wire or device")
+            choices = [AutoChoice.from_dict(g, entry) for g, entry in dict(doc["groups"]).items()]
+        except (ValueError, KeyError, TypeError, CompressionError) as exc:
+            warnings.warn(f"ignoring the cached auto compression choices {path} ({exc}); measuring again", stacklevel=4)
+            return
+        dtype = getattr(torch, str(self.signature[0][2]).rsplit(".", 1)[-1]) if self.signature else torch.float32
+        permitted = {o.name for o in allowed(self.allow, dtype)}
+        for c in choices:
+            if c.codec not in permitted:
+                continue  # never run what the policy does not allow, whatever a file says
+            cached = AutoChoice(c.group, c.nbytes, c.codec, c.payload_bytes, c.predicted_s, c.none_s, "cached")
+            spec = GroupSpec(c.group, ((max(1, c.nbytes),),), torch.float32)  # replaced by the real shapes at launch
+            self._groups[c.group] = _Group(spec, choice=cached, final=True)
+        self.cached = bool(choices)
+
+    def _write_cache(self) -> None:
+        if not self.use_cache or self.runtime.rank != 0:
+            return
+        doc = {"type": AUTO_TYPE, "key": self.cache_key(),
+               "groups": {k: c.to_dict() for k, c in self.choices.items()}}
+        write_cache(self.cache_path(), doc, "auto compression choices", stacklevel=4)
+
+    # ---- the table -----------------------------------------------------------------------------------------
+    def table(self) -> list[dict[str, Any]]:
+        """One row per group: bytes, codec, predicted and measured seconds (None: not measured), and why."""
+        rows = []
+        for key in self._current_groups():
+            g = self._groups[key]
+            c = g.choice
+            codec = c.codec if c is not None else "none"
+            measured = g.times.get(codec)
+            rows.append({"group": key, "bytes": g.spec.nbytes if c is None else c.nbytes, "codec": codec,
+                         "predicted_s": None if c is None else c.predicted_s,
+                         "measured_s": float(np.mean(measured)) if measured else None,
+                         "reason": "probing" if c is None else c.reason})
+        return rows
+
+    def report(self) -> str:
+        """:meth:`table` as text."""
+        def us(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e6:.1f}"
+
+        lines = [f"{'group':<40} {'bytes':>12} {'codec':<12} {'predicted us':>13} {'measured us':>12}  reason"]
+        for r in self.table():
+            lines.append(f"{r['group'][:40]:<40} {r['bytes']:>12d} {r['codec']:<12} {us(r['predicted_s']):>13} "
+                         f"{us(r['measured_s']):>12}  {r['reason']}")
+        return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""compression="auto"'s chooser (issue 40) on fake wires and fake codec costs: no device timing anywhere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradsync.compress.auto import (
+    CODECS,
+    POLICIES,
+    AlphaBeta,
+    AutoChoice,
+    CodecProfile,
+    GroupSpec,
+    allowed,
+    choose,
+    review,
+)
+from gradsync.compress.base import CompressionError
+from gradsync.compress.merge_model import LinearCost
+
+FAST = AlphaBeta(0.0, math.inf)
+SLOW = AlphaBeta(1e-3, 1e3)  # 1 KB/s: every byte counts
+
+
+def _free_codecs(codec: str, numel: int) -> float:
+    return 0.0
+
+
+def _cheap_codecs(codec: str, numel: int) -> float:
+    return 0.0 if codec == "none" else 1e-6 + 1e-9 * numel
+
+
+GROUPS = [
+    GroupSpec("fc.weight", ((512, 256),), torch.float32),
+    GroupSpec("fc.bias", ((512,),), torch.float32),
+    GroupSpec("merged[0:3]", ((70000,),), torch.float32),
+    GroupSpec("bucket0", ((64, 3, 3, 3), (64,), (128, 64)), torch.float32),
+]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_an_infinitely_fast_wire_picks_none_everywhere(policy: str) -> None:
+    for cost in (_cheap_codecs, _free_codecs):  # even codecs that cost nothing tie with none, and none wins ties
+        picks = choose(GROUPS, policy=policy, wire=FAST, codec_cost=cost, world=4)
+        assert [c.codec for c in picks] == ["none"] * len(GROUPS)
+        assert all(c.payload_bytes == c.nbytes == g.nbytes for c, g in zip(picks, GROUPS))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_very_slow_wire_picks_the_smallest_payload_the_policy_allows(policy: str) -> None:
+    picks = choose(GROUPS, policy=policy, wire=SLOW, codec_cost=_cheap_codecs, world=2)
+    for spec, pick in zip(GROUPS, picks):
+        # independent expectation: every allowed codec's payload, from the compressors themselves
+        payloads = {o.name: sum(o.create().payload_bytes(s, spec.dtype) for s in spec.shapes)
+                    for o in allowed(policy, spec.dtype)}
+        assert pick.payload_bytes == min(payloads.values()), (spec.name, pick, payloads)
+        assert pick.codec in payloads
+    if policy == "cast":
+        assert {p.codec for p in picks} == {"fp16"}
+    if policy == "lossless":
+        assert {p.codec for p in picks} == {"none"}
+
+
+def test_allow_is_never_violated() -> None:
+    wires = [FAST, SLOW, AlphaBeta(1e-4, 1e9), AlphaBeta(0.0, 1e6)]
+    classes = {"lossless": {"none"}, "cast": {"none", "fp16"}, "any": set(CODECS.names())}
+    for policy, permitted in classes.items():
+        for wire in wires:
+            for world in (2, 4, 16):
+                for cost in (_free_codecs, _cheap_codecs):
+                    for pick in choose(GROUPS, policy=policy, wire=wire, codec_cost=cost, world=world):
+                        assert pick.codec in permitted, (policy, wire, world, pick)
+    # an fp16 model: the cast rounds nothing, so "lossless" may use it
+    assert [o.name for o in allowed("lossless", torch.float16)] == ["none", "fp16"]
+    half = [GroupSpec("h", ((4096,),), torch.float16)]  # same payload as none, and it costs a pass: none
+    assert [c.codec for c in choose(half, policy="lossless", wire=SLOW, codec_cost=_cheap_codecs, world=2)] == ["none"]
+    assert [o.name for o in allowed("lossless", torch.float32)] == ["none"]
+    with pytest.raises(CompressionError, match="allow='lossy'"):
+        choose(GROUPS, policy="lossy", wire=SLOW, codec_cost=_cheap_codecs, world=2)
+
+
+def test_overlap_hides_a_group_behind_backward() -> None:
+    wire = AlphaBeta(0.0, 1e8)  # 100 MB/s
+    spec = GroupSpec("g", ((1_000_000,),), torch.float32)  # 4 MB: 2 * 1 * 4e6 / (2 * 1e8) = 40 ms by allreduce
+    exposed = choose([spec], policy="cast", wire=wire, codec_cost=_cheap_codecs, world=2)[0]
+    assert exposed.codec == "fp16" and exposed.none_s == pytest.approx(0.04)
+    hidden = GroupSpec("g", spec.shapes, spec.dtype, slack_s=0.05)  # backward runs 50 ms more: none is free
+    assert choose([hidden], policy="cast", wire=wire, codec_cost=_cheap_codecs, world=2)[0].codec == "none"
+
+
+def test_codec_cost_decides_when_the_wire_is_cheap() -> None:
+    wire = AlphaBeta(0.0, 1e9)
+    spec = GroupSpec("g", ((1_000_000,),), torch.float32)  # none: 4 ms on 2 ranks; fp16 saves 2 ms
+    slow_codec = CodecProfile({"fp16": LinearCost(0.0, 3e-9)})  # 3 ms: more than it saves
+    fast_codec = CodecProfile({"fp16": LinearCost(0.0, 1e-9)})  # 1 ms: less
+    assert choose([spec], policy="cast", wire=wire, codec_cost=slow_codec, world=2)[0].codec == "none"
+    pick = choose([spec], policy="cast", wire=wire, codec_cost=fast_codec, world=2)[0]
+    assert pick.codec == "fp16" and pick.predicted_s == pytest.approx(1e-3 + 2e-3)
+
+
+def test_a_choice_measured_slower_than_none_is_dropped() -> None:
+    pick = AutoChoice("g", 4000, "topk-1%", 80, 1e-3, 4e-3)
+    dropped = review(pick, measured_s=5e-3, measured_none_s=4e-3)
+    assert (dropped.codec, dropped.payload_bytes, dropped.reason) == ("none", 4000, "dropped")
+    kept = review(pick, measured_s=2e-3, measured_none_s=4e-3)
+    assert (kept.codec, kept.payload_bytes, kept.reason) == ("topk-1%", 80, "measured")
+
+
+def test_wire_model_closed_forms_and_json() -> None:
+    w = AlphaBeta(1e-4, 1e9)
+    assert w("allreduce", 4e6, 4) == pytest.approx(2 * 3 * (1e-4 + 4e6 / 4e9))
+    assert w("allgather", 4e6, 4) == pytest.approx(3 * (1e-4 + 4e6 / 1e9))
+    assert w("allreduce", 4e6, 1) == 0.0
+    assert FAST.to_dict()["bytes_per_s"] == "inf"
+    with pytest.raises(CompressionError, match="collective='broadcast'"):
+        w("broadcast", 1, 2)
+    with pytest.raises(CompressionError, match="bytes_per_s=0"):
+        AlphaBeta(0.0, 0)
+    assert AutoChoice.from_dict("g", pick_dict := AutoChoice("g", 8, "fp16", 4, 1.0, 2.0).to_dict()).codec == "fp16"
+    with pytest.raises(CompressionError, match="auto codec"):
+        AutoChoice.from_dict("g", {**pick_dict, "codec": "zip"})

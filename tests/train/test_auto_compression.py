@@ -1,0 +1,156 @@
+"""compression="auto" on a live optimizer (issue 40), one rank, a fake wire and a fake clock: measuring drops a
+codec slower than none, the choices are cached for the next job and ignored when the wire or the parameters change."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.comm.local import LocalFabric
+from gradsync.comm.runtime import Runtime
+from gradsync.compress.auto import AlphaBeta
+from gradsync.compress.base import CompressionError
+from gradsync.errors import GradsyncError
+from gradsync.train.auto_compression import PROBE_STEPS, AutoCompression, param_signature
+from gradsync.train.optimizer import DistributedOptimizer
+
+
+@dataclass(frozen=True)
+class AnyWorldWire:
+    """A slow wire that prices one rank as if it had peers (AlphaBeta's one rank costs nothing)."""
+
+    seconds_per_byte: float
+
+    def __call__(self, collective: str, nbytes: float, world: int) -> float:
+        return nbytes * self.seconds_per_byte
+
+    def to_dict(self) -> dict:
+        return {"type": "test.wire", "seconds_per_byte": self.seconds_per_byte}
+
+
+SLOW = AnyWorldWire(1e-3)
+
+
+def _slow_any_world(collective: str, nbytes: float, world: int) -> float:
+    return nbytes * 1e-3  # one rank has no wire: price it as if it had a slow one
+
+
+class FakeClock:
+    """Advances on the training thread only, by ``cost[codec]`` per call, ``codec`` being the launch's."""
+
+    def __init__(self, cost: dict[str, float]) -> None:
+        self.cost, self.now, self.auto = cost, 0.0, None
+
+    def __call__(self) -> float:
+        if threading.current_thread() is threading.main_thread() and self.auto is not None:
+            self.now += self.cost.get(self.auto.current, self.cost["other"])
+        return self.now
+
+
+@pytest.fixture
+def rt() -> Iterator[Runtime]:
+    runtime = Runtime(LocalFabric(1).transport(0))
+    yield runtime
+    runtime.shutdown()
+
+
+def _model(wide: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, wide), torch.nn.ReLU(), torch.nn.Linear(wide, 2))
+
+
+def _train(rt: Runtime, auto: AutoCompression, steps: int, wide: int = 16) -> tuple[DistributedOptimizer, list[str]]:
+    model = _model(wide)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge=2)
+    first: list[str] = []
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        if step == 0:
+            first = [c for c in (auto.current,)]
+        opt.step()
+        opt.zero_grad()
+    return opt, first
+
+
+def _auto(rt: Runtime, clock: FakeClock, wire=_slow_any_world, signature=None) -> AutoCompression:
+    auto = AutoCompression("cast", runtime=rt, wire=wire, codec_cost=lambda codec, numel: 0.0, clock=clock,
+                           signature=signature)
+    clock.auto = auto
+    return auto
+
+
+def test_a_choice_measured_slower_than_none_is_dropped(rt: Runtime) -> None:
+    clock = FakeClock({"none": 1e-6, "other": 1e-4})  # fp16 looks 100x slower on this clock (seconds far under the wire's)
+    auto = _auto(rt, clock)
+    _train(rt, auto, 2 * PROBE_STEPS + 1)
+    rows = auto.table()
+    assert len(rows) == 2 and auto.settled
+    for row in rows:  # the slow wire made the model pick fp16; measuring dropped it
+        assert (row["codec"], row["reason"]) == ("none", "dropped"), rows
+    assert "dropped" in auto.report() and "predicted us" in auto.report()
+
+
+def test_a_choice_measured_faster_than_none_is_kept(rt: Runtime) -> None:
+    clock = FakeClock({"none": 1e-4, "other": 1e-6})
+    auto = _auto(rt, clock)
+    _train(rt, auto, 2 * PROBE_STEPS + 1)
+    rows = auto.table()
+    assert [(r["codec"], r["reason"]) for r in rows] == [("fp16", "measured")] * 2
+    assert all(r["measured_s"] is not None and r["predicted_s"] > 0 for r in rows)
+
+
+def test_an_infinitely_fast_wire_runs_none_without_a_trial(rt: Runtime) -> None:
+    clock = FakeClock({"none": 1e-6, "other": 1e-6})
+    auto = _auto(rt, clock, wire=AlphaBeta(0.0, float("inf")))
+    _train(rt, auto, PROBE_STEPS + 1)
+    assert auto.settled and {r["codec"] for r in auto.table()} == {"none"}
+
+
+def test_cached_choices_are_reused_and_ignored_after_a_change(rt: Runtime, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    sig = param_signature(_model().named_parameters())
+    auto = _auto(rt, FakeClock({"none": 1e-4, "other": 1e-6}), wire=SLOW, signature=sig)
+    _train(rt, auto, 2 * PROBE_STEPS + 1)
+    assert not auto.cached and {c.codec for c in auto.choices.values()} == {"fp16"}
+    assert len(list(tmp_path.glob("compression-auto-*.json"))) == 1
+
+    # the next job: same parameters, wire and device -> decided from its first step, nothing measured
+    again = _auto(rt, FakeClock({"none": 1e-6, "other": 1e-4}), wire=SLOW, signature=sig)
+    _, first = _train(rt, again, 1)
+    assert again.cached and first == ["fp16"] and again.settled
+    assert {r["reason"] for r in again.table()} == {"cached"}
+
+    # another wire model: the cache does not apply
+    other_wire = _auto(rt, FakeClock({"none": 1e-6, "other": 1e-6}), wire=AnyWorldWire(2e-3), signature=sig)
+    _, first = _train(rt, other_wire, 1)
+    assert not other_wire.cached and first == ["none"]
+
+    # another parameter signature (a wider hidden layer): the cache does not apply
+    wide = param_signature(_model(wide=32).named_parameters())
+    other_model = _auto(rt, FakeClock({"none": 1e-6, "other": 1e-6}), wire=SLOW, signature=wide)
+    _, first = _train(rt, other_model, 1, wide=32)
+    assert not other_model.cached and first == ["none"]
+
+
+def test_bad_arguments_are_refused(rt: Runtime) -> None:
+    with pytest.raises(CompressionError, match="allow='some'"):
+        AutoCompression("some", runtime=rt)
+    with pytest.raises(CompressionError, match="probe_steps=0"):
+        AutoCompression(runtime=rt, probe_steps=0)
+    model = _model()
+    with pytest.raises(GradsyncError, match="allow='cast' only applies"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt, compression="fp16", allow="cast")
+    with pytest.raises(GradsyncError, match="merge='auto'"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt, compression="auto", merge="auto")
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression="auto", allow="any")
+    assert isinstance(opt.compression, AutoCompression) and opt.compression.allow == "any"
+    opt.remove_hooks()
