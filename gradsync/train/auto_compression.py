@@ -248,6 +248,10 @@ class AutoCompression:
         rt = self.runtime
         if rt.world_size == 1:
             return compute()
+        if rt.caps.decide is None:  # each rank would choose from its own timings: replicas would drift apart
+            raise CompressionError(
+                f"compression='auto' needs a transport that shares one decision across the job (torch.distributed's "
+                f"store); this runtime's {type(rt.transport).__name__} cannot: pass a fixed codec instead")
         return rt.plans.decide(f"compression-auto/{key}", compute)
 
     def _agree_choice(self, group: _Group) -> AutoChoice:

@@ -154,3 +154,17 @@ def test_bad_arguments_are_refused(rt: Runtime) -> None:
                                compression="auto", allow="any")
     assert isinstance(opt.compression, AutoCompression) and opt.compression.allow == "any"
     opt.remove_hooks()
+
+
+def test_auto_refuses_a_transport_that_cannot_share_its_decision() -> None:
+    """Two ranks of the in-process fabric have no job-wide decide: each would choose from its own timings."""
+    fabric = LocalFabric(2)
+    runtimes = [Runtime(fabric.transport(r)) for r in range(2)]
+    try:
+        assert runtimes[0].caps.decide is None
+        auto = AutoCompression(runtime=runtimes[0])
+        with pytest.raises(CompressionError, match="shares one decision"):
+            auto._decide("choose/g0", lambda: b"{}")
+    finally:
+        for runtime in runtimes:
+            runtime.shutdown()
