@@ -200,6 +200,40 @@ def vs_native() -> list[str]:
     return out
 
 
+#: ``gradsync bench vs-native --cases fabrics`` results, one file per batch of cases (twins kept together)
+FABRIC_RESULTS = ("vs_native_fabrics_two_racks.json", "vs_native_fabrics_three_racks.json")
+
+
+def vs_native_fabrics() -> list[str]:
+    out = ["## Hand-written topology files against gloo (`gradsync bench vs-native --cases fabrics`, root)", "",
+           "Files in `benchmarks/fabrics/` written as a user describes a cluster (no `attrs`, nominal rates in GB/s; "
+           "the slowest link runs at the file case's rate on the testbed), started with `gradsync.init(topology="
+           "file)` and nothing else, beside the built-in `racks:r,s,o` of the same fabric (same uplink rate). "
+           "Medians of alternating calls in the same processes; `pick` is what `auto` ran after its first calls; "
+           "`predicted` is the cost model's speed-up with the model `init` ended with; `from` is the smallest swept "
+           "size from which gradsync stays ahead.", ""]
+    for rel in FABRIC_RESULTS:
+        if not (RESULTS / rel).is_file():
+            continue
+        j = load(rel)
+        out += [f"### `{rel}` ({j['created']}, {j['args']['reps']} reps)", "", *sources(rel)]
+        rows = []
+        for r in j["results"]:
+            for a in r["allreduce"]:
+                med, pred = a["median_s"], a["predicted_s"]
+                ran = a.get("ran") or [a["choice"]["algorithm"], a["choice"]["pipeline"]]
+                rows.append([r["case"], r["topology"].rsplit("/", 1)[-1], r["rate"], size(a["size_bytes"]),
+                             num(med["native"]), num(med["gradsync"]), f"{ran[0]}/{ran[1]}",
+                             num(med["native"] / med["gradsync"]), num(pred["native"] / pred["gradsync"]),
+                             num(med["gradsync"] / pred["gradsync"]),
+                             size(r["advantage_from_bytes"]) if r.get("advantage_from_bytes") else "–",
+                             num(r.get("init_s"), 2)])
+        out += table(["case", "topology", "rate", "size", "gloo s", "gradsync s", "pick", "speed-up", "predicted",
+                      "measured / predicted", "from", "init s"], rows)
+        out += ["", *block(j["summary"])]
+    return out
+
+
 def tictac() -> list[str]:
     j = load("tictac/tictac.json")
     sim = j["simulation"]
@@ -321,7 +355,7 @@ def compress_testbed() -> list[str]:
 
 
 SECTIONS: list[Callable[[], list[str]]] = [
-    plan_scaling, plan_fabrics, sim_scaling, bml, allreduce_loopback, vs_native, tictac, mxnet_mpi, ps_loopback,
+    plan_scaling, plan_fabrics, sim_scaling, bml, allreduce_loopback, vs_native, vs_native_fabrics, tictac, mxnet_mpi, ps_loopback,
     codecs, hooks, mergecomp, compress_testbed,
 ]
 
