@@ -202,6 +202,9 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             data["run_s"] = time.perf_counter() - t0
     finally:
         testbed.down()
+    path = Path(case.topology)
+    if path.is_absolute() and path.is_relative_to(_ROOT):  # a shipped file: named from the checkout, not this machine
+        data["topology"] = str(path.relative_to(_ROOT))
     data.update(case=case.name, rate=rate, tcp_idle_restart=args.idle_restart, probe=rows, as_user=case.as_user,
                 goal=case.goal, goal_sizes=case.goal_sizes, goal_from=case.goal_from, twin=case.twin)
     return data
