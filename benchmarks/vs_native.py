@@ -272,7 +272,7 @@ def summarize(results: list[dict[str, Any]]) -> tuple[list[str], bool]:
             if twin is not None:
                 mine = {a["size_bytes"]: a["speedup"] for a in r["allreduce"]}
                 for a in twin["allreduce"]:
-                    if a["size_bytes"] in mine and a["size_bytes"] >= 1 << 20:
+                    if a["size_bytes"] in mine:
                         theirs = a["median_s"]["native"] / a["median_s"]["gradsync"]
                         rel = mine[a["size_bytes"]] / theirs - 1
                         ok = abs(rel) <= BUILTIN_REL or rel > 0
