@@ -20,8 +20,16 @@ emulated network, are the bottleneck (lower ``--rate``).
 
 Cases (``--cases``): ``racks`` (racks:2,3,4: two racks of three servers, uplinks at 1/4 of a NIC),
 ``bcube`` (bcube:3,2, 9 servers with 2 NICs), ``switch`` (switch:8, flat), ``fattree`` (fattree:4, 16
-servers: heavy for 2 cores, not in the default set). Writes ``vs_native.json`` and ``vs_native.png`` to
-``--out``. Needs root; exits 2 where the testbed cannot run.
+servers: heavy for 2 cores, not in the default set). Writes ``<--name>.json`` and ``<--name>.png`` (default
+``vs_native``) to ``--out``. Needs root; exits 2 where the testbed cannot run.
+
+Topology files (``--topology FILE,...``, or ``--cases fabrics``: the hand-written files in
+``benchmarks/fabrics/`` beside the built-in each one describes) run as a new user runs them:
+``gradsync.init(topology=file)`` with nothing else, no probe and no cost model given (``init``'s defaults
+decide whether to measure the wire). A file's unit link (its slowest) runs at ``--rate``; a built-in's unit
+link is its NIC, so a built-in twin runs at ``rate × o`` to give both the same uplinks. Each such case
+sweeps ``--sizes`` and reports the smallest size from which gradsync stays ahead of gloo
+(``advantage_from_bytes``).
 
 TCP is cubic, without slow start after idle (``net.ipv4.tcp_slow_start_after_idle=0`` in every
 namespace; ``--idle-restart`` keeps Linux's default). The methods alternate call by call, so each one's
@@ -63,6 +71,31 @@ class Case:
     goal: float
     goal_sizes: tuple[int, ...] | None = None
     train_goal: float | None = None
+    #: start gradsync as a user does (``init(topology)`` alone: no probe, no cost model, default calibration)
+    as_user: bool = False
+    #: the built-in case describing the same fabric (its speed-up should be within BUILTIN_REL of this one's)
+    twin: str | None = None
+    #: the speed-up goal applies from this size up (``goal_sizes`` lists exact sizes instead)
+    goal_from: int | None = None
+
+
+FABRICS = _ROOT / "benchmarks" / "fabrics"
+#: Rate of a hand-written file's unit (slowest) link on the testbed: 60 Mbit/s keeps 6-9 ranks network-bound
+#: on 2 shared cores.
+FABRIC_RATE_MBIT = 60
+#: A hand-written file's speed-up should be within this share of its built-in twin's.
+BUILTIN_REL = 0.10
+#: Sizes a fabric case sweeps unless ``--sizes`` is given: where the advantage starts, and the 4 MiB goal.
+FABRIC_SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def _file_case(name: str, path: Path, twin: str | None = None, goal: float = 0.97,
+               goal_from: int | None = None) -> Case:
+    return Case(name, str(path), f"{FABRIC_RATE_MBIT}mbit", (), goal, None, None, True, twin, goal_from)
+
+
+def _builtin_case(name: str, spec: str, oversubscription: int) -> Case:
+    return Case(name, spec, f"{FABRIC_RATE_MBIT * oversubscription}mbit", (), 0.97, None, None, True)
 
 
 CASES = {
@@ -71,15 +104,34 @@ CASES = {
     "switch": Case("switch", "switch:8", "400mbit", ((0, 1), (4, 7)), 0.97),
     # full bisection: no topology advantage to win, so the goal is the flat switch's "never slower"
     "fattree": Case("fattree", "fattree:4", "200mbit", ((0, 1), (0, 2), (0, 15)), 0.97),
+    # hand-written files (benchmarks/fabrics/, no attrs), each beside the built-in of the same fabric
+    "file-4to1": _file_case("file-4to1", FABRICS / "two-tier-4to1.yaml", "builtin-4to1", 1.5, 4 << 20),
+    "builtin-4to1": _builtin_case("builtin-4to1", "racks:2,3,4", 4),
+    "file-3to1": _file_case("file-3to1", FABRICS / "two-tier-3to1.yaml", "builtin-3to1"),
+    "builtin-3to1": _builtin_case("builtin-3to1", "racks:2,3,3", 3),
+    "file-3racks": _file_case("file-3racks", FABRICS / "three-rack.yaml", "builtin-3racks"),
+    "builtin-3racks": _builtin_case("builtin-3racks", "racks:3,3,3", 3),
+    "file-slowrack": _file_case("file-slowrack", FABRICS / "slow-rack.yaml"),
 }
+#: ``--cases fabrics``
+FABRIC_CASES = ("file-4to1", "builtin-4to1", "file-3to1", "builtin-3to1", "file-3racks", "builtin-3racks",
+                "file-slowrack")
 #: Allowed deviation of a measured median from the cost model's prediction.
 GOAL_REL_ERR = 0.15
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gradsync bench vs-native", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="racks,bcube,switch", help=f"comma-separated, of {sorted(CASES)}")
-    p.add_argument("--sizes", default=f"{4 * MIB},13107200,{50 * MIB}", help="allreduce sizes in bytes")
+    p.add_argument("--cases", default="racks,bcube,switch",
+                   help=f"comma-separated, of {sorted(CASES)}, or 'fabrics' ({', '.join(FABRIC_CASES)})")
+    p.add_argument("--topology", default="",
+                   help="comma-separated topology files to run as a user would (gradsync.init(topology=file), "
+                        f"nothing else), their slowest link at --rate (default {FABRIC_RATE_MBIT}mbit); "
+                        "replaces --cases")
+    p.add_argument("--sizes", default=None,
+                   help=f"allreduce sizes in bytes (default {4 * MIB},13107200,{50 * MIB}; with --topology or "
+                        f"fabric cases {','.join(map(str, FABRIC_SIZES))})")
+    p.add_argument("--name", default="vs_native", help="stem of the JSON and PNG written to --out")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per method and size")
     p.add_argument("--steps", type=int, default=4, help="timed training steps per method (0: none)")
     p.add_argument("--rate", default=None, help="override every case's rate (tc syntax, e.g. 200mbit)")
@@ -98,9 +150,23 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.cases, args.sizes, args.reps, args.steps = "racks", str(4 * MIB), 2, 2
-    unknown = [c for c in args.cases.split(",") if c not in CASES]
-    if unknown:
-        p.error(f"unknown cases {unknown}; choose from {sorted(CASES)}")
+    if args.topology:
+        args.cases = ""
+        args.case_list = []
+        for f in args.topology.split(","):
+            path = Path(f).resolve()
+            if not path.is_file():
+                p.error(f"topology file {f!r} does not exist; give .json or .yaml files (see docs/topology-format.md)")
+            args.case_list.append(_file_case(path.stem, path))
+    else:
+        names = [n for c in args.cases.split(",") for n in (FABRIC_CASES if c == "fabrics" else (c,))]
+        unknown = [c for c in names if c not in CASES]
+        if unknown:
+            p.error(f"unknown cases {unknown}; choose from {sorted(CASES)} or 'fabrics'")
+        args.case_list = [CASES[n] for n in names]
+    if args.sizes is None:
+        fabric = any(c.as_user for c in args.case_list)
+        args.sizes = ",".join(map(str, FABRIC_SIZES)) if fabric else f"{4 * MIB},13107200,{50 * MIB}"
     return args
 
 
@@ -109,22 +175,25 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     from gradsync.testbed.control import load_state
     from gradsync.testbed.probe import cost_model
 
-    rate = args.rate or case.rate
+    rate = _rate(case, args)
     print(f"[{case.name}] testbed up: {case.topology} at {rate} ...", flush=True)
     testbed.up(case.topology, rate, idle_restart=args.idle_restart)
     try:
-        rows = testbed.probe(case.pairs, seconds=1.0)
-        model = cost_model(load_state(), [r for r in rows if r["ok"]])
+        rows = testbed.probe(case.pairs, seconds=1.0) if case.pairs else []
         with tempfile.TemporaryDirectory(prefix="gradsync-vs-native-") as tmp:
             os.chmod(tmp, 0o755)
-            model_file, out = Path(tmp) / "cost_model.json", Path(tmp) / "result.json"
-            model_file.write_text(json.dumps(model.to_dict()))
+            out = Path(tmp) / "result.json"
             cmd = [sys.executable, "-m", "benchmarks.vs_native_worker", "--out", str(out), "--topology",
                    case.topology, "--sizes", args.sizes, "--reps", str(args.reps), "--steps", str(args.steps)]
-            cmd += ["--calibrate"] if args.calibrate else []
+            env = {"OMP_NUM_THREADS": "1", "GRADSYNC_CACHE": tmp, "PYTHONPATH": pythonpath()}
+            if case.as_user:  # gradsync.init(topology=file) alone: its defaults decide what to measure
+                cmd += ["--calibrate", "default"]
+            else:  # the probe becomes the runtime's cost model, then calibration as asked
+                model_file = Path(tmp) / "cost_model.json"
+                model_file.write_text(json.dumps(cost_model(load_state(), [r for r in rows if r["ok"]]).to_dict()))
+                env["GRADSYNC_COST_MODEL"] = str(model_file)
+                cmd += ["--calibrate", "yes" if args.calibrate else "no"]
             cmd += [] if args.explore else ["--no-explore"]
-            env = {"OMP_NUM_THREADS": "1", "GRADSYNC_COST_MODEL": str(model_file), "GRADSYNC_CACHE": tmp,
-                   "PYTHONPATH": pythonpath()}
             t0 = time.perf_counter()
             code = testbed.run(cmd, env=env, timeout=args.timeout)
             if code != 0 or not out.is_file():
@@ -133,8 +202,32 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             data["run_s"] = time.perf_counter() - t0
     finally:
         testbed.down()
-    data.update(case=case.name, rate=rate, tcp_idle_restart=args.idle_restart, probe=rows)
+    path = Path(case.topology)
+    if path.is_absolute() and path.is_relative_to(_ROOT):  # a shipped file: named from the checkout, not this machine
+        data["topology"] = str(path.relative_to(_ROOT))
+    data.update(case=case.name, rate=rate, tcp_idle_restart=args.idle_restart, probe=rows, as_user=case.as_user,
+                goal=case.goal, goal_sizes=case.goal_sizes, goal_from=case.goal_from, twin=case.twin)
     return data
+
+
+def _rate(case: Case, args: argparse.Namespace) -> str:
+    """``--rate`` for a case's unit link; a built-in twin scales it as its own rate scales the file rate."""
+    if not args.rate:
+        return case.rate
+    from gradsync.testbed.build import parse_rate
+
+    return f"{parse_rate(args.rate) * parse_rate(case.rate) / parse_rate(CASES['file-4to1'].rate):g}mbit" \
+        if case.name.startswith("builtin-") else args.rate
+
+
+def advantage_from(rows: list[dict[str, Any]], floor: float = 1.0) -> int | None:
+    """The smallest swept size from which gradsync's median beats gloo's (speed-up above ``floor``) at that
+    size and every larger one swept; None when it does not at the largest."""
+    start = None
+    for a in sorted(rows, key=lambda a: a["size_bytes"]):
+        ahead = a["median_s"]["native"] / a["median_s"]["gradsync"] > floor
+        start = (start if start is not None else a["size_bytes"]) if ahead else None
+    return start
 
 
 def _ran(row: dict[str, Any]) -> dict[str, Any]:
@@ -147,8 +240,10 @@ def _ran(row: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(results: list[dict[str, Any]]) -> tuple[list[str], bool]:
     lines, met = [], True
+    by_name = {r["case"]: r for r in results}
     for r in results:
-        case = CASES[r["case"]]
+        case = CASES.get(r["case"]) or Case(r["case"], r["topology"], r["rate"], (), r.get("goal", 0.97), None)
+        goal_from = r.get("goal_from")
         for a in r["allreduce"]:
             med, ch, pred = a["median_s"], _ran(a), a["predicted_s"]
             native_pred = pred["native"]
@@ -156,7 +251,8 @@ def summarize(results: list[dict[str, Any]]) -> tuple[list[str], bool]:
             a["speedup"] = ratio
             a["gradsync_over_predicted"] = med["gradsync"] / pred["gradsync"]
             a["native_over_predicted"] = med["native"] / native_pred
-            goal_here = case.goal_sizes is None or a["size_bytes"] in case.goal_sizes
+            goal_here = (a["size_bytes"] >= goal_from if goal_from is not None
+                         else case.goal_sizes is None or a["size_bytes"] in case.goal_sizes)
             ok = ratio >= case.goal or not goal_here
             within = abs(a["gradsync_over_predicted"] - 1) <= GOAL_REL_ERR
             met &= ok and within and all(a["correct"].values())
@@ -167,6 +263,23 @@ def summarize(results: list[dict[str, Any]]) -> tuple[list[str], bool]:
                 f"x{a['gradsync_over_predicted']:.2f})  speed-up {ratio:.2f}"
                 + (f" (goal {case.goal}: {'met' if ok else 'NOT met'})" if goal_here else "")
                 + f"  CPU {a['cpu_busy_share']:.0%}" + ("" if all(a["correct"].values()) else "  WRONG RESULT"))
+        if r.get("as_user"):
+            start = r["advantage_from_bytes"] = advantage_from(r["allreduce"])
+            lines.append(f"{r['case']:8s} gradsync ahead of gloo from "
+                         + (f"{start / MIB:g} MiB" if start is not None else "no swept size")
+                         + f" (init {r.get('init_s', 0):.1f} s: {r['cost_model'].get('source', '')[:60]}...)")
+            twin = by_name.get(r.get("twin") or "")
+            if twin is not None:
+                mine = {a["size_bytes"]: a["speedup"] for a in r["allreduce"]}
+                for a in twin["allreduce"]:
+                    if a["size_bytes"] in mine:
+                        theirs = a["median_s"]["native"] / a["median_s"]["gradsync"]
+                        rel = mine[a["size_bytes"]] / theirs - 1
+                        ok = abs(rel) <= BUILTIN_REL or rel > 0
+                        met &= ok
+                        lines.append(f"{r['case']:8s} {a['size_bytes'] / MIB:6.2f} MiB  speed-up {mine[a['size_bytes']]:.2f} "
+                                     f"vs built-in {twin['case']} {theirs:.2f} ({rel:+.0%}; within {BUILTIN_REL:.0%}: "
+                                     f"{'met' if ok else 'NOT met'})")
         tr = r.get("train")
         if tr:
             med = tr["median_s"]
@@ -208,10 +321,45 @@ def plot(path: Path, results: list[dict[str, Any]]) -> None:
                 ax.bar_label(b, labels=[m.replace("gradsync_", "gs ")], fontsize=6, rotation=90, padding=2)
             labels.append((x + 0.9, "train step"))
         ax.set_xticks([p for p, _ in labels], [s for _, s in labels], fontsize=8)
-        ax.set_title(f"{r['topology']} at {r['rate']}", fontsize=10)
+        ax.set_title(f"{Path(r['topology']).name} at {r['rate']}", fontsize=10)
         ax.set_ylabel("seconds (median; black: cost model)")
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(path: Path, results: list[dict[str, Any]]) -> None:
+    """Speed-up over gloo against size, measured (markers) and predicted by the cost model (dotted), one line per
+    case: a hand-written file solid, its built-in twin dashed in the same colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colours: dict[str, Any] = {}
+    palette = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3)
+    twins = {r["twin"]: r["case"] for r in results if r.get("twin")}
+    for r in results:
+        key = twins.get(r["case"], r["case"])
+        colour = colours.setdefault(key, next(palette))
+        rows = sorted(r["allreduce"], key=lambda a: a["size_bytes"])
+        x = [a["size_bytes"] / MIB for a in rows]
+        measured = [a["median_s"]["native"] / a["median_s"]["gradsync"] for a in rows]
+        predicted = [a["predicted_s"]["native"] / a["predicted_s"]["gradsync"] for a in rows]
+        builtin = r["case"] in twins
+        label = f"{r['case']} ({Path(r['topology']).name} at {r['rate']})"
+        ax.plot(x, measured, "s--" if builtin else "o-", color=colour, label=label, alpha=0.8 if builtin else 1.0)
+        ax.plot(x, predicted, ":", color=colour, alpha=0.6)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("allreduce size (MiB)")
+    ax.set_ylabel("gloo time / gradsync time (median)")
+    ax.set_title("gradsync.init(topology=...) defaults vs gloo; dotted: cost model", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -227,19 +375,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args.timeout = 1800.0
     results = []
-    for name in args.cases.split(","):
-        results.append(run_case(CASES[name], args))
+    for case in args.case_list:
+        results.append(run_case(case, args))
     lines, met = summarize(results)
     print("\n".join(lines), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"type": RESULT_TYPE, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(),
-           "cpus": os.cpu_count(), "args": {k: v for k, v in vars(args).items()}, "summary": lines,
+           "cpus": os.cpu_count(), "args": {k: v for k, v in vars(args).items() if k != "case_list"},
+           "summary": lines,
            "goals_met": met, "results": results,
            "median_note": "every figure is a median of alternating samples in the same processes"}
-    (out / "vs_native.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    plot(out / "vs_native.png", results)
-    print(f"wrote {out / 'vs_native.json'} and {out / 'vs_native.png'}", flush=True)
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    (plot_sweep if all(r.get("as_user") for r in results) else plot)(out / f"{args.name}.png", results)
+    print(f"wrote {out / f'{args.name}.json'} and {out / f'{args.name}.png'}", flush=True)
     return 0 if met else 1
 
 

@@ -49,8 +49,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--no-explore", dest="explore", action="store_false",
                    help="gradsync.init(explore=False): the model's pipeline depths from the first call")
-    p.add_argument("--calibrate", action="store_true",
-                   help="gradsync.init(calibrate=True): measure the message costs on this wire first")
+    p.add_argument("--calibrate", choices=("yes", "no", "default"), default="no",
+                   help="gradsync.init(calibrate=True / False / left out: init's default, which measures the wire "
+                        "only where the choice turns on it)")
     return p.parse_args(argv)
 
 
@@ -190,8 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    rt = gradsync.init(args.topology, "auto", timeout_s=args.timeout, calibrate=args.calibrate,
-                       explore=args.calibrate and args.explore)
+    calibrate = {"yes": True, "no": False, "default": None}[args.calibrate]
+    if calibrate is None and args.explore:  # exactly what a user writes
+        rt = gradsync.init(args.topology, timeout_s=args.timeout)
+    else:
+        rt = gradsync.init(args.topology, "auto", timeout_s=args.timeout, calibrate=calibrate,
+                           explore=None if args.explore else False)
     out: dict[str, Any] = {"topology": args.topology, "world_size": rt.world_size,
                            "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate, "explore": rt.explore,
                            "init_s": time.perf_counter() - t0,

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from gradsync.topology import Device, Link, Topology
+
+# Calibrations and tuned choices (``gradsync.init`` caches them in $GRADSYNC_CACHE, ~/.cache/gradsync by default)
+# go to a directory of this session's own, inherited by every worker it starts: a test never reads what an earlier
+# run, or the user's own jobs, left there. Tests of the cache itself set their own.
+os.environ["GRADSYNC_CACHE"] = tempfile.mkdtemp(prefix="gradsync-test-cache-")
 
 
 @pytest.fixture(scope="module")

@@ -573,7 +573,7 @@ def init(
     options: PlanOptions | None = None,
     timeout_s: float = 60.0,
     cost_model: CostModel | str | None = None,
-    calibrate: bool = False,
+    calibrate: bool | None = None,
     explore: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
 ) -> Runtime:
@@ -585,13 +585,19 @@ def init(
     ``switch:<world_size>``; ``mapping`` places topology ranks on process ranks (default: in order).
     ``cost_model`` (a :class:`~gradsync.sim.cost.CostModel`, a JSON file, or ``$GRADSYNC_COST_MODEL``)
     prices schedules for ``algorithm="auto"``, which chooses per message size (native collective
-    included); without one, the topology's own rates and default message costs are used. ``calibrate``
-    measures the message costs on this wire (:meth:`Runtime.calibrate`, a second or so) once per topology
-    and model: the result is cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then
-    ``auto`` times its candidates for the small size classes (:meth:`Runtime.tune`), cached the same way,
-    and the first calls of each larger class time the model's pipeline depth beside its half and its
-    double (:attr:`Runtime.explore`; ``explore`` turns that on or off, default: as ``calibrate``); each such
-    pick joins the same cache, so the next job runs it from its first call. ``trace`` (default
+    included); without one, the topology's own rates and default message costs are used, checked on the wire
+    where that matters (below). ``calibrate=True`` measures the message costs, the wire's two-way loss and
+    the slowest path's rate (:meth:`Runtime.calibrate`, seconds) once per topology and model: the result is
+    cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then ``auto`` times its candidates
+    for the small size classes (:meth:`Runtime.tune`), cached the same way. The default (``None``) runs the
+    quick calibration (message costs and the slowest path's rate, no two-way loss, no small-class timing),
+    cached the same way, only where the pick turns on them: ``auto`` on a topology where some plan beats the
+    backend's ring in bandwidth (:meth:`Tuning.calibration_pays <gradsync.comm.tuning.Tuning.calibration_pays>`),
+    with no ``cost_model`` given; a file whose rates are nominal (4 GB/s written, 60 Mbit/s on the wire) is
+    then priced at the wire's. ``False`` measures nothing. After a calibration the first calls of each larger
+    class time the model's pipeline depth beside its half and its double (:attr:`Runtime.explore`;
+    ``explore`` turns that on or off, default: on where a calibration ran); each such pick joins the same
+    cache, so the next job runs it from its first call. ``trace`` (default
     ``$GRADSYNC_TRACE``): a ``.json`` path where each rank writes a Chrome trace-event file of its collectives at
     shutdown (``name.rank<r>.json`` with several ranks, or put ``{rank}`` in the path; :mod:`gradsync.comm.trace`).
     """
@@ -608,10 +614,12 @@ def init(
     model = load_cost_model(cost_model if cost_model is not None else os.environ.get("GRADSYNC_COST_MODEL"))
     _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model,
                        trace=trace)
-    if calibrate:
-        _RUNTIME.tuning.load_or_calibrate()
-        _RUNTIME.tuning.load_or_tune()
-    _RUNTIME.explore = calibrate if explore is None else bool(explore)
+    tuning = _RUNTIME.tuning
+    quick = calibrate is None and model is None and tuning.calibration_pays(algorithm)
+    if calibrate or quick:
+        tuning.load_or_calibrate(duplex=bool(calibrate))
+        tuning.load_or_tune(tune=bool(calibrate))
+    _RUNTIME.explore = bool(calibrate or quick) if explore is None else bool(explore)
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
 

@@ -30,17 +30,21 @@ from typing import Any
 import torch
 
 from gradsync.comm.executor import Executor
-from gradsync.comm.plans import Pick, PlanCache
+from gradsync.comm.plans import ALLREDUCE, PLANNED_BACKENDS, Pick, PlanCache
 from gradsync.errors import GradsyncError
 from gradsync.plan.synthesizers import SYNTHESIZERS
-from gradsync.sim.cost import NATIVE, CostModel, reverse_share_of, size_class
+from gradsync.sim.choose import PRUNE
+from gradsync.sim.cost import NATIVE, CostModel, reverse_share_of, size_class, stream_rate_of
 
-__all__ = ["DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "TUNED_TYPE",
+__all__ = ["DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
            "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
 #: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many).
 DUPLEX_BYTES = 4 << 20
+#: Repetitions of the one-way streams in the quick calibration ``init`` runs by default (:meth:`Tuning.calibrate`
+#: with ``duplex=False``): the rate check needs only a median, not κ's.
+QUICK_REPS = 2
 #: A calibrated ``reverse_share`` above this is capped: a link loaded both ways at under 2/3 of one way is
 #: a noisy measurement, not a property of the wire.
 MAX_REVERSE_SHARE = 0.5
@@ -178,17 +182,35 @@ class Tuning:
         if self.rank == 0 and doc is not None:
             write_cache(path, doc, what, stacklevel=5)
 
-    def load_or_calibrate(self) -> None:
-        """The cached calibration for this topology and model, or :meth:`calibrate` now."""
-        self.cached("cost_model", "calibration", lambda doc: self.set_cost_model(CostModel.from_dict(doc)),
-                    lambda: self.calibrate().to_dict())
+    def load_or_calibrate(self, *, duplex: bool = True) -> None:
+        """The cached calibration for this topology and model, or :meth:`calibrate` now (``duplex=False``: the
+        quick one ``init`` runs by default, kept in a file of its own)."""
+        kind = "cost_model" if duplex else "quick_cost_model"
+        self.cached(kind, "calibration", lambda doc: self.set_cost_model(CostModel.from_dict(doc)),
+                    lambda: (self.calibrate(duplex=True) if duplex else self.calibrate(QUICK_REPS, duplex=False)).to_dict())
 
-    def load_or_tune(self) -> None:
-        """``auto``'s cached small-size choices for the (calibrated) model, or :meth:`tune` now; then the larger
-        classes' explored picks join the same file."""
+    def calibration_pays(self, algorithm: str) -> bool:
+        """Whether ``init``'s default calibrates: ``auto`` chooses among planned schedules and the backend's
+        ring on this transport (a process group, a backend ``auto`` plans for, more than one rank, process
+        order), and the topology lets some plan beat that ring in bandwidth
+        (:meth:`~gradsync.sim.choose.Chooser.bandwidth_advantage` above ``1 / (1 - PRUNE)``). There the pick
+        turns on the wire's real rates and message costs, which a file's nominal rates do not give; on a flat
+        switch the ring stays whatever they are, and nothing is measured. Decided by rank 0 for every rank."""
+        plans = self.plans
+        caps = plans.caps
+        if (algorithm != "auto" or not caps.native or caps.backend not in PLANNED_BACKENDS or self.world_size == 1
+                or plans.mapping is not None):
+            return False
+        raw = plans.decide("calibration_pays", lambda: json.dumps(
+            plans.chooser(ALLREDUCE).bandwidth_advantage() > 1 / (1 - PRUNE)).encode())
+        return bool(json.loads(raw))
+
+    def load_or_tune(self, *, tune: bool = True) -> None:
+        """``auto``'s cached small-size choices for the (calibrated) model, or :meth:`tune` now (``tune=False``:
+        only what an earlier job cached); then the larger classes' explored picks join the same file."""
 
         def measure() -> dict[str, Any] | None:
-            tuned = self.tune()
+            tuned = self.tune() if tune else {}
             return {"type": TUNED_TYPE, "classes": {str(k): v for k, v in tuned.items()}} if tuned else None
 
         self.cached("tuned", "tuned choices", self.use_tuned, measure)
@@ -248,7 +270,7 @@ class Tuning:
             times.append(time.perf_counter() - t0)
         return max_over_ranks(caps.group, [statistics.median(times)], caps.collective_device())[0]
 
-    def calibrate(self, reps: int = 5, size_bytes: int = 4096) -> CostModel:
+    def calibrate(self, reps: int = 5, size_bytes: int = 4096, *, duplex: bool = True) -> CostModel:
         """Measure the per-message costs on this job's wire and price with them (returns the new model).
 
         Times a ``size_bytes`` allreduce (so bytes hardly count) on the planned ring through the executor,
@@ -259,10 +281,13 @@ class Tuning:
         ``reverse_share`` κ is what a link loaded both ways loses on this wire in steady state (acknowledgements,
         the transport's one thread per peer), measured on the extra bytes so that two streams' start-up is not
         counted (:func:`~gradsync.sim.cost.reverse_share_of`; median over ``reps`` alternating repetitions,
-        kept in ``[0, 0.5]``). The one-way time of :data:`DUPLEX_BYTES` also checks the topology's rates: a
-        path more than ``RATE_TOLERANCE`` times slower than the file says rescales every link first
-        (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning), and α is solved on those rates. Runs
-        on the communication thread, in order with queued collectives; needs a torch.distributed transport.
+        kept in ``[0, 0.5]``). The one-way streams also check the topology's rates, on the extra bytes of the
+        larger so that the start is not counted (:func:`~gradsync.sim.cost.stream_rate_of`): a path more than
+        ``RATE_TOLERANCE`` times slower than the file says rescales every link first
+        (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning), and α is solved on those rates.
+        ``duplex=False`` (the quick calibration ``init`` runs by default) times the one-way streams only and
+        keeps the model's κ. Runs on the communication thread, in order with queued collectives; needs a
+        torch.distributed transport.
         """
         if not self.plans.caps.native:
             raise GradsyncError(f"calibration needs a torch.distributed transport; this one is "
@@ -271,9 +296,9 @@ class Tuning:
             raise GradsyncError(f"reps={reps!r} must be an integer >= 1")
         if self.world_size == 1:
             return self.plans.cost_model
-        return self._submit(lambda: self._calibrate(reps, int(size_bytes)), "calibrate").wait()
+        return self._submit(lambda: self._calibrate(reps, int(size_bytes), duplex), "calibrate").wait()
 
-    def _calibrate(self, reps: int, size: int) -> CostModel:
+    def _calibrate(self, reps: int, size: int, duplex: bool) -> CostModel:
         import torch.distributed as dist
 
         plans, group, rank = self.plans, self.plans.caps.group, self.rank
@@ -307,15 +332,16 @@ class Tuning:
             t_ex = self.slowest(lambda: ex.run(buf), reps)
             t_nat = self.slowest(lambda: dist.all_reduce(buf, group=group), reps)
             rows = []  # one way and both ways alternate, so a busy spell of the CPU hits both alike
+            streams = ((one_way, half), (one_way, whole)) + (((both_ways, half), (both_ways, whole)) if duplex else ())
             for _ in range(reps + 1):  # the first repetition warms the connection up and is dropped
-                rows.append(tuple(self.slowest(lambda f=f, n=n: f(n), 1)
-                                  for f, n in ((one_way, half), (one_way, whole), (both_ways, half), (both_ways, whole))))
+                rows.append(tuple(self.slowest(lambda f=f, n=n: f(n), 1) for f, n in streams))
         finally:
             ex.close()
-        kappa = reverse_share_of(rows[1:], MAX_REVERSE_SHARE)
         base = plans.cost_model
-        if plans.mapping is None:  # the one-way stream also says whether the file's rates are the wire's
-            base, note = base.refined(plans.topology, 0, far, DUPLEX_BYTES, statistics.median(r[1] for r in rows[1:]))
+        kappa = reverse_share_of(rows[1:], MAX_REVERSE_SHARE) if duplex else base.reverse_share
+        if plans.mapping is None:  # the one-way streams also say whether the file's rates are the wire's
+            nbytes, seconds = stream_rate_of([r[:2] for r in rows[1:]], half * 4, whole * 4)
+            base, note = base.refined(plans.topology, 0, far, nbytes, seconds)
             if note is not None and rank == 0:
                 warnings.warn(f"calibration: {note}; give the topology its real link rates (or a cost model from "
                               f"`gradsync testbed probe --cost-model`) to plan with per-class rates", stacklevel=4)
@@ -335,7 +361,7 @@ class Tuning:
         model = replace(base, message_s=alpha, native_message_s=native, reverse_share=kappa,
                         source=f"{base.source}; message costs calibrated on {self.world_size} ranks "
                                f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native; both ways "
-                               f"{1 / (1 + kappa):.3f} of one way)")
+                               + (f"{1 / (1 + kappa):.3f} of one way)" if duplex else "not measured)"))
         self.set_cost_model(model)
         return model
 

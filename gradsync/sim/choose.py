@@ -23,13 +23,16 @@ from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
 from gradsync.sim.cost import NATIVE, CostModel, native_schedule, size_class
 from gradsync.topology.model import Topology
 
-__all__ = ["AUTO", "Candidate", "Choice", "Chooser", "algorithm_names", "algorithms_for", "plan_auto", "synthesize"]
+__all__ = ["AUTO", "DEPTH_PATIENCE", "Candidate", "Choice", "Chooser", "algorithm_names", "algorithms_for", "plan_auto", "synthesize"]
 
 #: The name that asks for the chooser's pick instead of one synthesizer.
 AUTO = "auto"
 
 #: A candidate that cannot beat the best so far by this fraction (by its lower bounds) is not simulated.
 PRUNE = 0.01
+#: An algorithm's deeper pipelines are still priced until this many depths in a row failed to beat its best:
+#: a planner may plan a different forest at the next depth (lp), so one rise is not yet its minimum.
+DEPTH_PATIENCE = 2
 
 
 def algorithm_names() -> list[str]:
@@ -114,6 +117,31 @@ class Chooser:
             self._checked.add(key)
         return self._schedules[key]
 
+    def fluid_s(self, algorithm: str, size: float) -> float:
+        """``algorithm``'s fluid time for ``size`` bytes on the model's rates (at the first pipeline depth):
+        its busiest link's load over that link's rate, the P → ∞, α → 0 limit of :meth:`CostModel.predict`."""
+        fast = self.model.rates(self.topology)
+        pipeline = 1 if algorithm == NATIVE else self.model.pipelines[0]
+        unit = float(self.topology.unit_bandwidth_GBps or 1.0) * 1e9
+        return self.schedule(algorithm, pipeline).link_loads(fast).cost(fast.directed_costs) * size / unit
+
+    def bandwidth_advantage(self) -> float:
+        """The backend's ring's fluid time over the least of the applicable synthesizers' (1.0 with none).
+
+        Above 1 where the topology lets a plan move fewer bytes over its bottleneck than the rank-order ring
+        (racks, BCube): there the choice between plans turns on the link rates the model prices with, so a
+        wrong rate (a file's nominal one) picks wrongly. On a flat switch it is 1: the native ring stays
+        whatever the rates, and nothing about the wire needs measuring to know it. A candidate too large to
+        plan here is left out."""
+        best = math.inf
+        for name in self.algorithms:
+            try:
+                best = min(best, self.fluid_s(name, 1.0))
+            except PlanError:
+                continue
+        native = self.fluid_s(NATIVE, 1.0)
+        return native / best if best > 0 and math.isfinite(best) else 1.0
+
     def candidates(self) -> list[tuple[str, int]]:
         """Every (algorithm, pipeline) the chooser may consider, ``native`` first."""
         return ([(NATIVE, 1)] if self.native else []) + [(n, p) for n in self.algorithms for p in self.model.pipelines]
@@ -135,29 +163,25 @@ class Chooser:
         candidate whose bound is within :data:`PRUNE` of the best so far is not simulated: it could win by
         less than that at most (lp converging on BML's optimum at depth 64 would otherwise cost minutes).
         Algorithms are tried by increasing fluid time, so the first good one prunes the rest; an
-        algorithm's pipeline depths are tried in increasing order until the prediction stops falling or
-        the bound passes the best (α grows with the depth while the fill time shrinks: one minimum)."""
+        algorithm's pipeline depths are tried in increasing order until the bound passes the best (α grows
+        with the depth while the fill time shrinks) or :data:`DEPTH_PATIENCE` depths in a row failed to beat
+        the algorithm's best (α against fill has one minimum, but lp may plan a different forest at each
+        depth: on three racks with a slower one it priced 0.650, 0.651, 0.621, 0.616 s at depths 4 to 32)."""
         cands: list[Candidate] = []
         if self.native:
             cands.append(Candidate(NATIVE, 1, self.model.predict_native(self.topology, size)))
-        unit = float(self.topology.unit_bandwidth_GBps or 1.0) * 1e9
-        fast = self.model.rates(self.topology)
-
-        def fluid_time(schedule: Schedule) -> float:
-            return schedule.link_loads(fast).cost(fast.directed_costs) * size / unit
-
         fluid: dict[str, float] = {}
         refused: dict[str, str] = {}
         for name in self.algorithms:
             try:
-                fluid[name] = fluid_time(self.schedule(name, self.model.pipelines[0]))
+                fluid[name] = self.fluid_s(name, size)
             except PlanError as exc:  # too large to plan here (the planner's memory estimate): not a candidate
                 refused[name] = str(exc)
         for name in sorted(fluid, key=lambda n: fluid[n]):  # stable: registry order on ties
             best_so_far = min((c.predicted_s for c in cands), default=math.inf)
             if fluid[name] >= best_so_far * (1 - PRUNE):
                 break  # every later algorithm's fluid time is larger still
-            prev = math.inf
+            mine, misses = math.inf, 0
             for p in self.model.pipelines:
                 try:
                     sched = self.schedule(name, p)
@@ -165,13 +189,14 @@ class Chooser:
                     break  # deeper pipelines only grow
                 dst = sched.arrays["dst"]
                 busiest = int(np.bincount(dst).max()) if dst.size else 0
-                if max(fluid[name], busiest * self.model.message_s) >= min(best_so_far * (1 - PRUNE), prev):
-                    break
+                if max(fluid[name], busiest * self.model.message_s) >= best_so_far * (1 - PRUNE):
+                    break  # this depth cannot win, and deeper ones only receive more messages
                 t = self.model.predict(sched, self.topology, size)
                 cands.append(Candidate(name, p, t))
-                if t >= prev:
+                misses = 0 if t < mine else misses + 1
+                if misses >= DEPTH_PATIENCE:
                     break
-                prev = t
+                mine = min(mine, t)
                 best_so_far = min(best_so_far, t)
         if not cands:
             raise PlanError(f"no algorithm can be planned for {self.topology.name!r} here: "
@@ -181,7 +206,7 @@ class Chooser:
             nat = cands[0]
             if best.predicted_s > nat.predicted_s * (1 - self.margin):
                 best = nat  # not clearly faster: keep the backend's own collective
-            elif fluid[best.algorithm] >= fluid_time(self.schedule(NATIVE, 1)) * (1 - PRUNE):
+            elif fluid[best.algorithm] >= self.fluid_s(NATIVE, size) * (1 - PRUNE):
                 # No bandwidth advantage over the backend's ring (a flat switch): any predicted gain is in
                 # the per-message costs, where calibration is least certain and the backend runs in C++.
                 best = nat

@@ -77,6 +77,25 @@ def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
         assert f"{algorithm}/{pipeline}" in reports[0]["measured"][size] and "native/1" in reports[0]["measured"][size]
 
 
+def test_the_default_init_calibrates_quickly_where_it_matters_and_caches_it(tmp_path):
+    """init(topology) alone on racks (a plan beats the rank-order ring over the uplinks): message costs and the
+    slowest path's rate measured once (no two-way loss, no small-class timing), the same on every rank, cached
+    in a file of its own and read back by the next init; auto then explores. On a flat switch: the defaults,
+    nothing measured or written."""
+    cache = tmp_path / "cache"
+    reports = launch(WORKER, ["default_init", str(tmp_path), "racks:2,2,4", str(cache)], 4, tmp_path)
+    first = reports[0]["first"]
+    for rank, rep in enumerate(reports):
+        assert rep["exact"] and rep["explore"] and not rep["flat_explore"], (rank, rep)
+        assert rep["first"] == first and rep["second"] == first, (rank, rep)
+        assert rep["flat"]["source"] == "defaults", (rank, rep["flat"])
+    assert "calibrated on 4 ranks" in first["source"] and "not measured" in first["source"], first
+    assert first["reverse_share"] == 0.0 and 1e-6 <= first["message_s"] < 0.5, first
+    files = reports[0]["files"]
+    assert len(files) == 1 and files[0].startswith("quick_cost_model-"), files
+    assert reports[0]["files_after"] == files  # the flat switch wrote nothing
+
+
 def test_auto_times_the_depths_beside_the_models_on_a_large_class_and_keeps_one(tmp_path):
     """With ``explore``, a class above 256 KB runs the model's depth, its double and its half in turn (one
     warm-up round, then ``EXPLORE_REPS`` timed rounds), every result exact; a step picks by the margin rule

@@ -224,3 +224,41 @@ def test_a_cached_result_that_does_not_read_back_is_measured_again_and_rewritten
     again = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     again.tuning.cached("tuned", "tuned choices", again.use_tuned, measure)
     assert measured == [1] and again.choice(4096) == ("tree", 1)
+
+
+def _plans(topology: str, *, backend: str = "gloo", native: bool = True, world: int | None = None,
+           mapping: object = None) -> SimpleNamespace:
+    """What :meth:`Tuning.calibration_pays` reads of a plan cache, for a process-group transport on one rank."""
+    from gradsync.sim.choose import Chooser
+    from gradsync.topology import get_topology
+
+    topo = get_topology(topology)
+    return SimpleNamespace(caps=SimpleNamespace(native=native, backend=backend), mapping=mapping,
+                           decide=lambda key, compute: compute(), topology=topo,
+                           chooser=lambda collective: Chooser(topo, native=True),
+                           transport=SimpleNamespace(world_size=world or topo.world_size, rank=0))
+
+
+def test_the_default_calibrates_only_where_a_plan_beats_the_backends_ring_in_bandwidth(tmp_path):
+    """init's default measures the wire where the pick turns on its rates: auto, over a backend it plans for,
+    on a topology where some plan moves less over the bottleneck than the rank-order ring (a hand-written
+    two-rack file without attrs, bcube). A flat switch, a named algorithm, NCCL, no process group, one rank or
+    a custom mapping measure nothing."""
+    from gradsync.comm.tuning import Tuning
+
+    two_racks = tmp_path / "two-racks.yaml"
+    two_racks.write_text(
+        "name: two-racks\n"
+        "devices: [{name: t0, kind: switch}, {name: t1, kind: switch}, {name: a, kind: host}, {name: b, kind: host},"
+        " {name: c, kind: host}, {name: d, kind: host}]\n"
+        "links: [{a: a, b: t0, bandwidth_GBps: 4}, {a: b, b: t0, bandwidth_GBps: 4}, {a: c, b: t1, bandwidth_GBps: 4},"
+        " {a: d, b: t1, bandwidth_GBps: 4}, {a: t0, b: t1, bandwidth_GBps: 1}]\n")
+
+    def pays(topology: str, algorithm: str = "auto", **kw) -> bool:
+        return Tuning(_plans(topology, **kw), submit=None).calibration_pays(algorithm)  # type: ignore[arg-type]
+
+    assert pays(str(two_racks)) and pays("bcube:2,2") and pays("racks:2,3,4")
+    assert not pays("switch:6") and not pays("fattree:4")  # no bandwidth advantage: the native ring stays
+    assert not pays(str(two_racks), "ring")
+    assert not pays(str(two_racks), backend="nccl") and not pays(str(two_racks), native=False)
+    assert not pays(str(two_racks), mapping=[0, 1, 2, 3]) and not pays("switch:1", world=1)

@@ -67,3 +67,104 @@ def test_auto_considers_the_straggler_schedule_only_when_a_late_rank_is_named():
     assert "straggler" not in Chooser(topo).algorithms
     assert "straggler" in Chooser(topo, options=PlanOptions(straggler=2)).algorithms
     assert "straggler" in Chooser(topo, algorithms=["straggler", "ring"]).algorithms  # named: always
+
+
+def _racks_file(tmp_path, hosts: list[float], uplink: float, direct: bool = False) -> str:
+    """A hand-written two-tier file as a user writes one: no attrs, no link classes, no unit. ``hosts[i]``:
+    the host-link rate of rack ``i`` (two hosts a rack); uplinks to a core, or two ToRs linked straight."""
+    import yaml
+
+    devices = [{"name": f"tor{i}", "kind": "switch"} for i in range(len(hosts))]
+    links = []
+    for i, rate in enumerate(hosts):
+        for j in range(2):
+            devices.append({"name": f"h{i}{j}", "kind": "host"})
+            links.append({"a": f"h{i}{j}", "b": f"tor{i}", "bandwidth_GBps": rate})
+    if direct:
+        links.append({"a": "tor0", "b": "tor1", "bandwidth_GBps": uplink})
+    else:
+        devices.append({"name": "core", "kind": "switch"})
+        links += [{"a": f"tor{i}", "b": "core", "bandwidth_GBps": uplink} for i in range(len(hosts))]
+    path = tmp_path / f"fabric-{len(hosts)}-{direct}.yaml"
+    path.write_text(yaml.safe_dump({"name": path.stem, "devices": devices, "links": links}))
+    return str(path)
+
+
+@pytest.mark.parametrize("racks, hosts", [(2, 2), (2, 3), (3, 3)])
+def test_bandwidth_advantage_is_the_rings_uplink_load_over_the_cut_bound(tmp_path, racks, hosts):
+    """r racks of s hosts (N = r s) at 4:1: the rank-order ring crosses each uplink once each way with
+    2 (N-1)/N of the buffer; every exact allreduce moves 2 (r-1)/r of it over an uplink (the cut around one
+    rack: (r-1)/r in and out), which the hierarchical plan reaches. The advantage is their ratio; on a flat
+    switch it is 1 whatever the rates."""
+    from gradsync.topology import Device, Link, Topology
+
+    devs = [Device(f"tor{i}", "switch") for i in range(racks)] + [Device("core", "switch")]
+    links = []
+    for i in range(racks):
+        for j in range(hosts):
+            devs.append(Device(f"h{i}{j}", "host"))
+            links.append(Link(f"h{i}{j}", f"tor{i}", 4.0))
+        links.append(Link(f"tor{i}", "core", 1.0))
+    topo = Topology("hand", tuple(devs), tuple(links))
+    n = racks * hosts
+    ring, cut = 2 * (n - 1) / n, 2 * (racks - 1) / racks if racks > 2 else 1.0
+    got = Chooser(topo, CostModel(), native=True).bandwidth_advantage()
+    assert got == pytest.approx(ring / cut, rel=1e-9)
+    # rates scaled by the wire (a calibration's goodput) change no ratio
+    assert Chooser(topo, CostModel(goodput=0.01), native=True).bandwidth_advantage() == pytest.approx(got, rel=1e-9)
+    assert Chooser(get_topology(f"switch:{n}"), CostModel(), native=True).bandwidth_advantage() == pytest.approx(1.0)
+
+
+DEPTHS = (1, 2, 4, 8, 16, 32)  # up to 32 (not the default 64): a 6-rank ring at depth 64 takes seconds to simulate
+MODELS = {
+    "defaults": CostModel(pipelines=DEPTHS),
+    # a file's nominal rates on a wire 100x slower, with a loaded machine's message costs (what calibration finds)
+    "calibrated": CostModel(message_s=1e-3, native_message_s=1.2e-3, goodput=0.01, pipelines=DEPTHS),
+}
+FABRICS = {"two racks, ToRs linked": ([4.0, 4.0], True), "three racks, one slower": ([4.0, 4.0, 2.0], False)}
+
+
+@pytest.fixture(scope="module")
+def hand_written(tmp_path_factory):
+    """Each fabric's file, and its schedules per (algorithm, depth) planned once for every case."""
+    from gradsync.plan import synthesize as plan
+    from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
+    from gradsync.sim.cost import native_schedule
+
+    out = {}
+    for fabric, (hosts, direct) in FABRICS.items():
+        topo = get_topology(_racks_file(tmp_path_factory.mktemp("fabric"), hosts, 1.0, direct))
+        schedules = {(NATIVE, 1): native_schedule(topo)}
+        for name in SYNTHESIZERS.names():
+            if not SYNTHESIZERS.get(name).applicable(topo):
+                schedules.update({(name, p): plan(name, topo, PlanOptions(pipeline=p)) for p in DEPTHS})
+        out[fabric] = (topo, schedules)
+    return out
+
+
+@pytest.mark.parametrize("fabric", sorted(FABRICS))
+@pytest.mark.parametrize("model, size", [("defaults", 65536), ("defaults", 4 << 20), ("calibrated", 4 << 20)])
+def test_auto_on_a_hand_written_file_is_the_fastest_candidate_in_the_event_simulator(hand_written, fabric, model, size):
+    """On small hand-written files (no attrs) the chooser's pick is, by brute force over every applicable
+    algorithm at every depth and the native ring, each simulated as the runtime runs it, the fastest, but
+    for the chooser's exact prunings (PRUNE) and its margin for keeping the native ring. With the calibrated
+    model on three racks lp's predictions fall, rise, then fall again with depth (DEPTH_PATIENCE)."""
+    from gradsync.sim import simulate
+    from gradsync.sim.choose import PRUNE
+
+    topo, schedules = hand_written[fabric]
+    m = MODELS[model]
+    chooser = Chooser(topo, m, native=True)
+    choice = chooser.choose(size, exact=True)
+    fast = m.rates(topo)
+    brute = {key: simulate(s, fast, float(size), streaming=False, fifo=True, reverse_share=m.reverse_share,
+                           message_s=m.native_message_s if key[0] == NATIVE else m.message_s, progress=False).time_s
+             for key, s in schedules.items()}
+    assert ("hierarchical", 1) in brute  # inferred from the links, not attrs
+    got = brute[choice.algorithm, choice.pipeline]
+    best = min(brute.values())
+    if choice.algorithm == NATIVE:  # kept unless something is faster by more than the margin
+        assert best >= got * (1 - chooser.margin) - 1e-12, (choice, brute)
+    else:
+        assert got <= best / (1 - PRUNE) + 1e-12, (choice, brute)
+        assert got < brute[NATIVE, 1] * (1 - chooser.margin)

@@ -13,7 +13,7 @@ from gradsync.errors import GradsyncError, PlanError, SimulationError
 from gradsync.plan import synthesize
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
 from gradsync.sim import simulate
-from gradsync.sim.cost import CostModel, native_schedule, reverse_share_of, size_class
+from gradsync.sim.cost import CostModel, native_schedule, reverse_share_of, size_class, stream_rate_of
 from gradsync.topology import get_topology
 
 
@@ -158,6 +158,37 @@ def test_reverse_share_skips_noise_falls_back_and_stays_in_range():
         reverse_share_of([(1.0, 2.0)])
     with pytest.raises(PlanError, match="one m, one M, both m, both M"):
         reverse_share_of([])
+
+
+@pytest.mark.parametrize("start", [0.0, 0.02, 0.3])
+def test_a_streams_rate_is_measured_on_the_extra_bytes_not_the_start(start):
+    """One stream of b bytes takes ``start + b / β`` (connection warm-up, TCP's window, α: paid once). The
+    rate from the extra bytes of the larger transfer is β whatever the start; the whole transfer alone reads
+    slower by ``start / (M / β)``, and so would a calibration that rescales the links with it."""
+    beta = 7.5e6  # 60 Mbit/s
+    small, large = 2 << 20, 4 << 20
+    # noise only adds time: a busy spell slows one repetition of either size, never speeds one up
+    rows = [(start + small / beta, start + large / beta + 0.2), (start + small / beta + 0.1, start + large / beta),
+            (start + small / beta + 0.05, start + large / beta + 0.3)]
+    nbytes, seconds = stream_rate_of(rows, small, large)
+    assert nbytes == large - small and nbytes / seconds == pytest.approx(beta, rel=1e-9)
+    whole = large / rows[1][1]
+    assert whole == pytest.approx(beta / (1 + start * beta / large), rel=1e-9)  # what the whole stream says
+    # through the model: the refined path rate is the wire's β, not the start-diluted one
+    t = get_topology("racks:2,3,4")
+    refined, _ = CostModel().refined(t, 0, 3, nbytes, seconds)
+    assert refined.path_GBps(t, 0, 3) == pytest.approx(beta / 1e9, rel=1e-9)
+
+
+def test_a_streams_rate_falls_back_to_the_whole_transfer_where_noise_hides_the_extra_bytes():
+    # loopback: the fastest larger transfer was not slower than the fastest smaller; it stands in whole
+    assert stream_rate_of([(0.002, 0.0019), (0.003, 0.001), (0.0015, 0.002)], 100, 200) == (200.0, 0.001)
+    # each size's fastest repetition, whichever repetitions they come from
+    assert stream_rate_of([(1.0, 3.5), (1.5, 3.0)], 100, 300) == (200.0, 2.0)
+    with pytest.raises(PlanError, match="one way small, one way large"):
+        stream_rate_of([(1.0, 2.0, 3.0)], 100, 200)
+    with pytest.raises(PlanError, match="0 < small_bytes < large_bytes"):
+        stream_rate_of([(1.0, 2.0)], 200, 100)
 
 
 def _pair(routes: list[tuple[int, int]], topology: str, hosts: int) -> Schedule:

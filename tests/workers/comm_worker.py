@@ -268,6 +268,28 @@ def scenario_calibrate(topology: str, cache: str) -> dict:
             "files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
 
 
+def scenario_default_init(topology: str, cache: str) -> dict:
+    """gradsync.init(topology) with nothing else: on racks the quick calibration runs once and is cached (the
+    second init reads it back), auto then explores; on a flat switch of as many ranks nothing is measured."""
+    os.environ["GRADSYNC_CACHE"] = cache
+    rt = gradsync.init(topology=topology, timeout_s=60)
+    first, explore = rt.cost_model.to_dict(), rt.explore
+    x = torch.full((100_001,), float(RANK + 1))
+    gradsync.allreduce(x)
+    exact = bool(torch.all(x == WORLD * (WORLD + 1) / 2))
+    gradsync.shutdown()
+    files = sorted(os.listdir(cache)) if os.path.isdir(cache) else []
+    second = gradsync.init(topology=topology, timeout_s=60).cost_model.to_dict()
+    gradsync.shutdown()
+    flat = gradsync.init(topology=f"switch:{WORLD}", timeout_s=60)
+    flat_model, flat_explore = flat.cost_model.to_dict(), flat.explore
+    gradsync.shutdown()
+    dist.barrier()  # rank 0 holds the store the others just read from: leave together
+    return {"first": first, "second": second, "explore": explore, "exact": exact, "files": files,
+            "flat": flat_model, "flat_explore": flat_explore,
+            "files_after": sorted(os.listdir(cache)) if os.path.isdir(cache) else []}
+
+
 def scenario_explore(topology: str) -> dict:
     """auto's first calls of a large class time the model's depth beside its half and double, then keep one:
     every call exact (queued or inline), the same decision on every rank, and later calls run it."""
@@ -308,7 +330,7 @@ def scenario_explore(topology: str) -> dict:
     return out
 
 
-SCENARIOS = {"mismatch": scenario_mismatch, "calibrate": scenario_calibrate, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill}
+SCENARIOS = {"mismatch": scenario_mismatch, "calibrate": scenario_calibrate, "default_init": scenario_default_init, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill}
 
 
 def main() -> None:
