@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -16,7 +18,8 @@ from gradsync.topology import Device, Link, Topology
 # Calibrations and tuned choices (``gradsync.init`` caches them in $GRADSYNC_CACHE, ~/.cache/gradsync by default)
 # go to a directory of this session's own, inherited by every worker it starts: a test never reads what an earlier
 # run, or the user's own jobs, left there. Tests of the cache itself set their own.
-os.environ["GRADSYNC_CACHE"] = tempfile.mkdtemp(prefix="gradsync-test-cache-")
+os.environ["GRADSYNC_CACHE"] = _CACHE = tempfile.mkdtemp(prefix="gradsync-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
