@@ -214,17 +214,34 @@ def _unpack_small(flat: Tensor, bits: int, n: int, need: int) -> Tensor:
 
 
 def _pack_words(flat: Tensor, bits: int, n: int, nbytes: int) -> Tensor:
-    """Fields of 1, 2 or 4 bits, one per byte, packed ``g = 8 // bits`` at a time by one multiplication per word.
-
-    Seen as a little-endian word of ``g`` bytes, field ``i`` sits at bit ``8 i`` (:func:`_multiply_pack`).
-    """
+    """Fields of 1, 2 or 4 bits, one per byte, packed ``g = 8 // bits`` at a time: seen as a little-endian word of
+    ``g`` bytes, field ``i`` sits at bit ``8 i``; one multiplication per word moves them (:func:`_multiply_pack`),
+    or on the CPU whole-word shifts (:func:`_pack_rounds`)."""
     group = 8 // bits
+    if flat.device.type == "cpu":
+        return _pack_rounds(flat, bits, n, nbytes)
     if n == nbytes * group and flat.dtype == torch.uint8 and flat.is_contiguous() and _aligned(flat, group):
         return _multiply_pack(flat, bits)  # whole words already: no padded copy
     fields = torch.empty(nbytes * group, dtype=torch.uint8, device=flat.device)
     torch.bitwise_and(flat, (1 << bits) - 1, out=fields[:n])
     fields[n:] = 0
     return _multiply_pack(fields, bits)
+
+
+def _pack_rounds(flat: Tensor, bits: int, n: int, nbytes: int) -> Tensor:
+    """:func:`_pack_words` on the CPU, by whole-word shifts (measured faster there than the multiplication).
+
+    Round ``r`` (``r = 0 .. log2 g - 1``) ORs the word with itself shifted right by ``2**r * (8 - bits)``: runs
+    of ``2**r`` packed fields, ``8 * 2**r`` bits apart, merge pairwise into runs of ``2**(r + 1)``. After the
+    last round the low byte holds all ``g`` fields (junk lands only above it).
+    """
+    group = 8 // bits
+    fields = torch.zeros(nbytes * group, dtype=torch.uint8, device=flat.device)
+    torch.bitwise_and(flat, (1 << bits) - 1, out=fields[:n])
+    word = fields.view(_WORD_OF[bits])
+    for r in range(group.bit_length() - 1):
+        word = word | (word >> ((8 - bits) << r))
+    return word.to(torch.uint8)  # the low byte (conversion to uint8 is modulo 256)
 
 
 def _multiply_pack(fields: Tensor, bits: int) -> Tensor:

@@ -90,6 +90,9 @@ def test_whole_word_packing_matches_numpy_bit_by_bit(bits: int, n: int) -> None:
     fields = packing._unpack_words(packed, bits, n, nbytes)
     assert fields.dtype == torch.uint8 and torch.equal(fields, values)
     assert torch.equal(packing._unpack_shift(packed, bits, n, nbytes), values)  # the off-CPU inverse
+    fields = torch.zeros(nbytes * (8 // bits), dtype=torch.uint8)
+    fields[:n] = values
+    assert torch.equal(packing._multiply_pack(fields, bits), packed)  # the off-CPU packing
     if bits > 1:
         assert torch.equal(packing.unpack_fields(pack_uint(values, bits), bits, n), values)
 
