@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BASELINE", "DemoConfig", "run_demo", "worker", "plot_results"]
+__all__ = ["BASELINE", "DemoConfig", "run_demo", "worker", "plot_results", "results_figure"]
 
 #: Name of the reference run that uses torch.distributed.all_reduce (gloo's own algorithm) per step.
 BASELINE = "torch.all_reduce"
@@ -163,18 +163,30 @@ def _accuracy(model: Any, x: Any, y: Any) -> float:
 
 
 def plot_results(report: dict[str, Any], path: str | Path) -> Path:
-    """Accuracy over steps per algorithm, and time per step split into waited-for comm and the rest."""
-    import matplotlib
+    """Accuracy over steps per algorithm, and time per step split into waited-for comm and the rest (a PNG)."""
+    out = Path(path)
+    results_figure(report).savefig(out, dpi=110)
+    return out
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def results_figure(report: dict[str, Any]) -> Any:
+    """The matplotlib Figure :func:`plot_results` saves."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     res = report["results"]
     names = list(res)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))  # its own canvas: no process-wide backend is chosen
+    FigureCanvasAgg(fig)
+    a1, a2 = fig.subplots(1, 2)
+    # exact allreduces train identically: one line per distinct curve, labelled with every method that drew it
+    curves: dict[tuple[tuple[float, float], ...], list[str]] = {}
     for n in names:
-        steps, acc = zip(*res[n]["curve"])
-        a1.plot(steps, acc, marker="o", ms=3, label=n)
+        curves.setdefault(tuple((float(s), float(a)) for s, a in res[n]["curve"]), []).append(n)
+    for curve, same in curves.items():
+        steps, acc = zip(*curve)
+        label = same[0] if len(same) == 1 else f"{', '.join(same)} (identical: exact sums)"
+        a1.plot(steps, acc, marker="o", ms=3, label=label)
     a1.set_xlabel("step")
     a1.set_ylabel("test accuracy")
     a1.set_title(f"LeNet-5 on digits, {report['workers']} workers, global batch {report['batch']}")
@@ -192,10 +204,7 @@ def plot_results(report: dict[str, Any], path: str | Path) -> Path:
     a2.set_title(f"time per step (topology {report['topology']} planned; loopback wire)")
     a2.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def run_demo(config: DemoConfig, plot: str | Path | None = "gradsync-demo.png", timeout_s: float = 600) -> dict[str, Any]:
