@@ -208,7 +208,7 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
             step()
         return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
-    for name in COMPRESSORS.names():
+    for name in [*COMPRESSORS.names(), "auto"]:  # auto: compression chosen per group (issue 40)
         def by_optimizer(name: str = name) -> bool:
             model = _cnn().to(device)
             opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
