@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -165,7 +166,8 @@ class Tuning:
         key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
         return os.path.join(base, f"{kind}-{key}.json")
 
-    def cached(self, kind: str, what: str, use: Callable[[Any], None], measure: Callable[[], Any]) -> None:
+    def cached(self, kind: str, what: str, use: Callable[[Any], None], measure: Callable[[], Any], *,
+               announce: bool = True) -> None:
         """Apply the cached ``kind`` result (:meth:`cache_path`) with ``use``, or ``measure()`` it: a JSON
         document (None: nothing worth keeping), which rank 0 writes. Rank 0 reads the cache for every rank; one
         that does not read back (``use`` raises) is measured again with a warning naming ``what``."""
@@ -178,7 +180,14 @@ class Tuning:
                 return
             except (ValueError, GradsyncError) as exc:
                 warnings.warn(f"ignoring the cached {what} {path} ({exc}); measuring again", stacklevel=4)
+        t0 = time.perf_counter()
+        announce = announce and self.rank == 0
+        if announce:  # seconds of timed collectives at init: say so once, with how to skip it next time
+            print(f"gradsync: measuring the {what} on this wire (cached in {path} for the next job; "
+                  f"gradsync.init(calibrate=False) skips it)...", file=sys.stderr, flush=True)
         doc = measure()
+        if announce:
+            print(f"gradsync: {what} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         if self.rank == 0 and doc is not None:
             write_cache(path, doc, what, stacklevel=5)
 
@@ -213,7 +222,7 @@ class Tuning:
             tuned = self.tune() if tune else {}
             return {"type": TUNED_TYPE, "classes": {str(k): v for k, v in tuned.items()}} if tuned else None
 
-        self.cached("tuned", "tuned choices", self.use_tuned, measure)
+        self.cached("tuned", "tuned choices", self.use_tuned, measure, announce=tune)
         self.tuned_cache = (self.cache_path("tuned"), self.plans.generation)
 
     def keep_tuned(self) -> None:
