@@ -3,21 +3,86 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
 from gradsync.commands._output import emit_json
+from gradsync.commands._progress import heartbeat
 from gradsync.commands._sizes import parse_size
 from gradsync.errors import GradsyncError
 from gradsync.paths import check_output, write_text
 from gradsync.plan import PlanOptions, evaluate
+from gradsync.plan.estimate import PlanEstimate, estimate_plan
 from gradsync.sim.choose import algorithm_names, synthesize  # every synthesizer, and auto
 from gradsync.topology import get_topology
 
-__all__ = ["MAX_RUNTIME_PREDICT_TRANSFERS", "add_parser", "cmd_plan"]
+__all__ = ["FORCE_ENV", "MAX_BYTES_ENV", "MAX_SECONDS_ENV", "MAX_PLAN_SECONDS", "MAX_RUNTIME_PREDICT_TRANSFERS",
+           "add_parser", "check_estimate", "cmd_plan"]
 
 #: ``plan`` prices the schedule with the runtime's cost model (an event simulation) only up to this many
 #: transfers: on fattree:6 lp (5,724 transfers, 54 concurrent trees) it takes far longer than planning did.
 MAX_RUNTIME_PREDICT_TRANSFERS = 4000
+#: Planning estimated to take longer than this (seconds) is refused unless forced (issue 42).
+MAX_PLAN_SECONDS = 600.0
+#: Environment overrides: the time limit, the memory limit (default: half the machine's RAM), and force.
+MAX_SECONDS_ENV = "GRADSYNC_PLAN_MAX_SECONDS"
+MAX_BYTES_ENV = "GRADSYNC_PLAN_MAX_BYTES"
+FORCE_ENV = "GRADSYNC_PLAN_FORCE"
+#: Planning estimated past this many seconds announces itself on stderr before it starts.
+ANNOUNCE_AFTER_S = 3.0
+
+
+def _env_limit(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise GradsyncError(f"{name}={text!r} is not a number; unset it or set e.g. {name}={default:g}") from None
+    if not value > 0:
+        raise GradsyncError(f"{name}={text!r} must be > 0")
+    return value
+
+
+def _half_ram() -> float:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
+    except (ValueError, OSError):  # no sysconf: no memory limit beyond the synthesizers' own floor cap
+        return float("inf")
+
+
+def check_estimate(est: PlanEstimate, topology_name: str, *, forced: bool) -> None:
+    """Refuse planning estimated past the memory or time limit, naming the estimate and the overrides."""
+    if forced:
+        return
+    max_bytes = _env_limit(MAX_BYTES_ENV, _half_ram())
+    max_s = _env_limit(MAX_SECONDS_ENV, MAX_PLAN_SECONDS)
+    over = []
+    if est.memory_bytes > max_bytes:
+        over.append(f"at least {est.memory_bytes / 2**30:.3g} GiB of memory ({est.memory_what}), over the "
+                    f"{max_bytes / 2**30:.3g} GiB limit ({MAX_BYTES_ENV}; default half the RAM)")
+    if est.time_s > max_s:
+        over.append(f"about {est.time_s:.3g} s, over the {max_s:g} s limit ({MAX_SECONDS_ENV})")
+    if over:
+        raise GradsyncError(f"planning {est.algorithm} on {topology_name} ({est.ranks} ranks) is estimated to take "
+                            f"{' and '.join(over)}; use a cheaper --algorithm or fewer ranks, or plan it anyway with "
+                            f"--force (or {FORCE_ENV}=1)")
+
+
+def _synthesize(args: argparse.Namespace, topo: Any, options: PlanOptions, forced: bool) -> Any:
+    """Estimate, refuse past the limits, announce long runs and keep a heartbeat while planning."""
+    est = estimate_plan(args.algorithm, topo, options)
+    check_estimate(est, topo.name, forced=forced)
+    what = f"planning {args.algorithm} on {topo.world_size} ranks"
+    if est.time_s > ANNOUNCE_AFTER_S:
+        print(f"{what}: ~{est.time_s:.0f} s estimated (a rough bound; gradsync.plan.estimate), memory at least "
+              f"{est.memory_bytes / 2**20:.3g} MiB", file=sys.stderr, flush=True)
+    with heartbeat(what):
+        if forced:
+            return synthesize(args.algorithm, topo, options, max_bytes=float("inf"))
+        return synthesize(args.algorithm, topo, options)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -32,7 +97,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             "auto: -o DIR, the directory of one algorithm per size range)")
     if args.export == "msccl" and args.algorithm == "auto":
         return _export_sizes(args, topo)
-    schedule = synthesize(args.algorithm, topo, options)
+    forced = args.force or os.environ.get(FORCE_ENV, "").strip() not in ("", "0")
+    schedule = _synthesize(args, topo, options, forced)
     report = evaluate(schedule, topo, options.size_bytes, options.latency_s)
     export = None
     if args.export == "msccl":
@@ -151,5 +217,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "--algorithm auto, -o is a directory of one algorithm per size range up to --size")
     pl.add_argument("--chunks-per-loop", type=int, default=None,
                     help="MSCCL nchunksperloop (default: the smallest within 1%% of the plan's bandwidth)")
+    pl.add_argument("--force", action="store_true", help=f"plan even when the estimate is past the memory or time "
+                    f"limit ({MAX_BYTES_ENV}, {MAX_SECONDS_ENV}; also {FORCE_ENV}=1)")
     pl.set_defaults(func=cmd_plan)
     return pl

@@ -57,7 +57,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_down(args: argparse.Namespace) -> int:
     from gradsync.testbed.control import down
 
-    removed = down(state_path=args.state)
+    removed = down(state_path=args.state, force=args.force)
     print(f"removed {len(removed['namespaces'])} namespaces and {len(removed['links'])} interfaces"
           + (f"; killed {len(removed['killed'])} leftover processes" if removed["killed"] else ""))
     return 0
@@ -105,6 +105,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
               f"{info['rate_mbit']:g} Mbit/s per unit link, TCP {info['tcp_cc']}"
               f"{'' if info['tcp_idle_restart'] else ' (no slow start after idle)'}, MASTER_ADDR={info['master_addr']}, "
               f"state {info['state']}")
+        owner = info.get("owner")
+        print(f"  owner: {owner['user']} (pid {owner['pid']}, started {owner['started']}, command {owner['command']!r})"
+              if owner else "  owner: not recorded")
+        procs = [(ns, p) for ns, ps in info.get("processes", {}).items() for p in ps]
+        print(f"  running: {len(procs)} processes" if procs else "  running: nothing")
+        for ns, p in procs:
+            print(f"    {ns:<8} pid {p['pid']:<7} {p['command'][:100]}")
         for s in info["servers"]:
             nics = " ".join(f"{n['ifname']}={n['address']}" for n in s["nics"])
             print(f"  rank {s['rank']:<3} {s['namespace']:<8} {'ok ' if s['present'] else 'GONE'} {nics}")
@@ -151,6 +158,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.set_defaults(testbed_func=_cmd_run)
 
     d = sub.add_parser("down", parents=[common], help="remove every gs- namespace, bridge and veth (idempotent)")
+    d.add_argument("--force", action="store_true", help="remove it even when another user started it")
     d.set_defaults(testbed_func=_cmd_down)
 
     p = sub.add_parser("probe", parents=[common], help="measure the rate between pairs of servers")

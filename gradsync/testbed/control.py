@@ -3,6 +3,10 @@
 ``up`` builds the plan of :mod:`gradsync.testbed.build` with ``ip``/``tc``; on any failure it tears down
 what it made. ``down`` does not trust the state file: it removes every namespace and root-namespace
 interface named with the ``gs-`` prefix, so it also cleans up after a crash, and it is idempotent.
+
+Owners (issue 42): ``up`` records who started the testbed (user, pid, time, command) in the state file;
+``down`` refuses a testbed another user started unless forced, so one user's ``down`` does not kill another's
+measurement. Leftovers with no state file have no owner and are removed as before (crash cleanup).
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import pwd
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,8 @@ from gradsync.testbed.netns import DEFAULT_TCP_CC
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
-__all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "resolve_state_path", "load_state", "up", "down", "status"]
+__all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "current_user", "load_owner", "owner_record", "resolve_state_path",
+           "load_state", "up", "down", "status"]
 
 #: Where the state file goes unless a path or ``$GRADSYNC_TESTBED`` says otherwise (/run is tmpfs: a reboot,
 #: which also removes every namespace, removes the state too).
@@ -52,6 +59,38 @@ def load_state(path: str | os.PathLike[str] | None = None) -> TestbedPlan:
     except (OSError, json.JSONDecodeError) as exc:
         raise TestbedError(f"cannot read testbed state {p}: {exc}; run 'gradsync testbed down' and start again") from None
     return TestbedPlan.from_dict(data)
+
+
+def current_user() -> str:
+    """Who is asking: the user behind ``sudo`` where there is one (everyone is root under sudo), else the uid's name."""
+    sudo = os.environ.get("SUDO_USER", "").strip()
+    if sudo:
+        return sudo
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (containers)
+        return f"uid {os.getuid()}"
+
+
+def owner_record(command: str | None = None) -> dict[str, Any]:
+    """What ``up`` stores about who started the testbed."""
+    return {"user": current_user(), "uid": os.getuid(), "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command or " ".join(sys.argv)}
+
+
+def load_owner(path: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """The owner recorded in the state file, or None (no state file, unreadable, or written before owners)."""
+    p = resolve_state_path(path)
+    try:
+        owner = json.loads(p.read_text()).get("owner")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return owner if isinstance(owner, dict) and isinstance(owner.get("user"), str) else None
+
+
+def _describe(owner: dict[str, Any]) -> str:
+    return (f"{owner['user']} (pid {owner.get('pid', '?')}, started {owner.get('started', '?')}, "
+            f"command {owner.get('command', '?')!r})")
 
 
 def _shape(ifname: str, rate_mbit: float, delay_ms: float | None = None, ns: str | None = None) -> None:
@@ -117,7 +156,7 @@ def _build(plan: TestbedPlan) -> None:
 
 def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | float | None = None, *,
        state_path: str | os.PathLike[str] | None = None, tcp_cc: str = DEFAULT_TCP_CC,
-       idle_restart: bool = True) -> TestbedPlan:
+       idle_restart: bool = True, command: str | None = None) -> TestbedPlan:
     """Build the emulated cluster for ``topology`` (spec or object) and write its state file.
 
     ``rate`` is each unit link's rate in each direction (tc syntax: ``200mbit``); ``delay`` adds netem delay
@@ -125,7 +164,8 @@ def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | flo
     the host's own default is left alone; ``"host"`` keeps that default: see :data:`TCP_CC`);
     ``idle_restart=False`` keeps a connection's congestion window across idle gaps (a cluster tuned for
     training: ``net.ipv4.tcp_slow_start_after_idle=0``; Linux restarts slow start after an idle RTO).
-    Refuses to run over leftovers of another testbed.
+    Refuses to run over leftovers of another testbed. The state records the owner (:func:`owner_record`;
+    ``command`` defaults to this process's argv).
     """
     netns.require()
     topo = get_topology(topology)
@@ -139,17 +179,19 @@ def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | flo
         _build(plan)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+        tmp.write_text(json.dumps({**plan.to_dict(), "owner": owner_record(command)}, indent=1) + "\n")
         tmp.replace(path)
     except BaseException:
-        down(state_path=path)
+        down(state_path=path, force=True)
         raise
     return plan
 
 
-def down(*, state_path: str | os.PathLike[str] | None = None, wait_s: float = 10.0) -> dict[str, list[str]]:
+def down(*, state_path: str | os.PathLike[str] | None = None, wait_s: float = 10.0,
+         force: bool = False) -> dict[str, list[str]]:
     """Remove every ``gs-`` namespace and interface (and kill processes left inside); idempotent.
 
+    Refused when the state file names another user as the owner, unless ``force``.
     Returns what was removed. Waits until the kernel has really released the interfaces, so a following
     ``up`` does not trip over them.
     """
@@ -157,6 +199,10 @@ def down(*, state_path: str | os.PathLike[str] | None = None, wait_s: float = 10
         raise TestbedError("removing the testbed needs root: run 'sudo gradsync testbed down'")
     if shutil.which("ip") is None:
         raise TestbedError("'ip' not found on PATH; install iproute2: apt-get install -y iproute2")
+    owner = load_owner(state_path)
+    if owner is not None and owner["user"] != current_user() and not force:
+        raise TestbedError(f"the testbed up is owned by {_describe(owner)}, not {current_user()}; its processes "
+                           f"would be killed: ask them, or remove it anyway with 'gradsync testbed down --force'")
     prefix = netns.PREFIX
     removed: dict[str, list[str]] = {"namespaces": [], "links": [], "killed": []}
     for ns in netns.list_netns(prefix):
@@ -190,6 +236,18 @@ def down(*, state_path: str | os.PathLike[str] | None = None, wait_s: float = 10
     return removed
 
 
+def _processes(ns: str) -> list[dict[str, Any]]:
+    """What runs in namespace ``ns``: pid and command line of each process."""
+    out = []
+    for pid in netns.netns_pids(ns):
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # ended since it was listed
+            continue
+        out.append({"pid": pid, "command": " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)})
+    return out
+
+
 def status(*, state_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """What is up: the state file's plan plus whether each namespace still exists, and any strays."""
     p = resolve_state_path(state_path)
@@ -201,6 +259,8 @@ def status(*, state_path: str | os.PathLike[str] | None = None) -> dict[str, Any
     return {
         "up": all(ns in present for ns in plan.namespaces),
         "state": str(p),
+        "owner": load_owner(p),
+        "processes": {ns: _processes(ns) for ns in plan.namespaces if ns in present},
         "topology": plan.topology,
         "rate_mbit": plan.rate_mbit,
         "delay_ms": plan.delay_ms,

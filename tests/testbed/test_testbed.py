@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from gradsync.testbed import (
 )
 from gradsync.testbed import netns as tb_netns
 from gradsync.testbed import status as tb_status
+from gradsync.testbed.control import current_user, load_owner, owner_record
 from gradsync.topology import get_topology
 
 SPECS = ("switch:3", "switch:9", "bcube:2,2", "bcube:3,2", "bcube:2,3", "fattree:4", "ring:2", "ring:5")
@@ -197,6 +199,20 @@ def test_unsupported_topology_and_bad_state_are_clear_errors() -> None:
     assert issubclass(TestbedError, GradsyncError)
 
 
+def test_owner_record_round_trips_and_sudo_user_is_the_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUDO_USER", "alice")
+    assert current_user() == "alice"
+    rec = owner_record("gradsync testbed up -t switch:3")
+    assert rec["user"] == "alice" and rec["pid"] == os.getpid() and rec["command"] == "gradsync testbed up -t switch:3"
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"type": "gradsync.testbed", "owner": rec}))
+    assert load_owner(state) == rec
+    state.write_text(json.dumps({"type": "gradsync.testbed"}))  # written before owners: none recorded
+    assert load_owner(state) is None and load_owner(tmp_path / "missing.json") is None
+    monkeypatch.delenv("SUDO_USER")
+    assert current_user() != "alice"
+
+
 def test_not_root_or_no_iproute2_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     tb_netns.available.cache_clear()
     try:
@@ -339,6 +355,33 @@ class TestSwitch3:
         assert row["expected_mbit"] == 100
         assert abs(row["measured_mbit"] - 100) <= 15, out.getvalue()
         assert row["ok"] and "1/1 pairs" in out.getvalue()
+
+    def test_owner_is_recorded_shown_and_guards_down(self, switch3_bed: tuple[TestbedPlan, Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+        plan, state = switch3_bed
+        owner = json.loads(state.read_text())["owner"]
+        assert owner["user"] == current_user() and owner["pid"] == os.getpid() and owner["uid"] == os.getuid()
+        sleeper = subprocess.Popen(tb_netns.ns_exec("gs-h1", ["sleep", "60"]))
+        try:
+            deadline = time.monotonic() + 10
+            while not tb_netns.netns_pids("gs-h1") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            info = tb_status(state_path=state)
+            assert info["owner"] == owner
+            assert any(p["command"] == "sleep 60" for p in info["processes"]["gs-h1"]), info["processes"]
+            assert info["processes"]["gs-h0"] == []
+        finally:
+            sleeper.terminate()
+            sleeper.wait(timeout=10)
+        env = {**os.environ, "SUDO_USER": "someone-else", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        out = subprocess.run([sys.executable, "-m", "gradsync", "testbed", "down", "--state", str(state)],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert f"owned by {owner['user']}" in out.stderr and "not someone-else" in out.stderr and "--force" in out.stderr
+        assert state.exists() and sorted(tb_netns.list_netns()) == ["gs-h0", "gs-h1", "gs-h2"]
+        monkeypatch.setenv("SUDO_USER", "someone-else")
+        with pytest.raises(TestbedError, match="--force"):
+            down(state_path=state)
 
     def test_down_leaves_nothing_behind_and_is_idempotent(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
         plan, state = switch3_bed
