@@ -242,7 +242,7 @@ def test_library_save_into_a_missing_directory_names_the_file(tmp_path):
 
 def test_topology_too_large_for_the_lp_exits_2_naming_what_fits():
     p = run("plan", "-t", "switch:100000")
-    _one_line_error(p, "needs at least 112 GiB")
+    _one_line_error(p, "at least 112 GiB")
     assert "'ring' fits" in p.stderr and "use --algorithm ring" in p.stderr  # the compact ring: 0.02 GiB
 
 

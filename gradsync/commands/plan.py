@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from gradsync.commands._output import emit_json
@@ -14,6 +15,7 @@ from gradsync.errors import GradsyncError
 from gradsync.paths import check_output, write_text
 from gradsync.plan import PlanOptions, evaluate
 from gradsync.plan.estimate import PlanEstimate, estimate_plan
+from gradsync.plan.synthesizers import SYNTHESIZERS
 from gradsync.sim.choose import algorithm_names, synthesize  # every synthesizer, and auto
 from gradsync.topology import get_topology
 
@@ -53,12 +55,23 @@ def _half_ram() -> float:
         return float("inf")
 
 
-def check_estimate(est: PlanEstimate, topology_name: str, *, forced: bool) -> None:
-    """Refuse planning estimated past the memory or time limit, naming the estimate and the overrides."""
+def check_estimate(est: PlanEstimate, topology_name: str, *, forced: bool,
+                   alternatives: Sequence[PlanEstimate] = ()) -> None:
+    """Refuse planning estimated past the memory or time limit, naming the estimate, an algorithm among
+    ``alternatives`` that fits in memory (the quickest estimated), and the overrides."""
     if forced:
         return
     max_bytes = _env_limit(MAX_BYTES_ENV, _half_ram())
     max_s = _env_limit(MAX_SECONDS_ENV, MAX_PLAN_SECONDS)
+    fitting = sorted((a for a in alternatives if a.algorithm != est.algorithm and a.memory_bytes <= max_bytes),
+                     key=lambda a: (a.time_s == 0, a.time_s, a.memory_bytes))  # estimated times first
+    if fitting:
+        alt = fitting[0]
+        took = f", ~{alt.time_s:.3g} s estimated" if alt.time_s else ""
+        instead = (f"{alt.algorithm!r} fits (about {alt.memory_bytes / 2**30:.3g} GiB{took}): use --algorithm "
+                   f"{alt.algorithm}")
+    else:
+        instead = "use fewer ranks"
     over = []
     if est.memory_bytes > max_bytes:
         over.append(f"at least {est.memory_bytes / 2**30:.3g} GiB of memory ({est.memory_what}), over the "
@@ -67,14 +80,15 @@ def check_estimate(est: PlanEstimate, topology_name: str, *, forced: bool) -> No
         over.append(f"about {est.time_s:.3g} s, over the {max_s:g} s limit ({MAX_SECONDS_ENV})")
     if over:
         raise GradsyncError(f"planning {est.algorithm} on {topology_name} ({est.ranks} ranks) is estimated to take "
-                            f"{' and '.join(over)}; use a cheaper --algorithm or fewer ranks, or plan it anyway with "
-                            f"--force (or {FORCE_ENV}=1)")
+                            f"{' and '.join(over)}; {instead}, or plan it anyway with --force (or {FORCE_ENV}=1)")
 
 
 def _synthesize(args: argparse.Namespace, topo: Any, options: PlanOptions, forced: bool) -> Any:
     """Estimate, refuse past the limits, announce long runs and keep a heartbeat while planning."""
     est = estimate_plan(args.algorithm, topo, options)
-    check_estimate(est, topo.name, forced=forced)
+    others = [estimate_plan(name, topo, options) for name in SYNTHESIZERS.names()
+              if name != args.algorithm and not SYNTHESIZERS.get(name).applicable(topo)]
+    check_estimate(est, topo.name, forced=forced, alternatives=others)
     what = f"planning {args.algorithm} on {topo.world_size} ranks"
     if est.time_s > ANNOUNCE_AFTER_S:
         print(f"{what}: ~{est.time_s:.0f} s estimated (a rough bound; gradsync.plan.estimate), memory at least "
