@@ -16,6 +16,7 @@ from gradsync.paths import check_output, write_text
 from gradsync.plan import PlanOptions, evaluate
 from gradsync.plan.estimate import PlanEstimate, estimate_plan
 from gradsync.plan.synthesizers import SYNTHESIZERS
+from gradsync.ps.env import env_number
 from gradsync.sim.choose import algorithm_names, synthesize  # every synthesizer, and auto
 from gradsync.topology import get_topology
 
@@ -36,15 +37,10 @@ ANNOUNCE_AFTER_S = 3.0
 
 
 def _env_limit(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise GradsyncError(f"{name}={text!r} is not a number; unset it or set e.g. {name}={default:g}") from None
+    """``name`` as a positive number (the project's one environment reader, :func:`env_number`), else ``default``."""
+    value = env_number(name, default, float)
     if not value > 0:
-        raise GradsyncError(f"{name}={text!r} must be > 0")
+        raise GradsyncError(f"{name}={os.environ.get(name, '').strip()!r} must be > 0")
     return value
 
 
