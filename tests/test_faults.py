@@ -30,6 +30,7 @@ from gradsync.ps.kvstore import KVStoreConfig, PSKVStore
 from gradsync.ps.launch import ServerProcess, start_server
 from gradsync.ps.server import MAX_AHEAD, Server, ServerConfig
 from gradsync.ps.wire import Flag, Op, decode, encode, seal
+from tests.ps.cluster import OneServer
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -247,14 +248,11 @@ def test_launcher_bad_input_is_one_line_with_exit_2(args: list[str], message: st
 KEY = b"k3y"
 
 
-class _Served:
+class _Served(OneServer):
     """One server on a thread, and a DEALER that sends raw frames to it as a hostile peer would."""
 
     def __init__(self, **cfg: object) -> None:
-        self.server = Server(ServerConfig(**cfg))  # type: ignore[arg-type]
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
-        self.endpoint = self.server.endpoint
+        super().__init__(**cfg)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.endpoint)
@@ -279,8 +277,7 @@ class _Served:
 
     def close(self) -> None:
         self.sock.close()
-        self.server.stopping = True
-        self.thread.join(timeout=5)
+        self.stop(5.0)
 
 
 @pytest.fixture

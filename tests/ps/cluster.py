@@ -7,6 +7,22 @@ import threading
 from gradsync.ps.server import Server, ServerConfig
 
 
+class OneServer:
+    """One server on a thread: ``stop`` ends its loop (it writes its final checkpoint, if it has a directory)."""
+
+    def __init__(self, **cfg: object) -> None:
+        self.server = Server(ServerConfig(**cfg))  # type: ignore[arg-type]
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+        self.endpoint = self.server.endpoint
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Whether the loop ended within ``timeout_s``."""
+        self.server.stopping = True
+        self.thread.join(timeout=timeout_s)
+        return not self.thread.is_alive()
+
+
 class Cluster:
     def __init__(self, n: int, **cfg: object) -> None:
         self.servers = [Server(ServerConfig(server_id=i, **cfg)) for i in range(n)]  # type: ignore[arg-type]

@@ -24,23 +24,17 @@ from gradsync.ps.client import PSClient
 from gradsync.ps.kvstore import KVStoreConfig, PSKVStore
 from gradsync.ps.server import Server, ServerConfig
 from gradsync.ps.wire import Flag, Op, decode, encode, seal
+from tests.ps.cluster import OneServer
 
 KEY = b"s3cret"
 
 
-class _Thread:
-    """One server on a thread; ``stop`` ends its loop (it writes its final checkpoint, if it has a directory)."""
+class _Thread(OneServer):
+    """One server on a thread whose ``stop`` must end its loop."""
 
-    def __init__(self, **cfg: object) -> None:
-        self.server = Server(ServerConfig(**cfg))  # type: ignore[arg-type]
-        self.thread = threading.Thread(target=self.server.serve, daemon=True)
-        self.thread.start()
-        self.endpoint = self.server.endpoint
-
-    def stop(self) -> None:
-        self.server.stopping = True
-        self.thread.join(timeout=10)
-        assert not self.thread.is_alive()
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        assert super().stop(timeout_s)
+        return True
 
 
 def _raw(endpoint: str, frames: list[bytes], secret: bytes | None = KEY, wait_ms: int = 5000):  # type: ignore[no-untyped-def]
