@@ -119,3 +119,13 @@ def run_scenario(scenarios: dict[str, Callable[..., Any]], rank: int) -> None:
         json.dump(result, f)
     sys.stdout.flush()
     os._exit(0)
+
+
+def run_outside_a_launcher(script: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -c script args`` in a fresh interpreter with none of torchrun's variables (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT): what a script sees before a trainer has made its process group."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, cwd=str(ROOT))

@@ -3,12 +3,7 @@ process group exists, so the state must wait for the first bucket to find its ru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.dist_launch import run_outside_a_launcher
 
 SCRIPT = r"""
 import os, sys
@@ -42,9 +37,5 @@ dist.destroy_process_group()
 
 
 def test_the_hook_state_built_before_the_process_group_starts_its_runtime_at_the_first_bucket(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "store")], env=env, capture_output=True,
-                       text=True, timeout=120)
+    p = run_outside_a_launcher(SCRIPT, str(tmp_path / "store"))
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
