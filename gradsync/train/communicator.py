@@ -399,8 +399,9 @@ class CompressionStep:
         assert isinstance(c, TwoRoundCompressor)  # guarded by self.two_rounds
         # Tensors sent as they are (PowerSGD's vectors) join the second round's sum and are divided in place, all
         # at once: no memory, marks, state or decode per tensor, whose launches would dominate a GPU step.
-        exact = [i for i, info in enumerate(infos) if c.sends_exactly(info)]
-        lossy = [i for i, info in enumerate(infos) if not c.sends_exactly(info)]
+        as_is = [c.sends_exactly(info) for info in infos]
+        exact = [i for i, e in enumerate(as_is) if e]
+        lossy = [i for i, e in enumerate(as_is) if not e]
         lx, linfos = [xs[i] for i in lossy], [infos[i] for i in lossy]
         dense = [xs[i].detach().reshape(-1) for i in exact]  # a view where contiguous: summed in place
         checkpoints = [c.checkpoint(info.name) for info in linfos]
