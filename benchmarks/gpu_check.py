@@ -25,6 +25,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,23 @@ def _launches(fn: Callable[[], Any], device: Any) -> dict[str, int]:
 
 
 # ---- codecs on the device ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _torch_form() -> Iterator[None]:
+    """The codecs' torch forms (the fused kernels off) inside the block."""
+    from gradsync.compress import kernels
+
+    before = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[kernels.ENV]
+        else:
+            os.environ[kernels.ENV] = before
+
+
+
 def _grace_randk_randint(x: Any, ratio: float = 0.01) -> tuple[Any, int]:
     import torch
 
@@ -116,7 +134,7 @@ def codecs_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
     import torch
 
     from benchmarks import codecs as ref
-    from gradsync.compress import COMPRESSORS, create
+    from gradsync.compress import COMPRESSORS, create, kernels
     from gradsync.compress.base import TensorInfo
 
     device = _device()
@@ -144,9 +162,17 @@ def codecs_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
                     p_cpu, ctx_cpu = c_cpu.compress(x_cpu, info)
                     row["same_as_cpu"] = bool(torch.allclose(decoded.cpu(), c_cpu.decompress(p_cpu, ctx_cpu),
                                                              rtol=1e-5, atol=1e-6))
+                row["fused"] = kernels.enabled_for(x)
+                if row["fused"]:  # the fused kernels' decode against the torch form's, on the same payload
+                    with _torch_form():
+                        row["decode_same_as_torch"] = bool(torch.equal(decoded, c.decompress(payload, ctx)))
                 timed = create(name)
                 row["gradsync_s"] = _median_time(lambda c=timed, x=x, i=info: c.decompress(*c.compress(x, i)), device,
                                                  reps)
+                if row["fused"]:  # the same codec without the kernels, side by side in this run
+                    with _torch_form():
+                        row["torch_form_s"] = _median_time(
+                            lambda c=timed, x=x, i=info: c.decompress(*c.compress(x, i)), device, reps)
                 row["bytes"] = sum(t.numel() * t.element_size() for t in payload)
                 for label, fn in grace.get(name, []):
                     row[f"{label}_s"] = _median_time(lambda fn=fn, x=x: fn(x), device, reps)
@@ -155,7 +181,7 @@ def codecs_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
                 row.update(_launches(lambda c=timed, x=x, i=info: c.decompress(*c.compress(x, i)), device))
                 for label, fn in grace.get(name, [])[:1]:
                     row.update({f"{label}_{k}": v for k, v in _launches(lambda fn=fn, x=x: fn(x), device).items()})
-                row["ok"] = on_device and row.get("same_as_cpu", True)
+                row["ok"] = on_device and row.get("same_as_cpu", True) and row.get("decode_same_as_torch", True)
             except Exception as exc:  # noqa: BLE001 - recorded, the next case runs
                 row.update(ok=False, error=_first_line(exc))
             rows.append(row)
@@ -448,6 +474,8 @@ def summary(doc: dict[str, Any]) -> None:
             ratios = " ".join(f"{k[6:]}={v:.2f}x" for k, v in row.items() if k.startswith("ratio_"))
             launches = (f" kernels={row['kernels']} syncs={row['host_syncs']}" if "kernels" in row else "") + "".join(
                 f" {k}={v}" for k, v in row.items() if k.endswith("_kernels"))
+            if "torch_form_s" in row:
+                ratios += f" torch_form={row['gradsync_s'] / row['torch_form_s']:.2f}x"
             print(f"  {row['codec']:9s} {row['elements']:>9d}: {row['gradsync_s'] * 1e3:8.3f} ms "
                   f"({row['gradsync_s'] / row['copy_s']:.1f}x a copy) {ratios}{launches}", flush=True)
     for row in doc.get("hooks", []):

@@ -20,6 +20,10 @@ from gradsync.topology import Device, Link, Topology
 # run, or the user's own jobs, left there. Tests of the cache itself set their own.
 os.environ["GRADSYNC_CACHE"] = _CACHE = tempfile.mkdtemp(prefix="gradsync-test-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# Triton (the fused codec kernels) picks its interpreter when it is imported: without a GPU, every import in this
+# session is the interpreter, so tests/compress/test_kernels.py runs the kernels' own source on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

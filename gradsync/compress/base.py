@@ -322,6 +322,12 @@ class Compressor(ABC):
             self._generators[device] = gen
         return gen
 
+    def _kernel_seed(self, seed: int | None) -> int:
+        """One integer that seeds a fused kernel's own random stream (:mod:`~gradsync.compress.kernels`): drawn on
+        the host from this compressor's seeded generator (or torch's global one), so no device round trip."""
+        gen = self._generator(torch.device("cpu"), seed)
+        return int(torch.randint(0, 2**31 - 1, (), generator=gen))  # host: a scalar argument of the kernel
+
     def _workspace(self, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D scratch tensor of ``numel`` elements, reused from call to call (contents undefined).
 

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradsync.compress import kernels
+
 __all__ = ["MAX_BITS", "less", "pack_bits", "pack_nonnegative", "unpack_bits", "pack_uint", "unpack_uint",
            "unpack_fields", "packed_nbytes"]
 
@@ -70,6 +72,9 @@ def pack_bits(bits: Tensor) -> Tensor:
 def pack_nonnegative(x: Tensor) -> Tensor:
     """``pack_bits(x >= 0)``: the sign family's payload, with numpy's comparison on CPU (see :func:`less`)."""
     flat = x.reshape(-1)
+    fused = kernels.pack_nonnegative(flat)
+    if fused is not None:
+        return fused
     if _numpy_ok(flat):
         return torch.from_numpy(np.packbits(np.greater_equal(flat.numpy(), 0), bitorder="little"))
     if flat.device.type != "cpu" and _WORDS:

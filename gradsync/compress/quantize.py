@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gradsync.compress import kernels
 from gradsync.compress.base import (
     CompressionError,
     Compressor,
@@ -105,6 +106,10 @@ class QSGD(Compressor):
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         numel = flat.numel()
         size, count = self._buckets(numel)
+        if self.bits == 8 and info.dtype == torch.float32:
+            fused = kernels.qsgd_encode(flat, self.levels, size, self._kernel_seed(self.seed))
+            if fused is not None:
+                return list(fused), Context(info)
         # ``rows``: a zero-padded copy in the work dtype, one pass
         rows = torch.empty(size * count, dtype=work_dtype(info.dtype), device=flat.device)
         rows[numel:].zero_()
@@ -136,6 +141,11 @@ class QSGD(Compressor):
         codes = packed[:numel] if self.bits == 8 else unpack_uint(packed, self.bits, numel)
         size, count = self._buckets(numel)
         dtype = work_dtype(ctx.info.dtype)
+        if self.bits == 8 and dtype == torch.float32:
+            target = torch.empty(numel, dtype=dtype, device=codes.device) if padded is None else padded[:numel]
+            fused = kernels.qsgd_decode(norms, codes, numel, self.levels, size, target)
+            if fused is not None:
+                return fused
         # |value| = level * (||x|| / s) per bucket, written into a padded buffer so the broadcast needs no copy
         buf = torch.empty(size * count, dtype=dtype, device=codes.device) if padded is None else padded
         buf[numel:].zero_()
@@ -194,6 +204,10 @@ class TernGrad(Compressor):
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         x = flat.to(work_dtype(info.dtype))
+        if x.dtype == torch.float32 and kernels.enabled_for(x):
+            fused = self._compress_fused(x)
+            if fused is not None:
+                return fused, Context(info)
         if self.clip is not None and x.numel() > 1:
             bound = self.clip * torch.std(x, correction=0)
             x = torch.clamp(x, -bound, bound)  # = max(min(x, b), -b) for b >= 0, in one pass
@@ -207,8 +221,25 @@ class TernGrad(Compressor):
         codes = less(noise, prob).bitwise_left_shift_(less(x, 0))  # 0, 1 (+) or 2 (-): keep << negative, bytes
         return [scale.reshape(1).to(_SCALE_DTYPE), pack_uint(codes, self._BITS)], Context(info)
 
+    def _compress_fused(self, x: Tensor) -> list[Tensor] | None:
+        """One kernel for clipping, sampling and packing; the two reductions (σ, max|x|) stay torch's.
+
+        ``max|clip(x)| = min(max|x|, bound)`` (clipping is monotone), so no clipped copy is made."""
+        if not x.numel():
+            return None
+        bound = self.clip * torch.std(x, correction=0) if self.clip is not None and x.numel() > 1 else None
+        low, high = torch.aminmax(x)
+        scale = torch.maximum(-low, high)
+        if bound is not None:
+            scale = torch.minimum(scale, bound)
+        packed = kernels.terngrad_encode(x, bound, scale, self._kernel_seed(self.seed))
+        return None if packed is None else [scale.reshape(1).to(_SCALE_DTYPE), packed]
+
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         scale, packed = payload
+        fused = kernels.terngrad_decode(packed, scale, ctx.info.numel, work_dtype(ctx.info.dtype))
+        if fused is not None:
+            return fused
         codes = unpack_fields(packed, self._BITS, ctx.info.numel)
         # code c in {0, 1, 2} -> (c & 1) - (c >> 1) in {0, 1, -1}, on bytes; one conversion, one scaling
         ternary = (codes & 1).view(torch.int8).sub_((codes >> 1).view(torch.int8))

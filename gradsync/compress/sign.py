@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gradsync.compress import kernels
 from gradsync.compress.base import (
     Compressor,
     Context,
@@ -26,7 +27,7 @@ from gradsync.compress.base import (
     shares_memory,
     work_dtype,
 )
-from gradsync.compress.packing import pack_bits, pack_nonnegative, packed_nbytes, unpack_bits
+from gradsync.compress.packing import pack_nonnegative, packed_nbytes, unpack_bits
 
 __all__ = ["SignSGD", "SigNUM", "EFSignSGD", "OneBit", "majority_vote"]
 
@@ -61,7 +62,9 @@ class _SignOnly(Compressor):
         return [pack_nonnegative(self._send(flat, info))], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
-        return _signs(unpack_bits(payload[0], ctx.info.numel), work_dtype(ctx.info.dtype))
+        dtype = work_dtype(ctx.info.dtype)
+        fused = kernels.select_by_bits(payload[0], ctx.info.numel, dtype)
+        return fused if fused is not None else _signs(unpack_bits(payload[0], ctx.info.numel), dtype)
 
     def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
         return majority_vote(tensors)
@@ -140,6 +143,9 @@ class EFSignSGD(Compressor):
         """
         scale, packed = payload
         dtype, numel = work_dtype(ctx.info.dtype), ctx.info.numel
+        fused = kernels.select_by_bits(packed, numel, dtype, out=out, values=scale, negate=True)
+        if fused is not None:
+            return fused
         if out is None:
             out = torch.empty(numel, dtype=dtype, device=packed.device)
         bits = unpack_bits(packed, numel).view(torch.uint8)
@@ -194,11 +200,15 @@ class OneBit(Compressor):
         sum_pos = x.clamp(min=0).sum()
         sum_neg = x.clamp(max=0).sum()
         means = torch.stack([sum_pos / n_pos.clamp(min=1), sum_neg / n_neg.clamp(min=1)])
-        return [means.to(_SCALE_DTYPE), pack_bits(positive)], Context(info)
+        return [means.to(_SCALE_DTYPE), pack_nonnegative(x)], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         means, packed = payload
-        means = means.to(work_dtype(ctx.info.dtype))
+        dtype = work_dtype(ctx.info.dtype)
+        fused = kernels.select_by_bits(packed, ctx.info.numel, dtype, values=means)
+        if fused is not None:
+            return fused
+        means = means.to(dtype)
         return torch.where(unpack_bits(packed, ctx.info.numel), means[0], means[1])
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:

@@ -1,0 +1,182 @@
+"""One-pass codec kernels on the GPU (Triton), for the sign and quantizer families.
+
+Why: on a GPU the torch form of a codec is 3 to 8 memory-bound kernels, each a launch and a full pass over the
+tensor (a compare, a fill, a multiply-pack; a norm, a random draw, a scaling, a conversion, a shift). Fused, a
+codec reads its input once and writes its payload once: compress and decompress are one kernel each.
+
+Each function here returns ``None`` where it does not apply (no Triton, a CPU tensor, a dtype or size it does
+not take), and the codec then runs its torch form. Which is which:
+
+* **the same bits as the torch form:** sign packing, every decode (``select_by_bits``, ``qsgd_decode``,
+  ``terngrad_decode``): the same operations in the same order, each correctly rounded;
+* **its own random numbers:** ``qsgd_encode`` and ``terngrad_encode`` draw ``u`` from Triton's Philox stream
+  (seeded from the compressor's generator on the host, one integer per call: no device synchronisation). They
+  quantize by the same rule, so they have the same distribution, not the same draws.
+
+``GRADSYNC_FUSED=0`` turns the kernels off (the torch form everywhere). ``GRADSYNC_FUSED=interpret`` also runs
+them on CPU tensors through Triton's interpreter: that is how the CPU-only tests check the kernels' results.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ENV", "available", "enabled_for", "pack_nonnegative", "select_by_bits", "qsgd_encode", "qsgd_decode",
+           "terngrad_encode", "terngrad_decode"]
+
+#: The switch: "0" off, "1" (the default) on for CUDA tensors, "interpret" on for CUDA and CPU tensors.
+ENV = "GRADSYNC_FUSED"
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: Offsets are int32 in the kernels: larger tensors take the torch form.
+_MAX_NUMEL = 2**31 - 2**16
+
+
+@functools.cache
+def _kernels(interpret: bool) -> dict[str, Any] | None:
+    if interpret:  # Triton picks its interpreter when it is imported, for its own library functions too
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"{ENV}=interpret must be set before Triton is imported (it was imported already): "
+                               f"set it in the environment that starts the process")
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from gradsync.compress import _triton_kernels as source
+    except ImportError:  # no Triton (a CPU-only install): the torch forms run
+        return None
+    return {name: source.triton.jit(fn) for name, fn in source.KERNELS.items()}
+
+
+def available() -> bool:
+    """Whether Triton imports here (the kernels' only requirement besides a CUDA tensor)."""
+    return _kernels(_mode() == "interpret") is not None
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV, "1").strip().lower()
+    if mode not in ("0", "1", "interpret"):
+        raise ValueError(f"{ENV}={mode!r}: use 1 (fused kernels on CUDA tensors, the default), 0 (off) or interpret "
+                         f"(also on CPU tensors, through Triton's interpreter: tests)")
+    return mode
+
+
+def enabled_for(t: Tensor) -> bool:
+    """Whether the kernels run for ``t``: a CUDA tensor with Triton installed, or a CPU one in interpret mode."""
+    return _for(t) is not None
+
+
+def _for(t: Tensor) -> dict[str, Any] | None:
+    mode = _mode()
+    if mode == "0":
+        return None
+    if t.device.type == "cuda" and torch.cuda.is_available():
+        return _kernels(mode == "interpret")
+    if t.device.type == "cpu" and mode == "interpret":
+        return _kernels(True)
+    return None
+
+
+def _fits(x: Tensor) -> bool:
+    return x.dim() == 1 and x.is_contiguous() and x.numel() <= _MAX_NUMEL and not x.requires_grad
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pack_nonnegative(x: Tensor) -> Tensor | None:
+    """``packing.pack_nonnegative`` in one pass: ``ceil(n / 8)`` bytes, bit ``i`` = ``x[i] >= 0``."""
+    k = _for(x)
+    if k is None or not _fits(x) or x.dtype not in _FLOATS:
+        return None
+    n = x.numel()
+    nbytes = _cdiv(n, 8)
+    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if n:
+        k["pack_nonnegative"][(_cdiv(nbytes, 512),)](x, out, n, nbytes, BYTES=512)
+    return out
+
+
+def select_by_bits(packed: Tensor, n: int, dtype: torch.dtype, *, out: Tensor | None = None,
+                   hi: float = 1.0, lo: float = -1.0, values: Tensor | None = None,
+                   negate: bool = False) -> Tensor | None:
+    """``where(bit i, hi, lo)`` for the first ``n`` bits of ``packed``, as ``dtype`` (into ``out`` if given).
+
+    ``values`` (on the device) replaces the numbers: ``[hi, lo]``, or ``[hi]`` with ``lo = -hi`` when ``negate``.
+    """
+    k = _for(packed)
+    if k is None or packed.dtype != torch.uint8 or dtype not in (torch.float32, torch.float64, torch.float16) or n > _MAX_NUMEL:
+        return None
+    if values is not None and (values.device != packed.device or values.numel() < (1 if negate else 2)):
+        return None
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=packed.device)
+    elif out.dtype != dtype or out.numel() != n or not out.is_contiguous() or out.device != packed.device:
+        return None
+    mode = 0 if values is None else (1 if negate else 2)
+    if n:
+        v = out if values is None else values.reshape(-1).contiguous()
+        k["select_by_bits"][(_cdiv(n, 2048),)](packed, out, n, v, float(hi), float(lo), MODE=mode, BLOCK=2048)
+    return out
+
+
+def _bucket_ok(bucket: int) -> bool:
+    return 16 <= bucket <= 2048 and bucket & (bucket - 1) == 0
+
+
+def qsgd_encode(x: Tensor, levels: int, bucket: int, seed: int) -> tuple[Tensor, Tensor] | None:
+    """QSGD with 8-bit codes (``levels <= 127``) and power-of-two buckets: ``(norms float32, codes uint8)``."""
+    k = _for(x)
+    if k is None or not _fits(x) or x.dtype != torch.float32 or not 1 <= levels <= 127 or not _bucket_ok(bucket):
+        return None
+    n = x.numel()
+    count = _cdiv(n, bucket)
+    norms = torch.empty(count, dtype=torch.float32, device=x.device)
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    if n:
+        rows = max(1, 2048 // bucket)
+        k["qsgd_encode"][(_cdiv(count, rows),)](x, norms, codes, n, count, seed, levels, BUCKET=bucket, ROWS=rows)
+    return norms, codes
+
+
+def qsgd_decode(norms: Tensor, codes: Tensor, n: int, levels: int, bucket: int, out: Tensor) -> Tensor | None:
+    """The decoded QSGD values (float32) into ``out``: the torch decode's bits."""
+    k = _for(codes)
+    if (k is None or codes.dtype != torch.uint8 or norms.dtype != torch.float32 or out.dtype != torch.float32
+            or not _bucket_ok(bucket) or not 1 <= levels <= 127 or n > _MAX_NUMEL or out.numel() != n
+            or not out.is_contiguous() or codes.numel() < n):
+        return None
+    if n:
+        k["qsgd_decode"][(_cdiv(n, 2048),)](codes, norms, out, n, levels, BUCKET=bucket, BLOCK=2048)
+    return out
+
+
+def terngrad_encode(x: Tensor, bound: Tensor | None, scale: Tensor, seed: int) -> Tensor | None:
+    """TernGrad's packed 2-bit codes of ``x`` clipped to ``±bound`` (none when ``None``), kept with probability
+    ``|x| / scale``; ``bound`` and ``scale`` are float32 device scalars."""
+    k = _for(x)
+    if k is None or not _fits(x) or x.dtype != torch.float32:
+        return None
+    n = x.numel()
+    nbytes = _cdiv(n, 4)
+    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if n:
+        b = scale if bound is None else bound
+        k["terngrad_encode"][(_cdiv(nbytes, 1024),)](x, b.reshape(1), scale.reshape(1), out, n, nbytes, seed,
+                                                      CLIP=bound is not None, BYTES=1024)
+    return out
+
+
+def terngrad_decode(packed: Tensor, scale: Tensor, n: int, dtype: torch.dtype) -> Tensor | None:
+    """``((c & 1) - (c >> 1)) * scale`` per 2-bit code, as ``dtype``: the torch decode's bits."""
+    k = _for(packed)
+    if k is None or packed.dtype != torch.uint8 or dtype not in (torch.float32, torch.float64) or n > _MAX_NUMEL:
+        return None
+    out = torch.empty(n, dtype=dtype, device=packed.device)
+    if n:
+        k["terngrad_decode"][(_cdiv(n, 2048),)](packed, scale.reshape(1), out, n, BLOCK=2048)
+    return out

@@ -1,0 +1,194 @@
+"""The fused GPU codec kernels (gradsync.compress.kernels), run on CPU tensors through Triton's interpreter.
+
+Against independent expectations: numpy's packbits for the sign bits; the codecs' torch forms (the same bits for
+every deterministic pass); for the kernels that draw their own random numbers, the quantizers' defining
+properties (levels in range, the two neighbouring levels only, unbiased on average, the same draws per seed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gradsync.compress import create, kernels
+from gradsync.compress.base import TensorInfo
+
+pytest.importorskip("triton")
+
+SIZES = [1, 7, 8, 9, 1000, 4097]
+
+
+@pytest.fixture
+def fused(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Kernels on for CPU tensors (the interpreter), with a count of launches per kernel."""
+    monkeypatch.setenv(kernels.ENV, "interpret")
+    real = kernels._kernels(True)
+    assert real is not None
+    launches: dict[str, int] = {}
+
+    class Counted:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: object) -> object:
+            launches[self.name] = launches.get(self.name, 0) + 1
+            return real[self.name][grid]
+
+    monkeypatch.setattr(kernels, "_kernels", lambda interpret: {name: Counted(name) for name in real})
+    return launches
+
+
+def _values(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    return x
+
+
+def _torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.ENV, "0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_bits_are_numpys_packbits_of_x_at_least_zero(fused, n, dtype):
+    x = _values(n, n, dtype)
+    if n > 4:
+        x[2], x[4] = float("nan"), float("-inf")
+    packed = kernels.pack_nonnegative(x)
+    expected = np.packbits(np.greater_equal(x.float().numpy(), 0), bitorder="little")
+    assert packed.dtype == torch.uint8 and packed.numpy().tolist() == expected.tolist()
+    assert fused == {"pack_nonnegative": 1}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_select_by_bits_is_torch_where_in_each_mode(fused, n):
+    x = _values(n, 100 + n)
+    bits = x >= 0
+    packed = torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
+    v = torch.tensor([0.3, -1.7])
+    assert torch.equal(kernels.select_by_bits(packed, n, torch.float32), torch.where(bits, 1.0, -1.0))
+    half = kernels.select_by_bits(packed, n, torch.float16, values=v, negate=True)
+    assert half.dtype == torch.float16 and torch.equal(half, torch.where(bits, v[0].half(), -v[0].half()))
+    out = torch.full((n,), float("nan"), dtype=torch.float64)
+    got = kernels.select_by_bits(packed, n, torch.float64, out=out, values=v)
+    assert got is out and torch.equal(out, torch.where(bits, v[0].double(), v[1].double()))
+
+
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit"])
+@pytest.mark.parametrize("n", [9, 1000, 4097])
+def test_sign_codecs_give_the_torch_forms_bits(fused, monkeypatch, name, n):
+    x = _values(n, 7 * n) * 3
+    info = TensorInfo("w", (n,), torch.float32)
+    c = create(name)
+    payload, ctx = c.compress(x, info)
+    decoded = c.decompress(payload, ctx)
+    combined = c.combine([payload, payload, payload], ctx)
+    assert fused.get("pack_nonnegative", 0) >= 1 and fused.get("select_by_bits", 0) >= 1
+    _torch_form(monkeypatch)
+    ref = create(name)
+    ref_payload, ref_ctx = ref.compress(x, info)
+    assert [p.tolist() for p in payload] == [p.tolist() for p in ref_payload]
+    assert torch.equal(decoded, ref.decompress(ref_payload, ref_ctx))
+    assert torch.equal(combined, ref.combine([ref_payload] * 3, ref_ctx))
+
+
+@pytest.mark.parametrize("n", [5, 1000, 4097])
+def test_qsgd_decode_gives_the_torch_forms_bits(fused, monkeypatch, n):
+    g = torch.Generator().manual_seed(n)
+    levels, bucket = 127, 128
+    count = math.ceil(n / bucket)
+    codes = (torch.randint(0, levels + 1, (n,), generator=g) << 1 | torch.randint(0, 2, (n,), generator=g)).to(torch.uint8)
+    norms = torch.rand(count, generator=g) * 10
+    norms[0] = 0.0
+    out = torch.full((n,), float("nan"))
+    got = kernels.qsgd_decode(norms, codes, n, levels, bucket, out)
+    c = create("qsgd")
+    _torch_form(monkeypatch)
+    ctx = c.compress(torch.zeros(n), TensorInfo("w", (n,), torch.float32))[1]
+    assert got is out and torch.equal(out, c.decompress([norms, codes], ctx))
+    assert fused == {"qsgd_decode": 1}
+
+
+def test_qsgd_encode_is_unbiased_rounding_to_a_neighbouring_level(fused):
+    n, levels, bucket = 300, 7, 64
+    x = _values(n, 3)
+    x[:bucket] = 0.0  # an all-zero bucket: norm 0, every code 0
+    buckets = torch.cat([x, x.new_zeros(-n % bucket)]).view(-1, bucket)
+    norms_ref = torch.linalg.vector_norm(buckets, dim=1)
+    per_element = norms_ref.repeat_interleave(bucket)[:n]
+    total = torch.zeros(n, dtype=torch.float64)
+    trials = 300
+    for seed in range(trials):
+        norms, codes = kernels.qsgd_encode(x, levels, bucket, seed)
+        torch.testing.assert_close(norms, norms_ref, rtol=1e-6, atol=0)
+        level = (codes >> 1).to(torch.float64)
+        exact = x.abs().double() / per_element.double().clamp(min=1e-30) * levels
+        assert (level <= levels).all() and (level >= exact.floor()).all() and (level <= exact.floor() + 1).all()
+        assert torch.equal((codes & 1).bool() & (level > 0), (x < 0) & (level > 0))
+        total += torch.where((codes & 1).bool(), -level, level) * per_element.double() / levels
+    assert (codes[:bucket] == 0).all()
+    # the mean of `trials` draws, each within one level step of x: within 5 standard errors of x
+    step = per_element.double() / levels
+    assert ((total / trials - x.double()).abs() <= 5 * step / 2 / math.sqrt(trials) + 1e-12).all()
+    a, b = kernels.qsgd_encode(x, levels, bucket, 11), kernels.qsgd_encode(x, levels, bucket, 11)
+    assert torch.equal(a[1], b[1]) and not torch.equal(a[1], kernels.qsgd_encode(x, levels, bucket, 12)[1])
+
+
+@pytest.mark.parametrize("n", [1, 9, 1000])
+def test_terngrad_decode_gives_the_torch_forms_bits(fused, monkeypatch, n):
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 3, (n,), generator=g)
+    padded = torch.cat([codes, codes.new_zeros(-n % 4)]).view(-1, 4)
+    packed = (padded[:, 0] | padded[:, 1] << 2 | padded[:, 2] << 4 | padded[:, 3] << 6).to(torch.uint8)
+    scale = torch.tensor([0.625])
+    got = kernels.terngrad_decode(packed, scale, n, torch.float32)
+    c = create("terngrad")
+    _torch_form(monkeypatch)
+    ctx = c.compress(torch.zeros(n), TensorInfo("w", (n,), torch.float32))[1]
+    assert torch.equal(got, c.decompress([scale, packed], ctx))
+    assert torch.equal(got, torch.tensor([0.0, 0.625, -0.625])[codes])
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_terngrad_fused_is_an_unbiased_ternary_of_the_clipped_tensor(fused, monkeypatch, clip):
+    n = 257
+    x = _values(n, 5)
+    x[10] = 9.0  # an outlier the clip cuts
+    info = TensorInfo("w", (n,), torch.float32)
+    c = create("terngrad", clip=clip, seed=1)
+    total = torch.zeros(n, dtype=torch.float64)
+    trials = 300
+    for _ in range(trials):
+        payload, ctx = c.compress(x, info)
+        decoded = c.decompress(payload, ctx)
+        scale = payload[0]
+        assert set(decoded.unique().tolist()) <= {0.0, scale.item(), -scale.item()}
+        assert ((decoded == 0) | (torch.sign(decoded) == torch.sign(x))).all()
+        total += decoded.double()
+    assert fused.get("terngrad_encode") == trials and fused.get("terngrad_decode") == trials
+    target = x if clip is None else x.clamp(-clip * x.std(correction=0), clip * x.std(correction=0))
+    # the scale is the torch form's (a deterministic reduction): max|clip(x)|
+    _torch_form(monkeypatch)
+    assert torch.equal(scale, create("terngrad", clip=clip, seed=1).compress(x, info)[0][0])
+    assert torch.equal(scale.reshape(()), target.abs().max())
+    sd = scale.double().item() / 2 / math.sqrt(trials)  # a Bernoulli of range `scale`: variance <= scale^2 / 4
+    assert ((total / trials - target.double()).abs() <= 5 * sd).all()
+
+
+def test_the_switch(monkeypatch):
+    x = torch.randn(10)
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert kernels.pack_nonnegative(x) is None and not kernels.enabled_for(x)
+    monkeypatch.setenv(kernels.ENV, "1")  # the default: CUDA tensors only
+    assert kernels.pack_nonnegative(x) is None
+    monkeypatch.setenv(kernels.ENV, "interpret")
+    assert kernels.enabled_for(x)
+    assert kernels.pack_nonnegative(x.double()) is None  # a dtype the kernel does not take: the torch form runs
+    assert kernels.qsgd_encode(x, 127, 100, 0) is None  # a bucket that is not a power of two
+    monkeypatch.setenv(kernels.ENV, "yes")
+    with pytest.raises(ValueError, match="GRADSYNC_FUSED='yes'.*use 1"):
+        kernels.enabled_for(x)
