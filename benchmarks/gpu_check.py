@@ -163,9 +163,13 @@ def codecs_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
                     row["same_as_cpu"] = bool(torch.allclose(decoded.cpu(), c_cpu.decompress(p_cpu, ctx_cpu),
                                                              rtol=1e-5, atol=1e-6))
                 row["fused"] = kernels.enabled_for(x)
+                row["rel_error"] = float((decoded.reshape(-1) - x).norm() / x.norm())
                 if row["fused"]:  # the fused kernels' decode against the torch form's, on the same payload
                     with _torch_form():
                         row["decode_same_as_torch"] = bool(torch.equal(decoded, c.decompress(payload, ctx)))
+                        t_form = create(name)
+                        row["torch_form_rel_error"] = float(
+                            (t_form.decompress(*t_form.compress(x, info)).reshape(-1) - x).norm() / x.norm())
                 timed = create(name)
                 row["gradsync_s"] = _median_time(lambda c=timed, x=x, i=info: c.decompress(*c.compress(x, i)), device,
                                                  reps)
