@@ -151,7 +151,10 @@ class QSGD(Compressor):
         buf[numel:].zero_()
         out = buf[:numel]
         out.copy_(codes >> 1)
-        buf.view(count, size).mul_((norms.to(dtype) / self.levels).unsqueeze(1))
+        # a divisor tensor: CUDA divides by a host number through its reciprocal (a second rounding), the CPU
+        # divides; by a tensor both divide, so every device (and the fused kernel) gets the same bits
+        step = norms.to(dtype) / torch.full_like(norms, self.levels, dtype=dtype)
+        buf.view(count, size).mul_(step.unsqueeze(1))
         # the sign: times -1 where the bit is set, exactly ``-v`` (zeros become -0.0 as negation makes them),
         # by an int8 factor (one byte per element where a sign-bit XOR needs a 4-8 byte integer tensor)
         negative = (codes & 1).view(torch.int8) if codes.dtype == torch.uint8 else (codes & 1).to(torch.int8)
