@@ -23,7 +23,7 @@ BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 WORLD = 2
 
 pytestmark = [pytest.mark.usefixtures("single_intraop_thread"),
-              pytest.mark.filterwarnings("ignore:gradsync. tensor:RuntimeWarning")]
+              pytest.mark.filterwarnings("ignore:gradsync. a gradient:RuntimeWarning")]
 
 
 def _seeded(name: str) -> Compressor:
