@@ -4,17 +4,16 @@ as it was, so the later steps are bit for bit those of a run that never took the
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
 import torch
 
 from gradsync.comm.runtime import Runtime
-from gradsync.compress import COMPRESSORS, create
-from gradsync.compress.base import Compressor, TensorInfo
+from gradsync.compress import COMPRESSORS
+from gradsync.compress.base import TensorInfo
 from gradsync.train.communicator import CompressionStep
-from tests.train.local_ranks import on_ranks
+from tests.train.local_ranks import on_ranks, seeded
 
 WORLD = 2
 BAD_STEP = 2
@@ -26,16 +25,6 @@ BAD = {"nan": (math.nan, "b"), "inf": (math.inf, "c")}
 
 pytestmark = [pytest.mark.usefixtures("single_intraop_thread"),
               pytest.mark.filterwarnings("ignore:gradsync. a gradient:RuntimeWarning")]
-
-
-def seeded(name: str) -> Compressor:
-    """``name`` with a fixed seed where it draws (so two runs draw alike) and PowerSGD compressing every matrix."""
-    params: dict[str, object] = {}
-    if "seed" in inspect.signature(COMPRESSORS.get(name)).parameters:
-        params["seed"] = 0
-    if name == "powersgd":
-        params["min_compression_rate"] = 0
-    return create(name, **params)
 
 
 def _grads(rank: int, step: int) -> dict[str, torch.Tensor]:
