@@ -315,7 +315,8 @@ class Compressor(ABC):
 
     def _settle_generators(self) -> None:
         """Rewind the generators if the last committed step was non-finite, once its verdict is final (a step still
-        open -- its later tensors not yet compressed -- is left for the next step's first use)."""
+        open -- its later tensors not yet compressed -- is left for the next step's first use; one whose exchange
+        failed, and raised to its caller, is never final and never rewinds)."""
         positions, verdict = self._rewind  # type: ignore[misc]
         if not verdict.decided:
             return
@@ -605,8 +606,8 @@ class StepVerdict:
 
     @property
     def decided(self) -> bool:
-        """Whether no exchange can join the step any more (its verdict is final once they have run)."""
-        return self._closed
+        """Whether the verdict is final: no exchange can join the step any more and every one of them has run."""
+        return self._closed and all(p is not None for p in self._parts)
 
     def __bool__(self) -> bool:
         if self._value is not None:
