@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from gradsync.env import env_number
 from gradsync.errors import GradsyncError
 
 __all__ = ["check_output", "write_text", "read_input", "parse_json", "parse_yaml", "MAX_INPUT_BYTES_ENV",
@@ -53,15 +54,10 @@ def write_text(path: str | os.PathLike[str], text: str, what: str, error: type[G
 
 
 def _limit(env: str, default: int, error: type[GradsyncError]) -> int:
-    text = os.environ.get(env, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise error(f"{env}={text!r} is not an integer; unset it or set e.g. {env}={default}") from None
+    """``env`` as a whole number >= 1 (:func:`~gradsync.env.env_number`), else ``default``; ``error``: the loader's."""
+    value = env_number(env, default, int, error)
     if value < 1:
-        raise error(f"{env}={value} must be >= 1")
+        raise error(f"{env}={value} must be >= 1; unset it or set e.g. {env}={default}")
     return value
 
 

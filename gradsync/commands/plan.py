@@ -11,12 +11,12 @@ from typing import Any
 from gradsync.commands._output import emit_json
 from gradsync.commands._progress import heartbeat
 from gradsync.commands._sizes import parse_size
+from gradsync.env import env_number
 from gradsync.errors import GradsyncError
 from gradsync.paths import check_output, write_text
 from gradsync.plan import PlanOptions, evaluate
 from gradsync.plan.estimate import PlanEstimate, estimate_plan
 from gradsync.plan.synthesizers import SYNTHESIZERS
-from gradsync.ps.env import env_number
 from gradsync.sim.choose import algorithm_names, synthesize  # every synthesizer, and auto
 from gradsync.topology import get_topology
 
@@ -40,7 +40,7 @@ def _env_limit(name: str, default: float) -> float:
     """``name`` as a positive number (the project's one environment reader, :func:`env_number`), else ``default``."""
     value = env_number(name, default, float)
     if not value > 0:
-        raise GradsyncError(f"{name}={os.environ.get(name, '').strip()!r} must be > 0")
+        raise GradsyncError(f"{name}={os.environ.get(name, '').strip()!r} must be > 0; unset it or set e.g. {name}={default:g}")
     return value
 
 

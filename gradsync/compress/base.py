@@ -24,6 +24,7 @@ import inspect
 import math
 import threading
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ __all__ = [
     "Memory",
     "TensorInfo",
     "TwoRoundCompressor",
+    "StepBoundary",
+    "StepVerdict",
     "Verdict",
     "Verdicts",
     "as_buffer",
@@ -137,8 +140,9 @@ class Compressor(ABC):
     input's shape and dtype. Constructor parameters are stored under their own names (``__repr__`` and
     :func:`create` rely on it).
 
-    Per-tensor state changes by *replacing* ``_state[name]`` (never by writing into the old value): a step whose
-    tensor was non-finite on some worker puts back the value :meth:`checkpoint` saw (see :meth:`commit`).
+    Per-tensor state changes by *replacing* ``_state[name]`` (never by writing into the old value): a step with a
+    tensor that was non-finite on some worker puts back the value :meth:`checkpoint` saw for every tensor of the
+    step, and the seeded generators' positions from before the step's first tensor (see :meth:`commit`).
     """
 
     #: Registry name, set by :func:`register_compressor`.
@@ -167,14 +171,17 @@ class Compressor(ABC):
         #: Scratch buffers (:meth:`_workspace`), never part of a payload or of the state.
         self._workspaces: dict[tuple[str, torch.dtype, torch.device, int], Tensor] = {}
         #: Per tensor name: the checkpoint of a committed step and its verdict, decided at the name's next use.
-        self._pending: dict[str, tuple[Checkpoint, Verdict]] = {}
+        self._pending: dict[str, tuple[Checkpoint, AnyVerdict]] = {}
+        #: The generators' positions before the last committed step's first tensor, and that step's verdict:
+        #: shared by every tensor of the step, so rewound once, before the next step draws anything.
+        self._rewind: tuple[tuple[tuple[torch.device, Tensor], ...], AnyVerdict] | None = None
 
     # -- the contract ---------------------------------------------------------------------------------
 
     def compress(self, tensor: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         """Payload tensors to send and the receiver-side context."""
         check_matches(tensor, info)
-        if self._pending:
+        if self._pending or self._rewind is not None:
             self._settle(info.name)
         if tensor.requires_grad:
             tensor = tensor.detach()
@@ -273,6 +280,7 @@ class Compressor(ABC):
         self._state.clear()
         self._generators.clear()
         self._pending.clear()
+        self._rewind = None
 
     # -- non-finite steps ---------------------------------------------------------------------------------
 
@@ -283,25 +291,44 @@ class Compressor(ABC):
         gens = tuple((device, g.get_state()) for device, g in self._generators.items()) if self._generators else ()
         return Checkpoint(self._state.get(name, _ABSENT), gens)
 
-    def commit(self, name: str, verdict: Verdict, checkpoint: Checkpoint) -> None:
+    def commit(self, name: str, verdict: AnyVerdict, checkpoint: Checkpoint) -> None:
         """End ``name``'s step: when ``verdict`` says it was non-finite on some worker, its state (SigNUM's momentum,
-        PowerSGD's warm start, Rand-k's step) and the generators go back to ``checkpoint`` -- read on the host at
-        the name's next use, not now (no synchronisation with a GPU on the step's path)."""
+        PowerSGD's warm start, Rand-k's step) goes back to ``checkpoint`` -- read on the host at the name's next
+        use, not now (no synchronisation with a GPU on the step's path). The generators go back to where they were
+        before the step's first tensor (its first commit), once, before the next step's first draw."""
         self._pending[name] = (checkpoint, verdict)
+        if self._rewind is None or self._rewind[1] is not verdict:
+            if self._rewind is not None:
+                self._settle_generators()  # an earlier step not decided yet (never: the next step settles it first)
+            self._rewind = (checkpoint.generators, verdict)
 
     def _settle(self, name: str) -> None:
+        if self._rewind is not None:
+            self._settle_generators()
         entry = self._pending.pop(name, None)
         if entry is None or entry[1]:
             return
-        checkpoint = entry[0]
-        if checkpoint.state is _ABSENT:
+        if entry[0].state is _ABSENT:
             self._state.pop(name, None)
         else:
-            self._state[name] = checkpoint.state
-        for device, position in checkpoint.generators:
-            gen = self._generators.get(device)
-            if gen is not None:
-                gen.set_state(position)
+            self._state[name] = entry[0].state
+
+    def _settle_generators(self) -> None:
+        """Rewind the generators if the last committed step was non-finite, once its verdict is final (a step still
+        open -- its later tensors not yet compressed -- is left for the next step's first use; one whose exchange
+        failed, and raised to its caller, is never final and never rewinds)."""
+        positions, verdict = self._rewind  # type: ignore[misc]
+        if not verdict.decided:
+            return
+        self._rewind = None
+        if verdict:
+            return
+        saved = dict(positions)
+        for device in list(self._generators):
+            if device in saved:
+                self._generators[device].set_state(saved[device])
+            else:  # made during the bad step: as if never made (it starts again from the seed)
+                del self._generators[device]
 
     @abstractmethod
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]: ...
@@ -388,11 +415,12 @@ class Memory(ABC):
     """Error feedback around a compressor (GRACE's ``Memory``): add back what earlier steps did not send.
 
     A step is a transaction per tensor name: :meth:`compensate` reads the committed state and leaves it as it is,
-    :meth:`update` proposes the next state, and :meth:`commit` attaches the step's :class:`Verdict`. The proposal
-    replaces the state at the name's next use when the tensor was finite on every worker; otherwise it is dropped,
-    the state stays what it was before the step (as if the step never happened, :class:`torch.amp.GradScaler`'s
-    skipped step), and :attr:`nonfinite_steps` counts it. A proposal never committed (a caller that runs
-    compensate and update alone) is kept. Subclasses keep state through :meth:`_committed` and :meth:`_propose`;
+    :meth:`update` proposes the next state, and :meth:`commit` attaches the step's verdict (a :class:`StepVerdict`
+    shared by every tensor of a training step, or one tensor's :class:`Verdict`). The proposal replaces the state
+    at the name's next use when the step was finite on every worker; otherwise it is dropped, the state stays what
+    it was before the step (as if the step never happened, :class:`torch.amp.GradScaler`'s skipped step), and
+    :attr:`nonfinite_steps` counts the step once. A proposal never committed (a caller that runs compensate and
+    update alone) is kept. Subclasses keep state through :meth:`_committed` and :meth:`_propose`;
     one that writes ``_state`` directly is not rolled back (its non-finite steps are still counted).
     """
 
@@ -405,6 +433,8 @@ class Memory(ABC):
         #: name -> a dropped state whose buffers the next :meth:`compensate` may write into
         self._spare: dict[str, Any] = {}
         self._nonfinite = 0
+        #: the non-finite steps counted (a step's tensors settle one by one; it counts once)
+        self._counted: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warned = False
 
     @abstractmethod
@@ -417,7 +447,7 @@ class Memory(ABC):
     ) -> None:
         """Record what ``payload`` failed to carry of ``tensor`` (the compensated tensor)."""
 
-    def commit(self, info: TensorInfo, verdict: Verdict) -> None:
+    def commit(self, info: TensorInfo, verdict: AnyVerdict) -> None:
         """Attach the step's verdict to ``info.name``'s proposed update (decided at the name's next use)."""
         entry = self._pending.get(info.name)
         if entry is None or entry[1] is not None:
@@ -427,10 +457,11 @@ class Memory(ABC):
 
     @property
     def nonfinite_steps(self) -> int:
-        """Tensor-steps whose update was dropped because the tensor was non-finite (NaN or inf) on some worker.
+        """Steps whose updates were dropped because a tensor of the step was non-finite (NaN or inf) on some worker.
 
-        Reading it decides every committed step (on a GPU: waits for their flags, long computed by then)."""
-        for name in [n for n, entry in self._pending.items() if entry[1] is not None]:
+        Reading it decides every committed step that is closed (on a GPU: waits for their flags, long computed by
+        then); a step still open is counted once it is closed."""
+        for name in [n for n, entry in self._pending.items() if entry[1] is not None and entry[1].decided]:
             self._settle(name)
         return self._nonfinite
 
@@ -438,6 +469,7 @@ class Memory(ABC):
         self._state.clear()
         self._pending.clear()
         self._spare.clear()
+        self._counted = weakref.WeakSet()
 
     def _propose(self, name: str, value: Any) -> None:
         self._pending[name] = [value, None]
@@ -460,15 +492,17 @@ class Memory(ABC):
                 if old is not None:
                     self._spare[name] = old
             return
-        self._nonfinite += 1
+        if verdict not in self._counted:
+            self._counted.add(verdict)
+            self._nonfinite += 1
         if value is not _ABSENT:
             self._spare[name] = value
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"gradsync: tensor {name!r} was NaN or inf on some worker: its aggregate is NaN (GradScaler skips such "
-                f"steps) and {type(self).__name__} kept its state from before the step; memory.nonfinite_steps counts "
-                "these (warned once)", RuntimeWarning, stacklevel=2)
+                f"gradsync: a gradient of the step that sent {name!r} was NaN or inf on some worker: its aggregate is "
+                f"NaN (GradScaler skips such steps) and {type(self).__name__} kept every tensor's state from before "
+                "the step; memory.nonfinite_steps counts these steps (warned once)", RuntimeWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
@@ -519,11 +553,18 @@ class Verdicts:
         return Verdict(self, index)
 
     def finite(self, index: int) -> bool:
+        return self._read()[index]
+
+    def all_finite(self) -> bool:
+        """Whether every tensor of the exchange was finite on every worker."""
+        return all(self._read())
+
+    def _read(self) -> list[bool]:
         if self._values is None:
             if self._event is not None:
                 self._event.synchronize()
             self._values = self._flags.tolist()
-        return self._values[index]
+        return self._values
 
 
 @dataclass(frozen=True)
@@ -533,8 +574,106 @@ class Verdict:
     verdicts: Verdicts
     index: int
 
+    #: a tensor's verdict is final once its exchange ran (a :class:`StepVerdict` only once its step is closed)
+    decided: ClassVar[bool] = True
+
     def __bool__(self) -> bool:
         return self.verdicts.finite(self.index)
+
+
+class StepVerdict:
+    """Whether every tensor of one training step was finite on every worker: the AND of its exchanges' verdicts.
+
+    GradScaler skips a whole step when one gradient overflows, so every tensor of the step (every merged group,
+    every DDP bucket) is committed with this one verdict, and one bad tensor rolls back all of them. An exchange
+    reserves its slot where it is queued (the caller's thread, in order) and fills it where its marks are summed
+    (the communication thread); the owner closes the step when no exchange can join it any more
+    (:class:`StepBoundary`). Read at the tensors' next use: by then every exchange of the step has run.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[Verdicts | None] = []
+        self._closed = False
+        self._value: bool | None = None
+
+    def reserve(self) -> int:
+        """A slot for one exchange of this step (before it is queued)."""
+        if self._closed:
+            raise CompressionError("an exchange joined a step that was already closed; open the next step first")
+        self._parts.append(None)
+        return len(self._parts) - 1
+
+    def fill(self, slot: int, verdicts: Verdicts) -> None:
+        """The exchange in ``slot`` ran: its tensors' verdicts."""
+        self._parts[slot] = verdicts
+
+    def close(self) -> None:
+        self._closed = True
+
+    @property
+    def decided(self) -> bool:
+        """Whether the verdict is final: no exchange can join the step any more and every one of them has run."""
+        return self._closed and all(p is not None for p in self._parts)
+
+    def __bool__(self) -> bool:
+        if self._value is not None:
+            return self._value
+        # a slot never filled: its exchange failed and raised to its caller; it proves nothing either way
+        parts = list(self._parts)
+        value = all(p.all_finite() for p in parts if p is not None)
+        if self._closed and all(p is not None for p in parts):
+            self._value = value
+        return value
+
+
+#: A per-tensor verdict (:func:`simulate_step`: one tensor is one step) or a whole step's.
+AnyVerdict = Verdict | StepVerdict
+
+
+class StepBoundary:
+    """Where one training step ends and the next begins, for every exchange one owner queues.
+
+    :meth:`verdict_for` gives the open step's :class:`StepVerdict` and opens a new step when a tensor name comes
+    again (a name is sent once per step); the owner calls :meth:`close` where it knows the step is over
+    (``DistributedOptimizer.step()``, DDP's last bucket). :attr:`nonfinite_steps` counts the closed steps that had a
+    non-finite tensor on some worker, each once however many tensors it had.
+    """
+
+    def __init__(self) -> None:
+        self._open: StepVerdict | None = None
+        self._names: set[str] = set()
+        #: closed steps not counted yet (their flags may still be on their way from a GPU)
+        self._closed: list[StepVerdict] = []
+        self._bad = 0
+
+    def verdict_for(self, names: Sequence[str]) -> StepVerdict:
+        """The open step's verdict for an exchange of ``names`` (a new step when one of them was sent already)."""
+        if self._open is not None and not self._names.isdisjoint(names):
+            self.close()
+        if self._open is None:
+            self._open = StepVerdict()
+        self._names.update(names)
+        return self._open
+
+    def close(self) -> None:
+        """The open step is over: later exchanges belong to the next one."""
+        if self._open is None:
+            return
+        self._open.close()
+        # count what is surely decided by now (steps before the one just closed): the list stays short
+        self._count(keep=1)
+        self._closed.append(self._open)
+        self._open, self._names = None, set()
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Closed steps with a NaN or inf in some tensor on some worker (waits for their flags)."""
+        self._count(keep=0)
+        return self._bad
+
+    def _count(self, keep: int) -> None:
+        done, self._closed = self._closed[: len(self._closed) - keep], self._closed[len(self._closed) - keep:]
+        self._bad += sum(not v for v in done)
 
 
 def nonfinite_marks(groups: Sequence[Sequence[Tensor]], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -1,11 +1,7 @@
-"""Names of the environment variables a PS job's processes read (kept free of heavy imports for the CLI)."""
+"""Names of the environment variables a PS job's processes read (kept free of heavy imports for the CLI); their
+numeric values are read with :func:`gradsync.env.env_number`."""
 
-import os
-from typing import TypeVar
-
-from gradsync.errors import GradsyncError
-
-__all__ = ["env_number", "SERVERS_ENV", "CLIENTS_ENV", "TIMEOUT_ENV", "SECRET_ENV", "JOB_ENV", "INSECURE_ENV", "MAX_AHEAD_ENV",
+__all__ = ["SERVERS_ENV", "CLIENTS_ENV", "TIMEOUT_ENV", "SECRET_ENV", "JOB_ENV", "INSECURE_ENV", "MAX_AHEAD_ENV",
            "MAX_PARKED_ENV", "MAX_PARKED_PER_CLIENT_ENV", "ELASTIC_TIMEOUT_ENV", "MAX_KEYS_ENV", "MAX_BYTES_ENV"]
 
 #: comma-separated ZeroMQ endpoints of the servers, in server order
@@ -36,21 +32,3 @@ MAX_KEYS_ENV = "GRADSYNC_PS_MAX_KEYS"
 #: bytes of stored values one server holds at most (default: half of this machine's memory)
 MAX_BYTES_ENV = "GRADSYNC_PS_MAX_BYTES"
 
-
-N = TypeVar("N", int, float)
-
-
-def env_number(name: str, default: N, kind: type[N]) -> N:
-    """``name`` read as ``kind`` (int or float); unset, empty or blank means ``default`` (``VAR= cmd`` in a shell).
-
-    One reader for servers and workers, so both accept the same values; a bad value is a
-    :class:`GradsyncError` naming the variable and an example, not ``float()``'s bare ``ValueError``.
-    """
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise GradsyncError(f"{name}={text!r} is not {what}; unset it or set e.g. {name}={default:g}") from None

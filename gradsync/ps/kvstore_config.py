@@ -9,9 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from gradsync.env import env_number
 from gradsync.errors import GradsyncError
 from gradsync.ps.client import PART_BYTES, SLICE_BYTES
-from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV, env_number
+from gradsync.ps.env import CLIENTS_ENV, ELASTIC_TIMEOUT_ENV, JOB_ENV, SECRET_ENV, SERVERS_ENV, TIMEOUT_ENV
 from gradsync.ps.wire import job_id
 
 __all__ = ["KVStoreConfig", "job_from_env"]

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gradsync.env import env_number
 from gradsync.errors import GradsyncError
 from gradsync.ps.env import (
     ELASTIC_TIMEOUT_ENV,
@@ -20,7 +21,6 @@ from gradsync.ps.env import (
     MAX_PARKED_ENV,
     MAX_PARKED_PER_CLIENT_ENV,
     SECRET_ENV,
-    env_number,
 )
 from gradsync.ps.wire import MAX_PAYLOAD, job_id
 

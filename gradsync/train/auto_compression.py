@@ -50,7 +50,7 @@ from gradsync.compress.auto import (
     profile_codecs,
     review,
 )
-from gradsync.compress.base import CompressionError, TensorInfo
+from gradsync.compress.base import CompressionError, StepBoundary, TensorInfo
 from gradsync.train.communicator import CompressionStep
 
 __all__ = ["AUTO_TYPE", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
@@ -123,6 +123,8 @@ class AutoCompression:
         self._wire = wire
         self._codec_cost = codec_cost
         self._steps: dict[str, CompressionStep] = {"none": CompressionStep("none", runtime=runtime)}
+        #: one training step spans every codec's step: its verdict rolls back all of their states together
+        self.boundary = StepBoundary()
         self._groups: dict[str, _Group] = {}
         self._this_step: list[tuple[str, float]] = []
         #: the groups the last complete step launched (DDP rebuilds its buckets after the first iteration: the
@@ -192,7 +194,7 @@ class AutoCompression:
         codec, sink = self._codec_for(group)
         group.launches += 1
         self.current = codec
-        work = self._step(codec).step_async(tensors, infos, reuse=reuse)
+        work = self._step(codec).step_async(tensors, infos, reuse=reuse, verdict=self.boundary.verdict_for([key]))
         t1 = self.clock()
         event = threading.Event()
 
@@ -210,10 +212,20 @@ class AutoCompression:
         work.future.add_done_callback(record)
         return work
 
+    def close_step(self) -> None:
+        """No exchange joins the training step any more (:meth:`CompressionStep.close_step`, for every codec)."""
+        self.boundary.close()
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Closed training steps with a NaN or inf in some group on some worker, whichever codecs they ran."""
+        return self.boundary.nonfinite_steps
+
     def end_step(self) -> None:
         """Backward is over (the optimizer's ``step()``; the hook infers it from a group launching again): each
         group's slack is the time from its launch to the last launch. The step's timing callbacks are waited for
         (bounded): one that ran late would otherwise charge the next step's launches to this step's times."""
+        self.close_step()
         self._wait_records()
         if not self._this_step:
             return

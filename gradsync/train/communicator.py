@@ -26,9 +26,20 @@ aggregate -> average; it reproduces :func:`gradsync.compress.base.simulate_step`
 Non-finite gradients (``GradScaler``'s overflow steps, a diverging run): each tensor's payload travels with a mark
 (:func:`~gradsync.compress.base.nonfinite_marks`: 0, or NaN when its compensated values or payload hold a NaN or
 an inf), summed with the payload (allreduce) or packed into the same buffer (allgather). Where the sum is NaN the
-aggregate comes back all NaN on every rank -- whatever the codec would have made of it -- and every rank's memory
-and compressor state for that tensor stay as they were before the step (counted in ``memory.nonfinite_steps``).
-The marks ride in collectives the step runs anyway and are read on the host only at the tensor's next step.
+aggregate comes back all NaN on every rank -- whatever the codec would have made of it (GradScaler then skips the
+whole step). The marks ride in collectives the step runs anyway and are read on the host only at the next step.
+
+The contract is per **training step**, as GradScaler's is: when any tensor of the step (any merged group, any DDP
+bucket, on any rank -- every rank sums the same marks, so every rank reaches the same verdict) was non-finite,
+*no* tensor's memory or compressor state (residuals, PowerSGD's Q, SigNUM's momentum, Rand-k's step, the seeded
+generators) changes in that step: the later steps are bit for bit those of a run that never saw it. Every exchange
+of a step is committed with one :class:`~gradsync.compress.base.StepVerdict` that a
+:class:`~gradsync.compress.base.StepBoundary` keeps: a step begins at the first exchange after the last one ended
+and ends where the owner says so (:meth:`CompressionStep.close_step`: ``DistributedOptimizer.step()`` through
+:meth:`~gradsync.train.grouped.MergedGroups.wait`, the DDP hook after the bucket that ``GradBucket.is_last()``
+names), or at the latest when a tensor name is sent a second time (a name travels once per step). The verdict is
+read at the tensors' next use, when every exchange of the step has run; :attr:`CompressionStep.nonfinite_steps`
+counts such steps, once each (each memory's ``nonfinite_steps`` counts the steps it dropped, also once each).
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ from gradsync.compress.base import (
     Compressor,
     Context,
     Memory,
+    StepBoundary,
+    StepVerdict,
     TensorInfo,
     TwoRoundCompressor,
     Verdicts,
@@ -327,6 +340,18 @@ class CompressionStep:
             raise CompressionError(f"communicator={communicator!r} must be a Communicator or one of {COMMUNICATOR_TYPES.names()}")
         self.communicator.check(self.compressor)
         self.two_rounds = isinstance(self.compressor, TwoRoundCompressor) and self.communicator.sums
+        #: the open training step's verdict and the count of non-finite steps (see the module doc)
+        self.boundary = StepBoundary()
+
+    def close_step(self) -> None:
+        """The training step is over: the next exchange begins the next one (its tensors' states are then rolled
+        back together if one of them was non-finite anywhere)."""
+        self.boundary.close()
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Closed training steps that had a NaN or inf in some tensor on some worker (their updates were dropped)."""
+        return self.boundary.nonfinite_steps
 
     def __repr__(self) -> str:
         return f"CompressionStep({self.compressor!r}, {self.memory!r}, {self.communicator.name!r})"
@@ -335,7 +360,8 @@ class CompressionStep:
         """The aggregate of ``tensor`` over workers (blocks until it has travelled)."""
         return self.step_async([tensor], [info]).wait()[0]
 
-    def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False) -> Work:
+    def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False,
+                   verdict: StepVerdict | None = None) -> Work:
         """Start the step for several tensors at once; the work's result is the list of aggregates.
 
         The local half (compensate, compress, memory update) runs here, on the caller's thread, as
@@ -346,9 +372,16 @@ class CompressionStep:
         overwritten by their aggregates): an aggregate may be written into its input's buffer once nothing
         needs that any more -- the memory copied it into its own state and no payload tensor is it -- instead
         of into a new tensor.
+
+        ``verdict``: the training step this exchange belongs to, when its owner keeps the step boundary itself
+        (``compression="auto"``: several steps, one per codec, make one training step); default: this step's
+        :attr:`boundary`.
         """
         if len(tensors) != len(infos):
             raise CompressionError(f"{len(tensors)} tensors but {len(infos)} TensorInfos: give one info per tensor")
+        # first: a name sent again closes the last step before anything of this one settles or draws
+        step = verdict if verdict is not None else self.boundary.verdict_for([i.name for i in infos])
+        slot = step.reserve()
         if self.two_rounds:  # tensors sent as they are skip the memory (nothing to feed back)
             compensated = [t if self.compressor.sends_exactly(i) else self.memory.compensate(t, i)
                            for t, i in zip(tensors, infos)]
@@ -357,7 +390,7 @@ class CompressionStep:
         # an input the memory copied is free once compressed (the memory holds x, not t)
         free = [t if reuse and x is not t and not shares_memory(t, [x]) else None for t, x in zip(tensors, compensated)]
         if self.two_rounds:
-            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), free))
+            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), free, step, slot))
         items: list[Item] = []
         outs: list[Tensor | None] = []
         checkpoints = [self.compressor.checkpoint(info.name) for info in infos]
@@ -366,35 +399,38 @@ class CompressionStep:
             self.memory.update(x, info, self.compressor, payload, ctx)
             items.append((payload, ctx))
             outs.append(None if t is None or shares_memory(t, payload) else t)
-        marks = self._marks(compensated, items)
+        marks = self._marks([[*payload, x] for x, (payload, _) in zip(compensated, items)])
 
         def job() -> list[Tensor]:
             results = self.communicator.exchange(self.compressor, items, outs, marks)
-            self._commit(infos, marks, checkpoints)
+            self._commit(infos, marks, checkpoints, step, slot)
             return results
 
         return self.communicator.submit(job)
 
     @staticmethod
-    def _marks(xs: Sequence[Tensor], items: Sequence[Item]) -> Tensor | None:
-        """This rank's non-finite mark per item, in the first payload's dtype (so that an allreduce sums it in the
-        payload's own collective) on the tensors' device."""
-        if not items:
+    def _marks(groups: Sequence[Sequence[Tensor]]) -> Tensor | None:
+        """This rank's non-finite mark per group of tensors, in the dtype of the group's first floating tensor (so
+        that an allreduce sums it in a payload's own collective: groups list the payload first) on the tensors' device."""
+        if not groups:
             return None
-        first = items[0][0][0] if items[0][0] else xs[0]
+        first = next((t for t in groups[0] if t.is_floating_point()), groups[0][0])
         dtype = first.dtype if first.is_floating_point() else torch.float32
-        return nonfinite_marks([[x, *payload] for x, (payload, _) in zip(xs, items)], dtype, xs[0].device)
+        return nonfinite_marks(groups, dtype, groups[0][0].device)
 
-    def _commit(self, infos: Sequence[TensorInfo], marks: Tensor | None, checkpoints: Sequence[Checkpoint]) -> None:
-        """Give every tensor's memory update and compressor state the step's verdict (decided at its next use)."""
+    def _commit(self, infos: Sequence[TensorInfo], marks: Tensor | None, checkpoints: Sequence[Checkpoint],
+                step: StepVerdict, slot: int) -> None:
+        """Give the exchange's verdicts to the training step, and every tensor's memory update and compressor state
+        the step's verdict (decided at the tensor's next use, when every exchange of the step has run)."""
         if marks is None:
             return
-        verdicts = Verdicts(torch.isfinite(marks))
-        for i, (info, checkpoint) in enumerate(zip(infos, checkpoints)):
-            self.memory.commit(info, verdicts[i])
-            self.compressor.commit(info.name, verdicts[i], checkpoint)
+        step.fill(slot, Verdicts(torch.isfinite(marks)))
+        for info, checkpoint in zip(infos, checkpoints):
+            self.memory.commit(info, step)
+            self.compressor.commit(info.name, step, checkpoint)
 
-    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], outs: list[Tensor | None]) -> list[Tensor]:
+    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], outs: list[Tensor | None], step: StepVerdict,
+                    slot: int) -> list[Tensor]:
         c = self.compressor
         assert isinstance(c, TwoRoundCompressor)  # guarded by self.two_rounds
         # Tensors sent as they are (PowerSGD's vectors) join the second round's sum and are divided in place, all
@@ -410,7 +446,9 @@ class CompressionStep:
         rounds = [c.second_round(x, info, p) for x, info, p in zip(lx, linfos, firsts)]
         for x, info, (payload, ctx) in zip(lx, linfos, rounds):
             self.memory.update(x, info, c, payload, ctx)
-        marks = self._marks(lx, rounds)
+        # one mark per lossy tensor, and one for all the tensors sent as they are: a NaN there has no state to
+        # roll back of its own, but it is a tensor of the step, so the other tensors' updates are dropped too
+        marks = self._marks([[*payload, x] for x, (payload, _) in zip(lx, rounds)] + ([dense] if dense else []))
         flat = [t for payload, _ in rounds for t in payload] + dense
         self.communicator.reduce_sum(flat if marks is None else [*flat, marks])
         summed = _summed_marks(marks)
@@ -429,7 +467,7 @@ class CompressionStep:
                               divide_by=divide_by if divisors is None else divisors[j])
             results[i] = self.communicator._finish(c, result, ctx.info, averaged=True,
                                                    owned=not shares_memory(result, payload))
-        self._commit(linfos, marks, checkpoints)
+        self._commit(linfos, marks, checkpoints, step, slot)
         return results
 
 

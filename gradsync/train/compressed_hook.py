@@ -18,6 +18,13 @@ communication thread that exchanges every payload of the bucket, decodes, aggreg
 averaged result into the bucket. Per-tensor state (residuals, PowerSGD's warm start) is keyed by parameter
 name, not bucket index, so DDP's bucket rebuild after the first iteration does not mix it up.
 
+Non-finite gradients: the step is DDP's iteration. Each bucket's exchange joins the iteration's verdict, and
+the bucket ``GradBucket.is_last()`` names (DDP hands buckets over in index order, the last one last) closes it --
+or, should it never come, the next iteration's first use of a parameter name. When any bucket held a NaN or inf
+on any rank, no bucket's error feedback or compressor state changes in that iteration (its NaN aggregate makes
+GradScaler skip the step); ``state.nonfinite_steps`` counts such iterations. A bucket on the native cast path
+(``fp16`` without memory) has neither state nor a count: its NaN reaches the aggregate by the sum itself.
+
 Why our PowerSGD runs on gloo with several buckets: both rounds of a bucket run inside that one job, and
 jobs run in submission order, so every rank sees the same sequence of collectives. (PyTorch's
 ``powerSGD_hook`` launches the second allreduce from a future callback; with several buckets in flight
@@ -124,6 +131,15 @@ class CompressionHookState:
         process group the trainer made, if gradsync was not initialised). Called at the first bucket."""
         return self.step.communicator.runtime
 
+    @property
+    def nonfinite_steps(self) -> int:
+        """DDP iterations with a NaN or inf in some bucket on some rank, whose updates were all dropped."""
+        return (self.auto or self.step).nonfinite_steps
+
+    def close_step(self) -> None:
+        """The iteration is over (called after the last bucket): the next bucket begins the next one."""
+        (self.auto or self.step).close_step()
+
     def name_of(self, param: torch.Tensor) -> str:
         key = id(param)
         if key not in self._names:
@@ -162,6 +178,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         inner = state.auto.step_async(tensors, infos, reuse=True, key=key)
     else:
         inner = state.step.step_async(tensors, infos, reuse=True)
+    if bucket.is_last():  # every bucket of the iteration is queued: no exchange joins its verdict any more
+        state.close_step()
     out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def write_back(fut: torch.futures.Future) -> None:

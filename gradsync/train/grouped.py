@@ -257,7 +257,8 @@ floating dtype.
         self._works.append((g, self.step.step_async([buf], [g.info], reuse=len(parts) > 1 or self.reuse_inputs)))
 
     def wait(self) -> list[Tensor]:
-        """Every tensor's aggregate in backward order (after :meth:`flush`); resets for the next step.
+        """Every tensor's aggregate in backward order (after :meth:`flush`); ends the training step (a NaN or inf in
+        any group rolls back every group's error feedback, :meth:`CompressionStep.close_step`) and resets for the next.
 
         A merged group's aggregates may be views of the group's reused buffer: they hold until the next step
         adds that group's first gradient (copy them to keep them longer; the optimizer copies them into ``.grad``).
@@ -266,6 +267,7 @@ floating dtype.
         out: list[Tensor | None] = [None] * len(self.names)
         works, self._works = self._works, []
         self._sent.clear()
+        self.step.close_step()  # every group of the step is queued: no exchange joins it any more
         for g, work in works:
             if g.parts:
                 for i, r in zip(g.members, work.wait()):

@@ -13,7 +13,10 @@ With ``compression=...`` the gradients go through :mod:`gradsync.compress` inste
 Algorithm 1): they are cut in backward order into the groups ``merge`` names, each group is compressed
 once when its last gradient is ready and exchanged by its communicator while backward goes on, and
 ``step()`` writes the aggregates back into ``.grad``. ``compression=None`` (the default) is the plain path
-above, unchanged.
+above, unchanged. ``step()`` is also where a compressed training step ends: when any group's gradient held a NaN or
+an inf on any rank, that group's aggregate is NaN (GradScaler skips the step) and no group's error feedback or
+compressor state changes (:mod:`gradsync.train.communicator`); :attr:`DistributedOptimizer.nonfinite_steps` counts
+such steps.
 
 Gradient accumulation (``backward_passes_per_step=N``, Horovod's name): each parameter's hook counts the backward
 passes of the step and sends the gradient only on the N-th, once the N micro-batches have summed into ``.grad``
@@ -325,6 +328,12 @@ class DistributedOptimizer:
         self.compression.compressor.reset()
         self.compression.memory.reset()
         self._build_groups(self.partition)
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Compressed steps with a NaN or inf in some gradient on some rank: every group's error feedback and
+        compressor state were left as before the step (0 without compression, which keeps no such state)."""
+        return 0 if self.compression is None else self.compression.nonfinite_steps
 
     def synchronize(self) -> None:
         """Send any open groups and wait until every gradient of this iteration is reduced."""

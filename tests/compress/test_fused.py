@@ -181,6 +181,7 @@ def test_merged_groups_reuse_their_flat_buffer() -> None:
     from gradsync.train.grouped import MergedGroups
 
     offered: list[tuple[int, bool]] = []
+    closed: list[int] = []
 
     class Step:  # the CompressionStep surface MergedGroups uses: the aggregate is the tensor itself
         def step_async(self, tensors, infos, *, reuse=False):  # type: ignore[no-untyped-def]
@@ -194,6 +195,9 @@ def test_merged_groups_reuse_their_flat_buffer() -> None:
 
             return Work()
 
+        def close_step(self) -> None:  # wait() ends the training step (issue 42)
+            closed.append(len(offered))
+
     shapes = [(3, 4), (5,), (2, 2)]
     groups = MergedGroups(Step(), ["a", "b", "c"], shapes, torch.float32, Partition(3, (2,)))  # type: ignore[arg-type]
     for step in range(3):
@@ -206,6 +210,7 @@ def test_merged_groups_reuse_their_flat_buffer() -> None:
     merged = [ptr for ptr, reuse in offered if reuse]
     assert len(merged) == 3 and len(set(merged)) == 1 and merged[0] == groups._flat[0].data_ptr()
     assert [reuse for _, reuse in offered].count(False) == 3
+    assert closed == [2, 4, 6]  # each wait() closed its step after both groups were sent
 
 
 def test_the_step_writes_the_aggregate_into_a_given_up_buffer_only_when_nothing_needs_it() -> None:

@@ -14,8 +14,16 @@ import warnings
 import pytest
 import torch
 
-from gradsync.compress import COMPRESSORS, create, create_memory
-from gradsync.compress.base import Compressor, TensorInfo, Verdicts, nonfinite_marks, simulate_step
+from gradsync.compress import COMPRESSORS, CompressionError, create, create_memory
+from gradsync.compress.base import (
+    Compressor,
+    StepBoundary,
+    StepVerdict,
+    TensorInfo,
+    Verdicts,
+    nonfinite_marks,
+    simulate_step,
+)
 from gradsync.compress.memory import DEFAULT_MEMORY
 
 NAMES = COMPRESSORS.names()
@@ -23,7 +31,7 @@ BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 WORLD = 2
 
 pytestmark = [pytest.mark.usefixtures("single_intraop_thread"),
-              pytest.mark.filterwarnings("ignore:gradsync. tensor:RuntimeWarning")]
+              pytest.mark.filterwarnings("ignore:gradsync. a gradient:RuntimeWarning")]
 
 
 def _seeded(name: str) -> Compressor:
@@ -135,3 +143,29 @@ def test_the_step_never_reads_a_value_on_the_host() -> None:
         grads = [torch.empty(info.shape, device="meta") for _ in range(WORLD)]
         out = simulate_step(workers, memories, grads, info)
         assert out.device.type == "meta"
+
+
+def test_a_step_verdict_is_every_exchange_finite_and_final_once_closed_and_run() -> None:
+    step = StepVerdict()
+    first, second = step.reserve(), step.reserve()
+    step.fill(first, Verdicts(torch.tensor([True, True])))
+    assert bool(step) and not step.decided  # open, and the second exchange has not run
+    step.close()
+    assert not step.decided
+    step.fill(second, Verdicts(torch.tensor([True, False])))
+    assert step.decided and not bool(step)  # one tensor of one exchange: the whole step
+    with pytest.raises(CompressionError, match="already closed"):
+        step.reserve()
+
+
+def test_the_boundary_opens_a_step_when_a_name_comes_again_and_counts_a_bad_step_once() -> None:
+    boundary = StepBoundary()
+    a = boundary.verdict_for(["a", "b"])
+    assert boundary.verdict_for(["c"]) is a  # a second exchange of the same step
+    a.fill(a.reserve(), Verdicts(torch.tensor([False, True, True])))
+    b = boundary.verdict_for(["a"])  # "a" again: the next step
+    assert b is not a and a.decided and boundary.nonfinite_steps == 1
+    b.fill(b.reserve(), Verdicts(torch.tensor([True])))
+    boundary.close()
+    boundary.close()  # nothing open: nothing happens
+    assert boundary.nonfinite_steps == 1

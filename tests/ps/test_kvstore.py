@@ -257,9 +257,9 @@ def test_bad_request_timeout_from_the_environment_is_named(monkeypatch: pytest.M
 
 
 def test_workers_and_servers_read_numeric_variables_alike(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One reader (gradsync.ps.env.env_number): empty or blank means the default on both sides; text is an error
+    """One reader (gradsync.env.env_number): empty or blank means the default on both sides; text is an error
     naming the variable."""
-    from gradsync.ps.env import env_number
+    from gradsync.env import env_number
 
     for blank in ("", "  "):
         monkeypatch.setenv("GRADSYNC_PS_TIMEOUT", blank)

@@ -1,5 +1,6 @@
 """Multi-process runs of the training layer (2 gloo ranks, tests/workers/train_worker.py): gradient accumulation
-with DistributedOptimizer against single-process training, and broadcast_parameters / broadcast_optimizer_state."""
+with DistributedOptimizer against single-process training, broadcast_parameters / broadcast_optimizer_state, and
+the compressed DDP hook's step-wide rollback of a non-finite iteration."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and
         assert all(g["settled"] for g in got), got
         assert got[0]["codecs"] and all(g["codecs"] == got[0]["codecs"] for g in got), got  # decided once for the job
         assert all(g["hash"] == got[0]["hash"] for g in got), [g["report"] for g in got]
+
+
+def test_one_bad_gradient_in_one_ddp_bucket_leaves_every_bucket_as_if_the_iteration_never_happened(tmp_path):
+    """Issue 42 through the compressed DDP hook (2 gloo ranks, several buckets, seven compressors, NaN and inf): the
+    iteration is the transaction -- closed at the last bucket -- and it counts once on every rank."""
+    reports = launch(WORKER, ["nonfinite_hook", str(tmp_path)], WORLD, tmp_path, timeout_s=180)
+    assert reports[0] is not None and len(reports[0]) == 7
+    for rank, rep in enumerate(reports):
+        for case, r in rep.items():
+            assert r["buckets"] >= 2, (rank, case, r)  # several buckets: the others' states are what is tested
+            assert r == {"buckets": r["buckets"], "bad_nonfinite": True, "later_equal": True, "later_finite": True,
+                         "counts": [1, 1, 0]}, (rank, case, r)

@@ -1,12 +1,16 @@
-"""``DistributedOptimizer``'s grouping, in one process: which gradients travel together, and when."""
+"""``DistributedOptimizer``'s grouping, in one process: which gradients travel together, and when; and its compressed
+step on two in-process ranks when one gradient is NaN or inf."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gradsync.comm.runtime import Runtime
+from gradsync.compress import COMPRESSORS
 from gradsync.errors import GradsyncError
 from gradsync.train.optimizer import FIRST_BUCKET_BYTES, DistributedOptimizer
+from tests.train.local_ranks import on_ranks, seeded
 
 
 class _Done:
@@ -186,3 +190,65 @@ def test_a_step_after_fewer_passes_sends_them_at_step():
     opt.step()
     assert rt.groups == [[4]] and w.item() == -2.0
     opt.remove_hooks()
+
+
+# ---- non-finite gradients with compression (issue 42): the step is one transaction over every group ----------
+
+_SHAPES = {"w1": (16, 8), "b1": (16,), "w2": (4, 16), "b2": (4,)}  # backward order: b2, w2, b1, w1
+_BAD = {"nan": (float("nan"), "w1"), "inf": (float("inf"), "b2")}  # in the last group sent, or in the first
+
+
+class _Linear(torch.nn.Module):
+    """Parameters whose gradient is a fixed tensor per step (the loss is linear in them): every rank knows its
+    gradients in advance, and a NaN put in one reaches exactly that gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, shape in _SHAPES.items():
+            setattr(self, name, torch.nn.Parameter(torch.zeros(shape)))
+
+    def loss(self, coeffs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((getattr(self, n) * c).sum() for n, c in coeffs.items())  # type: ignore[return-value]
+
+
+def _compressed_run(name: str, bad: str, skip: bool) -> list:
+    value, where = _BAD[bad]
+
+    def rank(r: int, rt: Runtime) -> tuple[list[dict[str, torch.Tensor]], int]:
+        model = _Linear()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), runtime=rt,
+                                   compression=seeded(name), memory="dgc" if name == "dgc" else "residual", merge=2)
+        outs: list[dict[str, torch.Tensor]] = []
+        for s in range(5):
+            if skip and s == 2:
+                outs.append({})
+                continue
+            gen = torch.Generator().manual_seed(10 * s + r)
+            coeffs = {n: torch.randn(shape, generator=gen) for n, shape in _SHAPES.items()}
+            if s == 2 and r == 0:
+                coeffs[where].view(-1)[1] = value
+            opt.zero_grad()
+            model.loss(coeffs).backward()
+            opt.step()
+            outs.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.remove_hooks()
+        return outs, opt.nonfinite_steps
+
+    return on_ranks(2, rank)
+
+
+@pytest.mark.filterwarnings("ignore:gradsync. a gradient:RuntimeWarning")
+@pytest.mark.parametrize("bad", sorted(_BAD))
+@pytest.mark.parametrize("name", COMPRESSORS.names())
+def test_one_bad_gradient_leaves_every_group_as_if_the_step_never_happened(name: str, bad: str) -> None:
+    """Two merged groups; one element of one gradient on rank 0 is NaN or inf at step 2: that gradient comes back
+    non-finite (GradScaler skips the step), and steps 3 and 4 are bit for bit a run that skipped step 2 -- the
+    other group's error feedback did not take step 2 either. The optimizer counts the step once."""
+    _, where = _BAD[bad]
+    seen, never = _compressed_run(name, bad, skip=False), _compressed_run(name, bad, skip=True)
+    for r, ((outs, count), (ref, ref_count)) in enumerate(zip(seen, never)):
+        assert not torch.isfinite(outs[2][where]).all(), (name, r)
+        for s in (3, 4):
+            for n in _SHAPES:
+                assert torch.isfinite(outs[s][n]).all() and torch.equal(outs[s][n], ref[s][n]), (name, r, s, n)
+        assert (count, ref_count) == (1, 0), (name, r)

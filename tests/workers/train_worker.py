@@ -195,7 +195,72 @@ def scenario_auto() -> dict:
     return out
 
 
-SCENARIOS = {"auto": scenario_auto, "accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast}
+_HOOK_SHAPES = {"w1": (32, 16), "b1": (32,), "w2": (16, 32), "b2": (16,), "w3": (4, 16), "b3": (4,)}
+#: (compressor, merge, the bad value, the parameter that gets it): NaN and inf, in a weight's bucket or a bias's
+HOOK_CASES = (("topk", "layerwise", "nan", "w2"), ("powersgd", "layerwise", "inf", "b1"),
+              ("signum", "layerwise", "nan", "b1"), ("qsgd", "layerwise", "inf", "w2"), ("dgc", "layerwise", "nan", "w2"),
+              ("fp16", "layerwise", "inf", "w2"), ("randk", "bucket", "nan", "w2"))
+
+
+class _LinearLoss(torch.nn.Module):
+    """The loss is linear in the parameters: each gradient is a tensor the rank chose, NaN where it put one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, shape in _HOOK_SHAPES.items():
+            setattr(self, name, torch.nn.Parameter(torch.zeros(shape)))
+
+    def forward(self, coeffs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((getattr(self, n) * coeffs[n]).sum() for n in _HOOK_SHAPES)  # type: ignore[return-value]
+
+
+def scenario_nonfinite_hook() -> dict:
+    """The compressed DDP hook over several buckets, per case: at iteration 2 one element of one parameter's gradient
+    on rank 0 is NaN or inf. Against a run that skipped iteration 2: iterations 3 and 4 give every gradient bit for
+    bit, so no bucket's error feedback or compressor state took iteration 2 (issue 42), and it counts once."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.train.local_ranks import seeded
+
+    rt = gradsync.init(algorithm="ring", timeout_s=60)
+    out = {}
+    for comp, merge, bad, where in HOOK_CASES:
+        runs = []
+        for skip in (False, True):
+            module = _LinearLoss()
+            net = DDP(module, bucket_cap_mb=0.002)  # ~2 KB: a bucket per weight once DDP rebuilds them after step 0
+            memory = "dgc" if comp == "dgc" else "residual"
+            state = gradsync.CompressionHookState(seeded(comp), memory=memory, runtime=rt, model=module, merge=merge)
+            net.register_comm_hook(state, gradsync.compression_hook)
+            grads, buckets = [], 0
+            for s in range(5):
+                if skip and s == 2:
+                    grads.append({})
+                    continue
+                gen = torch.Generator().manual_seed(10 * s + RANK)
+                coeffs = {n: torch.randn(shape, generator=gen) for n, shape in _HOOK_SHAPES.items()}
+                if s == 2 and RANK == 0:
+                    coeffs[where].view(-1)[1] = float(bad)
+                module.zero_grad()
+                before = state.buckets
+                net(coeffs).backward()
+                buckets = max(buckets, state.buckets - before)
+                grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+            runs.append((grads, state.nonfinite_steps, state.step.memory.nonfinite_steps, buckets))
+        (seen, count, dropped, buckets), (never, count_never, _, _) = runs
+        out[f"{comp}/{merge}/{bad}"] = {
+            "buckets": buckets,
+            "bad_nonfinite": not bool(torch.isfinite(seen[2][where]).all()),
+            "later_equal": all(torch.equal(seen[s][n], never[s][n]) for s in (3, 4) for n in _HOOK_SHAPES),
+            "later_finite": all(bool(torch.isfinite(seen[s][n]).all()) for s in (3, 4) for n in _HOOK_SHAPES),
+            "counts": [count, dropped, count_never],
+        }
+    gradsync.shutdown()
+    return out
+
+
+SCENARIOS = {"auto": scenario_auto, "accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast,
+             "nonfinite_hook": scenario_nonfinite_hook}
 
 
 def main() -> None:
