@@ -232,7 +232,8 @@ def summary_lines(rows: Sequence[dict[str, Any]], g: dict[str, Any], allow: str)
     lines.append(f"auto never loses (worst lower bound {val(g['never_loses']['worst_ci_low'], '.3f')}, goal >= "
                  f"{GOAL_VS_BEST_LOW}): {'met' if g['never_loses']['met'] else 'NOT met'}")
     w = g["wire_bound_vs_ddp"]
-    lines.append(f"wire-bound configurations: {w['configs']}, worst auto vs DDP x{val(w['worst'], '.2f')} (goal >= "
+    worst = "not measured" if w["worst"] is None else f"x{w['worst']:.2f}"
+    lines.append(f"wire-bound configurations: {w['configs']}, worst auto vs DDP {worst} (goal >= "
                  f"{GOAL_VS_DDP}x): {'met' if w['met'] else 'NOT met'}")
     a = g["accuracy_points_vs_ddp"]
     lines.append(f"accuracy, worst {val(a['worst'], '+.1f')} points vs DDP with allow={allow!r}"
