@@ -27,7 +27,7 @@ Writes ``compression_sweep.json`` (rewritten after every cell, so a stopped swee
 ``--quick``: one configuration (LeNet-5, optimizer path), 8 steps, 2 local processes on gloo over loopback, no
 testbed and no root: it checks the machinery in seconds, not the goals. The full sweep needs root::
 
-    sudo gradsync bench compression-sweep          # 36 configurations, ~2.5 hours on 2 cores (see below)
+    sudo gradsync bench compression-sweep          # 36 configurations, about 2 hours on 2 cores (see below)
     gradsync bench compression-sweep --quick       # seconds, no root
 
 Duration of the default full sweep (30 steps, 8 methods): the 100 Mbit/s cells dominate. ResNet-18's 45 MB of
