@@ -218,6 +218,10 @@ register_benchmark("compress-testbed", "benchmarks.compress_testbed:main",
                    "issue 20: DDP, torch's fp16/PowerSGD hooks and gradsync's compressors with MergeComp on the "
                    "emulated racks:2,2,2 cluster (root; --loopback without): step time and accuracy; writes "
                    "compress_testbed.{json,png}", checkout=True)
+register_benchmark("compression-sweep", "benchmarks.compression_sweep:main",
+                   "issue 40: compression='auto' vs DDP, 'none' and each fixed codec over 36 configurations (3 rates x "
+                   "switch:4/two-tier racks x LeNet-5/ResNet-18/MLP x optimizer/hook) on the emulated cluster (root; "
+                   "--quick on loopback without); writes compression_sweep.{json,png}", checkout=True)
 register_benchmark("ps-loopback", "benchmarks.ps_loopback:main",
                    "PS pushpull round trip on loopback (authenticated, without a secret, and push + pull) vs a gloo send/recv round "
                    "trip of the same size, in one run; writes ps_loopback.{json,png}", checkout=True)

@@ -162,7 +162,7 @@ def scenario_broadcast() -> dict:
 
 def scenario_auto() -> dict:
     """compression="auto" through the optimizer and the DDP hook on a slow (fake) wire: each replica's parameters,
-    hashed, and the codecs chosen -- the same on every rank."""
+    hashed, the codecs chosen and those run (the same on every rank), and how far training moved them."""
     import hashlib
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -184,13 +184,17 @@ def scenario_auto() -> dict:
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             net = DDP(model)
             net.register_comm_hook(gradsync.CompressionHookState(auto, runtime=rt, model=model), gradsync.compression_hook)
+        tried = set()
         for step in range(4):
             _loss(net, *_micro(step, RANK, 0)).backward()
             opt.step()
             opt.zero_grad()
+            tried.add(auto.current)  # the codec the step's last group ran: "none" while probing, then the trial's
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        start = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
         out[path] = {"hash": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "settled": auto.settled,
-                     "codecs": {k: c.codec for k, c in auto.choices.items()}, "report": auto.report()}
+                     "codecs": {k: c.codec for k, c in auto.choices.items()}, "report": auto.report(),
+                     "tried": sorted(tried), "moved": float((flat - start).abs().max())}
     gradsync.shutdown()
     return out
 

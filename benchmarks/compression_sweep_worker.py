@@ -1,0 +1,278 @@
+"""One server's process of ``gradsync bench compression-sweep`` (issue 40): started in each namespace by
+``testbed.run`` (or as a local process on loopback).
+
+For each configuration ``MODEL/PATH`` of ``--configs``, in turn, it trains one replica per method from the same
+weights on the same batches, in the same processes: ``ddp`` (torch's DDP, no compression), ``none`` (the path's own
+exchange, no compression), each fixed codec of :data:`FIXED` (the same codecs, with the same parameters, that
+``compression="auto"`` chooses from: :data:`gradsync.compress.auto.CODECS`) and ``auto``. ``PATH`` is
+``optimizer`` (``gradsync.DistributedOptimizer``, layer-wise groups) or ``hook`` (DDP with
+``gradsync.compression_hook``, DDP's buckets). Every step each method takes its step in turn, the order rotating
+step by step; a sample is the slowest rank's time for zero_grad + forward + backward + ``step()``. The first
+``--warmup`` steps are trained but not timed: by then ``auto`` has probed, chosen and reviewed every group (DDP
+rebuilds its buckets after step 0, so the hook's groups start a step late). ``auto`` keeps no cache: every
+configuration chooses from scratch, and ``first_steps_s`` (its first steps' times, and every method's) shows what
+choosing cost.
+
+After the steps, rank 0 evaluates every replica on the test digits (accuracy, loss) and every replica's parameters
+are compared across ranks (bit-identical, by min/max allreduce; no pickle). Rank 0 writes JSON to ``--out`` and
+prints a progress line every few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.compress_testbed_worker import Replica, _identical, _timed, _train_step
+from gradsync.errors import GradsyncError
+from gradsync.registry import Registry
+
+__all__ = ["FIXED", "MODELS", "PATHS", "Setup", "method_names", "main"]
+
+#: The fixed codecs every configuration runs beside ``auto`` (names of :data:`gradsync.compress.auto.CODECS`).
+FIXED = ("fp16", "powersgd-r1", "topk-1%", "efsignsgd", "qsgd")
+MOMENTUM = 0.9
+#: The digits' side for every model (LeNet-5 and ResNet-18 at 32x32; the MLP reads the same 1,024 pixels).
+IMAGE = 32
+
+
+def method_names() -> list[str]:
+    """Every method of a configuration, in the order they are reported."""
+    return ["ddp", "none", *FIXED, "auto"]
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+
+def _lenet5() -> nn.Module:
+    from gradsync.models import create
+
+    return create("lenet5", num_classes=10)
+
+
+def _resnet18() -> nn.Module:
+    from gradsync.models import create
+
+    return create("resnet18", num_classes=10, in_channels=1)
+
+
+def _mlp() -> nn.Module:
+    """Large dense matrices: 1024-2048-2048-10, 6.3M parameters (4.2M in one matrix)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(IMAGE * IMAGE, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                         nn.Linear(2048, 10))
+
+
+MODELS: Registry[Callable[[], nn.Module]] = Registry("compression-sweep model", GradsyncError)
+MODELS.add("lenet5", _lenet5)
+MODELS.add("resnet18", _resnet18)
+MODELS.add("mlp", _mlp)
+
+
+# -- the two paths ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setup:
+    """What every builder may use: the runtime and the run's hyper-parameters."""
+
+    runtime: Any
+    lr: float
+    allow: str
+    probe_steps: int
+
+
+def _sgd(params: Any, setup: Setup) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=setup.lr, momentum=MOMENTUM)
+
+
+def _compression(method: str, setup: Setup) -> Any:
+    """What the gradsync side runs for ``method``: a fresh compressor, or an AutoCompression without a cache (every
+    configuration chooses from scratch; the optimizer's and the hook's models share a parameter signature)."""
+    from gradsync.compress.auto import CODECS
+    from gradsync.train import AutoCompression
+
+    if method == "auto":
+        return AutoCompression(setup.allow, runtime=setup.runtime, probe_steps=setup.probe_steps, cache=False)
+    return CODECS.get(method).create()
+
+
+def _ddp(net: nn.Module, setup: Setup) -> Replica:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(net)
+    opt = _sgd(model.parameters(), setup)
+    return Replica(model, opt, opt)
+
+
+def _optimizer_path(method: str, net: nn.Module, setup: Setup) -> Replica:
+    import gradsync
+
+    if method == "ddp":
+        return _ddp(net, setup)
+    base = _sgd(net.parameters(), setup)
+    comp = _compression(method, setup)
+    opt = gradsync.DistributedOptimizer(base, net.named_parameters(), runtime=setup.runtime, compression=comp)
+    return Replica(net, opt, base, lambda: _auto_stats(comp))
+
+
+def _hook_path(method: str, net: nn.Module, setup: Setup) -> Replica:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsync
+
+    if method == "ddp":
+        return _ddp(net, setup)
+    comp = _compression(method, setup)
+    model = DDP(net)
+    state = gradsync.CompressionHookState(comp, runtime=setup.runtime, model=net)
+    model.register_comm_hook(state, gradsync.compression_hook)
+    opt = _sgd(model.parameters(), setup)
+    return Replica(model, opt, opt, lambda: {**_auto_stats(comp), "payload_bytes": state.payload_bytes,
+                                             "dense_bytes": state.dense_bytes})
+
+
+def _auto_stats(comp: Any) -> dict[str, Any]:
+    from gradsync.train import AutoCompression
+
+    if not isinstance(comp, AutoCompression):
+        return {}
+    rows = comp.table()
+    return {"settled": comp.settled, "choices": rows,
+            "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})}}
+
+
+PATHS: Registry[Callable[[str, nn.Module, Setup], Replica]] = Registry("compression-sweep path", GradsyncError)
+PATHS.add("optimizer", _optimizer_path)
+PATHS.add("hook", _hook_path)
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Test accuracy and loss of the module itself (not DDP's wrapper: its forward may sync buffers, a collective
+    rank 0 would run alone), in eval mode (batch norm's running statistics)."""
+    net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    net.eval()
+    try:
+        with torch.no_grad():
+            logits = net(x)
+    finally:
+        net.train()
+    return float((logits.argmax(1) == y).float().mean()), float(nn.functional.cross_entropy(logits, y))
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+def _args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="compression-sweep worker (run by benchmarks/compression_sweep.py)")
+    p.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    p.add_argument("--topology", default=None, help="gradsync.init topology (default: switch:<world>)")
+    p.add_argument("--configs", required=True, help="comma-separated MODEL/PATH")
+    p.add_argument("--methods", default=",".join(method_names()))
+    p.add_argument("--allow", default="any", help="auto's policy")
+    p.add_argument("--probe-steps", type=int, default=2, help="auto's timed launches per codec")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64, help="global batch, split over the ranks")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--first", type=int, default=50, help="steps whose total time shows what choosing cost")
+    p.add_argument("--label", default="", help="where it runs, for the progress lines")
+    p.add_argument("--index", type=int, default=0, help="configurations done before this run (progress lines)")
+    p.add_argument("--total", type=int, default=0, help="configurations in the whole sweep (progress lines)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--calibrate", action="store_true", help="gradsync.init(calibrate=True)")
+    return p.parse_args(argv)
+
+
+def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args: argparse.Namespace,
+               progress: Callable[[str], None]) -> dict[str, Any]:
+    """One configuration: every method's replica from the same weights, stepping in turn on the same batches."""
+    from gradsync.models.data import load_digits, shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = load_digits(IMAGE)
+    torch.manual_seed(0)
+    base = MODELS.get(model_name)()
+    setup = Setup(rt, args.lr, args.allow, args.probe_steps)
+    build = PATHS.get(path)
+    replicas = {m: build(m, copy.deepcopy(base), setup) for m in methods}
+    n_train = data.x_train.shape[0]
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(1))
+    samples: dict[str, list[float]] = {m: [] for m in methods}
+    first: dict[str, list[float]] = {m: [] for m in methods}
+    losses: dict[str, list[float]] = {m: [] for m in methods}
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        start = (step * args.batch) % (n_train - args.batch)
+        x, y = shard(data.x_train[order[start:start + args.batch]], data.y_train[order[start:start + args.batch]],
+                     rank, world)
+        for m in list(methods[step % len(methods):]) + list(methods[:step % len(methods)]):
+            got: list[float] = []
+            dt = _timed(lambda rep=replicas[m], got=got, x=x, y=y: got.append(_train_step(rep, x, y)))
+            losses[m].append(got[0])
+            if step < args.first:
+                first[m].append(dt)
+            if step >= args.warmup:
+                samples[m].append(dt)
+        if (step + 1) % 5 == 0 or step + 1 == args.steps:
+            progress(f"step {step + 1}/{args.steps} ({time.perf_counter() - t0:.0f} s)")
+    rows = {}
+    for m, rep in replicas.items():
+        acc, loss = _evaluate(rep.model, data.x_test, data.y_test) if rank == 0 else (None, None)
+        rows[m] = {"median_s": statistics.median(samples[m]), "samples_s": samples[m], "first_steps_s": first[m],
+                   "losses": losses[m], "accuracy": acc, "test_loss": loss,
+                   "replicas_identical": _identical(rep.model), "stats": rep.stats()}
+    return {"model": model_name, "path": path, "parameters": sum(p.numel() for p in base.parameters()),
+            "model_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "methods": rows,
+            "run_s": time.perf_counter() - t0}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import gradsync
+
+    args = _args(argv)
+    configs = [tuple(c.split("/", 1)) for c in args.configs.split(",") if c]
+    methods = [m for m in args.methods.split(",") if m]
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    rt = gradsync.init(args.topology, timeout_s=args.timeout, calibrate=args.calibrate)
+    out: dict[str, Any] = {"topology": rt.topology.name, "world_size": rt.world_size, "torch": torch.__version__,
+                           "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate,
+                           "init_s": time.perf_counter() - t0, "steps": args.steps, "warmup": args.warmup,
+                           "batch": args.batch, "lr": args.lr, "allow": args.allow, "configs": []}
+    total = args.total or len(configs)
+    for i, (model_name, path) in enumerate(configs):
+        tag = f"[{args.index + i + 1}/{total}] {model_name}/{path}" + (f" on {args.label}" if args.label else "")
+
+        def progress(text: str, tag: str = tag) -> None:
+            if rt.rank == 0:
+                print(f"{tag}: {text}", flush=True)
+
+        result = run_config(rt, model_name, path, methods, args, progress)
+        med = {m: r["median_s"] for m, r in result["methods"].items()}
+        progress("done, median s/step " + ", ".join(f"{m} {v:.3f}" for m, v in med.items()))
+        out["configs"].append(result)
+    if rt.rank == 0:
+        Path(args.out).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    gradsync.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # As compress_testbed_worker: leave without the interpreter's teardown once every rank is past its last
+    # collective (DDP replicas and their hooks alive at exit aborted now and then after the result was written).
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,187 @@
+"""``gradsync bench compression-sweep`` (issue 40 part 3): the quick mode end to end on loopback, the paired
+arithmetic against hand-computed numbers, the goals, and the testbed cells with the root-only steps faked."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import benchmarks.compression_sweep as bench
+from benchmarks.compression_sweep_worker import FIXED, method_names
+from gradsync.errors import GradsyncError
+
+
+def _method(samples: list[float], accuracy: float | None = 0.9, first: list[float] | None = None) -> dict:
+    return {"median_s": statistics.median(samples), "samples_s": samples, "first_steps_s": first or [],
+            "accuracy": accuracy, "test_loss": 0.3, "replicas_identical": True, "stats": {}}
+
+
+def _config(**methods: dict) -> dict:
+    return {"model": "mlp", "path": "hook", "parameters": 10, "methods": methods}
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
+def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired_samples(tmp_path, capsys):
+    pytest.importorskip("sklearn")  # the digits
+    pytest.importorskip("matplotlib")
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0  # loopback: the goals are reported, not enforced
+    assert (tmp_path / "compression_sweep_quick.png").stat().st_size > 0
+    doc = json.loads((tmp_path / "compression_sweep_quick.json").read_text())
+    assert doc["type"] == bench.RESULT_TYPE and doc["complete"] and doc["allow"] == "any"
+    assert set(doc["goals"]) >= {"never_loses", "wire_bound_vs_ddp", "accuracy_points_vs_ddp", "choose_share", "met"}
+    (cell,) = doc["cells"]
+    assert cell["mode"] == "loopback" and cell["world_size"] == 2
+    (config,) = cell["configs"]
+    assert (config["model"], config["path"]) == ("lenet5", "optimizer")
+    steps, warmup = bench.QUICK["steps"], bench.QUICK["warmup"]
+    rows = config["methods"]
+    assert list(rows) == method_names() == ["ddp", "none", *FIXED, "auto"]
+    for name, r in rows.items():
+        assert len(r["samples_s"]) == steps - warmup and all(s > 0 for s in r["samples_s"]), name
+        assert r["median_s"] == statistics.median(r["samples_s"]), name
+        assert len(r["losses"]) == steps and len(r["first_steps_s"]) == steps, name
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["test_loss"] > 0, name
+        assert r["replicas_identical"] is True, name
+    assert rows["auto"]["stats"]["settled"] and sum(rows["auto"]["stats"]["codecs"].values()) == 10  # LeNet-5's tensors
+    (summary,) = doc["configs"]
+    best = summary["best_fixed"]
+    assert best in bench.fixed_pool(list(rows), "any") and best != "auto"
+    assert rows[best]["median_s"] == min(rows[m]["median_s"] for m in rows if m != "auto")
+    # the ratios are recomputed here from the raw paired samples: best[i] / auto[i], DDP's likewise
+    for key, other in (("auto_vs_best", best), ("auto_vs_ddp", "ddp"), ("auto_vs_none", "none")):
+        ratios = [o / a for o, a in zip(rows[other]["samples_s"], rows["auto"]["samples_s"])]
+        got = summary[key]
+        assert got["median"] == pytest.approx(statistics.median(ratios)) and got["pairs"] == len(ratios), key
+        assert got["ratio_of_medians"] == pytest.approx(rows[other]["median_s"] / rows["auto"]["median_s"]), key
+        assert min(ratios) <= got["ci95"][0] <= got["median"] <= got["ci95"][1] <= max(ratios), key
+    out = capsys.readouterr().out
+    assert "[1/1] lenet5/optimizer on loopback: step 5/8" in out and "cell 1/1 done" in out  # progress lines
+    assert "auto/best fixed" in out and "goals met:" in out
+
+
+def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_allows():
+    """By hand: auto 0.4/0.45/0.8 s (median 0.45). With allow="any" the best fixed is topk-1% (median 0.6):
+    ratios 0.6/0.4, 0.9/0.45, 0.4/0.8 = 1.5, 2.0, 0.5 -> median 1.5; ratio of medians 0.6/0.45 = 1.333.
+    With allow="cast" top-k is out and fp16 (median 1.1) is best: 1.2/0.4, 1.0/0.45, 1.1/0.8 = 3, 2.222, 1.375 ->
+    2.222. DDP: 2/0.4, 2/0.45, 2/0.8 -> 4.444; its 2 s >= 2 x 0.45: wire-bound. Accuracy 95.5 % vs 96 %: -0.5
+    points. Choosing: auto's first steps 2.65 s, 0.85 s beyond 4 x 0.45; none's 0.5 s beyond 4 x 1.5 is the
+    path's own: (0.85 - 0.5) / 2.65."""
+    config = _config(ddp=_method([2.0, 2.0, 2.0], 0.96), none=_method([1.5, 1.5, 1.5], first=[2.0, 1.5, 1.5, 1.5]),
+                     fp16=_method([1.2, 1.0, 1.1]), **{"topk-1%": _method([0.6, 0.9, 0.4])},
+                     auto=_method([0.4, 0.45, 0.8], 0.955, first=[1.0, 0.4, 0.45, 0.8]))
+    got = bench.summarize_config(config, "any")
+    assert got["best_fixed"] == "topk-1%"
+    assert got["auto_vs_best"]["median"] == pytest.approx(1.5)
+    assert got["auto_vs_best"]["ratio_of_medians"] == pytest.approx(0.6 / 0.45)
+    assert 0.5 <= got["auto_vs_best"]["ci95"][0] <= 1.5 <= got["auto_vs_best"]["ci95"][1] <= 2.0
+    assert got["auto_vs_ddp"]["median"] == pytest.approx(2.0 / 0.45) and got["wire_bound"]
+    assert got["auto_vs_none"]["median"] == pytest.approx(1.5 / 0.45)
+    assert got["accuracy_points_vs_ddp"] == pytest.approx(-0.5)
+    assert got["choose_share"] == pytest.approx((0.85 - 0.5) / 2.65)
+    cast = bench.summarize_config(config, "cast")
+    assert cast["best_fixed"] == "fp16" and cast["auto_vs_best"]["median"] == pytest.approx(1.0 / 0.45)
+    assert bench.fixed_pool(list(config["methods"]), "cast") == ["ddp", "none", "fp16"]
+    assert bench.fixed_pool(list(config["methods"]), "lossless") == ["ddp", "none"]
+
+
+def test_equal_paired_ratios_give_an_interval_of_that_one_value():
+    got = bench.compare([0.2, 0.4, 0.8, 1.0], [0.3, 0.6, 1.2, 1.5])
+    assert got["median"] == pytest.approx(1.5) and got["ci95"] == pytest.approx([1.5, 1.5]) and got["pairs"] == 4
+
+
+def test_goals_say_which_configuration_lost_and_where_the_wire_was_the_bottleneck():
+    """Config a: auto ties 'none' (lower bound 1.0) and DDP is not wire-bound. Config b: auto is 10 % slower than
+    topk every step (lower bound 0.909 < 0.97: auto lost), and DDP (3 s vs 1.1 s) is wire-bound with auto only
+    2.73x faster: that goal holds. With allow='cast' the -2 points of b would miss the accuracy goal."""
+    a = _config(ddp=_method([1.0] * 3), none=_method([1.0] * 3), auto=_method([1.0] * 3, first=[1.0] * 3))
+    b = _config(ddp=_method([3.0] * 3, 0.96), none=_method([2.0] * 3), **{"topk-1%": _method([1.0] * 3)},
+                auto=_method([1.1] * 3, 0.94))
+    rows = [{"where": "x", **bench.summarize_config(c, "any")} for c in (a, b)]
+    g = bench.goals(rows, "any")
+    assert g["never_loses"]["worst_ci_low"] == pytest.approx(1 / 1.1) and not g["never_loses"]["met"]
+    assert g["wire_bound_vs_ddp"]["configs"] == 1 and g["wire_bound_vs_ddp"]["met"]
+    assert g["accuracy_points_vs_ddp"]["met"] and not g["accuracy_points_vs_ddp"]["applies"]
+    assert g["choose_share"]["worst"] == pytest.approx(0.0) and not g["met"]
+    cast = bench.goals([{"where": "x", **bench.summarize_config(c, "cast")} for c in (a, b)], "cast")
+    assert cast["accuracy_points_vs_ddp"]["worst"] == pytest.approx(-2.0) and not cast["accuracy_points_vs_ddp"]["met"]
+    lines = bench.summary_lines(rows, g, "any")
+    assert "auto/best fixed (topk-1%) x0.909" in lines[1] and "(wire-bound)" in lines[1]
+    assert "auto never loses (worst lower bound 0.909, goal >= 0.97): NOT met" in lines
+
+
+def test_bad_arguments_are_refused_before_anything_runs():
+    for argv in (["--models", "vgg"], ["--paths", "ps"], ["--fabrics", "ring:4"], ["--methods", "ddp,zstd"],
+                 ["--quick", "--steps", "4", "--warmup", "4"], ["--quick", "--procs", "1"], ["--allow", "lossy"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2, argv
+
+
+def _fake_testbed(monkeypatch, calls: list, fail_at: int | None = None) -> None:
+    """The testbed's root-only steps replaced by recorders; each run writes one config of fake samples."""
+    import importlib
+    from types import SimpleNamespace
+
+    import gradsync.testbed as tb
+
+    control = importlib.import_module("gradsync.testbed.control")
+    probe_module = importlib.import_module("gradsync.testbed.probe")
+
+    def run(cmd, env=None, timeout=None):
+        calls.append(("run", list(cmd), dict(env or {})))
+        if fail_at is not None and sum(c[0] == "run" for c in calls) == fail_at:
+            return 3
+        methods = {m: _method([0.5 if m == "auto" else 1.0] * 4) for m in ("ddp", "none", "auto")}
+        config = {**_config(**methods), "model": "lenet5", "path": "optimizer"}
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"world_size": 4, "configs": [config]}))
+        return 0
+
+    monkeypatch.setattr(tb, "available", lambda: None)
+    monkeypatch.setattr(tb, "up", lambda topology, rate: calls.append(("up", topology, rate)))
+    monkeypatch.setattr(tb, "probe", lambda pairs, seconds: calls.append(("probe", list(pairs))) or [{"ok": True}])
+    monkeypatch.setattr(tb, "run", run)
+    monkeypatch.setattr(tb, "down", lambda: calls.append(("down",)))
+    monkeypatch.setattr(control, "load_state", lambda: SimpleNamespace(world_size=4))
+    monkeypatch.setattr(probe_module, "cost_model", lambda state, rows: SimpleNamespace(to_dict=lambda: {"fake": 1}))
+
+
+def test_every_fabric_and_rate_is_a_cell_of_its_own_testbed_with_the_probed_model(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    calls: list = []
+    _fake_testbed(monkeypatch, calls)
+    code = bench.main(["--rates", "100mbit,1gbit", "--models", "lenet5", "--paths", "optimizer", "--out", str(tmp_path)])
+    ups = [c[1:] for c in calls if c[0] == "up"]
+    assert ups == [(bench.FABRICS[f], r) for r in ("100mbit", "1gbit") for f in bench.FABRICS]
+    assert [c[0] for c in calls] == ["up", "probe", "run", "down"] * 4
+    cmd, env = calls[2][1], calls[2][2]
+    assert cmd[cmd.index("--topology") + 1] == "switch:4" and "--calibrate" in cmd
+    assert cmd[cmd.index("--configs") + 1] == "lenet5/optimizer" and cmd[cmd.index("--total") + 1] == "4"
+    assert Path(env["GRADSYNC_COST_MODEL"]).name == "cost_model.json"
+    doc = json.loads((tmp_path / "compression_sweep.json").read_text())
+    assert doc["complete"] and len(doc["configs"]) == 4 and (tmp_path / "compression_sweep.png").stat().st_size > 0
+    assert [c["where"] for c in doc["configs"]] == ["switch:4 at 100mbit", "two-tier-4to1 at 100mbit",
+                                                     "switch:4 at 1gbit", "two-tier-4to1 at 1gbit"]
+    assert all(c["auto_vs_best"]["median"] == pytest.approx(2.0) for c in doc["configs"])
+    assert code == 0 and doc["goals"]["met"]  # auto twice as fast as DDP everywhere, DDP wire-bound
+
+
+def test_a_failed_cell_takes_its_testbed_down_and_keeps_the_cells_before_it(monkeypatch, tmp_path):
+    calls: list = []
+    _fake_testbed(monkeypatch, calls, fail_at=2)
+    with pytest.raises(GradsyncError, match=r"two-tier-4to1 at 100mbit: workers failed \(exit 3\)"):
+        bench.main(["--rates", "100mbit", "--models", "lenet5", "--paths", "hook", "--out", str(tmp_path)])
+    assert calls[-1] == ("down",)
+    doc = json.loads((tmp_path / "compression_sweep.json").read_text())
+    assert not doc["complete"] and [c["where"] for c in doc["configs"]] == ["switch:4 at 100mbit"]
+
+
+def test_without_the_testbed_the_error_names_the_quick_mode(monkeypatch):
+    import gradsync.testbed as tb
+
+    monkeypatch.setattr(tb, "available", lambda: "needs root")
+    with pytest.raises(GradsyncError, match=r"cannot run here: needs root \(--quick or --loopback"):
+        bench.main([])
