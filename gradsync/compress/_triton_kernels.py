@@ -115,6 +115,83 @@ def terngrad_decode(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):  # 
     tl.store(out_ptr + offs, ternary * scale, mask=mask)
 
 
+def sign_stats(x_ptr, bits_ptr, part_ptr, n, nbytes, PACK: tl.constexpr, BYTES: tl.constexpr):  # noqa: N803
+    """One pass per block of ``8 * BYTES`` elements: the sign bits (when ``PACK``) and the block's partial
+    statistics at ``part_ptr + 8 * block``: count, sum of ``x >= 0`` (NaN counts here), sum of ``x < 0``, count
+    of ``x >= 0``, block mean, sum of squared deviations from it, min, max."""
+    pid = tl.program_id(0)
+    offs = pid * (BYTES * 8) + tl.arange(0, BYTES * 8)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    nonneg = (x >= 0) & mask
+    if PACK:
+        bits = tl.reshape(nonneg.to(tl.int32), (BYTES, 8))
+        byte = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
+        b = pid * BYTES + tl.arange(0, BYTES)
+        tl.store(bits_ptr + b, byte.to(tl.uint8), mask=b < nbytes)
+    count = tl.sum(mask.to(tl.float32))
+    sum_pos = tl.sum(tl.where(x < 0, 0.0, x))  # masked elements are 0
+    sum_neg = tl.sum(tl.where(x < 0, x, 0.0))
+    mean = (sum_pos + sum_neg) / count
+    dev = tl.where(mask, x - mean, 0.0)
+    base = part_ptr + pid * 8
+    tl.store(base, count)
+    tl.store(base + 1, sum_pos)
+    tl.store(base + 2, sum_neg)
+    tl.store(base + 3, tl.sum(nonneg.to(tl.float32)))
+    tl.store(base + 4, mean)
+    tl.store(base + 5, tl.sum(dev * dev))
+    tl.store(base + 6, tl.min(tl.where(mask, x, float("inf"))))
+    tl.store(base + 7, tl.max(tl.where(mask, x, float("-inf"))))
+
+
+def finish_stats(part_ptr, out_ptr, bound_ptr, blocks, n, clip, KIND: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+    """One program folds the blocks' partials (in float64, in block order: the same result every run) into
+    the codec's scalars. ``KIND`` 0 (EF-signSGD): ``mean|x|``; 1 (1-bit SGD): the means of each side; 2
+    (TernGrad): ``scale`` and, at ``bound_ptr``, ``bound``, with ``bound = clip * std`` (Chan et al.'s pairwise variance) and
+    ``scale = max|clip(x)|``, NaN when any element is NaN or infinite (min and max skip NaN; a sum does not)."""
+    rows = tl.arange(0, BLOCK)
+    sum_pos = tl.zeros((BLOCK,), dtype=tl.float64)
+    sum_neg = tl.zeros((BLOCK,), dtype=tl.float64)
+    count_pos = tl.zeros((BLOCK,), dtype=tl.float64)
+    low = tl.full((BLOCK,), float("inf"), dtype=tl.float32)
+    high = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for start in range(0, blocks, BLOCK):
+        r = start + rows
+        m = r < blocks
+        sum_pos += tl.load(part_ptr + r * 8 + 1, mask=m, other=0.0).to(tl.float64)
+        sum_neg += tl.load(part_ptr + r * 8 + 2, mask=m, other=0.0).to(tl.float64)
+        count_pos += tl.load(part_ptr + r * 8 + 3, mask=m, other=0.0).to(tl.float64)
+        low = tl.minimum(low, tl.load(part_ptr + r * 8 + 6, mask=m, other=float("inf")))
+        high = tl.maximum(high, tl.load(part_ptr + r * 8 + 7, mask=m, other=float("-inf")))
+    sp = tl.sum(sum_pos)
+    sn = tl.sum(sum_neg)
+    if KIND == 0:
+        tl.store(out_ptr, ((sp - sn) / n).to(tl.float32))
+    elif KIND == 1:
+        cp = tl.sum(count_pos)
+        tl.store(out_ptr, (sp / tl.maximum(cp, 1.0)).to(tl.float32))
+        tl.store(out_ptr + 1, (sn / tl.maximum(n - cp, 1.0)).to(tl.float32))
+    else:
+        total = sp + sn
+        mean = total / n
+        m2 = tl.zeros((BLOCK,), dtype=tl.float64)
+        for start in range(0, blocks, BLOCK):
+            r = start + rows
+            m = r < blocks
+            cnt = tl.load(part_ptr + r * 8, mask=m, other=0.0).to(tl.float64)
+            bm = tl.load(part_ptr + r * 8 + 4, mask=m, other=0.0).to(tl.float64)
+            bm2 = tl.load(part_ptr + r * 8 + 5, mask=m, other=0.0).to(tl.float64)
+            m2 += bm2 + cnt * (bm - mean) * (bm - mean)
+        scale = tl.maximum(-tl.min(low), tl.max(high)).to(tl.float64)
+        bound = clip * tl.sqrt(tl.sum(m2) / n)
+        if clip > 0:
+            scale = tl.minimum(scale, bound)
+        scale = scale + total * 0.0
+        tl.store(out_ptr, scale.to(tl.float32))
+        tl.store(bound_ptr, bound.to(tl.float32))
+
+
 KERNELS = {f.__name__: f for f in (pack_nonnegative, select_by_bits, qsgd_encode, qsgd_decode, terngrad_encode,
-                                     terngrad_decode)}
+                                     terngrad_decode, sign_stats, finish_stats)}
 __all__ = ["KERNELS", "triton"]

@@ -9,6 +9,8 @@ not take), and the codec then runs its torch form. Which is which:
 
 * **the same bits as the torch form:** sign packing, every decode (``select_by_bits``, ``qsgd_decode``,
   ``terngrad_decode``): the same operations in the same order, each correctly rounded;
+* **its own summation order:** ``sign_stats`` (the scales of EF-signSGD, 1-bit SGD and TernGrad), folded in
+  float64 in block order: within rounding of torch's sums, and the same bits every run;
 * **its own random numbers:** ``qsgd_encode`` and ``terngrad_encode`` draw ``u`` from Triton's Philox stream
   (seeded from the compressor's generator on the host, one integer per call: no device synchronisation). They
   quantize by the same rule, so they have the same distribution, not the same draws.
@@ -22,13 +24,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = ["ENV", "available", "enabled_for", "pack_nonnegative", "select_by_bits", "qsgd_encode", "qsgd_decode",
-           "terngrad_encode", "terngrad_decode"]
+           "terngrad_encode", "terngrad_decode", "sign_stats"]
 
 #: The switch: "0" off, "1" (the default) on for CUDA tensors, "interpret" on for CUDA and CPU tensors.
 ENV = "GRADSYNC_FUSED"
@@ -48,7 +51,27 @@ def _kernels(interpret: bool) -> dict[str, Any] | None:
         from gradsync.compress import _triton_kernels as source
     except ImportError:  # no Triton (a CPU-only install): the torch forms run
         return None
-    return {name: source.triton.jit(fn) for name, fn in source.KERNELS.items()}
+    jitted = {name: source.triton.jit(fn) for name, fn in source.KERNELS.items()}
+    return {name: _OneAtATime(k) for name, k in jitted.items()} if interpret else jitted
+
+
+class _OneAtATime:
+    """A kernel whose launches take one lock: Triton's interpreter patches its language module for the length of
+    a launch, so two threads interpreting at once (ranks on threads, a communication thread) break each other."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, kernel: Any) -> None:
+        self._kernel = kernel
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        launch = self._kernel[grid]
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return launch(*args, **kwargs)
+
+        return locked
 
 
 def available() -> bool:
@@ -73,7 +96,7 @@ def _for(t: Tensor) -> dict[str, Any] | None:
     mode = _mode()
     if mode == "0":
         return None
-    if t.device.type == "cuda" and torch.cuda.is_available():
+    if t.device.type == "cuda" and type(t) is Tensor:  # a real CUDA tensor (not a fake one of a CPU-only test)
         return _kernels(mode == "interpret")
     if t.device.type == "cpu" and mode == "interpret":
         return _kernels(True)
@@ -180,3 +203,35 @@ def terngrad_decode(packed: Tensor, scale: Tensor, n: int, dtype: torch.dtype) -
     if n:
         k["terngrad_decode"][(_cdiv(n, 2048),)](packed, scale.reshape(1), out, n, BLOCK=2048)
     return out
+
+
+#: ``finish_stats``'s kinds: what the folded statistics become.
+_STATS_KIND = {"mean_abs": 0, "side_means": 1, "ternary": 2}
+_STATS_BYTES = 512  # 4096 elements per block
+
+
+def sign_stats(x: Tensor, kind: str, *, pack: bool = True,
+               clip: float | None = None) -> tuple[Tensor | None, Tensor, Tensor] | None:
+    """The sign bits of ``x`` (when ``pack``) and its statistics in one read, folded on the device into
+    ``(bits, scalars, bound)``, ``scalars`` being:
+
+    * ``"mean_abs"``: ``[mean |x|]`` (EF-signSGD's scale);
+    * ``"side_means"``: ``[mean of x >= 0, mean of x < 0]`` (1-bit SGD's; 0 for an empty side);
+    * ``"ternary"``: ``[max|clip(x)|]`` (TernGrad's scale), and ``bound = [clip * std(x)]`` (``clip=None``: no
+      clipping).
+
+    Float32 results, summed in float64 in a fixed order (other bits than torch's own sums, the same every run).
+    """
+    k = _for(x)
+    if k is None or not _fits(x) or x.dtype not in _FLOATS or not x.numel():
+        return None
+    n = x.numel()
+    nbytes = _cdiv(n, 8)
+    blocks = _cdiv(n, 8 * _STATS_BYTES)
+    parts = torch.empty(blocks * 8, dtype=torch.float32, device=x.device)
+    bits = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if pack else None
+    k["sign_stats"][(blocks,)](x, parts if bits is None else bits, parts, n, nbytes, PACK=pack, BYTES=_STATS_BYTES)
+    out = torch.empty(2 if kind == "side_means" else 1, dtype=torch.float32, device=x.device)
+    bound = torch.empty(1, dtype=torch.float32, device=x.device)
+    k["finish_stats"][(1,)](parts, out, bound, blocks, n, float(clip or 0.0), KIND=_STATS_KIND[kind], BLOCK=1024)
+    return bits, out, bound

@@ -225,17 +225,14 @@ class TernGrad(Compressor):
         return [scale.reshape(1).to(_SCALE_DTYPE), pack_uint(codes, self._BITS)], Context(info)
 
     def _compress_fused(self, x: Tensor) -> list[Tensor] | None:
-        """One kernel for clipping, sampling and packing; the two reductions (σ, max|x|) stay torch's.
-
-        ``max|clip(x)| = min(max|x|, bound)`` (clipping is monotone), so no clipped copy is made."""
-        if not x.numel():
+        """Two reads: σ and max|x| in one (``max|clip(x)| = min(max|x|, bound)``, clipping is monotone, so no
+        clipped copy is made), then clipping, sampling and packing in the other."""
+        clip = self.clip if x.numel() > 1 else None
+        stats = kernels.sign_stats(x, "ternary", pack=False, clip=clip)
+        if stats is None:
             return None
-        bound = self.clip * torch.std(x, correction=0) if self.clip is not None and x.numel() > 1 else None
-        low, high = torch.aminmax(x)
-        scale = torch.maximum(-low, high)
-        if bound is not None:
-            scale = torch.minimum(scale, bound)
-        packed = kernels.terngrad_encode(x, bound, scale, self._kernel_seed(self.seed))
+        _, scale, bound = stats
+        packed = kernels.terngrad_encode(x, None if clip is None else bound, scale, self._kernel_seed(self.seed))
         return None if packed is None else [scale.reshape(1).to(_SCALE_DTYPE), packed]
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:

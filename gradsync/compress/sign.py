@@ -124,6 +124,9 @@ class EFSignSGD(Compressor):
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         x = flat.to(work_dtype(info.dtype))
+        fused = kernels.sign_stats(x, "mean_abs")
+        if fused is not None:  # the bits and mean|x| in one read
+            return [fused[1], fused[0]], Context(info)
         if x.numel():  # |x| dies here: into a reused buffer
             scale = torch.abs(x, out=self._workspace("magnitude", x.numel(), x.dtype, x.device)).mean()
         else:
@@ -192,6 +195,9 @@ class OneBit(Compressor):
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         x = flat.to(work_dtype(info.dtype))
+        fused = kernels.sign_stats(x, "side_means")
+        if fused is not None:  # the bits and both sides' means in one read
+            return [fused[1], fused[0]], Context(info)
         positive = x >= 0
         n_pos = positive.sum()
         n_neg = x.numel() - n_pos
