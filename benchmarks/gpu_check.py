@@ -61,7 +61,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _median_time(fn: Callable[[], Any], device: Any, reps: int) -> float:
-    fn()  # warm-up: allocations, lazy initialisation
+    for _ in range(5):  # warm-up: allocations, lazy initialisation, the clocks' ramp
+        fn()
     times = []
     for _ in range(reps):
         _sync(device)
@@ -128,6 +129,24 @@ def _grace_randk_randperm(x: Any, ratio: float = 0.01) -> tuple[Any, int]:
     idx = torch.randperm(x.numel(), device=x.device)[:k]
     out = torch.zeros_like(x).scatter_(0, idx, x[idx])
     return out, k * (x.element_size() + 8)
+
+
+def launch_costs(reps: int = 50) -> dict[str, float]:
+    """Host microseconds per launch, 100 launches back to back: a fused kernel through gradsync's wrapper, and a
+    torch kernel (what a codec at 1e6 elements, where the host is the bottleneck, pays per kernel)."""
+    import torch
+
+    from gradsync.compress import kernels
+
+    device = _device()
+    y = torch.randn(1024, device=device)
+    out: dict[str, float] = {}
+    cases = {"torch_kernel": lambda: y.add_(0.0)}
+    if kernels.enabled_for(y):
+        cases["fused_kernel"] = lambda: kernels.pack_nonnegative(y)
+    for name, fn in cases.items():
+        out[f"{name}_us"] = _median_time(lambda fn=fn: [fn() for _ in range(100)], device, reps) / 100 * 1e6
+    return out
 
 
 def codecs_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
@@ -494,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (the test suite's dry run)")
     p.add_argument("--parts", default="codecs,engines,hooks,trainers",
                    help="comma-separated: codecs, engines, hooks, trainers")
-    p.add_argument("--reps", type=int, default=None, help="timed runs per codec case (default 15, quick 3)")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per codec case (default 30, quick 3)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     parts = [s for s in args.parts.split(",") if s]
@@ -502,12 +521,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"unknown part(s) {sorted(unknown)}; use codecs, engines, hooks, trainers", file=sys.stderr)
         return 2
-    reps = args.reps or (3 if args.quick else 15)
+    reps = args.reps or (3 if args.quick else 30)
     sizes = (1000, 100_000) if args.quick else (1_000_000, 25_000_000)
     doc: dict[str, Any] = {"type": RESULT_TYPE, "environment": environment(), "quick": args.quick}
     print(f"gradsync bench gpu on {doc['environment'].get('gpu', 'the CPU (no GPU: a dry run)')}", flush=True)
     if "codecs" in parts:
         doc["codecs"] = codecs_part(sizes, reps)
+        doc["launch"] = launch_costs()
+        print(f"  launch costs (host us per launch): {doc['launch']}", flush=True)
     if "engines" in parts:
         doc["engines"] = engines_part(2 if args.quick else 4)
     if "hooks" in parts:
