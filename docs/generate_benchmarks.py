@@ -377,13 +377,20 @@ def gpu() -> list[str]:
                 + "; ".join(f"{e} {ok} ran, {bad} failed" for e, (ok, bad) in engines.items()) + ".", ""]
         out += ["Codec time (compress + decompress of one float32 tensor, median, device synchronised) against "
                 "GRACE's formulas on the same GPU (rand-k against both GRACE variants), against one copy of the "
-                "tensor, and the device operations each call launches (`kernels`; GRACE's beside it):", ""]
-        out += table(["codec", "elements", "ms", "× a copy", "× GRACE", "kernels", "GRACE kernels", "host syncs"],
+                "tensor, against the same codec with the fused kernels off (`GRADSYNC_FUSED=0`, where they apply), "
+                "and the device operations each call launches (`kernels`; GRACE's beside it):", ""]
+        out += table(["codec", "elements", "ms", "× a copy", "× GRACE", "× torch form", "kernels", "GRACE kernels",
+                      "host syncs"],
                      ([r["codec"], num(r["elements"]), num(r["gradsync_s"] * 1e3), num(r["gradsync_s"] / r["copy_s"]),
                        ", ".join(f"{k[6:]} {num(v)}" for k, v in r.items() if k.startswith("ratio_")) or "–",
+                       num(r["gradsync_s"] / r["torch_form_s"]) if "torch_form_s" in r else "–",
                        num(r.get("kernels")), num(next((v for k, v in r.items() if k.endswith("_kernels")), None)),
                        num(r.get("host_syncs"))]
                       for r in j["codecs"] if "gradsync_s" in r))
+        if j.get("launch"):
+            out += ["Host time per launch, 100 back to back: "
+                    + ", ".join(f"{k[:-3].replace('_', ' ')} {num(v)} µs" for k, v in j["launch"].items())
+                    + ". At 1e6 elements a codec is bound by the host, so its launches set its time.", ""]
         trainers = [r for r in j.get("trainers", []) if "case" in r]
         if trainers:
             out += ["Lightning's documented GPU recipe (`DDPStrategy(ddp_comm_state=<gradsync state built before the "
