@@ -1,0 +1,205 @@
+"""The runtime's watch and replanning (gradsync.comm.adapt) on the in-process fabric and a fake clock: a slow link
+switches the plan once after k collectives, at the same generation on every rank, with exact sums; noise below
+the threshold never switches; a dropped link is routed around where the fabric allows, and named where not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gradsync.comm import LocalFabric, run_ranks
+from gradsync.comm.adapt import AdaptOptions, adapt_from_env
+from gradsync.comm.runtime import Runtime
+from gradsync.comm.watch import Hysteresis
+from gradsync.errors import GradsyncError, PeerError
+
+RATE = 1e9  # bytes per fake second on every healthy pair
+BUFFER = 256 << 10  # bytes per allreduce: small enough that the executor waits in key order on its own thread
+SLOW_NIC = {(1, p): 0.25 for p in range(4) if p != 1}  # rank 1 sends at a quarter of the rate to everyone
+OPTIONS = AdaptOptions(Hysteresis(1.5, 1.2, 3), warmup=2, min_bytes=1024, pair_min_bytes=1024)
+
+
+class ClockedTransport:
+    """A :class:`LocalTransport` on a fake clock: a send of ``b`` bytes to ``peer`` takes ``b / (RATE *
+    factor[(rank, peer)])`` on that peer's connection, which serves one message at a time; waiting for it moves
+    this rank's clock to when it is done. Sends are waited on the rank's own thread (key order), so the times
+    depend on nothing but the schedule and the factors."""
+
+    ordered = False
+
+    def __init__(self, inner) -> None:
+        self.inner, self.rank, self.world_size, self.name = inner, inner.rank, inner.world_size, inner.name
+        self.capabilities = inner.capabilities
+        self.now = 0.0
+        self.busy: dict[int, float] = {}
+        self.factor: dict[tuple[int, int], float] = {}
+
+    def clock(self) -> float:
+        return self.now
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        self.inner.isend(tensor, peer, tag)
+        seconds = tensor.numel() * tensor.element_size() / (RATE * self.factor.get((self.rank, peer), 1.0))
+        # one connection per peer, each serving its messages one at a time from when they are posted
+        done = self.busy[peer] = max(self.busy.get(peer, 0.0), self.now) + seconds
+        owner = self
+
+        class Sent:
+            def wait(self, timeout_s: float) -> None:
+                owner.now = max(owner.now, done)
+
+        return Sent()
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        return self.inner.irecv(tensor, peer, tag)
+
+
+def _values(rank: int, i: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input of collective ``i``: integers, so every dtype's sum is exact and known."""
+    return (torch.arange(n, dtype=torch.int64) % 97 + 1000 * rank + i).to(dtype)
+
+
+def _run_job(world: int, topology: str, algorithm: str, dtype: torch.dtype, slow: dict[int, dict[tuple[int, int], float]],
+             steps: int, noise: float = 0.0):
+    """Every rank runs ``steps`` allreduces; before collective ``i`` the wire's pair factors become ``slow[i]``
+    (kept until the next entry), each scaled by a seeded noise in ``[1 - noise, 1 + noise]``. Returns per rank
+    (switches, whether every sum was exact)."""
+    numel = BUFFER // torch.tensor([], dtype=dtype).element_size()
+    want = [sum(_values(r, i, numel, dtype) for r in range(world)) for i in range(steps)]
+
+    def body(tr):
+        wire = ClockedTransport(tr)
+        rt = Runtime(wire, topology, algorithm, timeout_s=20, adapt=OPTIONS, clock=wire.clock)
+        rng = random.Random(tr.rank)
+        exact = True
+        base: dict[tuple[int, int], float] = {}
+        try:
+            for i in range(steps):
+                base = slow.get(i, base)
+                pairs = {(tr.rank, p) for p in range(world) if p != tr.rank}
+                wire.factor = {pr: base.get(pr, 1.0) * (1 + noise * (2 * rng.random() - 1)) for pr in pairs}
+                x = _values(tr.rank, i, numel, dtype)
+                rt.allreduce(x)
+                exact &= bool(torch.equal(x, want[i]))
+            return rt.adapt.switches, exact
+        finally:
+            rt.shutdown()
+
+    results = run_ranks(world, body, timeout_s=120)
+    for got in results:
+        assert not isinstance(got, BaseException), got
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_a_slow_link_switches_once_after_k_collectives_on_every_rank_with_exact_sums(dtype):
+    """Rank 1's NIC sends at a quarter of its rate from collective 4 (two warm-up collectives, then the detector
+    counts from 1): the third slow collective, the detector's fifth, switches every rank to generation 1, replanned
+    with that uplink scaled; nothing else switches, and every sum is exact throughout."""
+    results = _run_job(4, "switch:4", "ring", dtype, {4: SLOW_NIC}, steps=10)
+    switches = [s for s, _ in results]
+    assert all(exact for _, exact in results)
+    assert all(len(s) == 1 for s in switches), switches
+    first = switches[0][0]
+    assert (first.generation, first.collective) == (1, 5)
+    assert all((s[0].generation, s[0].collective, s[0].conditions) == (1, 5, first.conditions) for s in switches)
+    seen = dict(first.conditions.link_scale)
+    assert seen and {src for src, _ in seen} == {1}  # rank 1's pairs, all of them at a quarter of the model
+    assert all(scale == pytest.approx(0.25, rel=0.05) for scale in seen.values())
+    assert "(1, 2) at 0.25x its modelled rate" in first.message and "ring/1 -> ring/1" in first.message
+
+
+def test_the_plan_switches_back_once_the_link_recovers():
+    """Slow from collective 4, healthy again from collective 9: one switch in (detector collective 5), one back to
+    the baseline three healthy collectives after recovery (collective 10); the same on every rank."""
+    results = _run_job(4, "switch:4", "ring", torch.float32, {4: SLOW_NIC, 9: {}}, steps=14)
+    for switches, exact in results:
+        assert exact
+        assert [(s.generation, s.collective) for s in switches] == [(1, 5), (2, 10)]
+        assert switches[1].conditions.baseline and "back to its modelled rate" in switches[1].message
+
+
+def test_noise_below_the_threshold_never_switches():
+    """Every pair's rate wanders by up to ±25% each collective (a slowdown of at most 1/0.75 = 1.33 < 1.5)."""
+    results = _run_job(4, "switch:4", "ring", torch.float32, {}, steps=14, noise=0.25)
+    assert all(exact and switches == [] for switches, exact in results)
+
+
+def test_an_auto_runtime_replans_to_another_plan_and_logs_one_line(capsys):
+    """On a flat switch, rank 1's NIC made 8x slower moves ``auto`` off the plan that leans on it; rank 0 alone
+    prints the one line (what was seen, old and new plan, predicted gain)."""
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8)
+    assert all(exact and len(s) == 1 for s, exact in results)
+    rec = results[0][0][0]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "plan generation" in ln]
+    assert lines == [rec.message]
+    assert rec.old_plan != rec.new_plan and f"{rec.old_plan} -> {rec.new_plan}, predicted" in rec.message
+    assert rec.predicted_gain_s is not None and rec.predicted_gain_s > 0
+
+
+# ---- rerouting ---------------------------------------------------------------------------------------------
+def _drop_and_run(topology: str, world: int, links: list[tuple[str, str]]):
+    numel = 3000
+
+    def body(tr):
+        rt = Runtime(tr, topology, "ring", timeout_s=20, adapt=True)
+        try:
+            for u, v in links:
+                rt.drop_link(u, v)
+            x = _values(tr.rank, 0, numel, torch.int64)
+            rt.allreduce(x)
+            return rt.schedule(None, numel * 8), rt.topology, x
+        finally:
+            rt.shutdown()
+
+    return run_ranks(world, body, timeout_s=120)
+
+
+def test_bcube_without_one_link_replans_on_the_surviving_graph_with_exact_sums():
+    """bcube:3,2 less server s00's level-0 link: the new schedule's routes avoid it and the sum is exact."""
+    results = _drop_and_run("bcube:3,2", 9, [("s00", "L0.sw0")])
+    want = sum(_values(r, 0, 3000, torch.int64) for r in range(9))
+    for got in results:
+        assert not isinstance(got, BaseException), got
+        schedule, topology, x = got
+        assert torch.equal(x, want)
+        assert not topology.has_link("s00", "L0.sw0")
+        hops = {frozenset(h) for t in schedule.transfers for h in zip(t.route[:-1], t.route[1:])}
+        assert frozenset(("s00", "L0.sw0")) not in hops
+        assert len(schedule.transfers) > 0
+
+
+def test_ring_without_a_link_is_a_path_and_without_two_the_error_names_the_link():
+    """ring:4 less one link still joins every rank (a path: the job goes on, exact); less a second link at the same
+    rank, gpu0 is cut off, and every rank's PeerError names the link and the rank."""
+    want = sum(_values(r, 0, 3000, torch.int64) for r in range(4))
+    for got in _drop_and_run("ring:4", 4, [("gpu0", "gpu1")]):
+        assert not isinstance(got, BaseException), got
+        assert torch.equal(got[2], want)
+    for got in _drop_and_run("ring:4", 4, [("gpu0", "gpu1"), ("gpu3", "gpu0")]):
+        assert isinstance(got, PeerError), got
+        assert "link gpu3-gpu0 is down" in str(got) and "['gpu0']" in str(got) and got.peer == 0
+
+
+def test_dropping_a_link_that_is_not_there_names_the_links_at_its_devices():
+    rt = Runtime(LocalFabric(1).transport(0), "switch:1", "ring", timeout_s=10, adapt=True)
+    try:
+        assert rt.adapt is None  # one rank: nothing to watch
+        with pytest.raises(GradsyncError, match="adapt=True"):
+            rt.drop_link("gpu0", "sw")
+    finally:
+        rt.shutdown()
+
+
+def test_adapt_switch_and_environment(monkeypatch):
+    monkeypatch.setenv("GRADSYNC_ADAPT", "0")
+    assert adapt_from_env(None) is None
+    monkeypatch.setenv("GRADSYNC_ADAPT", "1")
+    assert adapt_from_env(None) == AdaptOptions()
+    assert adapt_from_env(False) is None
+    with pytest.raises(TypeError, match="adapt='yes'"):
+        adapt_from_env("yes")  # type: ignore[arg-type]
+    with pytest.raises(GradsyncError, match="warmup=0"):
+        AdaptOptions(warmup=0)
