@@ -25,6 +25,7 @@ The runtime hands every large planned allreduce to an :class:`Adapter`:
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from collections.abc import Callable, Hashable
@@ -43,6 +44,7 @@ from gradsync.comm.watch import (
     Hysteresis,
     Sample,
     Switch,
+    arrival_delays,
     collective_rates,
     describe_switch,
     link_scales,
@@ -65,18 +67,21 @@ _OFF = ("0", "false", "off", "no")
 @dataclass(frozen=True)
 class AdaptOptions:
     """How the runtime watches the wire. ``link``: the detector's thresholds on ``expected / measured`` pair
-    rates and its ``k`` (consecutive watched collectives); ``warmup``: watched collectives that learn each pair's
+    rates and its ``k`` (consecutive watched collectives); ``late``: on a rank's arrival delay as a share of the
+    collective's time without it; ``warmup``: watched collectives that learn each pair's
     measured / modelled ratio before the detector starts; ``min_bytes``: the smallest allreduce watched;
     ``pair_min_bytes``: the fewest bytes a pair must move in one collective to give a rate."""
 
     link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
+    late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
     warmup: int = 3
     min_bytes: int = ADAPT_MIN_BYTES
     pair_min_bytes: float = MIN_BYTES
 
     def __post_init__(self) -> None:
-        if not isinstance(self.link, Hysteresis):
-            raise TypeError(f"link={self.link!r} must be a Hysteresis(enter, leave, k)")
+        for name in ("link", "late"):
+            if not isinstance(getattr(self, name), Hysteresis):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a Hysteresis(enter, leave, k)")
         for name in ("warmup", "min_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "warmup" else 0):
@@ -123,9 +128,14 @@ class Adapter:
 
     def __init__(self, plans: PlanCache, tuning: Tuning, options: AdaptOptions, *,
                  share: Callable[[torch.Tensor], object], build: Callable[[float], object],
-                 label: Callable[[float], str], clock: Callable[[], float]) -> None:
+                 label: Callable[[float], str], clock: Callable[[], float], auto: bool) -> None:
         self.plans, self.tuning, self.options = plans, tuning, options
         self._share, self._build, self._label, self.clock = share, build, label, clock
+        #: whether the runtime chooses its plan (``auto``): only then can a late rank move it to ``straggler``
+        self.auto = auto
+        #: the plan options as the user gave them; a late rank is planned with ``straggler`` set on a copy
+        self.base_options = plans.options
+        self._entered = 0.0
         #: The topology as it is, before any scaling: the file's, less the links dropped since.
         self.base_topology: Topology = plans.topology
         #: Every switch and reroute so far (identical on every rank).
@@ -133,11 +143,13 @@ class Adapter:
         self._fresh()
 
     def _fresh(self) -> None:
-        self.detector = Detector(self.options.link)
+        self.detector = Detector(self.options.link, self.options.late)
         self._warm: dict[Hashable, list[float]] = {}
         self._warmed = 0
+        self._warm_time: list[float] = []
+        self._time_factor = 1.0
         self._factor: dict[Hashable, float] | None = None
-        self._expected: dict[tuple[int, int], tuple[Schedule, dict[Hashable, float]]] = {}
+        self._expected: dict[tuple[int, int], tuple[Schedule, dict[Hashable, float], list[float]]] = {}
 
     @property
     def rank(self) -> int:
@@ -154,33 +166,53 @@ class Adapter:
                 or ex.schedule.world_size < 2):
             return False
         ex.sent, ex.clock = [], self.clock
+        self._entered = self.clock()
         return True
 
     def after(self, ex: Executor, nbytes: float) -> SwitchRecord | None:
         """``ex`` just ran a watched allreduce of ``nbytes``: agree on the pair rates, and switch when the
         detector says so (every rank does, at this collective)."""
+        seconds = self.clock() - self._entered
         sent, ex.sent = ex.sent or [], None
         n = ex.schedule.world_size
         me = ex.rank
         rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
                                  self.options.pair_min_bytes)
-        vec = torch.zeros(n * n, dtype=torch.float64)
+        # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
+        # is exact and every rank reads the same numbers
+        vec = torch.zeros(n * n + n, dtype=torch.float64)
         for (src, dst), r in rates.items():
             vec[src * n + dst] = r
+        vec[n * n + me] = max(seconds, 0.0)
         self._share(vec)
-        shared = {(int(i) // n, int(i) % n): float(vec[i]) for i in torch.nonzero(vec).flatten().tolist()}
-        expected = self._expected_rates(ex.schedule, nbytes)
+        spent = vec[n * n:].tolist()
+        pairs = vec[: n * n]
+        shared = {(int(i) // n, int(i) % n): float(pairs[i]) for i in torch.nonzero(pairs).flatten().tolist()}
+        expected, finish = self._expected_rates(ex.schedule, nbytes)
         shared = {k: v for k, v in shared.items() if k in expected}
-        if self._factor is None:  # warm-up: learn how each pair's wire compares with the model
+        if self._factor is None:  # warm-up: learn how each pair's wire, and the whole run, compare with the model
             for k, v in shared.items():
                 self._warm.setdefault(k, []).append(v / expected[k])
+            if max(finish) > 0:
+                self._warm_time.append(max(spent) / max(finish))
             self._warmed += 1
             if self._warmed >= self.options.warmup:
                 self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
+                self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
             return None
+        # Each rank leaves the collective when the plan's last message to or from it is done, which the model
+        # predicts (``finish``, scaled to this wire by the warm-up): a rank that spent less than that in it, by more
+        # than the others did, came late by the difference. No common clock is needed, and a plan in which
+        # ranks finish at different times (the straggler schedule) is not mistaken for a late rank.
+        excess = [t - self._time_factor * f for t, f in zip(spent, finish)]
+        top = max(excess)
+        delays = arrival_delays([top - e for e in excess])
+        # Late "by a share of the collective" as it ran, not as the model says it would: a slow link shifts the
+        # ranks' end times unevenly too, by a share of a collective it also makes longer.
+        reference = max(spent)
         overall = statistics.median(self._factor.values()) if self._factor else 1.0
         want = {k: expected[k] * self._factor.get(k, overall) for k in shared}
-        switch = self.detector.observe(shared, want)
+        switch = self.detector.observe(shared, want, delays if reference > 0 else (), reference if reference > 0 else 1.0)
         if switch is None:
             return None
         degraded = dict(switch.after.link_scale)
@@ -189,8 +221,44 @@ class Adapter:
         topology = scaled_topology(self.base_topology, scales) if scales else self.base_topology
         return self._replan(switch, topology, ex.schedule, nbytes)
 
-    def _expected_rates(self, schedule: Schedule, nbytes: float) -> dict[Hashable, float]:
-        """Per pair, the rate the cost model predicts for ``schedule`` on the unscaled topology (cached)."""
+    def _late(self, conditions: Conditions) -> dict[int, float]:
+        return {} if conditions.straggler is None else {conditions.straggler: conditions.straggler_delay_s}
+
+    def _predict(self, schedule: Schedule, topology: Topology, nbytes: float, late: dict[int, float]) -> float:
+        """Seconds of ``schedule`` on ``topology`` with the ranks in ``late`` arriving late, priced as
+        :meth:`CostModel.predict <gradsync.sim.cost.CostModel.predict>` prices (plus the late arrival)."""
+        model = self.plans.cost_model
+        return simulate(schedule, model.rates(topology), float(nbytes), streaming=False, fifo=True,
+                        message_s=model.message_s, reverse_share=model.reverse_share, progress=False,
+                        start_delay_s=late or None).time_s
+
+    def _straggler_pick(self, nbytes: float, late: dict[int, float]) -> None:
+        """With a rank late, ``auto`` runs the straggler schedule for this size class where the model, told of the
+        late arrival, prices it faster than the class's own choice (decided by rank 0 for every rank)."""
+        plans = self.plans
+        size = size_class(nbytes)
+        current = plans.choice(size)
+
+        def compute() -> bytes:
+            topo = plans.topology
+            try:
+                best = (self._predict(plans.schedule(*current), topo, nbytes, late), list(current))
+            except (GradsyncError, KeyError):
+                return json.dumps(list(current)).encode()  # the backend's own ring: not priced here
+            for depth in plans.cost_model.pipelines:
+                try:
+                    t = self._predict(plans.schedule("straggler", depth), topo, nbytes, late)
+                except GradsyncError:
+                    continue
+                best = min(best, (t, ["straggler", depth]))
+            return json.dumps(best[1]).encode()
+
+        name, depth = json.loads(plans.decide(f"adapt/straggler/{size}", compute))
+        plans.choose(size, (str(name), int(depth)))
+
+    def _expected_rates(self, schedule: Schedule, nbytes: float) -> tuple[dict[Hashable, float], list[float]]:
+        """Per pair, the rate the cost model predicts for ``schedule`` on the unscaled topology, and per rank, when
+        its last message is done (cached)."""
         key = (id(schedule), size_class(nbytes))
         got = self._expected.get(key)
         if got is None or got[0] is not schedule:
@@ -203,21 +271,31 @@ class Adapter:
             samples = (Sample((int(s), int(d)), float(f) * nbytes, float(a), float(max(a, b)))
                        for s, d, f, a, b in zip(arr["src"], arr["dst"], frac, start, finish)
                        if np.isfinite(a) and np.isfinite(b))  # a transfer of no bytes has no flow
-            got = self._expected[key] = (schedule, collective_rates(samples, self.options.pair_min_bytes))
-        return got[1]
+            n = schedule.world_size
+            ends = np.zeros(n)
+            done = np.where(np.isfinite(finish), finish, 0.0)
+            m = len(done)
+            np.maximum.at(ends, arr["src"][:m], done)
+            np.maximum.at(ends, arr["dst"][:m], done)
+            got = self._expected[key] = (schedule, collective_rates(samples, self.options.pair_min_bytes),
+                                         [float(e) for e in ends])
+        return got[1], got[2]
 
     # ---- replanning --------------------------------------------------------------------------------------
     def _replan(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> SwitchRecord:
         old_plan = self._label(nbytes)
+        late = self._late(switch.after)
+        self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
         self._expected.clear()
+        if late and self.auto:
+            self._straggler_pick(nbytes, late)
         new = getattr(self._build(nbytes), "schedule", None)
         new_plan = self._label(nbytes)
         times = None
         if self.rank == 0 and isinstance(new, Schedule):  # only rank 0 logs: only it prices the gain
             try:
-                times = (self.plans.cost_model.predict(old, topology, nbytes),
-                         self.plans.cost_model.predict(new, topology, nbytes))
+                times = (self._predict(old, topology, nbytes, late), self._predict(new, topology, nbytes, late))
             except (SimulationError, GradsyncError):
                 times = None
         message = describe_switch(switch, old_plan, new_plan, times)
@@ -253,6 +331,7 @@ class Adapter:
         old_plan = self._label(nbytes)
         self.base_topology = survived
         self._fresh()
+        self.plans.options = self.base_options
         self.tuning.set_cost_model(self.plans.cost_model, survived)
         self._build(nbytes)
         new_plan = self._label(nbytes)

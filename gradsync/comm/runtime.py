@@ -153,7 +153,8 @@ class Runtime:
         self.adapt: Adapter | None = None
         if adapt_options is not None and transport.world_size > 1:
             self.adapt = Adapter(self.plans, self.tuning, adapt_options, share=self._share_sum,
-                                 build=lambda nbytes: self.executor(None, nbytes), label=self._plan_label, clock=clock)
+                                 build=lambda nbytes: self.executor(None, nbytes), label=self._plan_label, clock=clock,
+                                 auto=algorithm == AUTO)
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
         self._thread.start()
         self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward

@@ -5,6 +5,7 @@ the threshold never switches; a dropped link is routed around where the fabric a
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -21,39 +22,73 @@ SLOW_NIC = {(1, p): 0.25 for p in range(4) if p != 1}  # rank 1 sends at a quart
 OPTIONS = AdaptOptions(Hysteresis(1.5, 1.2, 3), warmup=2, min_bytes=1024, pair_min_bytes=1024)
 
 
+class FakeNet:
+    """Message times of an in-process job on a fake clock, shared by its ranks: a send of ``b`` bytes from ``src``
+    to ``dst`` takes ``b / (RATE * factor)`` on ``src``'s NIC, which sends one message at a time from when each is
+    posted; its receiver's clock moves to when it arrived. Everything is waited on the ranks' own
+    threads (messages this small wait in key order), so times depend only on the schedule, the factors and the
+    late ranks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.arrivals: dict[tuple[int, int, int], list[float]] = {}
+        self.posted: dict[tuple[int, int, int], int] = {}
+
+
 class ClockedTransport:
-    """A :class:`LocalTransport` on a fake clock: a send of ``b`` bytes to ``peer`` takes ``b / (RATE *
-    factor[(rank, peer)])`` on that peer's connection, which serves one message at a time; waiting for it moves
-    this rank's clock to when it is done. Sends are waited on the rank's own thread (key order), so the times
-    depend on nothing but the schedule and the factors."""
+    """One rank of a :class:`FakeNet` over a :class:`LocalTransport`. ``clock()`` reads this rank's time, except
+    right after a send was waited for, when it reads when that send finished: what a per-connection waiting thread
+    would see on a real wire (key order would otherwise charge one pair with another's wait)."""
 
     ordered = False
 
-    def __init__(self, inner) -> None:
-        self.inner, self.rank, self.world_size, self.name = inner, inner.rank, inner.world_size, inner.name
+    def __init__(self, inner, net: FakeNet) -> None:
+        self.inner, self.net, self.rank, self.world_size, self.name = inner, net, inner.rank, inner.world_size, inner.name
         self.capabilities = inner.capabilities
         self.now = 0.0
-        self.busy: dict[int, float] = {}
+        self.stamp: float | None = None
+        self.busy = 0.0  # when this rank's NIC has sent everything posted so far
         self.factor: dict[tuple[int, int], float] = {}
 
     def clock(self) -> float:
-        return self.now
+        t, self.stamp = (self.now if self.stamp is None else self.stamp), None
+        return t
+
+    def compute(self, seconds: float) -> None:
+        """Time spent outside the collectives (a late rank's longer step)."""
+        self.now += seconds
+        self.stamp = None
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
-        self.inner.isend(tensor, peer, tag)
+        self.stamp = None
         seconds = tensor.numel() * tensor.element_size() / (RATE * self.factor.get((self.rank, peer), 1.0))
-        # one connection per peer, each serving its messages one at a time from when they are posted
-        done = self.busy[peer] = max(self.busy.get(peer, 0.0), self.now) + seconds
+        done = self.busy = max(self.busy, self.now) + seconds
+        with self.net.lock:
+            self.net.arrivals.setdefault((self.rank, peer, tag), []).append(done)
+        self.inner.isend(tensor, peer, tag)  # after its arrival time is known: the receiver reads it on arrival
         owner = self
 
         class Sent:
             def wait(self, timeout_s: float) -> None:
                 owner.now = max(owner.now, done)
+                owner.stamp = done
 
         return Sent()
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
-        return self.inner.irecv(tensor, peer, tag)
+        key = (peer, self.rank, tag)
+        with self.net.lock:
+            ticket = self.net.posted[key] = self.net.posted.get(key, -1) + 1
+        inner, owner = self.inner.irecv(tensor, peer, tag), self
+
+        class Received:
+            def wait(self, timeout_s: float) -> None:
+                inner.wait(timeout_s)
+                owner.stamp = None
+                with owner.net.lock:
+                    owner.now = max(owner.now, owner.net.arrivals[key][ticket])
+
+        return Received()
 
 
 def _values(rank: int, i: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -62,22 +97,27 @@ def _values(rank: int, i: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _run_job(world: int, topology: str, algorithm: str, dtype: torch.dtype, slow: dict[int, dict[tuple[int, int], float]],
-             steps: int, noise: float = 0.0):
+             steps: int, noise: float = 0.0, late: dict[int, dict[int, float]] | None = None, cost_model=None):
     """Every rank runs ``steps`` allreduces; before collective ``i`` the wire's pair factors become ``slow[i]``
-    (kept until the next entry), each scaled by a seeded noise in ``[1 - noise, 1 + noise]``. Returns per rank
-    (switches, whether every sum was exact)."""
+    (kept until the next entry), each scaled by a seeded noise in ``[1 - noise, 1 + noise]``, and the ranks in
+    ``late[i]`` (kept the same way) arrive that many fake seconds late. Returns per rank (switches, whether every
+    sum was exact)."""
     numel = BUFFER // torch.tensor([], dtype=dtype).element_size()
     want = [sum(_values(r, i, numel, dtype) for r in range(world)) for i in range(steps)]
+    net = FakeNet()
 
     def body(tr):
-        wire = ClockedTransport(tr)
-        rt = Runtime(wire, topology, algorithm, timeout_s=20, adapt=OPTIONS, clock=wire.clock)
+        wire = ClockedTransport(tr, net)
+        rt = Runtime(wire, topology, algorithm, timeout_s=20, adapt=OPTIONS, clock=wire.clock, cost_model=cost_model)
         rng = random.Random(tr.rank)
         exact = True
         base: dict[tuple[int, int], float] = {}
+        delays: dict[int, float] = {}
         try:
             for i in range(steps):
                 base = slow.get(i, base)
+                delays = (late or {}).get(i, delays)
+                wire.compute(delays.get(tr.rank, 0.0))
                 pairs = {(tr.rank, p) for p in range(world) if p != tr.rank}
                 wire.factor = {pr: base.get(pr, 1.0) * (1 + noise * (2 * rng.random() - 1)) for pr in pairs}
                 x = _values(tr.rank, i, numel, dtype)
@@ -203,3 +243,40 @@ def test_adapt_switch_and_environment(monkeypatch):
         adapt_from_env("yes")  # type: ignore[arg-type]
     with pytest.raises(GradsyncError, match="warmup=0"):
         AdaptOptions(warmup=0)
+
+
+@pytest.mark.parametrize("alpha", [None, 1e-6])
+def test_a_late_rank_switches_every_rank_once_and_back_with_the_plan_the_model_prices_fastest(alpha):
+    """Rank 3 arrives 2 ms late from collective 4 to 8: each rank's time in the collective says so without a
+    common clock (the others wait for it), every rank switches at the detector's fifth collective to conditions
+    naming rank 3, with the plan the simulator prices fastest for that late arrival among ``auto``'s choice and
+    the straggler schedule, and back three collectives after it is on time again; every sum exact. With the
+    default message cost ``auto``'s choice stays (256 KiB: α decides); with α = 1 µs the straggler schedule wins
+    and runs."""
+    from dataclasses import replace
+
+    from gradsync.plan import PlanOptions, synthesize
+    from gradsync.sim import simulate
+    from gradsync.sim.cost import CostModel
+    from gradsync.topology.io import get_topology
+
+    model = CostModel() if alpha is None else replace(CostModel(), message_s=alpha, native_message_s=alpha)
+    results = _run_job(4, "switch:4", "auto", torch.float32, {}, steps=14, late={4: {3: 2e-3}, 9: {}},
+                       cost_model=None if alpha is None else model)
+    for switches, exact in results:
+        assert exact
+        assert [(s.generation, s.collective, s.conditions.straggler) for s in switches] == [(1, 5, 3), (2, 10, None)]
+        assert switches[0].conditions.straggler_delay_s == pytest.approx(2e-3, rel=0.05)
+        assert "rank 3 late by 0.00" in switches[0].message and "rank 3 on time again" in switches[1].message
+    topo = get_topology("switch:4")
+    old = switches[0].old_plan.split("/")
+
+    def seconds(name: str, depth: int) -> float:
+        schedule = synthesize(name, topo, PlanOptions(pipeline=depth, straggler=3))
+        return simulate(schedule, model.rates(topo), BUFFER, streaming=False, fifo=True, message_s=model.message_s,
+                        progress=False, start_delay_s={3: 2e-3}).time_s
+
+    priced = {f"{old[0]}/{old[1]}": seconds(old[0], int(old[1]))}
+    priced.update({f"straggler/{d}": seconds("straggler", d) for d in model.pipelines})
+    assert switches[0].new_plan == min(priced, key=lambda k: (priced[k], k != switches[0].old_plan))
+    assert switches[0].new_plan.startswith("straggler/") == (alpha is not None)
