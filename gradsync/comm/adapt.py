@@ -74,7 +74,7 @@ class AdaptOptions:
 
     link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
     late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
-    warmup: int = 3
+    warmup: int = 5
     min_bytes: int = ADAPT_MIN_BYTES
     pair_min_bytes: float = MIN_BYTES
 
@@ -140,6 +140,8 @@ class Adapter:
         self.base_topology: Topology = plans.topology
         #: Every switch and reroute so far (identical on every rank).
         self.switches: list[SwitchRecord] = []
+        #: Collectives watched so far (warm-up included).
+        self.watched = 0
         self._fresh()
 
     def _fresh(self) -> None:
@@ -173,6 +175,7 @@ class Adapter:
         """``ex`` just ran a watched allreduce of ``nbytes``: agree on the pair rates, and switch when the
         detector says so (every rank does, at this collective)."""
         seconds = self.clock() - self._entered
+        self.watched += 1
         sent, ex.sent = ex.sent or [], None
         n = ex.schedule.world_size
         me = ex.rank

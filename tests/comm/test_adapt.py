@@ -280,3 +280,50 @@ def test_a_late_rank_switches_every_rank_once_and_back_with_the_plan_the_model_p
     priced.update({f"straggler/{d}": seconds("straggler", d) for d in model.pipelines})
     assert switches[0].new_plan == min(priced, key=lambda k: (priced[k], k != switches[0].old_plan))
     assert switches[0].new_plan.startswith("straggler/") == (alpha is not None)
+
+
+def test_a_collective_queued_before_a_replan_runs_on_the_new_plan():
+    """An allreduce queued with an executor that a replan closed since (here a new cost model while the queue is
+    held) picks its executor again when it runs: the old one is never run after it was closed, and the sum is
+    exact."""
+    from gradsync.sim.cost import CostModel
+
+    def body(tr):
+        rt = Runtime(tr, "switch:2", "ring", timeout_s=20, adapt=False)
+        gate = threading.Event()
+        old = rt.executor()
+        ran = []
+        real = old.run
+        old.run = lambda *a, **k: ran.append("old") or real(*a, **k)
+        try:
+            rt.submit(lambda: gate.wait(10))
+            x = torch.full((1000,), float(tr.rank + 1))
+            work = rt.allreduce_async(x)
+            rt.set_cost_model(CostModel())
+            gate.set()
+            work.wait()
+            return ran, float(x[0]), rt.plans.owns(old), rt.adapt
+        finally:
+            rt.shutdown()
+
+    for got in run_ranks(2, body):
+        assert not isinstance(got, BaseException), got
+        assert got == ([], 3.0, False, None)
+
+
+def test_adapt_false_and_the_environment_turn_the_watch_off(monkeypatch):
+    def body(tr):
+        rt = Runtime(tr, "switch:2", "ring", timeout_s=20)
+        try:
+            x = torch.ones(1 << 19)  # 2 MiB: watched when the watch is on
+            rt.allreduce(x)
+            return rt.adapt, rt.executor(None, x.numel() * 4).sent
+        finally:
+            rt.shutdown()
+
+    monkeypatch.setenv("GRADSYNC_ADAPT", "off")
+    assert all(got == (None, None) for got in run_ranks(2, body))
+    monkeypatch.setenv("GRADSYNC_ADAPT", "1")
+    for got in run_ranks(2, body):
+        assert not isinstance(got, BaseException), got
+        assert got[0] is not None and got[0].watched == 1 and got[1] is None  # recorded, then let go
