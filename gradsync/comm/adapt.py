@@ -26,6 +26,7 @@ The runtime hands every large planned allreduce to an :class:`Adapter`:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable, Hashable
@@ -54,7 +55,7 @@ from gradsync.errors import GradsyncError, PeerError, SimulationError, TopologyE
 from gradsync.plan.schedule import Schedule
 from gradsync.sim.cost import size_class
 from gradsync.sim.engine import simulate
-from gradsync.topology.model import Topology
+from gradsync.topology.model import Link, Topology
 
 __all__ = ["ADAPT_MIN_BYTES", "AdaptOptions", "Adapter", "SwitchRecord", "adapt_from_env"]
 
@@ -95,8 +96,6 @@ class AdaptOptions:
 def adapt_from_env(adapt: bool | AdaptOptions | None) -> AdaptOptions | None:
     """The options ``Runtime(adapt=...)`` means: None reads ``$GRADSYNC_ADAPT`` (on unless 0/false/off/no)."""
     if adapt is None:
-        import os
-
         adapt = os.environ.get("GRADSYNC_ADAPT", "1").strip().lower() not in _OFF
     if isinstance(adapt, AdaptOptions):
         return adapt
@@ -350,7 +349,7 @@ class Adapter:
             print(message, file=sys.stderr, flush=True)
 
 
-def _component(links: list, start: str, topo: Topology) -> set[str]:
+def _component(links: list[Link], start: str, topo: Topology) -> set[str]:
     """Devices reachable from ``start`` over ``links``."""
     adj: dict[str, list[str]] = {d.name: [] for d in topo.devices}
     for lk in links:
