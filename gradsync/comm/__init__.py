@@ -9,6 +9,7 @@ in as backward produces them, are in :mod:`gradsync.train`.
 
 # ``mpi`` registers the "mpi" transport; it loads neither mpi4py nor MPI until an MPITransport is created.
 from gradsync.comm import mpi  # noqa: F401
+from gradsync.comm.adapt import AdaptOptions
 from gradsync.comm.executor import OPS, ExecStats, Executor, RankProgram, compile_program, process_mapping
 from gradsync.comm.local import LocalFabric, LocalTransport, run_ranks
 from gradsync.comm.runtime import (
@@ -32,6 +33,7 @@ from gradsync.comm.transport import TRANSPORTS, Handle, TorchTransport, Transpor
 
 __all__ = [
     "OPS",
+    "AdaptOptions",
     "TRANSPORTS",
     "ExecStats",
     "Executor",

@@ -258,6 +258,11 @@ class Executor:
         #: model's per-transfer times (``SimResult.transfer_times``) to see where a run departs from its
         #: prediction (``perf_counter`` is one clock for every process of a host, testbed included).
         self.trace: list[tuple[int, bool, int, float]] | None = None
+        #: Set to a list to record, per message this rank sends in the next runs, ``(peer process, bytes, posted,
+        #: done)`` on :attr:`clock`: what the runtime's watch (:mod:`gradsync.comm.adapt`) turns into pair rates.
+        self.sent: list[tuple[int, int, float, float]] | None = None
+        #: The clock of :attr:`sent` (a test gives a fake one).
+        self.clock: Callable[[], float] = time.perf_counter
         self._pieces: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         # Reused receive buffers: a fresh large torch.empty page-faults on every run.
         self._scratch: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -322,6 +327,8 @@ class Executor:
         window = [self.recv_window_bytes if ordered is None and like is not None else 0, 0]  # [bytes left, next]
         recv_order = self._recv_order
         trace, t_start = self.trace, time.perf_counter()
+        sent, clock = self.sent, self.clock
+        posted: dict[int, float] = {}  # send transfer index -> when it was posted (only while watched)
 
         def post_ahead() -> None:
             """Post the next receives (key order) into scratch while the window has room."""
@@ -342,6 +349,8 @@ class Executor:
             assert like is not None
             if act.send:
                 buf = chunk_views[0] if len(chunk_views) == 1 else torch.cat(chunk_views)
+                if sent is not None:
+                    posted[act.index] = clock()
                 handle = transport.isend(buf, act.peer, act.tag)
                 stats.bytes_sent += size * like.element_size()
             elif act.index in early:
@@ -392,6 +401,8 @@ class Executor:
                 raise self._context(act, exc) from exc
             if trace is not None:
                 trace.append((act.index, act.send, act.peer, time.perf_counter() - t_start))
+            if sent is not None and act.send:
+                sent.append((act.peer, sizes[act.chunk] * like.element_size(), posted.pop(act.index), clock()))
             if not act.send and buf is not None:
                 # Phases apply in key order: every earlier phase of this chunk (smaller keys) is done.
                 _apply(views[act.chunk], buf, act.reduce)
@@ -423,6 +434,8 @@ class Executor:
         transport, program, stats = self.transport, self.program, self.stats
         esize = like.element_size()
         trace, t_start = self.trace, time.perf_counter()
+        sent, clock = self.sent, self.clock
+        posted: dict[int, float] = {}  # send transfer index -> when it was posted (only while watched)
         done: queue.SimpleQueue = queue.SimpleQueue()
         landed: dict[int, torch.Tensor] = {}  # transfer index -> scratch holding its arrived message
         due: dict[int, Action] = {}  # receives whose phase has started, by transfer index
@@ -466,8 +479,11 @@ class Executor:
             applied[chunk] = 0
             for act in phase.sends:
                 buf = views[chunk][0] if len(views[chunk]) == 1 else torch.cat(views[chunk])
+                if sent is not None:
+                    posted[act.index] = clock()
                 # the lane keeps ``buf`` (a packed copy for multi-piece chunks) alive until the send is done
-                lane(act.peer, True).put(transport.isend(buf, act.peer, act.tag), act, done, self.timeout_s, buf)
+                lane(act.peer, True).put(transport.isend(buf, act.peer, act.tag), act, done, self.timeout_s, buf,
+                                         clock)
                 stats.bytes_sent += size * esize
                 stats.messages += 1
                 outstanding += 1
@@ -499,6 +515,8 @@ class Executor:
                     raise self._context(act, err) from err
                 raise err
             if act.send:
+                if sent is not None:
+                    sent.append((act.peer, sizes[act.chunk] * esize, posted.pop(act.index), finished))
                 pending[act.chunk] -= 1
                 if pending[act.chunk] == 0:  # every receive of the phase was applied before
                     apply_ready(act.chunk)
@@ -553,8 +571,8 @@ class _Lane:
         return self._thread.is_alive()
 
     def put(self, handle: Handle, act: Action, out: queue.SimpleQueue, timeout_s: float,
-            buf: torch.Tensor | None = None) -> None:
-        self._q.put((handle, act, out, timeout_s, buf))
+            buf: torch.Tensor | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._q.put((handle, act, out, timeout_s, buf, clock))
 
     def stop(self) -> None:
         self._q.put(None)
@@ -564,14 +582,14 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            handle, act, out, timeout_s, buf = item
+            handle, act, out, timeout_s, buf, clock = item
             item = None
             try:
                 handle.wait(timeout_s)
             except BaseException as exc:  # noqa: BLE001 - delivered to the executor's thread
-                out.put((act, buf, exc, time.perf_counter()))
+                out.put((act, buf, exc, clock()))
             else:
-                out.put((act, buf, None, time.perf_counter()))
+                out.put((act, buf, None, clock()))
             # hold no backend work object while idle: the user may destroy its process group next
             handle = buf = out = None
 

@@ -162,6 +162,11 @@ class PlanCache:
             self._executors[key] = ex
         return ex
 
+    def owns(self, ex: object) -> bool:
+        """Whether ``ex`` is one of the executors this cache runs now (a queued collective whose executor was
+        dropped since, by a replan, picks its executor again)."""
+        return any(v is ex for v in self._executors.values())
+
     def built(self, collective: str = ALLREDUCE) -> set[Pick]:
         """The (algorithm, depth) pairs with an executor for ``collective``."""
         return {(name, p) for (c, name, p) in self._executors if c == collective}
@@ -173,10 +178,13 @@ class PlanCache:
             if isinstance(dropped, Executor):
                 dropped.close()
 
-    def reset(self, model: CostModel) -> None:
-        """Price with ``model`` from now on: every choice, plan and executor made with the old one goes."""
+    def reset(self, model: CostModel, topology: Topology | None = None) -> None:
+        """Price with ``model`` (and plan on ``topology``, when given: a link scaled or dropped while the job
+        runs) from now on: every choice, plan and executor made with the old ones goes."""
         self.close()
         self.cost_model = model
+        if topology is not None:
+            self.topology = topology
         self._choosers.clear()
         self._planner = None
         self._choices.clear()

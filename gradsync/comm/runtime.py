@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from gradsync.comm import lifetime
+from gradsync.comm.adapt import Adapter, AdaptOptions, adapt_from_env
 from gradsync.comm.collectives import (
     NativeAllreduce,
     Tensors,
@@ -109,6 +110,8 @@ class Runtime:
         timeout_s: float = 60.0,
         cost_model: CostModel | None = None,
         trace: str | os.PathLike[str] | None = None,
+        adapt: bool | AdaptOptions | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.transport = transport
         if topology is None:
@@ -144,6 +147,14 @@ class Runtime:
         )
         #: what this rank asked for, compared with the other ranks' only when a collective fails
         self.ledger = Ledger()
+        adapt_options = adapt_from_env(adapt)
+        #: the watch that replans when the wire leaves the model (:mod:`gradsync.comm.adapt`); None: off
+        #: (``adapt=False`` or ``GRADSYNC_ADAPT=0``)
+        self.adapt: Adapter | None = None
+        if adapt_options is not None and transport.world_size > 1:
+            self.adapt = Adapter(self.plans, self.tuning, adapt_options, share=self._share_sum,
+                                 build=lambda nbytes: self.executor(None, nbytes), label=self._plan_label, clock=clock,
+                                 auto=algorithm == AUTO)
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
         self._thread.start()
         self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
@@ -226,6 +237,39 @@ class Runtime:
         <gradsync.comm.tuning.Tuning.exploring>`): a benchmark warms up until this is False."""
         return self.tuning.exploring()
 
+    def drop_link(self, u: str | int, v: str | int) -> None:
+        """Stop using the link between devices ``u`` and ``v`` (names, or rank indices): the job replans on the
+        surviving graph, in order with the queued collectives. Every rank calls it at the same point (a
+        collective boundary), like :meth:`set_cost_model`. Where no path joins every rank without the link,
+        :class:`~gradsync.errors.PeerError` names it (and the runtime fails, as on a lost peer)."""
+        if self.adapt is None:
+            raise GradsyncError("drop_link replans through the runtime's watch, which is off (adapt=False or "
+                                "GRADSYNC_ADAPT=0); start the runtime with adapt=True")
+        adapt = self.adapt
+        size = self.options.size_bytes
+
+        def drop() -> None:
+            try:
+                adapt.drop_link(u, v, size)
+            except PeerError as exc:
+                self._failed = exc
+                raise
+            self.topology = adapt.base_topology
+
+        self.submit(drop, "drop_link").wait()
+
+    def _plan_label(self, nbytes: float) -> str:
+        """``algorithm/pipeline`` of what an allreduce of ``nbytes`` runs now (the log line of a replan)."""
+        if self.algorithm == AUTO:
+            name, pipeline = self.choice(nbytes)
+        else:
+            name, pipeline = self.algorithm, self.options.pipeline
+        return f"{name}/{pipeline}"
+
+    def _share_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over ranks now, on the plan for its size (the watch's agreement round)."""
+        self._executor_for(tensor, "sum", None).run(tensor, "sum")
+
     def set_cost_model(self, model: CostModel) -> None:
         """Price with ``model`` from now on: plans and choices made with the old one are dropped."""
         self.tuning.set_cost_model(model)
@@ -269,7 +313,7 @@ class Runtime:
     def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
         """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once."""
         ex = self._executor_for(tensors, op, algorithm)
-        return Work(self._enqueue(ex, tensors, op, _label(ex)), ex.schedule.algorithm)
+        return Work(self._enqueue(ex, tensors, op, _label(ex), algorithm), ex.schedule.algorithm)
 
     def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
         """All-reduce in place and return ``tensors``; raises :class:`~gradsync.errors.PeerError` on a lost peer.
@@ -284,10 +328,10 @@ class Runtime:
             if inline:
                 self._pending += 1
         if not inline:
-            return self._enqueue(ex, tensors, op, _label(ex)).wait()
+            return self._enqueue(ex, tensors, op, _label(ex), algorithm).wait()
         try:
             with self._running:
-                return self._run(ex, tensors, op, _label(ex))
+                return self._run(ex, tensors, op, _label(ex), algorithm)
         finally:
             with self._mutex:
                 self._pending -= 1
@@ -335,7 +379,8 @@ class Runtime:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
         return self.executor(algorithm, nbytes_of(tensors))
 
-    def _enqueue(self, ex: Any, payload: Any, op: str | None, label: str) -> torch.futures.Future:
+    def _enqueue(self, ex: Any, payload: Any, op: str | None, label: str,
+                 algorithm: str | None = None) -> torch.futures.Future:
         """Queue one item for the communication thread; its future, failed at once if the runtime has."""
         fut: torch.futures.Future = torch.futures.Future()
         if self._failed is not None:
@@ -343,20 +388,28 @@ class Runtime:
             return fut
         with self._mutex:
             self._pending += 1
-        self._queue.put((ex, payload, op, label, fut))
+        self._queue.put((ex, payload, op, label, fut, algorithm))
         return fut
 
-    def _run(self, ex: Any, payload: Any, op: str | None, label: str) -> Any:
+    def _run(self, ex: Any, payload: Any, op: str | None, label: str, algorithm: str | None = None) -> Any:
         """Run one item (a collective or a submitted callable) now, as the profiler range ``label``; a failure fails
-        the runtime."""
+        the runtime. A collective whose executor a replan dropped since it was queued runs on the current plan."""
         t0 = time.perf_counter()
         start = TraceRecorder.now_us() if self.trace is not None else 0.0
         try:
             with torch.profiler.record_function(label):
                 if ex is _CALL:
                     return payload()
+                if not isinstance(ex, Explorer) and not self.plans.owns(ex):
+                    ex = self._executor_for(payload, op or "sum", algorithm)
                 self._record("allreduce", payload)
-                return ex.run(payload, op)
+                adapt = self.adapt
+                nbytes = nbytes_of(payload) if adapt is not None else 0
+                watched = adapt is not None and adapt.watch(ex, nbytes)
+                out = ex.run(payload, op)
+                if watched:
+                    adapt.after(ex, nbytes)  # type: ignore[union-attr]
+                return out
         except BaseException as exc:
             named = self._named(exc)
             self._failed = named
@@ -512,12 +565,12 @@ class Runtime:
             item = self._queue.get()
             if item is _STOP:
                 return
-            ex, payload, op, label, fut = item
+            ex, payload, op, label, fut, algorithm = item
             try:
                 with self._running:
                     if self._failed is not None:
                         raise CommError(f"the gradsync runtime failed earlier: {self._failed}")
-                    result = self._run(ex, payload, op, label)
+                    result = self._run(ex, payload, op, label, algorithm)
             except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
                 fut.set_exception(exc)
                 continue
@@ -576,6 +629,7 @@ def init(
     calibrate: bool | None = None,
     explore: bool | None = None,
     trace: str | os.PathLike[str] | None = None,
+    adapt: bool | AdaptOptions | None = None,
 ) -> Runtime:
     """Start gradsync in this process and return the runtime (also kept as the default).
 
@@ -600,6 +654,9 @@ def init(
     cache, so the next job runs it from its first call. ``trace`` (default
     ``$GRADSYNC_TRACE``): a ``.json`` path where each rank writes a Chrome trace-event file of its collectives at
     shutdown (``name.rank<r>.json`` with several ranks, or put ``{rank}`` in the path; :mod:`gradsync.comm.trace`).
+    ``adapt`` (default ``$GRADSYNC_ADAPT``, on): watch large allreduces' pair rates and replan, job-wide, when a
+    link stays slower than the model for a few collectives, and back when it recovers (:mod:`gradsync.comm.adapt`;
+    an :class:`~gradsync.comm.adapt.AdaptOptions` sets its thresholds, ``False`` turns it off).
     """
     global _RUNTIME
     if not timeout_s > 0:
@@ -613,7 +670,7 @@ def init(
         _RUNTIME.shutdown()
     model = load_cost_model(cost_model if cost_model is not None else os.environ.get("GRADSYNC_COST_MODEL"))
     _RUNTIME = Runtime(tr, topology, algorithm, options=options, mapping=mapping, timeout_s=timeout_s, cost_model=model,
-                       trace=trace)
+                       trace=trace, adapt=adapt)
     tuning = _RUNTIME.tuning
     quick = calibrate is None and model is None and tuning.calibration_pays(algorithm)
     if calibrate or quick:

@@ -36,6 +36,7 @@ from gradsync.errors import GradsyncError
 from gradsync.plan.synthesizers import SYNTHESIZERS
 from gradsync.sim.choose import PRUNE
 from gradsync.sim.cost import NATIVE, CostModel, reverse_share_of, size_class, stream_rate_of
+from gradsync.topology.model import Topology
 
 __all__ = ["DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
            "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "load_cost_model", "max_over_ranks", "tuned_choice",
@@ -150,9 +151,10 @@ class Tuning:
     def world_size(self) -> int:
         return self.plans.transport.world_size
 
-    def set_cost_model(self, model: CostModel) -> None:
-        """Price with ``model`` from now on: plans, choices and explorations made with the old one are dropped."""
-        self.plans.reset(model)
+    def set_cost_model(self, model: CostModel, topology: Topology | None = None) -> None:
+        """Price with ``model`` (on ``topology``, when given) from now on: plans, choices and explorations made
+        with the old ones are dropped."""
+        self.plans.reset(model, topology)
         self._explorers.clear()
 
     # ---- the disk cache ---------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from gradsync.plan.routing import router_for
 from gradsync.topology.model import Topology
 
 __all__ = ["Conditions", "Detector", "Hysteresis", "RollingEstimates", "Sample", "Switch", "arrival_delays",
-           "collective_rates", "link_scales", "scaled_topology"]
+           "collective_rates", "describe_switch", "link_scales", "scaled_topology"]
 
 #: Below this many bytes per key and collective, a rate measures α, not the wire (the executor's α is
 #: ~150 µs; 256 KiB at 10 Gbit/s is ~200 µs).
@@ -303,6 +303,12 @@ def _step(track: _Track, value: float, h: Hysteresis) -> bool:
             track.degraded, track.run = True, 0
             return True
     return False
+
+
+def describe_switch(switch: Switch, old_plan: str, new_plan: str, times: tuple[float, float] | None) -> str:
+    """``switch``'s one log line with the plans the caller really ran before and after it (the detector names
+    plans before they are made) and their predicted seconds per collective (None: not predicted)."""
+    return _line(switch.generation, switch.collective, switch.before, switch.after, old_plan, new_plan, times)
 
 
 def _line(generation: int, collective: int, before: Conditions, after: Conditions, old: str, new: str,

@@ -1,0 +1,364 @@
+"""Plans that follow the cluster while the job runs (issue 39): watch the wire, replan, route around dead links.
+
+The runtime hands every large planned allreduce to an :class:`Adapter`:
+
+* **watch**: the executor records when each message this rank sent was posted and when it completed
+  (:attr:`Executor.sent <gradsync.comm.executor.Executor.sent>`); :func:`~gradsync.comm.watch.collective_rates`
+  turns them into one rate per ``(src, dst)`` pair this rank sends on;
+* **agree**: the pair rates of all ranks travel in one small sum-allreduce (``world_size**2`` float64s, each
+  entry written by its sender alone, so the sum is exact), so every rank feeds the *same* numbers to the same
+  deterministic :class:`~gradsync.comm.watch.Detector` and sees the same switch at the same collective.
+  Only collectives of at least :attr:`AdaptOptions.min_bytes` are watched, a size every rank shares: the extra
+  collective is one message-cost round next to a wire-bound one;
+* **compare**: each pair is compared with what the cost model predicts for the plan that ran (the simulated
+  per-pair rate), times the ratio measured in the first :attr:`AdaptOptions.warmup` watched collectives, so a
+  wire that never matched the model's absolute rates is not a degraded one;
+* **replan**: on a switch the degraded pairs become per-link capacity scales
+  (:func:`~gradsync.comm.watch.link_scales`), the plan cache is reset on the scaled topology (a new
+  generation: the choice and wait order are decided job-wide through ``decide`` under new keys, so every rank
+  runs the same plan), the new plan is built at once, and rank 0 logs one line: what was seen, the old and
+  the new plan, the predicted gain. When the pairs are back inside the leave threshold the detector switches
+  back, the same way;
+* **reroute**: :meth:`Adapter.drop_link` removes a link from the topology and replans on the surviving graph;
+  where no path joins every rank any more, it raises :class:`~gradsync.errors.PeerError` naming the link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from gradsync.comm.executor import Executor
+from gradsync.comm.plans import ALLREDUCE, PlanCache
+from gradsync.comm.tuning import Tuning
+from gradsync.comm.watch import (
+    MIN_BYTES,
+    Conditions,
+    Detector,
+    Hysteresis,
+    Sample,
+    Switch,
+    arrival_delays,
+    collective_rates,
+    describe_switch,
+    link_scales,
+    scaled_topology,
+)
+from gradsync.errors import GradsyncError, PeerError, SimulationError, TopologyError
+from gradsync.plan.schedule import Schedule
+from gradsync.sim.cost import size_class
+from gradsync.sim.engine import simulate
+from gradsync.topology.model import Link, Topology
+
+__all__ = ["ADAPT_MIN_BYTES", "AdaptOptions", "Adapter", "SwitchRecord", "adapt_from_env"]
+
+#: Allreduces below this many bytes are not watched: their pairs move too little to measure the wire, and the
+#: agreement round (one small allreduce) would be a visible share of them.
+ADAPT_MIN_BYTES = 1 << 20
+_OFF = ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class AdaptOptions:
+    """How the runtime watches the wire. ``link``: the detector's thresholds on ``expected / measured`` pair
+    rates and its ``k`` (consecutive watched collectives); ``late``: on a rank's arrival delay as a share of the
+    collective's time without it; ``warmup``: watched collectives that learn each pair's
+    measured / modelled ratio before the detector starts; ``min_bytes``: the smallest allreduce watched;
+    ``pair_min_bytes``: the fewest bytes a pair must move in one collective to give a rate."""
+
+    link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
+    late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
+    warmup: int = 5
+    min_bytes: int = ADAPT_MIN_BYTES
+    pair_min_bytes: float = MIN_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("link", "late"):
+            if not isinstance(getattr(self, name), Hysteresis):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a Hysteresis(enter, leave, k)")
+        for name in ("warmup", "min_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "warmup" else 0):
+                need = ">= 1 (watched collectives)" if name == "warmup" else ">= 0 (bytes)"
+                raise GradsyncError(f"{name}={v!r} must be an integer {need}")
+        v = self.pair_min_bytes
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise GradsyncError(f"pair_min_bytes={v!r} must be a number of bytes >= 0")
+
+
+def adapt_from_env(adapt: bool | AdaptOptions | None) -> AdaptOptions | None:
+    """The options ``Runtime(adapt=...)`` means: None reads ``$GRADSYNC_ADAPT`` (on unless 0/false/off/no)."""
+    if adapt is None:
+        adapt = os.environ.get("GRADSYNC_ADAPT", "1").strip().lower() not in _OFF
+    if isinstance(adapt, AdaptOptions):
+        return adapt
+    if not isinstance(adapt, bool):
+        raise TypeError(f"adapt={adapt!r} must be True, False or an AdaptOptions(...)")
+    return AdaptOptions() if adapt else None
+
+
+@dataclass(frozen=True)
+class SwitchRecord:
+    """One change of plan as every rank saw it (the same on every rank)."""
+
+    generation: int
+    collective: int  # watched collectives after the warm-up, counted from 1
+    conditions: Conditions
+    old_plan: str
+    new_plan: str
+    predicted_gain_s: float | None
+    message: str
+
+
+class Adapter:
+    """One runtime's watch, detector and replanning (module docstring).
+
+    ``share(tensor)`` sums a float64 tensor over ranks in place (the runtime's own allreduce, run at once);
+    ``build(nbytes)`` returns the executor the runtime runs for ``nbytes`` now, planned if need be;
+    ``label(nbytes)`` names it. ``clock`` times the messages (a test gives a fake one).
+    """
+
+    def __init__(self, plans: PlanCache, tuning: Tuning, options: AdaptOptions, *,
+                 share: Callable[[torch.Tensor], object], build: Callable[[float], object],
+                 label: Callable[[float], str], clock: Callable[[], float], auto: bool) -> None:
+        self.plans, self.tuning, self.options = plans, tuning, options
+        self._share, self._build, self._label, self.clock = share, build, label, clock
+        #: whether the runtime chooses its plan (``auto``): only then can a late rank move it to ``straggler``
+        self.auto = auto
+        #: the plan options as the user gave them; a late rank is planned with ``straggler`` set on a copy
+        self.base_options = plans.options
+        self._entered = 0.0
+        #: The topology as it is, before any scaling: the file's, less the links dropped since.
+        self.base_topology: Topology = plans.topology
+        #: Every switch and reroute so far (identical on every rank).
+        self.switches: list[SwitchRecord] = []
+        #: Collectives watched so far (warm-up included).
+        self.watched = 0
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.detector = Detector(self.options.link, self.options.late)
+        self._warm: dict[Hashable, list[float]] = {}
+        self._warmed = 0
+        self._warm_time: list[float] = []
+        self._time_factor = 1.0
+        self._factor: dict[Hashable, float] | None = None
+        self._expected: dict[tuple[int, int], tuple[Schedule, dict[Hashable, float], list[float]]] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.plans.transport.rank
+
+    @property
+    def conditions(self) -> Conditions:
+        return self.detector.conditions
+
+    # ---- watching --------------------------------------------------------------------------------------
+    def watch(self, ex: object, nbytes: float) -> bool:
+        """Whether this run of ``ex`` is watched (the same answer on every rank); if so, ``ex`` starts recording."""
+        if (not isinstance(ex, Executor) or ex.schedule.collective != ALLREDUCE or nbytes < self.options.min_bytes
+                or ex.schedule.world_size < 2):
+            return False
+        ex.sent, ex.clock = [], self.clock
+        self._entered = self.clock()
+        return True
+
+    def after(self, ex: Executor, nbytes: float) -> SwitchRecord | None:
+        """``ex`` just ran a watched allreduce of ``nbytes``: agree on the pair rates, and switch when the
+        detector says so (every rank does, at this collective)."""
+        seconds = self.clock() - self._entered
+        self.watched += 1
+        sent, ex.sent = ex.sent or [], None
+        n = ex.schedule.world_size
+        me = ex.rank
+        rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
+                                 self.options.pair_min_bytes)
+        # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
+        # is exact and every rank reads the same numbers
+        vec = torch.zeros(n * n + n, dtype=torch.float64)
+        for (src, dst), r in rates.items():
+            vec[src * n + dst] = r
+        vec[n * n + me] = max(seconds, 0.0)
+        self._share(vec)
+        spent = vec[n * n:].tolist()
+        pairs = vec[: n * n]
+        shared = {(int(i) // n, int(i) % n): float(pairs[i]) for i in torch.nonzero(pairs).flatten().tolist()}
+        expected, finish = self._expected_rates(ex.schedule, nbytes)
+        shared = {k: v for k, v in shared.items() if k in expected}
+        if self._factor is None:  # warm-up: learn how each pair's wire, and the whole run, compare with the model
+            for k, v in shared.items():
+                self._warm.setdefault(k, []).append(v / expected[k])
+            if max(finish) > 0:
+                self._warm_time.append(max(spent) / max(finish))
+            self._warmed += 1
+            if self._warmed >= self.options.warmup:
+                self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
+                self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
+            return None
+        # Each rank leaves the collective when the plan's last message to or from it is done, which the model
+        # predicts (``finish``, scaled to this wire by the warm-up): a rank that spent less than that in it, by more
+        # than the others did, came late by the difference. No common clock is needed, and a plan in which
+        # ranks finish at different times (the straggler schedule) is not mistaken for a late rank.
+        excess = [t - self._time_factor * f for t, f in zip(spent, finish)]
+        top = max(excess)
+        delays = arrival_delays([top - e for e in excess])
+        # Late "by a share of the collective" as it ran, not as the model says it would: a slow link shifts the
+        # ranks' end times unevenly too, by a share of a collective it also makes longer.
+        reference = max(spent)
+        overall = statistics.median(self._factor.values()) if self._factor else 1.0
+        want = {k: expected[k] * self._factor.get(k, overall) for k in shared}
+        switch = self.detector.observe(shared, want, delays if reference > 0 else (), reference if reference > 0 else 1.0)
+        if switch is None:
+            return None
+        degraded = dict(switch.after.link_scale)
+        healthy = [k for k in shared if k not in degraded]
+        scales = link_scales(self.base_topology, degraded, healthy)  # type: ignore[arg-type]
+        topology = scaled_topology(self.base_topology, scales) if scales else self.base_topology
+        return self._replan(switch, topology, ex.schedule, nbytes)
+
+    def _late(self, conditions: Conditions) -> dict[int, float]:
+        return {} if conditions.straggler is None else {conditions.straggler: conditions.straggler_delay_s}
+
+    def _predict(self, schedule: Schedule, topology: Topology, nbytes: float, late: dict[int, float]) -> float:
+        """Seconds of ``schedule`` on ``topology`` with the ranks in ``late`` arriving late, priced as
+        :meth:`CostModel.predict <gradsync.sim.cost.CostModel.predict>` prices (plus the late arrival)."""
+        model = self.plans.cost_model
+        return simulate(schedule, model.rates(topology), float(nbytes), streaming=False, fifo=True,
+                        message_s=model.message_s, reverse_share=model.reverse_share, progress=False,
+                        start_delay_s=late or None).time_s
+
+    def _straggler_pick(self, nbytes: float, late: dict[int, float]) -> None:
+        """With a rank late, ``auto`` runs the straggler schedule for this size class where the model, told of the
+        late arrival, prices it faster than the class's own choice (decided by rank 0 for every rank)."""
+        plans = self.plans
+        size = size_class(nbytes)
+        current = plans.choice(size)
+
+        def compute() -> bytes:
+            topo = plans.topology
+            try:
+                best = (self._predict(plans.schedule(*current), topo, nbytes, late), list(current))
+            except (GradsyncError, KeyError):
+                return json.dumps(list(current)).encode()  # the backend's own ring: not priced here
+            for depth in plans.cost_model.pipelines:
+                try:
+                    t = self._predict(plans.schedule("straggler", depth), topo, nbytes, late)
+                except GradsyncError:
+                    continue
+                best = min(best, (t, ["straggler", depth]))
+            return json.dumps(best[1]).encode()
+
+        name, depth = json.loads(plans.decide(f"adapt/straggler/{size}", compute))
+        plans.choose(size, (str(name), int(depth)))
+
+    def _expected_rates(self, schedule: Schedule, nbytes: float) -> tuple[dict[Hashable, float], list[float]]:
+        """Per pair, the rate the cost model predicts for ``schedule`` on the unscaled topology, and per rank, when
+        its last message is done (cached)."""
+        key = (id(schedule), size_class(nbytes))
+        got = self._expected.get(key)
+        if got is None or got[0] is not schedule:
+            model = self.plans.cost_model
+            sim = simulate(schedule, model.rates(self.base_topology), float(nbytes), streaming=False, fifo=True,
+                           message_s=model.message_s, reverse_share=model.reverse_share, progress=False)
+            start, finish = sim.transfer_times()
+            arr = schedule.arrays
+            frac = np.array([c.size for c in schedule.chunks])[arr["chunk"]]
+            samples = (Sample((int(s), int(d)), float(f) * nbytes, float(a), float(max(a, b)))
+                       for s, d, f, a, b in zip(arr["src"], arr["dst"], frac, start, finish)
+                       if np.isfinite(a) and np.isfinite(b))  # a transfer of no bytes has no flow
+            n = schedule.world_size
+            ends = np.zeros(n)
+            done = np.where(np.isfinite(finish), finish, 0.0)
+            m = len(done)
+            np.maximum.at(ends, arr["src"][:m], done)
+            np.maximum.at(ends, arr["dst"][:m], done)
+            got = self._expected[key] = (schedule, collective_rates(samples, self.options.pair_min_bytes),
+                                         [float(e) for e in ends])
+        return got[1], got[2]
+
+    # ---- replanning --------------------------------------------------------------------------------------
+    def _replan(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> SwitchRecord:
+        old_plan = self._label(nbytes)
+        late = self._late(switch.after)
+        self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
+        self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
+        self._expected.clear()
+        if late and self.auto:
+            self._straggler_pick(nbytes, late)
+        new = getattr(self._build(nbytes), "schedule", None)
+        new_plan = self._label(nbytes)
+        times = None
+        if self.rank == 0 and isinstance(new, Schedule):  # only rank 0 logs: only it prices the gain
+            try:
+                times = (self._predict(old, topology, nbytes, late), self._predict(new, topology, nbytes, late))
+            except (SimulationError, GradsyncError):
+                times = None
+        message = describe_switch(switch, old_plan, new_plan, times)
+        record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, new_plan,
+                              None if times is None else times[0] - times[1], message)
+        self.switches.append(record)
+        self._say(message)
+        return record
+
+    def drop_link(self, u: str | int, v: str | int, nbytes: float) -> SwitchRecord:
+        """Remove the link between devices ``u`` and ``v`` (names, or rank indices) and replan on the surviving
+        graph; every rank calls it at the same point. No path left between some ranks: :class:`PeerError`."""
+        topo = self.base_topology
+        a, b = (topo.ranks[x] if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < topo.world_size
+                else x for x in (u, v))
+        key = frozenset((a, b))
+        links = [lk for lk in topo.links if lk.key != key]
+        if len(links) == len(topo.links):
+            near = sorted(f"{lk.a}-{lk.b}" for lk in topo.links if a in lk.key or b in lk.key)[:8]
+            raise GradsyncError(f"topology {topo.name!r} has no link {a}-{b} to drop (given {u!r}, {v!r}); links "
+                                f"at those devices: {near or 'none'}")
+        try:
+            # the family's own router and symmetry assume every link of the family is there: plan as a graph
+            attrs = {k: val for k, val in topo.attrs.items() if k != "family"}
+            survived = replace(topo, name=f"{topo.name}-{a}-{b}", links=tuple(links), attrs=attrs)
+        except TopologyError as exc:
+            parts = [_component(links, r, topo) for r in topo.ranks]
+            main = max(parts, key=lambda part: sum(r in part for r in topo.ranks))
+            gone = [r for r in topo.ranks if r not in main]
+            who = topo.ranks.index(gone[0]) if gone else -1
+            raise PeerError(f"link {a}-{b} is down and no other path joins rank(s) {gone} to the others in "
+                            f"{topo.name!r}; the job cannot go on without it ({exc})", who) from exc
+        old_plan = self._label(nbytes)
+        self.base_topology = survived
+        self._fresh()
+        self.plans.options = self.base_options
+        self.tuning.set_cost_model(self.plans.cost_model, survived)
+        self._build(nbytes)
+        new_plan = self._label(nbytes)
+        message = (f"gradsync: link {a}-{b} dropped from {topo.name!r}: replanned on the {len(links)} surviving links; "
+                   f"{old_plan} -> {new_plan}")
+        record = SwitchRecord(self.plans.generation, 0, Conditions(), old_plan, new_plan, None, message)
+        self.switches.append(record)
+        self._say(message)
+        return record
+
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+
+
+def _component(links: list[Link], start: str, topo: Topology) -> set[str]:
+    """Devices reachable from ``start`` over ``links``."""
+    adj: dict[str, list[str]] = {d.name: [] for d in topo.devices}
+    for lk in links:
+        adj[lk.a].append(lk.b)
+        adj[lk.b].append(lk.a)
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in adj[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen

@@ -1,0 +1,329 @@
+"""The runtime's watch and replanning (gradsync.comm.adapt) on the in-process fabric and a fake clock: a slow link
+switches the plan once after k collectives, at the same generation on every rank, with exact sums; noise below
+the threshold never switches; a dropped link is routed around where the fabric allows, and named where not."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from gradsync.comm import LocalFabric, run_ranks
+from gradsync.comm.adapt import AdaptOptions, adapt_from_env
+from gradsync.comm.runtime import Runtime
+from gradsync.comm.watch import Hysteresis
+from gradsync.errors import GradsyncError, PeerError
+
+RATE = 1e9  # bytes per fake second on every healthy pair
+BUFFER = 256 << 10  # bytes per allreduce: small enough that the executor waits in key order on its own thread
+SLOW_NIC = {(1, p): 0.25 for p in range(4) if p != 1}  # rank 1 sends at a quarter of the rate to everyone
+OPTIONS = AdaptOptions(Hysteresis(1.5, 1.2, 3), warmup=2, min_bytes=1024, pair_min_bytes=1024)
+
+
+class FakeNet:
+    """Message times of an in-process job on a fake clock, shared by its ranks: a send of ``b`` bytes from ``src``
+    to ``dst`` takes ``b / (RATE * factor)`` on ``src``'s NIC, which sends one message at a time from when each is
+    posted; its receiver's clock moves to when it arrived. Everything is waited on the ranks' own
+    threads (messages this small wait in key order), so times depend only on the schedule, the factors and the
+    late ranks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.arrivals: dict[tuple[int, int, int], list[float]] = {}
+        self.posted: dict[tuple[int, int, int], int] = {}
+
+
+class ClockedTransport:
+    """One rank of a :class:`FakeNet` over a :class:`LocalTransport`. ``clock()`` reads this rank's time, except
+    right after a send was waited for, when it reads when that send finished: what a per-connection waiting thread
+    would see on a real wire (key order would otherwise charge one pair with another's wait)."""
+
+    ordered = False
+
+    def __init__(self, inner, net: FakeNet) -> None:
+        self.inner, self.net, self.rank, self.world_size, self.name = inner, net, inner.rank, inner.world_size, inner.name
+        self.capabilities = inner.capabilities
+        self.now = 0.0
+        self.stamp: float | None = None
+        self.busy = 0.0  # when this rank's NIC has sent everything posted so far
+        self.factor: dict[tuple[int, int], float] = {}
+
+    def clock(self) -> float:
+        t, self.stamp = (self.now if self.stamp is None else self.stamp), None
+        return t
+
+    def compute(self, seconds: float) -> None:
+        """Time spent outside the collectives (a late rank's longer step)."""
+        self.now += seconds
+        self.stamp = None
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        self.stamp = None
+        seconds = tensor.numel() * tensor.element_size() / (RATE * self.factor.get((self.rank, peer), 1.0))
+        done = self.busy = max(self.busy, self.now) + seconds
+        with self.net.lock:
+            self.net.arrivals.setdefault((self.rank, peer, tag), []).append(done)
+        self.inner.isend(tensor, peer, tag)  # after its arrival time is known: the receiver reads it on arrival
+        owner = self
+
+        class Sent:
+            def wait(self, timeout_s: float) -> None:
+                owner.now = max(owner.now, done)
+                owner.stamp = done
+
+        return Sent()
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        key = (peer, self.rank, tag)
+        with self.net.lock:
+            ticket = self.net.posted[key] = self.net.posted.get(key, -1) + 1
+        inner, owner = self.inner.irecv(tensor, peer, tag), self
+
+        class Received:
+            def wait(self, timeout_s: float) -> None:
+                inner.wait(timeout_s)
+                owner.stamp = None
+                with owner.net.lock:
+                    owner.now = max(owner.now, owner.net.arrivals[key][ticket])
+
+        return Received()
+
+
+def _values(rank: int, i: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input of collective ``i``: integers, so every dtype's sum is exact and known."""
+    return (torch.arange(n, dtype=torch.int64) % 97 + 1000 * rank + i).to(dtype)
+
+
+def _run_job(world: int, topology: str, algorithm: str, dtype: torch.dtype, slow: dict[int, dict[tuple[int, int], float]],
+             steps: int, noise: float = 0.0, late: dict[int, dict[int, float]] | None = None, cost_model=None):
+    """Every rank runs ``steps`` allreduces; before collective ``i`` the wire's pair factors become ``slow[i]``
+    (kept until the next entry), each scaled by a seeded noise in ``[1 - noise, 1 + noise]``, and the ranks in
+    ``late[i]`` (kept the same way) arrive that many fake seconds late. Returns per rank (switches, whether every
+    sum was exact)."""
+    numel = BUFFER // torch.tensor([], dtype=dtype).element_size()
+    want = [sum(_values(r, i, numel, dtype) for r in range(world)) for i in range(steps)]
+    net = FakeNet()
+
+    def body(tr):
+        wire = ClockedTransport(tr, net)
+        rt = Runtime(wire, topology, algorithm, timeout_s=20, adapt=OPTIONS, clock=wire.clock, cost_model=cost_model)
+        rng = random.Random(tr.rank)
+        exact = True
+        base: dict[tuple[int, int], float] = {}
+        delays: dict[int, float] = {}
+        try:
+            for i in range(steps):
+                base = slow.get(i, base)
+                delays = (late or {}).get(i, delays)
+                wire.compute(delays.get(tr.rank, 0.0))
+                pairs = {(tr.rank, p) for p in range(world) if p != tr.rank}
+                wire.factor = {pr: base.get(pr, 1.0) * (1 + noise * (2 * rng.random() - 1)) for pr in pairs}
+                x = _values(tr.rank, i, numel, dtype)
+                rt.allreduce(x)
+                exact &= bool(torch.equal(x, want[i]))
+            return rt.adapt.switches, exact
+        finally:
+            rt.shutdown()
+
+    results = run_ranks(world, body, timeout_s=120)
+    for got in results:
+        assert not isinstance(got, BaseException), got
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_a_slow_link_switches_once_after_k_collectives_on_every_rank_with_exact_sums(dtype):
+    """Rank 1's NIC sends at a quarter of its rate from collective 4 (two warm-up collectives, then the detector
+    counts from 1): the third slow collective, the detector's fifth, switches every rank to generation 1, replanned
+    with that uplink scaled; nothing else switches, and every sum is exact throughout."""
+    results = _run_job(4, "switch:4", "ring", dtype, {4: SLOW_NIC}, steps=10)
+    switches = [s for s, _ in results]
+    assert all(exact for _, exact in results)
+    assert all(len(s) == 1 for s in switches), switches
+    first = switches[0][0]
+    assert (first.generation, first.collective) == (1, 5)
+    assert all((s[0].generation, s[0].collective, s[0].conditions) == (1, 5, first.conditions) for s in switches)
+    seen = dict(first.conditions.link_scale)
+    assert seen and {src for src, _ in seen} == {1}  # rank 1's pairs, all of them at a quarter of the model
+    assert all(scale == pytest.approx(0.25, rel=0.05) for scale in seen.values())
+    assert "(1, 2) at 0.25x its modelled rate" in first.message and "ring/1 -> ring/1" in first.message
+
+
+def test_the_plan_switches_back_once_the_link_recovers():
+    """Slow from collective 4, healthy again from collective 9: one switch in (detector collective 5), one back to
+    the baseline three healthy collectives after recovery (collective 10); the same on every rank."""
+    results = _run_job(4, "switch:4", "ring", torch.float32, {4: SLOW_NIC, 9: {}}, steps=14)
+    for switches, exact in results:
+        assert exact
+        assert [(s.generation, s.collective) for s in switches] == [(1, 5), (2, 10)]
+        assert switches[1].conditions.baseline and "back to its modelled rate" in switches[1].message
+
+
+def test_noise_below_the_threshold_never_switches():
+    """Every pair's rate wanders by up to ±25% each collective (a slowdown of at most 1/0.75 = 1.33 < 1.5)."""
+    results = _run_job(4, "switch:4", "ring", torch.float32, {}, steps=14, noise=0.25)
+    assert all(exact and switches == [] for switches, exact in results)
+
+
+def test_an_auto_runtime_replans_to_another_plan_and_logs_one_line(capsys):
+    """On a flat switch, rank 1's NIC made 8x slower moves ``auto`` off the plan that leans on it; rank 0 alone
+    prints the one line (what was seen, old and new plan, predicted gain)."""
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8)
+    assert all(exact and len(s) == 1 for s, exact in results)
+    rec = results[0][0][0]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "plan generation" in ln]
+    assert lines == [rec.message]
+    assert rec.old_plan != rec.new_plan and f"{rec.old_plan} -> {rec.new_plan}, predicted" in rec.message
+    assert rec.predicted_gain_s is not None and rec.predicted_gain_s > 0
+
+
+# ---- rerouting ---------------------------------------------------------------------------------------------
+def _drop_and_run(topology: str, world: int, links: list[tuple[str, str]]):
+    numel = 3000
+
+    def body(tr):
+        rt = Runtime(tr, topology, "ring", timeout_s=20, adapt=True)
+        try:
+            for u, v in links:
+                rt.drop_link(u, v)
+            x = _values(tr.rank, 0, numel, torch.int64)
+            rt.allreduce(x)
+            return rt.schedule(None, numel * 8), rt.topology, x
+        finally:
+            rt.shutdown()
+
+    return run_ranks(world, body, timeout_s=120)
+
+
+def test_bcube_without_one_link_replans_on_the_surviving_graph_with_exact_sums():
+    """bcube:3,2 less server s00's level-0 link: the new schedule's routes avoid it and the sum is exact."""
+    results = _drop_and_run("bcube:3,2", 9, [("s00", "L0.sw0")])
+    want = sum(_values(r, 0, 3000, torch.int64) for r in range(9))
+    for got in results:
+        assert not isinstance(got, BaseException), got
+        schedule, topology, x = got
+        assert torch.equal(x, want)
+        assert not topology.has_link("s00", "L0.sw0")
+        hops = {frozenset(h) for t in schedule.transfers for h in zip(t.route[:-1], t.route[1:])}
+        assert frozenset(("s00", "L0.sw0")) not in hops
+        assert len(schedule.transfers) > 0
+
+
+def test_ring_without_a_link_is_a_path_and_without_two_the_error_names_the_link():
+    """ring:4 less one link still joins every rank (a path: the job goes on, exact); less a second link at the same
+    rank, gpu0 is cut off, and every rank's PeerError names the link and the rank."""
+    want = sum(_values(r, 0, 3000, torch.int64) for r in range(4))
+    for got in _drop_and_run("ring:4", 4, [("gpu0", "gpu1")]):
+        assert not isinstance(got, BaseException), got
+        assert torch.equal(got[2], want)
+    for got in _drop_and_run("ring:4", 4, [("gpu0", "gpu1"), ("gpu3", "gpu0")]):
+        assert isinstance(got, PeerError), got
+        assert "link gpu3-gpu0 is down" in str(got) and "['gpu0']" in str(got) and got.peer == 0
+
+
+def test_dropping_a_link_that_is_not_there_names_the_links_at_its_devices():
+    rt = Runtime(LocalFabric(1).transport(0), "switch:1", "ring", timeout_s=10, adapt=True)
+    try:
+        assert rt.adapt is None  # one rank: nothing to watch
+        with pytest.raises(GradsyncError, match="adapt=True"):
+            rt.drop_link("gpu0", "sw")
+    finally:
+        rt.shutdown()
+
+
+def test_adapt_switch_and_environment(monkeypatch):
+    monkeypatch.setenv("GRADSYNC_ADAPT", "0")
+    assert adapt_from_env(None) is None
+    monkeypatch.setenv("GRADSYNC_ADAPT", "1")
+    assert adapt_from_env(None) == AdaptOptions()
+    assert adapt_from_env(False) is None
+    with pytest.raises(TypeError, match="adapt='yes'"):
+        adapt_from_env("yes")  # type: ignore[arg-type]
+    with pytest.raises(GradsyncError, match="warmup=0"):
+        AdaptOptions(warmup=0)
+
+
+@pytest.mark.parametrize("alpha", [None, 1e-6])
+def test_a_late_rank_switches_every_rank_once_and_back_with_the_plan_the_model_prices_fastest(alpha):
+    """Rank 3 arrives 2 ms late from collective 4 to 8: each rank's time in the collective says so without a
+    common clock (the others wait for it), every rank switches at the detector's fifth collective to conditions
+    naming rank 3, with the plan the simulator prices fastest for that late arrival among ``auto``'s choice and
+    the straggler schedule, and back three collectives after it is on time again; every sum exact. With the
+    default message cost ``auto``'s choice stays (256 KiB: α decides); with α = 1 µs the straggler schedule wins
+    and runs."""
+    from dataclasses import replace
+
+    from gradsync.plan import PlanOptions, synthesize
+    from gradsync.sim import simulate
+    from gradsync.sim.cost import CostModel
+    from gradsync.topology.io import get_topology
+
+    model = CostModel() if alpha is None else replace(CostModel(), message_s=alpha, native_message_s=alpha)
+    results = _run_job(4, "switch:4", "auto", torch.float32, {}, steps=14, late={4: {3: 2e-3}, 9: {}},
+                       cost_model=None if alpha is None else model)
+    for switches, exact in results:
+        assert exact
+        assert [(s.generation, s.collective, s.conditions.straggler) for s in switches] == [(1, 5, 3), (2, 10, None)]
+        assert switches[0].conditions.straggler_delay_s == pytest.approx(2e-3, rel=0.05)
+        assert "rank 3 late by 0.00" in switches[0].message and "rank 3 on time again" in switches[1].message
+    topo = get_topology("switch:4")
+    old = switches[0].old_plan.split("/")
+
+    def seconds(name: str, depth: int) -> float:
+        schedule = synthesize(name, topo, PlanOptions(pipeline=depth, straggler=3))
+        return simulate(schedule, model.rates(topo), BUFFER, streaming=False, fifo=True, message_s=model.message_s,
+                        progress=False, start_delay_s={3: 2e-3}).time_s
+
+    priced = {f"{old[0]}/{old[1]}": seconds(old[0], int(old[1]))}
+    priced.update({f"straggler/{d}": seconds("straggler", d) for d in model.pipelines})
+    assert switches[0].new_plan == min(priced, key=lambda k: (priced[k], k != switches[0].old_plan))
+    assert switches[0].new_plan.startswith("straggler/") == (alpha is not None)
+
+
+def test_a_collective_queued_before_a_replan_runs_on_the_new_plan():
+    """An allreduce queued with an executor that a replan closed since (here a new cost model while the queue is
+    held) picks its executor again when it runs: the old one is never run after it was closed, and the sum is
+    exact."""
+    from gradsync.sim.cost import CostModel
+
+    def body(tr):
+        rt = Runtime(tr, "switch:2", "ring", timeout_s=20, adapt=False)
+        gate = threading.Event()
+        old = rt.executor()
+        ran = []
+        real = old.run
+        old.run = lambda *a, **k: ran.append("old") or real(*a, **k)
+        try:
+            rt.submit(lambda: gate.wait(10))
+            x = torch.full((1000,), float(tr.rank + 1))
+            work = rt.allreduce_async(x)
+            rt.set_cost_model(CostModel())
+            gate.set()
+            work.wait()
+            return ran, float(x[0]), rt.plans.owns(old), rt.adapt
+        finally:
+            rt.shutdown()
+
+    for got in run_ranks(2, body):
+        assert not isinstance(got, BaseException), got
+        assert got == ([], 3.0, False, None)
+
+
+def test_adapt_false_and_the_environment_turn_the_watch_off(monkeypatch):
+    def body(tr):
+        rt = Runtime(tr, "switch:2", "ring", timeout_s=20)
+        try:
+            x = torch.ones(1 << 19)  # 2 MiB: watched when the watch is on
+            rt.allreduce(x)
+            return rt.adapt, rt.executor(None, x.numel() * 4).sent
+        finally:
+            rt.shutdown()
+
+    monkeypatch.setenv("GRADSYNC_ADAPT", "off")
+    assert all(got == (None, None) for got in run_ranks(2, body))
+    monkeypatch.setenv("GRADSYNC_ADAPT", "1")
+    for got in run_ranks(2, body):
+        assert not isinstance(got, BaseException), got
+        assert got[0] is not None and got[0].watched == 1 and got[1] is None  # recorded, then let go
