@@ -654,7 +654,7 @@ def init(
     cache, so the next job runs it from its first call. ``trace`` (default
     ``$GRADSYNC_TRACE``): a ``.json`` path where each rank writes a Chrome trace-event file of its collectives at
     shutdown (``name.rank<r>.json`` with several ranks, or put ``{rank}`` in the path; :mod:`gradsync.comm.trace`).
-    ``adapt`` (default ``$GRADSYNC_ADAPT``, on): watch large allreduces' pair rates and replan, job-wide, when a
+    ``adapt`` (default ``$GRADSYNC_ADAPT``, off): watch large allreduces' pair rates and replan, job-wide, when a
     link stays slower than the model for a few collectives, and back when it recovers (:mod:`gradsync.comm.adapt`;
     an :class:`~gradsync.comm.adapt.AdaptOptions` sets its thresholds, ``False`` turns it off).
     """
