@@ -15,8 +15,8 @@ once when its last gradient is ready and exchanged by its communicator while bac
 ``step()`` writes the aggregates back into ``.grad``. ``compression=None`` (the default) is the plain path
 above, unchanged. ``step()`` is also where a compressed training step ends: when any group's gradient held a NaN or
 an inf on any rank, that group's aggregate is NaN (GradScaler skips the step) and no group's error feedback or
-compressor state changes (:mod:`gradsync.train.communicator`); :attr:`DistributedOptimizer.nonfinite_steps` counts
-such steps.
+compressor state changes (:mod:`gradsync.train.communicator`), and the wrapped optimizer's step is skipped on every
+rank; :attr:`DistributedOptimizer.nonfinite_steps` counts such steps.
 
 Gradient accumulation (``backward_passes_per_step=N``, Horovod's name): each parameter's hook counts the backward
 passes of the step and sends the gradient only on the N-th, once the N micro-batches have summed into ``.grad``
@@ -357,7 +357,13 @@ class DistributedOptimizer:
         self._works.append((self.runtime.allreduce_async(group, self.op, self.algorithm), size))
 
     def step(self, closure: Any = None) -> Any:
+        """Synchronize, then the wrapped optimizer's step -- skipped (``None``) when the compressed step held a NaN or
+        an inf on some rank: GradScaler's contract, kept without a GradScaler too, and on every rank at once (the
+        verdict travels with the payloads). :attr:`nonfinite_steps` counts it."""
+        before = self.nonfinite_steps
         self.synchronize()
+        if self.nonfinite_steps > before:
+            return None
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -252,3 +252,33 @@ def test_one_bad_gradient_leaves_every_group_as_if_the_step_never_happened(name:
             for n in _SHAPES:
                 assert torch.isfinite(outs[s][n]).all() and torch.equal(outs[s][n], ref[s][n]), (name, r, s, n)
         assert (count, ref_count) == (1, 0), (name, r)
+
+
+@pytest.mark.filterwarnings("ignore:gradsync. a gradient:RuntimeWarning")
+@pytest.mark.parametrize("name", ["none", "topk", "powersgd", "efsignsgd"])
+def test_a_non_finite_step_is_skipped_on_every_rank_without_a_grad_scaler(name: str) -> None:
+    """Issue 42, GradScaler's contract kept by the optimizer itself: the parameters after a step whose gradient
+    held an inf on rank 0 are the parameters before it, on both ranks, finite; the next step moves them again."""
+
+    def rank(r: int, rt: Runtime) -> tuple[list[dict[str, torch.Tensor]], int]:
+        model = _Linear()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                                   compression=seeded(name), memory="residual", merge=2)
+        params = []
+        for s in range(3):
+            gen = torch.Generator().manual_seed(10 * s + r)
+            coeffs = {n: torch.randn(shape, generator=gen) for n, shape in _SHAPES.items()}
+            if s == 1 and r == 0:
+                coeffs["b2"].view(-1)[0] = float("inf")
+            opt.zero_grad()
+            model.loss(coeffs).backward()
+            opt.step()
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        opt.remove_hooks()
+        return params, opt.nonfinite_steps
+
+    for r, (params, count) in enumerate(on_ranks(2, rank)):
+        assert count == 1, (name, r)
+        for n in _SHAPES:
+            assert torch.isfinite(params[1][n]).all() and torch.equal(params[1][n], params[0][n]), (name, r, n)
+        assert any(not torch.equal(params[2][n], params[1][n]) for n in _SHAPES), (name, r)
