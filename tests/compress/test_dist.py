@@ -68,7 +68,7 @@ def test_optimizer_merge_auto_profiles_then_every_rank_uses_the_same_groups(tmp_
 SEEDS = "0,1,2"
 #: Error feedback keeps accuracy (GRACE, MergeComp): over the seeds, each method's mean test cross-entropy
 #: is at most LOSS_RATIO times FP32's, and its mean test accuracy at most ACCURACY_GAP below FP32's.
-LOSS_RATIO = 1.25
+LOSS_RATIO = 1.5
 ACCURACY_GAP = 0.03
 ERROR_FEEDBACK = ("topk", "randk", "dgc", "efsignsgd", "onebit", "powersgd")
 
@@ -82,12 +82,15 @@ def test_lenet_on_digits_with_each_error_feedback_compressor_is_within_tolerance
     """Why the bounds hold on any IEEE-754 machine: a different machine's float kernels round differently,
     and SGD amplifies that like a change of seed, so the test bounds what a change of seed can do. Each run
     anneals its learning rate to zero (cosine, 200 steps, about 18 epochs), so it ends on a plateau rather
-    than wherever SGD's noise left it, and the statistics are means over 3 seeds. Measured here (2-core
-    EPYC, torch 2.13 CPU): per-seed FP32 accuracy 0.928-0.961 and test loss 0.156-0.238; per-method mean
-    loss ratio to FP32 0.85-1.04 (bound 1.25, about 2.5 standard deviations of a 3-seed mean above the worst)
-    and mean accuracy gap -0.9 to +0.6 points (bound -3 points, the 360 test digits quantise accuracy to
-    0.28 points). The loss is the primary statistic: continuous, where accuracy moves in whole digits.
-    A compressor whose error feedback is broken does far worse (its loss is several times FP32's)."""
+    than wherever SGD's noise left it, and the statistics are means over 3 seeds. Each compressor sends
+    LeNet's 10 gradients as one merged group (worker's TRAIN_RUNS; 40 ms of CPU a step here, ten took 67).
+    Measured here (2-core EPYC, torch 2.13 CPU) over seeds 0-5 as two 3-seed triples: per-seed FP32 accuracy
+    0.928-0.967 and test loss 0.132-0.239; per-method loss ratio to FP32 (ratio of 3-seed means) 0.82-1.06 on
+    seeds 0-2 and 1.05-1.28 on seeds 3-5 (DGC, EF-SignSGD and 1-bit the highest), so the bound is 1.5: a
+    change of seed moved the worst method by 0.29; mean accuracy gap -1.8 to +0.7 points (bound -3 points,
+    the 360 test digits quantise accuracy to 0.28 points). The loss is the primary statistic: continuous,
+    where accuracy moves in whole digits. A compressor whose error feedback is broken does far worse:
+    EF-SignSGD with its memory switched off ends at 9.6 times FP32's loss (accuracy 0.55)."""
     reports = launch(WORKER, ["train", str(tmp_path), "200", SEEDS], WORLD, tmp_path, timeout_s=600)
     rep = reports[0]
     assert rep == reports[1]
@@ -100,7 +103,8 @@ def test_lenet_on_digits_with_each_error_feedback_compressor_is_within_tolerance
         if label != "fp32":
             assert _mean(r["loss"]) <= LOSS_RATIO * fp32_loss, (label, r["loss"], rep["fp32"]["loss"])
             assert _mean(r["accuracy"]) >= fp32_acc - ACCURACY_GAP, (label, r["accuracy"], rep["fp32"]["accuracy"])
-    assert rep["efsignsgd"]["groups"] == 10  # LeNet-5 has 10 gradient tensors
+    # LeNet-5 has 10 gradient tensors, and every compressor sent them as the one merged group TRAIN_RUNS asks for
+    assert all(rep[label]["tensors"] == 10 and rep[label]["groups"] == 1 for label in ERROR_FEEDBACK), rep
 
 
 def test_hook_starts_gradsync_on_an_existing_process_group(tmp_path):
