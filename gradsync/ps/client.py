@@ -194,6 +194,8 @@ class PSClient:
         self._ids = itertools.count(1)
         #: every request sent and not yet answered, over all batches: req_id -> request
         self.inflight: dict[int, Request] = {}
+        #: signed replies bound to another client's session, ignored (a replay; logged once)
+        self.foreign_replies = 0
         self.incarnation: list[int | None] = [None] * len(self.endpoints)
         #: sync pushes a restarted server may have lost: (server, key, part) -> (round, frames)
         self.retained: dict[tuple[int, Key, int], tuple[int, list[Any]]] = {}
@@ -327,6 +329,14 @@ class PSClient:
             if plain is not None and plain.op == Op.ERROR and plain.req_id == 0:
                 raise CommError(f"server {server} rejected a request: {plain.text()}") from None
             raise CommError(f"server {server} ({self.endpoints[server]}) sent an invalid reply: {e}") from None
+        if self.secret and msg.req_id and msg.session != self.session:
+            # signed, but answering another client's request (a captured reply sent here): not ours
+            self.foreign_replies += 1
+            if self.foreign_replies == 1:
+                warnings.warn(f"gradsync: ignored a signed reply from server {server} bound to session "
+                              f"{msg.session:016x}, not this client's {self.session:016x} (a reply to another "
+                              f"client, sent here again)", RuntimeWarning, stacklevel=2)
+            return
         if msg.incarnation and self.incarnation[server] != msg.incarnation:
             restarted = self.incarnation[server] is not None
             self.incarnation[server] = msg.incarnation

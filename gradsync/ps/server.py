@@ -134,12 +134,12 @@ MAX_CHECKPOINT_BACKOFF_S = 60.0
 
 @dataclass
 class _ElasticBarrier:
-    """The open barrier of an elastic store: who waits (sender -> (ident, req_id)), for how many workers."""
+    """The open barrier of an elastic store: who waits (sender -> (ident, req_id, session)), for how many workers."""
 
     count: int
     started: float
     number: int
-    waiting: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+    waiting: dict[int, tuple[bytes, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,7 +176,7 @@ class Server:
         self.updater: Updater | None = None
         self.deferred: dict[tuple[Key, int], dict[tuple[bytes, int], Message]] = {}
         self.ordered: dict[bytes, _Ordered] = {}
-        self.barriers: dict[int, dict[int, tuple[bytes, int]]] = {}
+        self.barriers: dict[int, dict[int, tuple[bytes, int, int]]] = {}
         #: elastic stores' barrier (one open at a time) and how many were released
         self.elastic_barrier: _ElasticBarrier | None = None
         self.elastic_barriers = 0
@@ -403,6 +403,7 @@ class Server:
             kw.setdefault("part", msg.part)
             kw.setdefault("parts", msg.parts)
             kw.setdefault("req_id", msg.req_id)
+            kw.setdefault("session", msg.session)  # under the tag: the reply is bound to its asker's session
         kw.setdefault("sender", self.config.server_id)
         kw.setdefault("incarnation", self.incarnation)
         kw["flags"] = self._flags(kw.get("flags", 0))
@@ -668,7 +669,7 @@ class Server:
                 self._unhold(ident, len(state.ready))
             state = self.ordered[ident] = _Ordered(n=msg.count)
         frames = encode(Op.VALUE, key=msg.key, tensor=slot.value.clone(), shape=slot.shape, offset=slot.offset,
-                        part=msg.part, parts=msg.parts, req_id=msg.req_id, version=slot.version,
+                        part=msg.part, parts=msg.parts, req_id=msg.req_id, session=msg.session, version=slot.version,
                         priority=msg.priority, pushed=slot.last_pushed, sender=self.config.server_id,
                         count=msg.count, incarnation=self.incarnation, flags=self._flags(),
                         secret=self.config.secret, detach=True)
@@ -708,11 +709,11 @@ class Server:
             if not waiting:
                 del self.barriers[msg.version]
             raise
-        waiting[msg.sender] = (ident, msg.req_id)
+        waiting[msg.sender] = (ident, msg.req_id, msg.session)
         if len(waiting) == msg.count:
-            for who, req_id in self.barriers.pop(msg.version).values():
+            for who, req_id, session in self.barriers.pop(msg.version).values():
                 self._unhold(who)
-                self._reply(who, Op.ACK, version=msg.version, req_id=req_id)
+                self._reply(who, Op.ACK, version=msg.version, req_id=req_id, session=session)
 
     def _elastic_barrier(self, ident: bytes, msg: Message) -> None:
         """An elastic store's barrier: released once every worker has arrived that has not been silent for
@@ -736,7 +737,7 @@ class Server:
             if not open_.waiting:
                 self.elastic_barrier = None
             raise
-        open_.waiting[msg.sender] = (ident, msg.req_id)
+        open_.waiting[msg.sender] = (ident, msg.req_id, msg.session)
         self._max_pushers = max(self._max_pushers, msg.count)  # its workers' heartbeats now count as signs of life
         self.seen[msg.sender] = now
         self._release_elastic_barrier(now)
@@ -753,9 +754,9 @@ class Server:
             log.warning("server %d: barrier %d released without worker(s) %s: nothing heard from them for %.1f s",
                         self.config.server_id, open_.number, absent, limit)
         self.elastic_barrier, self.elastic_barriers = None, open_.number
-        for who, req_id in open_.waiting.values():
+        for who, req_id, session in open_.waiting.values():
             self._unhold(who)
-            self._reply(who, Op.ACK, version=open_.number, req_id=req_id)
+            self._reply(who, Op.ACK, version=open_.number, req_id=req_id, session=session)
 
     def on_status(self, ident: bytes, msg: Message) -> None:
         if msg.key is not None:

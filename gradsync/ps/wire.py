@@ -42,8 +42,11 @@ captured frame sent again (a replay): each session's ``seq`` must grow. ``dest``
 are for, replies their sender's) are under the tag too, so a server with a secret refuses a frame captured
 on its way to another server of the job, or to an earlier run of itself (whose replay window died with it).
 Like ``seq`` they are written when the frame is sent (:func:`seal`), so a retry to a restarted server is
-a new frame. Protocol 2 added job, session and seq, protocol 3 the tag's algorithm byte and protocol 4
-dest and incarnation; older peers are refused with a message saying so.
+a new frame. A reply carries its request's ``req_id`` and ``session`` under the server's tag, so a client with a
+secret takes only replies to its own requests: a reply captured on its way to another client of the job, whose
+request numbers run the same way, is not taken for one of its own. Protocol 2 added job, session and seq, protocol 3
+the tag's algorithm byte, protocol 4 dest and incarnation, and protocol 5 the session in replies; older peers are
+refused with a message saying so.
 
 ``PUSHPULL`` is a PUSH and the PULL that follows it in one request (MXNet's ``kv.pushpull``): its fields
 are the push's (``version`` names the round), and its only reply is the ``VALUE`` of that round (of the
@@ -83,7 +86,7 @@ __all__ = [
 ]
 
 MAGIC = b"GSPS"
-PROTO = 4
+PROTO = 5
 HEADER = struct.Struct("<4sBBBBHHBBHIIQQQQQiIQQIIQQ")
 #: where ``dest``, ``incarnation`` and ``seq`` (the header's last fields) sit: :func:`seal` rewrites them on every send
 _SEQ_AT = HEADER.size - 8

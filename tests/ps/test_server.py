@@ -221,6 +221,49 @@ def test_captured_frame_is_refused_by_a_restarted_server_and_by_another_server(
             s.stop()
 
 
+def test_a_reply_captured_on_its_way_to_another_client_is_not_taken_for_ones_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two clients of one job number their requests alike. A signed VALUE that answered client A's request 3,
+    sent to client B while B waits for its own request 3, is ignored (counted, warned once); B's own reply
+    is taken."""
+    s = _Thread(secret=KEY)
+    a = PSClient([s.endpoint], sender=0, secret=KEY, timeout_s=10)
+    b = PSClient([s.endpoint], sender=1, secret=KEY, timeout_s=10)
+    replies: list[list[bytes]] = []
+    real = a._on_message
+
+    def recording(server: int, frames: list, expected: object) -> None:  # type: ignore[type-arg]
+        replies.append([bytes(f) for f in frames])
+        real(server, frames, expected)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(a, "_on_message", recording)
+    try:
+        for c in (a, b):
+            c.connect()
+        a.call([a.request(0, Op.INIT, key="k", tensor=torch.full((3,), 7.0), count=1, what="init")])
+        got: list[torch.Tensor] = []
+        pull = a.request(0, Op.PULL, key="k", version=0, what="pull", on_reply=lambda m: got.append(m.tensor()))
+        a.call([pull])
+        captured = next(r for r in reversed(replies) if decode(r, secret=KEY).op == Op.VALUE)
+        assert decode(captured, secret=KEY).session == a.session and got
+        mine: list[torch.Tensor] = []
+        req = b.request(0, Op.PULL, key="k", version=0, what="pull", on_reply=lambda m: mine.append(m.tensor()))
+        while req.req_id < pull.req_id:  # the same request number as the captured reply's
+            req = b.request(0, Op.PULL, key="k", version=0, what="pull", on_reply=lambda m: mine.append(m.tensor()))
+        assert req.req_id == decode(captured, secret=KEY).req_id
+        b.inflight[req.req_id] = req
+        with pytest.warns(RuntimeWarning, match="bound to session .* not this client's"):
+            b._on_message(0, [memoryview(f) for f in captured], None)
+        assert req.req_id in b.inflight and not mine and b.foreign_replies == 1
+        del b.inflight[req.req_id]
+        b.call([req])
+        assert torch.equal(mine[0], torch.full((3,), 7.0))
+    finally:
+        a.close()
+        b.close()
+        s.stop()
+
+
 def test_frames_must_name_this_run_of_this_server() -> None:
     """Signed frames with the wrong destination or incarnation are refused before they touch anything (the
     session's window included); only a PING may carry no incarnation (how a client first learns it)."""
