@@ -184,7 +184,7 @@ class Adapter:
                                  self.options.pair_min_bytes)
         # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
         # is exact and every rank reads the same numbers
-        vec = torch.zeros(n * n + n, dtype=torch.float64)
+        vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo
         for (src, dst), r in rates.items():
             vec[src * n + dst] = r
         vec[n * n + me] = max(seconds, 0.0)

@@ -106,7 +106,9 @@ class TopK(_SparseValuesIndices):
         """
         numel = magnitude.numel()
         samples = max(self._SAMPLE, math.ceil(32 / self.ratio))
-        if numel < self._SPARSE * samples or self.ratio > 1 / 8:
+        if numel < self._SPARSE * samples or self.ratio > 1 / 8 or magnitude.device.type != "cpu":
+            # off the CPU the candidates' count is a host synchronisation (nonzero's size), and a GPU's own
+            # top-k is as quick at 2.5e7 elements (docs/benchmarks.md, gradsync bench gpu)
             return torch.topk(magnitude, k, sorted=False).indices
         return sampled_topk(magnitude, k, samples, self._OVERSAMPLE * self.ratio,
                             self._generator(magnitude.device, 0), self._flags(magnitude))
