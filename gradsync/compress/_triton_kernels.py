@@ -192,6 +192,26 @@ def finish_stats(part_ptr, out_ptr, bound_ptr, blocks, n, clip, KIND: tl.constex
         tl.store(bound_ptr, bound.to(tl.float32))
 
 
+def signum_pack(x_ptr, prev_ptr, m_ptr, bits_ptr, n, nbytes, beta, rest, HAS_PREV: tl.constexpr,
+                BYTES: tl.constexpr):  # noqa: N803
+    """SIGNUM's step in one pass: ``m = prev * beta + x * rest`` (``prev`` 0 when absent) into ``m_ptr``, and the
+    bits of ``m >= 0``."""
+    pid = tl.program_id(0)
+    offs = pid * (BYTES * 8) + tl.arange(0, BYTES * 8)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_PREV:
+        prev = tl.load(prev_ptr + offs, mask=mask, other=0.0)
+    else:
+        prev = tl.zeros((BYTES * 8,), dtype=tl.float32)
+    m = prev * beta + x * rest
+    tl.store(m_ptr + offs, m, mask=mask)
+    bits = tl.reshape(((m >= 0) & mask).to(tl.int32), (BYTES, 8))
+    byte = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
+    b = pid * BYTES + tl.arange(0, BYTES)
+    tl.store(bits_ptr + b, byte.to(tl.uint8), mask=b < nbytes)
+
+
 KERNELS = {f.__name__: f for f in (pack_nonnegative, select_by_bits, qsgd_encode, qsgd_decode, terngrad_encode,
-                                     terngrad_decode, sign_stats, finish_stats)}
+                                     terngrad_decode, sign_stats, finish_stats, signum_pack)}
 __all__ = ["KERNELS", "triton"]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["ENV", "available", "enabled_for", "pack_nonnegative", "select_by_bits", "qsgd_encode", "qsgd_decode",
-           "terngrad_encode", "terngrad_decode", "sign_stats"]
+           "terngrad_encode", "terngrad_decode", "sign_stats", "signum_step"]
 
 #: The switch: "0" off, "1" (the default) on for CUDA tensors, "interpret" on for CUDA and CPU tensors.
 ENV = "GRADSYNC_FUSED"
@@ -235,3 +235,24 @@ def sign_stats(x: Tensor, kind: str, *, pack: bool = True,
     bound = torch.empty(1, dtype=torch.float32, device=x.device)
     k["finish_stats"][(1,)](parts, out, bound, blocks, n, float(clip or 0.0), KIND=_STATS_KIND[kind], BLOCK=1024)
     return bits, out, bound
+
+
+def signum_step(x: Tensor, previous: Tensor | None, momentum: float) -> tuple[Tensor, Tensor] | None:
+    """SIGNUM's ``m = previous * momentum + x * (1 - momentum)`` (a new float32 tensor; ``previous`` None: zeros) and
+    the packed bits of ``m >= 0``, in one pass. A GPU may fuse the multiply-add (one rounding fewer than the
+    torch form), so ``m`` can differ from it in the last bit."""
+    k = _for(x)
+    if k is None or not _fits(x) or x.dtype != torch.float32:
+        return None
+    if previous is not None and (previous.dtype != torch.float32 or previous.shape != x.shape
+                                 or not previous.is_contiguous() or previous.device != x.device):
+        return None
+    n = x.numel()
+    nbytes = _cdiv(n, 8)
+    m = torch.empty(n, dtype=torch.float32, device=x.device)
+    bits = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if n:
+        k["signum_pack"][(_cdiv(nbytes, 512),)](x, m if previous is None else previous, m, bits, n, nbytes,
+                                                 float(momentum), float(1 - momentum), HAS_PREV=previous is not None,
+                                                 BYTES=512)
+    return m, bits

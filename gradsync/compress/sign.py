@@ -102,6 +102,16 @@ class SigNUM(_SignOnly):
         super().__init__()
         self.momentum = check_unit_interval("momentum", momentum, "SIGNUM's beta")
 
+    def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
+        x = flat.to(work_dtype(info.dtype))
+        previous = self._state.get(info.name)
+        fused = kernels.signum_step(x, previous if previous is not None and previous.shape == x.shape else None,
+                                    self.momentum)
+        if fused is None:
+            return super()._compress(flat, info)
+        self._state[info.name] = fused[0]  # a new tensor: the step's rollback keeps the old one
+        return [fused[1]], Context(info)
+
     def _send(self, x: Tensor, info: TensorInfo) -> Tensor:
         x = x.to(work_dtype(info.dtype))
         previous = self._state.get(info.name)

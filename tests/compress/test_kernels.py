@@ -89,7 +89,8 @@ def test_sign_codecs_give_the_torch_forms_bits(fused, monkeypatch, name, n):
     payload, ctx = c.compress(x, info)
     decoded = c.decompress(payload, ctx)
     combined = c.combine([payload, payload, payload], ctx)
-    assert fused.get("pack_nonnegative", 0) + fused.get("sign_stats", 0) == 1 and fused["select_by_bits"] >= 1
+    packs = sum(fused.get(k, 0) for k in ("pack_nonnegative", "sign_stats", "signum_pack"))
+    assert packs == 1 and fused["select_by_bits"] >= 1
     _torch_form(monkeypatch)
     ref = create(name)
     ref_payload, _ = ref.compress(x, info)
@@ -256,3 +257,18 @@ def test_two_threads_compressing_at_once_get_what_each_gets_alone(fused):
     for t in threads:
         t.join(timeout=120)
     assert all(len(g) == 5 and all(torch.equal(d, alone[i]) for d in g) for i, g in enumerate(got))
+
+
+def test_signum_carries_its_momentum_through_steps_as_the_torch_form(fused, monkeypatch):
+    """Three steps of one tensor: the same momentum state and bits as the torch form (the interpreter does not fuse
+    the multiply-add; a GPU may, which moves the state by an ulp), and a tensor of another shape starts afresh."""
+    info = TensorInfo("w", (300,), torch.float32)
+    xs = [_values(300, 40 + s) for s in range(3)]
+    c = create("signum", momentum=0.8)
+    got = [c.compress(x, info)[0][0] for x in xs]
+    state = c._state["w"].clone()
+    assert fused["signum_pack"] == 3
+    _torch_form(monkeypatch)
+    ref = create("signum", momentum=0.8)
+    want = [ref.compress(x, info)[0][0] for x in xs]
+    assert [g.tolist() for g in got] == [w.tolist() for w in want] and torch.equal(state, ref._state["w"])
