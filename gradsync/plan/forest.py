@@ -63,16 +63,16 @@ from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import linprog
 from scipy.sparse.csgraph import dijkstra
 
 from gradsync.errors import PlanError
 from gradsync.plan.gather_bound import GatherBound, brute_force_gather_bound, gather_cut_bound
-from gradsync.plan.highs import HIGHS as _highs
-from gradsync.plan.highs import solve_optimal, warm_simplex
+from gradsync.plan.highs import LAZY, highs_module, linprog, solve_optimal, warm_simplex
 from gradsync.plan.schedule import Chunk, Schedule, Transfer, Tree
 from gradsync.plan.symmetry import Symmetry, directed_link_permutation, orbits, regular_selection, symmetry_of
 from gradsync.topology.model import Topology
+
+_highs: Any = LAZY  # SciPy's highspy, imported at the first solve (tests set None: linprog only)
 
 __all__ = [
     "Arborescence",
@@ -339,7 +339,7 @@ class _ForestMaster:
         self.n, self.flat_c = n, flat_c
         self.columns: list[Arborescence] = []
         self._pending: list[Arborescence] = []
-        self._highs = warm_simplex(_highs, self._build)
+        self._highs = warm_simplex(highs_module(_highs), self._build)
 
     def _build(self, h: Any) -> None:
         """The empty master in ``h``: the root and link rows, and the column ``t``."""

@@ -52,16 +52,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linprog
 
 from gradsync.errors import PlanError
 from gradsync.plan.cut_bound import cut_bound
-from gradsync.plan.highs import HIGHS as _highs
-from gradsync.plan.highs import solve_optimal, warm_simplex
+from gradsync.plan.highs import LAZY, highs_module, linprog, solve_optimal, warm_simplex
 from gradsync.plan.symmetry import Symmetry, link_permutation, orbits, symmetry_of
 from gradsync.plan.trees import RoutedTree, TreePricer
 from gradsync.plan.unionfind import DisjointSets
 from gradsync.topology.model import Topology
+
+_highs: Any = LAZY  # SciPy's highspy, imported at the first solve (tests set None: linprog only)
 
 __all__ = [
     "MAX_TREE_EDGES",
@@ -181,7 +181,7 @@ class _Master:
         self.capacity = np.asarray(capacity, dtype=float)
         self.columns: list[np.ndarray] = []
         self._pending: list[np.ndarray] = []
-        self._highs = warm_simplex(_highs, self._build)
+        self._highs = warm_simplex(highs_module(_highs), self._build)
 
     def _build(self, h: Any) -> None:
         """The empty master in ``h`` (rows only; columns come later)."""
@@ -192,7 +192,7 @@ class _Master:
         rows = len(self.capacity)
         h.addRows(rows, np.full(rows, -h.getInfinity()), self.capacity, 0, np.zeros(0, dtype=np.int32),
                   np.zeros(0, dtype=np.int32), np.zeros(0))
-        h.changeObjectiveSense(_highs.ObjSense.kMaximize)
+        h.changeObjectiveSense(highs_module(_highs).ObjSense.kMaximize)
 
     def add(self, column: np.ndarray) -> None:
         self.columns.append(column)

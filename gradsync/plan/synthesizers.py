@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
-from scipy.optimize import linprog
 
 from gradsync.errors import PlanError
 from gradsync.plan.collectives import allreduce_half
 from gradsync.plan.forest import Arborescence, arborescence_schedule, optimal_forest, reverse_schedule
+from gradsync.plan.highs import linprog
 from gradsync.plan.lp import bottleneck_tree, optimal_packing
 from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import SHARDED, Chunk, RingBlock, Schedule, Transfer, Tree, TreeBlock, ring_transfers
