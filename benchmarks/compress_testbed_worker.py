@@ -377,14 +377,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # Leave without the interpreter's teardown: with a dozen DDP replicas, torch's hooks and their process-group
-    # work alive, it aborted once in about ten CI runs ("terminate called without an active exception", exit
-    # 134) after the result was written. Every rank has finished its work here; the barrier keeps rank 0's
-    # store up until the others are past their last collective (as mergecomp's and the tests' workers do).
+def leave(code: int) -> None:
+    """Exit with ``code`` without the interpreter's teardown: with a dozen DDP replicas, torch's hooks and their
+    process-group work alive, it aborted once in about ten CI runs ("terminate called without an active
+    exception", exit 134) after the result was written. Every rank has finished its work here; the barrier keeps
+    rank 0's store up until the others are past their last collective (as mergecomp's and the tests' workers do)."""
     if dist.is_initialized():
         dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    leave(main())

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.compress_testbed_worker import Replica, _identical, _timed, _train_step
+from benchmarks.compress_testbed_worker import Replica, _identical, _timed, _train_step, leave
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
@@ -268,11 +266,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # As compress_testbed_worker: leave without the interpreter's teardown once every rank is past its last
-    # collective (DDP replicas and their hooks alive at exit aborted now and then after the result was written).
-    if dist.is_initialized():
-        dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import benchmarks.compress_testbed as bench
 from gradsync.errors import GradsyncError
+from tests.bench.fake_testbed import fake_testbed
 
 STEPS, WARMUP = 4, 1
 
@@ -138,13 +139,6 @@ def test_bad_arguments_are_refused_before_anything_runs():
 
 def _fake_testbed(monkeypatch, calls: list, fail: bool = False) -> None:
     """Replace the testbed's root-only steps (up, probe, run, down) with recorders; nothing real starts."""
-    import importlib
-    from types import SimpleNamespace
-
-    import gradsync.testbed as tb
-
-    control = importlib.import_module("gradsync.testbed.control")
-    probe_module = importlib.import_module("gradsync.testbed.probe")
 
     def run(cmd, env=None, timeout=None):
         calls.append(("run", list(cmd), dict(env or {})))
@@ -158,13 +152,7 @@ def _fake_testbed(monkeypatch, calls: list, fail: bool = False) -> None:
         out.write_text(json.dumps({**_result(**rows), "mode": None, "rate": None}))
         return 0
 
-    monkeypatch.setattr(tb, "available", lambda: None)
-    monkeypatch.setattr(tb, "up", lambda topology, rate: calls.append(("up", topology, rate)))
-    monkeypatch.setattr(tb, "probe", lambda pairs, seconds: calls.append(("probe", list(pairs))) or [{"ok": True}])
-    monkeypatch.setattr(tb, "run", run)
-    monkeypatch.setattr(tb, "down", lambda: calls.append(("down",)))
-    monkeypatch.setattr(control, "load_state", lambda: SimpleNamespace(world_size=4))
-    monkeypatch.setattr(probe_module, "cost_model", lambda state, rows: SimpleNamespace(to_dict=lambda: {"fake": 1}))
+    fake_testbed(monkeypatch, calls, run)
 
 
 def test_testbed_mode_brings_the_cluster_up_runs_every_server_with_the_probed_model_and_takes_it_down(monkeypatch, tmp_path):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import benchmarks.compression_sweep as bench
 from benchmarks.compression_sweep_worker import FIXED, method_names
 from gradsync.errors import GradsyncError
+from tests.bench.fake_testbed import fake_testbed
 
 
 def _method(samples: list[float], accuracy: float | None = 0.9, first: list[float] | None = None) -> dict:
@@ -123,13 +124,6 @@ def test_bad_arguments_are_refused_before_anything_runs():
 
 def _fake_testbed(monkeypatch, calls: list, fail_at: int | None = None) -> None:
     """The testbed's root-only steps replaced by recorders; each run writes one config of fake samples."""
-    import importlib
-    from types import SimpleNamespace
-
-    import gradsync.testbed as tb
-
-    control = importlib.import_module("gradsync.testbed.control")
-    probe_module = importlib.import_module("gradsync.testbed.probe")
 
     def run(cmd, env=None, timeout=None):
         calls.append(("run", list(cmd), dict(env or {})))
@@ -140,13 +134,7 @@ def _fake_testbed(monkeypatch, calls: list, fail_at: int | None = None) -> None:
         Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"world_size": 4, "configs": [config]}))
         return 0
 
-    monkeypatch.setattr(tb, "available", lambda: None)
-    monkeypatch.setattr(tb, "up", lambda topology, rate: calls.append(("up", topology, rate)))
-    monkeypatch.setattr(tb, "probe", lambda pairs, seconds: calls.append(("probe", list(pairs))) or [{"ok": True}])
-    monkeypatch.setattr(tb, "run", run)
-    monkeypatch.setattr(tb, "down", lambda: calls.append(("down",)))
-    monkeypatch.setattr(control, "load_state", lambda: SimpleNamespace(world_size=4))
-    monkeypatch.setattr(probe_module, "cost_model", lambda state, rows: SimpleNamespace(to_dict=lambda: {"fake": 1}))
+    fake_testbed(monkeypatch, calls, run)
 
 
 def test_every_fabric_and_rate_is_a_cell_of_its_own_testbed_with_the_probed_model(monkeypatch, tmp_path):
