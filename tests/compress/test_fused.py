@@ -3,26 +3,17 @@ the plain definitions -- ``aggregate([decompress(p) ...])``, ``x - decompress(p)
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 from gradsync.compress import COMPRESSORS, Compressor, Partition, TensorInfo, create, create_memory
 from gradsync.compress.base import shares_memory
+from tests.compress.seeded import seeded
 
 NAMES = COMPRESSORS.names()
 SHAPES = [(1,), (13,), (1000,), (40, 25), (17, 241), (8, 4, 3, 3)]
 
 pytestmark = pytest.mark.usefixtures("single_intraop_thread")
-
-
-def _seeded(name: str, **params: object) -> Compressor:
-    if "seed" in inspect.signature(COMPRESSORS.get(name)).parameters and "seed" not in params:
-        params["seed"] = 0
-    if name == "powersgd":
-        params.setdefault("min_compression_rate", 0)
-    return create(name, **params)
 
 
 def _tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -50,7 +41,7 @@ FUSED_RESIDUAL = {"powersgd"}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_combine_is_the_aggregate_of_the_decoded_payloads_bit_for_bit(name: str, shape, dtype, world: int) -> None:
-    workers = [_seeded(name) for _ in range(world)]
+    workers = [seeded(name) for _ in range(world)]
     info = TensorInfo("w", shape, dtype)
     rounds = [c.compress(_tensor(shape, 10 * w + 1, dtype), info) for w, c in enumerate(workers)]
     payloads = [p for p, _ in rounds]
@@ -69,7 +60,7 @@ def test_combine_is_the_aggregate_of_the_decoded_payloads_bit_for_bit(name: str,
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
 def test_subtract_decoded_is_tensor_minus_decompress_in_place_or_not(name: str, shape, dtype) -> None:
-    c = _seeded(name)
+    c = seeded(name)
     info = TensorInfo("w", shape, dtype)
     x = _tensor(shape, 5, dtype)
     payload, ctx = c.compress(x, info)
@@ -115,7 +106,7 @@ def test_residual_memory_in_place_gives_the_out_of_place_recursion(name: str) ->
     shape = (24, 50)
     info = TensorInfo("w", shape, torch.float32)
     kwargs = {"ratio": 0.05} if name in ("topk", "dgc", "randk") else {}
-    c, ref_c = _seeded(name, **kwargs), _seeded(name, **kwargs)
+    c, ref_c = seeded(name, **kwargs), seeded(name, **kwargs)
     memory = create_memory("residual")
     e = None
     buffers = set()
@@ -169,10 +160,10 @@ def test_fixed_payload_shapes_follow_from_the_info_alone(name: str, shape) -> No
     """What lets the allgather skip its sizes round: any two tensors of one info give payloads of equal shapes
     and dtypes, of exactly payload_bytes."""
     info = TensorInfo("w", shape, torch.float32)
-    a = _seeded(name).compress(_tensor(shape, 1), info)[0]
-    b = _seeded(name).compress(torch.zeros(shape) if len(shape) == 1 else 1e6 * _tensor(shape, 2), info)[0]
+    a = seeded(name).compress(_tensor(shape, 1), info)[0]
+    b = seeded(name).compress(torch.zeros(shape) if len(shape) == 1 else 1e6 * _tensor(shape, 2), info)[0]
     assert [(t.shape, t.dtype) for t in a] == [(t.shape, t.dtype) for t in b]
-    assert sum(t.numel() * t.element_size() for t in a) == _seeded(name).payload_bytes(shape, torch.float32)
+    assert sum(t.numel() * t.element_size() for t in a) == seeded(name).payload_bytes(shape, torch.float32)
 
 
 def test_merged_groups_reuse_their_flat_buffer() -> None:
@@ -233,7 +224,7 @@ def test_the_step_writes_the_aggregate_into_a_given_up_buffer_only_when_nothing_
     comm.runtime = Runtime()  # type: ignore[assignment]
     info = TensorInfo("g", (4000,), torch.float32)
     for name, memory, reused in (("topk", "residual", [False, True, True]), ("qsgd", "none", [False] * 3)):
-        step, ref = CompressionStep(_seeded(name), memory, comm), CompressionStep(_seeded(name), memory, comm)
+        step, ref = CompressionStep(seeded(name), memory, comm), CompressionStep(seeded(name), memory, comm)
         for s in range(3):
             g = _gradients(s, (4000,))
             buf = g.clone()

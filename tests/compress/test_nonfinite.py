@@ -7,7 +7,6 @@ step must give the same bits.
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 
@@ -16,7 +15,6 @@ import torch
 
 from gradsync.compress import COMPRESSORS, CompressionError, create, create_memory
 from gradsync.compress.base import (
-    Compressor,
     StepBoundary,
     StepVerdict,
     TensorInfo,
@@ -25,6 +23,7 @@ from gradsync.compress.base import (
     simulate_step,
 )
 from gradsync.compress.memory import DEFAULT_MEMORY
+from tests.compress.seeded import seeded
 
 NAMES = COMPRESSORS.names()
 BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -32,15 +31,6 @@ WORLD = 2
 
 pytestmark = [pytest.mark.usefixtures("single_intraop_thread"),
               pytest.mark.filterwarnings("ignore:gradsync. a gradient:RuntimeWarning")]
-
-
-def _seeded(name: str) -> Compressor:
-    params: dict[str, object] = {}
-    if "seed" in inspect.signature(COMPRESSORS.get(name)).parameters:
-        params["seed"] = 0
-    if name == "powersgd":
-        params["min_compression_rate"] = 0
-    return create(name, **params)
 
 
 def _grads(step: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
@@ -51,7 +41,7 @@ def _grads(step: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
 def _run(name: str, memory: str, steps: list[int], shape: tuple[int, ...], bad_step: int | None = None,
          bad_value: float = math.nan) -> tuple[dict[int, torch.Tensor], list]:
     """Outputs per step of a 2-worker run; at ``bad_step`` worker 0's element 3 is ``bad_value``."""
-    compressors = [_seeded(name) for _ in range(WORLD)]
+    compressors = [seeded(name) for _ in range(WORLD)]
     memories = [create_memory(memory) for _ in range(WORLD)]
     info = TensorInfo("w", shape, torch.float32)
     outs = {}

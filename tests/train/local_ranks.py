@@ -1,18 +1,14 @@
 """Run a function once per rank, each rank a thread with its own runtime on one in-process fabric (no processes,
-no sockets): enough to test what the training layer does with every rank's payloads, bit for bit. And the
-compressors as those tests build them (:func:`seeded`)."""
+no sockets): enough to test what the training layer does with every rank's payloads, bit for bit."""
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 from gradsync.comm.local import LocalFabric
 from gradsync.comm.runtime import Runtime
-from gradsync.compress import COMPRESSORS, create
-from gradsync.compress.base import Compressor
 
 T = TypeVar("T")
 
@@ -50,11 +46,3 @@ def on_ranks(world: int, fn: Callable[[int, Runtime], T], timeout_s: float = 120
     return [results[r] for r in range(world)]
 
 
-def seeded(name: str) -> Compressor:
-    """Compressor ``name`` with a fixed seed where it draws (two runs draw alike) and PowerSGD compressing every matrix."""
-    params: dict[str, object] = {}
-    if "seed" in inspect.signature(COMPRESSORS.get(name)).parameters:
-        params["seed"] = 0
-    if name == "powersgd":
-        params["min_compression_rate"] = 0
-    return create(name, **params)

@@ -13,7 +13,8 @@ from gradsync.comm.runtime import Runtime
 from gradsync.compress import COMPRESSORS
 from gradsync.compress.base import TensorInfo
 from gradsync.train.communicator import CompressionStep
-from tests.train.local_ranks import on_ranks, seeded
+from tests.compress.seeded import seeded
+from tests.train.local_ranks import on_ranks
 
 WORLD = 2
 BAD_STEP = 2

@@ -10,7 +10,8 @@ from gradsync.comm.runtime import Runtime
 from gradsync.compress import COMPRESSORS
 from gradsync.errors import GradsyncError
 from gradsync.train.optimizer import FIRST_BUCKET_BYTES, DistributedOptimizer
-from tests.train.local_ranks import on_ranks, seeded
+from tests.compress.seeded import seeded, step_tensors
+from tests.train.local_ranks import on_ranks
 
 
 class _Done:
@@ -223,10 +224,7 @@ def _compressed_run(name: str, bad: str, skip: bool) -> list:
             if skip and s == 2:
                 outs.append({})
                 continue
-            gen = torch.Generator().manual_seed(10 * s + r)
-            coeffs = {n: torch.randn(shape, generator=gen) for n, shape in _SHAPES.items()}
-            if s == 2 and r == 0:
-                coeffs[where].view(-1)[1] = value
+            coeffs = step_tensors(_SHAPES, s, r, bad=(2, where, 1, value))
             opt.zero_grad()
             model.loss(coeffs).backward()
             opt.step()
@@ -266,10 +264,7 @@ def test_a_non_finite_step_is_skipped_on_every_rank_without_a_grad_scaler(name: 
                                    compression=seeded(name), memory="residual", merge=2)
         params = []
         for s in range(3):
-            gen = torch.Generator().manual_seed(10 * s + r)
-            coeffs = {n: torch.randn(shape, generator=gen) for n, shape in _SHAPES.items()}
-            if s == 1 and r == 0:
-                coeffs["b2"].view(-1)[0] = float("inf")
+            coeffs = step_tensors(_SHAPES, s, r, bad=(1, "b2", 0, float("inf")))
             opt.zero_grad()
             model.loss(coeffs).backward()
             opt.step()

@@ -25,6 +25,7 @@ from gradsync.compress import (
     simulate_step,
 )
 from gradsync.train import CompressionHookState, CompressionStep, MergedGroups, compression_hook
+from tests.compress.seeded import step_tensors
 from tests.dist_launch import counting_native, run_scenario
 
 RANK = int(os.environ["RANK"])
@@ -178,10 +179,7 @@ def scenario_nonfinite() -> dict:
                     if s == 2 and skip:
                         outs.append({})
                         continue
-                    g = torch.Generator().manual_seed(100 * s + RANK)
-                    grads = {n: torch.randn(shape, generator=g) for n, shape in shapes.items()}
-                    if s == 2 and RANK == 0:
-                        grads[where].view(-1)[3] = bad
+                    grads = step_tensors(shapes, s, RANK, per_step=100, bad=(2, where, 3, bad))
                     works = {n: step.step_async([grads[n]], [TensorInfo(n, shapes[n], torch.float32)]) for n in shapes}
                     step.close_step()
                     outs.append({n: w.wait()[0] for n, w in works.items()})

@@ -224,7 +224,7 @@ def scenario_nonfinite_hook() -> dict:
     bit, so no bucket's error feedback or compressor state took iteration 2 (issue 42), and it counts once."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tests.train.local_ranks import seeded
+    from tests.compress.seeded import seeded, step_tensors
 
     rt = gradsync.init(algorithm="ring", timeout_s=60)
     out = {}
@@ -241,10 +241,7 @@ def scenario_nonfinite_hook() -> dict:
                 if skip and s == 2:
                     grads.append({})
                     continue
-                gen = torch.Generator().manual_seed(10 * s + RANK)
-                coeffs = {n: torch.randn(shape, generator=gen) for n, shape in _HOOK_SHAPES.items()}
-                if s == 2 and RANK == 0:
-                    coeffs[where].view(-1)[1] = float(bad)
+                coeffs = step_tensors(_HOOK_SHAPES, s, RANK, bad=(2, where, 1, float(bad)))
                 module.zero_grad()
                 before = state.buckets
                 net(coeffs).backward()
