@@ -25,6 +25,7 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,6 +104,15 @@ def _for(t: Tensor) -> dict[str, Any] | None:
     return None
 
 
+#: A kernel's random seed, or what draws it: called only when the kernel launches, so a call that takes the torch
+#: form draws nothing (its generator, or torch's global one, is left as the torch form expects it).
+Seed = int | Callable[[], int]
+
+
+def _draw(seed: Seed) -> int:
+    return seed() if callable(seed) else seed
+
+
 def _fits(x: Tensor) -> bool:
     return x.dim() == 1 and x.is_contiguous() and x.numel() <= _MAX_NUMEL and not x.requires_grad
 
@@ -151,7 +161,7 @@ def _bucket_ok(bucket: int) -> bool:
     return 16 <= bucket <= 2048 and bucket & (bucket - 1) == 0
 
 
-def qsgd_encode(x: Tensor, levels: int, bucket: int, seed: int) -> tuple[Tensor, Tensor] | None:
+def qsgd_encode(x: Tensor, levels: int, bucket: int, seed: Seed) -> tuple[Tensor, Tensor] | None:
     """QSGD with 8-bit codes (``levels <= 127``) and power-of-two buckets: ``(norms float32, codes uint8)``."""
     k = _for(x)
     if k is None or not _fits(x) or x.dtype != torch.float32 or not 1 <= levels <= 127 or not _bucket_ok(bucket):
@@ -162,7 +172,8 @@ def qsgd_encode(x: Tensor, levels: int, bucket: int, seed: int) -> tuple[Tensor,
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     if n:
         rows = max(1, 2048 // bucket)
-        k["qsgd_encode"][(_cdiv(count, rows),)](x, norms, codes, n, count, seed, levels, BUCKET=bucket, ROWS=rows)
+        k["qsgd_encode"][(_cdiv(count, rows),)](x, norms, codes, n, count, _draw(seed), levels, BUCKET=bucket,
+                                                 ROWS=rows)
     return norms, codes
 
 
@@ -178,7 +189,7 @@ def qsgd_decode(norms: Tensor, codes: Tensor, n: int, levels: int, bucket: int, 
     return out
 
 
-def terngrad_encode(x: Tensor, bound: Tensor | None, scale: Tensor, seed: int) -> Tensor | None:
+def terngrad_encode(x: Tensor, bound: Tensor | None, scale: Tensor, seed: Seed) -> Tensor | None:
     """TernGrad's packed 2-bit codes of ``x`` clipped to ``±bound`` (none when ``None``), kept with probability
     ``|x| / scale``; ``bound`` and ``scale`` are float32 device scalars."""
     k = _for(x)
@@ -189,7 +200,7 @@ def terngrad_encode(x: Tensor, bound: Tensor | None, scale: Tensor, seed: int) -
     out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if n:
         b = scale if bound is None else bound
-        k["terngrad_encode"][(_cdiv(nbytes, 1024),)](x, b.reshape(1), scale.reshape(1), out, n, nbytes, seed,
+        k["terngrad_encode"][(_cdiv(nbytes, 1024),)](x, b.reshape(1), scale.reshape(1), out, n, nbytes, _draw(seed),
                                                       CLIP=bound is not None, BYTES=1024)
     return out
 

@@ -107,7 +107,7 @@ class QSGD(Compressor):
         numel = flat.numel()
         size, count = self._buckets(numel)
         if self.bits == 8 and info.dtype == torch.float32:
-            fused = kernels.qsgd_encode(flat, self.levels, size, self._kernel_seed(self.seed))
+            fused = kernels.qsgd_encode(flat, self.levels, size, lambda: self._kernel_seed(self.seed))
             if fused is not None:
                 return list(fused), Context(info)
         # ``rows``: a zero-padded copy in the work dtype, one pass
@@ -207,10 +207,9 @@ class TernGrad(Compressor):
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         x = flat.to(work_dtype(info.dtype))
-        if x.dtype == torch.float32 and kernels.enabled_for(x):
-            fused = self._compress_fused(x)
-            if fused is not None:
-                return fused, Context(info)
+        fused = self._compress_fused(x)
+        if fused is not None:
+            return fused, Context(info)
         if self.clip is not None and x.numel() > 1:
             bound = self.clip * torch.std(x, correction=0)
             x = torch.clamp(x, -bound, bound)  # = max(min(x, b), -b) for b >= 0, in one pass
@@ -232,7 +231,7 @@ class TernGrad(Compressor):
         if stats is None:
             return None
         _, scale, bound = stats
-        packed = kernels.terngrad_encode(x, None if clip is None else bound, scale, self._kernel_seed(self.seed))
+        packed = kernels.terngrad_encode(x, None if clip is None else bound, scale, lambda: self._kernel_seed(self.seed))
         return None if packed is None else [scale.reshape(1).to(_SCALE_DTYPE), packed]
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:

@@ -272,3 +272,21 @@ def test_signum_carries_its_momentum_through_steps_as_the_torch_form(fused, monk
     ref = create("signum", momentum=0.8)
     want = [ref.compress(x, info)[0][0] for x in xs]
     assert [g.tolist() for g in got] == [w.tolist() for w in want] and torch.equal(state, ref._state["w"])
+
+
+def test_the_torch_form_draws_only_its_own_random_numbers():
+    """Where the kernels do not run (here: the CPU), QSGD and TernGrad draw no kernel seed: a seeded compressor's
+    generator, and torch's global one for an unseeded compressor, advance by the torch form's own draw alone."""
+    x = _values(1000, 9)
+    info = TensorInfo("w", (1000,), torch.float32)
+    c = create("qsgd", seed=3)
+    c.compress(x, info)
+    ref = torch.Generator().manual_seed(3)
+    torch.rand((8, 128), generator=ref)  # 1000 elements in buckets of 128
+    assert torch.equal(c._generators[torch.device("cpu")].get_state(), ref.get_state())
+    torch.manual_seed(5)
+    create("terngrad").compress(x, info)
+    after = torch.get_rng_state()
+    torch.manual_seed(5)
+    torch.rand(1000)
+    assert torch.equal(after, torch.get_rng_state())
