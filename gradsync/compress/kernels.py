@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "available", "enabled_for", "pack_nonnegative", "select_by_bits", "qsgd_encode", "qsgd_decode",
+__all__ = ["ENV", "enabled_for", "pack_nonnegative", "select_by_bits", "qsgd_encode", "qsgd_decode",
            "terngrad_encode", "terngrad_decode", "sign_stats", "signum_step"]
 
 #: The switch: "0" off, "1" (the default) on for CUDA tensors, "interpret" on for CUDA and CPU tensors.
@@ -73,11 +73,6 @@ class _OneAtATime:
                 return launch(*args, **kwargs)
 
         return locked
-
-
-def available() -> bool:
-    """Whether Triton imports here (the kernels' only requirement besides a CUDA tensor)."""
-    return _kernels(_mode() == "interpret") is not None
 
 
 def _mode() -> str:
