@@ -13,7 +13,7 @@ from __future__ import annotations
 from gradsync.errors import PlanError
 from gradsync.plan.schedule import SHARDED, Chunk, Schedule, Transfer
 
-__all__ = ["allreduce_half", "shard_layout"]
+__all__ = ["allreduce_half", "join_halves", "shard_layout"]
 
 
 def shard_layout(schedule: Schedule) -> tuple[tuple[Chunk, ...], list[int]]:
@@ -72,3 +72,43 @@ def allreduce_half(schedule: Schedule, collective: str) -> Schedule:
     transfers = tuple(Transfer(new_id[t.chunk], t.src, t.dst, t.route, t.reduce, t.step - base, t.priority) for t in mine)
     return Schedule(schedule.algorithm, schedule.topology, schedule.ranks, chunks, transfers, collective=collective,
                     meta=dict(schedule.meta))
+
+
+def join_halves(reduce_scatter: Schedule, allgather: Schedule, algorithm: str | None = None) -> Schedule:
+    """The allreduce that runs ``reduce_scatter`` then ``allgather`` (ForestColl's composition), the inverse of
+    :func:`allreduce_half`.
+
+    The halves may cut the shards into different chunks (a forest packed on the reversed links weighs its
+    trees otherwise), so the joined chunks are the common refinement of both: every transfer of a half's
+    chunk moves each refined piece of it. The allgather's steps follow the reduce-scatter's, and steps order
+    transfers per chunk only, so each piece is copied out as soon as its own sum is complete while other
+    pieces are still being reduced.
+    """
+    for half, want in ((reduce_scatter, "reduce_scatter"), (allgather, "allgather")):
+        if half.collective != want:
+            raise PlanError(f"{half.algorithm}: a {half.collective!r} schedule cannot be an allreduce's {want} half")
+    if reduce_scatter.ranks != allgather.ranks:
+        raise PlanError(f"the halves are planned on different ranks ({reduce_scatter.topology!r} and "
+                        f"{allgather.topology!r}); plan both on one topology")
+    cuts = sorted({round(c.offset, 12) for h in (reduce_scatter, allgather) for c in h.chunks} | {0.0})
+    cuts = [x for i, x in enumerate(cuts) if i == 0 or x - cuts[i - 1] > 1e-12]
+    n = reduce_scatter.world_size
+    chunks = tuple(Chunk(lo, (cuts[i + 1] if i + 1 < len(cuts) else 1.0) - lo, min(int(lo * n + 1e-9), n - 1))
+                   for i, lo in enumerate(cuts))
+
+    def pieces(half: Schedule) -> list[list[int]]:
+        out = []
+        for c in half.chunks:
+            lo, hi = round(c.offset, 12), round(c.offset + c.size, 12)
+            out.append([k for k, piece in enumerate(chunks) if lo - 1e-12 <= piece.offset < hi - 1e-12])
+        return out
+
+    rs_pieces, ag_pieces = pieces(reduce_scatter), pieces(allgather)
+    after = reduce_scatter.num_steps
+    transfers = [Transfer(k, t.src, t.dst, t.route, True, t.step, t.priority)
+                 for t in reduce_scatter.transfers for k in rs_pieces[t.chunk]]
+    transfers += [Transfer(k, t.src, t.dst, t.route, False, after + t.step, t.priority)
+                  for t in allgather.transfers for k in ag_pieces[t.chunk]]
+    meta = {**reduce_scatter.meta, **{f"allgather_{k}": v for k, v in allgather.meta.items()}}
+    return Schedule(algorithm or reduce_scatter.algorithm, reduce_scatter.topology, reduce_scatter.ranks, chunks,
+                    tuple(transfers), trees=reduce_scatter.trees + allgather.trees, meta=meta)

@@ -6,6 +6,7 @@ accept any of them. Later issues register more (``bml``, ``hierarchical``, ``mul
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +16,7 @@ import networkx as nx
 import numpy as np
 
 from gradsync.errors import PlanError
-from gradsync.plan.collectives import allreduce_half
+from gradsync.plan.collectives import allreduce_half, join_halves
 from gradsync.plan.forest import Arborescence, arborescence_schedule, optimal_forest, reverse_schedule
 from gradsync.plan.highs import linprog
 from gradsync.plan.lp import bottleneck_tree, optimal_packing
@@ -157,7 +158,7 @@ def plan_bytes(algorithm: str, topology: Topology, options: PlanOptions | None =
     """A floor on the memory planning ``algorithm`` on ``topology`` takes, and what dominates it.
 
     PS schedules hold ~2n(n-1) explicit transfers, and so do the reduce-scatter and allgather halves of
-    rings; an allreduce ring keeps one compact ring block (n routes) per ring and pipeline stage; trees
+    rings and the joined forests of ``forest``; an allreduce ring keeps one compact ring block (n routes) per ring and pipeline stage; trees
     hold n - 1 routed edges per tree (the reduce-scatter and allgather forests as many) but, with
     switches, route over a dense ranks x devices shortest-path table. ``(0, "")`` where there is no estimate (one rank; ``hierarchical`` and ``bml``, which plan per
     level)."""
@@ -168,14 +169,15 @@ def plan_bytes(algorithm: str, topology: Topology, options: PlanOptions | None =
         return 0.0, ""
     routes = {"ring": p * (2 if n > 2 else 1) * n, "multiring": p * opts.rings * n, "tree": n - 1, "lp": n - 1}.get(name)
     transfers = {"ring": 2 * (n - 1) * n * p * (2 if n > 2 else 1), "multiring": 2 * (n - 1) * n * p * opts.rings,
-                 "ps": 2 * (n - 1) * n * p, "tree": 2 * (n - 1) * p, "lp": 2 * (n - 1) * p}.get(name)
+                 "ps": 2 * (n - 1) * n * p, "tree": 2 * (n - 1) * p, "lp": 2 * (n - 1) * p,
+                 "forest": 2 * (n - 1) * n * p}.get(name)
     if routes is not None and (opts.collective == "allreduce" or name in ("tree", "lp")):
         need, what = float(routes * ROUTE_BYTES), f"{routes} routes in compact blocks"
     elif transfers is not None:
         need, what = float(transfers * TRANSFER_BYTES), f"{transfers:.3g} transfers"
     else:
         return 0.0, ""
-    if name in ("tree", "lp") and topology.has_forwarders and 12.0 * n * v > need:
+    if name in ("tree", "lp", "forest") and topology.has_forwarders and 12.0 * n * v > need:
         need, what = 12.0 * n * v, f"a {n} x {v} shortest-path table"  # float64 distances + int32 predecessors
     return need, what
 
@@ -476,3 +478,17 @@ def plan_lp(topology: Topology, options: PlanOptions) -> Schedule:
     trees = [root_tree(t, w) for w, t in packing.trees]
     meta = {"lp_cost": packing.cost, "lp_lower_bound": packing.lower_bound, "lp_iterations": packing.iterations}
     return _tree_schedule("lp", topology, trees, options.pipeline, meta)
+
+
+@synthesizer("forest", collectives={"allgather": _lp_allgather, "reduce_scatter": _lp_reduce_scatter})
+def plan_forest(topology: Topology, options: PlanOptions) -> Schedule:
+    """ForestColl's allreduce: the optimal reduce-scatter forest, then the optimal allgather forest (a tree per root).
+
+    Every rank roots ``1/N`` of the buffer, so each tree carries a small share and the ranks that relay and
+    add change with the root: the same fluid cost as ``lp``'s few big trees (both meet the cut bound on
+    switched fabrics) but a pipeline that fills ``N`` times faster, which is what ``hierarchical`` gains on
+    racks, here for any graph.
+    """
+    rs, ag = _lp_reduce_scatter(topology, options), _lp_allgather(topology, options)
+    meta = {"reduce_scatter_lp_cost": rs.meta.get("lp_cost"), "allgather_lp_cost": ag.meta.get("lp_cost")}
+    return dataclasses.replace(join_halves(rs, ag, "forest"), meta=meta)

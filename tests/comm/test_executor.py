@@ -67,7 +67,7 @@ def test_every_synthesizer_sums_exactly(topo_name, algorithm):
 def test_random_topologies_lp_and_tree():
     for seed in range(4):
         topo = random_topology(5, 3, seed)
-        for alg in ("lp", "tree", "ring", "multiring"):
+        for alg in ("lp", "forest", "tree", "ring", "multiring"):
             schedule = synthesize(alg, topo, PlanOptions(pipeline=2))
             res = _allreduce_everywhere(schedule, [101], torch.float64)
             exp = sum(_inputs(r, [101], torch.float64)[0] for r in range(5))
@@ -97,7 +97,7 @@ def test_avg_divides_and_rejects_integers():
 
 def test_results_bitwise_identical_across_ranks_with_random_floats():
     """Each chunk is reduced at one place and copied out, so every rank holds the same bits."""
-    for alg in ("ring", "ps", "lp", "multiring"):
+    for alg in ("ring", "ps", "lp", "forest", "multiring"):
         schedule = synthesize(alg, get_topology("p3.8xlarge"), PlanOptions(pipeline=2))
 
         def body(tr, schedule=schedule):
