@@ -132,7 +132,10 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"allreduce sizes in bytes (default {4 * MIB},13107200,{50 * MIB}; with --topology or "
                         f"fabric cases {','.join(map(str, FABRIC_SIZES))})")
     p.add_argument("--name", default="vs_native", help="stem of the JSON and PNG written to --out")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per method and size")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per method and size (at least)")
+    p.add_argument("--min-seconds", type=float, default=1.0,
+                   help="time each method for at least this long per size: short sizes, the noisy ones, get more "
+                        "repetitions (at most 20x --reps)")
     p.add_argument("--steps", type=int, default=4, help="timed training steps per method (0: none)")
     p.add_argument("--rate", default=None, help="override every case's rate (tc syntax, e.g. 200mbit)")
     p.add_argument("--quick", action="store_true", help="racks only, 4 MiB, 2 reps, 2 steps")
@@ -184,7 +187,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             os.chmod(tmp, 0o755)
             out = Path(tmp) / "result.json"
             cmd = [sys.executable, "-m", "benchmarks.vs_native_worker", "--out", str(out), "--topology",
-                   case.topology, "--sizes", args.sizes, "--reps", str(args.reps), "--steps", str(args.steps)]
+                   case.topology, "--sizes", args.sizes, "--reps", str(args.reps), "--steps", str(args.steps),
+                   "--min-seconds", str(args.min_seconds)]
             env = {"OMP_NUM_THREADS": "1", "GRADSYNC_CACHE": tmp, "PYTHONPATH": pythonpath()}
             if case.as_user:  # gradsync.init(topology=file) alone: its defaults decide what to measure
                 cmd += ["--calibrate", "default"]

@@ -43,6 +43,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--topology", required=True)
     p.add_argument("--sizes", default="", help="comma-separated sizes in bytes (multiples of 4)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--min-seconds", type=float, default=1.0,
+                   help="time each method for at least this long per size (more reps where one is short), "
+                        "at most 20x --reps")
     p.add_argument("--steps", type=int, default=0, help="training steps per method (0: no training phase)")
     p.add_argument("--batch", type=int, default=64, help="global batch, split over the ranks")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (DDP's default 25)")
@@ -66,7 +69,15 @@ def _timed(fn: Callable[[], Any]) -> float:
     return max(_gather_float(time.perf_counter() - t0))
 
 
-def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def enough(samples: dict[str, list[float]], reps: int, min_seconds: float) -> bool:
+    """Whether the alternating samples may stop: ``reps`` each at least, then until every method ran for
+    ``min_seconds`` (short sizes are the noisy ones, and cheap to repeat), at most ``20 * reps`` each. Every
+    rank holds the same samples (each is the slowest rank's), so every rank stops at the same one."""
+    done = min(len(v) for v in samples.values())
+    return done >= reps and (done >= 20 * reps or min(sum(v) for v in samples.values()) >= min_seconds)
+
+
+def allreduce_phase(rt: Any, sizes: list[int], reps: int, min_seconds: float = 0.0) -> list[dict[str, Any]]:
     import gradsync
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -99,7 +110,7 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int) -> list[dict[str, Any]
                          "native": rt.cost_model.predict_native(rt.topology, size)}
         samples: dict[str, list[float]] = {m: [] for m in methods}
         cpu = CpuMeter()
-        for _ in range(reps):
+        while not enough(samples, reps, min_seconds):
             for name, fn in methods.items():
                 buf.fill_(rank + 1)
                 samples[name].append(_timed(fn))
@@ -202,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "init_s": time.perf_counter() - t0,
                            "tuned": {str(k): v for k, v in rt.tuned.items()}}
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    out["allreduce"] = allreduce_phase(rt, sizes, args.reps) if sizes else []
+    out["allreduce"] = allreduce_phase(rt, sizes, args.reps, args.min_seconds) if sizes else []
     if args.steps:
         out["train"] = train_phase(rt, args)
     if rt.rank == 0:

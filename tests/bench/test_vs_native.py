@@ -80,3 +80,19 @@ def test_the_summary_compares_a_file_with_its_builtin_twin():
     results[0]["allreduce"] = [_row(4 << 20, 1.0, 0.68)]  # 1.47x: below the 1.5x goal and 12 % below the twin
     lines, met = vs_native.summarize(results)
     assert not met and any("NOT met" in ln for ln in lines)
+
+
+def test_short_sizes_get_more_alternating_samples_up_to_a_cap():
+    """At least ``reps`` each; then on until every method ran ``min_seconds``; never past 20x ``reps``."""
+    from benchmarks.vs_native_worker import enough
+
+    def rows(n: int, each: float) -> dict[str, list[float]]:
+        return {"native": [each] * n, "gradsync": [each * 0.5] * n}
+
+    assert not enough(rows(4, 1.0), 5, 1.0)  # too few reps, however long
+    assert enough(rows(5, 1.0), 5, 1.0)
+    assert not enough(rows(5, 0.02), 5, 1.0)  # 5 x 20 ms: keep going
+    assert not enough(rows(60, 0.02), 5, 1.0)  # native has its second, gradsync (10 ms each) 0.6 s
+    assert enough(rows(100, 0.02), 5, 1.0)  # both past 1 s, and at the cap anyway
+    assert enough(rows(100, 1e-4), 5, 1.0)  # the cap: 20 x reps
+    assert enough(rows(5, 0.02), 5, 0.0)  # min_seconds 0: exactly reps, as before
