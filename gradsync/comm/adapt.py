@@ -18,7 +18,10 @@ The runtime hands every large planned allreduce to an :class:`Adapter`:
   generation: the choice and wait order are decided job-wide through ``decide`` under new keys, so every rank
   runs the same plan), the new plan is built at once, and rank 0 logs one line: what was seen, the old and
   the new plan, the predicted gain. When the pairs are back inside the leave threshold the detector switches
-  back, the same way;
+  back, the same way. A switch whose new plan the model prices less than :attr:`AdaptOptions.min_gain` faster
+  than the plan that runs, on the cluster as it now is, is *held*: the plan, its executors and ``auto``'s
+  measured choices stay, and rank 0 logs one line saying so (a NIC that slows every ring alike, or noise across
+  the threshold, cost a new generation and a new exploration for nothing);
 * **reroute**: :meth:`Adapter.drop_link` removes a link from the topology and replans on the surviving graph;
   where no path joins every rank any more, it raises :class:`~gradsync.errors.PeerError` naming the link.
 """
@@ -50,10 +53,12 @@ from gradsync.comm.watch import (
     describe_switch,
     link_scales,
     scaled_topology,
+    seen,
 )
 from gradsync.errors import GradsyncError, PeerError, SimulationError, TopologyError
 from gradsync.plan.schedule import Schedule
-from gradsync.sim.cost import size_class
+from gradsync.sim.choose import Chooser
+from gradsync.sim.cost import NATIVE, size_class
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Link, Topology
 
@@ -71,13 +76,15 @@ class AdaptOptions:
     rates and its ``k`` (consecutive watched collectives); ``late``: on a rank's arrival delay as a share of the
     collective's time without it; ``warmup``: watched collectives that learn each pair's
     measured / modelled ratio before the detector starts; ``min_bytes``: the smallest allreduce watched;
-    ``pair_min_bytes``: the fewest bytes a pair must move in one collective to give a rate."""
+    ``pair_min_bytes``: the fewest bytes a pair must move in one collective to give a rate; ``min_gain``: the
+    share of a collective's predicted time a replan must save to be run (below it the switch is held)."""
 
     link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
     late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
     warmup: int = 5
     min_bytes: int = ADAPT_MIN_BYTES
     pair_min_bytes: float = MIN_BYTES
+    min_gain: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("link", "late"):
@@ -91,6 +98,10 @@ class AdaptOptions:
         v = self.pair_min_bytes
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise GradsyncError(f"pair_min_bytes={v!r} must be a number of bytes >= 0")
+        v = self.min_gain
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise GradsyncError(f"min_gain={v!r} must be a share of a collective's time in [0, 1) (0: every switch "
+                                f"replans)")
 
 
 def adapt_from_env(adapt: bool | AdaptOptions | None) -> AdaptOptions | None:
@@ -141,6 +152,8 @@ class Adapter:
         self.base_topology: Topology = plans.topology
         #: Every switch and reroute so far (identical on every rank).
         self.switches: list[SwitchRecord] = []
+        #: Switches the detector saw but that kept the plan, the replan priced below ``min_gain`` (module docstring).
+        self.held: list[SwitchRecord] = []
         #: Collectives watched so far (warm-up included).
         self.watched = 0
         self._fresh()
@@ -286,8 +299,49 @@ class Adapter:
         return got[1], got[2]
 
     # ---- replanning --------------------------------------------------------------------------------------
+    def _prospect(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> tuple[str, float, float] | None:
+        """For a switch of link rates alone: the plan a replan on ``topology`` would run for ``nbytes`` and the
+        predicted seconds of the running plan and of it there (rank 0 prices, every rank reads the same); None
+        where a late rank is involved (the straggler pick prices its own) or the replan cannot be priced."""
+        if switch.after.straggler is not None or switch.before.straggler is not None:
+            return None
+        plans, model = self.plans, self.plans.cost_model
+        size = size_class(nbytes)
+
+        def compute() -> bytes:
+            try:
+                if self.auto:
+                    current = plans.chooser()
+                    chooser = Chooser(topology, model, algorithms=current.algorithms, native=current.native,
+                                      options=plans.options, margin=current.margin)
+                    pick = chooser.choose(nbytes)
+                    name, depth = pick.algorithm, pick.pipeline
+                else:
+                    chooser = Chooser(topology, model, algorithms=[], native=True, options=plans.options)
+                    name, depth = old.algorithm, plans.choice(size)[1]
+                new_s = (model.predict_native(topology, float(nbytes)) if name == NATIVE
+                         else self._predict(chooser.schedule(name, depth), topology, nbytes, {}))
+                old_s = self._predict(old, topology, nbytes, {})
+            except (GradsyncError, KeyError):
+                return b"null"
+            return json.dumps([f"{name}/{depth}", old_s, new_s]).encode()
+
+        got = json.loads(plans.decide(f"adapt/prospect/{self.detector.generation}/{size}", compute))
+        return None if got is None else (str(got[0]), float(got[1]), float(got[2]))
+
     def _replan(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> SwitchRecord:
         old_plan = self._label(nbytes)
+        prospect = self._prospect(switch, topology, old, nbytes) if self.options.min_gain > 0 else None
+        if prospect is not None and prospect[2] >= prospect[1] * (1 - self.options.min_gain):
+            new_label, old_s, new_s = prospect
+            message = (f"gradsync: plan held at collective {switch.collective}: {seen(switch.before, switch.after)}; "
+                       f"keeping {old_plan}: replanned ({new_label}) it would save under {self.options.min_gain:.0%}, "
+                       f"predicted {old_s:.3g} s -> {new_s:.3g} s per collective")
+            record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, old_plan, old_s - new_s,
+                                  message)
+            self.held.append(record)
+            self._say(message)
+            return record
         late = self._late(switch.after)
         self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide

@@ -44,7 +44,7 @@ from gradsync.plan.routing import router_for
 from gradsync.topology.model import Topology
 
 __all__ = ["Conditions", "Detector", "Hysteresis", "RollingEstimates", "Sample", "Switch", "arrival_delays",
-           "collective_rates", "describe_switch", "link_scales", "scaled_topology"]
+           "collective_rates", "describe_switch", "link_scales", "scaled_topology", "seen"]
 
 #: Below this many bytes per key and collective, a rate measures α, not the wire (the executor's α is
 #: ~150 µs; 256 KiB at 10 Gbit/s is ~200 µs).
@@ -311,16 +311,21 @@ def describe_switch(switch: Switch, old_plan: str, new_plan: str, times: tuple[f
     return _line(switch.generation, switch.collective, switch.before, switch.after, old_plan, new_plan, times)
 
 
-def _line(generation: int, collective: int, before: Conditions, after: Conditions, old: str, new: str,
-          times: tuple[float, float] | None) -> str:
-    """The one log line of a switch: what was seen, the old plan and the new one, the predicted gain."""
-    seen = [f"{key!r} at {r:.2f}x its modelled rate" for key, r in after.link_scale]
+def seen(before: Conditions, after: Conditions) -> str:
+    """What changed from ``before`` to ``after``, as a switch's log line says it."""
+    slow = [f"{key!r} at {r:.2f}x its modelled rate" for key, r in after.link_scale]
     if after.straggler is not None:
-        seen.append(f"rank {after.straggler} late by {after.straggler_delay_s:.3g} s")
+        slow.append(f"rank {after.straggler} late by {after.straggler_delay_s:.3g} s")
     cleared = [f"{key!r} back to its modelled rate" for key, _ in before.link_scale if key not in dict(after.link_scale)]
     if before.straggler is not None and after.straggler != before.straggler:
         cleared.append(f"rank {before.straggler} on time again")
-    what = "; ".join(seen + cleared) or "nothing left degraded"
+    return "; ".join(slow + cleared) or "nothing left degraded"
+
+
+def _line(generation: int, collective: int, before: Conditions, after: Conditions, old: str, new: str,
+          times: tuple[float, float] | None) -> str:
+    """The one log line of a switch: what was seen, the old plan and the new one, the predicted gain."""
+    what = seen(before, after)
     pred = ""
     if times is not None:
         pred = f", predicted {times[0]:.3g} s -> {times[1]:.3g} s per collective (gain {times[0] - times[1]:.3g} s)"

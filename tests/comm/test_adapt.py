@@ -4,6 +4,7 @@ the threshold never switches; a dropped link is routed around where the fabric a
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -19,7 +20,10 @@ from gradsync.errors import GradsyncError, PeerError
 RATE = 1e9  # bytes per fake second on every healthy pair
 BUFFER = 256 << 10  # bytes per allreduce: small enough that the executor waits in key order on its own thread
 SLOW_NIC = {(1, p): 0.25 for p in range(4) if p != 1}  # rank 1 sends at a quarter of the rate to everyone
-OPTIONS = AdaptOptions(Hysteresis(1.5, 1.2, 3), warmup=2, min_bytes=1024, pair_min_bytes=1024)
+#: ``min_gain=0``: every switch replans, so the detector's mechanics show on a fixed ring, whose replan gains nothing
+OPTIONS = AdaptOptions(Hysteresis(1.5, 1.2, 3), warmup=2, min_bytes=1024, pair_min_bytes=1024, min_gain=0.0)
+#: the default share a replan must save (5%)
+GAINFUL = dataclasses.replace(OPTIONS, min_gain=AdaptOptions().min_gain)
 
 
 class FakeNet:
@@ -97,18 +101,19 @@ def _values(rank: int, i: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _run_job(world: int, topology: str, algorithm: str, dtype: torch.dtype, slow: dict[int, dict[tuple[int, int], float]],
-             steps: int, noise: float = 0.0, late: dict[int, dict[int, float]] | None = None, cost_model=None):
+             steps: int, noise: float = 0.0, late: dict[int, dict[int, float]] | None = None, cost_model=None,
+             options: AdaptOptions = OPTIONS, probe=None):
     """Every rank runs ``steps`` allreduces; before collective ``i`` the wire's pair factors become ``slow[i]``
     (kept until the next entry), each scaled by a seeded noise in ``[1 - noise, 1 + noise]``, and the ranks in
     ``late[i]`` (kept the same way) arrive that many fake seconds late. Returns per rank (switches, whether every
-    sum was exact)."""
+    sum was exact), or with ``probe(runtime)`` whatever it returns before shutdown as a third item."""
     numel = BUFFER // torch.tensor([], dtype=dtype).element_size()
     want = [sum(_values(r, i, numel, dtype) for r in range(world)) for i in range(steps)]
     net = FakeNet()
 
     def body(tr):
         wire = ClockedTransport(tr, net)
-        rt = Runtime(wire, topology, algorithm, timeout_s=20, adapt=OPTIONS, clock=wire.clock, cost_model=cost_model)
+        rt = Runtime(wire, topology, algorithm, timeout_s=20, adapt=options, clock=wire.clock, cost_model=cost_model)
         rng = random.Random(tr.rank)
         exact = True
         base: dict[tuple[int, int], float] = {}
@@ -123,7 +128,7 @@ def _run_job(world: int, topology: str, algorithm: str, dtype: torch.dtype, slow
                 x = _values(tr.rank, i, numel, dtype)
                 rt.allreduce(x)
                 exact &= bool(torch.equal(x, want[i]))
-            return rt.adapt.switches, exact
+            return (rt.adapt.switches, exact) + ((probe(rt),) if probe else ())
         finally:
             rt.shutdown()
 
@@ -170,13 +175,37 @@ def test_noise_below_the_threshold_never_switches():
 def test_an_auto_runtime_replans_to_another_plan_and_logs_one_line(capsys):
     """On a flat switch, rank 1's NIC made 8x slower moves ``auto`` off the plan that leans on it; rank 0 alone
     prints the one line (what was seen, old and new plan, predicted gain)."""
-    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8)
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8,
+                       options=GAINFUL)
     assert all(exact and len(s) == 1 for s, exact in results)
     rec = results[0][0][0]
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "plan generation" in ln]
     assert lines == [rec.message]
     assert rec.old_plan != rec.new_plan and f"{rec.old_plan} -> {rec.new_plan}, predicted" in rec.message
     assert rec.predicted_gain_s is not None and rec.predicted_gain_s > 0
+
+
+def test_a_switch_whose_replan_gains_nothing_is_held_and_keeps_plan_and_executors(capsys):
+    """One slow NIC slows every ring through it alike: with the default min_gain the fixed ring's replan saves
+    nothing, so the switch in and the switch back are both held on every rank, at the same collectives: no new
+    plan generation (a replan resets the plan cache, which bumps it), one line each from rank 0, every sum exact."""
+    results = _run_job(4, "switch:4", "ring", torch.float32, {4: SLOW_NIC, 9: {}}, steps=14, options=GAINFUL,
+                       probe=lambda rt: (rt.plans.generation, rt.adapt.held))
+    for switches, exact, (generation, held) in results:
+        assert exact and switches == [] and generation == 0
+        assert [(h.collective, h.old_plan, h.new_plan) for h in held] == [(5, "ring/1", "ring/1"), (10, "ring/1", "ring/1")]
+        assert held[0].conditions.link_scale and held[1].conditions.baseline
+        assert abs(held[0].predicted_gain_s) < 1e-4  # of a ~2 ms collective: under the 5% a switch must save
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "plan held" in ln]
+    assert lines == [h.message for h in results[0][2][1]]
+    assert "keeping ring/1" in lines[0] and "(1, 2) at 0.25x its modelled rate" in lines[0]
+    assert "back to its modelled rate" in lines[1]
+
+
+def test_min_gain_is_a_share_in_zero_to_one():
+    for bad in (-0.1, 1.0, True, "5%"):
+        with pytest.raises(GradsyncError, match="min_gain"):
+            AdaptOptions(min_gain=bad)
 
 
 # ---- rerouting ---------------------------------------------------------------------------------------------
