@@ -68,6 +68,10 @@ EXPLORE_MARGIN = 0.03
 #: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
 #: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
 EXPLORE_STEPS = 2
+#: The explorer's first step also times the best plan of another algorithm that the model prices within this
+#: share of its choice: the model ranks near-equal algorithms less surely than it ranks depths (on two racks at
+#: 3:1 it priced ``forest`` 4% ahead of ``hierarchical``, which ran 10% faster).
+EXPLORE_RIVAL = 0.1
 
 Submit = Callable[[Callable[[], Any], str], Any]  # Runtime.submit: queue on the communication thread -> Work
 
@@ -460,8 +464,8 @@ class Tuning:
             return None
 
         def candidates() -> bytes:  # priced by rank 0, like every choice
-            return json.dumps([model] + [(model[0], q) for q in (2 * model[1], model[1] // 2)
-                                         if plans.plannable(model[0], q)]).encode()
+            depths = [(model[0], q) for q in (2 * model[1], model[1] // 2) if plans.plannable(model[0], q)]
+            return json.dumps([model] + depths + rival_of(plans.chooser().choose(size), model)).encode()
 
         tried = [(str(a), int(p)) for a, p in json.loads(plans.decide(f"explore/{size}", candidates))]
         return Explorer(self, plans.caps.group, size, tried) if len(tried) > 1 else None
@@ -490,9 +494,22 @@ class Tuning:
         self.keep_tuned()
 
 
+def rival_of(choice: Any, model: Pick) -> list[Pick]:
+    """The best-priced plan of an algorithm other than ``model``'s (the backend's own excluded) among ``choice``'s
+    candidates, when the model prices it within :data:`EXPLORE_RIVAL` of ``model``; else nothing."""
+    priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
+    mine = priced.get(tuple(model))
+    others = [(t, pick) for pick, t in priced.items() if pick[0] not in (model[0], NATIVE)]
+    if mine is None or not others:
+        return []
+    t, pick = min(others)
+    return [pick] if t <= mine * (1 + EXPLORE_RIVAL) else []
+
+
 class Explorer:
     """``auto``'s first calls of one large size class: the model's pipeline depth against its half and its
-    double, measured on the job's own allreduces, stepping on while the edge wins.
+    double (and the best plan of another algorithm the model prices close to it, :data:`EXPLORE_RIVAL`),
+    measured on the job's own allreduces, stepping on while the edge wins.
 
     Above :data:`TUNE_MAX_BYTES` the α-β model ranks algorithms well but not always depths: it charges each
     message's cost in series, while the executor's per-peer lanes overlap much of it. Timing the neighbours
@@ -501,7 +518,8 @@ class Explorer:
     per candidate (one small all-reduce, at the same call on every rank: all ranks run a class's calls in the
     same order) picks with :func:`tuned_choice` and :data:`EXPLORE_MARGIN`, the step's first candidate being
     the incumbent. When the pick is the double (the half), the optimum may lie further that way: up to
-    :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a fresh warm-up round.
+    :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a fresh warm-up round;
+    when it is the other algorithm, against that algorithm's own double and half.
     Later calls run the last pick. It runs like an executor: every candidate computes the same sum, so the
     calls that measure are real work, not extra collectives.
     """
@@ -525,7 +543,7 @@ class Explorer:
 
     @property
     def schedule(self) -> Any:
-        """The model's choice's schedule (the candidates differ only in pipeline depth)."""
+        """The model's choice's schedule (what runs until the explorer picks)."""
         return self.first.schedule
 
     def run(self, tensors: Any, op: str = "sum") -> Any:
@@ -557,24 +575,28 @@ class Explorer:
         beyond = self._beyond(pick, incumbent)
         keep = self.tuning.in_use(besides=self) | {pick}
         self.plans.drop(c for c in self.candidates if c not in self._had and c not in keep)  # lanes and scratch go
-        if beyond is not None:
-            self._begin([pick, beyond])
+        if beyond:
+            self._begin([pick, *beyond])
             return
         measured_all = {k: v for step in self.steps for k, v in step["measured_s"].items()}  # latest time each
         self.pick = pick
         self.tuning.settled(self.size, pick, {"choice": list(pick), "model": list(self.model), "online": True,
                                               "measured_s": measured_all, "steps": self.steps})
 
-    def _beyond(self, pick: Pick, incumbent: Pick) -> Pick | None:
-        """The next depth past ``pick`` when it beat the incumbent (a step's other candidates are the incumbent's
-        double and half, so the double's next is its double, the half's its half), while steps remain; decided
-        by rank 0 for every rank."""
+    def _beyond(self, pick: Pick, incumbent: Pick) -> list[Pick]:
+        """The depths to time against ``pick`` when it beat the incumbent, while steps remain: past it (a step's
+        other candidates are the incumbent's double and half, so the double's next is its double, the half's its
+        half), or, for another algorithm, its own double and half; decided by rank 0 for every rank."""
         name, p = pick
         if pick == incumbent or len(self.steps) > EXPLORE_STEPS:
-            return None
-        q = 2 * p if p > incumbent[1] else p // 2
+            return []
+        if name != incumbent[0]:
+            depths = [2 * p, p // 2]
+        else:
+            depths = [2 * p if p > incumbent[1] else p // 2]
         measured = {tuple(c) for step in self.steps for c in step["candidates"]}
         plans = self.plans
         raw = plans.decide(f"explore/{self.size}/{len(self.steps)}",
-                           lambda: json.dumps(q >= 1 and (name, q) not in measured and plans.plannable(name, q)).encode())
-        return (name, q) if json.loads(raw) else None
+                           lambda: json.dumps([q for q in depths if q >= 1 and (name, q) not in measured
+                                               and plans.plannable(name, q)]).encode())
+        return [(name, int(q)) for q in json.loads(raw)]

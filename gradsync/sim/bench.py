@@ -222,6 +222,10 @@ register_benchmark("compression-sweep", "benchmarks.compression_sweep:main",
                    "issue 40: compression='auto' vs DDP, 'none' and each fixed codec over 36 configurations (3 rates x "
                    "switch:4/two-tier racks x LeNet-5/ResNet-18/MLP x optimizer/hook) on the emulated cluster (root; "
                    "--quick on loopback without); writes compression_sweep.{json,png}", checkout=True)
+register_benchmark("adapt", "benchmarks.adapt_overhead:main",
+                   "issue 39: what the runtime's watch costs on a wire that does not change: the same 4 MiB allreduce "
+                   "with adapt on and off, alternating in the same 3 processes on gloo loopback; writes adapt.{json,png}",
+                   checkout=True)
 register_benchmark("ps-loopback", "benchmarks.ps_loopback:main",
                    "PS pushpull round trip on loopback (authenticated, without a secret, and push + pull) vs a gloo send/recv round "
                    "trip of the same size, in one run; writes ps_loopback.{json,png}", checkout=True)

@@ -133,6 +133,65 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
     assert ran[-1] == pick and record["measured_s"]["ring/" + str(pick)] == cost[pick]
 
 
+@pytest.mark.parametrize("rival_cost, steps, pick", [
+    # the other algorithm runs 10% faster: it wins the first step, then its own double and half are timed
+    ({8: 9.0, 16: 8.5, 4: 9.5}, [["forest/8", "forest/16", "forest/4", "hierarchical/8"],
+                                  ["hierarchical/8", "hierarchical/16", "hierarchical/4"]], "hierarchical/16"),
+    # it is slower, as the model said: the model's depth stays and nothing more is timed
+    ({8: 11.0, 16: 12.0, 4: 12.0}, [["forest/8", "forest/16", "forest/4", "hierarchical/8"]], "forest/8"),
+])
+def test_the_explorer_times_a_rival_algorithm_and_its_depths_when_it_wins(monkeypatch, rival_cost, steps, pick):
+    """A first step with another algorithm's plan beside the model's depths (what ``rival_of`` adds): measured
+    faster by more than the margin, it replaces the model's algorithm and is stepped over its own depths."""
+    import gradsync.comm.tuning as tuning
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import Explorer
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    clock = [0.0]
+    cost = {("forest", 8): 10.0, ("forest", 16): 10.5, ("forest", 4): 10.2,
+            **{("hierarchical", d): t for d, t in rival_cost.items()}}
+
+    class Fake:
+        def __init__(self, pick) -> None:
+            self.pick, self.schedule = pick, None
+
+        def run(self, tensors, op="sum"):
+            clock[0] += cost[self.pick]
+            return tensors
+
+    real = tuning.time
+    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
+    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
+    monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake((name, depth)))
+    monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: depth in (4, 8, 16))
+    ex = Explorer(rt.tuning, object(), 4 << 20, [("forest", 8), ("forest", 16), ("forest", 4), ("hierarchical", 8)])
+    for _ in range(60):
+        if ex.pick is not None:
+            break
+        ex.run(torch.zeros(1))
+    record = rt.tuned[4 << 20]
+    assert [[f"{a}/{d}" for a, d in step["candidates"]] for step in record["steps"]] == steps
+    assert "/".join(map(str, ex.pick)) == pick and rt.choice(4 << 20) == ex.pick
+
+
+def test_rival_of_takes_another_algorithm_the_model_prices_close():
+    """Within EXPLORE_RIVAL of the model's choice: the best-priced plan of another algorithm (never native)."""
+    from gradsync.comm.tuning import EXPLORE_RIVAL, rival_of
+    from gradsync.sim.choose import Candidate, Choice
+
+    def choice(*cands):
+        return Choice("forest", 8, 1.0, 4 << 20, tuple(Candidate(a, p, t) for a, p, t in cands))
+
+    close = 1.0 * (1 + EXPLORE_RIVAL) * 0.99
+    assert rival_of(choice(("native", 1, 1.0), ("forest", 8, 1.0), ("forest", 16, 1.02), ("hierarchical", 4, close + 0.005),
+                           ("hierarchical", 8, close), ("lp", 16, 1.05)), ("forest", 8)) == [("lp", 16)]
+    assert rival_of(choice(("forest", 8, 1.0), ("hierarchical", 8, 1.0 * (1 + EXPLORE_RIVAL) * 1.01)), ("forest", 8)) == []
+    assert rival_of(choice(("native", 1, 0.9), ("forest", 8, 1.0)), ("forest", 8)) == []
+    assert rival_of(choice(("hierarchical", 8, 1.0)), ("forest", 8)) == []  # the model's pick was not priced here
+
+
 def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timing(tmp_path, monkeypatch):
     """A size class the first calls settled (``Explorer``) is written beside the tuned small classes (rank 0,
     the cache of ``init(calibrate=True)``); a runtime that reads that file back runs the pick from its first
