@@ -69,8 +69,7 @@ EXPLORE_MARGIN = 0.03
 #: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
 EXPLORE_STEPS = 2
 #: The explorer's first step also times the best plan of another algorithm that the model prices within this
-#: share of its choice: the model ranks near-equal algorithms less surely than it ranks depths (on two racks at
-#: 3:1 it priced ``forest`` 4% ahead of ``hierarchical``, which ran 10% faster).
+#: share of its choice: near-equal algorithms are where the model's ranking is least sure (docs/runtime.md).
 EXPLORE_RIVAL = 0.1
 
 Submit = Callable[[Callable[[], Any], str], Any]  # Runtime.submit: queue on the communication thread -> Work
