@@ -489,6 +489,8 @@ def plan_forest(topology: Topology, options: PlanOptions) -> Schedule:
     switched fabrics) but a pipeline that fills ``N`` times faster, which is what ``hierarchical`` gains on
     racks, here for any graph.
     """
+    if topology.world_size == 1:  # nothing to move: the one rank's buffer is the sum
+        return Schedule("forest", topology.name, topology.ranks, (Chunk(0.0, 1.0, 0),), ())
     rs, ag = _lp_reduce_scatter(topology, options), _lp_allgather(topology, options)
     meta = {"reduce_scatter_lp_cost": rs.meta.get("lp_cost"), "allgather_lp_cost": ag.meta.get("lp_cost")}
     return dataclasses.replace(join_halves(rs, ag, "forest"), meta=meta)

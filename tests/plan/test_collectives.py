@@ -351,3 +351,11 @@ def test_forest_meets_the_cut_bound_on_a_hand_written_two_tier_file():
     schedule = synthesize("forest", topo, PlanOptions(pipeline=2))
     assert cost(schedule, topo) == pytest.approx(1.0)
     assert len({c.root for c in schedule.chunks}) == 6
+
+
+def test_forest_on_one_rank_moves_nothing():
+    """A one-rank selection: the rank's buffer is already the sum, as lp's plan there says (no transfers)."""
+    topo = get_topology("p3.16xlarge[3]")
+    schedule = synthesize("forest", topo)
+    assert schedule.num_transfers == 0 and [c.root for c in schedule.chunks] == [0]
+    assert cost(schedule, topo) == 0 == cost(synthesize("lp", topo), topo)
