@@ -266,7 +266,8 @@ def summarize(results: list[dict[str, Any]]) -> tuple[list[str], bool]:
                 f"  gradsync {ch['algorithm']}/p{ch['pipeline']} {med['gradsync']:.4f} s (pred {pred['gradsync']:.4f}, "
                 f"x{a['gradsync_over_predicted']:.2f})  speed-up {ratio:.2f}"
                 + (f" (goal {case.goal}: {'met' if ok else 'NOT met'})" if goal_here else "")
-                + f"  CPU {a['cpu_busy_share']:.0%}" + ("" if all(a["correct"].values()) else "  WRONG RESULT"))
+                + f"  CPU {a['cpu_busy_share']:.0%}" + ("" if all(a["correct"].values()) else "  WRONG RESULT")
+                + ("  (timed while auto still explored)" if a.get("timed_while_exploring") else ""))
         if r.get("as_user"):
             start = r["advantage_from_bytes"] = advantage_from(r["allreduce"])
             lines.append(f"{r['case']:8s} gradsync ahead of gloo from "

@@ -69,6 +69,12 @@ def _timed(fn: Callable[[], Any]) -> float:
     return max(_gather_float(time.perf_counter() - t0))
 
 
+#: The most warm-up calls per size while ``auto`` still explores: its first step times up to four plans (the
+#: model's depth, its double and half, a rival algorithm) over four rounds, and up to two more steps follow;
+#: timing before it settles would mix the candidates into the samples.
+WARM_CAP = 64
+
+
 def enough(samples: dict[str, list[float]], reps: int, min_seconds: float) -> bool:
     """Whether the alternating samples may stop: ``reps`` each at least, then until every method ran for
     ``min_seconds`` (short sizes are the noisy ones, and cheap to repeat), at most ``20 * reps`` each. Every
@@ -97,7 +103,8 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int, min_seconds: float = 0
                 fn()
                 correct[name] &= min(_gather_float(float(bool(torch.all(buf == want))))) == 1.0
             warm += 1
-            if warm >= 20 or max(_gather_float(float(rt.exploring()))) == 0:  # the same decision on every rank
+            exploring = max(_gather_float(float(rt.exploring()))) > 0  # the same answer on every rank
+            if warm >= WARM_CAP or not exploring:
                 break
         choice = predicted = None
         used = rt.choice(size)  # what auto runs now: the model's choice, or what measuring replaced it with
@@ -116,7 +123,8 @@ def allreduce_phase(rt: Any, sizes: list[int], reps: int, min_seconds: float = 0
                 samples[name].append(_timed(fn))
         rows.append({
             "size_bytes": size, "choice": choice.to_dict() if choice else None, "predicted_s": predicted,
-            "ran": list(used), "explored": rt.tuned.get(size_class(size)), "warmup_calls": warm, "correct": correct,
+            "ran": list(used), "explored": rt.tuned.get(size_class(size)), "warmup_calls": warm, "timed_while_exploring": exploring,
+            "correct": correct,
             "samples_s": samples,
             "median_s": {m: statistics.median(v) for m, v in samples.items()}, "cpu_busy_share": cpu.share(),
         })
