@@ -267,19 +267,8 @@ class Runtime:
         return f"{name}/{pipeline}"
 
     def _share_sum(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over ranks now (the watch's agreement round): the backend's own allreduce on the
-        transport's group where it has one, one small collective where the plan would take ``2(N-1)`` executor
-        messages (most of the watch's cost on a fixed ring); else the plan for its size."""
-        group = self.caps.group
-        if group is None:
-            self._executor_for(tensor, "sum", None).run(tensor, "sum")
-            return
-        import torch.distributed as dist
-
-        staged = tensor.to(self.caps.collective_device())  # NCCL takes it on this rank's GPU
-        dist.all_reduce(staged, group=group)
-        if staged is not tensor:
-            tensor.copy_(staged)
+        """Sum ``tensor`` over ranks now, on the plan for its size (the watch's agreement round)."""
+        self._executor_for(tensor, "sum", None).run(tensor, "sum")
 
     def set_cost_model(self, model: CostModel) -> None:
         """Price with ``model`` from now on: plans and choices made with the old one are dropped."""
