@@ -201,7 +201,7 @@ def vs_native() -> list[str]:
 
 
 #: ``gradsync bench vs-native --cases fabrics`` results, one file per batch of cases (twins kept together)
-FABRIC_RESULTS = ("vs_native_fabrics_two_racks.json", "vs_native_fabrics_three_racks.json", "vs_native_fabrics_small.json")
+FABRIC_RESULTS = ("vs_native_fabrics.json", "vs_native_fabrics_settled.json", "vs_native_fabrics_small.json")
 
 
 def vs_native_fabrics() -> list[str]:
@@ -231,12 +231,13 @@ def vs_native_fabrics() -> list[str]:
         out += table(["case", "topology", "rate", "size", "gloo s", "gradsync s", "pick", "speed-up", "predicted",
                       "measured / predicted", "from", "init s"], rows)
         out += ["", *block(j["summary"])]
-    out += ["The 3:1 pair of the first file ran before the rate check took each size's fastest repetition: a median "
-            "of two read the file's 60 Mbit/s uplink as 43 Mbit/s (its `cost_model.source`), and `auto` ran a deep "
-            "pipeline at 256 KiB (0.91x gloo); the second file reran the pair with the fix. `init s` is the whole "
-            "`gradsync.init` on the 2-core machine (process group, planning, the quick calibration). The files' `summary` "
-            "was recomputed with `benchmarks.vs_native.summarize` once it compared a file with its built-in at every "
-            "size (the runs compared from 1 MiB); no timing was changed.", ""]
+    out += ["`vs_native_fabrics.json` is every fabric case in one run, with `forest` among the synthesizers and "
+            "`auto`'s explorer timing a rival algorithm. Its warm-up then stopped at 20 calls, before the explorer "
+            "settled in two size classes; `timed_while_exploring` was added to it afterwards from the recorded "
+            "`warmup_calls` and `explored`, and its summary recomputed with `benchmarks.vs_native.summarize` (no timing "
+            "changed). `vs_native_fabrics_settled.json` reran those cases with the warm-up up to 64 calls. "
+            "`init s` is the whole `gradsync.init` on the 2-core machine (process group, planning, the quick "
+            "calibration).", ""]
     return out
 
 

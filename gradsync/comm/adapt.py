@@ -106,8 +106,7 @@ class AdaptOptions:
 
 def adapt_from_env(adapt: bool | AdaptOptions | None) -> AdaptOptions | None:
     """The options ``Runtime(adapt=...)`` means: None reads ``$GRADSYNC_ADAPT`` (off unless set and not
-    0/false/off/no). Off by default until its cost is measured within 1% on the testbed: on a loaded loopback
-    host it cost 1.36x per 4 MiB collective and switched on noise (docs/runtime.md)."""
+    0/false/off/no). Off by default until its cost is within 1% (``gradsync bench adapt``; docs/runtime.md)."""
     if adapt is None:
         adapt = os.environ.get("GRADSYNC_ADAPT", "0").strip().lower() not in _OFF
     if isinstance(adapt, AdaptOptions):
