@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -141,30 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "algorithm (ring, tree, lp, forest, ...)")
     if args.worker:
         return worker(args)
-    from benchmarks.common import pythonpath
-    from gradsync.launch import free_port, torchrun_env
+    from benchmarks.common import run_loopback_workers
 
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "adapt.json"
-        port = free_port()
-        env_base = {**os.environ, "PYTHONPATH": pythonpath(), "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "benchmarks.adapt_overhead", "--worker", "--report", str(report),
                "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--size", str(args.size),
                "--algorithm", args.algorithm]
-        procs = [subprocess.Popen(cmd, env=torchrun_env(r, args.procs, "127.0.0.1", port, env_base))
-                 for r in range(args.procs)]
-        codes = []
-        try:
-            for proc in procs:
-                codes.append(proc.wait(timeout=900))
-        except subprocess.TimeoutExpired:
-            print("gradsync: error: bench adapt: a worker ran past 900 s; killed", file=sys.stderr)
+        codes = run_loopback_workers(cmd, args.procs, timeout_s=900, what="bench adapt", env={"OMP_NUM_THREADS": "1"})
+        if codes is None:
             return 2
-        finally:
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-                    q.wait()
         if any(codes) or not report.exists():
             print(f"gradsync: error: bench adapt: worker exit codes {codes}", file=sys.stderr)
             return 2

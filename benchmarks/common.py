@@ -1,9 +1,13 @@
-"""What several benchmarks share: where the checkout is, a worker process's ``PYTHONPATH``, and the seeded
-random regular graphs (``plan-scaling`` and ``plan-fabrics``). Light on purpose: ``--help`` stays fast."""
+"""What several benchmarks share: where the checkout is, a worker process's ``PYTHONPATH``, starting workers on
+loopback, and the seeded random regular graphs (``plan-scaling`` and ``plan-fabrics``). Light on purpose:
+``--help`` stays fast."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +28,28 @@ def pythonpath(*first: str | Path) -> str:
     """``PYTHONPATH`` for a worker process: ``first``, then the checkout root (so ``benchmarks`` imports), then the
     caller's own ``PYTHONPATH``; empty entries dropped."""
     return os.pathsep.join(filter(None, [*map(str, first), str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def run_loopback_workers(cmd: Sequence[str], procs: int, *, timeout_s: float, what: str,
+                         env: Mapping[str, str] | None = None) -> list[int] | None:
+    """Run ``cmd`` once per rank, as ``torchrun`` would on one host (loopback, a free port), and wait for all of
+    them up to ``timeout_s``; past it every worker is killed, ``what`` says so on stderr, and None is returned.
+    Otherwise the exit codes. ``env`` adds to the caller's environment (``PYTHONPATH`` already names the checkout)."""
+    from gradsync.launch import free_port, torchrun_env
+
+    port = free_port()
+    base = {**os.environ, "PYTHONPATH": pythonpath(), **(env or {})}
+    workers = [subprocess.Popen(list(cmd), env=torchrun_env(r, procs, "127.0.0.1", port, base)) for r in range(procs)]
+    try:
+        return [w.wait(timeout=timeout_s) for w in workers]
+    except subprocess.TimeoutExpired:
+        print(f"gradsync: error: {what}: a worker ran past {timeout_s:g} s; killed", file=sys.stderr)
+        return None
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
 
 
 def random_regular(n: int, degree: int, seed: int = 0) -> Topology:

@@ -35,7 +35,6 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -152,27 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("need --procs >= 2, --steps >= 1, --warmup >= 0, --batch >= 1 and --bucket-mb > 0")
     if args.worker:
         return worker(args)
-    from benchmarks.common import pythonpath
-    from gradsync.launch import free_port, torchrun_env
+    from benchmarks.common import run_loopback_workers
 
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "hooks.json"
-        port = free_port()
-        env_base = {**os.environ, "PYTHONPATH": pythonpath()}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--report", str(report),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                "--bucket-mb", str(args.bucket_mb)]
-        procs = [subprocess.Popen(cmd, env=torchrun_env(r, args.procs, "127.0.0.1", port, env_base))
-                 for r in range(args.procs)]
-        codes = []
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=900))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                print("gradsync: error: bench hooks: a worker ran past 900 s; killed", file=sys.stderr)
-                return 2
+        codes = run_loopback_workers(cmd, args.procs, timeout_s=900, what="bench hooks")
+        if codes is None:
+            return 2
         if any(codes) or not report.exists():
             print(f"gradsync: error: bench hooks: worker exit codes {codes}", file=sys.stderr)
             return 2

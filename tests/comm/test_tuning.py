@@ -82,6 +82,32 @@ def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
     assert rt.tuning.explored() == {4 << 20: None}  # decided once: nothing to time
 
 
+def _fake_timing(monkeypatch, rt, cost) -> list:
+    """The explorer on a fake clock: a call of the plan ``(name, depth)`` takes ``cost[(name, depth)]`` (or
+    ``cost[depth]``) seconds of the tuning module's clock only (other threads keep the real one), ranks agree
+    on the values as they are, and ``rt``'s executors are fakes. Returns the picks run, in order."""
+    import gradsync.comm.tuning as tuning
+
+    clock = [0.0]
+    ran: list = []
+
+    class Fake:
+        def __init__(self, pick) -> None:
+            self.pick, self.schedule = pick, None
+
+        def run(self, tensors, op="sum"):
+            ran.append(self.pick)
+            clock[0] += cost[self.pick] if self.pick in cost else cost[self.pick[1]]
+            return tensors
+
+    real = tuning.time
+    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
+    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
+    monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake((name, depth)))
+    return ran
+
+
 @pytest.mark.parametrize("model, cost, steps, pick", [
     # the double wins twice, then the next double is within the margin: the last winner stays
     (1, {1: 10.0, 2: 8.0, 4: 6.0, 8: 5.9}, [[1, 2], [2, 4], [4, 8]], 4),
@@ -94,29 +120,12 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
     """``Explorer``'s rule on timings it is handed (a fake clock: each depth's call takes ``cost``): a step
     keeps its first candidate unless another beats it by ``EXPLORE_MARGIN``; a pick at the edge is timed
     against the next depth that way, at most ``EXPLORE_STEPS`` more times; then the pick is recorded and run."""
-    import gradsync.comm.tuning as tuning
     from gradsync.comm import Runtime
     from gradsync.comm.tuning import EXPLORE_REPS, EXPLORE_STEPS, Explorer
 
     assert EXPLORE_STEPS == 2  # the second case's three steps
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-    clock = [0.0]
-    ran: list[int] = []
-
-    class Fake:
-        def __init__(self, depth: int) -> None:
-            self.depth, self.schedule = depth, None
-
-        def run(self, tensors, op="sum"):
-            ran.append(self.depth)
-            clock[0] += cost[self.depth]
-            return tensors
-
-    real = tuning.time  # only the tuning module's clock is faked: other threads keep the real one
-    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
-    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
-    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
-    monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake(depth))
+    picks = _fake_timing(monkeypatch, rt, cost)
     first = [("ring", model)] + [("ring", q) for q in (2 * model, model // 2) if q >= 1]
     ex = Explorer(rt.tuning, object(), 4 << 20, first)
     calls = 0
@@ -128,9 +137,10 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
     assert [[c[1] for c in step["candidates"]] for step in record["steps"]] == steps
     assert ex.pick == ("ring", pick) and record["choice"] == ["ring", pick] and rt.choice(4 << 20) == ("ring", pick)
     assert calls == sum((1 + EXPLORE_REPS) * len(step) for step in steps)
+    ran = [depth for _, depth in picks]
     assert ran[-len(steps[-1]):] == steps[-1]  # the last round: the last step's candidates, in turn
     ex.run(torch.zeros(1))
-    assert ran[-1] == pick and record["measured_s"]["ring/" + str(pick)] == cost[pick]
+    assert picks[-1] == ("ring", pick) and record["measured_s"]["ring/" + str(pick)] == cost[pick]
 
 
 @pytest.mark.parametrize("rival_cost, steps, pick", [
@@ -143,28 +153,12 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
 def test_the_explorer_times_a_rival_algorithm_and_its_depths_when_it_wins(monkeypatch, rival_cost, steps, pick):
     """A first step with another algorithm's plan beside the model's depths (what ``rival_of`` adds): measured
     faster by more than the margin, it replaces the model's algorithm and is stepped over its own depths."""
-    import gradsync.comm.tuning as tuning
     from gradsync.comm import Runtime
     from gradsync.comm.tuning import Explorer
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-    clock = [0.0]
-    cost = {("forest", 8): 10.0, ("forest", 16): 10.5, ("forest", 4): 10.2,
-            **{("hierarchical", d): t for d, t in rival_cost.items()}}
-
-    class Fake:
-        def __init__(self, pick) -> None:
-            self.pick, self.schedule = pick, None
-
-        def run(self, tensors, op="sum"):
-            clock[0] += cost[self.pick]
-            return tensors
-
-    real = tuning.time
-    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
-    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
-    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
-    monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake((name, depth)))
+    _fake_timing(monkeypatch, rt, {("forest", 8): 10.0, ("forest", 16): 10.5, ("forest", 4): 10.2,
+                                   **{("hierarchical", d): t for d, t in rival_cost.items()}})
     monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: depth in (4, 8, 16))
     ex = Explorer(rt.tuning, object(), 4 << 20, [("forest", 8), ("forest", 16), ("forest", 4), ("hierarchical", 8)])
     for _ in range(60):
@@ -197,7 +191,6 @@ def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timin
     the cache of ``init(calibrate=True)``); a runtime that reads that file back runs the pick from its first
     call and times nothing; under a new cost model the class is priced and explored afresh, and a pick made
     then is not written into the old model's file."""
-    import gradsync.comm.tuning as tuning
     from gradsync.comm import Runtime
     from gradsync.comm.tuning import TUNED_TYPE, Explorer
     from gradsync.sim.cost import CostModel
@@ -205,23 +198,9 @@ def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timin
     monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
     size = 4 << 20
     cost = {1: 10.0, 2: 8.0, 4: 6.0, 8: 5.9}  # the double wins twice, then the margin keeps 4
-    clock = [0.0]
-
-    class Fake:
-        def __init__(self, depth: int) -> None:
-            self.depth, self.schedule = depth, None
-
-        def run(self, tensors, op="sum"):
-            clock[0] += cost[self.depth]
-            return tensors
-
-    real = tuning.time
-    fake = {**{k: getattr(real, k) for k in dir(real) if not k.startswith("_")}, "perf_counter": lambda: clock[0]}
-    monkeypatch.setattr(tuning, "time", SimpleNamespace(**fake))
-    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: list(values))
 
     def explore(rt: Runtime) -> Explorer:
-        monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": Fake(depth))
+        _fake_timing(monkeypatch, rt, cost)
         ex = Explorer(rt.tuning, object(), size, [("ring", 1), ("ring", 2)])
         for _ in range(40):
             if ex.pick is not None:
