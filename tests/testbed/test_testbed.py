@@ -470,7 +470,7 @@ def test_auto_plans_around_a_thin_uplink_and_stays_exact(tmp_path: Path) -> None
     lines = [ln for ln in text.splitlines() if "choice" in ln]
     assert len(lines) == 4 and all("exact True" in ln for ln in lines), text
     algorithms = {ln.split("choice ")[1].split()[0] for ln in lines}
-    assert len(algorithms) == 1 and algorithms <= {"tree", "lp", "ps", "hierarchical"}, text
+    assert len(algorithms) == 1 and algorithms <= {"tree", "lp", "forest", "ps", "hierarchical"}, text
 
 
 @needs_root
