@@ -140,20 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "algorithm (ring, tree, lp, forest, ...)")
     if args.worker:
         return worker(args)
-    from benchmarks.common import run_loopback_workers
+    from benchmarks.common import loopback_report
 
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "adapt.json"
         cmd = [sys.executable, "-m", "benchmarks.adapt_overhead", "--worker", "--report", str(report),
                "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--size", str(args.size),
                "--algorithm", args.algorithm]
-        codes = run_loopback_workers(cmd, args.procs, timeout_s=900, what="bench adapt", env={"OMP_NUM_THREADS": "1"})
-        if codes is None:
+        out = loopback_report(cmd, args.procs, report, timeout_s=900, what="bench adapt", env={"OMP_NUM_THREADS": "1"})
+        if out is None:
             return 2
-        if any(codes) or not report.exists():
-            print(f"gradsync: error: bench adapt: worker exit codes {codes}", file=sys.stderr)
-            return 2
-        out = json.loads(report.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adapt.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(out, args.out / "adapt.png")

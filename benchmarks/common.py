@@ -4,12 +4,13 @@ loopback, and the seeded random regular graphs (``plan-scaling`` and ``plan-fabr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gradsync.topology import Topology
@@ -50,6 +51,19 @@ def run_loopback_workers(cmd: Sequence[str], procs: int, *, timeout_s: float, wh
             if w.poll() is None:
                 w.kill()
                 w.wait()
+
+
+def loopback_report(cmd: Sequence[str], procs: int, report: Path, *, timeout_s: float, what: str,
+                    env: Mapping[str, str] | None = None) -> Any | None:
+    """:func:`run_loopback_workers`, then the JSON report rank 0 wrote to ``report``; None (said on stderr) when a
+    worker timed out or failed, or the report is missing."""
+    codes = run_loopback_workers(cmd, procs, timeout_s=timeout_s, what=what, env=env)
+    if codes is None:
+        return None
+    if any(codes) or not report.exists():
+        print(f"gradsync: error: {what}: worker exit codes {codes}", file=sys.stderr)
+        return None
+    return json.loads(report.read_text())
 
 
 def random_regular(n: int, degree: int, seed: int = 0) -> Topology:

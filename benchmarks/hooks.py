@@ -151,20 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("need --procs >= 2, --steps >= 1, --warmup >= 0, --batch >= 1 and --bucket-mb > 0")
     if args.worker:
         return worker(args)
-    from benchmarks.common import run_loopback_workers
+    from benchmarks.common import loopback_report
 
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "hooks.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--report", str(report),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                "--bucket-mb", str(args.bucket_mb)]
-        codes = run_loopback_workers(cmd, args.procs, timeout_s=900, what="bench hooks")
-        if codes is None:
+        out = loopback_report(cmd, args.procs, report, timeout_s=900, what="bench hooks")
+        if out is None:
             return 2
-        if any(codes) or not report.exists():
-            print(f"gradsync: error: bench hooks: worker exit codes {codes}", file=sys.stderr)
-            return 2
-        out = json.loads(report.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hooks.json").write_text(json.dumps(out, indent=1) + "\n")
     for name, row in out["methods"].items():
