@@ -1,9 +1,13 @@
-"""The Triton kernels behind :mod:`gradsync.compress.fused` (imported only where Triton is installed).
+"""The Triton kernels behind :mod:`gradsync.compress.kernels` (imported only where Triton is installed).
 
 Each kernel is one pass over the tensor where the torch form of the same codec takes 3 to 8 kernels, and
-each writes exactly what the torch form writes (see :mod:`~gradsync.compress.fused` for which are
+each writes exactly what the torch form writes (see :mod:`~gradsync.compress.kernels` for which are
 bit-identical and which draw their own random numbers). Bit order is :mod:`~gradsync.compress.packing`'s:
 element ``i`` is bit ``i % 8`` (or field ``i % (8 / bits)``) of byte ``i // (8 / bits)``.
+
+Every packing kernel works on a ``(BYTES, FIELDS)`` block: row ``r`` holds the ``FIELDS`` elements of byte ``r``
+(8 one-bit or 4 two-bit fields), so the loads and stores stay contiguous and a byte is one row's sum. The
+helpers below (``_rows``, ``_pack``, ``_unpack``, ``_uniform``) are that layout, shared by every kernel.
 """
 
 from __future__ import annotations
@@ -11,30 +15,54 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# The functions stay plain (undecorated) here: :mod:`fused` wraps each once for the GPU (``triton.jit``) and
-# once for Triton's interpreter, which runs the same source on CPU tensors in the tests.
+# The kernels stay plain (undecorated) here: :mod:`kernels` wraps each once (``triton.jit``), for the GPU or, in
+# the tests, for Triton's interpreter, which runs the same source on CPU tensors. The helpers they call are
+# jitted here, in whichever mode Triton was imported.
 
 
-def pack_nonnegative(x_ptr, out_ptr, n, nbytes, BYTES: tl.constexpr):  # noqa: N803 - Triton's constexpr style
+@triton.jit
+def _rows(pid, BYTES: tl.constexpr, FIELDS: tl.constexpr):  # noqa: N803 - Triton's constexpr style
+    """Program ``pid``'s byte indices ``(BYTES,)`` and its elements' offsets ``(BYTES, FIELDS)``."""
+    b = pid * BYTES + tl.arange(0, BYTES)
+    return b, b[:, None] * FIELDS + tl.arange(0, FIELDS)[None, :]
+
+
+@triton.jit
+def _pack(fields, FIELDS: tl.constexpr):  # noqa: N803
+    """Each row's ``FIELDS`` small integers (each below ``2 ** (8 // FIELDS)``) as one byte, field ``j`` at bit
+    ``j * 8 // FIELDS``."""
+    return tl.sum(fields.to(tl.int32) << (tl.arange(0, FIELDS) * (8 // FIELDS))[None, :], axis=1).to(tl.uint8)
+
+
+@triton.jit
+def _unpack(byte, FIELDS: tl.constexpr):  # noqa: N803
+    """The inverse of ``_pack``: ``(BYTES,)`` bytes to ``(BYTES, FIELDS)`` fields (int32)."""
+    width: tl.constexpr = 8 // FIELDS
+    return (byte.to(tl.int32)[:, None] >> (tl.arange(0, FIELDS) * width)[None, :]) & ((1 << width) - 1)
+
+
+@triton.jit
+def _uniform(seed, group):
+    """Uniforms in [0, 1), shaped ``group.shape + (2, 2)``: the 4 numbers of Philox(``seed``, counter ``g``) in
+    row-major order, for elements ``4 g`` to ``4 g + 3`` (a quarter of the work of one draw per element)."""
+    a, b, c, d = tl.rand4x(seed, group)
+    return tl.join(tl.join(a, b), tl.join(c, d))
+
+
+def pack_nonnegative(x_ptr, out_ptr, n, nbytes, BYTES: tl.constexpr):  # noqa: N803
     """Bit ``i`` = ``x[i] >= 0`` (NaN: 0, as torch's ``ge``); padding bits past ``n`` are 0."""
-    pid = tl.program_id(0)
-    offs = pid * (BYTES * 8) + tl.arange(0, BYTES * 8)
+    b, offs = _rows(tl.program_id(0), BYTES, 8)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # exact for fp16/bf16
-    bits = tl.reshape(((x >= 0) & mask).to(tl.int32), (BYTES, 8))
-    byte = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
-    b = pid * BYTES + tl.arange(0, BYTES)
-    tl.store(out_ptr + b, byte.to(tl.uint8), mask=b < nbytes)
+    tl.store(out_ptr + b, _pack((x >= 0) & mask, 8), mask=b < nbytes)
 
 
-def select_by_bits(packed_ptr, out_ptr, n, v_ptr, hi, lo, MODE: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+def select_by_bits(packed_ptr, out_ptr, n, v_ptr, hi, lo, MODE: tl.constexpr, BYTES: tl.constexpr):  # noqa: N803
     """``out[i] = hi if bit i else lo``. ``MODE`` 0: ``hi``/``lo`` are the numbers given; 1: ``hi = v[0]``,
     ``lo = -v[0]``; 2: ``hi = v[0]``, ``lo = v[1]`` (device values, read in the kernel: no host round trip)."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    b, offs = _rows(tl.program_id(0), BYTES, 8)
     mask = offs < n
-    byte = tl.load(packed_ptr + (offs >> 3), mask=mask, other=0).to(tl.int32)
-    bit = (byte >> (offs & 7)) & 1
+    bit = _unpack(tl.load(packed_ptr + b, mask=b * 8 < n, other=0), 8)
     if MODE == 0:
         value = tl.where(bit != 0, hi, lo)
     elif MODE == 1:
@@ -42,15 +70,16 @@ def select_by_bits(packed_ptr, out_ptr, n, v_ptr, hi, lo, MODE: tl.constexpr, BL
         value = tl.where(bit != 0, s, -s)
     else:
         a = tl.load(v_ptr).to(out_ptr.dtype.element_ty)
-        b = tl.load(v_ptr + 1).to(out_ptr.dtype.element_ty)
-        value = tl.where(bit != 0, a, b)
+        c = tl.load(v_ptr + 1).to(out_ptr.dtype.element_ty)
+        value = tl.where(bit != 0, a, c)
     tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def qsgd_encode(x_ptr, norms_ptr, codes_ptr, n, count, seed, levels,
                 BUCKET: tl.constexpr, ROWS: tl.constexpr):  # noqa: N803
     """QSGD with 8-bit codes: per bucket of ``BUCKET`` elements its norm, then ``code = level << 1 | (x < 0)``
-    with ``level = min(floor(u + |x| * s / norm), s)``, ``u`` uniform in [0, 1) from Philox(``seed``, index)."""
+    with ``level = min(floor(u + |x| * s / norm), s)``, ``u`` uniform in [0, 1) from Philox(``seed``), number
+    ``i % 4`` of counter ``i // 4``."""
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
@@ -59,7 +88,8 @@ def qsgd_encode(x_ptr, norms_ptr, codes_ptr, n, count, seed, levels,
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     tl.store(norms_ptr + rows, norm, mask=rows < count)
     safe = tl.where(norm > 0, norm, 1.0)
-    u = tl.rand(seed, offs)
+    groups = rows[:, None] * (BUCKET // 4) + tl.arange(0, BUCKET // 4)[None, :]
+    u = tl.reshape(_uniform(seed, groups), (ROWS, BUCKET))
     level = u + tl.math.div_rn(tl.abs(x) * levels, safe[:, None])
     level = tl.minimum(level, levels * 1.0)
     code = (level.to(tl.int32) << 1) | (x < 0).to(tl.int32)
@@ -83,9 +113,9 @@ def qsgd_decode(codes_ptr, norms_ptr, out_ptr, n, levels, BUCKET: tl.constexpr, 
 def terngrad_encode(x_ptr, bound_ptr, scale_ptr, out_ptr, n, nbytes, seed, CLIP: tl.constexpr,
                     BYTES: tl.constexpr):  # noqa: N803
     """TernGrad's 2-bit codes, four per byte: clip to ``±bound``, keep with probability ``|x| / scale`` (``u``
-    from Philox(``seed``, index)); code 1 is ``+``, 2 is ``-``, 0 is dropped."""
-    pid = tl.program_id(0)
-    offs = pid * (BYTES * 4) + tl.arange(0, BYTES * 4)
+    from Philox(``seed``): the four numbers of counter ``b`` for the four elements of byte ``b``); code 1 is
+    ``+``, 2 is ``-``, 0 is dropped."""
+    b, offs = _rows(tl.program_id(0), BYTES, 4)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if CLIP:
@@ -93,97 +123,88 @@ def terngrad_encode(x_ptr, bound_ptr, scale_ptr, out_ptr, n, nbytes, seed, CLIP:
         x = tl.minimum(tl.maximum(x, -bound), bound)
     scale = tl.load(scale_ptr)
     prob = tl.math.div_rn(tl.abs(x), tl.where(scale > 0, scale, 1.0))
-    u = tl.rand(seed, offs)
-    keep = (u < prob).to(tl.int32)
-    code = keep << (x < 0).to(tl.int32)
-    code = tl.where(mask, code, 0)
-    fields = tl.reshape(code, (BYTES, 4))
-    byte = tl.sum(fields << (tl.arange(0, 4) * 2)[None, :], axis=1)
-    b = pid * BYTES + tl.arange(0, BYTES)
-    tl.store(out_ptr + b, byte.to(tl.uint8), mask=b < nbytes)
+    keep = (tl.reshape(_uniform(seed, b), (BYTES, 4)) < prob).to(tl.int32)
+    code = tl.where(mask, keep << (x < 0).to(tl.int32), 0)
+    tl.store(out_ptr + b, _pack(code, 4), mask=b < nbytes)
 
 
-def terngrad_decode(packed_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+def terngrad_decode(packed_ptr, scale_ptr, out_ptr, n, BYTES: tl.constexpr):  # noqa: N803
     """Code ``c`` to ``((c & 1) - (c >> 1)) * scale``: the torch decode's one conversion and one product."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    byte = tl.load(packed_ptr + (offs >> 2), mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((offs & 3) * 2)) & 3
+    b, offs = _rows(tl.program_id(0), BYTES, 4)
+    code = _unpack(tl.load(packed_ptr + b, mask=b * 4 < n, other=0), 4)
     ternary = ((code & 1) - (code >> 1)).to(out_ptr.dtype.element_ty)
     scale = tl.load(scale_ptr).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, ternary * scale, mask=mask)
+    tl.store(out_ptr + offs, ternary * scale, mask=offs < n)
 
 
-def sign_stats(x_ptr, bits_ptr, part_ptr, n, nbytes, PACK: tl.constexpr, BYTES: tl.constexpr):  # noqa: N803
-    """One pass per block of ``8 * BYTES`` elements: the sign bits (when ``PACK``) and the block's partial
-    statistics at ``part_ptr + 8 * block``: count, sum of ``x >= 0`` (NaN counts here), sum of ``x < 0``, count
-    of ``x >= 0``, block mean, sum of squared deviations from it, min, max."""
+def sign_stats(x_ptr, bits_ptr, part_ptr, n, nbytes, PACK: tl.constexpr, KIND: tl.constexpr,
+               BYTES: tl.constexpr):  # noqa: N803
+    """One pass per block of ``8 * BYTES`` elements: the sign bits (when ``PACK``) and only the partial
+    statistics ``KIND`` needs, at ``part_ptr + 4 * block``. ``KIND`` 0: ``sum |x|``; 1: the sum of ``x >= 0``
+    (NaN counts here), the sum of ``x < 0``, the count of ``x >= 0``; 2: the sum, the sum of squared deviations
+    from the block's mean, ``max |x|`` (skipping NaN; the sum carries it)."""
     pid = tl.program_id(0)
-    offs = pid * (BYTES * 8) + tl.arange(0, BYTES * 8)
+    b, offs = _rows(pid, BYTES, 8)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    nonneg = (x >= 0) & mask
     if PACK:
-        bits = tl.reshape(nonneg.to(tl.int32), (BYTES, 8))
-        byte = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
-        b = pid * BYTES + tl.arange(0, BYTES)
-        tl.store(bits_ptr + b, byte.to(tl.uint8), mask=b < nbytes)
-    count = tl.sum(mask.to(tl.float32))
-    sum_pos = tl.sum(tl.where(x < 0, 0.0, x))  # masked elements are 0
-    sum_neg = tl.sum(tl.where(x < 0, x, 0.0))
-    mean = (sum_pos + sum_neg) / count
-    dev = tl.where(mask, x - mean, 0.0)
-    base = part_ptr + pid * 8
-    tl.store(base, count)
-    tl.store(base + 1, sum_pos)
-    tl.store(base + 2, sum_neg)
-    tl.store(base + 3, tl.sum(nonneg.to(tl.float32)))
-    tl.store(base + 4, mean)
-    tl.store(base + 5, tl.sum(dev * dev))
-    tl.store(base + 6, tl.min(tl.where(mask, x, float("inf"))))
-    tl.store(base + 7, tl.max(tl.where(mask, x, float("-inf"))))
+        tl.store(bits_ptr + b, _pack((x >= 0) & mask, 8), mask=b < nbytes)
+    base = part_ptr + pid * 4
+    if KIND == 0:
+        tl.store(base, tl.sum(tl.abs(x)))  # masked elements are 0
+    elif KIND == 1:
+        tl.store(base, tl.sum(tl.where(x < 0, 0.0, x)))
+        tl.store(base + 1, tl.sum(tl.where(x < 0, x, 0.0)))
+        tl.store(base + 2, tl.sum(((x >= 0) & mask).to(tl.float32)))
+    else:
+        total = tl.sum(x)
+        mean = total / tl.minimum(n - pid * (BYTES * 8), BYTES * 8).to(tl.float32)
+        dev = tl.where(mask, x - mean, 0.0)
+        tl.store(base, total)
+        tl.store(base + 1, tl.sum(dev * dev))
+        tl.store(base + 2, tl.max(tl.abs(x)))
 
 
-def finish_stats(part_ptr, out_ptr, bound_ptr, blocks, n, clip, KIND: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+def finish_stats(part_ptr, out_ptr, bound_ptr, blocks, n, clip, KIND: tl.constexpr, SPAN: tl.constexpr,
+                 BLOCK: tl.constexpr):  # noqa: N803
     """One program folds the blocks' partials (in float64, in block order: the same result every run) into
     the codec's scalars. ``KIND`` 0 (EF-signSGD): ``mean|x|``; 1 (1-bit SGD): the means of each side; 2
-    (TernGrad): ``scale`` and, at ``bound_ptr``, ``bound``, with ``bound = clip * std`` (Chan et al.'s pairwise variance) and
-    ``scale = max|clip(x)|``, NaN when any element is NaN or infinite (min and max skip NaN; a sum does not)."""
+    (TernGrad): ``scale`` and, at ``bound_ptr``, ``bound``, with ``bound = clip * std`` (Chan et al.'s pairwise
+    variance of blocks of ``SPAN`` elements) and ``scale = max|clip(x)|``, NaN when any element is NaN or infinite
+    (max skips NaN; a sum does not)."""
     rows = tl.arange(0, BLOCK)
-    sum_pos = tl.zeros((BLOCK,), dtype=tl.float64)
-    sum_neg = tl.zeros((BLOCK,), dtype=tl.float64)
-    count_pos = tl.zeros((BLOCK,), dtype=tl.float64)
-    low = tl.full((BLOCK,), float("inf"), dtype=tl.float32)
-    high = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    first = tl.zeros((BLOCK,), dtype=tl.float64)
+    second = tl.zeros((BLOCK,), dtype=tl.float64)
+    third = tl.zeros((BLOCK,), dtype=tl.float64)
+    high = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, blocks, BLOCK):
         r = start + rows
         m = r < blocks
-        sum_pos += tl.load(part_ptr + r * 8 + 1, mask=m, other=0.0).to(tl.float64)
-        sum_neg += tl.load(part_ptr + r * 8 + 2, mask=m, other=0.0).to(tl.float64)
-        count_pos += tl.load(part_ptr + r * 8 + 3, mask=m, other=0.0).to(tl.float64)
-        low = tl.minimum(low, tl.load(part_ptr + r * 8 + 6, mask=m, other=float("inf")))
-        high = tl.maximum(high, tl.load(part_ptr + r * 8 + 7, mask=m, other=float("-inf")))
-    sp = tl.sum(sum_pos)
-    sn = tl.sum(sum_neg)
+        first += tl.load(part_ptr + r * 4, mask=m, other=0.0).to(tl.float64)
+        if KIND == 1:
+            second += tl.load(part_ptr + r * 4 + 1, mask=m, other=0.0).to(tl.float64)
+            third += tl.load(part_ptr + r * 4 + 2, mask=m, other=0.0).to(tl.float64)
+        if KIND == 2:
+            high = tl.maximum(high, tl.load(part_ptr + r * 4 + 2, mask=m, other=0.0))
     if KIND == 0:
-        tl.store(out_ptr, ((sp - sn) / n).to(tl.float32))
+        tl.store(out_ptr, (tl.sum(first) / n).to(tl.float32))
     elif KIND == 1:
-        cp = tl.sum(count_pos)
-        tl.store(out_ptr, (sp / tl.maximum(cp, 1.0)).to(tl.float32))
-        tl.store(out_ptr + 1, (sn / tl.maximum(n - cp, 1.0)).to(tl.float32))
+        cp = tl.sum(third)
+        tl.store(out_ptr, (tl.sum(first) / tl.maximum(cp, 1.0)).to(tl.float32))
+        tl.store(out_ptr + 1, (tl.sum(second) / tl.maximum(n - cp, 1.0)).to(tl.float32))
     else:
-        total = sp + sn
+        total = tl.sum(first)
         mean = total / n
         m2 = tl.zeros((BLOCK,), dtype=tl.float64)
         for start in range(0, blocks, BLOCK):
             r = start + rows
             m = r < blocks
-            cnt = tl.load(part_ptr + r * 8, mask=m, other=0.0).to(tl.float64)
-            bm = tl.load(part_ptr + r * 8 + 4, mask=m, other=0.0).to(tl.float64)
-            bm2 = tl.load(part_ptr + r * 8 + 5, mask=m, other=0.0).to(tl.float64)
-            m2 += bm2 + cnt * (bm - mean) * (bm - mean)
-        scale = tl.maximum(-tl.min(low), tl.max(high)).to(tl.float64)
+            cnt = tl.minimum(n - r * SPAN, SPAN).to(tl.float64)
+            s = tl.load(part_ptr + r * 4, mask=m, other=0.0).to(tl.float64)
+            bm2 = tl.load(part_ptr + r * 4 + 1, mask=m, other=0.0).to(tl.float64)
+            bm = (s.to(tl.float32) / tl.where(m, cnt, 1.0).to(tl.float32)).to(tl.float64)  # sign_stats' mean
+            m2 += tl.where(m, bm2 + cnt * (bm - mean) * (bm - mean), 0.0)
+        scale = tl.max(high).to(tl.float64)
         bound = clip * tl.sqrt(tl.sum(m2) / n)
         if clip > 0:
             scale = tl.minimum(scale, bound)
@@ -196,20 +217,16 @@ def signum_pack(x_ptr, prev_ptr, m_ptr, bits_ptr, n, nbytes, beta, rest, HAS_PRE
                 BYTES: tl.constexpr):  # noqa: N803
     """SIGNUM's step in one pass: ``m = prev * beta + x * rest`` (``prev`` 0 when absent) into ``m_ptr``, and the
     bits of ``m >= 0``."""
-    pid = tl.program_id(0)
-    offs = pid * (BYTES * 8) + tl.arange(0, BYTES * 8)
+    b, offs = _rows(tl.program_id(0), BYTES, 8)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_PREV:
         prev = tl.load(prev_ptr + offs, mask=mask, other=0.0)
     else:
-        prev = tl.zeros((BYTES * 8,), dtype=tl.float32)
+        prev = tl.zeros((BYTES, 8), dtype=tl.float32)
     m = prev * beta + x * rest
     tl.store(m_ptr + offs, m, mask=mask)
-    bits = tl.reshape(((m >= 0) & mask).to(tl.int32), (BYTES, 8))
-    byte = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1)
-    b = pid * BYTES + tl.arange(0, BYTES)
-    tl.store(bits_ptr + b, byte.to(tl.uint8), mask=b < nbytes)
+    tl.store(bits_ptr + b, _pack((m >= 0) & mask, 8), mask=b < nbytes)
 
 
 KERNELS = {f.__name__: f for f in (pack_nonnegative, select_by_bits, qsgd_encode, qsgd_decode, terngrad_encode,

@@ -12,8 +12,13 @@ not take), and the codec then runs its torch form. Which is which:
 * **its own summation order:** ``sign_stats`` (the scales of EF-signSGD, 1-bit SGD and TernGrad), folded in
   float64 in block order: within rounding of torch's sums, and the same bits every run;
 * **its own random numbers:** ``qsgd_encode`` and ``terngrad_encode`` draw ``u`` from Triton's Philox stream
-  (seeded from the compressor's generator on the host, one integer per call: no device synchronisation). They
-  quantize by the same rule, so they have the same distribution, not the same draws.
+  (seeded from the compressor's generator on the host, one integer per call: no device synchronisation; each
+  Philox counter gives the numbers of four elements). They quantize by the same rule, so they have the same
+  distribution, not the same draws.
+
+On a GPU each kernel is launched through its compiled form once Triton has compiled it for such arguments
+(:class:`_Launch`): a codec at 1e6 elements is bound by the host, and Triton's own launch re-binds every
+argument in Python on every call.
 
 ``GRADSYNC_FUSED=0`` turns the kernels off (the torch form everywhere). ``GRADSYNC_FUSED=interpret`` also runs
 them on CPU tensors through Triton's interpreter: that is how the CPU-only tests check the kernels' results.
@@ -22,6 +27,7 @@ them on CPU tensors through Triton's interpreter: that is how the CPU-only tests
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -53,7 +59,123 @@ def _kernels(interpret: bool) -> dict[str, Any] | None:
     except ImportError:  # no Triton (a CPU-only install): the torch forms run
         return None
     jitted = {name: source.triton.jit(fn) for name, fn in source.KERNELS.items()}
-    return {name: _OneAtATime(k) for name, k in jitted.items()} if interpret else jitted
+    if interpret:
+        return {name: _OneAtATime(k) for name, k in jitted.items()}
+    fast = _fast_launch()
+    if fast is None:  # a Triton whose launch this module does not know: its own launch, every time
+        return jitted
+    return {name: _Launch(k, list(inspect.signature(source.KERNELS[name]).parameters), *fast)
+            for name, k in jitted.items()}
+
+
+def _launch_convention(source: str) -> tuple[bool, str] | None:
+    """What :class:`_Launch` reads from the source of Triton's ``JITFunction.run``: whether the compiled launcher
+    takes every argument (Triton 3.3 on) or the non-constexpr ones, and where the launch hooks live (``knobs`` or
+    ``CompiledKernel``). None where the launch is not the one :class:`_Launch` makes."""
+    if "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata" not in source:
+        return None
+    if "*bound_args.values())" in source:
+        all_args = True
+    elif "*non_constexpr_vals)" in source:
+        all_args = False
+    else:
+        return None
+    if "knobs.runtime.launch_enter_hook" in source:
+        return all_args, "knobs"
+    if "CompiledKernel.launch_enter_hook" in source:
+        return all_args, "CompiledKernel"
+    return None
+
+
+def _fast_launch() -> tuple[bool, Callable[[], int], Callable[[int], int], Callable[[], bool]] | None:
+    """``(all_args, device, stream, hooked)`` for :class:`_Launch` on this Triton, or None (Triton launches)."""
+    try:
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+
+        convention = _launch_convention(inspect.getsource(JITFunction.run))
+        if convention is None:
+            return None
+        all_args, hooks = convention
+        if hooks == "knobs":
+            from triton import knobs
+
+            where: Any = knobs.runtime
+        else:
+            from triton.compiler import CompiledKernel
+
+            where = CompiledKernel
+        active = driver.active
+        device, stream = active.get_current_device, active.get_current_stream
+    except Exception:  # noqa: BLE001 - any surprise here means: let Triton launch
+        return None
+
+    def hooked() -> bool:
+        return _hook_set(where.launch_enter_hook) or _hook_set(where.launch_exit_hook)
+
+    return all_args, device, stream, hooked
+
+
+def _hook_set(hook: Any) -> bool:
+    """A launch hook that does something: a function, or a chain of them (Triton 3.4 on) that is not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _spec(arg: Any) -> Any:
+    """What Triton specializes a kernel on for one argument: a tensor's dtype and 16-byte alignment; an
+    integer's equality to 1, divisibility by 16 and width; a float's type."""
+    kind = type(arg)
+    if kind is Tensor:
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if kind is int:
+        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
+    if kind is float:
+        return float
+    if kind is bool:
+        return bool, arg
+    raise TypeError(f"no launch key for a {type(arg).__name__}")
+
+
+class _Launch:
+    """A jitted kernel launched through its compiled form once Triton has compiled it for such arguments.
+
+    Why: Triton's own launch binds and specializes every argument in Python on each call, host time that a codec
+    at 1e6 elements (where the host, not the GPU, is the bottleneck) pays per kernel. The first call for each key
+    goes through Triton, which compiles, launches and returns the compiled kernel; later calls with the same key
+    call that kernel's launcher directly, as Triton's own ``run`` does after its lookup. The key holds everything
+    Triton specializes on (:func:`_spec`, the constexprs, the device), so the kernel reused is the one Triton
+    would pick. With a launch hook set (a profiler), every call goes through Triton, which calls it.
+    """
+
+    def __init__(self, kernel: Any, names: list[str], all_args: bool, device: Callable[[], int],
+                 stream: Callable[[int], int], hooked: Callable[[], bool]) -> None:
+        self._kernel = kernel
+        self._names = names
+        self._all_args = all_args
+        self._device, self._stream, self._hooked = device, stream, hooked
+        self._compiled: dict[Any, Any] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+        device = self._device()
+        try:
+            key = (device, tuple(map(_spec, args)), tuple(constexprs.items()))
+        except TypeError:
+            key = None
+        compiled = self._compiled.get(key) if key is not None else None
+        if compiled is None or self._hooked():
+            compiled = self._kernel[grid](*args, **constexprs)
+            # Cached only when the constexprs come in the signature's order, after the other arguments: the
+            # order the compiled launcher takes them in.
+            if key is not None and compiled is not None and list(constexprs) == self._names[len(args):]:
+                self._compiled[key] = compiled
+            return
+        g = (*grid, 1, 1)
+        extra = constexprs.values() if self._all_args else ()
+        compiled.run(g[0], g[1], g[2], self._stream(device), compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *extra)
 
 
 class _OneAtATime:
@@ -148,7 +270,7 @@ def select_by_bits(packed: Tensor, n: int, dtype: torch.dtype, *, out: Tensor | 
     mode = 0 if values is None else (1 if negate else 2)
     if n:
         v = out if values is None else values.reshape(-1).contiguous()
-        k["select_by_bits"][(_cdiv(n, 2048),)](packed, out, n, v, float(hi), float(lo), MODE=mode, BLOCK=2048)
+        k["select_by_bits"][(_cdiv(n, 4096),)](packed, out, n, v, float(hi), float(lo), MODE=mode, BYTES=512)
     return out
 
 
@@ -195,8 +317,8 @@ def terngrad_encode(x: Tensor, bound: Tensor | None, scale: Tensor, seed: Seed) 
     out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if n:
         b = scale if bound is None else bound
-        k["terngrad_encode"][(_cdiv(nbytes, 1024),)](x, b.reshape(1), scale.reshape(1), out, n, nbytes, _draw(seed),
-                                                      CLIP=bound is not None, BYTES=1024)
+        k["terngrad_encode"][(_cdiv(nbytes, 512),)](x, b.reshape(1), scale.reshape(1), out, n, nbytes, _draw(seed),
+                                                      CLIP=bound is not None, BYTES=512)
     return out
 
 
@@ -207,7 +329,7 @@ def terngrad_decode(packed: Tensor, scale: Tensor, n: int, dtype: torch.dtype) -
         return None
     out = torch.empty(n, dtype=dtype, device=packed.device)
     if n:
-        k["terngrad_decode"][(_cdiv(n, 2048),)](packed, scale.reshape(1), out, n, BLOCK=2048)
+        k["terngrad_decode"][(_cdiv(n, 2048),)](packed, scale.reshape(1), out, n, BYTES=512)
     return out
 
 
@@ -234,12 +356,15 @@ def sign_stats(x: Tensor, kind: str, *, pack: bool = True,
     n = x.numel()
     nbytes = _cdiv(n, 8)
     blocks = _cdiv(n, 8 * _STATS_BYTES)
-    parts = torch.empty(blocks * 8, dtype=torch.float32, device=x.device)
+    code = _STATS_KIND[kind]
+    # One allocation for the block partials (4 per block) and the results: the scalars, then the bound.
+    scratch = torch.empty(blocks * 4 + 3, dtype=torch.float32, device=x.device)
+    parts, out, bound = scratch[:-3], scratch[-3:-1] if code == 1 else scratch[-3:-2], scratch[-1:]
     bits = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if pack else None
-    k["sign_stats"][(blocks,)](x, parts if bits is None else bits, parts, n, nbytes, PACK=pack, BYTES=_STATS_BYTES)
-    out = torch.empty(2 if kind == "side_means" else 1, dtype=torch.float32, device=x.device)
-    bound = torch.empty(1, dtype=torch.float32, device=x.device)
-    k["finish_stats"][(1,)](parts, out, bound, blocks, n, float(clip or 0.0), KIND=_STATS_KIND[kind], BLOCK=1024)
+    k["sign_stats"][(blocks,)](x, parts if bits is None else bits, parts, n, nbytes, PACK=pack, KIND=code,
+                               BYTES=_STATS_BYTES)
+    k["finish_stats"][(1,)](parts, out, bound, blocks, n, float(clip or 0.0), KIND=code, SPAN=8 * _STATS_BYTES,
+                            BLOCK=1024)
     return bits, out, bound
 
 

@@ -290,3 +290,112 @@ def test_the_torch_form_draws_only_its_own_random_numbers():
     torch.manual_seed(5)
     torch.rand(1000)
     assert torch.equal(after, torch.get_rng_state())
+
+
+# ---- the launch path on a GPU (kernels._Launch), with a fake Triton kernel ----------------------------------------
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, runs: list) -> None:
+        self._runs = runs
+
+    def run(self, *args: object) -> None:
+        self._runs.append(args)
+
+
+class _FakeJit:
+    """Triton's JITFunction as _Launch sees it: ``kernel[grid](*args, **constexprs)`` launches and returns the
+    compiled kernel."""
+
+    def __init__(self) -> None:
+        self.slow: list = []
+        self.runs: list = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.slow.append((grid, args, constexprs))
+            return _FakeCompiled(self.runs)
+
+        return launch
+
+
+def _launcher(all_args: bool = True, hooked: bool = False):
+    jit = _FakeJit()
+    launch = kernels._Launch(jit, ["x_ptr", "out_ptr", "n", "nbytes", "BYTES"], all_args, lambda: 0,
+                             lambda device: 1234 + device, lambda: hooked)
+    return jit, launch
+
+
+def test_launch_goes_through_triton_once_per_specialization_then_calls_the_compiled_launcher():
+    jit, launch = _launcher()
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.uint8)
+    launch[(3,)](x, out, 64, 8, BYTES=512)
+    assert len(jit.slow) == 1 and not jit.runs
+    launch[(5,)](x, out, 64, 8, BYTES=512)
+    assert len(jit.slow) == 1
+    assert jit.runs == [(5, 1, 1, 1234, "fn", "meta", None, None, None, x, out, 64, 8, 512)]
+
+
+@pytest.mark.parametrize("change", ["dtype", "alignment", "one", "divisibility", "width", "constexpr"])
+def test_launch_compiles_anew_where_triton_would_specialize_differently(change):
+    jit, launch = _launcher()
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.uint8)
+    args = [x, out, 64, 8]
+    launch[(1,)](*args, BYTES=512)
+    constexpr = 512
+    if change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "alignment":
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "one":
+        args[2] = 1
+    elif change == "divisibility":
+        args[2] = 65
+    elif change == "width":
+        args[2] = 2**31 + 16
+    else:
+        constexpr = 256
+    launch[(1,)](*args, BYTES=constexpr)
+    assert len(jit.slow) == 2 and not jit.runs
+
+
+def test_launch_passes_only_the_non_constexpr_arguments_to_an_older_triton():
+    jit, launch = _launcher(all_args=False)
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.uint8)
+    launch[(1,)](x, out, 64, 8, BYTES=512)
+    launch[(1,)](x, out, 64, 8, BYTES=512)
+    assert jit.runs[0][9:] == (x, out, 64, 8)
+
+
+def test_launch_leaves_every_call_to_triton_while_a_launch_hook_is_set_or_constexprs_come_out_of_order():
+    jit, launch = _launcher(hooked=True)
+    x, out = torch.zeros(64), torch.zeros(8, dtype=torch.uint8)
+    for _ in range(3):
+        launch[(1,)](x, out, 64, 8, BYTES=512)
+    assert len(jit.slow) == 3 and not jit.runs
+    jit2 = _FakeJit()
+    launch2 = kernels._Launch(jit2, ["x_ptr", "n", "A", "B"], True, lambda: 0, lambda d: 0, lambda: False)
+    for _ in range(2):
+        launch2[(1,)](x, 64, B=1, A=2)
+    assert len(jit2.slow) == 2 and not jit2.runs
+
+
+def test_the_installed_triton_launches_as_launch_expects():
+    """A Triton upgrade that changes how ``JITFunction.run`` launches turns the direct path off (Triton then
+    launches every call); this says so here rather than on a GPU."""
+    import inspect
+
+    from triton.runtime.jit import JITFunction
+
+    assert kernels._launch_convention(inspect.getsource(JITFunction.run)) is not None
+    assert kernels._launch_convention("kernel.run(grid_0, grid_1, grid_2, stream, other)") is None
+
+
+def test_an_empty_chain_of_launch_hooks_is_no_hook():
+    """Triton 3.4 on keeps its launch hooks in a chain that is never None: only a chain with calls is a hook."""
+    from triton.knobs import HookChain
+
+    chain = HookChain()
+    assert not kernels._hook_set(None) and not kernels._hook_set(chain)
+    chain.add(print)
+    assert kernels._hook_set(chain) and kernels._hook_set(print)
