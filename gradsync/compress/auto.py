@@ -18,7 +18,7 @@ one by one: that they share one communication stream is left to the measurement 
 Policies (``allow=``) say what accuracy a user gives up, as data (:data:`POLICIES`):
 
 * ``"lossless"`` -- ``"none"``, and casts to the gradient's own dtype (fp16 on an fp16 model);
-* ``"cast"`` -- plus fp16 (rounds each gradient once, no error feedback needed);
+* ``"cast"`` -- plus fp16 and bf16 (round each gradient once, no error feedback needed);
 * ``"any"`` -- plus the error-feedback codecs: PowerSGD at ranks 1 and 4, top-k and DGC at 1% / 0.1%,
   EF-signSGD and QSGD.
 """
@@ -89,6 +89,7 @@ CODECS: Registry[CodecOption] = Registry("auto codec", CompressionError)
 for _option in (
     CodecOption("none", "none", accuracy="lossless"),
     CodecOption("fp16", "fp16", accuracy="cast", cast_to=torch.float16),
+    CodecOption("bf16", "bf16", accuracy="cast", cast_to=torch.bfloat16),
     CodecOption("powersgd-r4", "powersgd", (("rank", 4),)),
     CodecOption("powersgd-r1", "powersgd", (("rank", 1),)),
     CodecOption("topk-1%", "topk", (("ratio", 0.01),)),
@@ -103,11 +104,22 @@ POLICIES: Mapping[str, str] = {"lossless": "lossless", "cast": "cast", "any": "a
 
 
 def allowed(policy: str, dtype: torch.dtype) -> tuple[CodecOption, ...]:
-    """The codecs ``policy`` allows on gradients of ``dtype``, in preference order (``"none"`` always first)."""
+    """The codecs ``policy`` allows on gradients of ``dtype``: the more accurate first, then in preference order
+    (``"none"`` always first)."""
     if policy not in POLICIES:
         raise CompressionError(f"allow={policy!r} must be one of {sorted(POLICIES)} (what accuracy auto may give up)")
     limit = ACCURACY.index(POLICIES[policy])
-    return tuple(o for o in (CODECS.get(n) for n in CODECS.names()) if ACCURACY.index(o.accuracy_for(dtype)) <= limit)
+    options = [o for o in (CODECS.get(n) for n in CODECS.names()) if ACCURACY.index(o.accuracy_for(dtype)) <= limit]
+    # The more accurate first, so a tie goes to it (bf16 before fp16 on a bf16 model, where bf16 rounds nothing);
+    # a cast as wide as an earlier one of its class never sends less and rounds no better (bf16 after fp16).
+    options.sort(key=lambda o: ACCURACY.index(o.accuracy_for(dtype)))
+    kept: list[CodecOption] = []
+    for o in options:
+        if o.cast_to is not None and any(k.cast_to is not None and k.cast_to.itemsize == o.cast_to.itemsize
+                                         and k.accuracy_for(dtype) == o.accuracy_for(dtype) for k in kept):
+            continue
+        kept.append(o)
+    return tuple(kept)
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------

@@ -172,6 +172,7 @@ class DGCMemory(Memory):
 DEFAULT_MEMORY: dict[str, str] = {
     "none": "none",
     "fp16": "none",
+    "bf16": "none",
     "qsgd": "none",
     "terngrad": "none",
     "signsgd": "none",

@@ -1,4 +1,4 @@
-"""Limited-bit and codebook quantizers (MergeComp §2.1): ``none``, ``fp16``, ``qsgd``, ``terngrad``.
+"""Limited-bit and codebook quantizers (MergeComp §2.1): ``none``, ``fp16``, ``bf16``, ``qsgd``, ``terngrad``.
 
 ``none`` and ``fp16`` are dense and summable, so they go by allreduce (MergeComp Table 1); QSGD and TernGrad
 send packed codes plus a scale, which do not sum, so they go by allgather.
@@ -26,7 +26,7 @@ from gradsync.compress.base import (
 )
 from gradsync.compress.packing import less, pack_uint, packed_nbytes, unpack_fields, unpack_uint
 
-__all__ = ["NoCompression", "FP16", "QSGD", "TernGrad"]
+__all__ = ["NoCompression", "FP16", "BF16", "QSGD", "TernGrad"]
 
 _SCALE_DTYPE = torch.float32  # norms and scales travel as float32 whatever the gradient's dtype
 
@@ -57,13 +57,21 @@ class FP16(Compressor):
     cast_dtype = torch.float16
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
-        return [flat.half()], Context(info)
+        return [flat.to(self.cast_dtype)], Context(info)
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         return payload[0]
 
     def payload_bytes(self, shape: int | Sequence[int], dtype: torch.dtype) -> int:
-        return numel_of(shape) * torch.float16.itemsize
+        return numel_of(shape) * self.cast_dtype.itemsize
+
+
+@register_compressor("bf16")
+class BF16(FP16):
+    """bfloat16 on the wire (torch's ``bf16_compress_hook``): fp16's bytes with float32's range, so a large
+    gradient never overflows to inf; 8 bits of mantissa against fp16's 11, so each value rounds more."""
+
+    cast_dtype = torch.bfloat16
 
 
 @register_compressor("qsgd")

@@ -94,8 +94,8 @@ def test_overlap_hides_a_group_behind_backward() -> None:
 def test_codec_cost_decides_when_the_wire_is_cheap() -> None:
     wire = AlphaBeta(0.0, 1e9)
     spec = GroupSpec("g", ((1_000_000,),), torch.float32)  # none: 4 ms on 2 ranks; fp16 saves 2 ms
-    slow_codec = CodecProfile({"fp16": LinearCost(0.0, 3e-9)})  # 3 ms: more than it saves
-    fast_codec = CodecProfile({"fp16": LinearCost(0.0, 1e-9)})  # 1 ms: less
+    slow_codec = CodecProfile({"fp16": LinearCost(0.0, 3e-9), "bf16": LinearCost(0.0, 3e-9)})  # 3 ms: > it saves
+    fast_codec = CodecProfile({"fp16": LinearCost(0.0, 1e-9), "bf16": LinearCost(0.0, 1e-9)})  # 1 ms: less
     assert choose([spec], policy="cast", wire=wire, codec_cost=slow_codec, world=2)[0].codec == "none"
     pick = choose([spec], policy="cast", wire=wire, codec_cost=fast_codec, world=2)[0]
     assert pick.codec == "fp16" and pick.predicted_s == pytest.approx(1e-3 + 2e-3)
@@ -122,3 +122,12 @@ def test_wire_model_closed_forms_and_json() -> None:
     assert AutoChoice.from_dict("g", pick_dict := AutoChoice("g", 8, "fp16", 4, 1.0, 2.0).to_dict()).codec == "fp16"
     with pytest.raises(CompressionError, match="auto codec"):
         AutoChoice.from_dict("g", {**pick_dict, "codec": "zip"})
+
+
+def test_casts_are_lossless_on_their_own_dtype_and_cast_class_otherwise() -> None:
+    names = lambda policy, dtype: [o.name for o in allowed(policy, dtype)]  # noqa: E731
+    assert names("lossless", torch.float32) == ["none"]
+    assert names("lossless", torch.bfloat16) == ["none", "bf16"]
+    assert names("lossless", torch.float16) == ["none", "fp16"]
+    assert names("cast", torch.float32) == ["none", "fp16"]  # bf16: fp16's bytes, coarser
+    assert names("cast", torch.bfloat16) == ["none", "bf16", "fp16"]  # a tie goes to bf16, lossless there

@@ -144,7 +144,7 @@ def test_registry_holds_the_issue_methods() -> None:
         assert COMPRESSORS.get(name).communicator in COMMUNICATORS
         assert COMPRESSORS.get(name).name == name
     allreduce = {n for n in NAMES if COMPRESSORS.get(n).communicator == "allreduce"}
-    assert allreduce == {"none", "fp16", "randk", "powersgd"}
+    assert allreduce == {"none", "fp16", "bf16", "randk", "powersgd"}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -456,8 +456,8 @@ def test_residual_memory_conserves_the_sum_over_workers(name: str) -> None:
         grads += sum(g)
         sent += world * simulate_step(compressors, memories, g, info)
     residuals = sum(m.residual("w") for m in memories)
-    # fp16's allreduce sums in fp16: that rounding happens after the memories saw their payloads.
-    atol = 3 * 4 * 2**-10 * grads.abs().max().item() if name == "fp16" else 1e-9
+    # fp16 and bf16 sum in their own dtype: that rounding happens after the memories saw their payloads.
+    atol = 3 * 4 * {"fp16": 2**-10, "bf16": 2**-7}.get(name, 0) * grads.abs().max().item() or 1e-9
     torch.testing.assert_close(sent + residuals, grads, rtol=0, atol=atol)
 
 
@@ -696,3 +696,17 @@ def test_simulate_step_averages_summable_methods(name: str) -> None:
 def test_repr_names_the_parameters() -> None:
     assert repr(create("topk", ratio=0.05)) == "TopK(ratio=0.05)"
     assert repr(create_memory("dgc", momentum=0.5)) == "DGCMemory(momentum=0.5)"
+
+
+def test_bf16_rounds_to_bfloat16_and_keeps_what_fp16_overflows() -> None:
+    x = torch.tensor([1.0, 1 + 2**-9, -3.14159, 1e5, -1e30, 0.0], dtype=torch.float32)
+    info = TensorInfo("w", (6,), torch.float32)
+    payload, ctx = create("bf16").compress(x, info)
+    assert payload[0].dtype == torch.bfloat16 and create("bf16").payload_bytes((6,), torch.float32) == 12
+    out = create("bf16").decompress(payload, ctx)
+    assert out.dtype == torch.float32
+    # round to nearest even with 8 significant bits: 1 + 2**-9 is a tie (to 1.0), 1e5 = 1.5259 * 2**16 -> 1.5234375
+    assert out[[0, 1, 2, 3, 5]].tolist() == [1.0, 1.0, -3.140625, 99840.0, 0.0]
+    assert abs(out[4].item() / -1e30 - 1) <= 2**-9
+    fp16 = create("fp16")
+    assert torch.isinf(fp16.decompress(*fp16.compress(x, info))[3:5]).all()
