@@ -22,6 +22,7 @@ communication thread (from when it could start -- queued behind the previous job
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -50,7 +51,7 @@ from gradsync.compress.auto import (
     profile_codecs,
     review,
 )
-from gradsync.compress.base import CompressionError, StepBoundary, TensorInfo
+from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts
 from gradsync.train.communicator import CompressionStep
 
 __all__ = ["AUTO_TYPE", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
@@ -61,6 +62,7 @@ AUTO_TYPE = "gradsync.compression_auto"
 PROBE_STEPS = 2
 #: How long a review waits for a timing callback of a job already finished (it runs on the comm thread).
 RECORD_WAIT_S = 5.0
+_SERIALS = itertools.count()
 
 
 def wire_of(runtime: Runtime) -> AlphaBeta:
@@ -137,6 +139,12 @@ class AutoCompression:
         #: whether the settled choices came from an earlier job's cache
         self.cached = False
         self.current = "none"
+        #: "none" launches summed by the backend's own allreduce of the whole group (``step_async(flat=...)``)
+        self.native_launches = 0
+        # Which AutoCompression of this process this is: part of every job-wide decision's key, so a second one
+        # with the same group names (a rebuilt model) never reads the first one's decisions. Every rank builds
+        # them in the same order (SPMD), so the serials agree.
+        self._serial = next(_SERIALS)
 
     # ---- the runtime --------------------------------------------------------------------------------------
     @property
@@ -176,8 +184,14 @@ class AutoCompression:
 
     # ---- one launch ----------------------------------------------------------------------------------------
     def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False,
-                   key: str | None = None) -> Work:
-        """Run the group's codec (see the module doc) on ``tensors``; the work's result is their aggregates."""
+                   key: str | None = None, flat: Tensor | None = None) -> Work:
+        """Run the group's codec (see the module doc) on ``tensors``; the work's result is their aggregates.
+
+        ``flat``: one contiguous buffer that ``tensors`` are views of, in order (a DDP bucket). A ``"none"``
+        launch then averages it in place with the backend's own allreduce, as DDP does without a hook, where
+        the runtime runs that size natively (the work's result is ``[flat]``): "none" is DDP itself, not
+        gradsync's per-tensor exchange.
+        """
         if not infos:
             raise CompressionError("step_async needs at least one tensor and its TensorInfo")
         if not self._loaded:
@@ -194,7 +208,10 @@ class AutoCompression:
         codec, sink = self._codec_for(group)
         group.launches += 1
         self.current = codec
-        work = self._step(codec).step_async(tensors, infos, reuse=reuse, verdict=self.boundary.verdict_for([key]))
+        verdict = self.boundary.verdict_for([key])
+        work = self._native(flat, key, verdict) if codec == "none" and flat is not None else None
+        if work is None:
+            work = self._step(codec).step_async(tensors, infos, reuse=reuse, verdict=verdict)
         t1 = self.clock()
         event = threading.Event()
 
@@ -211,6 +228,28 @@ class AutoCompression:
             self._events.append(event)
         work.future.add_done_callback(record)
         return work
+
+    def _native(self, flat: Tensor, key: str, verdict: StepVerdict) -> Work | None:
+        """``flat`` averaged in place by the process group's own async allreduce (None where the runtime plans
+        this size itself). The sum is the same bits on every rank, so whether it is finite is the job's verdict
+        on this group: it joins the step's, as every codec's exchange does (one max-norm on the device)."""
+        runtime = self.runtime
+        fut = runtime.native_allreduce_async(flat)
+        if fut is None:
+            return None
+        slot = verdict.reserve()
+        self.native_launches += 1
+        world = runtime.world_size
+        inverse = 1.0 / world if world & (world - 1) == 0 else None  # x / 2**k is x * 2**-k, at half the cost
+
+        def average(f: torch.futures.Future) -> list[Tensor]:
+            f.value()
+            verdict.fill(slot, Verdicts(torch.linalg.vector_norm(flat, math.inf).isfinite().reshape(1)))
+            if world > 1:
+                flat.mul_(inverse) if inverse is not None else flat.div_(world)
+            return [flat]
+
+        return Work(fut.then(average), f"auto:{key}:native")
 
     def close_step(self) -> None:
         """No exchange joins the training step any more (:meth:`CompressionStep.close_step`, for every codec)."""
@@ -264,7 +303,7 @@ class AutoCompression:
             raise CompressionError(
                 f"compression='auto' needs a transport that shares one decision across the job (torch.distributed's "
                 f"store); this runtime's {type(rt.transport).__name__} cannot: pass a fixed codec instead")
-        return rt.plans.decide(f"compression-auto/{key}", compute)
+        return rt.plans.decide(f"compression-auto/{self._serial}/{key}", compute)
 
     def _agree_choice(self, group: _Group) -> AutoChoice:
         def compute() -> bytes:

@@ -175,7 +175,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     # and an aggregate may be decoded straight into its gradient's place in the bucket (reuse).
     if state.auto is not None:  # the bucket is auto's group, whatever merge says
         key = infos[0].name if state.merge == "bucket" else _bucket_key(state, bucket)
-        inner = state.auto.step_async(tensors, infos, reuse=True, key=key)
+        inner = state.auto.step_async(tensors, infos, reuse=True, key=key, flat=buffer)
     else:
         inner = state.step.step_async(tensors, infos, reuse=True)
     if bucket.is_last():  # every bucket of the iteration is queued: no exchange joins its verdict any more

@@ -168,3 +168,17 @@ def test_auto_refuses_a_transport_that_cannot_share_its_decision() -> None:
     finally:
         for runtime in runtimes:
             runtime.shutdown()
+
+
+def test_two_autos_on_one_runtime_never_share_a_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuilt model's AutoCompression names the same groups as the first one's: its job-wide decisions must not
+    read the first one's (a rank reading a stale choice would exchange another codec than its peers)."""
+    from types import SimpleNamespace
+
+    keys: list[str] = []
+    fake = SimpleNamespace(world_size=2, caps=SimpleNamespace(decide=object()),
+                           plans=SimpleNamespace(decide=lambda key, compute: keys.append(key) or compute()))
+    monkeypatch.setattr(AutoCompression, "runtime", property(lambda self: fake))
+    first, second = AutoCompression("cast", cache=False), AutoCompression("cast", cache=False)
+    assert first._decide("choose/g", lambda: b"a") == b"a" and second._decide("choose/g", lambda: b"b") == b"b"
+    assert len(set(keys)) == 2 and all(k.endswith("/choose/g") for k in keys), keys

@@ -55,6 +55,20 @@ def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and
         assert all(g["tried"] == got[0]["tried"] for g in got) and set(got[0]["tried"]) - {"none"}, got
         assert all(g["hash"] == got[0]["hash"] for g in got), [g["report"] for g in got]
         assert got[0]["moved"] > 1e-3, got[0]  # it trained: identical parameters are not just the initial ones
+        # "none" on a DDP bucket is DDP's own allreduce of the bucket (the probing launches, at least); the
+        # optimizer's groups have no bucket, so its "none" is gradsync's exchange
+        assert all(g["native"] > 0 if path == "hook" else g["native"] == 0 for g in got), got
+
+
+def test_auto_none_on_a_ddp_bucket_is_ddps_allreduce_and_still_counts_a_bad_iteration(tmp_path):
+    """Issue 40: "none" on a bucket is the backend's own allreduce of the bucket (as DDP without a hook), and its
+    sum's finiteness joins the iteration's verdict: a NaN or inf on one rank counts once on every rank."""
+    reports = launch(WORKER, ["auto_native_nonfinite", str(tmp_path)], WORLD, tmp_path, timeout_s=180)
+    for rank, rep in enumerate(reports):
+        for bad, r in rep.items():
+            launches, buckets = r["native"]
+            assert buckets >= 8 and launches == buckets, (rank, bad, r["diff"], r["report"], r["native"])  # natively
+            assert r["bad_nonfinite"] and r["later_equal"] and r["counts"] == [1, 0], (rank, bad, r)
 
 
 def test_one_bad_gradient_in_one_ddp_bucket_leaves_every_bucket_as_if_the_iteration_never_happened(tmp_path):

@@ -194,7 +194,8 @@ def scenario_auto() -> dict:
         start = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
         out[path] = {"hash": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "settled": auto.settled,
                      "codecs": {k: c.codec for k, c in auto.choices.items()}, "report": auto.report(),
-                     "tried": sorted(tried), "moved": float((flat - start).abs().max())}
+                     "tried": sorted(tried), "moved": float((flat - start).abs().max()),
+                     "native": auto.native_launches}
     gradsync.shutdown()
     return out
 
@@ -260,7 +261,53 @@ def scenario_nonfinite_hook() -> dict:
     return out
 
 
-SCENARIOS = {"auto": scenario_auto, "accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast,
+def scenario_auto_native_nonfinite() -> dict:
+    """compression="auto" on an infinitely fast wire through the DDP hook: every bucket runs "none" by DDP's own
+    allreduce of the bucket. At iteration 2 one gradient element on rank 0 is NaN (or inf): every rank's gradient
+    there is non-finite, the iteration counts once on every rank, and the next iterations are those of a run that
+    skipped it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradsync.compress.auto import AlphaBeta
+    from gradsync.train import AutoCompression
+    from tests.compress.seeded import step_tensors
+
+    rt = gradsync.init(timeout_s=60)  # on loopback the runtime runs these sizes natively
+    out = {}
+    for bad in ("nan", "inf"):
+        runs = []
+        for skip in (False, True):
+            module = _LinearLoss()
+            net = DDP(module, bucket_cap_mb=0.002)
+            auto = AutoCompression("cast", runtime=rt, wire=AlphaBeta(0.0, 1e18), codec_cost=lambda c, n: 0.0 if c == "none" else 1.0,
+                                   probe_steps=1, cache=False)  # any codec costs more than the wire saves
+            state = gradsync.CompressionHookState(auto, runtime=rt, model=module)
+            net.register_comm_hook(state, gradsync.compression_hook)
+            grads = []
+            for s in range(5):
+                if skip and s == 2:
+                    grads.append({})
+                    continue
+                coeffs = step_tensors(_HOOK_SHAPES, s, RANK, bad=(2, "w2", 1, float(bad)))
+                module.zero_grad()
+                net(coeffs).backward()
+                grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+            state.close_step()
+            runs.append((grads, state.nonfinite_steps, (auto.native_launches, state.buckets), auto.report()))
+        (seen, count, native, report), (never, count_never, _, _) = runs
+        out[bad] = {
+            "bad_nonfinite": not bool(torch.isfinite(seen[2]["w2"]).all()),
+            "later_equal": all(torch.equal(seen[s][n], never[s][n]) for s in (3, 4) for n in _HOOK_SHAPES),
+            "counts": [count, count_never],
+            "native": native,
+            "diff": [n for s in (3, 4) for n in _HOOK_SHAPES if not torch.equal(seen[s][n], never[s][n])],
+            "report": report,
+        }
+    gradsync.shutdown()
+    return out
+
+
+SCENARIOS = {"auto": scenario_auto, "auto_native_nonfinite": scenario_auto_native_nonfinite, "accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast,
              "nonfinite_hook": scenario_nonfinite_hook}
 
 
