@@ -135,7 +135,9 @@ class DGC(_SparseValuesIndices):
     def _select(self, magnitude: Tensor, k: int) -> Tensor:
         numel = magnitude.numel()
         samples = max(self._MIN_SAMPLE, math.ceil(self.sample_ratio * numel))
-        if samples * 2 >= numel:
+        if samples * 2 >= numel or magnitude.device.type != "cpu":
+            # off the CPU the candidates' count is a host synchronisation (nonzero's size), and the device's own
+            # top-k finds the same k (the sample never decides which k win), as TopK does there
             return torch.topk(magnitude, k, sorted=False).indices
         return sampled_topk(magnitude, k, samples, self._OVERSAMPLE * self.ratio,
                             self._generator(magnitude.device, self.seed), self._flags(magnitude))
