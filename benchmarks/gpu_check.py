@@ -321,6 +321,65 @@ def _spawned(rank: int, world: int, backend: str, store: str, steps: int, tmp: s
 
 
 # ---- trainers: Lightning's documented GPU recipe ---------------------------------------------------------------
+def _staging_rank(rank: int, world: int, store: str, sizes: Sequence[int], reps: int, out: str) -> None:
+    """One gloo rank: the same allreduce of host and of CUDA tensors, alternating, gradsync's ring (the executor's
+    point-to-point messages, CUDA ones staged through pinned host buffers) and gloo's own allreduce."""
+    import torch
+    import torch.distributed as dist
+
+    import gradsync
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    gradsync.init(algorithm="ring")
+    devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if cuda else [])
+    rows = []
+    for n in sizes:
+        times: dict[str, list[float]] = {}
+        tensors = {d.type: torch.full((n,), float(rank + 1), device=d) for d in devices}
+        for rep in range(reps + 1):
+            for d in devices:
+                for method in ("gradsync_ring", "gloo"):
+                    x = tensors[d.type]
+                    x.fill_(float(rank + 1))
+                    _sync(d)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if method == "gloo":
+                        dist.all_reduce(x)
+                    else:
+                        gradsync.allreduce(x)
+                    _sync(d)
+                    if rep:  # the first round warms up
+                        times.setdefault(f"{method}/{d.type}", []).append(time.perf_counter() - t0)
+                    if not bool((x == world * (world + 1) / 2).all()):
+                        raise RuntimeError(f"{method} on {d} gave a wrong sum")
+        row: dict[str, Any] = {"bytes": 4 * n, **{k: statistics.median(v) for k, v in times.items()}}
+        for method in ("gradsync_ring", "gloo"):
+            if f"{method}/cuda" in row:
+                row[f"{method}_cuda_over_host"] = row[f"{method}/cuda"] / row[f"{method}/cpu"]
+        rows.append(row)
+    gradsync.shutdown()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def staging_part(sizes: Sequence[int], reps: int) -> list[dict[str, Any]]:
+    """gloo with CUDA tensors against host tensors of the same bytes, 2 ranks: what the staging costs (gradsync's
+    ring stages each message through pinned host memory, its copies overlapping the other messages' transfers)
+    beside what gloo's own CUDA allreduce pays for the same."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "staging.json")
+        mp.start_processes(_staging_rank, args=(2, os.path.join(tmp, "store"), list(sizes), reps, out), nprocs=2,
+                           join=True, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
 def trainers_part(steps: int) -> list[dict[str, Any]]:
     """``DDPStrategy(ddp_comm_state=<gradsync state built before any process group>, ddp_comm_hook=...)`` on one
     GPU, each hook in a fresh process: it passes when the hook ran (buckets > 0) and the weights are finite."""
@@ -511,15 +570,15 @@ def summary(doc: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gradsync bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (the test suite's dry run)")
-    p.add_argument("--parts", default="codecs,engines,hooks,trainers",
-                   help="comma-separated: codecs, engines, hooks, trainers")
+    p.add_argument("--parts", default="codecs,engines,staging,hooks,trainers",
+                   help="comma-separated: codecs, engines, staging, hooks, trainers")
     p.add_argument("--reps", type=int, default=None, help="timed runs per codec case (default 30, quick 3)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     parts = [s for s in args.parts.split(",") if s]
-    unknown = set(parts) - {"codecs", "engines", "hooks", "trainers"}
+    unknown = set(parts) - {"codecs", "engines", "staging", "hooks", "trainers"}
     if unknown:
-        print(f"unknown part(s) {sorted(unknown)}; use codecs, engines, hooks, trainers", file=sys.stderr)
+        print(f"unknown part(s) {sorted(unknown)}; use codecs, engines, staging, hooks, trainers", file=sys.stderr)
         return 2
     reps = args.reps or (3 if args.quick else 30)
     sizes = (1000, 100_000) if args.quick else (1_000_000, 25_000_000)
@@ -531,6 +590,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  launch costs (host us per launch): {doc['launch']}", flush=True)
     if "engines" in parts:
         doc["engines"] = engines_part(2 if args.quick else 4)
+    if "staging" in parts:
+        doc["staging"] = staging_part((1000,) if args.quick else (1_000_000, 16_000_000), 2 if args.quick else 7)
+        for row in doc["staging"]:
+            print(f"  staging: {row}", flush=True)
     if "hooks" in parts:
         doc["hooks"] = hooks_part(10 if args.quick else 40)
     if "trainers" in parts:

@@ -409,6 +409,16 @@ def gpu() -> list[str]:
                        num(r.get("kernels")), num(next((v for k, v in r.items() if k.endswith("_kernels")), None)),
                        num(r.get("host_syncs"))]
                       for r in j["codecs"] if "gradsync_s" in r))
+        staging = [r for r in j.get("staging", []) if "gradsync_ring/cuda" in r]
+        if staging:
+            out += ["gloo with CUDA tensors against host tensors of the same bytes, 2 ranks sharing the GPU, "
+                    "alternating (median): gradsync's ring stages each message through pinned host memory, "
+                    "gloo's own allreduce stages the whole tensor:", ""]
+            out += table(["bytes", "gradsync ring, host ms", "CUDA ms", "CUDA / host", "gloo, host ms", "CUDA ms",
+                          "CUDA / host"],
+                         ([num(r["bytes"]), num(r["gradsync_ring/cpu"] * 1e3), num(r["gradsync_ring/cuda"] * 1e3),
+                           num(r["gradsync_ring_cuda_over_host"]), num(r["gloo/cpu"] * 1e3), num(r["gloo/cuda"] * 1e3),
+                           num(r["gloo_cuda_over_host"])] for r in staging))
         if j.get("launch"):
             out += ["Host time per launch, 100 back to back: "
                     + ", ".join(f"{k[:-3].replace('_', ' ')} {num(v)} µs" for k, v in j["launch"].items())

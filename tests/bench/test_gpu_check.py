@@ -19,7 +19,7 @@ def test_the_gpu_check_dry_runs_on_the_cpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run `gradsync bench gpu` itself")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--parts", "codecs,engines,hooks",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--parts", "codecs,engines,staging,hooks",
                         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "gpu_check-cpu.json").read_text())
@@ -37,3 +37,5 @@ def test_the_gpu_check_dry_runs_on_the_cpu(tmp_path):
     assert [r for r in doc["engines"] if r.get("engine") == "nccl/1"] == [{"engine": "nccl/1",
                                                                          "skipped": "no CUDA GPU / NCCL here"}]
     assert doc["hooks"][0]["skipped"] and doc["failed"] == 0
+    (staging,) = doc["staging"]  # host tensors only here: each method timed, exact (a wrong sum raises)
+    assert staging["bytes"] == 4000 and staging["gradsync_ring/cpu"] > 0 and staging["gloo/cpu"] > 0
