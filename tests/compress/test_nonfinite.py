@@ -116,6 +116,10 @@ def test_nonfinite_marks_are_zero_or_nan_per_group() -> None:
     assert marks[0] == 0 and marks[3] == 0 and torch.isnan(marks[[1, 2, 4]]).all()
     packed_bits = torch.tensor([255], dtype=torch.uint8)  # not floating: never a mark
     assert nonfinite_marks([[ok, packed_bits]], torch.float32, torch.device("cpu"))[0] == 0
+    # a finite float64 beyond float32's range is finite: marked in its own dtype, then cast
+    big = torch.tensor([1e300, -1e300], dtype=torch.float64)
+    assert nonfinite_marks([[big], [big * 1e10]], torch.float32, torch.device("cpu")).tolist()[0] == 0
+    assert torch.isnan(nonfinite_marks([[big * 1e10]], torch.float32, torch.device("cpu"))).all()
 
 
 def test_verdicts_read_on_the_host() -> None:
