@@ -45,6 +45,7 @@ __all__ = [
     "Context",
     "Memory",
     "TensorInfo",
+    "TwoRoundBatch",
     "TwoRoundCompressor",
     "StepBoundary",
     "StepVerdict",
@@ -409,6 +410,62 @@ class TwoRoundCompressor(Compressor):
         into, or None). A result that is a payload tensor itself may only come back when ``divide_by == 1``.
         ``divide_by`` may be a 0-d tensor on the payload's device (the world size plus a non-finite mark): it is
         never compared on the host."""
+
+    def batch(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo]) -> TwoRoundBatch:
+        """The two rounds of several tensors that travel together (one exchange): each round's tensors summed in
+        one go, the per-tensor launches fused where the compressor can (default: the per-tensor methods)."""
+        return TwoRoundBatch(self, tensors, infos)
+
+
+class TwoRoundBatch:
+    """One exchange of a :class:`TwoRoundCompressor`: every tensor's two rounds, driven by a communicator::
+
+        b = c.batch(xs, infos)
+        allreduce_sum(b.first_round())             # the tensors to sum (the first-round tensors, or a buffer holding them)
+        allreduce_sum(b.second_round())            # after memory.update(x, info, c, *b.rounds[i]) for each tensor
+        outs = b.finish(outs, divide_by=world_size, marks=summed_marks)
+
+    This default calls the per-tensor methods. A compressor's own batch may pack a round's tensors into one buffer
+    (one collective, no copies in or out) and fuse per-tensor launches; it must give the same results.
+    """
+
+    def __init__(self, compressor: TwoRoundCompressor, tensors: Sequence[Tensor], infos: Sequence[TensorInfo]) -> None:
+        self.compressor = compressor
+        self.tensors = list(tensors)
+        self.infos = list(infos)
+        #: each tensor's first-round tensor (None: sent in one round), summed in place by the caller
+        self.firsts: list[Tensor | None] = []
+        #: each tensor's second-round ``(payload, ctx)`` (:meth:`second_round`), what the memory sees
+        self.rounds: list[tuple[list[Tensor], Context]] = []
+
+    def first_round(self) -> list[Tensor]:
+        """The tensors to sum over workers in place; the sum then reaches :attr:`firsts`."""
+        c = self.compressor
+        self.firsts = [c.first_round(t, i) for t, i in zip(self.tensors, self.infos)]
+        return [p for p in self.firsts if p is not None]
+
+    def second_round(self) -> list[Tensor]:
+        """Each tensor's ``(payload, ctx)`` from the summed first round, in :attr:`rounds`; returns the tensors to
+        sum over workers in place (each payload, or a buffer holding them)."""
+        c = self.compressor
+        self.rounds = [c.second_round(t, i, p) for t, i, p in zip(self.tensors, self.infos, self.firsts)]
+        return [t for payload, _ in self.rounds for t in payload]
+
+    def finish(self, outs: Sequence[Tensor | None], *, divide_by: int, marks: Tensor | None = None) -> list[Tensor]:
+        """Each tensor's summed payload decoded and divided by ``divide_by`` (:meth:`TwoRoundCompressor.finish`), in
+        the tensor's shape and dtype: into its ``outs`` entry where it can. ``marks``: per tensor, the summed
+        non-finite mark (0 or NaN, float32, on the device), added to its divisor: the same bits, or all NaN."""
+        c = self.compressor
+        divisors = None if marks is None else marks + divide_by
+        results = []
+        for j, ((payload, ctx), out) in enumerate(zip(self.rounds, outs)):
+            result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out,
+                              divide_by=divide_by if divisors is None else divisors[j])
+            info = ctx.info
+            if result.shape != info.shape or result.dtype != info.dtype:
+                result = result.reshape(info.shape).to(info.dtype)
+            results.append(result)
+        return results
 
 
 class Memory(ABC):

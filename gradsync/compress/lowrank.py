@@ -11,6 +11,7 @@ shared after the first round, each worker's contribution ``P Q_w^T`` is linear i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -19,6 +20,7 @@ from gradsync.compress.base import (
     CompressionError,
     Context,
     TensorInfo,
+    TwoRoundBatch,
     TwoRoundCompressor,
     as_buffer,
     cast,
@@ -139,6 +141,10 @@ class PowerSGD(TwoRoundCompressor):
             )
         self.min_compression_rate = float(min_compression_rate)
         self.seed = check_seed(seed, optional=False)
+        #: (shape, rank, min_compression_rate) -> matrix_plan's answer: asked several times per tensor per step
+        self._plans: dict[tuple[object, int, float], tuple[int, int, int] | None] = {}
+        #: an exchange's tensors -> where each one's P and Q lie in the exchange's buffer (:meth:`batch`)
+        self._layouts: dict[tuple[TensorInfo, ...], _Layout | None] = {}
 
     def warm_start(self, name: str) -> Tensor | None:
         """The Q the next power iteration for ``name`` starts from (None before its first step)."""
@@ -148,6 +154,15 @@ class PowerSGD(TwoRoundCompressor):
 
     def matrix_plan(self, shape: int | Sequence[int]) -> tuple[int, int, int] | None:
         """``(rows, cols, effective rank)`` when the tensor is compressed, None when it is sent dense."""
+        key = (shape if isinstance(shape, (int, tuple)) else tuple(shape), self.rank, self.min_compression_rate)
+        plan = self._plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[key] = self._plan(shape)
+        return plan  # type: ignore[return-value]
+
+    def _plan(self, shape: int | Sequence[int]) -> tuple[int, int, int] | None:
         if isinstance(shape, int) or len(shape) < 2:
             return None
         rows = int(shape[0])
@@ -244,7 +259,39 @@ class PowerSGD(TwoRoundCompressor):
         rows, cols, _ = plan
         p, q = (ctx.extra[0], payload[0]) if ctx.extra else (payload[0], payload[1])
         # M + (-1) P Q^T in one pass: the product of the same gemm, subtracted as it is written
-        return outer_into(p.to(dtype), q.to(dtype).T, tensor.view(rows, cols), subtract=True).view(tensor.shape)
+        outer_into(cast(p, dtype), cast(q, dtype).T, tensor.view(rows, cols), subtract=True)
+        return tensor
+
+    # -- an exchange of several matrices ----------------------------------------------------------------------
+
+    def batch(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo]) -> TwoRoundBatch:
+        """Every P in one buffer and every Q in the next (views), as PyTorch's hook lays them out: each round's
+        sum is one collective with nothing copied in or out, and the per-matrix normalisation and division are
+        fused (:class:`_LowRankBatch`). The same results as the per-tensor methods. Matrices of one work dtype
+        (float32 or float64) on one device; anything else takes the per-tensor methods."""
+        layout = self._layout(infos)
+        if layout is None:
+            return super().batch(tensors, infos)
+        device = tensors[0].device
+        for x, info in zip(tensors, infos):
+            if x.shape != info.shape or x.dtype != info.dtype or x.device != device:
+                return super().batch(tensors, infos)  # whose first_round names the mismatch
+        return _LowRankBatch(self, tensors, infos, layout)
+
+    def _layout(self, infos: Sequence[TensorInfo]) -> _Layout | None:
+        key = tuple(infos)
+        if key in self._layouts:
+            return self._layouts[key]
+        plans = [self.matrix_plan(info.shape) for info in infos]
+        dtype = infos[0].dtype if infos else None
+        layout = None
+        if (dtype is not None and work_dtype(dtype) == dtype and all(i.dtype == dtype for i in infos)
+                and all(plan is not None for plan in plans)):
+            layout = _Layout(dtype, plans)  # type: ignore[arg-type]
+        if len(self._layouts) > 256:
+            self._layouts.clear()
+        self._layouts[key] = layout
+        return layout
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -259,3 +306,131 @@ class PowerSGD(TwoRoundCompressor):
             gen = torch.Generator().manual_seed(stable_seed("powersgd", self.seed, info.name))
             q = torch.randn(cols, r, generator=gen, dtype=m.dtype)  # host: once per tensor, the same on every rank
         return q.to(device=m.device, dtype=m.dtype)
+
+
+_UNPLANNED = object()
+
+
+#: Where each factor starts in an exchange's buffer: a multiple of 64 bytes, as every new tensor does. A BLAS picks
+#: its kernel by the operands' alignment (MKL's ``m^T p`` rounds differently at an offset of 4 bytes), so the
+#: products in the buffer are bit for bit those of the per-tensor methods.
+ALIGN_BYTES = 64
+
+
+@dataclass(eq=False)
+class _Layout:
+    """Where an exchange's P and Q^T factors lie in its one buffer: every P (``rows x r``), then every Q^T
+    (``r x cols``, Q's columns as rows: the layout every product with Q reads fastest, so none is copied), each
+    at a multiple of :data:`ALIGN_BYTES` (the gaps are zeros, summed with the rest)."""
+
+    dtype: torch.dtype
+    plans: list[tuple[int, int, int]]
+    #: each P's offset in the buffer, and each Q^T's in the buffer's Q^T part
+    p_offsets: list[int] = field(init=False)
+    q_offsets: list[int] = field(init=False)
+    #: the P part's and the Q^T part's element counts, gaps included
+    p_numel: int = field(init=False)
+    q_numel: int = field(init=False)
+    padded: bool = field(init=False)
+    #: the tensors whose P is one column (normalised together by fused launches)
+    rank_one: list[int] = field(init=False)
+    _owners: dict[torch.device, Tensor] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unit = max(1, ALIGN_BYTES // self.dtype.itemsize)
+
+        def offsets(sizes: list[int]) -> tuple[list[int], int]:
+            at, starts = 0, []
+            for n in sizes:
+                starts.append(at)
+                at += -(-n // unit) * unit
+            return starts, at
+
+        p_sizes = [rows * r for rows, _, r in self.plans]
+        q_sizes = [cols * r for _, cols, r in self.plans]
+        self.p_offsets, self.p_numel = offsets(p_sizes)
+        self.q_offsets, self.q_numel = offsets(q_sizes)
+        self.padded = self.p_numel + self.q_numel != sum(p_sizes) + sum(q_sizes)
+        self.rank_one = [j for j, (_, _, r) in enumerate(self.plans) if r == 1]
+
+    def q_views(self, q_part: Tensor) -> list[Tensor]:
+        """Each Q^T (``r x cols``) in a tensor laid out as the buffer's Q^T part."""
+        return [q_part.as_strided((r, cols), (cols, 1), q_part.storage_offset() + at)
+                for (_, cols, r), at in zip(self.plans, self.q_offsets)]
+
+    def q_owners(self, device: torch.device) -> Tensor:
+        """Per element of the Q^T part, the index of its tensor (a gap: the tensor before it), on ``device``."""
+        owners = self._owners.get(device)
+        if owners is None:
+            counts = [b - a for a, b in zip(self.q_offsets, [*self.q_offsets[1:], self.q_numel])]
+            owners = torch.repeat_interleave(torch.arange(len(self.plans)), torch.tensor(counts, dtype=torch.int64))
+            owners = self._owners[device] = owners.to(device)
+        return owners
+
+
+class _LowRankBatch(TwoRoundBatch):
+    """PowerSGD's two rounds for several matrices in one buffer (:meth:`PowerSGD.batch`): each product is written
+    into its place there (``out=``), rank-1 Ps are normalised by three fused launches, and the summed Q^Ts are
+    divided by one. Every product and every rounding is the per-tensor methods' own."""
+
+    def __init__(self, compressor: PowerSGD, tensors: Sequence[Tensor], infos: Sequence[TensorInfo],
+                 layout: _Layout) -> None:
+        super().__init__(compressor, tensors, infos)
+        self.powersgd = compressor
+        self.layout = layout
+        size, device = layout.p_numel + layout.q_numel, self.tensors[0].device
+        self.buffer = (torch.zeros if layout.padded else torch.empty)(size, dtype=layout.dtype, device=device)
+        self.ps = [self.buffer.as_strided((rows, r), (r, 1), at) for (rows, _, r), at in zip(layout.plans, layout.p_offsets)]
+        self.qts = layout.q_views(self.buffer[layout.p_numel:])
+        self.matrices: list[Tensor] = []
+
+    def first_round(self) -> list[Tensor]:
+        c = self.powersgd
+        for x, info, plan, p in zip(self.tensors, self.infos, self.layout.plans, self.ps):
+            rows, cols, r = plan
+            m = (x.detach() if x.requires_grad else x).reshape(rows, cols)
+            q = c._state.get(info.name)
+            if q is None or q.shape != (cols, r) or q.device != m.device or q.dtype != m.dtype:
+                q = c._warm_q(info, plan, m)
+            torch.mm(m, q if r == 1 else q.T.contiguous().T, out=p)  # times(m, q), into its place
+            self.matrices.append(m)
+        self.firsts = list(self.ps)
+        return [self.buffer[: self.layout.p_numel]]
+
+    def second_round(self) -> list[Tensor]:
+        ps = list(self.ps)  # summed in place
+        if self.layout.rank_one:  # orthonormalize's p / max(|p|, tiny), three launches for all of them
+            ones = [ps[j] for j in self.layout.rank_one]
+            norms = torch._foreach_norm(ones)
+            torch._foreach_clamp_min_(norms, torch.finfo(self.layout.dtype).tiny)
+            torch._foreach_div_(ones, norms)
+        for j, (_, _, r) in enumerate(self.layout.plans):
+            if r > 1:
+                ps[j] = orthonormalize(ps[j])
+        for m, p, qt in zip(self.matrices, ps, self.qts):
+            torch.mm(p.T, m, out=qt)  # transposed_times(m, p), as the rows of Q^T
+        self.rounds = [([qt.T], Context(info, (p,))) for info, p, qt in zip(self.infos, ps, self.qts)]
+        return [self.buffer[self.layout.p_numel:]]
+
+    def finish(self, outs: Sequence[Tensor | None], *, divide_by: int, marks: Tensor | None = None) -> list[Tensor]:
+        layout, c = self.layout, self.powersgd
+        summed = self.buffer[layout.p_numel:]
+        if marks is not None:  # each tensor's own divisor, world + mark, spread over its elements
+            qts = layout.q_views(summed / (marks + divide_by).index_select(0, layout.q_owners(summed.device)))
+        elif not _is_one(divide_by):
+            qts = layout.q_views(summed / divide_by)
+        else:
+            qts = self.qts
+        results = []
+        for (payload, ctx), plan, qt, out in zip(self.rounds, layout.plans, qts, outs):
+            info = ctx.info
+            c._state[info.name] = payload[0]  # the summed Q warm-starts the next step (its scale is irrelevant)
+            rows, cols, _ = plan
+            p = ctx.extra[0]
+            if out is not None and out.shape == info.shape and out.dtype == layout.dtype and out.is_contiguous():
+                outer_into(p, qt, out.view(rows, cols))  # finish's product into the given buffer (as_buffer)
+                results.append(out)
+            else:
+                buf = as_buffer(out, rows * cols, layout.dtype)
+                results.append((p @ qt if buf is None else outer_into(p, qt, buf.view(rows, cols))).view(info.shape))
+        return results

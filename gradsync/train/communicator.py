@@ -383,14 +383,14 @@ class CompressionStep:
         step = verdict if verdict is not None else self.boundary.verdict_for([i.name for i in infos])
         slot = step.reserve()
         if self.two_rounds:  # tensors sent as they are skip the memory (nothing to feed back)
-            compensated = [t if self.compressor.sends_exactly(i) else self.memory.compensate(t, i)
-                           for t, i in zip(tensors, infos)]
+            as_is = [self.compressor.sends_exactly(i) for i in infos]
+            compensated = [t if e else self.memory.compensate(t, i) for t, i, e in zip(tensors, infos, as_is)]
         else:
             compensated = [self.memory.compensate(t, i) for t, i in zip(tensors, infos)]
         # an input the memory copied is free once compressed (the memory holds x, not t)
         free = [t if reuse and x is not t and not shares_memory(t, [x]) else None for t, x in zip(tensors, compensated)]
         if self.two_rounds:
-            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), free, step, slot))
+            return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), as_is, free, step, slot))
         items: list[Item] = []
         outs: list[Tensor | None] = []
         checkpoints = [self.compressor.checkpoint(info.name) for info in infos]
@@ -429,27 +429,27 @@ class CompressionStep:
             self.memory.commit(info, step)
             self.compressor.commit(info.name, step, checkpoint)
 
-    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], outs: list[Tensor | None], step: StepVerdict,
-                    slot: int) -> list[Tensor]:
+    def _two_rounds(self, xs: list[Tensor], infos: list[TensorInfo], as_is: list[bool], outs: list[Tensor | None],
+                    step: StepVerdict, slot: int) -> list[Tensor]:
         c = self.compressor
         assert isinstance(c, TwoRoundCompressor)  # guarded by self.two_rounds
-        # Tensors sent as they are (PowerSGD's vectors) join the second round's sum and are divided in place, all
-        # at once: no memory, marks, state or decode per tensor, whose launches would dominate a GPU step.
-        as_is = [c.sends_exactly(info) for info in infos]
+        # Tensors sent as they are (PowerSGD's vectors; ``as_is``) join the second round's sum and are divided in
+        # place, all at once: no memory, marks, state or decode per tensor, whose launches would dominate a GPU step.
         exact = [i for i, e in enumerate(as_is) if e]
         lossy = [i for i, e in enumerate(as_is) if not e]
         lx, linfos = [xs[i] for i in lossy], [infos[i] for i in lossy]
-        dense = [xs[i].detach().reshape(-1) for i in exact]  # a view where contiguous: summed in place
+        dense = [_summable(xs[i]) for i in exact]
         checkpoints = [c.checkpoint(info.name) for info in linfos]
-        firsts = [c.first_round(x, info) for x, info in zip(lx, linfos)]
-        self.communicator.reduce_sum([p for p in firsts if p is not None])
-        rounds = [c.second_round(x, info, p) for x, info, p in zip(lx, linfos, firsts)]
+        batch = c.batch(lx, linfos)  # each round summed in one go (PowerSGD: one buffer, no copies in or out)
+        self.communicator.reduce_sum(batch.first_round())
+        second = batch.second_round()
+        rounds = batch.rounds
         for x, info, (payload, ctx) in zip(lx, linfos, rounds):
             self.memory.update(x, info, c, payload, ctx)
         # one mark per lossy tensor, and one for all the tensors sent as they are: a NaN there has no state to
         # roll back of its own, but it is a tensor of the step, so the other tensors' updates are dropped too
         marks = self._marks([[*payload, x] for x, (payload, _) in zip(lx, rounds)] + ([dense] if dense else []))
-        flat = [t for payload, _ in rounds for t in payload] + dense
+        flat = second + dense
         self.communicator.reduce_sum(flat if marks is None else [*flat, marks])
         summed = _summed_marks(marks)
         results: list[Tensor] = list(xs)
@@ -457,18 +457,22 @@ class CompressionStep:
         if dense and divide_by != 1:
             torch._foreach_div_(dense, divide_by)  # one fused launch on a GPU
         for i, d in zip(exact, dense):
-            results[i] = d.view(infos[i].shape)
-        # a non-finite mark joins the divisor (world + mark: the same bits, or all NaN) in the pass finish makes anyway
-        divisors = None if summed is None else summed + divide_by
-        for j, (i, (payload, ctx)) in enumerate(zip(lossy, rounds)):
-            out = outs[i]
-            # the average, in a new tensor or ``out`` (the compressor divides where it is cheapest)
-            result = c.finish(payload, ctx, None if out is None or shares_memory(out, payload) else out,
-                              divide_by=divide_by if divisors is None else divisors[j])
-            results[i] = self.communicator._finish(c, result, ctx.info, averaged=True,
-                                                   owned=not shares_memory(result, payload))
+            results[i] = d if d.shape == infos[i].shape else d.view(infos[i].shape)
+        # the average, in a new tensor or ``out`` (the compressor divides where it is cheapest); a non-finite mark
+        # joins the divisor (world + mark: the same bits, or all NaN) in the pass finish makes anyway
+        finished = batch.finish([outs[i] for i in lossy], divide_by=divide_by,
+                                marks=None if summed is None else summed[: len(lossy)])
+        for i, result in zip(lossy, finished):
+            results[i] = result
         self._commit(linfos, marks, checkpoints, step, slot)
         return results
+
+
+def _summable(x: Tensor) -> Tensor:
+    """``x`` as a collective sums it in place: itself where contiguous (a view of it, no launch), else a copy."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.is_contiguous() else x.reshape(-1)
 
 
 def write_aggregate(dest: Tensor, result: Tensor) -> None:

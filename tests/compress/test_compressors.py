@@ -617,6 +617,50 @@ def test_outer_into_is_the_product_and_the_subtraction(r: int, shape) -> None:
                                rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_powersgd_batch_is_the_per_tensor_methods_bit_for_bit(rank: int, dtype: torch.dtype) -> None:
+    """An exchange's matrices in one buffer (PowerSGD.batch: products written into their places, fused
+    normalisation, one division) give the per-tensor methods' bits: every aggregate, the in-place residual and the
+    next step's warm start, over three steps, with a divisor, and with a non-finite mark that turns one tensor NaN.
+    Shapes whose factors would start at offsets a BLAS rounds differently at (MKL's m^T p on two threads), were
+    they not aligned."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_powersgd_batch(rank, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_powersgd_batch(rank: int, dtype: torch.dtype) -> None:
+    from gradsync.compress.base import TwoRoundBatch
+
+    shapes = [(64, 3, 3, 3), (128, 64, 3, 3), (10, 512), (128, 64, 1, 1), (512, 576), (37, 53)]
+    infos = [TensorInfo(f"t{i}", s, dtype) for i, s in enumerate(shapes)]
+    gen = torch.Generator().manual_seed(rank)
+    for divide_by, marked in ((1, False), (3, False), (2, True)):
+        fused, plain = PowerSGD(rank=rank), PowerSGD(rank=rank)
+        for step in range(3):
+            xs = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+            marks = torch.zeros(len(xs)) if marked else None
+            if marked and step == 1:
+                marks[2] = math.nan
+            seen = []
+            for c, batch in ((fused, fused.batch(xs, infos)), (plain, TwoRoundBatch(plain, xs, infos))):
+                assert (type(batch) is TwoRoundBatch) == (c is plain)
+                batch.first_round()  # one worker: each sum is the tensor itself
+                batch.second_round()
+                outs = [torch.empty_like(x) if i % 2 else None for i, x in enumerate(xs)]
+                results = batch.finish(outs, divide_by=divide_by, marks=marks)
+                assert all(r.data_ptr() == o.data_ptr() for r, o in zip(results, outs) if o is not None)
+                residuals = [c.subtract_decoded(x.clone(), p, ctx, inplace=True) for x, (p, ctx) in zip(xs, batch.rounds)]
+                seen.append(results + residuals + [c.warm_start(i.name) for i in infos])
+            for got, want in zip(*seen):
+                assert got.shape == want.shape and got.dtype == want.dtype
+                assert torch.equal(got, want) or (torch.isnan(got).all() and torch.isnan(want).all()), (divide_by, step)
+
+
 def test_powersgd_sends_vectors_and_small_matrices_dense() -> None:
     compressor = create("powersgd", rank=4)
     for shape in [(1000,), (3, 3)]:
