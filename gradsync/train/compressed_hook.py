@@ -106,6 +106,8 @@ class CompressionHookState:
         self._names: dict[int, str] = {id(p): n for n, p in named} if named is not None else {}
         #: For ``merge="bucket"``: each merged group's name -> the parameter names in it, as DDP bucketed them.
         self.bucket_members: dict[str, list[str]] = {}
+        #: per bucket layout (dtype and parameter ids): its TensorInfos and their payload and dense bytes, made once
+        self._bucket_infos: dict[tuple[Any, ...], tuple[list[TensorInfo], int, int]] = {}
         self.buckets = 0
         self.native_buckets = 0
         self.payload_bytes = 0
@@ -157,20 +159,15 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         if fut is not None:
             return fut
     state.buckets += 1
-    comp = state.step.compressor
     if state.merge == "bucket":
         key = _bucket_key(state, bucket)
         tensors = [buffer]
         infos = [TensorInfo(key, tuple(buffer.shape), buffer.dtype, bucket.index())]
+        state.payload_bytes += state.step.compressor.payload_bytes(infos[0].shape, buffer.dtype) if state.auto is None else 0
+        state.dense_bytes += infos[0].nbytes
     else:
         tensors = list(bucket.gradients())
-        infos = [
-            TensorInfo(state.name_of(p), tuple(g.shape), g.dtype, i)
-            for i, (p, g) in enumerate(zip(bucket.parameters(), tensors))
-        ]
-    for info in infos:
-        state.payload_bytes += comp.payload_bytes(info.shape, info.dtype) if state.auto is None else 0
-        state.dense_bytes += info.nbytes
+        infos = _layerwise_infos(state, bucket, buffer, tensors)
     # The views in ``tensors`` alias ``buffer``; the local half copies what it needs before anything is written,
     # and an aggregate may be decoded straight into its gradient's place in the bucket (reuse).
     if state.auto is not None:  # the bucket is auto's group, whatever merge says
@@ -188,16 +185,39 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
             if state.merge == "bucket":
                 write_aggregate(buffer, results[0])
             else:  # by offset: whether bucket.gradients() are views of the buffer is DDP's business
-                at = 0
+                at, base, size = 0, buffer.data_ptr(), buffer.element_size()
                 for r in results:
-                    write_aggregate(buffer[at : at + r.numel()], r.reshape(-1))
-                    at += r.numel()
+                    n = r.numel()
+                    if r.data_ptr() != base + at * size or not r.is_contiguous():  # else decoded in its place
+                        write_aggregate(buffer[at : at + n], r.reshape(-1))
+                    at += n
             out.set_result(buffer)
         except Exception as exc:  # noqa: BLE001 - delivered to DDP's wait
             out.set_exception(exc)
 
     inner.future.add_done_callback(write_back)
     return out
+
+
+def _layerwise_infos(state: CompressionHookState, bucket: dist.GradBucket, buffer: torch.Tensor,
+                     tensors: list[torch.Tensor]) -> list[TensorInfo]:
+    """Each gradient's TensorInfo, with the bucket's payload and dense bytes added to the statistics. Made once per
+    bucket layout (its dtype and parameters, DDP's rebuilt buckets each their own): a record per gradient per step
+    would cost the hook more than its launches."""
+    params = bucket.parameters()
+    key = (buffer.dtype, *map(id, params))
+    cached = state._bucket_infos.get(key)
+    if cached is None or len(cached[0]) != len(tensors):
+        infos = [TensorInfo(state.name_of(p), tuple(g.shape), g.dtype, i) for i, (p, g) in enumerate(zip(params, tensors))]
+        comp = state.step.compressor
+        payload = sum(comp.payload_bytes(info.shape, info.dtype) for info in infos) if state.auto is None else 0
+        if len(state._bucket_infos) > 1024:
+            state._bucket_infos.clear()
+        cached = state._bucket_infos[key] = (infos, payload, sum(info.nbytes for info in infos))
+    infos, payload, dense = cached
+    state.payload_bytes += payload
+    state.dense_bytes += dense
+    return infos
 
 
 def _bucket_key(state: CompressionHookState, bucket: dist.GradBucket) -> str:
