@@ -363,8 +363,9 @@ class _Layout:
         owners = self._owners.get(device)
         if owners is None:
             counts = [b - a for a, b in zip(self.q_offsets, [*self.q_offsets[1:], self.q_numel])]
-            owners = torch.repeat_interleave(torch.arange(len(self.plans)), torch.tensor(counts, dtype=torch.int64))
-            owners = self._owners[device] = owners.to(device)
+            owners = self._owners[device] = torch.repeat_interleave(
+                torch.arange(len(self.plans), device=device), torch.tensor(counts, dtype=torch.int64, device=device),
+                output_size=self.q_numel)
         return owners
 
 
