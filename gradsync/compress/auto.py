@@ -30,10 +30,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from gradsync.compress.base import COMMUNICATORS, CompressionError, Compressor, TwoRoundCompressor, create
-from gradsync.compress.merge_model import Cost
+from gradsync.compress.merge_model import Cost, MergeCostModel, Partition
+from gradsync.compress.merge_search import optimal_per_y
 from gradsync.compress.profile import MeasuredCost, measure_codec
 from gradsync.registry import Registry
 
@@ -46,9 +48,11 @@ __all__ = [
     "CodecOption",
     "CodecProfile",
     "GroupSpec",
+    "JointChoice",
     "WireModel",
     "allowed",
     "choose",
+    "choose_joint",
     "profile_codecs",
     "review",
 ]
@@ -283,6 +287,66 @@ def choose(groups: Sequence[GroupSpec], *, policy: str, wire: WireModel, codec_c
         option, payload, seconds = priced[best]
         out.append(AutoChoice(spec.name, spec.nbytes, option.name, payload, seconds, none_s))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class JointChoice:
+    """The partition and the codec chosen together (:func:`choose_joint`), with every codec's best time."""
+
+    codec: str
+    partition: Partition
+    predicted_s: float
+    #: each allowed codec's best iteration time over all partitions (``"none"`` included)
+    per_codec_s: Mapping[str, float]
+
+
+class _GroupCost:
+    """A group's seconds as a function of its element count, vectorised as the merge search needs (elements are
+    whole numbers, so each distinct count is priced once)."""
+
+    def __init__(self, seconds: Callable[[int], float]) -> None:
+        self._seconds = seconds
+        self._memo: dict[int, float] = {}
+
+    def __call__(self, numel: Any) -> Any:
+        x = np.asarray(numel, dtype=np.float64)
+        out = np.empty(x.shape, dtype=np.float64)
+        for index, v in np.ndenumerate(x):
+            key = int(round(v))
+            if key not in self._memo:
+                self._memo[key] = float(self._seconds(key))
+            out[index] = self._memo[key]
+        return out if out.shape else float(out)
+
+
+def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s: float, *, policy: str,
+                 dtype: torch.dtype, wire: WireModel, codec_cost: Callable[[str, int], float], world: int,
+                 forward_s: float = 0.0) -> JointChoice:
+    """The merged partition and the codec together, as MergeComp searches them: for each allowed codec, its
+    pipeline (:class:`~gradsync.compress.merge_model.MergeCostModel`: ``h`` the codec's encode + decode, ``g`` its
+    collective of each group's payload on ``wire``) and the partition its exact search finds (every group count);
+    the codec whose best partition is quickest wins, ties to the earlier (more accurate) one. Tensors are in
+    backward order, each group a flat buffer (so PowerSGD sees vectors, which it sends as they are)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CompressionError(f"world={world!r} must be an integer >= 1 (ranks the gradients are averaged over)")
+    best: tuple[float, int, str, Partition] | None = None
+    per_codec: dict[str, float] = {}
+    for rank, option in enumerate(allowed(policy, dtype)):
+        comp = option.create()
+        rounds = 2 if isinstance(comp, TwoRoundCompressor) else 1
+
+        def comm(x: int, comp: Compressor = comp, rounds: int = rounds) -> float:
+            return rounds * wire(comp.communicator, comp.payload_bytes((x,), dtype) / rounds, world)
+
+        model = MergeCostModel(tuple(sizes), tuple(ready_s), backward_end_s, h=_GroupCost(
+            lambda x, name=option.name: codec_cost(name, x)), g=_GroupCost(comm), forward_s=forward_s)
+        seconds, partition = min(optimal_per_y(model).values(), key=lambda tp: (tp[0], tp[1].num_groups))
+        per_codec[option.name] = float(seconds)
+        if best is None or seconds < best[0]:
+            best = (float(seconds), rank, option.name, partition)
+    if best is None:  # pragma: no cover - "none" is always allowed
+        raise CompressionError(f"policy {policy!r} allows no codec")
+    return JointChoice(best[2], best[3], best[0], per_codec)
 
 
 def review(choice: AutoChoice, measured_s: float, measured_none_s: float) -> AutoChoice:

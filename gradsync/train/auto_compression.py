@@ -45,13 +45,16 @@ from gradsync.compress.auto import (
     AlphaBeta,
     AutoChoice,
     GroupSpec,
+    JointChoice,
     WireModel,
     allowed,
     choose,
+    choose_joint,
     profile_codecs,
     review,
 )
 from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts
+from gradsync.compress.merge_model import Partition
 from gradsync.train.communicator import CompressionStep
 
 __all__ = ["AUTO_TYPE", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
@@ -141,6 +144,8 @@ class AutoCompression:
         self.current = "none"
         #: "none" launches summed by the backend's own allreduce of the whole group (``step_async(flat=...)``)
         self.native_launches = 0
+        #: the partition and codec chosen together (:meth:`plan_partition`, ``merge="auto"``); None before
+        self.joint: JointChoice | None = None
         # Which AutoCompression of this process this is: part of every job-wide decision's key, so a second one
         # with the same group names (a rebuilt model) never reads the first one's decisions. Every rank builds
         # them in the same order (SPMD), so the serials agree.
@@ -338,10 +343,31 @@ class AutoCompression:
         """Codec seconds per ``(codec, numel)``: given, or profiled here at sizes spanning the groups seen."""
         if self._codec_cost is None:
             sizes = [g.spec.numel for g in self._groups.values()]
-            probes = sorted({int(round(v)) for v in np.geomspace(max(1, min(sizes)), max(1, max(sizes)), 4)})
-            dtype = next(iter(self._groups.values())).spec.dtype
+            self._profile(min(sizes), max(sizes), next(iter(self._groups.values())).spec.dtype)
+        return self._codec_cost  # type: ignore[return-value]
+
+    def _profile(self, low: int, high: int, dtype: torch.dtype) -> None:
+        if self._codec_cost is None:
+            probes = sorted({int(round(v)) for v in np.geomspace(max(1, low), max(1, high), 4)})
             self._codec_cost = profile_codecs(allowed(self.allow, dtype), probes, dtype, device=self._device())
-        return self._codec_cost
+
+    def plan_partition(self, sizes: Sequence[int], ready_s: Sequence[float], backward_end_s: float,
+                       dtype: torch.dtype) -> JointChoice:
+        """The merged partition chosen together with the codec (:func:`~gradsync.compress.auto.choose_joint`) from
+        one timed step's ready times (tensors in backward order), once for the job: rank 0 computes it and every
+        rank gets the same. Each group's codec is then chosen and measured as usual; the partition is priced
+        with the best single codec, as MergeComp searches a partition for one compressor."""
+        def compute() -> bytes:
+            self._profile(min(sizes), sum(sizes), dtype)
+            joint = choose_joint(sizes, ready_s, backward_end_s, policy=self.allow, dtype=dtype, wire=self.wire,
+                                 codec_cost=self.codec_cost, world=self.runtime.world_size)
+            return json.dumps({"codec": joint.codec, "counts": list(joint.partition.counts),
+                               "predicted_s": joint.predicted_s, "per_codec_s": dict(joint.per_codec_s)}).encode()
+
+        doc = json.loads(self._decide(f"joint/{len(sizes)}", compute))
+        self.joint = JointChoice(str(doc["codec"]), Partition.from_counts([int(c) for c in doc["counts"]]),
+                                 float(doc["predicted_s"]), {str(k): float(v) for k, v in doc["per_codec_s"].items()})
+        return self.joint
 
     def _device(self) -> torch.device:
         try:

@@ -67,7 +67,9 @@ class DistributedOptimizer:
     ``compression="auto"`` (issue 40): each group runs the codec :mod:`gradsync.compress.auto` picks from those
     ``allow`` permits (``"lossless"``, ``"cast"`` -- the default --, ``"any"``), measured against ``"none"`` on its
     first steps and dropped where slower (:class:`~gradsync.train.AutoCompression`; pass one to set its wire,
-    codec costs or clock); ``optimizer.compression.report()`` prints the choices.
+    codec costs or clock); ``optimizer.compression.report()`` prints the choices. With ``merge="auto"`` the
+    partition and the codec are chosen together after the timed first step, on auto's wire model and codec
+    costs (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``).
     ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
     gradients travel on the last one (gradient accumulation; scale each micro-batch's loss by 1/N for a mean). A
     parameter's gradient arriving more often raises; :meth:`no_sync` marks extra passes as local instead.
@@ -234,10 +236,10 @@ class DistributedOptimizer:
         if len(dtypes) > 1:
             raise GradsyncError(f"compression merges one dtype, but the parameters are {dtypes}; cast the model first")
         if _is_auto(compression):
-            if merge == "auto" or memory is not None or communicator is not None:
+            if memory is not None or communicator is not None:
                 raise GradsyncError(f"compression='auto' picks each group's codec, memory and communicator itself; "
-                                    f"merge={merge!r}, memory={memory!r}, communicator={communicator!r} cannot be combined "
-                                    "with it (pass merge='layerwise', an int or a Partition, and no memory/communicator)")
+                                    f"memory={memory!r}, communicator={communicator!r} cannot be combined with it "
+                                    "(pass no memory/communicator)")
             self.compression = compression if isinstance(compression, AutoCompression) else AutoCompression(
                 allow or "cast", runtime=self.runtime, signature=param_signature(trainable))
         else:
@@ -321,6 +323,11 @@ class DistributedOptimizer:
         n = len(self._params)
         # the timed step ran layer-wise: its end-to-end time calibrates the per-group overhead
         inside, self._inside = self._inside, 0.0
+        if _is_auto(self.compression):  # the partition and the codec chosen together, on auto's own wire model
+            self.partition = self.compression.plan_partition(sizes, ready, max(end - start - inside, last),
+                                                             self._dtype).partition
+            self._build_groups(self.partition)
+            return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),
                                              observed=(_layerwise(n), synced - start), device=device)

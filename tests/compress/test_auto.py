@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,3 +132,69 @@ def test_casts_are_lossless_on_their_own_dtype_and_cast_class_otherwise() -> Non
     assert names("lossless", torch.float16) == ["none", "fp16"]
     assert names("cast", torch.float32) == ["none", "fp16"]  # bf16: fp16's bytes, coarser
     assert names("cast", torch.bfloat16) == ["none", "bf16", "fp16"]  # a tie goes to bf16, lossless there
+
+
+# -- the partition and the codec together ------------------------------------------------------------------------
+def _brute_force_joint(sizes, ready, end, policy, wire, cost, world):
+    """Every codec x every contiguous partition, priced by MergeCostModel.iteration_time with closed-form h and g."""
+    import itertools
+
+    from gradsync.compress.merge_model import MergeCostModel, Partition
+
+    best = None
+    n = len(sizes)
+    for option in allowed(policy, torch.float32):
+        comp = option.create()
+        h = lambda x, name=option.name: np.vectorize(lambda v: cost(name, int(v)))(x)  # noqa: E731
+        g = lambda x, comp=comp: np.vectorize(  # noqa: E731
+            lambda v: wire(comp.communicator, comp.payload_bytes((int(v),), torch.float32), world))(x)
+        model = MergeCostModel(tuple(sizes), tuple(ready), end, h=h, g=g)
+        for k in range(n):
+            for cuts in itertools.combinations(range(1, n), k):
+                t = model.iteration_time(Partition(n, cuts))
+                if best is None or t < best[0] - 1e-15:
+                    best = (t, option.name, cuts)
+    return best
+
+
+def test_the_joint_search_is_brute_forces_optimum_over_codecs_and_partitions() -> None:
+    import random
+
+    from gradsync.compress.auto import choose_joint
+
+    per_element = {"fp16": 2e-10, "bf16": 2e-10, "powersgd-r4": 3e-9, "powersgd-r1": 3e-9, "topk-1%": 4e-9,
+                   "dgc-0.1%": 2e-9, "qsgd": 1e-9, "efsignsgd": 8e-10}
+
+    def cost(codec: str, numel: int) -> float:
+        return 0.0 if codec == "none" else 2e-5 + per_element[codec] * numel
+
+    picked = set()
+    for seed in range(6):
+        rng = random.Random(seed)
+        n = 5
+        sizes = [rng.choice([1000, 20_000, 300_000, 2_000_000]) for _ in range(n)]
+        ready = list(np.cumsum([rng.uniform(0.0, 4e-3) for _ in range(n)]))
+        end = ready[-1] + rng.uniform(0.0, 2e-3)
+        wire = AlphaBeta(rng.choice([1e-5, 1e-4]), rng.choice([1e8, 1e9, 1e10]))
+        for policy in ("cast", "any"):
+            joint = choose_joint(sizes, ready, end, policy=policy, dtype=torch.float32, wire=wire, codec_cost=cost,
+                                 world=4)
+            t, codec, cuts = _brute_force_joint(sizes, ready, end, policy, wire, cost, 4)
+            assert joint.predicted_s == pytest.approx(t, rel=1e-9, abs=1e-12), (seed, policy, joint, t, codec, cuts)
+            assert joint.per_codec_s[joint.codec] == joint.predicted_s == min(joint.per_codec_s.values())
+            assert set(joint.per_codec_s) == {o.name for o in allowed(policy, torch.float32)}
+            picked.add((joint.codec, joint.partition.num_groups))
+    # the cases differ: compressing and not, one group and several (a search that ignored either would fail some)
+    assert len({c for c, _ in picked}) >= 3 and len({y for _, y in picked}) >= 2, picked
+
+
+def test_the_joint_search_keeps_none_on_a_free_wire_and_compresses_on_a_slow_one() -> None:
+    from gradsync.compress.auto import choose_joint
+
+    sizes, ready = [10_000] * 4, [1e-3, 2e-3, 3e-3, 4e-3]
+    cost = lambda codec, numel: 0.0 if codec == "none" else 1e-4 + 1e-9 * numel  # noqa: E731
+    free = choose_joint(sizes, ready, 4e-3, policy="any", dtype=torch.float32, wire=FAST, codec_cost=cost, world=4)
+    assert free.codec == "none" and free.predicted_s == pytest.approx(4e-3)
+    slow = choose_joint(sizes, ready, 4e-3, policy="any", dtype=torch.float32, wire=AlphaBeta(1e-4, 1e6),
+                        codec_cost=cost, world=4)
+    assert slow.codec not in ("none", "fp16") and slow.predicted_s < slow.per_codec_s["none"] / 3

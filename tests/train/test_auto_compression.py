@@ -64,10 +64,11 @@ def _model(wide: int = 16) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, wide), torch.nn.ReLU(), torch.nn.Linear(wide, 2))
 
 
-def _train(rt: Runtime, auto: AutoCompression, steps: int, wide: int = 16) -> tuple[DistributedOptimizer, list[str]]:
+def _train(rt: Runtime, auto: AutoCompression, steps: int, wide: int = 16,
+           merge: int | str = 2) -> tuple[DistributedOptimizer, list[str]]:
     model = _model(wide)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                               compression=auto, merge=2)
+                               compression=auto, merge=merge)
     first: list[str] = []
     for step in range(steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -148,8 +149,9 @@ def test_bad_arguments_are_refused(rt: Runtime) -> None:
     model = _model()
     with pytest.raises(GradsyncError, match="allow='cast' only applies"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt, compression="fp16", allow="cast")
-    with pytest.raises(GradsyncError, match="merge='auto'"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt, compression="auto", merge="auto")
+    with pytest.raises(GradsyncError, match="memory='residual'"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), runtime=rt, compression="auto",
+                             memory="residual")
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression="auto", allow="any")
     assert isinstance(opt.compression, AutoCompression) and opt.compression.allow == "any"
@@ -182,3 +184,22 @@ def test_two_autos_on_one_runtime_never_share_a_decision(monkeypatch: pytest.Mon
     first, second = AutoCompression("cast", cache=False), AutoCompression("cast", cache=False)
     assert first._decide("choose/g", lambda: b"a") == b"a" and second._decide("choose/g", lambda: b"b") == b"b"
     assert len(set(keys)) == 2 and all(k.endswith("/choose/g") for k in keys), keys
+
+
+@pytest.mark.parametrize("wire, compressed", [(AlphaBeta(0.0, float("inf")), False), (SLOW, True)])
+def test_merge_auto_chooses_the_partition_with_the_codec(rt: Runtime, wire, compressed: bool) -> None:
+    """merge="auto" with compression="auto": after the timed first step the partition comes from the joint search
+    on auto's wire and codec costs, and training goes on in its groups."""
+    clock = FakeClock({"none": 1e-6, "other": 1e-6})
+    auto = AutoCompression("cast", runtime=rt, wire=wire, codec_cost=lambda codec, numel: 0.0 if codec == "none"
+                           else 1e-6, clock=clock, cache=False)
+    clock.auto = auto
+    opt, _ = _train(rt, auto, 2 * PROBE_STEPS + 2, merge="auto")
+    joint = auto.joint
+    assert joint is not None and opt.partition == joint.partition and joint.partition.n == 4
+    assert (joint.codec != "none") is compressed, joint
+    assert joint.predicted_s == min(joint.per_codec_s.values())
+    if compressed:  # a slow wire: fp16 halves the bytes; each group's codec call costs 1 us, so fewer groups
+        assert joint.partition.num_groups < 4 and joint.per_codec_s["fp16"] < joint.per_codec_s["none"]
+    # the groups that trained are the partition's: auto's table has one row per group
+    assert len(auto.table()) == joint.partition.num_groups
