@@ -498,6 +498,10 @@ class Memory(ABC):
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
         """The tensor to compress this step (the gradient plus whatever memory carries)."""
 
+    def compensate_all(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo]) -> list[Tensor]:
+        """:meth:`compensate` of several tensors (one exchange's); a memory may fuse their launches."""
+        return [self.compensate(t, info) for t, info in zip(tensors, infos)]
+
     @abstractmethod
     def update(
         self, tensor: Tensor, info: TensorInfo, compressor: Compressor, payload: Sequence[Tensor], ctx: Context

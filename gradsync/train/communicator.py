@@ -384,9 +384,12 @@ class CompressionStep:
         slot = step.reserve()
         if self.two_rounds:  # tensors sent as they are skip the memory (nothing to feed back)
             as_is = [self.compressor.sends_exactly(i) for i in infos]
-            compensated = [t if e else self.memory.compensate(t, i) for t, i, e in zip(tensors, infos, as_is)]
+            lossy = [j for j, e in enumerate(as_is) if not e]
+            compensated = list(tensors)
+            for j, x in zip(lossy, self.memory.compensate_all([tensors[j] for j in lossy], [infos[j] for j in lossy])):
+                compensated[j] = x
         else:
-            compensated = [self.memory.compensate(t, i) for t, i in zip(tensors, infos)]
+            compensated = self.memory.compensate_all(tensors, infos)
         # an input the memory copied is free once compressed (the memory holds x, not t)
         free = [t if reuse and x is not t and not shares_memory(t, [x]) else None for t, x in zip(tensors, compensated)]
         if self.two_rounds:

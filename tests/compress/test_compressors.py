@@ -461,6 +461,31 @@ def test_residual_memory_conserves_the_sum_over_workers(name: str) -> None:
     torch.testing.assert_close(sent + residuals, grads, rtol=0, atol=atol)
 
 
+def test_residual_memory_compensates_several_tensors_in_fused_launches_bit_for_bit(monkeypatch) -> None:
+    """compensate_all's two fused launches (the GPU's path, here forced onto the CPU) give compensate's bits, in
+    the memory's own buffers, which update then writes in place; a tensor whose residual does not fit goes alone."""
+    shapes = [(40, 25), (17, 241), (8, 4, 3, 3)]
+    infos = [TensorInfo(f"t{i}", s, torch.float32) for i, s in enumerate(shapes)]
+    c = create("topk", ratio=0.1)
+    gen = torch.Generator().manual_seed(5)
+    fused, plain = ResidualMemory(), ResidualMemory()
+    for step in range(3):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        if step == 2:  # a changed shape: its residual no longer fits
+            grads[1], infos[1] = torch.randn(5, 7, generator=gen), TensorInfo("t1", (5, 7), torch.float32)
+        monkeypatch.setattr(ResidualMemory, "fused_devices", frozenset({"cpu"}))
+        got = fused.compensate_all(grads, infos)
+        monkeypatch.undo()
+        want = plain.compensate_all(grads, infos)
+        for g, x, y in zip(grads, got, want):
+            assert torch.equal(x, y) and (x is g) == (y is g)
+        for memory, xs in ((fused, got), (plain, want)):
+            for x, info in zip(xs, infos):
+                memory.update(x, info, c, *c.compress(x, info))
+    for info in infos:
+        assert torch.equal(fused.residual(info.name), plain.residual(info.name))
+
+
 def test_dgc_memory_with_zero_momentum_is_residual_memory() -> None:
     gen = torch.Generator().manual_seed(11)
     info = TensorInfo("w", (200,), torch.float64)
