@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 RESULT_TYPE = "gradsync.bench.adapt"
-METHODS = ("adapt_on", "adapt_off")
+METHODS = ("adapt_on", "adapt_off", "adapt_every1")
 GOAL = 1.01
 
 
@@ -47,8 +47,12 @@ def worker(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     topology = f"switch:{world}"
+    from gradsync.comm.adapt import AdaptOptions
+
+    # adapt_on: the defaults (one allreduce in AdaptOptions.every watched); adapt_every1: every allreduce watched
+    adapt = {"adapt_on": True, "adapt_off": False, "adapt_every1": AdaptOptions(every=1)}
     runtimes = {name: Runtime(TorchTransport(timeout_s=120), topology, args.algorithm, timeout_s=120,
-                              adapt=name == "adapt_on") for name in METHODS}
+                              adapt=adapt[name]) for name in METHODS}
     numel = args.size // 4
     want = float(world * (world + 1) // 2)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -79,12 +83,15 @@ def worker(args: argparse.Namespace) -> int:
         paired = paired_ratios(rows["adapt_on"]["samples_s"], rows["adapt_off"]["samples_s"])
         median = statistics.median(paired)
         low, high = bootstrap_median_ci(paired)
+        every1 = paired_ratios(rows["adapt_every1"]["samples_s"], rows["adapt_off"]["samples_s"])
         out = {"type": RESULT_TYPE,
                "config": {"procs": world, "rounds": args.rounds, "warmup": args.warmup, "size_bytes": args.size,
                           "algorithm": args.algorithm, "topology": topology, "backend": "gloo", "threads": 1,
                           "torch": torch.__version__},
                "methods": rows, "paired_ratio_median": median, "paired_ratio_ci95": [low, high],
                "ratio_of_medians": rows["adapt_on"]["median_s"] / rows["adapt_off"]["median_s"],
+               "every": watch.options.every, "every1_paired_ratio_median": statistics.median(every1),
+               "every1_paired_ratio_ci95": list(bootstrap_median_ci(every1)),
                "watched": watch.watched, "switches": [s.message for s in watch.switches],
                "held": [s.message for s in watch.held], "goal": GOAL, "goal_met": median <= GOAL and not watch.switches,
                "load_avg": os.getloadavg()}

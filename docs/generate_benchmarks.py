@@ -338,14 +338,18 @@ def adapt() -> list[str]:
            *sources("adapt.json"),
            f"{cfg['procs']} processes on {cfg['backend']} loopback, {size(cfg['size_bytes'])} `{cfg['algorithm']}` "
            f"allreduces on `{cfg['topology']}`, {cfg['rounds']} rounds after {cfg['warmup']}, `adapt=True` and "
-           f"`adapt=False` alternating (ABBA) in the same processes.", ""]
+           f"`adapt=False` alternating (ABBA) in the same processes"
+           + (f", beside `adapt=AdaptOptions(every=1)` (every allreduce watched; the default watches one in "
+              f"{j['every']})" if "every1_paired_ratio_median" in j else "") + ".", ""]
     out += table(["runtime", "median s", "sums exact"],
                  ([m, num(v["median_s"]), num(v["exact"])] for m, v in j["methods"].items()))
     ci = j["paired_ratio_ci95"]
     out += [f"on / off: paired ratio {num(j['paired_ratio_median'])} (95 % {num(ci[0])}–{num(ci[1])}), ratio of "
             f"medians {num(j['ratio_of_medians'])}; {j['watched']} collectives watched, {len(j['switches'])} switches, "
-            f"{len(j['held'])} held; goal ≤ {num(j['goal'])} and no switch: {'met' if j['goal_met'] else 'not met'}.",
-            ""]
+            f"{len(j['held'])} held; goal ≤ {num(j['goal'])} and no switch: {'met' if j['goal_met'] else 'not met'}"
+            + (f". Every allreduce watched / off: {num(j['every1_paired_ratio_median'])} (95 % "
+               f"{num(j['every1_paired_ratio_ci95'][0])}–{num(j['every1_paired_ratio_ci95'][1])})"
+               if "every1_paired_ratio_median" in j else "") + ".", ""]
     out += block(j["switches"] + j["held"]) if j["switches"] or j["held"] else []
     return out
 

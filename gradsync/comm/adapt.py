@@ -77,7 +77,11 @@ class AdaptOptions:
     collective's time without it; ``warmup``: watched collectives that learn each pair's
     measured / modelled ratio before the detector starts; ``min_bytes``: the smallest allreduce watched;
     ``pair_min_bytes``: the fewest bytes a pair must move in one collective to give a rate; ``min_gain``: the
-    share of a collective's predicted time a replan must save to be run (below it the switch is held)."""
+    share of a collective's predicted time a replan must save to be run (below it the switch is held);
+    ``every``: watch one allreduce in this many of those that qualify (the same ones on every rank). Why: a
+    watched collective ends with a small agreement round that waits for the slowest rank, which costs about a
+    quarter of a 4 MB loopback allreduce (``gradsync bench adapt``); sampling divides that cost by ``every`` and
+    multiplies the detection time (``k`` watched collectives) by it."""
 
     link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
     late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
@@ -85,15 +89,17 @@ class AdaptOptions:
     min_bytes: int = ADAPT_MIN_BYTES
     pair_min_bytes: float = MIN_BYTES
     min_gain: float = 0.05
+    every: int = 16
 
     def __post_init__(self) -> None:
         for name in ("link", "late"):
             if not isinstance(getattr(self, name), Hysteresis):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a Hysteresis(enter, leave, k)")
-        for name in ("warmup", "min_bytes"):
+        for name in ("warmup", "min_bytes", "every"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "warmup" else 0):
-                need = ">= 1 (watched collectives)" if name == "warmup" else ">= 0 (bytes)"
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "min_bytes" else 1):
+                need = {"warmup": ">= 1 (watched collectives)", "min_bytes": ">= 0 (bytes)",
+                        "every": ">= 1 (one watched allreduce in this many)"}[name]
                 raise GradsyncError(f"{name}={v!r} must be an integer {need}")
         v = self.pair_min_bytes
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
@@ -153,8 +159,9 @@ class Adapter:
         self.switches: list[SwitchRecord] = []
         #: Switches the detector saw but that kept the plan, the replan priced below ``min_gain`` (module docstring).
         self.held: list[SwitchRecord] = []
-        #: Collectives watched so far (warm-up included).
+        #: Collectives watched so far (warm-up included), and those that qualified (``options.every``).
         self.watched = 0
+        self.eligible = 0
         self._fresh()
 
     def _fresh(self) -> None:
@@ -179,6 +186,9 @@ class Adapter:
         """Whether this run of ``ex`` is watched (the same answer on every rank); if so, ``ex`` starts recording."""
         if (not isinstance(ex, Executor) or ex.schedule.collective != ALLREDUCE or nbytes < self.options.min_bytes
                 or ex.schedule.world_size < 2):
+            return False
+        self.eligible += 1
+        if (self.eligible - 1) % self.options.every:
             return False
         ex.sent, ex.clock = [], self.clock
         self._entered = self.clock()

@@ -21,7 +21,8 @@ RATE = 1e9  # bytes per fake second on every healthy pair
 BUFFER = 256 << 10  # bytes per allreduce: small enough that the executor waits in key order on its own thread
 SLOW_NIC = {(1, p): 0.25 for p in range(4) if p != 1}  # rank 1 sends at a quarter of the rate to everyone
 #: ``min_gain=0``: every switch replans, so the detector's mechanics show on a fixed ring, whose replan gains nothing
-OPTIONS = AdaptOptions(Hysteresis(1.5, 1.2, 3), warmup=2, min_bytes=1024, pair_min_bytes=1024, min_gain=0.0)
+OPTIONS = AdaptOptions(Hysteresis(1.5, 1.2, 3), warmup=2, min_bytes=1024, pair_min_bytes=1024, min_gain=0.0,
+                       every=1)
 #: the default share a replan must save (5%)
 GAINFUL = dataclasses.replace(OPTIONS, min_gain=AdaptOptions().min_gain)
 
@@ -156,6 +157,19 @@ def test_a_slow_link_switches_once_after_k_collectives_on_every_rank_with_exact_
     assert "(1, 2) at 0.25x its modelled rate" in first.message and "ring/1 -> ring/1" in first.message
 
 
+def test_watching_one_allreduce_in_every_few_samples_the_same_ones_on_every_rank_and_still_switches():
+    """``every=2``: collectives 0, 2, 4, ... are watched on every rank (the others pay nothing). Two warm up; the
+    slow NIC from collective 4 is seen at 4, 6 and 8, so the switch comes at the detector's third watched
+    collective (collective 8), on every rank at the same generation, with exact sums."""
+    options = dataclasses.replace(OPTIONS, every=2)
+    results = _run_job(4, "switch:4", "ring", torch.float32, {4: SLOW_NIC}, steps=11, options=options,
+                       probe=lambda rt: (rt.adapt.watched, rt.adapt.eligible))
+    assert all(exact for _, exact, _ in results)
+    assert all(counts == (6, 11) for _, _, counts in results), [c for _, _, c in results]
+    switches = [s for s, _, _ in results]
+    assert all(len(s) == 1 and (s[0].generation, s[0].collective) == (1, 3) for s in switches), switches
+
+
 def test_the_plan_switches_back_once_the_link_recovers():
     """Slow from collective 4, healthy again from collective 9: one switch in (detector collective 5), one back to
     the baseline three healthy collectives after recovery (collective 10); the same on every rank."""
@@ -200,6 +214,12 @@ def test_a_switch_whose_replan_gains_nothing_is_held_and_keeps_plan_and_executor
     assert lines == [h.message for h in results[0][2][1]]
     assert "keeping ring/1" in lines[0] and "(1, 2) at 0.25x its modelled rate" in lines[0]
     assert "back to its modelled rate" in lines[1]
+
+
+def test_every_is_a_count_of_at_least_one():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(GradsyncError, match="every="):
+            AdaptOptions(every=bad)
 
 
 def test_min_gain_is_a_share_in_zero_to_one():
