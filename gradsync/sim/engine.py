@@ -58,6 +58,12 @@ from typing import Any, TextIO
 import numpy as np
 import scipy.sparse as sp
 
+try:  # the kernels behind ``csr_matrix @ v`` and ``csr_matrix.T @ v`` (see _Engine._rebuild)
+    from scipy.sparse._sparsetools import csc_matvec as _csc_matvec
+    from scipy.sparse._sparsetools import csr_matvec as _csr_matvec
+except ImportError:  # pragma: no cover - a SciPy without them: the public operators below
+    _csr_matvec = _csc_matvec = None
+
 from gradsync.plan.schedule import Schedule
 from gradsync.sim.flows import FlowSet, SimulationError, _ranges, build_flows, by_step, tensor_sizes
 from gradsync.topology.model import Topology
@@ -266,6 +272,9 @@ class _Engine:
         self.dgrp_cnt = np.diff(fs.dgrp_ptr)
         self.gmem_cnt = np.diff(fs.gmem_ptr)
         self.inc_ptr = self.inc.indptr.astype(np.int64)
+        self.inc_idx = self.inc.indices.astype(np.int64)
+        self.inc_val = self.inc.data.astype(np.float64)
+        self.n_dirs = int(self.inc.shape[1])
         self.pending = np.flatnonzero(fs.group < 0)
         self.busy = np.zeros(fs.capacity.shape[0])
         self.scratch = np.zeros(max(n, ng), np.int64)
@@ -427,10 +436,15 @@ class _Engine:
         self.nact = int(np.count_nonzero(self.act))
         self.max_active = max(self.max_active, self.nact)
         p0, p1 = self.inc_ptr[lo], self.inc_ptr[hi]
-        inc = self.inc
-        self.R = sp.csr_matrix((inc.data[p0:p1], inc.indices[p0:p1], self.inc_ptr[lo:hi + 1] - p0),
-                               shape=(w, inc.shape[1]))
-        self.RT = self.R.T
+        # The window's rows of the incidence (flows x link directions) as CSR arrays, multiplied by SciPy's own
+        # kernels (_flows_to_dirs, _dirs_to_flows): what ``csr_matrix(...) @ v`` and ``.T @ v`` run, bit for
+        # bit, without building and checking two matrix objects per event (that was most of an event's time).
+        self.R_ptr = self.inc_ptr[lo:hi + 1] - p0
+        self.R_idx = self.inc_idx[p0:p1]
+        self.R_val = self.inc_val[p0:p1]
+        if _csr_matvec is None:  # pragma: no cover
+            self.R = sp.csr_matrix((self.R_val, self.R_idx, self.R_ptr), shape=(w, self.n_dirs))
+            self.RT = self.R.T
         self.w = np.where(self.act, self.weight[lo:hi], 0.0)
         self.tol = self.tol_all[lo:hi]
         self.size_w = fs.size[lo:hi]
@@ -479,6 +493,22 @@ class _Engine:
             out[more] = np.minimum(out[more], values[kth])
         return out
 
+    def _flows_to_dirs(self, v: np.ndarray) -> np.ndarray:
+        """Per link direction, the sum over the window's flows on it of incidence x ``v`` (``R.T @ v``)."""
+        if _csc_matvec is None:  # pragma: no cover
+            return self.RT @ v
+        out = np.zeros(self.n_dirs)
+        _csc_matvec(self.n_dirs, self.R_ptr.shape[0] - 1, self.R_ptr, self.R_idx, self.R_val, v, out)
+        return out
+
+    def _dirs_to_flows(self, v: np.ndarray) -> np.ndarray:
+        """Per flow of the window, the sum over the link directions it uses of incidence x ``v`` (``R @ v``)."""
+        if _csr_matvec is None:  # pragma: no cover
+            return self.R @ v
+        out = np.zeros(self.R_ptr.shape[0] - 1)
+        _csr_matvec(out.shape[0], self.n_dirs, self.R_ptr, self.R_idx, self.R_val, v, out)
+        return out
+
     def _rates(self, xw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Weighted max-min fair rates with the streaming caps (progressive filling), and link usage.
 
@@ -504,13 +534,13 @@ class _Engine:
         left = self.nact
         while left:
             self.fill_rounds += 1
-            weight_e = self.RT @ np.where(free, self.w, 0.0)
+            weight_e = self._flows_to_dirs(np.where(free, self.w, 0.0))
             on = weight_e > 0
             lam_e = np.full(cap_e.shape[0], np.inf)
             lam_e[on] = (cap_e[on] - used[on]) / weight_e[on]
             level = max(level, float(lam_e.min()))
             sat = on & (lam_e <= level * (1 + 1e-12))
-            newly = free & ((self.R @ sat.astype(float)) > 0)
+            newly = free & (self._dirs_to_flows(sat.astype(float)) > 0)
             if caught_any:
                 frontier = newly
                 while True:
@@ -525,7 +555,7 @@ class _Engine:
             if k == 0:  # pragma: no cover - a saturated link always has an unfrozen flow
                 raise SimulationError(f"simulation of {self.label}: progressive filling made no progress")
             rate[newly] = level * self.w[newly]
-            used += self.RT @ np.where(newly, rate, 0.0)
+            used += self._flows_to_dirs(np.where(newly, rate, 0.0))
             free &= ~newly
             left -= k
         return rate, used
