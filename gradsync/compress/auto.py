@@ -268,9 +268,13 @@ def _price(option: CodecOption, spec: GroupSpec, wire: WireModel, codec_cost: Ca
            world: int) -> tuple[int, float]:
     comp = option.create()
     payload = spec.payload_bytes(comp)
+    return payload, float(codec_cost(option.name, spec.numel) + _wire_seconds(comp, payload, wire, world))
+
+
+def _wire_seconds(comp: Compressor, payload: float, wire: WireModel, world: int) -> float:
+    """Seconds on ``wire`` for ``payload`` bytes per rank sent by ``comp`` (two rounds for a two-round method)."""
     rounds = 2 if isinstance(comp, TwoRoundCompressor) else 1
-    seconds = codec_cost(option.name, spec.numel) + rounds * wire(comp.communicator, payload / rounds, world)
-    return payload, float(seconds)
+    return rounds * wire(comp.communicator, payload / rounds, world)
 
 
 def choose(groups: Sequence[GroupSpec], *, policy: str, wire: WireModel, codec_cost: Callable[[str, int], float],
@@ -329,24 +333,23 @@ def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s:
     backward order, each group a flat buffer (so PowerSGD sees vectors, which it sends as they are)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise CompressionError(f"world={world!r} must be an integer >= 1 (ranks the gradients are averaged over)")
-    best: tuple[float, int, str, Partition] | None = None
+    best: tuple[float, str, Partition] | None = None
     per_codec: dict[str, float] = {}
-    for rank, option in enumerate(allowed(policy, dtype)):
+    for option in allowed(policy, dtype):
         comp = option.create()
-        rounds = 2 if isinstance(comp, TwoRoundCompressor) else 1
 
-        def comm(x: int, comp: Compressor = comp, rounds: int = rounds) -> float:
-            return rounds * wire(comp.communicator, comp.payload_bytes((x,), dtype) / rounds, world)
+        def comm(x: int, comp: Compressor = comp) -> float:
+            return _wire_seconds(comp, comp.payload_bytes((x,), dtype), wire, world)
 
         model = MergeCostModel(tuple(sizes), tuple(ready_s), backward_end_s, h=_GroupCost(
             lambda x, name=option.name: codec_cost(name, x)), g=_GroupCost(comm), forward_s=forward_s)
         seconds, partition = min(optimal_per_y(model).values(), key=lambda tp: (tp[0], tp[1].num_groups))
         per_codec[option.name] = float(seconds)
-        if best is None or seconds < best[0]:
-            best = (float(seconds), rank, option.name, partition)
+        if best is None or seconds < best[0]:  # strictly quicker: a tie stays with the earlier codec
+            best = (float(seconds), option.name, partition)
     if best is None:  # pragma: no cover - "none" is always allowed
         raise CompressionError(f"policy {policy!r} allows no codec")
-    return JointChoice(best[2], best[3], best[0], per_codec)
+    return JointChoice(best[1], best[2], best[0], per_codec)
 
 
 def review(choice: AutoChoice, measured_s: float, measured_none_s: float) -> AutoChoice:
