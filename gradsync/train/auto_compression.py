@@ -55,7 +55,7 @@ from gradsync.compress.auto import (
 )
 from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts
 from gradsync.compress.merge_model import Partition
-from gradsync.train.communicator import CompressionStep
+from gradsync.train.communicator import CompressionStep, average_in_place
 
 __all__ = ["AUTO_TYPE", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
 
@@ -245,13 +245,12 @@ class AutoCompression:
         slot = verdict.reserve()
         self.native_launches += 1
         world = runtime.world_size
-        inverse = 1.0 / world if world & (world - 1) == 0 else None  # x / 2**k is x * 2**-k, at half the cost
 
         def average(f: torch.futures.Future) -> list[Tensor]:
             f.value()
             verdict.fill(slot, Verdicts(torch.linalg.vector_norm(flat, math.inf).isfinite().reshape(1)))
             if world > 1:
-                flat.mul_(inverse) if inverse is not None else flat.div_(world)
+                average_in_place(flat, world)
             return [flat]
 
         return Work(fut.then(average), f"auto:{key}:native")

@@ -42,7 +42,7 @@ from gradsync.comm.runtime import Runtime, is_initialized
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
 from gradsync.compress.memory import NoMemory
 from gradsync.train.auto_compression import AutoCompression, param_signature
-from gradsync.train.communicator import AllreduceCommunicator, CompressionStep, write_aggregate
+from gradsync.train.communicator import AllreduceCommunicator, CompressionStep, average_in_place, write_aggregate
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
@@ -251,11 +251,9 @@ def _native_cast(
     if state.merge == "bucket":
         _bucket_key(state, bucket)
     world = runtime.world_size
-    # x / 2**k and x * 2**-k are the same correctly rounded number, and a multiply costs ~half a divide
-    inverse = 1.0 / world if world & (world - 1) == 0 else None
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(f.value()[0])
-        return buffer.mul_(inverse) if inverse is not None else buffer.div_(world)
+        return average_in_place(buffer, world)
 
     return fut.then(decompress)
