@@ -640,11 +640,11 @@ def init(
     ``cost_model`` (a :class:`~gradsync.sim.cost.CostModel`, a JSON file, or ``$GRADSYNC_COST_MODEL``)
     prices schedules for ``algorithm="auto"``, which chooses per message size (native collective
     included); without one, the topology's own rates and default message costs are used, checked on the wire
-    where that matters (below). ``calibrate=True`` measures the message costs, the wire's two-way loss and
-    the slowest path's rate (:meth:`Runtime.calibrate`, seconds) once per topology and model: the result is
+    where that matters (below). ``calibrate=True`` measures the message costs, the wire's two-way loss, its
+    burst (a shaper's token bucket) and the slowest path's rate (:meth:`Runtime.calibrate`, seconds) once per topology and model: the result is
     cached as JSON in ``$GRADSYNC_CACHE`` (default ``~/.cache/gradsync``); then ``auto`` times its candidates
     for the small size classes (:meth:`Runtime.tune`), cached the same way. The default (``None``) runs the
-    quick calibration (message costs and the slowest path's rate, no two-way loss, no small-class timing),
+    quick calibration (the same with fewer repetitions, no small-class timing),
     cached the same way, only where the pick turns on them: ``auto`` on a topology where some plan beats the
     backend's ring in bandwidth (:meth:`Tuning.calibration_pays <gradsync.comm.tuning.Tuning.calibration_pays>`),
     with no ``cost_model`` given; a file whose rates are nominal (4 GB/s written, 60 Mbit/s on the wire) is
@@ -674,7 +674,7 @@ def init(
     tuning = _RUNTIME.tuning
     quick = calibrate is None and model is None and tuning.calibration_pays(algorithm)
     if calibrate or quick:
-        tuning.load_or_calibrate(duplex=bool(calibrate))
+        tuning.load_or_calibrate(quick=not calibrate)
         tuning.load_or_tune(tune=bool(calibrate))
     _RUNTIME.explore = bool(calibrate or quick) if explore is None else bool(explore)
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go

@@ -2,7 +2,7 @@
 
 The cost model (:mod:`gradsync.sim.cost`) prices every plan; this module checks the prices on the job's own wire:
 
-* :meth:`Tuning.calibrate` measures the per-message costs and the wire's two-way loss, and prices with them;
+* :meth:`Tuning.calibrate` measures the per-message costs, the wire's two-way loss and burst, and prices with them;
 * :meth:`Tuning.tune` times every candidate of each small size class, where α and a wire's short-transfer
   behaviour decide and the model is least sure;
 * an :class:`Explorer` times the model's pipeline depth beside its half and its double on a large class's first
@@ -35,18 +35,24 @@ from gradsync.comm.plans import ALLREDUCE, PLANNED_BACKENDS, Pick, PlanCache
 from gradsync.errors import GradsyncError
 from gradsync.plan.synthesizers import SYNTHESIZERS
 from gradsync.sim.choose import PRUNE
-from gradsync.sim.cost import NATIVE, CostModel, reverse_share_of, size_class, stream_rate_of
+from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, size_class, stream_rate_of
 from gradsync.topology.model import Topology
 
-__all__ = ["DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
+__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
            "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
 #: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many).
 DUPLEX_BYTES = 4 << 20
-#: Repetitions of the one-way streams in the quick calibration ``init`` runs by default (:meth:`Tuning.calibrate`
-#: with ``duplex=False``): the rate check needs only a median, not κ's.
+#: Repetitions of the streams in the quick calibration ``init`` runs by default (:meth:`Tuning.load_or_calibrate`
+#: with ``quick=True``): κ and the burst from two, not five; the two-way loss moves a prediction by up to ~10 %
+#: on a link loaded both ways (racks' uplinks: κ 0.09-0.11 measured), so even the quick one measures it.
 QUICK_REPS = 2
+#: The burst probe (:func:`~gradsync.sim.cost.burst_of`): a one-way transfer of this many bytes (all start), and
+#: one that takes about :data:`BURST_PROBE_S` at the measured rate (within [16 KiB, half of DUPLEX_BYTES]): long
+#: enough that a few milliseconds of a shaper's tokens show above the start's noise, short enough to be cheap.
+BURST_TINY_BYTES = 4096
+BURST_PROBE_S = 0.025
 #: A calibrated ``reverse_share`` above this is capped: a link loaded both ways at under 2/3 of one way is
 #: a noisy measurement, not a property of the wire.
 MAX_REVERSE_SHARE = 0.5
@@ -196,12 +202,12 @@ class Tuning:
         if self.rank == 0 and doc is not None:
             write_cache(path, doc, what, stacklevel=5)
 
-    def load_or_calibrate(self, *, duplex: bool = True) -> None:
-        """The cached calibration for this topology and model, or :meth:`calibrate` now (``duplex=False``: the
-        quick one ``init`` runs by default, kept in a file of its own)."""
-        kind = "cost_model" if duplex else "quick_cost_model"
+    def load_or_calibrate(self, *, quick: bool = False) -> None:
+        """The cached calibration for this topology and model, or :meth:`calibrate` now (``quick``: the one
+        ``init`` runs by default, :data:`QUICK_REPS` repetitions, kept in a file of its own)."""
+        kind = "quick_cost_model" if quick else "cost_model"
         self.cached(kind, "calibration", lambda doc: self.set_cost_model(CostModel.from_dict(doc)),
-                    lambda: (self.calibrate(duplex=True) if duplex else self.calibrate(QUICK_REPS, duplex=False)).to_dict())
+                    lambda: (self.calibrate(QUICK_REPS) if quick else self.calibrate()).to_dict())
 
     def calibration_pays(self, algorithm: str) -> bool:
         """Whether ``init``'s default calibrates: ``auto`` chooses among planned schedules and the backend's
@@ -299,8 +305,9 @@ class Tuning:
         larger so that the start is not counted (:func:`~gradsync.sim.cost.stream_rate_of`): a path more than
         ``RATE_TOLERANCE`` times slower than the file says rescales every link first
         (:meth:`~gradsync.sim.cost.CostModel.refined`, with a warning), and α is solved on those rates.
-        ``duplex=False`` (the quick calibration ``init`` runs by default) times the one-way streams only and
-        keeps the model's κ. Runs on the communication thread, in order with queued collectives; needs a
+        ``duplex=False`` times the one-way streams only and keeps the model's κ. Last, a tiny and a mid-sized one-way transfer on the same path, each after an idle
+        spell, say whether the wire passes a burst above its rate (a token-bucket shaper): ``burst_s``
+        (:func:`~gradsync.sim.cost.burst_of`), which the model then gives every link direction. Runs on the communication thread, in order with queued collectives; needs a
         torch.distributed transport.
         """
         if not self.plans.caps.native:
@@ -349,12 +356,18 @@ class Tuning:
             streams = ((one_way, half), (one_way, whole)) + (((both_ways, half), (both_ways, whole)) if duplex else ())
             for _ in range(reps + 1):  # the first repetition warms the connection up and is dropped
                 rows.append(tuple(self.slowest(lambda f=f, n=n: f(n), 1) for f, n in streams))
+            nbytes, seconds = stream_rate_of([r[:2] for r in rows[1:]], half * 4, whole * 4)
+            rate = nbytes / seconds  # the same on every rank: from the slowest rank's timings
+            tiny = BURST_TINY_BYTES // 4
+            mid = int(min(half, max(4 * tiny, rate * BURST_PROBE_S // 4)))
+            bursts = []
+            for _ in range(reps + 1):  # idle before each: a barrier, and the bucket refills while ranks meet
+                bursts.append(tuple(self.slowest(lambda n=n: one_way(n), 1) for n in (tiny, mid)))
         finally:
             ex.close()
-        base = plans.cost_model
+        base = replace(plans.cost_model, burst_s=burst_of(bursts[1:], tiny * 4, mid * 4, rate))
         kappa = reverse_share_of(rows[1:], MAX_REVERSE_SHARE) if duplex else base.reverse_share
         if plans.mapping is None:  # the one-way streams also say whether the file's rates are the wire's
-            nbytes, seconds = stream_rate_of([r[:2] for r in rows[1:]], half * 4, whole * 4)
             base, note = base.refined(plans.topology, 0, far, nbytes, seconds)
             if note is not None and rank == 0:
                 warnings.warn(f"calibration: {note}; give the topology its real link rates (or a cost model from "
@@ -375,7 +388,8 @@ class Tuning:
         model = replace(base, message_s=alpha, native_message_s=native, reverse_share=kappa,
                         source=f"{base.source}; message costs calibrated on {self.world_size} ranks "
                                f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native; both ways "
-                               + (f"{1 / (1 + kappa):.3f} of one way)" if duplex else "not measured)"))
+                               + (f"{1 / (1 + kappa):.3f} of one way" if duplex else "not measured")
+                               + f"; burst {base.burst_s * 1e3:.3g} ms)")
         self.set_cost_model(model)
         return model
 

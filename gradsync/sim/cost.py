@@ -8,7 +8,8 @@ transport's own handshakes); links are duplex, but a stream's acknowledgements t
 on the opposite direction (so a link loaded both ways carries ``1/(1+κ)`` each way, as measured); a
 transport reaches only a share of a link's rate (TCP goodput). That is exactly the event simulator with
 ``streaming=False, fifo=True`` (:func:`gradsync.sim.simulate`), ``message_s = α`` and ``reverse_share = κ``
-on the topology with calibrated link rates, so the model *is* that simulation, not a
+on the topology with calibrated link rates (and ``burst_s``, a shaper's token bucket per link direction:
+short messages after a gap cross faster than the rate), so the model *is* that simulation, not a
 second formula that could drift from it. Closed forms it reproduces (tested):
 
 * ring allreduce on N ranks, M bytes, link rate β:  ``2 (N-1) (M / (N β) + α)``;
@@ -43,7 +44,7 @@ from gradsync.plan.synthesizers import ring_blocks, split_chunks
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Topology
 
-__all__ = ["NATIVE", "RATE_TOLERANCE", "CostModel", "native_schedule", "phase_order", "reverse_share_of", "size_class",
+__all__ = ["BURST_NOISE", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
            "stream_rate_of"]
 
 #: The pseudo-algorithm name for the backend's own allreduce.
@@ -106,6 +107,32 @@ def stream_rate_of(samples: Sequence[tuple[float, float]], small_bytes: float, l
     return float(large_bytes), large
 
 
+#: A burst shorter than this share of the tiny transfer's own time is read as noise (no bucket): :func:`burst_of`.
+BURST_NOISE = 1.0
+
+
+def burst_of(samples: Sequence[tuple[float, float]], tiny_bytes: float, mid_bytes: float, rate_Bps: float) -> float:
+    """Seconds of a token bucket on a stream's path (:attr:`CostModel.burst_s`) from one-way timings.
+
+    ``samples``: per repetition ``(one way of tiny_bytes, one way of mid_bytes)`` seconds, on a path whose
+    steady rate ``rate_Bps`` was measured on long streams (:func:`stream_rate_of`). Under a bucket of ``B``
+    bytes a transfer of ``m > B`` after an idle spell takes its start plus ``(m - B) / rate``, and the tiny
+    one is all start, so ``B = mid - rate (t(mid) - t(tiny))``. Each size's fastest repetition is taken (a
+    busy CPU only adds time). ``B`` is kept in ``[0, mid]`` and returned as seconds at the rate, ``B / rate``;
+    a burst that saves less than :data:`BURST_NOISE` times the tiny transfer's whole time is noise, and 0.
+    """
+    rows = [tuple(float(v) for v in row) for row in samples]
+    ok = rows and all(len(r) == 2 and all(math.isfinite(v) and v >= 0 for v in r) for r in rows)
+    if not ok or not 0 < tiny_bytes < mid_bytes or not (math.isfinite(rate_Bps) and rate_Bps > 0):
+        raise PlanError(f"burst_of needs (one way tiny, one way mid) seconds per repetition, 0 < tiny_bytes < "
+                        f"mid_bytes and a positive rate; got {samples!r}, {tiny_bytes!r}, {mid_bytes!r}, {rate_Bps!r}")
+    tiny = min(r[0] for r in rows)
+    mid = min(r[1] for r in rows)
+    burst = min(float(mid_bytes), max(0.0, mid_bytes - rate_Bps * (mid - tiny)))
+    seconds = burst / rate_Bps
+    return seconds if seconds > BURST_NOISE * tiny else 0.0
+
+
 def _bottleneck(topo: Topology, route: Any, src: int, dst: int) -> tuple[float, int]:
     """The slowest link direction (GB/s) on ``route``'s path from rank ``src`` to rank ``dst``, and its hops."""
     hops = topo.route_links(route(topo.ranks[src], topo.ranks[dst]))
@@ -127,7 +154,10 @@ class CostModel:
     reaches, in (0, 1]. ``reverse_share``: κ in [0, 1), the share of a stream's rate its acknowledgements
     take on the opposite direction of each link it crosses (:func:`gradsync.sim.engine.with_reverse_share`;
     measured by ``gradsync testbed probe --duplex``: a link loaded both ways carries ``1 / (1 + κ)`` of a
-    lone stream each way). ``link_GBps``: measured rates per link class (``Link.kind``) replacing the
+    lone stream each way). ``burst_s``: seconds of tokens each link direction holds at its own rate (a
+    token-bucket shaper: ``tc tbf``'s burst, a cloud NIC's burst credits; 0 for a wire that never runs above
+    its rate; measured by the calibration, :func:`burst_of`). ``link_GBps``: measured rates per link class
+    (``Link.kind``) replacing the
     topology file's (before ``goodput``). ``pipelines``: sub-chunk counts the chooser tries.
     ``source`` says where the numbers came from (``defaults``, ``measured``, ``probe``, a file).
     """
@@ -136,6 +166,7 @@ class CostModel:
     native_message_s: float = 60e-6
     goodput: float = 1.0
     reverse_share: float = 0.0
+    burst_s: float = 0.0
     link_GBps: Mapping[str, float] = field(default_factory=dict)
     pipelines: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     source: str = "defaults"
@@ -143,6 +174,7 @@ class CostModel:
     def __post_init__(self) -> None:
         _seconds("message_s", self.message_s)
         _seconds("native_message_s", self.native_message_s)
+        _seconds("burst_s", self.burst_s)
         g = self.goodput
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
             raise PlanError(f"goodput={g!r} must lie in (0, 1]: the share of a link's rate a transport reaches")
@@ -164,14 +196,14 @@ class CostModel:
     # ---- JSON ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"type": "gradsync.cost_model", "message_s": self.message_s, "native_message_s": self.native_message_s,
-                "goodput": self.goodput, "reverse_share": self.reverse_share, "link_GBps": dict(self.link_GBps), "pipelines": list(self.pipelines),
+                "goodput": self.goodput, "reverse_share": self.reverse_share, "burst_s": self.burst_s, "link_GBps": dict(self.link_GBps), "pipelines": list(self.pipelines),
                 "source": self.source}
 
     @classmethod
     def from_dict(cls, data: Any) -> CostModel:
         if not isinstance(data, dict) or data.get("type") != "gradsync.cost_model":
             raise PlanError("a cost model file must be a JSON object with \"type\": \"gradsync.cost_model\"")
-        known = {"message_s", "native_message_s", "goodput", "reverse_share", "link_GBps", "pipelines", "source"}
+        known = {"message_s", "native_message_s", "goodput", "reverse_share", "burst_s", "link_GBps", "pipelines", "source"}
         extra = set(data) - known - {"type"}
         if extra:
             raise PlanError(f"unknown cost model fields {sorted(extra)}; known: {sorted(known)}")
@@ -238,7 +270,7 @@ class CostModel:
         backend's α instead of the executor's)."""
         alpha = self.native_message_s if native else self.message_s
         return simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                        message_s=alpha, reverse_share=self.reverse_share, progress=False).time_s
+                        message_s=alpha, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False).time_s
 
     def wait_order(self, schedule: Schedule, topology: Topology, size_bytes: float) -> np.ndarray:
         """Per transfer, the order in which the executor should wait for it: the model's predicted finish
@@ -256,7 +288,7 @@ class CostModel:
         if not schedule.num_transfers:
             return np.zeros(0)
         sim = simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                       message_s=self.message_s, reverse_share=self.reverse_share, progress=False)
+                       message_s=self.message_s, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False)
         return phase_order(schedule, sim.transfer_times()[1])
 
     def predict_native(self, topology: Topology, size_bytes: float) -> float:

@@ -29,6 +29,15 @@ Model (fluid, α–β):
   while streaming hides most of them behind bandwidth (between one and ``2(N-1)``); a chain of h hops
   streams in ``M/β + h α`` (cut-through) against ``h (M/β + α)`` store-and-forward.
 
+Token buckets (``burst_s``): a shaped link (Linux ``tc tbf``, a cloud NIC's burst credits) passes a burst
+faster than its rate. Every link direction holds ``B_e = burst_s C_e`` bytes of tokens, full at the start;
+while it has tokens it moves :data:`BURST_PEAK` ``C_e`` (as good as instantly at the sizes a burst
+covers, finite so the fluid model stays one), and its tokens change at ``C_e - used_e`` (drained by a
+faster load, refilled by a slower one, kept in ``[0, B_e]``). An empty bucket is a link of rate ``C_e``
+again. So a message of ``m <= B_e`` bytes after an idle spell crosses at once, a long stream pays its
+rate on all but ``B_e`` of its bytes, and messages with gaps between them (the executor's α) recover
+``C_e`` per second of gap. One event more per bucket that empties.
+
 Late ranks (``start_delay_s``): a rank that reaches the collective ``Δ_r`` seconds after the others (a
 straggler, StragglAR's persistent one) sends nothing before then: every flow it sends starts at
 ``max(ready_t, Δ_r)``, which delays everything that depends on it. Flows *into* it are not held back (the
@@ -68,10 +77,13 @@ from gradsync.plan.schedule import Schedule
 from gradsync.sim.flows import FlowSet, SimulationError, _ranges, build_flows, by_step, tensor_sizes
 from gradsync.topology.model import Topology
 
-__all__ = ["FAIRNESS", "SimResult", "simulate", "start_delays"]
+__all__ = ["BURST_PEAK", "FAIRNESS", "SimResult", "simulate", "start_delays"]
 
 #: How flows share a link direction: max-min fair in bytes/s per byte of flow, or per flow.
 FAIRNESS = ("size", "flow")
+
+#: A link direction with tokens moves this many times its rate (``simulate(burst_s=...)``).
+BURST_PEAK = 100.0
 
 #: Tests set this to assert the model's invariants after every event (link capacity, x_t <= min_d x_d).
 _DEBUG = False
@@ -126,6 +138,8 @@ class SimResult:
     reverse_share: float = 0.0
     #: Per rank, when it reached the collective (``simulate(start_delay_s=...)``); empty: all at 0.
     start_delay_s: tuple[float, ...] = ()
+    #: Seconds of tokens per link direction at its rate (``simulate(burst_s=...)``); 0: no buckets.
+    burst_s: float = 0.0
 
     @property
     def size_bytes(self) -> float:
@@ -176,6 +190,7 @@ class SimResult:
             "fairness": self.fairness,
             "fifo": self.fifo,
             "reverse_share": self.reverse_share,
+            **({"burst_s": self.burst_s} if self.burst_s else {}),
             **({"start_delay_s": list(self.start_delay_s)} if self.start_delay_s else {}),
             "latency_s_per_hop": self.latency_s,
             "time_s": self.time_s,
@@ -235,7 +250,7 @@ class _Engine:
 
     def __init__(self, fs: FlowSet, streaming: bool, weight: np.ndarray, progress: TextIO | None, label: str,
                  fifo: bool = False, message_s: float = 0.0, reverse_share: float = 0.0,
-                 release_s: np.ndarray | None = None) -> None:
+                 release_s: np.ndarray | None = None, burst_s: float = 0.0) -> None:
         n, ng = fs.num_flows, fs.num_groups
         self.fs = fs
         # What the rates see: a flow uses every link direction on its route fully and, with
@@ -277,6 +292,11 @@ class _Engine:
         self.n_dirs = int(self.inc.shape[1])
         self.pending = np.flatnonzero(fs.group < 0)
         self.busy = np.zeros(fs.capacity.shape[0])
+        # Token buckets (module docstring): ``bucket`` bytes each, ``tokens`` left; ``link_cap`` what a direction
+        # moves now (its rate, or BURST_PEAK times it while it has tokens).
+        self.bucket = fs.capacity * burst_s if burst_s > 0 else None
+        self.tokens = self.bucket.copy() if self.bucket is not None else None
+        self.link_cap = fs.capacity * BURST_PEAK if self.bucket is not None else fs.capacity
         self.scratch = np.zeros(max(n, ng), np.int64)
         self.lo = self.hi = 0
         self.nact = 0
@@ -517,7 +537,7 @@ class _Engine:
         (``x_t == X_g = min_d x_d``) freezes when one of those *tight* dependencies freezes, at its rate
         (same size and weight): so ``r_t <= min`` over tight dependencies and ``x_t <= X_g`` holds.
         """
-        cap_e = self.fs.capacity
+        cap_e = self.link_cap
         caught_any = False
         if self.has_caps:
             xd = xw[self.e_d]
@@ -581,9 +601,29 @@ class _Engine:
             dt = min(dt, float((gap / (rate[closing] - st[closing])).min()))
         return dt
 
+    def _empty_dt(self, used: np.ndarray) -> float:
+        """Time until a bucket that drains (its load above its rate) runs empty; inf without buckets."""
+        if self.tokens is None:
+            return np.inf
+        draining = (self.tokens > 0) & (used > self.fs.capacity)
+        if not draining.any():
+            return np.inf
+        return float((self.tokens[draining] / (used[draining] - self.fs.capacity[draining])).min())
+
+    def _spend(self, used: np.ndarray, dt: float) -> None:
+        """Advance the buckets by ``dt`` at load ``used``; a bucket within rounding of empty is empty (its
+        direction back to its rate), so a saturated link does not flicker between its rate and the peak."""
+        if self.tokens is None or dt <= 0:
+            return
+        cap = self.fs.capacity
+        t = np.minimum(self.bucket, self.tokens + (cap - used) * dt)
+        t[t <= self.bucket * _REL] = 0.0
+        self.tokens = t
+        self.link_cap = np.where(t > 0, cap * BURST_PEAK, cap)
+
     def _check(self, xw: np.ndarray, used: np.ndarray) -> None:
         """Invariants of the model (only under ``_DEBUG``): capacities hold and no flow overtakes a dependency."""
-        assert np.all(used <= self.fs.capacity * (1 + 1e-9)), "a link direction carries more than its bandwidth"
+        assert np.all(used <= self.link_cap * (1 + 1e-9)), "a link direction carries more than its bandwidth"
         if self.has_caps:
             x_min = self._seg_min(np.where(self.live, xw[self.e_d], np.inf))[self.t_g]
             over = np.where(self.cap & np.isfinite(x_min), xw - x_min, 0.0)
@@ -600,7 +640,9 @@ class _Engine:
             if self.nact == 0:
                 if not self.pending.size:
                     break
-                self.now = max(self.now, float(self.ready_at[self.pending].min()))
+                idle = max(self.now, float(self.ready_at[self.pending].min()))
+                self._spend(np.zeros_like(self.busy), idle - self.now)
+                self.now = idle
                 continue
             self.events += 1
             if max_events is not None and self.events > max_events:
@@ -609,7 +651,7 @@ class _Engine:
             rate, used = self._rates(xw)
             with np.errstate(divide="ignore", invalid="ignore"):
                 t_drain = np.where(rate > 0, (self.size_w - xw) / rate, np.inf)
-            dt = min(float(t_drain.min()), self._catch_up_dt(xw, rate))
+            dt = min(float(t_drain.min()), self._catch_up_dt(xw, rate), self._empty_dt(used))
             if self.pending.size:
                 dt = min(dt, float(self.ready_at[self.pending].min()) - self.now)
             if not math.isfinite(dt):
@@ -622,6 +664,7 @@ class _Engine:
             self.now += dt
             if _DEBUG:
                 self._check(xw, used)
+            self._spend(used, dt)
             done = self.act & ((t_drain <= dt * (1 + _REL)) | (self.size_w - xw <= self.tol))
             if done.any():
                 self._drain(self.lo + np.flatnonzero(done))
@@ -649,6 +692,7 @@ def simulate(
     fairness: str = "size",
     fifo: bool = False,
     reverse_share: float = 0.0,
+    burst_s: float = 0.0,
     start_delay_s: Sequence[float] | Mapping[int, float] | None = None,
     progress: bool | TextIO | None = None,
     max_events: int | None = None,
@@ -668,6 +712,8 @@ def simulate(
     * ``reverse_share``: κ in [0, 1): every flow also takes κ of its rate from the opposite direction of
       each link on its route (TCP acknowledgements on a link loaded both ways, :func:`with_reverse_share`);
       the runtime's cost model sets it from a probe, 0 is the pure fluid model.
+    * ``burst_s``: seconds of tokens per link direction at its own rate (a shaper's token bucket, module
+      docstring); 0 (default): links move their rate and no faster.
     * ``start_delay_s``: when each rank reaches the collective, in seconds after the on-time ranks (one value
       per rank, or ``{rank: delay}`` for the late ones): a late rank sends nothing before then (module
       docstring). ``None`` (default): every rank at 0.
@@ -680,6 +726,9 @@ def simulate(
     if isinstance(reverse_share, bool) or not isinstance(reverse_share, (int, float)) or not 0 <= reverse_share < 1:
         raise SimulationError(f"reverse_share={reverse_share!r} must lie in [0, 1): the share of a flow's rate "
                               f"its acknowledgements take on the opposite link direction")
+    if isinstance(burst_s, bool) or not isinstance(burst_s, (int, float)) or not (math.isfinite(burst_s) and burst_s >= 0):
+        raise SimulationError(f"burst_s={burst_s!r} must be a finite number of seconds >= 0: how long a link's "
+                              f"token bucket lasts at its own rate (0: no bucket)")
     if fairness not in FAIRNESS:
         raise SimulationError(f"fairness={fairness!r}; use one of {list(FAIRNESS)}")
     delays = start_delays(start_delay_s, topology.world_size)
@@ -698,7 +747,8 @@ def simulate(
     weight = fs.size / max(float(fs.size.max()), 1e-300) if fairness == "size" and fs.num_flows else np.ones(fs.num_flows)
     ordered, perm = by_step(fs)
     release = np.asarray(delays)[ordered.src] if delays and ordered.num_flows else None
-    eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s, float(reverse_share), release)
+    eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s, float(reverse_share), release,
+                  float(burst_s))
     eng.run(max_events)
     back = np.empty_like(perm)  # flow in schedule order -> its index in step order
     back[perm] = np.arange(perm.shape[0], dtype=np.int64)
@@ -741,6 +791,7 @@ def simulate(
         flow_link_idx=inc.indices.astype(np.int64),
         reverse_share=float(reverse_share),
         start_delay_s=delays,
+        burst_s=float(burst_s),
     )
 
 

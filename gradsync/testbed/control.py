@@ -29,7 +29,7 @@ from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
 __all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "current_user", "load_owner", "owner_record", "resolve_state_path",
-           "load_state", "up", "down", "status"]
+           "load_state", "tbf_burst", "up", "down", "status"]
 
 #: Where the state file goes unless a path or ``$GRADSYNC_TESTBED`` says otherwise (/run is tmpfs: a reboot,
 #: which also removes every namespace, removes the state too).
@@ -38,6 +38,13 @@ DEFAULT_STATE_PATH = Path("/run/gradsync-testbed/state.json")
 STATE_ENV = "GRADSYNC_TESTBED"
 #: tbf queue: how long a packet may wait for tokens (bounds the queue, so latency stays small).
 _TBF_LATENCY = "25ms"
+
+
+def tbf_burst(rate_mbit: float) -> int:
+    """Bytes of tokens every shaped interface holds at ``rate_mbit``: at least 10 MTU frames and 4 ms of its
+    rate (so a timer tick at HZ=250 never starves it). The cost model gives the same bucket
+    (``CostModel.burst_s``, :func:`gradsync.testbed.probe.cost_model`)."""
+    return max(15140, int(rate_mbit * 1e6 / 8 * 0.004))
 
 
 def resolve_state_path(path: str | os.PathLike[str] | None = None) -> Path:
@@ -95,8 +102,7 @@ def _describe(owner: dict[str, Any]) -> str:
 
 def _shape(ifname: str, rate_mbit: float, delay_ms: float | None = None, ns: str | None = None) -> None:
     """Egress shaping on one interface: tbf at the rate, optionally netem delay inside it."""
-    rate_bytes = rate_mbit * 1e6 / 8
-    burst = max(15140, int(rate_bytes * 0.004))  # >= 10 MTU frames and >= 4 ms of tokens (covers HZ=250)
+    burst = tbf_burst(rate_mbit)
     netns.tc("qdisc", "replace", "dev", ifname, "root", "handle", "1:", "tbf", "rate",
              f"{max(1, round(rate_mbit * 1000))}kbit", "burst", str(burst), "latency", _TBF_LATENCY, ns=ns)
     if delay_ms:

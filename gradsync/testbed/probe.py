@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from gradsync.testbed import netns
 from gradsync.testbed.build import TestbedPlan, sample_pairs
-from gradsync.testbed.control import load_state
+from gradsync.testbed.control import load_state, tbf_burst
 from gradsync.testbed.errors import TestbedError
 
 if TYPE_CHECKING:
@@ -40,7 +40,8 @@ def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), **fields:
     """The runtime's :class:`~gradsync.sim.cost.CostModel` for this testbed: every link class at its shaped
     rate, and the goodput share the probe measured (the median of ``rows``' measured/expected, capped at 1;
     :data:`TCP_GOODPUT` without rows), and the median ``reverse_share`` of rows probed both ways
-    (``probe(duplex=True)``; 0 without). ``fields`` set the rest (``message_s``...).
+    (``probe(duplex=True)``; 0 without), and the shaper's token bucket (``burst_s``: :func:`tbf_burst` at the
+    slowest class's rate, in seconds of that rate). ``fields`` set the rest (``message_s``...).
 
     Rows that measured nothing (a probe that failed) are left out with the others' median; when none is
     usable the header arithmetic is used, so a bad probe never yields a model that cannot run.
@@ -63,7 +64,8 @@ def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), **fields:
         else f"testbed {plan.topology} at {plan.rate_mbit:g} Mbit/s (goodput from TCP headers)"
     kappas = [float(r["reverse_share"]) for r in rows if isinstance(r.get("reverse_share"), (int, float))
               and 0 <= float(r["reverse_share"]) < 1]
-    extra: dict[str, Any] = {}
+    slowest = min(rates.values()) * 8e3  # Mbit/s
+    extra: dict[str, Any] = {"burst_s": tbf_burst(slowest) / (slowest * 1e6 / 8)}
     if kappas:
         extra["reverse_share"] = statistics.median(kappas)
         source += f", both ways {1 / (1 + extra['reverse_share']):.3f} of one way"

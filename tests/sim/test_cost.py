@@ -8,12 +8,13 @@ from dataclasses import replace
 
 import pytest
 
+import gradsync.sim.engine as engine_module
 from gradsync.comm.tuning import load_cost_model
 from gradsync.errors import GradsyncError, PlanError, SimulationError
 from gradsync.plan import synthesize
 from gradsync.plan.schedule import Chunk, Schedule, Transfer
 from gradsync.sim import simulate
-from gradsync.sim.cost import CostModel, native_schedule, reverse_share_of, size_class, stream_rate_of
+from gradsync.sim.cost import CostModel, burst_of, native_schedule, reverse_share_of, size_class, stream_rate_of
 from gradsync.topology import get_topology
 
 
@@ -261,3 +262,56 @@ def test_native_schedule_checks_itself():
     for spec in ("switch:3", "bcube:2,2", "p3.8xlarge"):
         t = get_topology(spec)
         native_schedule(t).check(t)
+
+
+def _one_way(topo, nbytes: float, burst_s: float, alpha: float) -> float:
+    """A one-way transfer host0 -> host1 of ``nbytes`` on the event simulator with a bucket of ``burst_s``: the
+    wire ``burst_of`` is meant to read."""
+    route = ("host0", "sw0", "host1")
+    schedule = Schedule("one", topo.name, topo.ranks, (Chunk(0.0, 1.0, 0),), (Transfer(0, 0, 1, route, False, 0),),
+                        collective="broadcast")
+    return simulate(schedule, topo, nbytes, streaming=False, fifo=True, message_s=alpha, latency_s=0.0,
+                    burst_s=burst_s, progress=False).time_s
+
+
+@pytest.mark.parametrize("burst_s", [0.0, 0.004, 0.012])
+def test_a_burst_is_read_back_from_a_tiny_and_a_mid_transfer(burst_s):
+    """Under a bucket of B bytes a transfer of m > B takes α + (m - B)/β exactly (the peak's share cancels) and
+    a tiny one α + tiny/(PEAK β): so burst_of gives back the simulator's bucket to tiny / PEAK bytes, and 0 where
+    there is none (a saving below the tiny transfer's time is noise)."""
+    topo = get_topology("switch:2")
+    beta, alpha, tiny = 1.25e9, 2e-3, 4096.0
+    mid = beta * 0.025
+    noise = (0.0, 3e-4)  # a busy spell on one repetition only ever adds time
+    rows = [(_one_way(topo, tiny, burst_s, alpha) + a, _one_way(topo, mid, burst_s, alpha) + b)
+            for a, b in zip(noise, noise[::-1])]
+    got = burst_of(rows, tiny, mid, beta)
+    if burst_s == 0:
+        assert got == 0.0
+    else:
+        assert got == pytest.approx(burst_s, abs=tiny / engine_module.BURST_PEAK / beta * 1.0001)
+
+
+def test_burst_of_keeps_within_the_mid_transfer_and_names_bad_input():
+    # faster than the rate allows for every byte: the whole mid transfer was the burst, no more
+    assert burst_of([(0.001, 0.001)], 4096, 1e6, 1e7) == pytest.approx(1e6 / 1e7)
+    # slower than the rate: no bucket
+    assert burst_of([(0.001, 0.2)], 4096, 1e6, 1e7) == 0.0
+    for bad in ([], [(0.1,)], [(0.1, float("nan"))]):
+        with pytest.raises(PlanError, match="burst_of needs"):
+            burst_of(bad, 4096, 1e6, 1e7)
+    with pytest.raises(PlanError, match="burst_of needs"):
+        burst_of([(0.1, 0.2)], 1e6, 4096, 1e7)
+
+
+def test_a_models_burst_makes_short_messages_cheaper_and_travels_in_its_json():
+    topo = get_topology("racks:2,3,4")
+    ring = synthesize("ring", topo)
+    plain = CostModel()
+    bursty = CostModel(burst_s=0.004)
+    assert CostModel.from_dict(json.loads(json.dumps(bursty.to_dict()))) == bursty
+    small, large = plain.predict(ring, topo, 64 << 10), plain.predict(ring, topo, 1 << 30)
+    assert bursty.predict(ring, topo, 64 << 10) < small
+    assert bursty.predict(ring, topo, 1 << 30) == pytest.approx(large, rel=0.02)
+    with pytest.raises(PlanError, match="burst_s=-1"):
+        CostModel(burst_s=-1)

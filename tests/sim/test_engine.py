@@ -324,3 +324,64 @@ def test_bad_start_delays_name_the_value(bad, match):
     topo = get_topology("switch:4")
     with pytest.raises(SimulationError, match=match):
         simulate(synthesize("ring", topo), topo, GB, start_delay_s=bad, progress=False)
+
+
+# ---- token buckets (burst_s) -----------------------------------------------------------------------------------
+def _burst_time(m: float, tokens: float, rate: float) -> float:
+    """One message of ``m`` bytes over a link of ``rate`` B/s whose bucket holds ``tokens``: at PEAK x rate while
+    the tokens last (they drain at PEAK x rate - rate), then at the rate."""
+    peak = engine.BURST_PEAK * rate
+    t1 = tokens / (peak - rate)
+    return m / peak if m <= peak * t1 else t1 + (m - peak * t1) / rate
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("burst_over_message", [0.0, 0.3, 0.999, 2.0])
+def test_a_burst_crosses_faster_then_the_link_runs_at_its_rate(streaming, burst_over_message, debug_invariants):
+    """The chain on switch:3, one buffer of M: each hop is its own pair of link directions with a full bucket,
+    so each hop takes the closed form above (store-and-forward: one after the other)."""
+    topo = get_topology("switch:3")
+    rate = 1.25e9
+    burst_s = burst_over_message * GB / rate
+    r = simulate(_chain(topo), topo, GB, streaming=False, latency_s=0.0, burst_s=burst_s, progress=False)
+    assert r.time_s == pytest.approx(2 * _burst_time(GB, burst_s * rate, rate), rel=1e-9)
+    assert r.to_dict(links=False).get("burst_s", 0.0) == burst_s
+    if burst_over_message == 0:
+        assert r.time_s == simulate(_chain(topo), topo, GB, streaming=False, latency_s=0.0, progress=False).time_s
+
+
+@pytest.mark.parametrize("gap_over_burst", [0.0, 0.25, 0.5, 3.0])
+def test_a_bucket_refills_at_its_rate_between_messages(gap_over_burst, debug_invariants):
+    """Two messages on one connection (fifo), α apart: the first empties the bucket, the gap refills
+    ``min(B, rate x α)`` of it, and the second spends that. Closed form, to 1e-9."""
+    topo = get_topology("switch:2")
+    rate, m, burst_s = 1.25e9, 0.5 * GB, 0.1
+    alpha = gap_over_burst * burst_s
+    route = ("host0", "sw0", "host1")
+    schedule = Schedule("two", topo.name, topo.ranks, (Chunk(0.0, 0.5, 0), Chunk(0.5, 0.5, 0)),
+                        (Transfer(0, 0, 1, route, False, 0), Transfer(1, 0, 1, route, False, 0)), collective="broadcast")
+    r = simulate(schedule, topo, GB, streaming=False, fifo=True, message_s=alpha, latency_s=0.0, burst_s=burst_s,
+                 progress=False)
+    first = _burst_time(m, burst_s * rate, rate)
+    second = _burst_time(m, min(burst_s * rate, alpha * rate), rate)
+    assert r.time_s == pytest.approx(first + alpha + second + alpha, rel=1e-9)
+
+
+def test_bursts_on_a_busy_fabric_keep_every_invariant(debug_invariants):
+    """A ring and a pipelined tree on a fat-tree with buckets: capacities (rate or peak) hold after every event,
+    bytes are conserved, and the buckets can only make a schedule faster, never slower than 1 / PEAK of it."""
+    topo = get_topology("fattree:4")
+    for alg, p in (("ring", 1), ("tree", 4)):
+        schedule = synthesize(alg, topo, PlanOptions(pipeline=p))
+        plain = simulate(schedule, topo, 64e6, streaming=False, fifo=True, message_s=1e-4, progress=False)
+        fast = simulate(schedule, topo, 64e6, streaming=False, fifo=True, message_s=1e-4, burst_s=2e-4,
+                        progress=False)
+        assert plain.time_s / engine.BURST_PEAK <= fast.time_s < plain.time_s
+        assert fast.link_bytes.sum() == pytest.approx(plain.link_bytes.sum(), rel=1e-9)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), True, "4ms"])
+def test_bad_burst_names_the_value(bad):
+    topo = get_topology("switch:3")
+    with pytest.raises(SimulationError, match=r"burst_s=.* must be a finite number of seconds >= 0"):
+        simulate(_chain(topo), topo, GB, burst_s=bad, progress=False)

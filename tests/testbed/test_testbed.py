@@ -184,6 +184,9 @@ def test_probe_rows_become_the_runtimes_cost_model() -> None:
     both = cost_model(plan, [{**rows[0], "reverse_share": 0.02}, {**rows[1], "reverse_share": 0.1},
                              {**rows[1], "reverse_share": 0.06}, {**rows[2], "reverse_share": None}])
     assert both.reverse_share == pytest.approx(0.06) and "both ways" in both.source
+    # the shaper's bucket: 4 ms of the slowest class's rate (100 Mbit/s uplinks), its floor of 10 frames below
+    assert m.burst_s == pytest.approx(0.004)
+    assert cost_model(plan_for("switch:2", "10mbit")).burst_s == pytest.approx(15140 / (10e6 / 8))
     topo = get_topology("racks:2,3,4")
     # the model's rates are the testbed's: the uplink is 1/4 of a NIC, as shaped
     fast = m.rates(topo)
