@@ -64,18 +64,9 @@ def test_the_static_guard_flags_a_tensor_without_a_device(source, bad):
     assert len(host_tensors(source)) == bad
 
 
-#: What the meta device cannot express, and why (each still runs on the CPU in the codec tests).
-META_CANNOT = {
-    # DGC's candidates: torch.nonzero's output size depends on the data (a GPU synchronises there by design)
-    "dgc": "torch.nonzero has a data-dependent size",
-}
-
-
 @pytest.mark.parametrize("shape", [(100, 10), (5000,)], ids=str)
 @pytest.mark.parametrize("name", COMPRESSORS.names())
 def test_every_compressor_keeps_to_the_input_device_and_never_reads_it_on_the_host(name, shape):
-    if name in META_CANNOT:
-        pytest.skip(f"{name}: {META_CANNOT[name]}")
     compressor = create(name)
     info = TensorInfo("w", shape, torch.float32)
     x = torch.empty(shape, device="meta")
