@@ -316,3 +316,16 @@ def test_bench_marks_the_benchmarks_that_need_a_checkout():
     for name, line in rows.items():
         assert (line.split()[1] == "*") == BENCHMARKS.get(name).checkout, line
     assert "* needs a gradsync source checkout" in out
+
+
+def test_simulate_with_a_burst_is_faster_below_its_bucket_and_refuses_a_negative_one():
+    """switch:2, ring, 1 MB store-and-forward: each direction sends 0.5 MB once per phase; a bucket of 1 s of
+    the link's rate covers every message (1/100 of the time), a negative one is one clear line."""
+    base = run("simulate", "-t", "switch:2", "-a", "ring", "--size", "1MB", "--store-and-forward", "--json")
+    bursty = run("simulate", "-t", "switch:2", "-a", "ring", "--size", "1MB", "--store-and-forward", "--json",
+                 "--burst-s", "1")
+    assert base.returncode == 0 and bursty.returncode == 0, (base.stderr, bursty.stderr)
+    plain, fast = json.loads(base.stdout), json.loads(bursty.stdout)
+    assert fast["burst_s"] == 1.0 and "burst_s" not in plain
+    assert fast["time_s"] == pytest.approx(plain["time_s"] / 100, rel=1e-6)
+    _one_line_error(run("simulate", "-t", "switch:2", "--burst-s", "-1"), "--burst-s -1.0 must be >= 0")

@@ -35,6 +35,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         schedule = synthesize(args.algorithm, topo, PlanOptions(pipeline=args.pipeline, size_bytes=total, latency_s=args.latency))
     if not args.message_s >= 0:
         raise GradsyncError(f"--message-s {args.message_s!r} must be >= 0 seconds")
+    if not args.burst_s >= 0:
+        raise GradsyncError(f"--burst-s {args.burst_s!r} must be >= 0 seconds (of tokens at each link's rate)")
     if args.runtime_model:
         from gradsync.sim.cost import CostModel
 
@@ -42,7 +44,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = simulate(
         schedule, topo, sizes if len(sizes) > 1 else total, streaming=not args.store_and_forward,
         latency_s=args.latency, message_s=args.message_s, merge_tensors=not args.per_tensor, fairness=args.fairness,
-        fifo=args.fifo, progress=True if args.progress else None,
+        fifo=args.fifo, burst_s=args.burst_s, progress=True if args.progress else None,
     )
     cost = schedule.link_loads(topo).cost(topo.directed_costs)
     planned_s = predicted_time(schedule, topo, total, args.latency, cost=cost)
@@ -92,6 +94,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sm.add_argument("--store-and-forward", action="store_true", help="a transfer waits for its inputs to finish (default: streaming)")
     sm.add_argument("--message-s", type=float, default=0.0,
                     help="software cost per message in seconds (the runtime's alpha; see gradsync.sim.cost)")
+    sm.add_argument("--burst-s", type=float, default=0.0,
+                    help="a token bucket per link direction, in seconds of its rate (a shaper's burst; default 0)")
     sm.add_argument("--fifo", action="store_true",
                     help="one message at a time per connection and per receiver (as gloo's one TCP connection per peer)")
     sm.add_argument("--runtime-model", action="store_true",
