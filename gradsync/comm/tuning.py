@@ -509,10 +509,17 @@ class Tuning:
 
 def rival_of(choice: Any, model: Pick) -> list[Pick]:
     """The best-priced plan of an algorithm other than ``model``'s (the backend's own excluded) among ``choice``'s
-    candidates, when the model prices it within :data:`EXPLORE_RIVAL` of ``model``; else nothing."""
+    candidates, when the model prices it within :data:`EXPLORE_RIVAL` of ``model``; else nothing.
+
+    An algorithm whose plans are priced exactly as ``model``'s family is the same plan under another name (``lp``
+    where one tree meets the cut bound is ``tree``: on the hand-written 4:1 file the rival timed at 1 MiB was
+    ``lp``/32 beside ``tree``/32, where ``forest`` was the one to time), so it is passed over."""
     priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
     mine = priced.get(tuple(model))
-    others = [(t, pick) for pick, t in priced.items() if pick[0] not in (model[0], NATIVE)]
+    family = {p: t for (a, p), t in priced.items() if a == model[0]}
+    clones = {a for a in {a for a, _ in priced} if a != model[0]
+              and {p: t for (b, p), t in priced.items() if b == a} == family}
+    others = [(t, pick) for pick, t in priced.items() if pick[0] not in (model[0], NATIVE) and pick[0] not in clones]
     if mine is None or not others:
         return []
     t, pick = min(others)

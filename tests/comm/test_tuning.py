@@ -184,6 +184,14 @@ def test_rival_of_takes_another_algorithm_the_model_prices_close():
     assert rival_of(choice(("forest", 8, 1.0), ("hierarchical", 8, 1.0 * (1 + EXPLORE_RIVAL) * 1.01)), ("forest", 8)) == []
     assert rival_of(choice(("native", 1, 0.9), ("forest", 8, 1.0)), ("forest", 8)) == []
     assert rival_of(choice(("hierarchical", 8, 1.0)), ("forest", 8)) == []  # the model's pick was not priced here
+    # an algorithm priced exactly as the model's at every depth is the same plan (lp as one tree): the next one
+    same = (("tree", 16, 1.05), ("tree", 32, 1.0), ("lp", 16, 1.05), ("lp", 32, 1.0), ("forest", 8, 1.01))
+    assert rival_of(Choice("tree", 32, 1.0, 1 << 20, tuple(Candidate(a, p, t) for a, p, t in same)),
+                    ("tree", 32)) == [("forest", 8)]
+    # priced the same at the model's depth only: a different plan, still the rival
+    near = (("tree", 16, 1.05), ("tree", 32, 1.0), ("lp", 16, 1.04), ("lp", 32, 1.0), ("forest", 8, 1.01))
+    assert rival_of(Choice("tree", 32, 1.0, 1 << 20, tuple(Candidate(a, p, t) for a, p, t in near)),
+                    ("tree", 32)) == [("lp", 32)]
 
 
 def test_an_explored_pick_joins_the_cache_and_the_next_job_runs_it_without_timing(tmp_path, monkeypatch):
