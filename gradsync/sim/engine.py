@@ -253,7 +253,7 @@ class _Engine:
 
     def __init__(self, fs: FlowSet, streaming: bool, weight: np.ndarray, progress: TextIO | None, label: str,
                  fifo: bool = False, message_s: float = 0.0, reverse_share: float = 0.0,
-                 release_s: np.ndarray | None = None, burst_s: float = 0.0, send_s: float = 0.0) -> None:
+                 release_s: np.ndarray | None = None, burst_s: float = 0.0) -> None:
         n, ng = fs.num_flows, fs.num_groups
         self.fs = fs
         # What the rates see: a flow uses every link direction on its route fully and, with
@@ -270,10 +270,6 @@ class _Engine:
             self.pair_busy = np.zeros(width * width, bool)
             self.cpu_free = np.zeros(width)  # when each rank's thread is done with the messages it received
             self.granted = np.zeros(n, bool)  # popped from its connection's queue: the connection is held for it
-            # ``send_s``: the sender's thread posts each message (its CPU, shared with its arrivals' α) before
-            # the bytes move; ``posted``: that cost is paid
-            self.send_s = float(send_s)
-            self.posted = np.zeros(n, bool)
             self.queued: dict[int, list[tuple[float, int]]] = {}
         self.weight = weight
         self.progress = progress
@@ -351,8 +347,6 @@ class _Engine:
             self.pending = self.pending[~go]
             if self.fifo:
                 ids = self._admit(ids)
-                if self.send_s > 0:
-                    ids = self._post(ids)
                 if not ids.size:
                     continue
             self.start[ids] = np.minimum(self.ready_at[ids], self.now)
@@ -379,22 +373,6 @@ class _Engine:
             heapq.heappush(self.queued.setdefault(int(self.pair[f]), []), (float(self.ready_at[f]), f))
         self.pair_busy[self.pair[rest[go]]] = True
         return np.concatenate([ids[granted], rest[go]])
-
-    def _post(self, ids: np.ndarray) -> np.ndarray:
-        """Of the flows admitted now, those whose sender has posted them; the others take their sender's thread
-        for ``send_s`` (after its earlier work, in ready-then-step order) and start when that is done."""
-        fresh = ids[~self.posted[ids]]
-        if not fresh.size:
-            return ids
-        for f in fresh[np.lexsort((fresh, self.ready_at[fresh]))].tolist():
-            s = int(self.fs.src[f])
-            done = max(self.now, float(self.cpu_free[s])) + self.send_s
-            self.cpu_free[s] = done
-            self.ready_at[f] = done
-        self.posted[fresh] = True
-        self.granted[fresh] = True  # the connection stays held while its sender posts
-        self.pending = np.concatenate([self.pending, fresh])
-        return ids[self.posted[ids] & ~np.isin(ids, fresh)]
 
     def _next_on_connections(self, ids: np.ndarray) -> None:
         """``ids`` drained: each connection takes its next queued message once the last one has finished
@@ -716,7 +694,6 @@ def simulate(
     fifo: bool = False,
     reverse_share: float = 0.0,
     burst_s: float = 0.0,
-    send_s: float = 0.0,
     start_delay_s: Sequence[float] | Mapping[int, float] | None = None,
     progress: bool | TextIO | None = None,
     max_events: int | None = None,
@@ -772,7 +749,7 @@ def simulate(
     ordered, perm = by_step(fs)
     release = np.asarray(delays)[ordered.src] if delays and ordered.num_flows else None
     eng = _Engine(ordered, streaming, weight[perm], stream, label, fifo, message_s, float(reverse_share), release,
-                  float(burst_s), float(send_s))
+                  float(burst_s))
     eng.run(max_events)
     back = np.empty_like(perm)  # flow in schedule order -> its index in step order
     back[perm] = np.arange(perm.shape[0], dtype=np.int64)
