@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from gradsync.compress.base import COMMUNICATORS, CompressionError, Compressor, TwoRoundCompressor, create
+from gradsync.compress.merge import MergeError
 from gradsync.compress.merge_model import Cost, MergeCostModel, Partition
 from gradsync.compress.merge_search import optimal_per_y
 from gradsync.compress.profile import MeasuredCost, measure_codec
@@ -41,6 +42,8 @@ from gradsync.registry import Registry
 
 __all__ = [
     "ACCURACY",
+    "PROFILE_TYPE",
+    "profile_ladder",
     "CODECS",
     "POLICIES",
     "AlphaBeta",
@@ -59,6 +62,8 @@ __all__ = [
 
 #: Accuracy classes from none lost to most: a policy allows every class up to its own.
 ACCURACY = ("lossless", "cast", "any")
+#: The ``type`` of a cached :class:`CodecProfile`.
+PROFILE_TYPE = "gradsync.codec_profile"
 
 
 @dataclass(frozen=True)
@@ -217,6 +222,39 @@ class CodecProfile:
         if cost is None:
             raise CompressionError(f"codec {codec!r} was not profiled (have {sorted(self.costs)}); profile it first")
         return float(cost(numel))
+
+
+    def to_dict(self) -> dict[str, Any]:
+        """Tagged JSON: per codec, the measured points its interpolation runs through."""
+        return {"type": PROFILE_TYPE, "costs": {name: {"sizes": list(c.sizes), "seconds": list(c.seconds)}
+                                                for name, c in self.costs.items() if isinstance(c, MeasuredCost)}}
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> CodecProfile:
+        """The inverse of :meth:`to_dict`; a malformed document raises :class:`CompressionError` naming it."""
+        if not isinstance(doc, dict) or doc.get("type") != PROFILE_TYPE or not isinstance(doc.get("costs"), dict):
+            raise CompressionError(f"a codec profile must be a JSON object with \"type\": \"{PROFILE_TYPE}\" and "
+                                   f"\"costs\"; got {str(doc)[:200]}")
+        costs: dict[str, Cost] = {}
+        for name, c in doc["costs"].items():
+            try:
+                costs[str(name)] = MeasuredCost(tuple(c["sizes"]), tuple(c["seconds"]))
+            except (KeyError, TypeError, MergeError) as exc:
+                raise CompressionError(f"codec profile entry {name!r} is malformed ({exc}): {c!r}") from None
+        return cls(costs)
+
+
+def profile_ladder(low: int, high: int) -> tuple[int, ...]:
+    """The element counts a profile measures for groups of ``low`` .. ``high`` elements: the powers of 8 from the
+    one at or below ``low`` to the one at or above ``high`` (at least two; a codec's time is close to linear
+    between them, and the largest point bounds the profile's own time). Fixed points, not the range's own,
+    so a profile measured for one job (or one caller: the partition search and the per-group choice) serves
+    another whose groups fall inside it, and it can be cached."""
+    lo = 8 ** max(0, math.floor(math.log(max(1, low), 8) + 1e-12))
+    out = [lo, lo * 8]
+    while out[-1] < high:
+        out.append(out[-1] * 8)
+    return tuple(out)
 
 
 def profile_codecs(

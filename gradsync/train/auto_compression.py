@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import threading
 import time
 import warnings
@@ -42,8 +43,10 @@ from gradsync.comm.tuning import write_cache
 from gradsync.compress.auto import (
     CODECS,
     POLICIES,
+    PROFILE_TYPE,
     AlphaBeta,
     AutoChoice,
+    CodecProfile,
     GroupSpec,
     JointChoice,
     WireModel,
@@ -51,6 +54,7 @@ from gradsync.compress.auto import (
     choose,
     choose_joint,
     profile_codecs,
+    profile_ladder,
     review,
 )
 from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts
@@ -75,6 +79,13 @@ def wire_of(runtime: Runtime) -> AlphaBeta:
     rates = list(cm.link_GBps.values()) or [min(link.directed_GBps) for link in runtime.topology.links]
     alpha = cm.native_message_s if getattr(runtime.caps, "native", False) else cm.message_s
     return AlphaBeta(float(alpha), min(rates) * cm.goodput * 1e9)
+
+
+def cache_file(prefix: str, key: Any) -> str:
+    """``$GRADSYNC_CACHE/<prefix>-<digest of key>.json`` (default ``~/.cache/gradsync``)."""
+    base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(base, f"{prefix}-{digest}.json")
 
 
 def param_signature(named: Iterable[tuple[str, Tensor]]) -> list[list[Any]]:
@@ -127,6 +138,8 @@ class AutoCompression:
         self.use_cache = cache and signature is not None
         self._wire = wire
         self._codec_cost = codec_cost
+        #: the points the codec profile was measured at (None: given by the caller, or not profiled yet)
+        self._ladder: tuple[int, ...] | None = None
         self._steps: dict[str, CompressionStep] = {"none": CompressionStep("none", runtime=runtime)}
         #: one training step spans every codec's step: its verdict rolls back all of their states together
         self.boundary = StepBoundary()
@@ -340,15 +353,46 @@ class AutoCompression:
     @property
     def codec_cost(self) -> Callable[[str, int], float]:
         """Codec seconds per ``(codec, numel)``: given, or profiled here at sizes spanning the groups seen."""
-        if self._codec_cost is None:
-            sizes = [g.spec.numel for g in self._groups.values()]
+        sizes = [g.spec.numel for g in self._groups.values()]
+        if self._codec_cost is None or (self._ladder is not None and sizes):  # profiled here: does it cover them?
             self._profile(min(sizes), max(sizes), next(iter(self._groups.values())).spec.dtype)
         return self._codec_cost  # type: ignore[return-value]
 
     def _profile(self, low: int, high: int, dtype: torch.dtype) -> None:
-        if self._codec_cost is None:
-            probes = sorted({int(round(v)) for v in np.geomspace(max(1, low), max(1, high), 4)})
-            self._codec_cost = profile_codecs(allowed(self.allow, dtype), probes, dtype, device=self._device())
+        """Profile the allowed codecs on :func:`~gradsync.compress.auto.profile_ladder`'s points for ``low`` ..
+        ``high`` elements, unless a profile covering them is in hand (a given ``codec_cost`` always is) or in the
+        cache (:meth:`profile_key`: device, dtype, torch, codecs, points): the first job on a machine measures
+        (seconds for a large model), the next reads it."""
+        if self._codec_cost is not None and (self._ladder is None or (low >= self._ladder[0] and high <= self._ladder[-1])):
+            return
+        ladder = profile_ladder(min(low, *(self._ladder or (low,))), max(high, *(self._ladder or (high,))))
+        options = allowed(self.allow, dtype)
+        key = self.profile_key(ladder, dtype, options)
+        path = cache_file("codec-profile", key)
+        profile = None
+        if self.use_cache and os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    doc = json.load(f)
+                if not isinstance(doc, dict) or doc.get("key") != key:
+                    raise CompressionError("its key is not this profile's")
+                profile = CodecProfile.from_dict(doc.get("profile"))
+            except (OSError, ValueError, CompressionError) as exc:
+                warnings.warn(f"ignoring the cached codec profile {path} ({exc}); profiling again", stacklevel=4)
+        if profile is None:
+            profile = profile_codecs(options, ladder, dtype, device=self._device())
+            if self.use_cache:
+                write_cache(path, {"type": PROFILE_TYPE, "key": key, "profile": profile.to_dict()}, "codec profile",
+                            stacklevel=4)
+        self._codec_cost, self._ladder = profile, ladder
+
+    def profile_key(self, ladder: Sequence[int], dtype: torch.dtype, options: Sequence[Any]) -> dict[str, Any]:
+        """What a cached codec profile is valid for: the device (its name on a GPU), the host's CPUs, dtype,
+        torch, the codecs (name and settings) and the points measured."""
+        device = self._device()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        return {"device": f"{device.type}:{name}", "cpus": os.cpu_count(), "dtype": str(dtype),
+                "torch": torch.__version__, "codecs": [repr(o) for o in options], "ladder": list(ladder)}
 
     def plan_partition(self, sizes: Sequence[int], ready_s: Sequence[float], backward_end_s: float,
                        dtype: torch.dtype) -> JointChoice:
@@ -388,9 +432,7 @@ class AutoCompression:
                 "world": self.runtime.world_size, "allow": self.allow, "codecs": CODECS.names()}
 
     def cache_path(self) -> str:
-        base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
-        digest = hashlib.sha256(json.dumps(self.cache_key(), sort_keys=True).encode()).hexdigest()[:16]
-        return os.path.join(base, f"compression-auto-{digest}.json")
+        return cache_file("compression-auto", self.cache_key())
 
     def _load_cache(self) -> None:
         if not self.use_cache:

@@ -203,3 +203,49 @@ def test_merge_auto_chooses_the_partition_with_the_codec(rt: Runtime, wire, comp
         assert joint.partition.num_groups < 4 and joint.per_codec_s["fp16"] < joint.per_codec_s["none"]
     # the groups that trained are the partition's: auto's table has one row per group
     assert len(auto.table()) == joint.partition.num_groups
+
+
+def test_the_codec_profile_is_cached_per_device_and_codecs_and_widened_when_a_group_falls_outside(rt, tmp_path,
+                                                                                                  monkeypatch):
+    """The first job profiles the allowed codecs on the fixed points covering its groups and writes them; the next
+    job (same device, dtype, torch, codecs) reads them and measures nothing; another policy (other codecs) misses;
+    a range outside the points profiles again on the wider points; a corrupt file warns and profiles again."""
+    import gradsync.train.auto_compression as ac
+    from gradsync.compress.auto import profile_ladder
+
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    calls: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
+    real = ac.profile_codecs
+
+    def counting(options, sizes, dtype, **kw):
+        calls.append((tuple(o.name for o in options), tuple(sizes)))
+        return real(options, sizes, dtype, repeats=1, **kw)
+
+    monkeypatch.setattr(ac, "profile_codecs", counting)
+    sig = [["w", [4], "torch.float32"]]
+
+    def fresh(allow: str = "cast") -> AutoCompression:
+        return AutoCompression(allow, runtime=rt, wire=SLOW, signature=sig)
+
+    first = fresh()
+    first._profile(100, 5000, torch.float32)
+    assert calls == [(("none", "fp16"), profile_ladder(100, 5000))] and profile_ladder(100, 5000) == (64, 512, 4096, 32768)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 1 and files[0].startswith("codec-profile-"), files
+    second = fresh()
+    second._profile(64, 32768, torch.float32)  # inside the cached points: read, not measured
+    assert len(calls) == 1
+    for n in (64, 1000, 32768):
+        assert second.codec_cost("fp16", n) == first.codec_cost("fp16", n)
+    fresh("any")._profile(100, 5000, torch.float32)  # other codecs: another file
+    assert len(calls) == 2 and len(list(tmp_path.iterdir())) == 2
+    second._profile(100, 300_000, torch.float32)  # a group beyond the points: the wider ladder
+    assert calls[-1][1] == profile_ladder(64, 300_000) == (64, 512, 4096, 32768, 262144, 2097152)
+    for p in tmp_path.iterdir():
+        p.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the cached codec profile"):
+        fresh()._profile(100, 5000, torch.float32)
+    assert len(calls) == 4
+    given = AutoCompression("cast", runtime=rt, wire=SLOW, signature=sig, codec_cost=lambda c, n: 1.0)
+    given._profile(1, 1 << 30, torch.float32)  # a caller's cost model is never replaced
+    assert len(calls) == 4 and given.codec_cost("fp16", 7) == 1.0
