@@ -201,7 +201,7 @@ def vs_native() -> list[str]:
 
 
 #: ``gradsync bench vs-native --cases fabrics`` results, one file per batch of cases (twins kept together)
-FABRIC_RESULTS = ("vs_native_fabrics.json", "vs_native_fabrics_settled.json", "vs_native_fabrics_small.json")
+FABRIC_RESULTS = ("vs_native_fabrics.json", "vs_native_fabrics_4to1.json")
 
 
 def vs_native_fabrics() -> list[str]:
@@ -231,13 +231,12 @@ def vs_native_fabrics() -> list[str]:
         out += table(["case", "topology", "rate", "size", "gloo s", "gradsync s", "pick", "speed-up", "predicted",
                       "measured / predicted", "from", "init s"], rows)
         out += ["", *block(j["summary"])]
-    out += ["`vs_native_fabrics.json` is every fabric case in one run, with `forest` among the synthesizers and "
-            "`auto`'s explorer timing a rival algorithm. Its warm-up then stopped at 20 calls, before the explorer "
-            "settled in two size classes; `timed_while_exploring` was added to it afterwards from the recorded "
-            "`warmup_calls` and `explored`, and its summary recomputed with `benchmarks.vs_native.summarize` (no timing "
-            "changed). `vs_native_fabrics_settled.json` reran those cases with the warm-up up to 64 calls. "
-            "`init s` is the whole `gradsync.init` on the 2-core machine (process group, planning, the quick "
-            "calibration).", ""]
+    out += ["`vs_native_fabrics.json` is every fabric case in one run, priced by the cost model with token buckets "
+            "(a shaper's burst, spent once per collective) and the two-way loss, both measured by `init`'s quick "
+            "calibration. `vs_native_fabrics_4to1.json` is the hand-written 4:1 file alone, run just before it on "
+            "a quiet machine (the full run's 4 MiB row of that file was timed while tests ran beside it: busy "
+            "share 0.59). `init s` is the whole `gradsync.init` on the 2-core machine (process group, planning, "
+            "the quick calibration).", ""]
     return out
 
 
