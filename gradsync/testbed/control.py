@@ -11,6 +11,7 @@ measurement. Leftovers with no state file have no owner and are removed as befor
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -176,6 +177,10 @@ def up(topology: str | Topology, rate: str | float = "200mbit", delay: str | flo
     netns.require()
     topo = get_topology(topology)
     plan = build_plan(topo, rate, delay, tcp_cc=tcp_cc, idle_restart=idle_restart)
+    if isinstance(topology, str) and Path(topology).is_file():
+        # a file's topology is named inside it: keep the path, so the state (and ``probe.cost_model``) can
+        # load the topology again
+        plan = dataclasses.replace(plan, topology=str(Path(topology).resolve()))
     left = netns.leftovers(plan.prefix)
     if left["namespaces"] or left["links"]:
         found = ", ".join(left["namespaces"] + left["links"])

@@ -556,3 +556,23 @@ def test_ps_launch_places_servers_and_workers_in_the_testbed(tmp_path: Path) -> 
         assert f"[server {i}] gradsync-ps server {i} listening on tcp://{plan.server(h).address}:" in text, text[-3000:]
     pulled = 5 * 4 * (3000 * 4 + 7 * 8)  # 5 rounds, 4 workers, the sliced "w" and key 1, from both servers
     assert sum(a - b for a, b in zip(after, before)) >= pulled, (before, after)
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_a_testbed_from_a_file_keeps_its_path_so_its_cost_model_loads(tmp_path: Path) -> None:
+    """A topology file names its topology inside it: the state keeps the file's path, so the probe's cost model
+    (what the compression sweep prices with) loads the topology again; it failed on the name before."""
+    from gradsync.testbed.control import load_state
+    from gradsync.testbed.probe import cost_model
+
+    spec = tmp_path / "pair.yaml"
+    spec.write_text("name: my-pair\ndevices:\n  - {name: sw, kind: switch}\n  - {name: a, kind: host}\n"
+                    "  - {name: b, kind: host}\nlinks:\n  - {a: a, b: sw, bandwidth_GBps: 1}\n"
+                    "  - {a: b, b: sw, bandwidth_GBps: 1}\n")
+    state = tmp_path / "state.json"
+    with _bring_up(str(spec), state):
+        plan = load_state(state)
+        assert plan.topology == str(spec.resolve()), plan.topology
+        model = cost_model(plan)
+        assert model.link_GBps and model.burst_s > 0
