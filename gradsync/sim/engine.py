@@ -35,11 +35,9 @@ faster than its rate. Every link direction holds ``B_e = burst_s C_e`` bytes of 
 good as instantly at the sizes a burst covers, finite so the fluid model stays one), and a load above
 ``C_e`` drains them at ``used_e - C_e``. An empty bucket is a link of rate ``C_e`` again. So a message of
 ``m <= B_e`` bytes crosses at once and a stream pays its rate on all but ``B_e`` of its bytes. The bucket
-is not refilled within a collective: on the two-tier testbed (tbf, 60 Mbit/s) a model that refilled it in
-the gaps between one connection's messages priced deep pipelines as free of those gaps (a tree in 64
-sub-chunks at 1 MiB: 0.151 s predicted, 0.206 s measured; without refill 0.201 s), while the first burst
-is what short collectives gain (gloo's ring at 256 KiB: 0.068 s predicted with it, 0.073 s without, 0.061 s
-measured). One event more per bucket that empties.
+is not refilled within a collective: refilled in the gaps between one connection's messages, it priced deep
+pipelines as if those gaps cost nothing, which the testbed did not bear out (docs/simulator.md), while the
+first burst is what short collectives gain. One event more per bucket that empties.
 
 Late ranks (``start_delay_s``): a rank that reaches the collective ``Δ_r`` seconds after the others (a
 straggler, StragglAR's persistent one) sends nothing before then: every flow it sends starts at

@@ -249,3 +249,33 @@ def test_the_codec_profile_is_cached_per_device_and_codecs_and_widened_when_a_gr
     given = AutoCompression("cast", runtime=rt, wire=SLOW, signature=sig, codec_cost=lambda c, n: 1.0)
     given._profile(1, 1 << 30, torch.float32)  # a caller's cost model is never replaced
     assert len(calls) == 4 and given.codec_cost("fp16", 7) == 1.0
+
+
+def test_a_native_bucket_is_timed_from_its_own_launch_while_the_group_runs_buckets_side_by_side(rt, monkeypatch):
+    """Two DDP buckets averaged by the process group (native "none"), A launched at 0 and B at 0.1, B done at 0.5 and
+    A at 1.0 (the group ran them side by side): A's time is 1.0, not 1.0 - 0.5 (the queue rule for gradsync's own
+    exchanges), and B's is 0.4."""
+    futures: list[torch.futures.Future] = []
+
+    def native(tensor, algorithm=None):
+        futures.append(torch.futures.Future())
+        return futures[-1]
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    now = [0.0]
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=lambda: now[0],
+                           cache=False)
+    from gradsync.compress.base import TensorInfo
+
+    a, b = torch.zeros(8), torch.zeros(4)
+    auto.step_async([a], [TensorInfo("a", (8,), torch.float32)], key="A", flat=a)
+    now[0] = 0.1
+    auto.step_async([b], [TensorInfo("b", (4,), torch.float32)], key="B", flat=b)
+    assert auto.native_launches == 2
+    now[0] = 0.5
+    futures[1].set_result([b])
+    now[0] = 1.0
+    futures[0].set_result([a])
+    auto.end_step()
+    assert auto._groups["A"].times["none"] == [pytest.approx(1.0)]
+    assert auto._groups["B"].times["none"] == [pytest.approx(0.4)]
