@@ -221,9 +221,9 @@ class AutoCompression:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype))
+        codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         t0 = self.clock()
         self._this_step.append((key, t0))
-        codec, sink = self._codec_for(group)
         group.launches += 1
         self.current = codec
         verdict = self.boundary.verdict_for([key])

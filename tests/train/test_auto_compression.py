@@ -279,3 +279,21 @@ def test_a_native_bucket_is_timed_from_its_own_launch_while_the_group_runs_bucke
     auto.end_step()
     assert auto._groups["A"].times["none"] == [pytest.approx(1.0)]
     assert auto._groups["B"].times["none"] == [pytest.approx(0.4)]
+
+
+def test_choosing_is_not_charged_to_the_codec_it_chooses(rt):
+    """Profiling and choosing happen at a group's first codec launch (rank 0 measures, every rank waits); that
+    time is not the codec's: a choice whose profile took 100 s on the fake clock is kept, with its launches timed
+    at their own cost."""
+    clock = FakeClock({"none": 1.0, "other": 1e-3})
+
+    def slow_profile(codec: str, numel: int) -> float:
+        clock.now += 100.0  # a long profile: every call to the cost model
+        return 0.0 if codec == "none" else 1e-6
+
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=slow_profile, clock=clock, cache=False)
+    clock.auto = auto
+    _train(rt, auto, 2 * PROBE_STEPS + 2, merge=1)
+    (row,) = auto.table()
+    assert row["codec"] != "none" and row["reason"] == "measured", row
+    assert row["measured_s"] < 1.0, row
