@@ -39,7 +39,7 @@ from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, siz
 from gradsync.topology.model import Topology
 
 __all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
-           "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "load_cost_model", "max_over_ranks", "tuned_choice",
+           "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
 #: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many).
@@ -98,6 +98,14 @@ def max_over_ranks(group: Any, values: Sequence[float], device: torch.device) ->
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [float(v) for v in t.tolist()]
+
+
+def cache_file(prefix: str, key: Any) -> str:
+    """``$GRADSYNC_CACHE/<prefix>-<digest of key>.json`` (default ``~/.cache/gradsync``): where a measured result
+    valid for ``key`` (any JSON) is kept."""
+    base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(base, f"{prefix}-{digest}.json")
 
 
 def write_cache(path: str, doc: Any, what: str, stacklevel: int) -> None:
@@ -170,12 +178,9 @@ class Tuning:
     def cache_path(self, kind: str = "cost_model") -> str:
         """Where the calibrated model is kept (``kind="cost_model"``: one file per topology, world size and base
         model) or, for the calibrated model, ``auto``'s measured choices (``kind="tuned"``)."""
-        base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
         plans = self.plans
-        what = [plans.topology.name, self.world_size, plans.cost_model.to_dict()] + \
-            ([TUNE_MAX_BYTES] if kind == "tuned" else [])
-        key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-        return os.path.join(base, f"{kind}-{key}.json")
+        return cache_file(kind, [plans.topology.name, self.world_size, plans.cost_model.to_dict()]
+                          + ([TUNE_MAX_BYTES] if kind == "tuned" else []))
 
     def cached(self, kind: str, what: str, use: Callable[[Any], None], measure: Callable[[], Any], *,
                announce: bool = True) -> None:

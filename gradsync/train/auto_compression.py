@@ -21,7 +21,6 @@ communication thread (from when it could start -- queued behind the previous job
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
@@ -39,7 +38,7 @@ import torch
 from torch import Tensor
 
 from gradsync.comm.runtime import Runtime, Work
-from gradsync.comm.tuning import write_cache
+from gradsync.comm.tuning import cache_file, write_cache
 from gradsync.compress.auto import (
     CODECS,
     POLICIES,
@@ -79,13 +78,6 @@ def wire_of(runtime: Runtime) -> AlphaBeta:
     rates = list(cm.link_GBps.values()) or [min(link.directed_GBps) for link in runtime.topology.links]
     alpha = cm.native_message_s if getattr(runtime.caps, "native", False) else cm.message_s
     return AlphaBeta(float(alpha), min(rates) * cm.goodput * 1e9)
-
-
-def cache_file(prefix: str, key: Any) -> str:
-    """``$GRADSYNC_CACHE/<prefix>-<digest of key>.json`` (default ``~/.cache/gradsync``)."""
-    base = os.environ.get("GRADSYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradsync")
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(base, f"{prefix}-{digest}.json")
 
 
 def param_signature(named: Iterable[tuple[str, Tensor]]) -> list[list[Any]]:
