@@ -521,10 +521,11 @@ def rival_of(choice: Any, model: Pick) -> list[Pick]:
     ``lp``/32 beside ``tree``/32, where ``forest`` was the one to time), so it is passed over."""
     priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
     mine = priced.get(tuple(model))
-    family = {p: t for (a, p), t in priced.items() if a == model[0]}
-    clones = {a for a in {a for a, _ in priced} if a != model[0]
-              and {p: t for (b, p), t in priced.items() if b == a} == family}
-    others = [(t, pick) for pick, t in priced.items() if pick[0] not in (model[0], NATIVE) and pick[0] not in clones]
+    families: dict[str, dict[int, float]] = {}
+    for (a, p), t in priced.items():
+        families.setdefault(a, {})[p] = t
+    same = {a for a, family in families.items() if family == families.get(model[0])}  # model's own included
+    others = [(t, pick) for pick, t in priced.items() if pick[0] != NATIVE and pick[0] not in same]
     if mine is None or not others:
         return []
     t, pick = min(others)

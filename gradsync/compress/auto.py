@@ -223,7 +223,6 @@ class CodecProfile:
             raise CompressionError(f"codec {codec!r} was not profiled (have {sorted(self.costs)}); profile it first")
         return float(cost(numel))
 
-
     def to_dict(self) -> dict[str, Any]:
         """Tagged JSON: per codec, the measured points its interpolation runs through."""
         return {"type": PROFILE_TYPE, "costs": {name: {"sizes": list(c.sizes), "seconds": list(c.seconds)}

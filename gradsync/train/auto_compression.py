@@ -352,7 +352,7 @@ class AutoCompression:
     def codec_cost(self) -> Callable[[str, int], float]:
         """Codec seconds per ``(codec, numel)``: given, or profiled here at sizes spanning the groups seen."""
         sizes = [g.spec.numel for g in self._groups.values()]
-        if self._codec_cost is None or (self._ladder is not None and sizes):  # profiled here: does it cover them?
+        if self._codec_cost is None or sizes:  # _profile keeps a given cost, or one whose points cover the groups
             self._profile(min(sizes), max(sizes), next(iter(self._groups.values())).spec.dtype)
         return self._codec_cost  # type: ignore[return-value]
 
