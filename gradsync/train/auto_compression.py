@@ -12,6 +12,11 @@ through the same few steps, as ``auto`` explores plans:
 3. the chosen codec then runs ``probe_steps`` launches, timed; at the next one rank 0's measurements decide,
    for every rank, whether it stays (:func:`~gradsync.compress.auto.review`: slower than ``"none"`` -> dropped).
 
+Where the model puts a codec more than :data:`~gradsync.compress.auto.MARGIN` times ahead of ``"none"`` at the
+group's first launch, step 1 is skipped: the codec is timed first, and kept if it took at most ``1/MARGIN`` of
+``"none"``'s predicted time; otherwise ``"none"`` is timed after all and step 3's review decides. On a slow wire
+the ``"none"`` launches are most of what choosing costs.
+
 Settled choices are cached (JSON) per model signature, wire model, device, world size and policy, so the next
 job with the same ones starts decided; another wire or parameter signature misses the cache.
 :meth:`AutoCompression.report` prints one table: group, bytes, codec, predicted and measured time.
@@ -55,6 +60,8 @@ from gradsync.compress.auto import (
     profile_codecs,
     profile_ladder,
     review,
+    trust_margin,
+    wide_margin,
 )
 from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts
 from gradsync.compress.merge_model import Partition
@@ -93,6 +100,9 @@ class _Group:
     final: bool = False
     slack_s: float = 0.0
     times: dict[str, list[float]] = field(default_factory=dict)
+    #: the codecs timed so far (or being timed), in order, and the launches left in the last one's trial
+    trials: list[str] = field(default_factory=list)
+    left: int = 0
 
 
 class AutoCompression:
@@ -104,6 +114,10 @@ class AutoCompression:
     (a fake one in tests). ``signature``: the parameters (:func:`param_signature`) the cache is keyed by;
     None keeps nothing on disk (``cache=False`` too). ``current``: the codec of the launch in progress.
     """
+
+    #: :meth:`step_async` takes ``flat=``: a group handed over as one buffer it may average in place runs its
+    #: ``"none"`` as the backend's own allreduce (:class:`~gradsync.train.grouped.MergedGroups` asks for it)
+    averages_flat = True
 
     def __init__(
         self,
@@ -291,22 +305,45 @@ class AutoCompression:
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""
-        p, n = self.probe_steps, group.launches
+        if not group.final and group.left == 0:
+            self._next_trial(group)
         if group.final:
             return group.choice.codec, None  # type: ignore[union-attr]
-        if n < p:
-            return "none", group.times.setdefault("none", [])
-        if n == p:
-            group.choice = self._agree_choice(group)
+        group.left -= 1
+        codec = group.trials[-1]
+        return codec, group.times.setdefault(codec, [])
+
+    def _next_trial(self, group: _Group) -> None:
+        """What the group times next, once the last trial's launches are spent (or settle it). Usually ``"none"``
+        first, then the choice it informs, then :func:`review`; a choice the model puts more than ``MARGIN`` times
+        ahead of ``"none"`` runs first and alone, and ``"none"`` is timed only if its measurement breaks the
+        margin (:func:`~gradsync.compress.auto.wide_margin`, :func:`~gradsync.compress.auto.trust_margin`)."""
+        trials = group.trials
+        if not trials:
+            first = self._agree_choice(group, "first")
+            if wide_margin(first):
+                group.choice = first
+                self._trial(group, first.codec)
+            else:
+                self._trial(group, "none")
+        elif trials == ["none"]:
+            group.choice = self._agree_choice(group, "choose")
             if group.choice.codec == "none":
                 self._settle(group, review(group.choice, 0.0, 0.0))
-                return "none", None
-            return group.choice.codec, group.times.setdefault(group.choice.codec, [])
-        if n < 2 * p:
-            codec = group.choice.codec  # type: ignore[union-attr]
-            return codec, group.times.setdefault(codec, [])
-        self._settle(group, self._agree_review(group))
-        return group.choice.codec, None  # type: ignore[union-attr]
+            else:
+                self._trial(group, group.choice.codec)
+        elif "none" not in trials:  # the wide-margin trial alone
+            kept = self._agree_margin(group)
+            if kept is not None:
+                self._settle(group, kept)
+            else:
+                self._trial(group, "none")
+        else:
+            self._settle(group, self._agree_review(group))
+
+    def _trial(self, group: _Group, codec: str) -> None:
+        group.trials.append(codec)
+        group.left = self.probe_steps
 
     # ---- deciding once for the job -------------------------------------------------------------------------
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
@@ -320,14 +357,30 @@ class AutoCompression:
                 f"store); this runtime's {type(rt.transport).__name__} cannot: pass a fixed codec instead")
         return rt.plans.decide(f"compression-auto/{self._serial}/{key}", compute)
 
-    def _agree_choice(self, group: _Group) -> AutoChoice:
+    def _agree_choice(self, group: _Group, stage: str) -> AutoChoice:
+        """The model's choice for ``group`` (``stage``: ``"first"`` before anything was timed, its slack that of an
+        earlier step if any; ``"choose"`` after ``"none"``'s launches), decided once for the job."""
         def compute() -> bytes:
             spec = GroupSpec(group.spec.name, group.spec.shapes, group.spec.dtype, group.slack_s)
             (choice,) = choose([spec], policy=self.allow, wire=self.wire, codec_cost=self.codec_cost,
                                world=self.runtime.world_size)
             return json.dumps(choice.to_dict()).encode()
 
-        return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"choose/{group.spec.name}", compute)))
+        return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"{stage}/{group.spec.name}", compute)))
+
+    def _agree_margin(self, group: _Group) -> AutoChoice | None:
+        """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
+        choice = group.choice
+        if choice is None:
+            raise CompressionError(f"group {group.spec.name!r} is checked before it was given a codec")
+
+        def compute() -> bytes:
+            self._wait_records()
+            kept = trust_margin(choice, float(np.mean(group.times.get(choice.codec) or [math.inf])))
+            return json.dumps(None if kept is None else kept.to_dict()).encode()
+
+        doc = json.loads(self._decide(f"margin/{group.spec.name}", compute))
+        return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
 
     def _agree_review(self, group: _Group) -> AutoChoice:
         choice = group.choice

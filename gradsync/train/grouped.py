@@ -254,7 +254,12 @@ floating dtype.
             torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         self._sent.add(g.index)
         # a merged group's buf is ours: the aggregate may come back in it
-        self._works.append((g, self.step.step_async([buf], [g.info], reuse=len(parts) > 1 or self.reuse_inputs)))
+        reuse = len(parts) > 1 or self.reuse_inputs
+        if reuse and getattr(self.step, "averages_flat", False):  # auto: its "none" is the backend's allreduce of buf
+            work = self.step.step_async([buf], [g.info], reuse=True, flat=buf)
+        else:
+            work = self.step.step_async([buf], [g.info], reuse=reuse)
+        self._works.append((g, work))
 
     def wait(self) -> list[Tensor]:
         """Every tensor's aggregate in backward order (after :meth:`flush`); ends the training step (a NaN or inf in

@@ -59,7 +59,8 @@ class DistributedOptimizer:
     FIRST_BUCKET_BYTES)``, as DDP; ``bucket_bytes`` keeps every group alike).
     ``compression``: a compressor name (``gradsync compress list``) or a :class:`~gradsync.compress.Compressor`;
     ``memory`` (default: the compressor's usual error feedback) and ``communicator`` (default: the
-    compressor's own) complete the step. ``merge``: ``"layerwise"`` (default, each tensor alone), an int
+    compressor's own) complete the step. ``merge``: ``"layerwise"`` (each tensor alone; the default with a fixed
+    compressor), an int
     ``y`` (y groups of about equal size, backward order), a :class:`~gradsync.compress.Partition`, or
     ``"auto"``: the first step runs layer-wise while recording when each gradient is ready, then h and g
     are profiled on this machine and the exact search picks the partition (compressor and memory state are
@@ -69,7 +70,9 @@ class DistributedOptimizer:
     first steps and dropped where slower (:class:`~gradsync.train.AutoCompression`; pass one to set its wire,
     codec costs or clock); ``optimizer.compression.report()`` prints the choices. With ``merge="auto"`` the
     partition and the codec are chosen together after the timed first step, on auto's wire model and codec
-    costs (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``).
+    costs (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``); it is the default with
+    ``compression="auto"``, since a group that settles on ``"none"`` is one native allreduce, and layer-wise
+    that is one collective per tensor where DDP sends a few buckets.
     ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
     gradients travel on the last one (gradient accumulation; scale each micro-batch's loss by 1/N for a mean). A
     parameter's gradient arriving more often raises; :meth:`no_sync` marks extra passes as local instead.
@@ -87,7 +90,7 @@ class DistributedOptimizer:
         bucket_bytes: int | float = 0,
         first_bucket_bytes: int | float | None = None,
         compression: Compressor | str | None = None,
-        merge: Partition | int | str = "layerwise",
+        merge: Partition | int | str | None = None,
         memory: Memory | str | None = None,
         communicator: str | None = None,
         backward_passes_per_step: int = 1,
@@ -138,7 +141,7 @@ class DistributedOptimizer:
             raise GradsyncError(f"allow={allow!r} only applies with compression='auto'; pass compression='auto' or leave allow out")
         if compression is not None:
             self._init_compression(named, compression, merge, memory, communicator, allow)
-        elif merge != "layerwise" or memory is not None or communicator is not None:
+        elif merge not in (None, "layerwise") or memory is not None or communicator is not None:
             raise GradsyncError(
                 f"merge={merge!r}, memory={memory!r}, communicator={communicator!r} only apply with compression=...; "
                 "pass a compressor (e.g. compression='fp16') or leave them out"
@@ -246,6 +249,8 @@ class DistributedOptimizer:
             self.compression = CompressionStep(compression, memory, communicator, runtime=self.runtime)
         self._params = list(reversed(trainable))  # backward order: the reverse of registration (forward) order
         self._dtype = self._params[0][1].dtype if self._params else torch.float32
+        if merge is None:
+            merge = "auto" if _is_auto(compression) else "layerwise"
         self.partition = resolve_merge(merge, [p.numel() for _, p in self._params])
         self.cost_model: MergeCostModel | None = None
         self._calibrating = self.partition is None  # "auto": the first step runs layer-wise and is timed

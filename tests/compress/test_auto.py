@@ -18,6 +18,8 @@ from gradsync.compress.auto import (
     allowed,
     choose,
     review,
+    trust_margin,
+    wide_margin,
 )
 from gradsync.compress.base import CompressionError
 from gradsync.compress.merge_model import LinearCost
@@ -108,6 +110,23 @@ def test_a_choice_measured_slower_than_none_is_dropped() -> None:
     assert (dropped.codec, dropped.payload_bytes, dropped.reason) == ("none", 4000, "dropped")
     kept = review(pick, measured_s=2e-3, measured_none_s=4e-3)
     assert (kept.codec, kept.payload_bytes, kept.reason) == ("topk-1%", 80, "measured")
+
+
+def test_a_wide_margin_is_trusted_only_while_the_measurement_keeps_it() -> None:
+    """A choice more than 2x ahead of "none" on the model skips timing "none"; it is kept if it measured at most half
+    of "none"'s predicted time, else None ("none" is timed and reviewed). A cast on a free codec is exactly 2x: never
+    wide, whatever the wire."""
+    assert wide_margin(AutoChoice("g", 4000, "topk-1%", 80, 0.4, 1.0))
+    assert not wide_margin(AutoChoice("g", 4000, "topk-1%", 80, 0.5, 1.0))  # exactly 2x: not more than
+    assert not wide_margin(AutoChoice("g", 4000, "none", 4000, 0.1, 1.0))
+    for wire in (SLOW, AlphaBeta(0.0, 1e3), AlphaBeta(1.0, 1e9)):
+        (cast,) = choose([GroupSpec("w", ((1000,),), torch.float32)], policy="cast", wire=wire, codec_cost=_free_codecs,
+                         world=4)
+        assert cast.codec == "fp16" and not wide_margin(cast), cast
+    pick = AutoChoice("g", 4000, "topk-1%", 80, 0.1, 1.0)
+    kept = trust_margin(pick, 0.5)
+    assert kept is not None and (kept.codec, kept.reason, kept.none_s) == ("topk-1%", "measured", 1.0)
+    assert trust_margin(pick, 0.51) is None and trust_margin(pick, math.inf) is None
 
 
 def test_wire_model_closed_forms_and_json() -> None:

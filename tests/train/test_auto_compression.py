@@ -297,3 +297,34 @@ def test_choosing_is_not_charged_to_the_codec_it_chooses(rt):
     (row,) = auto.table()
     assert row["codec"] != "none" and row["reason"] == "measured", row
     assert row["measured_s"] < 1.0, row
+
+
+def _any_auto(rt: Runtime, clock: FakeClock) -> AutoCompression:
+    auto = AutoCompression("any", runtime=rt, wire=SLOW, codec_cost=lambda codec, numel: 0.0, clock=clock, cache=False)
+    clock.auto = auto
+    return auto
+
+
+def test_a_codec_far_ahead_of_none_is_kept_without_ever_timing_none(rt: Runtime) -> None:
+    """On a slow wire an error-feedback codec is predicted far more than 2x ahead of "none": its trial runs first,
+    measures inside the margin, and the group settles without one "none" launch (what choosing costs most)."""
+    clock = FakeClock({"none": 1e-4, "other": 1e-6})
+    auto = _any_auto(rt, clock)
+    _train(rt, auto, PROBE_STEPS + 1)
+    rows = auto.table()
+    assert auto.settled and len(rows) == 2
+    assert all(r["codec"] != "none" and r["reason"] == "measured" for r in rows), rows
+    assert all("none" not in auto._groups[r["group"]].times for r in rows), rows
+
+
+def test_a_wide_margin_that_measurement_breaks_times_none_and_reviews(rt: Runtime) -> None:
+    """The same wide-margin codec measuring far above half of "none"'s predicted time: "none" is timed after all,
+    and the review drops the codec, slower than "none" as measured."""
+    clock = FakeClock({"none": 1e-4, "other": 1e3})
+    auto = _any_auto(rt, clock)
+    _train(rt, auto, 2 * PROBE_STEPS + 1)
+    rows = auto.table()
+    assert auto.settled and [(r["codec"], r["reason"]) for r in rows] == [("none", "dropped")] * 2, rows
+    for r in rows:
+        times = auto._groups[r["group"]].times
+        assert list(times) == [t for t in times if t != "none"] + ["none"] and len(times["none"]) == PROBE_STEPS, times
