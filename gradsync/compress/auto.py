@@ -44,6 +44,8 @@ __all__ = [
     "ACCURACY",
     "PROFILE_TYPE",
     "profile_ladder",
+    "ladder_covers",
+    "CPU_PROFILE_CAP",
     "CODECS",
     "POLICIES",
     "AlphaBeta",
@@ -61,6 +63,7 @@ __all__ = [
     "MARGIN",
     "trust_margin",
     "wide_margin",
+    "rival",
 ]
 
 #: Accuracy classes from none lost to most: a policy allows every class up to its own.
@@ -249,17 +252,33 @@ class CodecProfile:
         return cls(costs)
 
 
-def profile_ladder(low: int, high: int) -> tuple[int, ...]:
+#: The largest point a profile measures on a CPU (8 MB of float32): beyond it a codec streams, and its time
+#: extends along the last measured segment (:class:`~gradsync.compress.profile.MeasuredCost`). Measuring an MLP's
+#: 16.8 MB group at the next power of 8 (1.7e7 elements) took most of a 5 s first step on 2 cores.
+CPU_PROFILE_CAP = 8**7
+
+
+def profile_ladder(low: int, high: int, cap: int | None = None) -> tuple[int, ...]:
     """The element counts a profile measures for groups of ``low`` .. ``high`` elements: the powers of 8 from the
     one at or below ``low`` to the one at or above ``high`` (at least two; a codec's time is close to linear
-    between them, and the largest point bounds the profile's own time). Fixed points, not the range's own,
+    between them, and the largest point bounds the profile's own time), stopping at ``cap`` (a power of 8; None:
+    no cap) -- larger groups are priced along the last segment. Fixed points, not the range's own,
     so a profile measured for one job (or one caller: the partition search and the per-group choice) serves
     another whose groups fall inside it, and it can be cached."""
     lo = 8 ** max(0, math.floor(math.log(max(1, low), 8) + 1e-12))
+    if cap is not None:
+        lo = min(lo, cap // 8)
     out = [lo, lo * 8]
-    while out[-1] < high:
+    while out[-1] < high and (cap is None or out[-1] < cap):
         out.append(out[-1] * 8)
     return tuple(out)
+
+
+def ladder_covers(ladder: Sequence[int], low: int, high: int, cap: int | None = None) -> bool:
+    """Whether a profile measured at ``ladder`` prices groups of ``low`` .. ``high`` elements as one measured now
+    would (beyond ``cap`` every profile extends its last segment)."""
+    top = high if cap is None else min(high, cap)
+    return low >= ladder[0] and top <= ladder[-1]
 
 
 def profile_codecs(
@@ -421,3 +440,26 @@ def trust_margin(choice: AutoChoice, measured_s: float, margin: float = MARGIN) 
         return None
     return AutoChoice(choice.group, choice.nbytes, choice.codec, choice.payload_bytes, choice.predicted_s,
                       choice.none_s, "measured")
+
+
+def rival(spec: GroupSpec, choice: AutoChoice, measured_s: float, *, tried: Sequence[str], policy: str,
+          wire: WireModel, codec_cost: Callable[[str, int], float], world: int,
+          margin: float = MARGIN) -> AutoChoice | None:
+    """A second codec to time when ``choice`` measured more than ``margin`` times its prediction: the codec profile
+    missed what it costs in this job (processes sharing the cores while the profile ran alone, shapes it did not
+    see), so the model's ranking of the others is in doubt too. The allowed codec not in ``tried`` with the least
+    exposed time, if it is predicted quicker than ``choice`` measured; else None. The caller keeps whichever
+    measures quicker."""
+    if choice.codec == "none" or not measured_s > margin * choice.predicted_s:
+        return None
+    best: tuple[float, int, CodecOption, int, float] | None = None
+    for i, option in enumerate(allowed(policy, spec.dtype)):
+        if option.name == "none" or option.name in tried:
+            continue
+        payload, seconds = _price(option, spec, wire, codec_cost, world)
+        key = (max(0.0, seconds - spec.slack_s), i)
+        if best is None or key < best[:2]:
+            best = (*key, option, payload, seconds)
+    if best is None or not best[4] < measured_s:
+        return None
+    return AutoChoice(spec.name, spec.nbytes, best[2].name, best[3], best[4], choice.none_s)

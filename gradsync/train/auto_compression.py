@@ -46,6 +46,7 @@ from gradsync.comm.runtime import Runtime, Work
 from gradsync.comm.tuning import cache_file, write_cache
 from gradsync.compress.auto import (
     CODECS,
+    CPU_PROFILE_CAP,
     POLICIES,
     PROFILE_TYPE,
     AlphaBeta,
@@ -57,9 +58,11 @@ from gradsync.compress.auto import (
     allowed,
     choose,
     choose_joint,
+    ladder_covers,
     profile_codecs,
     profile_ladder,
     review,
+    rival,
     trust_margin,
     wide_margin,
 )
@@ -103,6 +106,8 @@ class _Group:
     #: the codecs timed so far (or being timed), in order, and the launches left in the last one's trial
     trials: list[str] = field(default_factory=list)
     left: int = 0
+    #: each codec tried (not "none") as the model priced it
+    candidates: dict[str, AutoChoice] = field(default_factory=dict)
 
 
 class AutoCompression:
@@ -317,31 +322,43 @@ class AutoCompression:
         """What the group times next, once the last trial's launches are spent (or settle it). Usually ``"none"``
         first, then the choice it informs, then :func:`review`; a choice the model puts more than ``MARGIN`` times
         ahead of ``"none"`` runs first and alone, and ``"none"`` is timed only if its measurement breaks the
-        margin (:func:`~gradsync.compress.auto.wide_margin`, :func:`~gradsync.compress.auto.trust_margin`)."""
+        margin (:func:`~gradsync.compress.auto.wide_margin`, :func:`~gradsync.compress.auto.trust_margin`). A
+        codec measuring more than ``MARGIN`` times its prediction gets one :func:`~gradsync.compress.auto.rival`,
+        and the quicker of the two goes on."""
         trials = group.trials
         if not trials:
             first = self._agree_choice(group, "first")
-            if wide_margin(first):
-                group.choice = first
-                self._trial(group, first.codec)
+            self._trial(group, first.codec, first) if wide_margin(first) else self._trial(group, "none")
+            return
+        if trials == ["none"]:
+            choice = self._agree_choice(group, "choose")
+            if choice.codec == "none":
+                self._settle(group, review(choice, 0.0, 0.0))
             else:
-                self._trial(group, "none")
-        elif trials == ["none"]:
-            group.choice = self._agree_choice(group, "choose")
-            if group.choice.codec == "none":
-                self._settle(group, review(group.choice, 0.0, 0.0))
-            else:
-                self._trial(group, group.choice.codec)
-        elif "none" not in trials:  # the wide-margin trial alone
-            kept = self._agree_margin(group)
-            if kept is not None:
-                self._settle(group, kept)
-            else:
-                self._trial(group, "none")
-        else:
-            self._settle(group, self._agree_review(group))
+                self._trial(group, choice.codec, choice)
+            return
+        if trials[-1] != "none":  # a codec's trial ended
+            if len(group.candidates) == 1:
+                second = self._agree_rival(group)
+                if second is not None:
+                    self._trial(group, second.codec, second)
+                    return
+            group.choice = self._agree_quickest(group)
+            if "none" not in trials:  # the wide-margin trials alone
+                kept = self._agree_margin(group)
+                if kept is not None:
+                    self._settle(group, kept)
+                else:
+                    self._trial(group, "none")
+                return
+        self._settle(group, self._agree_review(group))
 
-    def _trial(self, group: _Group, codec: str) -> None:
+    def _trial(self, group: _Group, codec: str, choice: AutoChoice | None = None) -> None:
+        """Time ``codec`` (priced as ``choice``) for the next ``probe_steps`` launches."""
+        if codec != "none":
+            if choice is None:
+                raise CompressionError(f"group {group.spec.name!r}: codec {codec!r} is tried without its priced choice")
+            group.candidates[codec] = group.choice = choice
         group.trials.append(codec)
         group.left = self.probe_steps
 
@@ -367,6 +384,32 @@ class AutoCompression:
             return json.dumps(choice.to_dict()).encode()
 
         return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"{stage}/{group.spec.name}", compute)))
+
+    def _agree_rival(self, group: _Group) -> AutoChoice | None:
+        """The one codec timed next to a choice that measured far above its prediction (:func:`rival`), or None."""
+        choice = group.choice
+        if choice is None:
+            raise CompressionError(f"group {group.spec.name!r} is checked before it was given a codec")
+
+        def compute() -> bytes:
+            self._wait_records()
+            spec = GroupSpec(group.spec.name, group.spec.shapes, group.spec.dtype, group.slack_s)
+            second = rival(spec, choice, float(np.mean(group.times.get(choice.codec) or [math.inf])),
+                           tried=list(group.candidates), policy=self.allow, wire=self.wire,
+                           codec_cost=self.codec_cost, world=self.runtime.world_size)
+            return json.dumps(None if second is None else second.to_dict()).encode()
+
+        doc = json.loads(self._decide(f"rival/{group.spec.name}", compute))
+        return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
+
+    def _agree_quickest(self, group: _Group) -> AutoChoice:
+        """Of the codecs tried, the one that measured quickest (ties to the earlier), decided for the job."""
+        def compute() -> bytes:
+            self._wait_records()
+            means = [(float(np.mean(group.times.get(c) or [math.inf])), i, c) for i, c in enumerate(group.candidates)]
+            return min(means)[2].encode()
+
+        return group.candidates[self._decide(f"quickest/{group.spec.name}", compute).decode()]
 
     def _agree_margin(self, group: _Group) -> AutoChoice | None:
         """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
@@ -414,9 +457,10 @@ class AutoCompression:
         ``high`` elements, unless a profile covering them is in hand (a given ``codec_cost`` always is) or in the
         cache (:meth:`profile_key`: device, dtype, torch, codecs, points): the first job on a machine measures
         (seconds for a large model), the next reads it."""
-        if self._codec_cost is not None and (self._ladder is None or (low >= self._ladder[0] and high <= self._ladder[-1])):
+        cap = CPU_PROFILE_CAP if self._device().type == "cpu" else None
+        if self._codec_cost is not None and (self._ladder is None or ladder_covers(self._ladder, low, high, cap)):
             return
-        ladder = profile_ladder(min(low, *(self._ladder or (low,))), max(high, *(self._ladder or (high,))))
+        ladder = profile_ladder(min(low, *(self._ladder or (low,))), max(high, *(self._ladder or (high,))), cap)
         options = allowed(self.allow, dtype)
         key = self.profile_key(ladder, dtype, options)
         path = cache_file("codec-profile", key)

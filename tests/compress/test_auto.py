@@ -17,7 +17,10 @@ from gradsync.compress.auto import (
     GroupSpec,
     allowed,
     choose,
+    ladder_covers,
+    profile_ladder,
     review,
+    rival,
     trust_margin,
     wide_margin,
 )
@@ -217,3 +220,31 @@ def test_the_joint_search_keeps_none_on_a_free_wire_and_compresses_on_a_slow_one
     slow = choose_joint(sizes, ready, 4e-3, policy="any", dtype=torch.float32, wire=AlphaBeta(1e-4, 1e6),
                         codec_cost=cost, world=4)
     assert slow.codec not in ("none", "fp16") and slow.predicted_s < slow.per_codec_s["none"] / 3
+
+
+def test_the_profile_ladder_is_powers_of_8_capped_and_covers_what_it_extends_to() -> None:
+    assert profile_ladder(100, 5000) == (64, 512, 4096, 32768)
+    assert profile_ladder(1, 1) == (1, 8)
+    assert profile_ladder(100, 5_000_000) == (64, 512, 4096, 32768, 262144, 2097152, 16777216)
+    assert profile_ladder(100, 5_000_000, cap=8**7) == (64, 512, 4096, 32768, 262144, 2097152)
+    assert profile_ladder(5_000_000, 9_000_000, cap=8**7) == (262144, 2097152)  # two points below the cap
+    capped = profile_ladder(64, 300_000, cap=8**7)
+    assert ladder_covers(capped, 64, 10**9, cap=8**7) and not ladder_covers(capped, 64, 10**9)
+    assert not ladder_covers(capped, 8, 1000, cap=8**7)  # below the first point
+
+
+def test_a_rival_is_timed_only_when_the_pick_measured_far_above_its_prediction() -> None:
+    """Closed forms on a slow wire with free codecs: the model's pick is the smallest payload; measured within 2x of
+    its prediction there is no rival; far above, the rival is the best codec not tried yet (exposed time), and
+    none once it is predicted no quicker than the pick measured."""
+    spec = GroupSpec("w", ((256, 256),), torch.float32)
+    kw = dict(policy="any", wire=SLOW, codec_cost=_free_codecs, world=4)
+    (pick,) = choose([spec], **kw)
+    assert rival(spec, pick, 2 * pick.predicted_s, tried=[pick.codec], **kw) is None
+    second = rival(spec, pick, 100 * pick.predicted_s, tried=[pick.codec], **kw)
+    priced = sorted((p.predicted_s, i, p.codec) for i, p in enumerate(
+        choose([spec], policy="any", wire=SLOW, codec_cost=lambda c, n, o=o: 0.0 if c == o else 1e9, world=4)[0]
+        for o in [o.name for o in allowed("any", torch.float32)] if o not in ("none", pick.codec)))
+    assert second is not None and second.codec == priced[0][2] and second.none_s == pick.none_s, (second, priced)
+    assert rival(spec, pick, 100 * pick.predicted_s, tried=[o.name for o in allowed("any", torch.float32)], **kw) is None
+    assert rival(spec, pick, second.predicted_s, tried=[pick.codec], **kw) is None  # no quicker than measured

@@ -241,6 +241,8 @@ def test_the_codec_profile_is_cached_per_device_and_codecs_and_widened_when_a_gr
     assert len(calls) == 2 and len(list(tmp_path.iterdir())) == 2
     second._profile(100, 300_000, torch.float32)  # a group beyond the points: the wider ladder
     assert calls[-1][1] == profile_ladder(64, 300_000) == (64, 512, 4096, 32768, 262144, 2097152)
+    second._profile(100, 50_000_000, torch.float32)  # beyond the CPU's cap: priced along the last segment, not measured
+    assert len(calls) == 3
     for p in tmp_path.iterdir():
         p.write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring the cached codec profile"):
@@ -317,14 +319,36 @@ def test_a_codec_far_ahead_of_none_is_kept_without_ever_timing_none(rt: Runtime)
     assert all("none" not in auto._groups[r["group"]].times for r in rows), rows
 
 
-def test_a_wide_margin_that_measurement_breaks_times_none_and_reviews(rt: Runtime) -> None:
-    """The same wide-margin codec measuring far above half of "none"'s predicted time: "none" is timed after all,
-    and the review drops the codec, slower than "none" as measured."""
+def test_a_wide_margin_that_measurement_breaks_times_a_rival_then_none_and_reviews(rt: Runtime) -> None:
+    """The same wide-margin codec measuring far above its prediction: one rival codec is timed (the model missed
+    what codecs cost here), both break the margin, so "none" is timed after all and the review drops the quicker
+    of the two, slower than "none" as measured."""
     clock = FakeClock({"none": 1e-4, "other": 1e3})
     auto = _any_auto(rt, clock)
-    _train(rt, auto, 2 * PROBE_STEPS + 1)
+    _train(rt, auto, 3 * PROBE_STEPS + 1)
     rows = auto.table()
     assert auto.settled and [(r["codec"], r["reason"]) for r in rows] == [("none", "dropped")] * 2, rows
     for r in rows:
         times = auto._groups[r["group"]].times
-        assert list(times) == [t for t in times if t != "none"] + ["none"] and len(times["none"]) == PROBE_STEPS, times
+        assert len(times) == 3 and list(times)[-1] == "none", times
+        assert all(len(t) == PROBE_STEPS for t in times.values()), times
+
+
+def test_a_codec_far_above_its_prediction_loses_to_a_rival_that_measures_quicker(rt: Runtime) -> None:
+    """The model's pick measures 1000x its prediction; the rival it then times measures quicker and is kept (the
+    wide margin still holds for it), and "none" is never timed."""
+    first: dict[str, str] = {}
+    now = [0.0]
+
+    def tick() -> float:  # the first codec tried costs 1 s a call, any other 1 us ("none" is never timed here)
+        codec = auto.current
+        if threading.current_thread() is threading.main_thread() and codec != "none":
+            now[0] += 1.0 if first.setdefault("codec", codec) == codec else 1e-6
+        return now[0]
+
+    auto = AutoCompression("any", runtime=rt, wire=SLOW, codec_cost=lambda codec, numel: 0.0, clock=tick, cache=False)
+    _train(rt, auto, 2 * PROBE_STEPS + 1)
+    rows = auto.table()
+    assert auto.settled and all(r["codec"] not in ("none", first["codec"]) and r["reason"] == "measured"
+                                for r in rows), (first, rows)
+    assert all("none" not in auto._groups[r["group"]].times for r in rows)

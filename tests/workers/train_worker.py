@@ -185,7 +185,7 @@ def scenario_auto() -> dict:
             net = DDP(model)
             net.register_comm_hook(gradsync.CompressionHookState(auto, runtime=rt, model=model), gradsync.compression_hook)
         tried = set()
-        for step in range(4):
+        for step in range(6):  # the timed first step (merge="auto"), a codec, a rival, "none", the review, one more
             _loss(net, *_micro(step, RANK, 0)).backward()
             opt.step()
             opt.zero_grad()
