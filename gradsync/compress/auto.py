@@ -308,7 +308,8 @@ class AutoChoice:
     predicted_s: float
     none_s: float
     #: why it is this codec: ``"model"`` (priced), ``"measured"`` (kept after measuring), ``"dropped"``
-    #: (measured slower than none), ``"cached"`` (an earlier job's)
+    #: (measured slower than none), ``"step"`` (its whole steps measured slower than those running none
+    #: everywhere), ``"cached"`` (an earlier job's)
     reason: str = "model"
 
     def to_dict(self) -> dict[str, Any]:

@@ -156,6 +156,14 @@ class AutoCompression:
         self.boundary = StepBoundary()
         self._groups: dict[str, _Group] = {}
         self._this_step: list[tuple[str, float]] = []
+        #: this step's launches: the codec each ran and whether its group had settled
+        self._step_codecs: list[tuple[str, bool]] = []
+        #: whole steps' seconds (one :meth:`end_step` to the next) while every launch ran "none", and once every
+        #: group had settled; the clock at the last end_step; whether the settled choices passed the step check
+        self._none_steps: list[float] = []
+        self._settled_steps: list[float] = []
+        self._mark: float | None = None
+        self.verified = False
         #: the groups the last complete step launched (DDP rebuilds its buckets after the first iteration: the
         #: first ones are never seen again)
         self._live: list[str] = []
@@ -235,6 +243,7 @@ class AutoCompression:
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         t0 = self.clock()
         self._this_step.append((key, t0))
+        self._step_codecs.append((codec, sink is None and group.final))
         group.launches += 1
         self.current = codec
         verdict = self.boundary.verdict_for([key])
@@ -307,6 +316,41 @@ class AutoCompression:
         for key, t in self._this_step:
             self._groups[key].slack_s = max(0.0, end - t)
         self._this_step = []
+        launches, self._step_codecs = self._step_codecs, []
+        now, last, self._mark = self.clock(), self._mark, self.clock()
+        if last is not None and not self.verified:
+            self._check_step(now - last, launches)
+
+    def _check_step(self, seconds: float, launches: list[tuple[str, bool]]) -> None:
+        """The whole step's check, after the per-group ones: a group's own time leaves out what its codec costs the
+        rest of the step (encoding on backward's thread, cores shared with it). Once every group has settled, the
+        next ``probe_steps`` steps are timed whole; slower than the steps that ran "none" everywhere, every codec
+        goes back to "none" (reason ``"step"``). Choices trusted on a wide margin had no such steps: kept."""
+        if all(codec == "none" for codec, _ in launches):
+            self._none_steps.append(seconds)
+        if not self.settled:
+            return
+        chosen = [k for k, c in self.choices.items() if c.codec != "none"]
+        if not chosen or not self._none_steps:
+            self.verified = True
+            return
+        if all(final for _, final in launches):
+            self._settled_steps.append(seconds)
+        if len(self._settled_steps) < self.probe_steps:
+            return
+        self.verified = True
+
+        def compute() -> bytes:
+            slower = float(np.median(self._settled_steps)) > float(np.median(self._none_steps))
+            return b"1" if slower else b"0"
+
+        if self._decide("step-check", compute) == b"1":
+            for key in chosen:
+                c = self._groups[key].choice
+                if c is not None:
+                    self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s,
+                                                          "step")
+            self._write_cache()
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""

@@ -178,7 +178,9 @@ floating dtype.
         self.groups: list[_Group] = []
         self.group_of: list[int] = [0] * len(names)
         compressor = getattr(step, "compressor", None)
-        batched = compressor is not None and not compressor.merges_flat
+        #: auto (``averages_flat``) picks a codec per group, PowerSGD among them: its groups keep their shapes too
+        self._auto = bool(getattr(step, "averages_flat", False))
+        batched = (compressor is not None and not compressor.merges_flat) or self._auto
         for j, (a, b) in enumerate(partition.bounds):
             members = tuple(range(a, b))
             for i in members:
@@ -240,8 +242,8 @@ floating dtype.
         parts = [
             got[i] if i in got else torch.zeros(self.shapes[i], dtype=self.dtype, device=self._device) for i in g.members
         ]
-        if g.parts:  # a batch: every member under its own name and shape, one exchange
-            self._sent.add(g.index)
+        self._sent.add(g.index)
+        if g.parts and not self._auto:  # a batch: every member under its own name and shape, one exchange
             work = self.step.step_async([p.detach() for p in parts], list(g.parts), reuse=self.reuse_inputs)
             self._works.append((g, work))
             return
@@ -252,14 +254,24 @@ floating dtype.
             if buf is None or buf.dtype != self.dtype or buf.device != self._device:
                 buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype, device=self._device)
             torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
-        self._sent.add(g.index)
         # a merged group's buf is ours: the aggregate may come back in it
         reuse = len(parts) > 1 or self.reuse_inputs
-        if reuse and getattr(self.step, "averages_flat", False):  # auto: its "none" is the backend's allreduce of buf
-            work = self.step.step_async([buf], [g.info], reuse=True, flat=buf)
+        if self._auto and reuse:
+            # auto: its "none" is the backend's allreduce of buf, any codec sees the members' shapes (views of buf)
+            tensors, infos = [buf], [g.info]
+            if g.parts:
+                tensors, infos = self._views(buf, g), list(g.parts)
+            work = self.step.step_async(tensors, infos, reuse=True, flat=buf, key=g.info.name)
         else:
             work = self.step.step_async([buf], [g.info], reuse=reuse)
         self._works.append((g, work))
+
+    def _views(self, buf: Tensor, g: _Group) -> list[Tensor]:
+        out, at = [], 0
+        for i in g.members:
+            out.append(buf[at : at + self.numels[i]].view(self.shapes[i]))
+            at += self.numels[i]
+        return out
 
     def wait(self) -> list[Tensor]:
         """Every tensor's aggregate in backward order (after :meth:`flush`); ends the training step (a NaN or inf in
@@ -274,16 +286,13 @@ floating dtype.
         self._sent.clear()
         self.step.close_step()  # every group of the step is queued: no exchange joins it any more
         for g, work in works:
-            if g.parts:
-                for i, r in zip(g.members, work.wait()):
+            results = work.wait()
+            if g.parts and len(results) == len(g.members):  # a batch's aggregates (auto's "none" is the flat buffer)
+                for i, r in zip(g.members, results):
                     out[i] = r
-                continue
-            result = work.wait()[0]
-            if len(g.members) == 1:
-                out[g.members[0]] = result
+            elif len(g.members) == 1:
+                out[g.members[0]] = results[0]
             else:
-                at = 0
-                for i in g.members:
-                    out[i] = result[at : at + self.numels[i]].view(self.shapes[i])
-                    at += self.numels[i]
+                for i, view in zip(g.members, self._views(results[0], g)):
+                    out[i] = view
         return out  # type: ignore[return-value]

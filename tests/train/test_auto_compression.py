@@ -352,3 +352,49 @@ def test_a_codec_far_above_its_prediction_loses_to_a_rival_that_measures_quicker
     assert auto.settled and all(r["codec"] not in ("none", first["codec"]) and r["reason"] == "measured"
                                 for r in rows), (first, rows)
     assert all("none" not in auto._groups[r["group"]].times for r in rows)
+
+
+def test_the_optimizers_merged_groups_reach_auto_with_their_members_shapes_and_one_buffer(rt: Runtime) -> None:
+    """A merged group of the optimizer reaches auto as its members (shapes, in backward order: PowerSGD sees the
+    weight matrices, and the model prices it so), views of one flat buffer that "none" averages in place."""
+    seen: list[tuple[list[tuple[int, ...]], bool, str | None]] = []
+    auto = AutoCompression("cast", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+                           cache=False)
+    real = auto.step_async
+
+    def spy(tensors, infos, *, reuse=False, key=None, flat=None):
+        seen.append(([tuple(t.shape) for t in tensors],
+                     flat is not None and all(t.data_ptr() >= flat.data_ptr() for t in tensors), key))
+        return real(tensors, infos, reuse=reuse, key=key, flat=flat)
+
+    auto.step_async = spy
+    opt, _ = _train(rt, auto, 2, merge=1)
+    assert seen[-1][0] == [(2,), (2, 16), (16,), (16, 8)] and seen[-1][1], seen  # backward order, views of flat
+    assert seen[-1][2] is not None and seen[-1][2].startswith("merged[0:4]"), seen
+    (group,) = [g for k, g in auto._groups.items() if k == seen[-1][2]]
+    assert group.spec.shapes == ((2,), (2, 16), (16,), (16, 8))
+
+
+@pytest.mark.parametrize("penalty, kept", [(0.0, True), (1.0, False)])
+def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(rt: Runtime, penalty: float,
+                                                                               kept: bool) -> None:
+    """Each group's fp16 measures quicker than its "none" (fake clock), but every step that ran a codec costs
+    ``penalty`` more elsewhere (encoding on backward's thread, as on shared cores). After settling, auto times
+    whole steps: with the penalty they are slower than the steps that ran "none", and every group goes back to
+    "none" (reason "step"); without it, fp16 stays."""
+    clock = FakeClock({"none": 1e-4, "other": 1e-6})
+    auto = _auto(rt, clock)
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge=2)
+    for step in range(4 * PROBE_STEPS + 2):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        ran = auto.current
+        opt.step()
+        opt.zero_grad()
+        if ran != "none":
+            clock.now += penalty
+    rows = auto.table()
+    assert auto.verified and auto.settled, rows
+    want = ("fp16", "measured") if kept else ("none", "step")
+    assert [(r["codec"], r["reason"]) for r in rows] == [want] * 2, rows
