@@ -164,12 +164,15 @@ class AutoCompression:
         self._settled_steps: list[float] = []
         self._mark: float | None = None
         self.verified = False
+        #: timing callbacks given up on after RECORD_WAIT_S (a stalled exchange; its time is left out)
+        self.record_timeouts = 0
         #: the groups the last complete step launched (DDP rebuilds its buckets after the first iteration: the
         #: first ones are never seen again)
         self._live: list[str] = []
         self._lock = threading.Lock()
         self._last_done = -math.inf
-        self._events: list[threading.Event] = []
+        #: timing callbacks not waited for yet: (group key, set when its time is recorded)
+        self._events: list[tuple[str, threading.Event]] = []
         self._loaded = False
         #: whether the settled choices came from an earlier job's cache
         self.cached = False
@@ -269,7 +272,7 @@ class AutoCompression:
             event.set()
 
         if sink is not None:
-            self._events.append(event)
+            self._events.append((key, event))
         work.future.add_done_callback(record)
         return work
 
@@ -436,7 +439,7 @@ class AutoCompression:
             raise CompressionError(f"group {group.spec.name!r} is checked before it was given a codec")
 
         def compute() -> bytes:
-            self._wait_records()
+            self._wait_records(group.spec.name)
             spec = GroupSpec(group.spec.name, group.spec.shapes, group.spec.dtype, group.slack_s)
             second = rival(spec, choice, float(np.mean(group.times.get(choice.codec) or [math.inf])),
                            tried=list(group.candidates), policy=self.allow, wire=self.wire,
@@ -449,7 +452,7 @@ class AutoCompression:
     def _agree_quickest(self, group: _Group) -> AutoChoice:
         """Of the codecs tried, the one that measured quickest (ties to the earlier), decided for the job."""
         def compute() -> bytes:
-            self._wait_records()
+            self._wait_records(group.spec.name)
             means = [(float(np.mean(group.times.get(c) or [math.inf])), i, c) for i, c in enumerate(group.candidates)]
             return min(means)[2].encode()
 
@@ -462,7 +465,7 @@ class AutoCompression:
             raise CompressionError(f"group {group.spec.name!r} is checked before it was given a codec")
 
         def compute() -> bytes:
-            self._wait_records()
+            self._wait_records(group.spec.name)
             kept = trust_margin(choice, float(np.mean(group.times.get(choice.codec) or [math.inf])))
             return json.dumps(None if kept is None else kept.to_dict()).encode()
 
@@ -475,18 +478,26 @@ class AutoCompression:
             raise CompressionError(f"group {group.spec.name!r} is reviewed before it was given a codec")
 
         def compute() -> bytes:
-            self._wait_records()
+            self._wait_records(group.spec.name)
             measured = float(np.mean(group.times.get(choice.codec) or [math.inf]))
             none = float(np.mean(group.times.get("none") or [math.inf]))
             return json.dumps(review(choice, measured, none).to_dict()).encode()
 
         return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"review/{group.spec.name}", compute)))
 
-    def _wait_records(self) -> None:
-        events, self._events = self._events, []
+    def _wait_records(self, key: str | None = None) -> None:
+        """Wait (bounded) for the timing callbacks of ``key``'s launches (None: every group's).
+
+        A decision waits for its own group's only. Another group launched earlier in this step may still be on
+        the wire, and its exchange may need a job-wide decision of its own (a payload size the runtime has not
+        planned yet) from the communication thread: on a peer, that waits behind this decision on the one
+        store client, so waiting for it here would stall every rank until the bound."""
+        mine = [(k, e) for k, e in self._events if key is None or k == key]
+        self._events = [(k, e) for k, e in self._events if key is not None and k != key]
         deadline = time.monotonic() + RECORD_WAIT_S
-        for e in events:
-            e.wait(max(0.0, deadline - time.monotonic()))
+        for _, e in mine:
+            if not e.wait(max(0.0, deadline - time.monotonic())):
+                self.record_timeouts += 1
 
     @property
     def codec_cost(self) -> Callable[[str, int], float]:

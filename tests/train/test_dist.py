@@ -58,6 +58,7 @@ def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and
         # "none" on a DDP bucket, or on one of the optimizer's groups, is the backend's own allreduce of the
         # bucket or the group's buffer (the probing launches, at least)
         assert all(g["native"] > 0 for g in got), got
+        assert all(g["record_timeouts"] == 0 for g in got), got  # no decision stalled on another group's exchange
 
 
 def test_auto_none_on_a_ddp_bucket_is_ddps_allreduce_and_still_counts_a_bad_iteration(tmp_path):

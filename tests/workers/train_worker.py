@@ -177,8 +177,9 @@ def scenario_auto() -> dict:
         model = _model()
         auto = AutoCompression("any", runtime=rt, wire=wire, codec_cost=lambda codec, numel: 0.0, probe_steps=1)
         if path == "optimizer":
+            # two groups: one group's decision must not wait on the other's exchange in flight
             opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                                runtime=rt, compression=auto)
+                                                runtime=rt, compression=auto, merge=2)
             net = model
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -195,7 +196,7 @@ def scenario_auto() -> dict:
         out[path] = {"hash": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "settled": auto.settled,
                      "codecs": {k: c.codec for k, c in auto.choices.items()}, "report": auto.report(),
                      "tried": sorted(tried), "moved": float((flat - start).abs().max()),
-                     "native": auto.native_launches}
+                     "native": auto.native_launches, "record_timeouts": auto.record_timeouts}
     gradsync.shutdown()
     return out
 
