@@ -55,6 +55,7 @@ __all__ = [
     "create",
     "create_memory",
     "nonfinite_marks",
+    "all_finite",
     "payload_nbytes",
     "register_compressor",
     "register_memory",
@@ -735,6 +736,17 @@ class StepBoundary:
     def _count(self, keep: int) -> None:
         done, self._closed = self._closed[: len(self._closed) - keep], self._closed[len(self._closed) - keep:]
         self._bad += sum(not v for v in done)
+
+
+def all_finite(tensor: Tensor) -> Tensor:
+    """Whether every element of ``tensor`` is finite, as a bool tensor of shape ``(1,)`` on its device (no host
+    sync): its max-norm on an accelerator, its minimum and maximum on the CPU (NaN or inf exactly when an element
+    is; torch's CPU max-norm is a scalar loop, ten times slower: 24 ms against 2.4 ms at 6.3e6 float32)."""
+    if tensor.numel() == 0:
+        return torch.ones(1, dtype=torch.bool, device=tensor.device)
+    if tensor.device.type == "cpu":
+        return torch.stack(torch.aminmax(tensor)).isfinite().all().reshape(1)
+    return torch.linalg.vector_norm(tensor, math.inf).isfinite().reshape(1)
 
 
 def nonfinite_marks(groups: Sequence[Sequence[Tensor]], dtype: torch.dtype, device: torch.device) -> Tensor:

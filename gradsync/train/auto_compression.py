@@ -66,7 +66,7 @@ from gradsync.compress.auto import (
     trust_margin,
     wide_margin,
 )
-from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts
+from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts, all_finite
 from gradsync.compress.merge_model import Partition
 from gradsync.train.communicator import CompressionStep, average_in_place
 
@@ -290,7 +290,7 @@ class AutoCompression:
 
         def average(f: torch.futures.Future) -> list[Tensor]:
             f.value()
-            verdict.fill(slot, Verdicts(torch.linalg.vector_norm(flat, math.inf).isfinite().reshape(1)))
+            verdict.fill(slot, Verdicts(all_finite(flat)))
             if world > 1:
                 average_in_place(flat, world)
             return [flat]
