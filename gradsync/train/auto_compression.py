@@ -109,6 +109,16 @@ class _Group:
     #: each codec tried (not "none") as the model priced it
     candidates: dict[str, AutoChoice] = field(default_factory=dict)
 
+    def mean_s(self, codec: str) -> float:
+        """The mean of ``codec``'s timed launches on this group (inf: none timed)."""
+        return float(np.mean(self.times.get(codec) or [math.inf]))
+
+    def priced(self) -> AutoChoice:
+        """The choice a check is about; one before any was made is a bug in the caller."""
+        if self.choice is None:
+            raise CompressionError(f"group {self.spec.name!r} is checked before it was given a codec")
+        return self.choice
+
 
 class AutoCompression:
     """Per-group codec choice for ``compression="auto"``; duck-types :class:`CompressionStep`'s ``step_async``.
@@ -375,7 +385,10 @@ class AutoCompression:
         trials = group.trials
         if not trials:
             first = self._agree_choice(group, "first")
-            self._trial(group, first.codec, first) if wide_margin(first) else self._trial(group, "none")
+            if wide_margin(first):
+                self._trial(group, first.codec, first)
+            else:
+                self._trial(group, "none")
             return
         if trials == ["none"]:
             choice = self._agree_choice(group, "choose")
@@ -434,14 +447,12 @@ class AutoCompression:
 
     def _agree_rival(self, group: _Group) -> AutoChoice | None:
         """The one codec timed next to a choice that measured far above its prediction (:func:`rival`), or None."""
-        choice = group.choice
-        if choice is None:
-            raise CompressionError(f"group {group.spec.name!r} is checked before it was given a codec")
+        choice = group.priced()
 
         def compute() -> bytes:
             self._wait_records(group.spec.name)
             spec = GroupSpec(group.spec.name, group.spec.shapes, group.spec.dtype, group.slack_s)
-            second = rival(spec, choice, float(np.mean(group.times.get(choice.codec) or [math.inf])),
+            second = rival(spec, choice, group.mean_s(choice.codec),
                            tried=list(group.candidates), policy=self.allow, wire=self.wire,
                            codec_cost=self.codec_cost, world=self.runtime.world_size)
             return json.dumps(None if second is None else second.to_dict()).encode()
@@ -453,34 +464,30 @@ class AutoCompression:
         """Of the codecs tried, the one that measured quickest (ties to the earlier), decided for the job."""
         def compute() -> bytes:
             self._wait_records(group.spec.name)
-            means = [(float(np.mean(group.times.get(c) or [math.inf])), i, c) for i, c in enumerate(group.candidates)]
+            means = [(group.mean_s(c), i, c) for i, c in enumerate(group.candidates)]
             return min(means)[2].encode()
 
         return group.candidates[self._decide(f"quickest/{group.spec.name}", compute).decode()]
 
     def _agree_margin(self, group: _Group) -> AutoChoice | None:
         """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
-        choice = group.choice
-        if choice is None:
-            raise CompressionError(f"group {group.spec.name!r} is checked before it was given a codec")
+        choice = group.priced()
 
         def compute() -> bytes:
             self._wait_records(group.spec.name)
-            kept = trust_margin(choice, float(np.mean(group.times.get(choice.codec) or [math.inf])))
+            kept = trust_margin(choice, group.mean_s(choice.codec))
             return json.dumps(None if kept is None else kept.to_dict()).encode()
 
         doc = json.loads(self._decide(f"margin/{group.spec.name}", compute))
         return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
 
     def _agree_review(self, group: _Group) -> AutoChoice:
-        choice = group.choice
-        if choice is None:
-            raise CompressionError(f"group {group.spec.name!r} is reviewed before it was given a codec")
+        choice = group.priced()
 
         def compute() -> bytes:
             self._wait_records(group.spec.name)
-            measured = float(np.mean(group.times.get(choice.codec) or [math.inf]))
-            none = float(np.mean(group.times.get("none") or [math.inf]))
+            measured = group.mean_s(choice.codec)
+            none = group.mean_s("none")
             return json.dumps(review(choice, measured, none).to_dict()).encode()
 
         return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"review/{group.spec.name}", compute)))
