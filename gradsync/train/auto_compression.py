@@ -173,6 +173,8 @@ class AutoCompression:
         self._none_steps: list[float] = []
         self._settled_steps: list[float] = []
         self._mark: float | None = None
+        #: seconds spent in job-wide decisions since the last end_step (not the step's own time)
+        self._deciding_s = 0.0
         self.verified = False
         #: timing callbacks given up on after RECORD_WAIT_S (a stalled exchange; its time is left out)
         self.record_timeouts = 0
@@ -331,8 +333,9 @@ class AutoCompression:
         self._this_step = []
         launches, self._step_codecs = self._step_codecs, []
         now, last, self._mark = self.clock(), self._mark, self.clock()
+        deciding, self._deciding_s = self._deciding_s, 0.0
         if last is not None and not self.verified:
-            self._check_step(now - last, launches)
+            self._check_step(max(0.0, now - last - deciding), launches)
 
     def _check_step(self, seconds: float, launches: list[tuple[str, bool]]) -> None:
         """The whole step's check, after the per-group ones: a group's own time leaves out what its codec costs the
@@ -424,15 +427,20 @@ class AutoCompression:
 
     # ---- deciding once for the job -------------------------------------------------------------------------
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
-        """``compute()`` on rank 0, the same bytes everywhere (the runtime's job-wide decide); with one rank, here."""
+        """``compute()`` on rank 0, the same bytes everywhere (the runtime's job-wide decide); with one rank, here.
+        Its time (profiling, searching, waiting for rank 0) is kept out of the whole-step check's samples."""
         rt = self.runtime
-        if rt.world_size == 1:
-            return compute()
-        if rt.caps.decide is None:  # each rank would choose from its own timings: replicas would drift apart
+        if rt.world_size > 1 and rt.caps.decide is None:  # each rank would choose from its own timings: drift
             raise CompressionError(
                 f"compression='auto' needs a transport that shares one decision across the job (torch.distributed's "
                 f"store); this runtime's {type(rt.transport).__name__} cannot: pass a fixed codec instead")
-        return rt.plans.decide(f"compression-auto/{self._serial}/{key}", compute)
+        t0 = self.clock()
+        try:
+            if rt.world_size == 1:
+                return compute()
+            return rt.plans.decide(f"compression-auto/{self._serial}/{key}", compute)
+        finally:
+            self._deciding_s += self.clock() - t0
 
     def _agree_choice(self, group: _Group, stage: str) -> AutoChoice:
         """The model's choice for ``group`` (``stage``: ``"first"`` before anything was timed, its slack that of an
