@@ -25,6 +25,19 @@ BANDWIDTHS_GBPS: tuple[float, ...] = (10.0, 20.0, 25.0, 50.0)
 MAX_SEED_TRIES = 1000
 
 
+def code_revision() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files; ``"unknown"`` outside git): what
+    code a result was measured with."""
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
+
+
 def pythonpath(*first: str | Path) -> str:
     """``PYTHONPATH`` for a worker process: ``first``, then the checkout root (so ``benchmarks`` imports), then the
     caller's own ``PYTHONPATH``; empty entries dropped."""

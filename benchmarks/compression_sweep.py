@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT as _ROOT
-from benchmarks.common import pythonpath
+from benchmarks.common import code_revision, pythonpath
 from gradsync.errors import GradsyncError
 
 RESULT_TYPE = "gradsync.bench.compression_sweep"
@@ -362,7 +362,8 @@ def _write(args: argparse.Namespace, cells: list[dict[str, Any]], complete: bool
     rows = _rows(cells, args.allow)
     g = goals(rows, args.allow)
     lines = summary_lines(rows, g, args.allow)
-    doc = {"type": RESULT_TYPE, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(),
+    doc = {"type": RESULT_TYPE, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "code": code_revision(),
+           "host": platform.node(),
            "cpus": os.cpu_count(), "load_avg": list(os.getloadavg()), "complete": complete,
            "run_s": time.perf_counter() - t0, "allow": args.allow, "interval": INTERVAL,
            "wire_bound": f"DDP's median step >= {WIRE_BOUND:g}x the fastest method's",

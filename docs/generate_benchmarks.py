@@ -441,14 +441,21 @@ def gpu() -> list[str]:
 
 
 def compression_sweep() -> list[str]:
-    rel = "compression_sweep/compression_sweep.json"
-    if not (RESULTS / rel).is_file():
-        return []
+    """The sweep with ``allow="any"`` (every codec), then the one with ``allow="cast"`` where it was run."""
+    out: list[str] = []
+    for rel, title in (("compression_sweep/compression_sweep.json", "against every fixed choice"),
+                       ("compression_sweep/compression_sweep_cast.json", "with `allow=\"cast\"`")):
+        if (RESULTS / rel).is_file():
+            out += _compression_sweep(rel, title)
+    return out
+
+
+def _compression_sweep(rel: str, title: str) -> list[str]:
     j = load(rel)
     a = j["args"]
-    out = ["## `compression=\"auto\"` against every fixed choice (`gradsync bench compression-sweep`, root)", "",
-           f"{j['created']}, `--rates {a['rates']} --fabrics {a['fabrics']} --models {a['models']} --paths "
-           f"{a['paths']}`, {a['steps']} steps ({a['warmup']} not timed), `allow={j['allow']}`"
+    out = [f"## `compression=\"auto\"` {title} (`gradsync bench compression-sweep`, root)", "",
+           f"{j['created']}" + (f" (code {j['code']})" if j.get("code") else "") + f", `--rates {a['rates']} --fabrics {a['fabrics']} --models {a['models']} --paths "
+           f"{a['paths']} --methods {a['methods']}`, {a['steps']} steps ({a['warmup']} not timed), `allow={j['allow']}`"
            + ("" if j.get("complete") else " (stopped before the last cell)") + ". Every method trains from the same "
            "weights on the same batches in the same processes, alternating step by step. `auto / best` and `auto / "
            f"DDP`: {j['interval']}, with its 95 % interval.", "", *sources(rel)]
