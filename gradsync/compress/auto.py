@@ -445,12 +445,12 @@ def trust_margin(choice: AutoChoice, measured_s: float, margin: float = MARGIN) 
 
 def rival(spec: GroupSpec, choice: AutoChoice, measured_s: float, *, tried: Sequence[str], policy: str,
           wire: WireModel, codec_cost: Callable[[str, int], float], world: int,
-          margin: float = MARGIN) -> AutoChoice | None:
-    """A second codec to time when ``choice`` measured more than ``margin`` times its prediction: the codec profile
+          margin: float = MARGIN, beat_s: float | None = None) -> AutoChoice | None:
+    """Another codec to time when ``choice`` measured more than ``margin`` times its prediction: the codec profile
     missed what it costs in this job (processes sharing the cores while the profile ran alone, shapes it did not
     see), so the model's ranking of the others is in doubt too. The allowed codec not in ``tried`` with the least
-    exposed time, if it is predicted quicker than ``choice`` measured; else None. The caller keeps whichever
-    measures quicker."""
+    exposed time, if it is predicted quicker than ``beat_s`` (default ``measured_s``: the quickest measured so
+    far); else None. The caller keeps whichever measures quickest."""
     if choice.codec == "none" or not measured_s > margin * choice.predicted_s:
         return None
     best: tuple[float, int, CodecOption, int, float] | None = None
@@ -461,6 +461,6 @@ def rival(spec: GroupSpec, choice: AutoChoice, measured_s: float, *, tried: Sequ
         key = (max(0.0, seconds - spec.slack_s), i)
         if best is None or key < best[:2]:
             best = (*key, option, payload, seconds)
-    if best is None or not best[4] < measured_s:
+    if best is None or not best[4] < (measured_s if beat_s is None else beat_s):
         return None
     return AutoChoice(spec.name, spec.nbytes, best[2].name, best[3], best[4], choice.none_s)

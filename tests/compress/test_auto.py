@@ -248,3 +248,8 @@ def test_a_rival_is_timed_only_when_the_pick_measured_far_above_its_prediction()
     assert second is not None and second.codec == priced[0][2] and second.none_s == pick.none_s, (second, priced)
     assert rival(spec, pick, 100 * pick.predicted_s, tried=[o.name for o in allowed("any", torch.float32)], **kw) is None
     assert rival(spec, pick, second.predicted_s, tried=[pick.codec], **kw) is None  # no quicker than measured
+    # a later rival must beat the quickest measured so far, not only the last
+    third = rival(spec, second, 100 * second.predicted_s, tried=[pick.codec, second.codec], **kw)
+    assert third is not None and third.codec not in (pick.codec, second.codec)
+    assert rival(spec, second, 100 * second.predicted_s, tried=[pick.codec, second.codec], beat_s=third.predicted_s,
+                 **kw) is None

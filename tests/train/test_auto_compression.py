@@ -319,18 +319,20 @@ def test_a_codec_far_ahead_of_none_is_kept_without_ever_timing_none(rt: Runtime)
     assert all("none" not in auto._groups[r["group"]].times for r in rows), rows
 
 
-def test_a_wide_margin_that_measurement_breaks_times_a_rival_then_none_and_reviews(rt: Runtime) -> None:
-    """The same wide-margin codec measuring far above its prediction: one rival codec is timed (the model missed
-    what codecs cost here), both break the margin, so "none" is timed after all and the review drops the quicker
-    of the two, slower than "none" as measured."""
+def test_a_wide_margin_that_measurement_breaks_times_rivals_then_none_and_reviews(rt: Runtime) -> None:
+    """The same wide-margin codec measuring far above its prediction: rival codecs are timed while each is as far
+    off (the model missed what codecs cost here), up to MAX_CODECS; all break the margin, so "none" is timed after
+    all and the review drops the quickest of them, slower than "none" as measured."""
+    from gradsync.train.auto_compression import MAX_CODECS
+
     clock = FakeClock({"none": 1e-4, "other": 1e3})
     auto = _any_auto(rt, clock)
-    _train(rt, auto, 3 * PROBE_STEPS + 1)
+    _train(rt, auto, (MAX_CODECS + 1) * PROBE_STEPS + 1)
     rows = auto.table()
     assert auto.settled and [(r["codec"], r["reason"]) for r in rows] == [("none", "dropped")] * 2, rows
     for r in rows:
         times = auto._groups[r["group"]].times
-        assert len(times) == 3 and list(times)[-1] == "none", times
+        assert len(times) == MAX_CODECS + 1 and list(times)[-1] == "none", times
         assert all(len(t) == PROBE_STEPS for t in times.values()), times
 
 
