@@ -468,7 +468,8 @@ class AutoCompression:
                            beat_s=min(group.mean_s(c) for c in group.candidates))
             return json.dumps(None if second is None else second.to_dict()).encode()
 
-        doc = json.loads(self._decide(f"rival/{group.spec.name}", compute))
+        # one key per decision: a second rival under the first one's key would read the first one's answer on peers
+        doc = json.loads(self._decide(f"rival{len(group.candidates)}/{group.spec.name}", compute))
         return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
 
     def _agree_quickest(self, group: _Group) -> AutoChoice:
