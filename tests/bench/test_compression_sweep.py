@@ -47,7 +47,8 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
         assert len(r["losses"]) == steps and len(r["first_steps_s"]) == steps, name
         assert 0.0 <= r["accuracy"] <= 1.0 and r["test_loss"] > 0, name
         assert r["replicas_identical"] is True, name
-    assert rows["auto"]["stats"]["settled"] and sum(rows["auto"]["stats"]["codecs"].values()) == 10  # LeNet-5's tensors
+    groups = sum(rows["auto"]["stats"]["codecs"].values())  # the partition chosen with the codec (merge="auto")
+    assert rows["auto"]["stats"]["settled"] and 1 <= groups <= 10, rows["auto"]["stats"]  # of LeNet-5's 10 tensors
     (summary,) = doc["configs"]
     best = summary["best_fixed"]
     assert best in bench.fixed_pool(list(rows), "any") and best != "auto"
