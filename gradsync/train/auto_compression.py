@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -98,6 +98,15 @@ def param_signature(named: Iterable[tuple[str, Tensor]]) -> list[list[Any]]:
     return [[n, list(p.shape), str(p.dtype)] for n, p in named]
 
 
+class _Launch(NamedTuple):
+    """One launch of the step in progress: its group, when it started, the codec it ran, whether it had settled."""
+
+    key: str
+    t0: float
+    codec: str
+    final: bool
+
+
 @dataclass
 class _Group:
     spec: GroupSpec
@@ -111,6 +120,10 @@ class _Group:
     left: int = 0
     #: each codec tried (not "none") as the model priced it
     candidates: dict[str, AutoChoice] = field(default_factory=dict)
+
+    def now(self) -> GroupSpec:
+        """The group as the model prices it now: with the slack its last step measured."""
+        return GroupSpec(self.spec.name, self.spec.shapes, self.spec.dtype, self.slack_s)
 
     def mean_s(self, codec: str) -> float:
         """The mean of ``codec``'s timed launches on this group (inf: none timed)."""
@@ -168,9 +181,7 @@ class AutoCompression:
         #: one training step spans every codec's step: its verdict rolls back all of their states together
         self.boundary = StepBoundary()
         self._groups: dict[str, _Group] = {}
-        self._this_step: list[tuple[str, float]] = []
-        #: this step's launches: the codec each ran and whether its group had settled
-        self._step_codecs: list[tuple[str, bool]] = []
+        self._this_step: list[_Launch] = []
         #: whole steps' seconds (one :meth:`end_step` to the next) while every launch ran "none", and once every
         #: group had settled; the clock at the last end_step; whether the settled choices passed the step check
         self._none_steps: list[float] = []
@@ -253,15 +264,14 @@ class AutoCompression:
             self._loaded = True
             self._load_cache()
         key = key or (infos[0].name if len(infos) == 1 else f"{infos[0].name}..{infos[-1].name}")
-        if any(k == key for k, _ in self._this_step):
+        if any(launch.key == key for launch in self._this_step):
             self.end_step()
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype))
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         t0 = self.clock()
-        self._this_step.append((key, t0))
-        self._step_codecs.append((codec, sink is None and group.final))
+        self._this_step.append(_Launch(key, t0, codec, sink is None and group.final))
         group.launches += 1
         self.current = codec
         verdict = self.boundary.verdict_for([key])
@@ -329,31 +339,31 @@ class AutoCompression:
         self._wait_records()
         if not self._this_step:
             return
-        self._live = [k for k, _ in self._this_step]
-        end = max(t for _, t in self._this_step)
-        for key, t in self._this_step:
-            self._groups[key].slack_s = max(0.0, end - t)
-        self._this_step = []
-        launches, self._step_codecs = self._step_codecs, []
-        now, last, self._mark = self.clock(), self._mark, self.clock()
+        launches, self._this_step = self._this_step, []
+        self._live = [launch.key for launch in launches]
+        end = max(launch.t0 for launch in launches)
+        for launch in launches:
+            self._groups[launch.key].slack_s = max(0.0, end - launch.t0)
+        now = self.clock()
+        last, self._mark = self._mark, now
         deciding, self._deciding_s = self._deciding_s, 0.0
         if last is not None and not self.verified:
             self._check_step(max(0.0, now - last - deciding), launches)
 
-    def _check_step(self, seconds: float, launches: list[tuple[str, bool]]) -> None:
+    def _check_step(self, seconds: float, launches: list[_Launch]) -> None:
         """The whole step's check, after the per-group ones: a group's own time leaves out what its codec costs the
         rest of the step (encoding on backward's thread, cores shared with it). Once every group has settled, the
         next ``probe_steps`` steps are timed whole; slower than the steps that ran "none" everywhere, every codec
         goes back to "none" (reason ``"step"``). Choices trusted on a wide margin had no such steps: kept."""
-        if all(codec == "none" for codec, _ in launches):
+        if all(launch.codec == "none" for launch in launches):
             self._none_steps.append(seconds)
         if not self.settled:
             return
-        chosen = [k for k, c in self.choices.items() if c.codec != "none"]
+        chosen = {k: c for k, c in self.choices.items() if c.codec != "none"}
         if not chosen or not self._none_steps:
             self.verified = True
             return
-        if all(final for _, final in launches):
+        if all(launch.final for launch in launches):
             self._settled_steps.append(seconds)
         if len(self._settled_steps) < self.probe_steps:
             return
@@ -364,11 +374,8 @@ class AutoCompression:
             return b"1" if slower else b"0"
 
         if self._decide("step-check", compute) == b"1":
-            for key in chosen:
-                c = self._groups[key].choice
-                if c is not None:
-                    self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s,
-                                                          "step")
+            for key, c in chosen.items():
+                self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s, "step")
             self._write_cache()
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
@@ -445,64 +452,56 @@ class AutoCompression:
         finally:
             self._deciding_s += self.clock() - t0
 
+    def _agree(self, group: _Group, stage: str, pick: Callable[[], AutoChoice | None]) -> AutoChoice | None:
+        """``pick()`` on rank 0 once the group's own timings are in, the same choice (or None) on every rank.
+        ``stage`` names the decision: each is made once per group (a key decided twice would read the first
+        answer on the peers)."""
+        def compute() -> bytes:
+            self._wait_records(group.spec.name)
+            got = pick()
+            return json.dumps(None if got is None else got.to_dict()).encode()
+
+        doc = json.loads(self._decide(f"{stage}/{group.spec.name}", compute))
+        return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
+
     def _agree_choice(self, group: _Group, stage: str) -> AutoChoice:
         """The model's choice for ``group`` (``stage``: ``"first"`` before anything was timed, its slack that of an
         earlier step if any; ``"choose"`` after ``"none"``'s launches), decided once for the job."""
-        def compute() -> bytes:
-            spec = GroupSpec(group.spec.name, group.spec.shapes, group.spec.dtype, group.slack_s)
-            (choice,) = choose([spec], policy=self.allow, wire=self.wire, codec_cost=self.codec_cost,
+        def pick() -> AutoChoice:
+            (choice,) = choose([group.now()], policy=self.allow, wire=self.wire, codec_cost=self.codec_cost,
                                world=self.runtime.world_size)
-            return json.dumps(choice.to_dict()).encode()
+            return choice
 
-        return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"{stage}/{group.spec.name}", compute)))
+        return self._agreed(group, stage, pick)
 
     def _agree_rival(self, group: _Group) -> AutoChoice | None:
         """The codec timed next after a choice that measured far above its prediction (:func:`rival`), or None."""
         choice = group.priced()
-
-        def compute() -> bytes:
-            self._wait_records(group.spec.name)
-            spec = GroupSpec(group.spec.name, group.spec.shapes, group.spec.dtype, group.slack_s)
-            second = rival(spec, choice, group.mean_s(choice.codec), tried=list(group.candidates), policy=self.allow,
-                           wire=self.wire, codec_cost=self.codec_cost, world=self.runtime.world_size,
-                           beat_s=min(group.mean_s(c) for c in group.candidates))
-            return json.dumps(None if second is None else second.to_dict()).encode()
-
-        # one key per decision: a second rival under the first one's key would read the first one's answer on peers
-        doc = json.loads(self._decide(f"rival{len(group.candidates)}/{group.spec.name}", compute))
-        return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
+        return self._agree(group, f"rival{len(group.candidates)}", lambda: rival(
+            group.now(), choice, group.mean_s(choice.codec), tried=list(group.candidates), policy=self.allow,
+            wire=self.wire, codec_cost=self.codec_cost, world=self.runtime.world_size,
+            beat_s=min(group.mean_s(c) for c in group.candidates)))
 
     def _agree_quickest(self, group: _Group) -> AutoChoice:
         """Of the codecs tried, the one that measured quickest (ties to the earlier), decided for the job."""
-        def compute() -> bytes:
-            self._wait_records(group.spec.name)
-            means = [(group.mean_s(c), i, c) for i, c in enumerate(group.candidates)]
-            return min(means)[2].encode()
-
-        return group.candidates[self._decide(f"quickest/{group.spec.name}", compute).decode()]
+        return self._agreed(group, "quickest", lambda: min(
+            enumerate(group.candidates.values()), key=lambda ic: (group.mean_s(ic[1].codec), ic[0]))[1])
 
     def _agree_margin(self, group: _Group) -> AutoChoice | None:
         """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
         choice = group.priced()
-
-        def compute() -> bytes:
-            self._wait_records(group.spec.name)
-            kept = trust_margin(choice, group.mean_s(choice.codec))
-            return json.dumps(None if kept is None else kept.to_dict()).encode()
-
-        doc = json.loads(self._decide(f"margin/{group.spec.name}", compute))
-        return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
+        return self._agree(group, "margin", lambda: trust_margin(choice, group.mean_s(choice.codec)))
 
     def _agree_review(self, group: _Group) -> AutoChoice:
         choice = group.priced()
+        return self._agreed(group, "review", lambda: review(choice, group.mean_s(choice.codec), group.mean_s("none")))
 
-        def compute() -> bytes:
-            self._wait_records(group.spec.name)
-            measured = group.mean_s(choice.codec)
-            none = group.mean_s("none")
-            return json.dumps(review(choice, measured, none).to_dict()).encode()
-
-        return AutoChoice.from_dict(group.spec.name, json.loads(self._decide(f"review/{group.spec.name}", compute)))
+    def _agreed(self, group: _Group, stage: str, pick: Callable[[], AutoChoice]) -> AutoChoice:
+        """:meth:`_agree` where ``pick`` always chooses."""
+        got = self._agree(group, stage, pick)
+        if got is None:
+            raise CompressionError(f"group {group.spec.name!r}: rank 0 sent no choice for {stage!r}")
+        return got
 
     def _wait_records(self, key: str | None = None) -> None:
         """Wait (bounded) for the timing callbacks of ``key``'s launches (None: every group's).
