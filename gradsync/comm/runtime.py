@@ -85,6 +85,10 @@ class Work:
         return self.future.done()
 
 
+#: :meth:`Runtime._native_issue`'s executor for ``native_allreduce_async(always=True)``: whatever the size's plan.
+NATIVE_ANY = object()
+
+
 def _label(ex: Any) -> str:
     """The profiler range of an allreduce on ``ex``: ``gradsync::allreduce::<algorithm>``."""
     return f"gradsync::allreduce::{ex.schedule.algorithm}"
@@ -227,6 +231,10 @@ class Runtime:
             pipeline = self.options.pipeline
         return self.plans.executor(name, pipeline, size)
 
+    def runs_natively(self, nbytes: float, algorithm: str | None = None) -> bool:
+        """Whether an allreduce of ``nbytes`` runs on the backend's own collective now (no planned schedule)."""
+        return isinstance(self.executor(algorithm, nbytes), NativeAllreduce)
+
     def choice(self, nbytes: float) -> tuple[str, int]:
         """The (algorithm, pipeline) ``auto`` runs for ``nbytes`` now: the model's, or what :meth:`tune` or
         the first calls' measurements (:attr:`explore`) replaced it with."""
@@ -318,11 +326,32 @@ class Runtime:
     def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
         """All-reduce in place and return ``tensors``; raises :class:`~gradsync.errors.PeerError` on a lost peer.
 
-        When nothing is queued or running, the collective runs on the caller's thread: the same order
-        (anything queued meanwhile waits for it), without two thread handoffs per call, which cost more
-        than a small message's whole allreduce.
+        Where this size runs on the backend's own collective, one tensor goes straight to it on the user's
+        group, as :meth:`native_allreduce_async` sends it: no handoff to the communication thread and no switch
+        between gloo groups, which at small sizes cost a visible share of the collective (docs/benchmarks.md,
+        "vs-native"). It then does not wait for collectives queued before it (they run on gradsync's own group):
+        as with ``torch.distributed``'s async ops, a tensor still in flight must be waited for before it is
+        reused. Otherwise, when nothing is queued or running, the collective runs on the caller's thread: the
+        same order (anything queued meanwhile waits for it), without two thread handoffs per call.
         """
         ex = self._executor_for(tensors, op, algorithm)
+        if (isinstance(ex, NativeAllreduce) and isinstance(tensors, torch.Tensor)
+                and (op == "sum" or tensors.is_floating_point() or tensors.is_complex())):
+            t0, start = time.perf_counter(), TraceRecorder.now_us()
+            work = self._native_issue(tensors, ex)
+            if work is not None:
+                try:
+                    work.wait()  # the work itself, not its future: one wake-up fewer
+                except RuntimeError as exc:
+                    self._failed = self._named(CommError(
+                        f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}"))
+                    raise self._failed from exc
+                finally:
+                    self.comm_seconds += time.perf_counter() - t0
+                self._trace_native(tensors, start, threading.current_thread())
+                if op == "avg":
+                    tensors.div_(self.world_size)
+                return tensors
         with self._mutex:
             inline = self._pending == 0 and self._failed is None and not self.on_comm_thread()
             if inline:
@@ -336,10 +365,13 @@ class Runtime:
             with self._mutex:
                 self._pending -= 1
 
-    def native_allreduce_async(self, tensor: torch.Tensor, algorithm: str | None = None) -> torch.futures.Future | None:
+    def native_allreduce_async(self, tensor: torch.Tensor, algorithm: str | None = None, *,
+                               always: bool = False) -> torch.futures.Future | None:
         """Sum one contiguous ``tensor`` over ranks in place with the backend's own async ``all_reduce`` on the
         user's process group (``capabilities.user_group``), issued on the caller's thread, when this runtime runs
-        that size natively; otherwise None (queue it with :meth:`allreduce_async` instead).
+        that size natively (``always``: whatever the size's plan, as a caller that measured both ways decides);
+        otherwise None (queue it with :meth:`allreduce_async` instead). None too where the backend cannot take
+        it here: no process group, a tensor on another device, a failed runtime, the communication thread.
 
         The future is the process group's (result: ``[tensor]``): no hand-off to the communication thread
         and back, which costs a DDP hook more than its whole allreduce on a fast link. It is what ``torch``'s
@@ -351,27 +383,37 @@ class Runtime:
         groups each see the same sequence on every rank. (A choice that depended on timing would send one rank's
         collective to one group and its peer's to the other: a mismatch.)
         """
-        if (not tensor.is_contiguous() or tensor.device != self.device or self._failed is not None
-                or self.on_comm_thread()):
-            return None  # (a tensor on another device than the backend's is staged on the queued path)
-        if not isinstance(self.executor(algorithm, tensor.numel() * tensor.element_size()), NativeAllreduce):
+        ex = NATIVE_ANY if always else self.executor(algorithm, tensor.numel() * tensor.element_size())
+        work = self._native_issue(tensor, ex)
+        if work is None:
+            return None
+        fut = work.get_future()
+        if self.trace is not None:  # issued on the caller's thread, done when the backend finishes it
+            start, caller = TraceRecorder.now_us(), threading.current_thread()
+            fut.add_done_callback(lambda _: self._trace_native(tensor, start, caller))
+        return fut
+
+    def _native_issue(self, tensor: torch.Tensor, ex: Any) -> Any:
+        """The process group's work of ``tensor``'s native allreduce, issued here, or None where ``ex`` (the size's
+        executor) is not native or the tensor cannot go (another device than the backend's is staged on the
+        queued path)."""
+        if (not (isinstance(ex, NativeAllreduce) or (ex is NATIVE_ANY and self.caps.native))
+                or not tensor.is_contiguous() or tensor.device != self.device
+                or self._failed is not None or self.on_comm_thread()):
             return None
         import torch.distributed as dist
 
-        start = TraceRecorder.now_us()
         self._record("allreduce", tensor)
         try:
             with torch.profiler.record_function("gradsync::allreduce::native"):
-                work = dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
+                return dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
         except RuntimeError as exc:
             raise self._named(CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}")) from exc
-        fut = work.get_future()
+
+    def _trace_native(self, tensor: torch.Tensor, start_us: float, caller: threading.Thread) -> None:
         if self.trace is not None:
-            trace, caller, nbytes = self.trace, threading.current_thread(), tensor.numel() * tensor.element_size()
-            # issued on the caller's thread, done when the backend finishes it
-            fut.add_done_callback(lambda _: trace.record("gradsync::allreduce::native", "allreduce", "native", nbytes,
-                                                         start, TraceRecorder.now_us(), caller))
-        return fut
+            self.trace.record("gradsync::allreduce::native", "allreduce", "native",
+                              tensor.numel() * tensor.element_size(), start_us, TraceRecorder.now_us(), caller)
 
     def _executor_for(self, tensors: Tensors, op: str, algorithm: str | None) -> Runnable | Explorer:
         """The executor an allreduce of ``tensors`` runs on, after checking ``op``."""

@@ -153,6 +153,9 @@ def test_ddp_hook_issues_a_native_size_itself_with_the_queued_paths_bits(tmp_pat
         # every bucket of both iterations (DDP's first runs as one bucket, then rebuilt: 1 + 2) took the native path
         assert rep["native_calls"] == rep["buckets"] >= 3 and rep["all_native"], (rank, rep)
         assert rep["same_as_queued"] and rep["vs_ddp"] <= 1e-12, (rank, rep)
+        # gradsync.allreduce of one tensor: the user's group, whatever the queue holds; a list: gradsync's own
+        assert rep["sync_exact"] and rep["sync_groups"] == ["user", "user", "user", "own"], (rank, rep)
+        assert "floating-point" in rep["int_avg"], (rank, rep)
 
 
 def test_distributed_optimizer_equals_union_batch_training(tmp_path):

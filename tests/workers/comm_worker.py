@@ -146,10 +146,42 @@ def scenario_ddp_native(topology: str) -> dict:
         grads[how] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         buckets[how] = state.buckets
     rt.native_allreduce_async = native  # type: ignore[method-assign]
+    sync = _sync_native(rt)
     gradsync.shutdown()
-    return {"native_calls": len(taken), "all_native": all(taken), "buckets": buckets["native"],
+    return {**sync, "native_calls": len(taken), "all_native": all(taken), "buckets": buckets["native"],
             "same_as_queued": bool(torch.equal(grads["native"], grads["queued"])),
             "vs_ddp": float((grads["native"] - grads["ddp"]).abs().max() / grads["ddp"].abs().max())}
+
+
+def _sync_native(rt: gradsync.Runtime) -> dict:
+    """``gradsync.allreduce`` of one tensor at a natively planned size goes to the user's group on the caller's
+    thread, even while rank 0's queue is busy; a tensor list goes to gradsync's own group. Every sum exact."""
+    real, groups = dist.all_reduce, []
+
+    def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        groups.append("user" if group is rt.caps.user_group else "own" if group is rt.caps.group else repr(group))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = spy
+    try:
+        if RANK == 0:
+            rt.submit(lambda: time.sleep(0.3), "busy")
+        one = gradsync.allreduce(torch.full((1001,), float(RANK + 1)))
+        avg = gradsync.allreduce(torch.full((7,), float(RANK + 1), dtype=torch.float64), op="avg")
+        ints = gradsync.allreduce(torch.arange(5) * (RANK + 1))
+        pair = gradsync.allreduce([torch.full((3,), float(RANK)), torch.full((4,), 1.0)])
+        try:
+            gradsync.allreduce(torch.arange(3), op="avg")
+            int_avg = "ran"
+        except TypeError as exc:
+            int_avg = str(exc)
+    finally:
+        dist.all_reduce = real
+    total = WORLD * (WORLD + 1) / 2
+    return {"sync_groups": groups, "int_avg": int_avg,
+            "sync_exact": bool(torch.all(one == total) and torch.all(avg == total / WORLD)
+                               and torch.equal(ints, torch.arange(5) * int(total))
+                               and torch.all(pair[0] == WORLD * (WORLD - 1) / 2) and torch.all(pair[1] == WORLD))}
 
 
 def scenario_optimizer(topology: str) -> dict:
