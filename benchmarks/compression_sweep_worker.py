@@ -146,7 +146,8 @@ def _auto_stats(comp: Any) -> dict[str, Any]:
     if not isinstance(comp, AutoCompression):
         return {}
     rows = comp.table()
-    return {"settled": comp.settled, "choices": rows,
+    return {"settled": comp.settled, "choices": rows, "native_launches": comp.native_launches,
+            "step_check": comp.step_check,
             "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})}}
 
 

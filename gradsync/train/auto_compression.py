@@ -17,6 +17,12 @@ group's first launch, step 1 is skipped: the codec is timed first, and kept if i
 ``"none"``'s predicted time; otherwise ``"none"`` is timed after all and step 3's review decides. On a slow wire
 the ``"none"`` launches are most of what choosing costs.
 
+``"none"`` of a group handed over as one buffer (``step_async(flat=...)``) is the backend's own allreduce of it,
+what DDP runs. Where the runtime plans that size itself (a tuned or planned schedule on gradsync's communication
+thread), that planned exchange is timed right after as a second way to send the group uncompressed
+(:data:`PLANNED`), and the quicker of the two is the group's ``"none"`` from then on: a plan measured alone may
+beat the backend's and still lose inside a training step, where it shares the cores with backward.
+
 Settled choices are cached (JSON) per model signature, wire model, device, world size and policy, so the next
 job with the same ones starts decided; another wire or parameter signature misses the cache.
 :meth:`AutoCompression.report` prints one table: group, bytes, codec, predicted and measured time.
@@ -70,7 +76,7 @@ from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, 
 from gradsync.compress.merge_model import Partition
 from gradsync.train.communicator import CompressionStep, average_in_place
 
-__all__ = ["AUTO_TYPE", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
+__all__ = ["AUTO_TYPE", "PLANNED", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
 
 #: The cache file's ``"type"``.
 AUTO_TYPE = "gradsync.compression_auto"
@@ -81,6 +87,8 @@ RECORD_WAIT_S = 5.0
 #: Codecs a group times at most: the model's pick and up to two rivals while each measures beyond its prediction
 #: (on the MLP at 1 Gbit/s the first rival, PowerSGD rank 4, was itself 2x off, and rank 1 was quicker still).
 MAX_CODECS = 3
+#: The trial of a group's ``"none"`` on the runtime's planned exchange instead of the backend's allreduce.
+PLANNED = "none/planned"
 _SERIALS = itertools.count()
 
 
@@ -120,6 +128,10 @@ class _Group:
     left: int = 0
     #: each codec tried (not "none") as the model priced it
     candidates: dict[str, AutoChoice] = field(default_factory=dict)
+    #: whether the group comes as one buffer the backend can sum ("none" is then its native allreduce), and
+    #: whether its "none" runs on the runtime's planned exchange instead (it measured quicker: :data:`PLANNED`)
+    flat: bool = False
+    planned: bool = False
 
     def now(self) -> GroupSpec:
         """The group as the model prices it now: with the slack its last step measured."""
@@ -143,7 +155,8 @@ class AutoCompression:
     ``wire``: seconds per collective (default: :func:`wire_of` the runtime); ``codec_cost``: seconds per
     ``(codec, numel)`` (default: profiled on this device by rank 0 at the first choice). ``clock``: the timer
     (a fake one in tests). ``signature``: the parameters (:func:`param_signature`) the cache is keyed by;
-    None keeps nothing on disk (``cache=False`` too). ``current``: the codec of the launch in progress.
+    None keeps nothing on disk (``cache=False`` too). ``current``: the codec of the launch in progress
+    (:data:`PLANNED` while "none" is timed on the runtime's planned exchange).
     """
 
     #: :meth:`step_async` takes ``flat=``: a group handed over as one buffer it may average in place runs its
@@ -182,10 +195,14 @@ class AutoCompression:
         self.boundary = StepBoundary()
         self._groups: dict[str, _Group] = {}
         self._this_step: list[_Launch] = []
-        #: whole steps' seconds (one :meth:`end_step` to the next) while every launch ran "none", and once every
-        #: group had settled; the clock at the last end_step; whether the settled choices passed the step check
-        self._none_steps: list[float] = []
+        #: whether some whole step ran "none" everywhere; the whole-step check's steps (one :meth:`end_step` to the
+        #: next) with "none" everywhere and with the settled choices; the clock at the last end_step; whether the
+        #: settled choices passed the step check
+        self._none_ran = False
+        self._baseline_steps: list[float] = []
         self._settled_steps: list[float] = []
+        #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
+        self._baseline_turn = False
         self._mark: float | None = None
         #: seconds spent in job-wide decisions since the last end_step (not the step's own time)
         self._deciding_s = 0.0
@@ -269,7 +286,12 @@ class AutoCompression:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype))
+        runtime = self.runtime
+        group.flat = (flat is not None and runtime.caps.native and flat.is_contiguous()
+                      and flat.device == runtime.device)
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
+        if codec == "none" and group.planned and not self._baseline_turn:
+            codec = PLANNED  # this group's "none" is the planned exchange (it measured quicker)
         t0 = self.clock()
         self._this_step.append(_Launch(key, t0, codec, sink is None and group.final))
         group.launches += 1
@@ -278,7 +300,8 @@ class AutoCompression:
         work = self._native(flat, key, verdict) if codec == "none" and flat is not None else None
         native = work is not None
         if work is None:
-            work = self._step(codec).step_async(tensors, infos, reuse=reuse, verdict=verdict)
+            step = self._step("none" if codec == PLANNED else codec)
+            work = step.step_async(tensors, infos, reuse=reuse, verdict=verdict)
         t1 = self.clock()
         event = threading.Event()
 
@@ -302,11 +325,11 @@ class AutoCompression:
         return work
 
     def _native(self, flat: Tensor, key: str, verdict: StepVerdict) -> Work | None:
-        """``flat`` averaged in place by the process group's own async allreduce (None where the runtime plans
-        this size itself). The sum is the same bits on every rank, so whether it is finite is the job's verdict
+        """``flat`` averaged in place by the process group's own async allreduce, whatever the runtime plans for
+        its size (None where the backend cannot take it: no process group, another device). The sum is the same bits on every rank, so whether it is finite is the job's verdict
         on this group: it joins the step's, as every codec's exchange does (one max-norm on the device)."""
         runtime = self.runtime
-        fut = runtime.native_allreduce_async(flat)
+        fut = runtime.native_allreduce_async(flat, always=True)
         if fut is None:
             return None
         slot = verdict.reserve()
@@ -325,6 +348,13 @@ class AutoCompression:
     def close_step(self) -> None:
         """No exchange joins the training step any more (:meth:`CompressionStep.close_step`, for every codec)."""
         self.boundary.close()
+
+    @property
+    def step_check(self) -> dict[str, Any]:
+        """The whole-step check's samples (seconds per step): the uncompressed baseline, the settled steps, and
+        whether the check is over."""
+        return {"baseline_s": list(self._baseline_steps), "settled_s": list(self._settled_steps),
+                "verified": self.verified}
 
     @property
     def nonfinite_steps(self) -> int:
@@ -352,30 +382,39 @@ class AutoCompression:
 
     def _check_step(self, seconds: float, launches: list[_Launch]) -> None:
         """The whole step's check, after the per-group ones: a group's own time leaves out what its codec costs the
-        rest of the step (encoding on backward's thread, cores shared with it). Once every group has settled, the
-        next ``probe_steps`` steps are timed whole; slower than the steps that ran "none" everywhere, every codec
-        goes back to "none" (reason ``"step"``). Choices trusted on a wide margin had no such steps: kept."""
+        rest of the step (encoding on backward's thread, cores shared with it), and a planned exchange's time on
+        the communication thread leaves out what that thread takes from backward. Once every group has settled on
+        choices other than DDP's own (a codec, or "none" on the planned exchange), the next ``2 * probe_steps``
+        steps alternate between those choices and "none" on the backend's allreduce everywhere, timed whole; where
+        the choices' median is the slower, every group goes back to that "none" (reason ``"step"``). Both kinds
+        run warm and side by side: the job's first "none" steps were still warming up (new sizes planned, first
+        calls) and would flatter any choice. Choices where no step ran that "none" everywhere (codecs trusted on a
+        wide margin, an earlier job's cached choices) are kept without the check."""
         if all(launch.codec == "none" for launch in launches):
-            self._none_steps.append(seconds)
+            self._none_ran = True
         if not self.settled:
             return
-        chosen = {k: c for k, c in self.choices.items() if c.codec != "none"}
-        if not chosen or not self._none_steps:
+        chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
+        if not chosen or not self._none_ran:
             self.verified = True
             return
         if all(launch.final for launch in launches):
-            self._settled_steps.append(seconds)
-        if len(self._settled_steps) < self.probe_steps:
+            baseline = all(launch.codec == "none" for launch in launches)
+            (self._baseline_steps if baseline else self._settled_steps).append(seconds)
+        self._baseline_turn = len(self._baseline_steps) < len(self._settled_steps)
+        if min(len(self._baseline_steps), len(self._settled_steps)) < self.probe_steps:
             return
         self.verified = True
+        self._baseline_turn = False
 
         def compute() -> bytes:
-            slower = float(np.median(self._settled_steps)) > float(np.median(self._none_steps))
+            slower = float(np.median(self._settled_steps)) > float(np.median(self._baseline_steps))
             return b"1" if slower else b"0"
 
         if self._decide("step-check", compute) == b"1":
             for key, c in chosen.items():
                 self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s, "step")
+                self._groups[key].planned = False
             self._write_cache()
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
@@ -383,7 +422,7 @@ class AutoCompression:
         if not group.final and group.left == 0:
             self._next_trial(group)
         if group.final:
-            return group.choice.codec, None  # type: ignore[union-attr]
+            return "none" if self._baseline_turn else group.choice.codec, None  # type: ignore[union-attr]
         group.left -= 1
         codec = group.trials[-1]
         return codec, group.times.setdefault(codec, [])
@@ -395,7 +434,12 @@ class AutoCompression:
         margin (:func:`~gradsync.compress.auto.wide_margin`, :func:`~gradsync.compress.auto.trust_margin`). A
         codec measuring more than ``MARGIN`` times its prediction gets a :func:`~gradsync.compress.auto.rival`
         (up to :data:`MAX_CODECS` codecs in all), and the quickest goes on."""
-        trials = group.trials
+        if group.trials[-1:] == ["none"] and PLANNED not in group.trials and self._agree_has_plan(group):
+            self._trial(group, PLANNED)
+            return
+        if group.trials[-1:] == [PLANNED]:
+            self._agree_planned(group)
+        trials = [t for t in group.trials if t != PLANNED]
         if not trials:
             first = self._agree_choice(group, "first")
             if wide_margin(first):
@@ -428,7 +472,7 @@ class AutoCompression:
 
     def _trial(self, group: _Group, codec: str, choice: AutoChoice | None = None) -> None:
         """Time ``codec`` (priced as ``choice``) for the next ``probe_steps`` launches."""
-        if codec != "none":
+        if codec not in ("none", PLANNED):
             if choice is None:
                 raise CompressionError(f"group {group.spec.name!r}: codec {codec!r} is tried without its priced choice")
             group.candidates[codec] = group.choice = choice
@@ -463,6 +507,27 @@ class AutoCompression:
 
         doc = json.loads(self._decide(f"{stage}/{group.spec.name}", compute))
         return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
+
+    def _agree_has_plan(self, group: _Group) -> bool:
+        """Whether the group's "none" has a second way to go, the runtime's planned exchange (rank 0 reads the
+        runtime's plan for the size, which may still be settling on its communication thread; every rank takes its
+        answer)."""
+        if not group.flat:
+            return False
+        nbytes = group.spec.nbytes
+        return self._decide(f"has-plan/{group.spec.name}",
+                            lambda: b"0" if self.runtime.runs_natively(nbytes) else b"1") == b"1"
+
+    def _agree_planned(self, group: _Group) -> None:
+        """After both ways of sending the group uncompressed were timed: the quicker is its "none" from now on
+        (ties to the backend's), decided for the job. Later reviews compare against the one kept."""
+        def compute() -> bytes:
+            self._wait_records(group.spec.name)
+            return b"1" if group.mean_s(PLANNED) < group.mean_s("none") else b"0"
+
+        group.planned = self._decide(f"planned/{group.spec.name}", compute) == b"1"
+        if group.planned:
+            group.times["none"] = list(group.times.get(PLANNED, []))
 
     def _agree_choice(self, group: _Group, stage: str) -> AutoChoice:
         """The model's choice for ``group`` (``stage``: ``"first"`` before anything was timed, its slack that of an
@@ -615,6 +680,9 @@ class AutoCompression:
             if not isinstance(doc, dict) or doc.get("type") != AUTO_TYPE or doc.get("key") != self.cache_key():
                 raise CompressionError("written for other parameters, another wire or device")
             choices = [AutoChoice.from_dict(g, entry) for g, entry in dict(doc["groups"]).items()]
+            planned = doc.get("planned", [])
+            if not isinstance(planned, list) or not all(isinstance(k, str) for k in planned):
+                raise CompressionError(f"'planned' must be a list of group names, got {planned!r}")
         except (ValueError, KeyError, TypeError, CompressionError) as exc:
             warnings.warn(f"ignoring the cached auto compression choices {path} ({exc}); measuring again", stacklevel=4)
             return
@@ -625,19 +693,21 @@ class AutoCompression:
                 continue  # never run what the policy does not allow, whatever a file says
             cached = AutoChoice(c.group, c.nbytes, c.codec, c.payload_bytes, c.predicted_s, c.none_s, "cached")
             spec = GroupSpec(c.group, ((max(1, c.nbytes),),), torch.float32)  # replaced by the real shapes at launch
-            self._groups[c.group] = _Group(spec, choice=cached, final=True)
+            self._groups[c.group] = _Group(spec, choice=cached, final=True, planned=c.group in planned)
         self.cached = bool(choices)
 
     def _write_cache(self) -> None:
         if not self.use_cache or self.runtime.rank != 0:
             return
         doc = {"type": AUTO_TYPE, "key": self.cache_key(),
-               "groups": {k: c.to_dict() for k, c in self.choices.items()}}
+               "groups": {k: c.to_dict() for k, c in self.choices.items()},
+               "planned": sorted(k for k in self.choices if self._groups[k].planned)}
         write_cache(self.cache_path(), doc, "auto compression choices", stacklevel=4)
 
     # ---- the table -----------------------------------------------------------------------------------------
     def table(self) -> list[dict[str, Any]]:
-        """One row per group: bytes, codec, predicted and measured seconds (None: not measured), and why."""
+        """One row per group: bytes, codec (``planned``: its "none" runs on the runtime's planned exchange, not the
+        backend's allreduce), predicted and measured seconds (None: not measured), and why."""
         rows = []
         for key in self._current_groups():
             g = self._groups[key]
@@ -645,6 +715,7 @@ class AutoCompression:
             codec = c.codec if c is not None else "none"
             measured = g.times.get(codec)
             rows.append({"group": key, "bytes": g.spec.nbytes if c is None else c.nbytes, "codec": codec,
+                         "planned": codec == "none" and g.planned,
                          "predicted_s": None if c is None else c.predicted_s,
                          "measured_s": float(np.mean(measured)) if measured else None,
                          "reason": "probing" if c is None else c.reason})
@@ -657,6 +728,7 @@ class AutoCompression:
 
         lines = [f"{'group':<40} {'bytes':>12} {'codec':<12} {'predicted us':>13} {'measured us':>12}  reason"]
         for r in self.table():
-            lines.append(f"{r['group'][:40]:<40} {r['bytes']:>12d} {r['codec']:<12} {us(r['predicted_s']):>13} "
+            codec = PLANNED if r["planned"] else r["codec"]
+            lines.append(f"{r['group'][:40]:<40} {r['bytes']:>12d} {codec:<12} {us(r['predicted_s']):>13} "
                          f"{us(r['measured_s']):>12}  {r['reason']}")
         return "\n".join(lines)

@@ -180,4 +180,6 @@ def test_all_finite_is_false_exactly_when_an_element_is_nan_or_inf(dtype: torch.
             got = all_finite(t)
             assert got.shape == (1,) and got.dtype == torch.bool and got.item() is bool(torch.isfinite(t).all()), (bad, at)
     big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)
-    assert all_finite(big).item()  # the largest finite values are finite (no sum that could overflow)
+    assert all_finite(big).item()  # the largest finite values are finite (their sum overflows: the exact pass)
+    big[2] = float("nan")
+    assert not all_finite(big).item()

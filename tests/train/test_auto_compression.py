@@ -3,6 +3,7 @@ codec slower than none, the choices are cached for the next job and ignored when
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from gradsync.comm.runtime import Runtime
 from gradsync.compress.auto import AlphaBeta
 from gradsync.compress.base import CompressionError
 from gradsync.errors import GradsyncError
-from gradsync.train.auto_compression import PROBE_STEPS, AutoCompression, param_signature
+from gradsync.train.auto_compression import PLANNED, PROBE_STEPS, AutoCompression, param_signature
 from gradsync.train.optimizer import DistributedOptimizer
 
 
@@ -259,7 +260,7 @@ def test_a_native_bucket_is_timed_from_its_own_launch_while_the_group_runs_bucke
     exchanges), and B's is 0.4."""
     futures: list[torch.futures.Future] = []
 
-    def native(tensor, algorithm=None):
+    def native(tensor, algorithm=None, always=False):
         futures.append(torch.futures.Future())
         return futures[-1]
 
@@ -281,6 +282,60 @@ def test_a_native_bucket_is_timed_from_its_own_launch_while_the_group_runs_bucke
     auto.end_step()
     assert auto._groups["A"].times["none"] == [pytest.approx(1.0)]
     assert auto._groups["B"].times["none"] == [pytest.approx(0.4)]
+
+
+@pytest.mark.parametrize("native_s, planned_s, penalty", [(1e-3, 1e-5, 0.0), (1e-5, 1e-3, 0.0), (1e-3, 1e-5, 1.0)])
+def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_exchange(
+        rt, monkeypatch, tmp_path, native_s, planned_s, penalty):
+    """Where the runtime plans a group's size itself, "none" is timed both ways (the backend's allreduce of the
+    flat buffer, then the planned exchange) and the quicker one carries every later "none" launch; the next job
+    reads it from the cache. Fake clock: one way 100x the other. With ``penalty``, every whole step on the planned
+    way costs that much more elsewhere (its thread taking backward's cores): the whole-step check sends the group
+    back to the backend's allreduce (reason "step"), however quick its own exchange measured."""
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    _with_planned_none(rt, monkeypatch)
+    natives: list[bool] = []
+    fake = rt.native_allreduce_async
+
+    def native(tensor, algorithm=None, always=False):
+        natives.append(always)
+        return fake(tensor, algorithm, always)
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    sig = param_signature(_model().named_parameters())
+    want_planned = planned_s < native_s and not penalty
+    for job in ("first", "next"):
+        clock = FakeClock({"none": native_s, PLANNED: planned_s, "other": 1.0})
+        auto = AutoCompression("lossless", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock,
+                               signature=sig)
+        clock.auto = auto
+        end_step = auto.end_step
+
+        def costly_end_step(auto=auto, end_step=end_step, clock=clock) -> None:
+            auto._wait_records()  # the group's own time is in: the penalty is the rest of this step's
+            if any(launch.codec == PLANNED for launch in auto._this_step):
+                clock.now += penalty
+            end_step()
+
+        auto.end_step = costly_end_step  # type: ignore[method-assign]
+        natives.clear()
+        steps = 4 * PROBE_STEPS + 2 if job == "first" else 3
+        _train(rt, auto, steps, merge=1)
+        (row,) = auto.table()
+        assert auto.settled and row["codec"] == "none" and row["planned"] is want_planned, (job, row)
+        assert all(natives)  # "none" on the backend is its allreduce whatever the plan (always=True)
+        # first job: PROBE_STEPS launches each way, then the kept one; a kept planned way is checked against the
+        # backend's in whole steps, alternating (PROBE_STEPS more of the backend's). The next job: the cached way.
+        check = auto.step_check
+        if job == "next":
+            assert len(natives) == (0 if want_planned else steps), natives
+        elif planned_s < native_s:
+            assert len(check["baseline_s"]) == len(check["settled_s"]) == PROBE_STEPS, check
+            assert (row["reason"] == "step") is bool(penalty), row
+            assert len(natives) == 2 * PROBE_STEPS + (steps - 4 * PROBE_STEPS if penalty else 0), natives
+        else:
+            assert len(natives) == steps - PROBE_STEPS and not check["baseline_s"], (natives, check)
+        assert check["verified"], check
 
 
 def test_choosing_is_not_charged_to_the_codec_it_chooses(rt):
@@ -377,15 +432,37 @@ def test_the_optimizers_merged_groups_reach_auto_with_their_members_shapes_and_o
     assert group.spec.shapes == ((2,), (2, 16), (16,), (16, 8))
 
 
-@pytest.mark.parametrize("penalty, profile_s, kept", [(0.0, 0.0, True), (1.0, 0.0, False), (1.0, 100.0, False)])
-def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(rt: Runtime, penalty: float,
-                                                                               profile_s: float, kept: bool) -> None:
+def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``rt`` look like a runtime with a process group that plans every size itself: "none" has two ways."""
+    def native(tensor, algorithm=None, always=False):
+        fut = torch.futures.Future()
+        fut.set_result([tensor])
+        return fut
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
+    monkeypatch.setattr(type(rt), "caps", property(lambda self: dataclasses.replace(self.transport.capabilities,
+                                                                                       group="fake")), raising=False)
+
+
+@pytest.mark.parametrize("penalty, profile_s, kept, planned_s, warm_s",
+                         [(0.0, 0.0, True, None, 0.0), (1.0, 0.0, False, None, 0.0), (1.0, 100.0, False, None, 0.0),
+                          (1.0, 0.0, False, 10.0, 0.0), (1.0, 0.0, False, None, 5.0)])
+def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, penalty: float, profile_s: float, kept: bool,
+        planned_s: float | None, warm_s: float) -> None:
     """Each group's fp16 measures quicker than its "none" (fake clock), but every step that ran a codec costs
     ``penalty`` more elsewhere (encoding on backward's thread, as on shared cores). After settling, auto times
     whole steps: with the penalty they are slower than the steps that ran "none", and every group goes back to
     "none" (reason "step"); without it, fp16 stays. The time spent choosing (a ``profile_s`` codec profile inside
-    a "none" step) is not that step's: counted, it would hide the penalty."""
-    clock = FakeClock({"none": 1e-4, "other": 1e-6})
+    a "none" step) is not that step's: counted, it would hide the penalty. With ``planned_s``, "none" also has a
+    planned way, far slower (each clock reading in its launches costs that much): the backend's way is kept, and
+    the planned way's trial steps are not the baseline (counted, they would hide the penalty too). With
+    ``warm_s``, the job's first step timed whole takes that much longer (warming up): the baseline is timed after
+    settling, alternating with the settled steps, so that early step does not flatter the codec."""
+    if planned_s is not None:
+        _with_planned_none(rt, monkeypatch)
+    clock = FakeClock({"none": 1e-4, PLANNED: planned_s or 0.0, "other": 1e-6})
 
     def codec_cost(codec: str, numel: int) -> float:
         clock.now += profile_s
@@ -393,16 +470,24 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(r
 
     auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=codec_cost, clock=clock)
     clock.auto = auto
+    end_step = auto.end_step
+
+    def costly_end_step() -> None:
+        auto._wait_records()  # each group's own time is in: the penalty is the rest of this step's
+        if any(launch.codec not in ("none", PLANNED) for launch in auto._this_step):
+            clock.now += penalty
+        end_step()
+
+    auto.end_step = costly_end_step  # type: ignore[method-assign]
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto)  # merge="auto": the joint search runs inside the first "none" step
-    for step in range(4 * PROBE_STEPS + 3):
+    for step in range(5 * PROBE_STEPS + 3):
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
-        ran = auto.current
+        if step == 1:
+            clock.now += warm_s  # the first step timed whole
         opt.step()
         opt.zero_grad()
-        if ran != "none":
-            clock.now += penalty
     rows = auto.table()
     assert auto.verified and auto.settled, rows
     reasons = {(r["codec"], r["reason"]) for r in rows}
