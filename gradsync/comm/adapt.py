@@ -78,10 +78,12 @@ class AdaptOptions:
     measured / modelled ratio before the detector starts; ``min_bytes``: the smallest allreduce watched;
     ``pair_min_bytes``: the fewest bytes a pair must move in one collective to give a rate; ``min_gain``: the
     share of a collective's predicted time a replan must save to be run (below it the switch is held);
-    ``every``: watch one allreduce in this many of those that qualify (the same ones on every rank). Why: a
-    watched collective ends with a small agreement round that waits for the slowest rank, which costs about a
-    quarter of a 4 MB loopback allreduce (``gradsync bench adapt``); sampling divides that cost by ``every`` and
-    multiplies the detection time (``k`` watched collectives) by it."""
+    ``every``: watch one allreduce in this many of those that qualify (the same ones on every rank), and every
+    one while the detector has a key or rank partway to a switch (:attr:`Detector.pending
+    <gradsync.comm.watch.Detector.pending>`, the same on every rank). Why: a watched collective ends with a small
+    agreement round that waits for the slowest rank, which costs about a quarter of a 4 MB loopback allreduce
+    (``gradsync bench adapt``); sampling divides that cost by ``every``, and watching every collective once
+    something looks wrong keeps the detection time at ``every + k - 1`` collectives, not ``every * k``."""
 
     link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
     late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
@@ -188,7 +190,7 @@ class Adapter:
                 or ex.schedule.world_size < 2):
             return False
         self.eligible += 1
-        if (self.eligible - 1) % self.options.every:
+        if (self.eligible - 1) % self.options.every and not self.detector.pending:
             return False
         ex.sent, ex.clock = [], self.clock
         self._entered = self.clock()

@@ -248,6 +248,12 @@ class Detector:
         self._links: dict[Hashable, _Track] = {}
         self._ranks: dict[int, _Track] = {}
 
+    @property
+    def pending(self) -> bool:
+        """Whether some key or rank is partway to flipping (past its threshold for fewer than ``k`` collectives
+        in a row): the watch then looks at every collective until it flips or falls back."""
+        return any(t.run for t in self._links.values()) or any(t.run for t in self._ranks.values())
+
     def observe(self, rates: Mapping[Hashable, float], expected: Mapping[Hashable, float],
                 delays: Sequence[float] = (), reference_s: float = 1.0) -> Switch | None:
         """One collective: measured ``rates`` (:func:`collective_rates`), the baseline model's ``expected``

@@ -226,6 +226,10 @@ register_benchmark("adapt", "benchmarks.adapt_overhead:main",
                    "issue 39: what the runtime's watch costs on a wire that does not change: the same 4 MiB allreduce "
                    "with adapt on and off, alternating in the same 3 processes on gloo loopback; writes adapt.{json,png}",
                    checkout=True)
+register_benchmark("adapt-testbed", "benchmarks.adapt_testbed:main",
+                   "issue 39 (a): one server's NIC cut to 1/4 mid-job on the emulated cluster (root): static gradsync, "
+                   "gradsync with the watch, and gloo's all_reduce side by side, per round; writes "
+                   "adapt_testbed.{json,png}", checkout=True)
 register_benchmark("ps-loopback", "benchmarks.ps_loopback:main",
                    "PS pushpull round trip on loopback (authenticated, without a secret, and push + pull) vs a gloo send/recv round "
                    "trip of the same size, in one run; writes ps_loopback.{json,png}", checkout=True)

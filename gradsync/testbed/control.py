@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.testbed import netns
-from gradsync.testbed.build import TestbedPlan, build_plan
+from gradsync.testbed.build import TestbedPlan, build_plan, parse_rate
 from gradsync.testbed.errors import TestbedError
 from gradsync.testbed.netns import DEFAULT_TCP_CC
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
-__all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "current_user", "load_owner", "owner_record", "resolve_state_path",
+__all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "current_user", "set_server_rate", "load_owner", "owner_record", "resolve_state_path",
            "load_state", "tbf_burst", "up", "down", "status"]
 
 #: Where the state file goes unless a path or ``$GRADSYNC_TESTBED`` says otherwise (/run is tmpfs: a reboot,
@@ -109,6 +109,23 @@ def _shape(ifname: str, rate_mbit: float, delay_ms: float | None = None, ns: str
     if delay_ms:
         netns.tc("qdisc", "add", "dev", ifname, "parent", "1:1", "handle", "10:", "netem", "delay",
                  f"{delay_ms * 1000:.0f}us", ns=ns)
+
+
+def set_server_rate(rank: int, rate: str | float | None, *,
+                    state_path: str | os.PathLike[str] | None = None) -> float:
+    """Change server ``rank``'s NICs to ``rate`` in both directions while the testbed runs (None: back to the
+    rate the testbed was built with): a NIC renegotiating down, or back up. Only the shaper's rate and burst
+    change (``tc qdisc change``): connections, routes and any netem delay stay. Returns the rate in Mbit/s."""
+    plan = load_state(state_path)
+    server = plan.server(rank)
+    updates = []
+    for nic in server.nics:
+        mbit = nic.rate_mbit if rate is None else parse_rate(rate)
+        updates += [(nic.host_ifname, None, mbit), (nic.ifname, server.namespace, mbit)]
+    for ifname, ns, mbit in updates:
+        netns.tc("qdisc", "change", "dev", ifname, "root", "handle", "1:", "tbf", "rate",
+                 f"{max(1, round(mbit * 1000))}kbit", "burst", str(tbf_burst(mbit)), "latency", _TBF_LATENCY, ns=ns)
+    return updates[-1][2] if updates else 0.0
 
 
 def _sysctls(forwarding: bool, idle_restart: bool = True) -> dict[str, str]:

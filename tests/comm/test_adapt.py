@@ -157,17 +157,22 @@ def test_a_slow_link_switches_once_after_k_collectives_on_every_rank_with_exact_
     assert "(1, 2) at 0.25x its modelled rate" in first.message and "ring/1 -> ring/1" in first.message
 
 
-def test_watching_one_allreduce_in_every_few_samples_the_same_ones_on_every_rank_and_still_switches():
-    """``every=2``: collectives 0, 2, 4, ... are watched on every rank (the others pay nothing). Two warm up; the
-    slow NIC from collective 4 is seen at 4, 6 and 8, so the switch comes at the detector's third watched
-    collective (collective 8), on every rank at the same generation, with exact sums."""
-    options = dataclasses.replace(OPTIONS, every=2)
-    results = _run_job(4, "switch:4", "ring", torch.float32, {4: SLOW_NIC}, steps=11, options=options,
+@pytest.mark.parametrize("every, slow_from, watched, at", [(2, 4, 7, 3), (4, 9, 7, 4)])
+def test_watching_one_allreduce_in_every_few_samples_the_same_ones_on_every_rank_and_still_switches(
+        every, slow_from, watched, at):
+    """``every=2``: collectives 0, 2, 4, ... are watched on every rank (the others pay nothing); two warm up. The
+    slow NIC from collective 4 is seen at 4; from then every collective is watched while the detector is partway
+    (5, 6), so it switches at its third watched collective (collective 6, not 8), then samples again (8, 10): 7
+    watched of 11. ``every=4``, slow from 9: watched 0, 4 (warm-up), 8 (healthy), 12, 13, 14 (the switch, the
+    detector's fourth), 16: 7 of 17, where one in four alone would have switched at collective 20."""
+    options = dataclasses.replace(OPTIONS, every=every)
+    steps = 4 * every + 3 if every == 2 else 17
+    results = _run_job(4, "switch:4", "ring", torch.float32, {slow_from: SLOW_NIC}, steps=steps, options=options,
                        probe=lambda rt: (rt.adapt.watched, rt.adapt.eligible))
     assert all(exact for _, exact, _ in results)
-    assert all(counts == (6, 11) for _, _, counts in results), [c for _, _, c in results]
+    assert all(counts == (watched, steps) for _, _, counts in results), [c for _, _, c in results]
     switches = [s for s, _, _ in results]
-    assert all(len(s) == 1 and (s[0].generation, s[0].collective) == (1, 3) for s in switches), switches
+    assert all(len(s) == 1 and (s[0].generation, s[0].collective) == (1, at) for s in switches), switches
 
 
 def test_the_plan_switches_back_once_the_link_recovers():

@@ -38,7 +38,7 @@ from gradsync.testbed import (
 )
 from gradsync.testbed import netns as tb_netns
 from gradsync.testbed import status as tb_status
-from gradsync.testbed.control import current_user, load_owner, owner_record
+from gradsync.testbed.control import current_user, load_owner, owner_record, set_server_rate
 from gradsync.topology import get_topology
 
 SPECS = ("switch:3", "switch:9", "bcube:2,2", "bcube:3,2", "bcube:2,3", "fattree:4", "ring:2", "ring:5")
@@ -385,6 +385,21 @@ class TestSwitch3:
         monkeypatch.setenv("SUDO_USER", "someone-else")
         with pytest.raises(TestbedError, match="--force"):
             down(state_path=state)
+
+    def test_a_servers_rate_changes_while_up_and_comes_back(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
+        """set_server_rate: server 1's NIC cut to 25 Mbit/s both ways (the probe, 0 -> 1, measures it), then back
+        to the plan's 100."""
+        plan, state = switch3_bed
+        try:
+            assert set_server_rate(1, "25mbit", state_path=state) == 25
+            (row,) = probe([(0, 1)], seconds=1.0, state_path=state, stream=io.StringIO())
+            assert abs(row["measured_mbit"] - 25) <= 25 * 0.15, row
+        finally:
+            assert set_server_rate(1, None, state_path=state) == 100
+        (row,) = probe([(0, 1)], seconds=1.0, state_path=state, stream=io.StringIO())
+        assert abs(row["measured_mbit"] - 100) <= 15, row
+        with pytest.raises(TestbedError, match="out of range"):
+            set_server_rate(7, "25mbit", state_path=state)
 
     def test_down_leaves_nothing_behind_and_is_idempotent(self, switch3_bed: tuple[TestbedPlan, Path]) -> None:
         plan, state = switch3_bed

@@ -1,0 +1,53 @@
+"""``gradsync bench adapt-testbed`` without root: the phases' medians and goals, the rate-change handshake."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from benchmarks import adapt_testbed as at
+
+
+def _report(static: float, adaptive: float, gloo: float) -> dict:
+    """10 rounds: 1 s everywhere, degraded rounds 4..7 (first one settling) at the given seconds."""
+    cfg = {"degrade_at": 4, "restore_at": 8, "settle": 1, "rounds": 10}
+    series = {m: [1.0] * 10 for m in at.METHODS}
+    for i in range(4, 8):
+        series["static"][i], series["adaptive"][i], series["gloo"][i] = static, adaptive, gloo
+    series["adaptive"][4] = 99.0  # the round it switched in: left out (settle)
+    return {"config": cfg, "samples_s": series, "exact": {m: True for m in at.METHODS}}
+
+
+def test_summary_takes_each_phases_median_and_the_goals_ratios() -> None:
+    s = at.summarize(_report(static=4.0, adaptive=2.0, gloo=3.0))
+    assert s["medians_s"]["adaptive"] == {"before": 1.0, "degraded": 2.0, "after": 1.0}
+    assert s["ratios"] == {"degraded_vs_static": 2.0, "degraded_vs_gloo": 1.5, "recovered": 1.0}
+    assert all(s["met"].values()) and s["all_exact"]
+    worse = at.summarize(_report(static=2.2, adaptive=2.0, gloo=2.0))
+    assert worse["met"] == {"degraded_vs_static": False, "degraded_vs_gloo": False, "recovered": True}
+
+
+def test_rank0_asks_and_the_driver_changes_the_rate_once_per_ask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, str | None]] = []
+    monkeypatch.setattr("gradsync.testbed.control.set_server_rate",
+                        lambda rank, rate, **kw: calls.append((rank, rate)) or 25.0)
+    args = type("A", (), {"rate": "100mbit", "factor": 4.0, "slow_rank": 2})()
+    stop = threading.Event()
+    log: list = []
+    driver = threading.Thread(target=lambda: log.extend(at._drive(tmp_path, args, stop)))
+    driver.start()
+    try:
+        at._ask(tmp_path, "degrade", 20)
+        at._ask(tmp_path, "restore", 40)
+    finally:
+        stop.set()
+        driver.join(timeout=5)
+    assert calls == [(2, "25.0mbit"), (2, None)] and [e["ask"] for e in log] == ["degrade 20", "restore 40"]
+
+
+def test_bad_rounds_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        at.main(["--degrade-at", "30", "--restore-at", "20"])
+    assert "--degrade-at" in capsys.readouterr().err
