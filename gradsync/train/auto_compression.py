@@ -195,15 +195,18 @@ class AutoCompression:
         self.boundary = StepBoundary()
         self._groups: dict[str, _Group] = {}
         self._this_step: list[_Launch] = []
-        #: whether some whole step ran "none" everywhere; the whole-step check's steps (one :meth:`end_step` to the
-        #: next) with "none" everywhere and with the settled choices; the clock at the last end_step; whether the
-        #: settled choices passed the step check
+        #: whether some whole step ran "none" everywhere; the whole-step check's steps (each from its first launch
+        #: to the later of its last exchange's end and the step's close) with "none" everywhere and with the
+        #: settled choices; whether the settled choices passed the step check
         self._none_ran = False
         self._baseline_steps: list[float] = []
         self._settled_steps: list[float] = []
         #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
         self._baseline_turn = False
-        self._mark: float | None = None
+        #: steps ended so far; the clock when this step's last exchange ended, and when the step was closed
+        self._ended = 0
+        self._done_at = -math.inf
+        self._closed_at: float | None = None
         #: seconds spent in job-wide decisions since the last end_step (not the step's own time)
         self._deciding_s = 0.0
         self.verified = False
@@ -307,20 +310,20 @@ class AutoCompression:
 
         def record(_: Any) -> None:
             now = self.clock()
-            if native:
-                # the process group runs buckets side by side (gloo's worker threads): timed from its own launch,
-                # as from the previous bucket's end it would look shorter than it is (docs/mergecomp.md)
-                start = t1
-            else:
-                with self._lock:  # gradsync's exchanges queue on one thread: their service time
+            with self._lock:
+                self._done_at = max(self._done_at, now)
+                if native:
+                    # the process group runs buckets side by side (gloo's worker threads): timed from its own
+                    # launch, as from the previous bucket's end it would look shorter than it is (docs/mergecomp.md)
+                    start = t1
+                else:  # gradsync's exchanges queue on one thread: their service time
                     start = max(t1, self._last_done)
                     self._last_done = now
             if sink is not None:
                 sink.append((t1 - t0) + max(0.0, now - start))
             event.set()
 
-        if sink is not None:
-            self._events.append((key, event))
+        self._events.append((key, event))
         work.future.add_done_callback(record)
         return work
 
@@ -347,6 +350,8 @@ class AutoCompression:
 
     def close_step(self) -> None:
         """No exchange joins the training step any more (:meth:`CompressionStep.close_step`, for every codec)."""
+        if self._closed_at is None and self._this_step:
+            self._closed_at = self.clock()
         self.boundary.close()
 
     @property
@@ -364,9 +369,17 @@ class AutoCompression:
     def end_step(self) -> None:
         """Backward is over (the optimizer's ``step()``; the hook infers it from a group launching again): each
         group's slack is the time from its launch to the last launch. The step's timing callbacks are waited for
-        (bounded): one that ran late would otherwise charge the next step's launches to this step's times."""
+        (bounded): one that ran late would otherwise charge the next step's launches to this step's times.
+
+        The step's whole time, for the step check, runs from its first launch to the later of its last exchange's
+        end and its close (the optimizer's wait, DDP's last bucket): what a codec can change (its encoding slowing
+        the rest of backward, its exchange), and nothing of what the job does between steps (a data loader, a
+        log line, another model's step) that would only add noise."""
         self.close_step()
         self._wait_records()
+        closed, self._closed_at = self._closed_at, None
+        with self._lock:
+            done, self._done_at = self._done_at, -math.inf
         if not self._this_step:
             return
         launches, self._this_step = self._this_step, []
@@ -374,11 +387,11 @@ class AutoCompression:
         end = max(launch.t0 for launch in launches)
         for launch in launches:
             self._groups[launch.key].slack_s = max(0.0, end - launch.t0)
-        now = self.clock()
-        last, self._mark = self._mark, now
         deciding, self._deciding_s = self._deciding_s, 0.0
-        if last is not None and not self.verified:
-            self._check_step(max(0.0, now - last - deciding), launches)
+        self._ended += 1
+        if self._ended > 1 and not self.verified:  # the job's first step warms up
+            span = max(done, closed if closed is not None else -math.inf) - min(launch.t0 for launch in launches)
+            self._check_step(max(0.0, span - deciding), launches)
 
     def _check_step(self, seconds: float, launches: list[_Launch]) -> None:
         """The whole step's check, after the per-group ones: a group's own time leaves out what its codec costs the

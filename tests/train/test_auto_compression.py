@@ -309,15 +309,15 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
         auto = AutoCompression("lossless", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock,
                                signature=sig)
         clock.auto = auto
-        end_step = auto.end_step
+        close_step = auto.close_step
 
-        def costly_end_step(auto=auto, end_step=end_step, clock=clock) -> None:
+        def costly_close_step(auto=auto, close_step=close_step, clock=clock) -> None:
             auto._wait_records()  # the group's own time is in: the penalty is the rest of this step's
-            if any(launch.codec == PLANNED for launch in auto._this_step):
+            if auto._closed_at is None and any(launch.codec == PLANNED for launch in auto._this_step):
                 clock.now += penalty
-            end_step()
+            close_step()
 
-        auto.end_step = costly_end_step  # type: ignore[method-assign]
+        auto.close_step = costly_close_step  # type: ignore[method-assign]
         natives.clear()
         steps = 4 * PROBE_STEPS + 2 if job == "first" else 3
         _train(rt, auto, steps, merge=1)
@@ -445,12 +445,13 @@ def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
                                                                                        group="fake")), raising=False)
 
 
-@pytest.mark.parametrize("penalty, profile_s, kept, planned_s, warm_s",
-                         [(0.0, 0.0, True, None, 0.0), (1.0, 0.0, False, None, 0.0), (1.0, 100.0, False, None, 0.0),
-                          (1.0, 0.0, False, 10.0, 0.0), (1.0, 0.0, False, None, 5.0)])
+@pytest.mark.parametrize("penalty, profile_s, kept, planned_s, warm_s, between_s",
+                         [(0.0, 0.0, True, None, 0.0, 0.0), (1.0, 0.0, False, None, 0.0, 0.0),
+                          (1.0, 100.0, False, None, 0.0, 0.0), (1.0, 0.0, False, 10.0, 0.0, 0.0),
+                          (1.0, 0.0, False, None, 5.0, 0.0), (0.0, 0.0, True, None, 0.0, 5.0)])
 def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, penalty: float, profile_s: float, kept: bool,
-        planned_s: float | None, warm_s: float) -> None:
+        planned_s: float | None, warm_s: float, between_s: float) -> None:
     """Each group's fp16 measures quicker than its "none" (fake clock), but every step that ran a codec costs
     ``penalty`` more elsewhere (encoding on backward's thread, as on shared cores). After settling, auto times
     whole steps: with the penalty they are slower than the steps that ran "none", and every group goes back to
@@ -459,7 +460,9 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
     planned way, far slower (each clock reading in its launches costs that much): the backend's way is kept, and
     the planned way's trial steps are not the baseline (counted, they would hide the penalty too). With
     ``warm_s``, the job's first step timed whole takes that much longer (warming up): the baseline is timed after
-    settling, alternating with the settled steps, so that early step does not flatter the codec."""
+    settling, alternating with the settled steps, so that early step does not flatter the codec. With
+    ``between_s``, the job spends that long between a "none" step and the next one (a data loader, another
+    model's step): not the next step's time, which runs from its first launch to its end."""
     if planned_s is not None:
         _with_planned_none(rt, monkeypatch)
     clock = FakeClock({"none": 1e-4, PLANNED: planned_s or 0.0, "other": 1e-6})
@@ -470,15 +473,15 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
 
     auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=codec_cost, clock=clock)
     clock.auto = auto
-    end_step = auto.end_step
+    close_step = auto.close_step
 
-    def costly_end_step() -> None:
+    def costly_close_step() -> None:
         auto._wait_records()  # each group's own time is in: the penalty is the rest of this step's
-        if any(launch.codec not in ("none", PLANNED) for launch in auto._this_step):
+        if auto._closed_at is None and any(launch.codec not in ("none", PLANNED) for launch in auto._this_step):
             clock.now += penalty
-        end_step()
+        close_step()
 
-    auto.end_step = costly_end_step  # type: ignore[method-assign]
+    auto.close_step = costly_close_step  # type: ignore[method-assign]
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto)  # merge="auto": the joint search runs inside the first "none" step
@@ -486,8 +489,11 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
         if step == 1:
             clock.now += warm_s  # the first step timed whole
+        ran = auto.current
         opt.step()
         opt.zero_grad()
+        if ran == "none":
+            clock.now += between_s
     rows = auto.table()
     assert auto.verified and auto.settled, rows
     reasons = {(r["codec"], r["reason"]) for r in rows}
