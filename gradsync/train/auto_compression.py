@@ -329,8 +329,9 @@ class AutoCompression:
 
     def _native(self, flat: Tensor, key: str, verdict: StepVerdict) -> Work | None:
         """``flat`` averaged in place by the process group's own async allreduce, whatever the runtime plans for
-        its size (None where the backend cannot take it: no process group, another device). The sum is the same bits on every rank, so whether it is finite is the job's verdict
-        on this group: it joins the step's, as every codec's exchange does (one max-norm on the device)."""
+        its size (None where the backend cannot take it: no process group, another device). The sum is the same
+        bits on every rank, so whether it is finite is the job's verdict on this group: it joins the step's, as
+        every codec's exchange does (:func:`~gradsync.compress.base.all_finite`)."""
         runtime = self.runtime
         fut = runtime.native_allreduce_async(flat, always=True)
         if fut is None:
