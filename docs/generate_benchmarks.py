@@ -359,7 +359,7 @@ def adapt_testbed() -> list[str]:
     j = load("adapt_testbed.json")
     cfg, s = j["config"], j["summary"]
     out = ["## A NIC cut mid-job on the testbed (`gradsync bench adapt-testbed`)", "",
-           *sources("adapt_testbed.json", plots=["adapt_testbed.png"]),
+           *sources("adapt_testbed.json"),
            f"`{cfg['topology']}` at {cfg['rate']} per unit link, {cfg['world']} ranks, {size(cfg['size_bytes'])} float32 "
            f"allreduces: static gradsync (`adapt=False`), gradsync watching every qualifying allreduce "
            f"(`AdaptOptions(every=1)`) and gloo's `all_reduce`, one each per round in rotating order, {cfg['rounds']} "
