@@ -783,7 +783,7 @@ def all_finite(tensor: Tensor) -> Tensor:
         narrow = tensor.element_size() < 4  # float16/bfloat16 in float32: no finite float16 sum can overflow it
         total = tensor.sum(dtype=torch.float32) if narrow else tensor.sum()
         if bool(total.isfinite()):
-            return torch.ones(1, dtype=torch.bool)
+            return torch.ones(1, dtype=torch.bool, device=tensor.device)
     return nonfinite_marks([[tensor]], torch.float32, tensor.device).isfinite()
 
 
