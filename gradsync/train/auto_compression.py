@@ -128,9 +128,10 @@ class _Group:
     left: int = 0
     #: each codec tried (not "none") as the model priced it
     candidates: dict[str, AutoChoice] = field(default_factory=dict)
-    #: whether the group comes as one buffer the backend can sum ("none" is then its native allreduce), and
-    #: whether its "none" runs on the runtime's planned exchange instead (it measured quicker: :data:`PLANNED`)
-    flat: bool = False
+    #: whether its last "none" launch ran on the backend's allreduce of one buffer (``step_async(flat=...)``,
+    #: a buffer the backend takes), and whether its "none" runs on the runtime's planned exchange instead (it
+    #: measured quicker: :data:`PLANNED`)
+    native: bool = False
     planned: bool = False
 
     def now(self) -> GroupSpec:
@@ -289,9 +290,6 @@ class AutoCompression:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype))
-        runtime = self.runtime
-        group.flat = (flat is not None and runtime.caps.native and flat.is_contiguous()
-                      and flat.device == runtime.device)
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         if codec == "none" and group.planned and not self._baseline_turn:
             codec = PLANNED  # this group's "none" is the planned exchange (it measured quicker)
@@ -302,6 +300,8 @@ class AutoCompression:
         verdict = self.boundary.verdict_for([key])
         work = self._native(flat, key, verdict) if codec == "none" and flat is not None else None
         native = work is not None
+        if codec == "none":
+            group.native = native
         if work is None:
             step = self._step("none" if codec == PLANNED else codec)
             work = step.step_async(tensors, infos, reuse=reuse, verdict=verdict)
@@ -421,11 +421,8 @@ class AutoCompression:
         self.verified = True
         self._baseline_turn = False
 
-        def compute() -> bytes:
-            slower = float(np.median(self._settled_steps)) > float(np.median(self._baseline_steps))
-            return b"1" if slower else b"0"
-
-        if self._decide("step-check", compute) == b"1":
+        if self._decide_flag("step-check", lambda: float(np.median(self._settled_steps))
+                             > float(np.median(self._baseline_steps))):
             for key, c in chosen.items():
                 self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s, "step")
                 self._groups[key].planned = False
@@ -510,6 +507,10 @@ class AutoCompression:
         finally:
             self._deciding_s += self.clock() - t0
 
+    def _decide_flag(self, key: str, compute: Callable[[], bool]) -> bool:
+        """:meth:`_decide` of a yes or no: rank 0's ``compute()``, the same answer on every rank."""
+        return self._decide(key, lambda: b"1" if compute() else b"0") == b"1"
+
     def _agree(self, group: _Group, stage: str, pick: Callable[[], AutoChoice | None]) -> AutoChoice | None:
         """``pick()`` on rank 0 once the group's own timings are in, the same choice (or None) on every rank.
         ``stage`` names the decision: each is made once per group (a key decided twice would read the first
@@ -526,20 +527,19 @@ class AutoCompression:
         """Whether the group's "none" has a second way to go, the runtime's planned exchange (rank 0 reads the
         runtime's plan for the size, which may still be settling on its communication thread; every rank takes its
         answer)."""
-        if not group.flat:
+        if not group.native:
             return False
         nbytes = group.spec.nbytes
-        return self._decide(f"has-plan/{group.spec.name}",
-                            lambda: b"0" if self.runtime.runs_natively(nbytes) else b"1") == b"1"
+        return self._decide_flag(f"has-plan/{group.spec.name}", lambda: not self.runtime.runs_natively(nbytes))
 
     def _agree_planned(self, group: _Group) -> None:
         """After both ways of sending the group uncompressed were timed: the quicker is its "none" from now on
         (ties to the backend's), decided for the job. Later reviews compare against the one kept."""
-        def compute() -> bytes:
+        def quicker() -> bool:
             self._wait_records(group.spec.name)
-            return b"1" if group.mean_s(PLANNED) < group.mean_s("none") else b"0"
+            return group.mean_s(PLANNED) < group.mean_s("none")
 
-        group.planned = self._decide(f"planned/{group.spec.name}", compute) == b"1"
+        group.planned = self._decide_flag(f"planned/{group.spec.name}", quicker)
         if group.planned:
             group.times["none"] = list(group.times.get(PLANNED, []))
 

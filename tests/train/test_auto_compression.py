@@ -3,7 +3,6 @@ codec slower than none, the choices are cached for the next job and ignored when
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -433,7 +432,8 @@ def test_the_optimizers_merged_groups_reach_auto_with_their_members_shapes_and_o
 
 
 def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``rt`` look like a runtime with a process group that plans every size itself: "none" has two ways."""
+    """Make ``rt`` look like a runtime whose backend takes every buffer (a native allreduce done at once) and that
+    plans every size itself: "none" has two ways."""
     def native(tensor, algorithm=None, always=False):
         fut = torch.futures.Future()
         fut.set_result([tensor])
@@ -441,8 +441,6 @@ def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
     monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
-    monkeypatch.setattr(type(rt), "caps", property(lambda self: dataclasses.replace(self.transport.capabilities,
-                                                                                       group="fake")), raising=False)
 
 
 @pytest.mark.parametrize("penalty, profile_s, kept, planned_s, warm_s, between_s",
