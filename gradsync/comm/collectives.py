@@ -20,8 +20,8 @@ from gradsync.comm.transport import Transport
 from gradsync.errors import CommError, GradsyncError
 from gradsync.plan.schedule import Schedule
 
-__all__ = ["NativeAllreduce", "Tensors", "check_sharded", "dtype_groups", "gather_p2p", "gather_torch", "nbytes_of",
-           "run_sharded"]
+__all__ = ["NativeAllreduce", "Tensors", "check_sharded", "dtype_groups", "gather_p2p", "gather_torch", "native_failure",
+           "nbytes_of", "run_sharded"]
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 
@@ -67,9 +67,14 @@ class NativeAllreduce:
                     for t in same:
                         t.div_(self.transport.world_size)
         except RuntimeError as exc:
-            raise CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}") from exc
+            raise native_failure(exc) from exc
         self.runs += 1
         return tensors if single else tlist
+
+
+def native_failure(exc: BaseException) -> CommError:
+    """The error for a failed ``torch.distributed.all_reduce`` (``exc``, the backend's)."""
+    return CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}")
 
 
 def copy_all(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

@@ -36,6 +36,7 @@ from gradsync.comm.collectives import (
     check_sharded,
     gather_p2p,
     gather_torch,
+    native_failure,
     nbytes_of,
     run_sharded,
 )
@@ -343,8 +344,7 @@ class Runtime:
                 try:
                     work.wait()  # the work itself, not its future: one wake-up fewer
                 except RuntimeError as exc:
-                    self._failed = self._named(CommError(
-                        f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}"))
+                    self._failed = self._named(native_failure(exc))
                     raise self._failed from exc
                 finally:
                     self.comm_seconds += time.perf_counter() - t0
@@ -408,7 +408,7 @@ class Runtime:
             with torch.profiler.record_function("gradsync::allreduce::native"):
                 return dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
         except RuntimeError as exc:
-            raise self._named(CommError(f"torch.distributed.all_reduce failed (a peer left or timed out?): {exc}")) from exc
+            raise self._named(native_failure(exc)) from exc
 
     def _trace_native(self, tensor: torch.Tensor, start_us: float, caller: threading.Thread) -> None:
         if self.trace is not None:
