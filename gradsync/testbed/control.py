@@ -29,8 +29,8 @@ from gradsync.testbed.netns import DEFAULT_TCP_CC
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
-__all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "current_user", "set_server_rate", "load_owner", "owner_record", "resolve_state_path",
-           "load_state", "tbf_burst", "up", "down", "status"]
+__all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "current_user", "load_owner", "owner_record", "resolve_state_path",
+           "load_state", "set_server_rate", "tbf_burst", "up", "down", "status"]
 
 #: Where the state file goes unless a path or ``$GRADSYNC_TESTBED`` says otherwise (/run is tmpfs: a reboot,
 #: which also removes every namespace, removes the state too).
@@ -101,11 +101,15 @@ def _describe(owner: dict[str, Any]) -> str:
             f"command {owner.get('command', '?')!r})")
 
 
+def _tbf(rate_mbit: float) -> tuple[str, ...]:
+    """``tc qdisc`` arguments after the device: the root token-bucket shaper at ``rate_mbit``."""
+    return ("root", "handle", "1:", "tbf", "rate", f"{max(1, round(rate_mbit * 1000))}kbit", "burst",
+            str(tbf_burst(rate_mbit)), "latency", _TBF_LATENCY)
+
+
 def _shape(ifname: str, rate_mbit: float, delay_ms: float | None = None, ns: str | None = None) -> None:
     """Egress shaping on one interface: tbf at the rate, optionally netem delay inside it."""
-    burst = tbf_burst(rate_mbit)
-    netns.tc("qdisc", "replace", "dev", ifname, "root", "handle", "1:", "tbf", "rate",
-             f"{max(1, round(rate_mbit * 1000))}kbit", "burst", str(burst), "latency", _TBF_LATENCY, ns=ns)
+    netns.tc("qdisc", "replace", "dev", ifname, *_tbf(rate_mbit), ns=ns)
     if delay_ms:
         netns.tc("qdisc", "add", "dev", ifname, "parent", "1:1", "handle", "10:", "netem", "delay",
                  f"{delay_ms * 1000:.0f}us", ns=ns)
@@ -116,16 +120,13 @@ def set_server_rate(rank: int, rate: str | float | None, *,
     """Change server ``rank``'s NICs to ``rate`` in both directions while the testbed runs (None: back to the
     rate the testbed was built with): a NIC renegotiating down, or back up. Only the shaper's rate and burst
     change (``tc qdisc change``): connections, routes and any netem delay stay. Returns the rate in Mbit/s."""
-    plan = load_state(state_path)
-    server = plan.server(rank)
-    updates = []
+    server = load_state(state_path).server(rank)
+    mbit = 0.0
     for nic in server.nics:
         mbit = nic.rate_mbit if rate is None else parse_rate(rate)
-        updates += [(nic.host_ifname, None, mbit), (nic.ifname, server.namespace, mbit)]
-    for ifname, ns, mbit in updates:
-        netns.tc("qdisc", "change", "dev", ifname, "root", "handle", "1:", "tbf", "rate",
-                 f"{max(1, round(mbit * 1000))}kbit", "burst", str(tbf_burst(mbit)), "latency", _TBF_LATENCY, ns=ns)
-    return updates[-1][2] if updates else 0.0
+        netns.tc("qdisc", "change", "dev", nic.host_ifname, *_tbf(mbit))  # switch -> server
+        netns.tc("qdisc", "change", "dev", nic.ifname, *_tbf(mbit), ns=server.namespace)  # server -> switch
+    return mbit
 
 
 def _sysctls(forwarding: bool, idle_restart: bool = True) -> dict[str, str]:
