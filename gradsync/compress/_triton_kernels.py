@@ -229,6 +229,41 @@ def signum_pack(x_ptr, prev_ptr, m_ptr, bits_ptr, n, nbytes, beta, rest, HAS_PRE
     tl.store(bits_ptr + b, _pack((m >= 0) & mask, 8), mask=b < nbytes)
 
 
+def randk_gather(x_ptr, values_ptr, indices_ptr, k, q, r, seed, weyl, mix, BLOCK: tl.constexpr):  # noqa: N803
+    """Rand-k's draw and gather in one pass over ``k``: block ``j`` (``q + 1`` elements for ``j < r``, else ``q``)
+    sends the element at offset ``splitmix64_high32(j * weyl + seed) mod its length`` (``sparsify.Strata``'s
+    hash, in wrapping uint64 arithmetic); its index (int64) and value are written."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < k
+    jj = j.to(tl.int64)
+    zero = jj * 0  # the integer arguments as int64 whatever width (or constant) Triton specialized them to
+    h = jj.to(tl.uint64, bitcast=True) * (zero + weyl).to(tl.uint64, bitcast=True) + (zero + seed).to(
+        tl.uint64, bitcast=True)
+    h = h ^ (h >> 32)
+    h = h * (zero + mix).to(tl.uint64, bitcast=True)
+    high = (h >> 32).to(tl.uint32).to(tl.int32, bitcast=True).to(tl.int64)  # the signed high half
+    size = tl.where(jj < r, q + 1, q).to(tl.int64)
+    offset = high % size
+    offset = tl.where(offset < 0, offset + size, offset)  # floor modulo (torch.remainder), whatever % rounds to
+    index = jj * q + tl.minimum(jj, r) + offset
+    tl.store(indices_ptr + j, index, mask=mask)
+    tl.store(values_ptr + j, tl.load(x_ptr + index, mask=mask), mask=mask)
+
+
+def randk_place(values_ptr, indices_ptr, out_ptr, n, q, r, BLOCK: tl.constexpr):  # noqa: N803
+    """The dense tensor of rand-k's payload in one pass over ``n``: element ``i`` is its block's value where
+    ``i`` is the block's index, else 0 (the zero fill and the scatter in one write)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    ii = i.to(tl.int64)
+    long_part = r * (q + 1)
+    block = tl.where(ii < long_part, ii // (q + 1), r + (ii - long_part) // q)
+    chosen = tl.load(indices_ptr + block, mask=mask, other=-1)
+    value = tl.load(values_ptr + block, mask=mask, other=0.0)
+    tl.store(out_ptr + i, tl.where(chosen == ii, value, tl.zeros_like(value)), mask=mask)
+
+
 KERNELS = {f.__name__: f for f in (pack_nonnegative, select_by_bits, qsgd_encode, qsgd_decode, terngrad_encode,
-                                     terngrad_decode, sign_stats, finish_stats, signum_pack)}
+                                     terngrad_decode, sign_stats, finish_stats, signum_pack,
+                                     randk_gather, randk_place)}
 __all__ = ["KERNELS", "triton"]

@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["ENV", "enabled_for", "pack_nonnegative", "select_by_bits", "qsgd_encode", "qsgd_decode",
-           "terngrad_encode", "terngrad_decode", "sign_stats", "signum_step"]
+           "terngrad_encode", "terngrad_decode", "sign_stats", "signum_step", "randk_gather",
+           "randk_place"]
 
 #: The switch: "0" off, "1" (the default) on for CUDA tensors, "interpret" on for CUDA and CPU tensors.
 ENV = "GRADSYNC_FUSED"
@@ -387,3 +388,38 @@ def signum_step(x: Tensor, previous: Tensor | None, momentum: float) -> tuple[Te
                                                  float(momentum), float(1 - momentum), HAS_PREV=previous is not None,
                                                  BYTES=512)
     return m, bits
+
+
+#: splitmix64's odd constants (``sparsify.Strata``'s hash) as signed int64 arguments.
+_WEYL = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX = 0xBF58476D1CE4E5B9 - (1 << 64)
+_RANDK_BLOCK = 1024
+
+
+def randk_gather(x: Tensor, k: int, seed: int) -> tuple[Tensor, Tensor] | None:
+    """Rand-k's ``(values, indices)`` for a signed 64-bit ``seed`` in one launch: ``Strata(n, k).draw(seed)`` and
+    ``x[indices]``, the same indices (int64) and values."""
+    kern = _for(x)
+    if kern is None or not _fits(x) or x.dtype not in (*_FLOATS, torch.float64) or not 0 < k <= x.numel():
+        return None
+    q, r = divmod(x.numel(), k)
+    values = torch.empty(k, dtype=x.dtype, device=x.device)
+    indices = torch.empty(k, dtype=torch.int64, device=x.device)
+    kern["randk_gather"][(_cdiv(k, _RANDK_BLOCK),)](x, values, indices, k, q, r, seed, _WEYL, _MIX,
+                                                    BLOCK=_RANDK_BLOCK)
+    return values, indices
+
+
+def randk_place(values: Tensor, indices: Tensor, n: int) -> Tensor | None:
+    """The dense ``n`` elements of a rand-k payload (``values`` at ``indices``, one per ``Strata(n, k)`` block, zeros
+    elsewhere) in one launch: the bits of ``zeros(n).scatter_(0, indices, values)``."""
+    kern = _for(values)
+    k = values.numel()
+    if (kern is None or values.dtype not in (*_FLOATS, torch.float64) or not 0 < k <= n or n > _MAX_NUMEL
+            or indices.dtype != torch.int64 or indices.numel() != k or indices.device != values.device
+            or not values.is_contiguous() or not indices.is_contiguous()):
+        return None
+    q, r = divmod(n, k)
+    out = torch.empty(n, dtype=values.dtype, device=values.device)
+    kern["randk_place"][(_cdiv(n, 4096),)](values, indices, out, n, q, r, BLOCK=4096)
+    return out

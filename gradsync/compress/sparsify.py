@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradsync.compress import kernels
 from gradsync.compress.base import (
     Compressor,
     Context,
@@ -253,20 +254,27 @@ class RandK(Compressor):
 
     def indices(self, info: TensorInfo, step: int, device: torch.device | str = "cpu") -> Tensor:
         """The indices every worker uses for ``info.name`` at ``step`` (int64, ascending, on ``device``)."""
-        device = torch.device(device)
-        strata = self._strata.get((info.numel, device))
+        return self._strata_of(info.numel, torch.device(device)).draw(stable_seed("randk", self.seed, info.name, step))
+
+    def _strata_of(self, numel: int, device: torch.device) -> Strata:
+        strata = self._strata.get((numel, device))
         if strata is None:
-            strata = self._strata[(info.numel, device)] = Strata(info.numel, k_of(info.numel, self.ratio), device)
-        return strata.draw(stable_seed("randk", self.seed, info.name, step))
+            strata = self._strata[(numel, device)] = Strata(numel, k_of(numel, self.ratio), device)
+        return strata
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
         step = self._state.get(info.name, 0)
         self._state[info.name] = step + 1
-        indices = self.indices(info, step, flat.device)
+        seed = stable_seed("randk", self.seed, info.name, step)
+        fused = kernels.randk_gather(flat, k_of(info.numel, self.ratio), _signed64(seed))
+        if fused is not None:  # the draw and the gather in one launch (a GPU): the same indices and values
+            return [fused[0]], Context(info, (fused[1],))
+        indices = self._strata_of(info.numel, flat.device).draw(seed)
         return [flat.index_select(0, indices)], Context(info, (indices,))
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
-        return _place(payload[0], ctx.extra[0], ctx.info.numel)
+        dense = kernels.randk_place(payload[0], ctx.extra[0], ctx.info.numel)
+        return dense if dense is not None else _place(payload[0], ctx.extra[0], ctx.info.numel)
 
     def sparse(self, payload: Sequence[Tensor], ctx: Context) -> tuple[Tensor, Tensor]:
         return ctx.extra[0], payload[0]

@@ -399,3 +399,37 @@ def test_an_empty_chain_of_launch_hooks_is_no_hook():
     assert not kernels._hook_set(None) and not kernels._hook_set(chain)
     chain.add(print)
     assert kernels._hook_set(chain) and kernels._hook_set(print)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (7, 3), (100, 1), (1000, 10), (4097, 40), (600, 600), (10007, 123)])
+@pytest.mark.parametrize("seed", [0, 1, 2**31, (1 << 63) - 1])
+def test_randk_gather_draws_the_strata_reference_and_place_is_the_scatter(fused, n, k, seed):
+    """The fused draw is the hash in plain Python integers (``strata_reference``), whatever width Triton gives the
+    seed (0 and 1 are specialized, 2**31 is 64-bit); the fused place is a zero fill and a scatter."""
+    from gradsync.compress.sparsify import _place, _signed64, strata_reference
+
+    x = _values(n, seed % 1000 + n, torch.float16 if k == 3 else torch.float32)
+    values, indices = kernels.randk_gather(x, k, _signed64(seed))
+    expected = torch.tensor(strata_reference(n, k, seed), dtype=torch.int64)
+    assert torch.equal(indices, expected) and torch.equal(values, x[expected])
+    assert torch.equal(kernels.randk_place(values, indices, n), _place(values, indices, n))
+    assert fused == {"randk_gather": 1, "randk_place": 1}
+
+
+def test_randk_codec_fused_is_the_torch_form_in_two_launches(fused, monkeypatch):
+    """Compress (draw and gather) and decompress (place) are one launch each, with the torch form's payload,
+    indices and decoded tensor, step after step."""
+    x = _values(5003, 3)
+    info = TensorInfo("w", (5003,), torch.float32)
+    c = create("randk", ratio=0.01)
+    got = []
+    for _ in range(3):
+        payload, ctx = c.compress(x, info)
+        got.append((payload[0], ctx.extra[0], c.decompress(payload, ctx)))
+    assert fused == {"randk_gather": 3, "randk_place": 3}
+    _torch_form(monkeypatch)
+    ref = create("randk", ratio=0.01)
+    for values, indices, dense in got:
+        payload, ctx = ref.compress(x, info)
+        assert torch.equal(values, payload[0]) and torch.equal(indices, ctx.extra[0])
+        assert torch.equal(dense, ref.decompress(payload, ctx))
