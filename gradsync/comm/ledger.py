@@ -25,10 +25,20 @@ __all__ = ["Ledger", "describe_mismatch"]
 _SIZED = ("allreduce", "reduce_scatter", "all_gather_into_tensor")
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def _dtypes(tensors: Sequence[torch.Tensor]) -> str:
     names: list[str] = []
     for t in tensors:
-        name = str(t.dtype).removeprefix("torch.")
+        name = _dtype_name(t.dtype)
         if name not in names:
             names.append(name)
     return "+".join(names)
@@ -48,11 +58,15 @@ class Ledger:
     def record(self, kind: str, tensors: torch.Tensor | Sequence[torch.Tensor], *, sized: bool = True) -> bool:
         """Count one ``kind`` call on ``tensors`` (``sized``: whether every rank must pass as many elements);
         True when this (kind, size, dtype) is new to this rank (then worth posting before it runs)."""
-        tlist = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         n = self.counts.get(kind, 0) + 1
         self.counts[kind] = n
-        numel = sum(t.numel() for t in tlist) if sized else None
-        dtypes = _dtypes(tlist)
+        if isinstance(tensors, torch.Tensor):  # one tensor (a DDP bucket on the native path): per call, kept short
+            numel = tensors.numel() if sized else None
+            dtypes = _dtype_name(tensors.dtype)
+        else:
+            tlist = list(tensors)
+            numel = sum(t.numel() for t in tlist) if sized else None
+            dtypes = _dtypes(tlist)
         self.last = (kind, n, numel, dtypes)
         signature = (kind, numel, dtypes)
         if signature in self.seen or len(self.seen) >= self.MAX_SEEN:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync.comm import lifetime
 from gradsync.comm.adapt import Adapter, AdaptOptions, adapt_from_env
@@ -43,7 +44,7 @@ from gradsync.comm.collectives import (
 from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.ledger import Ledger, describe_mismatch
 from gradsync.comm.plans import PlanCache, Runnable
-from gradsync.comm.trace import TraceRecorder
+from gradsync.comm.trace import TraceRecorder, profiled
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.comm.tuning import TUNE_MAX_BYTES, Explorer, Tuning, load_cost_model
 from gradsync.errors import CommError, GradsyncError, PeerError
@@ -401,11 +402,9 @@ class Runtime:
                 or not tensor.is_contiguous() or tensor.device != self.device
                 or self._failed is not None or self.on_comm_thread()):
             return None
-        import torch.distributed as dist
-
         self._record("allreduce", tensor)
         try:
-            with torch.profiler.record_function("gradsync::allreduce::native"):
+            with profiled("gradsync::allreduce::native"):
                 return dist.all_reduce(tensor, group=self.caps.native_group, async_op=True)
         except RuntimeError as exc:
             raise self._named(native_failure(exc)) from exc
@@ -439,7 +438,7 @@ class Runtime:
         t0 = time.perf_counter()
         start = TraceRecorder.now_us() if self.trace is not None else 0.0
         try:
-            with torch.profiler.record_function(label):
+            with profiled(label):
                 if ex is _CALL:
                     return payload()
                 if not isinstance(ex, Explorer) and not self.plans.owns(ex):
@@ -637,8 +636,6 @@ _RUNTIME: Runtime | None = None
 
 
 def _init_process_group(backend: str | None, timeout_s: float) -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -736,8 +733,6 @@ def get_runtime() -> Runtime:
     at exit like any runtime ``init`` starts)."""
     rt = _RUNTIME
     if rt is None:
-        import torch.distributed as dist
-
         with _START:
             rt = _RUNTIME
             if rt is None:

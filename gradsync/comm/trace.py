@@ -9,14 +9,31 @@ so the ranks' files line up when merged, and the file opens beside ``gradsync si
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.autograd.profiler as _torch_profiler
+
 from gradsync.sim.trace import complete_event, name_event, write_trace
 
-__all__ = ["TraceRecorder", "rank_trace_path"]
+__all__ = ["TraceRecorder", "profiled", "rank_trace_path"]
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled(label: str) -> contextlib.AbstractContextManager[Any]:
+    """``torch.profiler.record_function(label)`` while a profiler runs, else nothing: the range is
+    a dispatcher call on entry and on exit even with no profiler, host time a DDP hook pays per bucket on the
+    critical path of backward (measured in docs/runtime.md)."""
+    # torch's own fast check (set while any profiler runs, for every thread: ``profile_all_threads`` records the
+    # communication thread), then the C++ one of this thread (a profiler started outside Python)
+    if getattr(_torch_profiler, "_is_profiler_enabled", True) or torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(label)
+    return _NO_RANGE
 
 
 def rank_trace_path(path: str | Path, rank: int, world_size: int) -> Path:
