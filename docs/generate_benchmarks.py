@@ -428,7 +428,9 @@ def gpu() -> list[str]:
         out += ["Codec time (compress + decompress of one float32 tensor, median, device synchronised) against "
                 "GRACE's formulas on the same GPU (rand-k against both GRACE variants), against one copy of the "
                 "tensor, against the same codec with the fused kernels off (`GRADSYNC_FUSED=0`, where they apply), "
-                "and the device operations each call launches (`kernels`; GRACE's beside it):", ""]
+                "and the device operations each call launches (`kernels`; GRACE's beside it). `grace_stream` is the same "
+                "ratio with 20 calls back to back between synchronisations, the two in turn (what a training step "
+                "sees, where codec calls queue behind each other):", ""]
         out += table(["codec", "elements", "ms", "× a copy", "× GRACE", "× torch form", "kernels", "GRACE kernels",
                       "host syncs"],
                      ([r["codec"], num(r["elements"]), num(r["gradsync_s"] * 1e3), num(r["gradsync_s"] / r["copy_s"]),
@@ -461,7 +463,10 @@ def gpu() -> list[str]:
         if hooks:
             out += ["DDP step time, NCCL with one rank, methods interleaved (median):", ""]
             out += table(["method", "ms per step"], ([m, num(v * 1e3)] for m, v in hooks.items()))
-            out += ["; ".join(f"{r['ratio']}: {num(r['value'])}" for r in j["hooks"] if "ratio" in r) + ".", ""]
+            out += ["; ".join(f"{r['ratio']}: {num(r['value'])}"
+                              + (f" (median of the per-step ratios {num(r['paired_median'])})" if "paired_median" in r
+                                 else "")
+                              for r in j["hooks"] if "ratio" in r) + ".", ""]
     return out
 
 
