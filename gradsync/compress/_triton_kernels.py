@@ -241,26 +241,25 @@ def randk_gather(x_ptr, values_ptr, indices_ptr, k, q, r, seed, weyl, mix, BLOCK
         tl.uint64, bitcast=True)
     h = h ^ (h >> 32)
     h = h * (zero + mix).to(tl.uint64, bitcast=True)
-    high = (h >> 32).to(tl.uint32).to(tl.int32, bitcast=True).to(tl.int64)  # the signed high half
-    size = tl.where(jj < r, q + 1, q).to(tl.int64)
+    high = (h >> 32).to(tl.uint32).to(tl.int32, bitcast=True)  # the signed high half
+    size = tl.where(j < r, q + 1, q)  # int32 from here (indices < n < 2**31): no 64-bit division
     offset = high % size
     offset = tl.where(offset < 0, offset + size, offset)  # floor modulo (torch.remainder), whatever % rounds to
-    index = jj * q + tl.minimum(jj, r) + offset
-    tl.store(indices_ptr + j, index, mask=mask)
+    index = j * q + tl.minimum(j, r) + offset
+    tl.store(indices_ptr + j, index.to(tl.int64), mask=mask)
     tl.store(values_ptr + j, tl.load(x_ptr + index, mask=mask), mask=mask)
 
 
 def randk_place(values_ptr, indices_ptr, out_ptr, n, q, r, BLOCK: tl.constexpr):  # noqa: N803
     """The dense tensor of rand-k's payload in one pass over ``n``: element ``i`` is its block's value where
     ``i`` is the block's index, else 0 (the zero fill and the scatter in one write)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    ii = i.to(tl.int64)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32 throughout (n < 2**31): a GPU divides 64-bit
+    mask = i < n                                        # integers in software, one per element here
     long_part = r * (q + 1)
-    block = tl.where(ii < long_part, ii // (q + 1), r + (ii - long_part) // q)
-    chosen = tl.load(indices_ptr + block, mask=mask, other=-1)
+    block = tl.where(i < long_part, i // (q + 1), r + (i - long_part) // q)
+    chosen = tl.load(indices_ptr + block, mask=mask, other=-1).to(tl.int32)
     value = tl.load(values_ptr + block, mask=mask, other=0.0)
-    tl.store(out_ptr + i, tl.where(chosen == ii, value, tl.zeros_like(value)), mask=mask)
+    tl.store(out_ptr + i, tl.where(chosen == i, value, tl.zeros_like(value)), mask=mask)
 
 
 KERNELS = {f.__name__: f for f in (pack_nonnegative, select_by_bits, qsgd_encode, qsgd_decode, terngrad_encode,

@@ -18,6 +18,7 @@ from gradsync.compress.base import (
     Compressor,
     Context,
     TensorInfo,
+    cast,
     check_int,
     check_seed,
     numel_of,
@@ -57,7 +58,7 @@ class FP16(Compressor):
     cast_dtype = torch.float16
 
     def _compress(self, flat: Tensor, info: TensorInfo) -> tuple[list[Tensor], Context]:
-        return [flat.to(self.cast_dtype)], Context(info)
+        return [cast(flat, self.cast_dtype)], Context(info)  # Tensor.half/bfloat16: less argument parsing than .to
 
     def _decompress(self, payload: list[Tensor], ctx: Context) -> Tensor:
         return payload[0]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm.runtime import Runtime, is_initialized
-from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
+from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo, cast
 from gradsync.compress.memory import NoMemory
 from gradsync.train.auto_compression import AutoCompression, param_signature
 from gradsync.train.communicator import AllreduceCommunicator, CompressionStep, average_in_place, write_aggregate
@@ -240,7 +240,7 @@ def _native_cast(
     the general path); the same on every rank, as the plan is.
     """
     runtime = state.step.communicator.runtime
-    compressed = buffer.to(wire)
+    compressed = cast(buffer, wire)
     fut = runtime.native_allreduce_async(compressed)
     if fut is None:
         return None
