@@ -94,6 +94,9 @@ def outer_into(p: Tensor, qt: Tensor, out: Tensor, *, subtract: bool = False) ->
     """
     r = p.shape[1]
     if r != 2 or out.numel() < BROADCAST_MIN_ELEMENTS:
+        # Q^T in rows, as a batch keeps it (no copy there; a thin one for a tensor's own Q): a BLAS picks its
+        # kernel, and so its rounding, by the operands' layout (this one differed on an AMD EPYC, two threads)
+        qt = qt.contiguous()
         if subtract:  # fused: no product buffer and one pass fewer (a BLAS may round the fused form differently)
             return out.addmm_(p, qt, alpha=-1)
         return torch.mm(p, qt, out=out)
