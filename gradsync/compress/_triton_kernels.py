@@ -262,7 +262,24 @@ def randk_place(values_ptr, indices_ptr, out_ptr, n, q, r, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, tl.where(chosen == i, value, tl.zeros_like(value)), mask=mask)
 
 
+def gather_narrow(x_ptr, indices_ptr, values_ptr, narrow_ptr, k, BLOCK: tl.constexpr):  # noqa: N803
+    """A sparsifier's payload in one pass over ``k``: ``x[indices]`` and the int64 ``indices`` as int32 (the wire's)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < k
+    index = tl.load(indices_ptr + j, mask=mask, other=0)
+    tl.store(values_ptr + j, tl.load(x_ptr + index, mask=mask), mask=mask)
+    tl.store(narrow_ptr + j, index.to(tl.int32), mask=mask)
+
+
+def scatter_values(values_ptr, indices_ptr, out_ptr, k, BLOCK: tl.constexpr):  # noqa: N803
+    """``out[indices[j]] = values[j]`` for distinct indices of any integer width (no widening pass first)."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < k
+    index = tl.load(indices_ptr + j, mask=mask, other=0)
+    tl.store(out_ptr + index, tl.load(values_ptr + j, mask=mask), mask=mask)
+
+
 KERNELS = {f.__name__: f for f in (pack_nonnegative, select_by_bits, qsgd_encode, qsgd_decode, terngrad_encode,
                                      terngrad_decode, sign_stats, finish_stats, signum_pack,
-                                     randk_gather, randk_place)}
+                                     randk_gather, randk_place, gather_narrow, scatter_values)}
 __all__ = ["KERNELS", "triton"]

@@ -39,7 +39,7 @@ from torch import Tensor
 
 __all__ = ["ENV", "enabled_for", "pack_nonnegative", "select_by_bits", "qsgd_encode", "qsgd_decode",
            "terngrad_encode", "terngrad_decode", "sign_stats", "signum_step", "randk_gather",
-           "randk_place"]
+           "randk_place", "gather_narrow", "scatter_values"]
 
 #: The switch: "0" off, "1" (the default) on for CUDA tensors, "interpret" on for CUDA and CPU tensors.
 ENV = "GRADSYNC_FUSED"
@@ -422,4 +422,34 @@ def randk_place(values: Tensor, indices: Tensor, n: int) -> Tensor | None:
     q, r = divmod(n, k)
     out = torch.empty(n, dtype=values.dtype, device=values.device)
     kern["randk_place"][(_cdiv(n, 4096),)](values, indices, out, n, q, r, BLOCK=4096)
+    return out
+
+
+def gather_narrow(x: Tensor, indices: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(x[indices], indices as int32)`` in one launch, for int64 ``indices`` into a 1-D ``x`` of fewer than 2**31
+    elements: top-k's and DGC's payload without a separate cast of the indices."""
+    kern = _for(x)
+    if (kern is None or not _fits(x) or x.dtype not in (*_FLOATS, torch.float64) or indices.dtype != torch.int64
+            or indices.dim() != 1 or not indices.is_contiguous() or indices.device != x.device):
+        return None
+    k = indices.numel()
+    values = torch.empty(k, dtype=x.dtype, device=x.device)
+    narrow = torch.empty(k, dtype=torch.int32, device=x.device)
+    if k:
+        kern["gather_narrow"][(_cdiv(k, _RANDK_BLOCK),)](x, indices, values, narrow, k, BLOCK=_RANDK_BLOCK)
+    return values, narrow
+
+
+def scatter_values(values: Tensor, indices: Tensor, n: int) -> Tensor | None:
+    """``zeros(n).scatter_(0, indices, values)`` for distinct int32 or int64 ``indices``: a fill and one launch,
+    without widening int32 indices first (``scatter_`` takes int64 only)."""
+    kern = _for(values)
+    k = values.numel()
+    if (kern is None or values.dtype not in (*_FLOATS, torch.float64) or n > _MAX_NUMEL or values.dim() != 1
+            or indices.dtype not in (torch.int32, torch.int64) or indices.shape != values.shape
+            or indices.device != values.device or not values.is_contiguous() or not indices.is_contiguous()):
+        return None
+    out = torch.zeros(n, dtype=values.dtype, device=values.device)
+    if k:
+        kern["scatter_values"][(_cdiv(k, _RANDK_BLOCK),)](values, indices, out, k, BLOCK=_RANDK_BLOCK)
     return out

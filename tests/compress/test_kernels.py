@@ -406,13 +406,13 @@ def test_an_empty_chain_of_launch_hooks_is_no_hook():
 def test_randk_gather_draws_the_strata_reference_and_place_is_the_scatter(fused, n, k, seed):
     """The fused draw is the hash in plain Python integers (``strata_reference``), whatever width Triton gives the
     seed (0 and 1 are specialized, 2**31 is 64-bit); the fused place is a zero fill and a scatter."""
-    from gradsync.compress.sparsify import _place, _signed64, strata_reference
+    from gradsync.compress.sparsify import _signed64, strata_reference
 
     x = _values(n, seed % 1000 + n, torch.float16 if k == 3 else torch.float32)
     values, indices = kernels.randk_gather(x, k, _signed64(seed))
     expected = torch.tensor(strata_reference(n, k, seed), dtype=torch.int64)
     assert torch.equal(indices, expected) and torch.equal(values, x[expected])
-    assert torch.equal(kernels.randk_place(values, indices, n), _place(values, indices, n))
+    assert torch.equal(kernels.randk_place(values, indices, n), torch.zeros(n, dtype=x.dtype).scatter_(0, indices, values))
     assert fused == {"randk_gather": 1, "randk_place": 1}
 
 
@@ -433,3 +433,34 @@ def test_randk_codec_fused_is_the_torch_form_in_two_launches(fused, monkeypatch)
         payload, ctx = ref.compress(x, info)
         assert torch.equal(values, payload[0]) and torch.equal(indices, ctx.extra[0])
         assert torch.equal(dense, ref.decompress(payload, ctx))
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_gather_narrow_and_scatter_values_are_index_select_cast_and_scatter(fused, index_dtype):
+    x = _values(5000, 11)
+    indices = torch.randperm(5000, generator=torch.Generator().manual_seed(2))[:777]
+    values, narrow = kernels.gather_narrow(x, indices)
+    assert torch.equal(values, x.index_select(0, indices)) and narrow.dtype == torch.int32
+    assert torch.equal(narrow, indices.to(torch.int32))
+    dense = kernels.scatter_values(values, indices.to(index_dtype), 5000)
+    assert torch.equal(dense, torch.zeros(5000).scatter_(0, indices, values))
+    assert kernels.gather_narrow(x, indices.to(torch.int32)) is None  # int64 in, as topk gives
+    assert fused == {"gather_narrow": 1, "scatter_values": 1}
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+def test_sparsifiers_fused_give_the_torch_forms_payload_and_decode(fused, monkeypatch, name):
+    """Top-k's and DGC's payload (values, int32 indices) and decode with the gather-and-cast and the scatter fused:
+    one launch each, the torch form's bits."""
+    x = _values(20000, 5)
+    info = TensorInfo("w", (20000,), torch.float32)
+    params = {"ratio": 0.01, **({"seed": 1} if name == "dgc" else {})}  # DGC's threshold sample: the same draws
+    payload, ctx = create(name, **params).compress(x, info)
+    decoded = create(name, **params).decompress(payload, ctx)
+    assert fused == {"gather_narrow": 1, "scatter_values": 1}
+    _torch_form(monkeypatch)
+    ref = create(name, **params)
+    want, _ = ref.compress(x, info)
+    assert [t.dtype for t in payload] == [torch.float32, torch.int32]
+    assert torch.equal(payload[0], want[0]) and torch.equal(payload[1], want[1])
+    assert torch.equal(decoded, ref.decompress(want, ctx))
