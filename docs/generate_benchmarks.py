@@ -419,6 +419,8 @@ def gpu() -> list[str]:
             continue
         out += [f"### {env['gpu']}: torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}", "",
                 *sources(path.name)]
+        if j.get("parts_from"):  # parts measured in separate runs: say which
+            out += ["Parts from separate runs: " + "; ".join(f"{k}: {v}" for k, v in j["parts_from"].items()) + ".", ""]
         engines: dict[str, list[int]] = {}
         for r in j["engines"]:
             engines.setdefault(r["engine"], [0, 0])[0 if r.get("ok") else 1] += 1
