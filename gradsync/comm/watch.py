@@ -26,8 +26,8 @@ same code runs on a real wire and on a fake clock in tests.
 Links are compared with what the baseline (undegraded) cost model predicts for the plan that ran, as the
 ratio ``measured / expected``: a sharing pattern the model already prices (a tree's fan-in) is not a slow
 link, and recovery is visible because the baseline stays the reference after a switch. :func:`link_scales`
-turns pair ratios into per-link-direction capacity scales for the planner (a link is at least as fast as
-the fastest pair through it), and :func:`scaled_topology` applies them.
+turns pair ratios into per-link-direction capacity scales for the planner (the fewest links that explain the
+slow pairs), and :func:`scaled_topology` applies them.
 """
 
 from __future__ import annotations
@@ -344,17 +344,48 @@ def link_scales(topology: Topology, pair_scale: Mapping[tuple[int, int], float],
     """Per link direction ``(link index, direction)``, the capacity scale that explains slow rank pairs.
 
     ``pair_scale``: ``measured / expected`` of the degraded pairs (:attr:`Conditions.link_scale` with
-    ``(src, dst)`` keys); ``healthy``: the pairs measured at their modelled rate. A link direction is at
-    least as fast as the fastest pair through it, so it gets the largest scale of the pairs that cross it
-    (1 when a healthy pair does); only directions below 1 are returned. One slow NIC then scales that NIC's
-    link alone: every pair through it is slow, and every other link also carries a healthy pair.
+    ``(src, dst)`` keys); ``healthy``: the pairs measured at their modelled rate.
+
+    The fewest links that explain every slow pair, greedily: the link direction crossed by the most slow pairs
+    not yet explained takes the largest scale among them (a link is at least as fast as the fastest pair it
+    slows), and so on. A healthy pair clears only the links that bound it (those within 1% of the slowest on its
+    route, by the topology's rates): a pair across a 4:1 uplink runs at the uplink's rate whether or not the NIC
+    it leaves by is cut to a quarter, so it says nothing about that NIC. One slow NIC then scales that NIC's
+    link alone: every pair through it is slow, and it is the one link they share.
     """
     route = router_for(topology)
-    best: dict[tuple[int, int], float] = {}
-    for (src, dst), s in [*((p, 1.0) for p in healthy), *pair_scale.items()]:
-        for hop in topology.route_links(route(topology.ranks[src], topology.ranks[dst])):
-            best[hop] = max(best.get(hop, 0.0), min(1.0, float(s)))
-    return {hop: s for hop, s in best.items() if s < 1.0}
+    hops_of: dict[tuple[int, int], list[tuple[int, int]]] = {}
+
+    def hops(pair: tuple[int, int]) -> list[tuple[int, int]]:
+        if pair not in hops_of:
+            hops_of[pair] = topology.route_links(route(topology.ranks[pair[0]], topology.ranks[pair[1]]))
+        return hops_of[pair]
+
+    def rate(hop: tuple[int, int]) -> float:
+        return topology.links[hop[0]].directed_GBps[hop[1]]
+
+    cleared: set[tuple[int, int]] = set()
+    for pair in healthy:
+        path = hops(pair)
+        if path:
+            slowest = min(map(rate, path))
+            cleared.update(h for h in path if rate(h) <= slowest * 1.01)
+    open_pairs = {p: min(1.0, float(s)) for p, s in sorted(pair_scale.items())}
+    scales: dict[tuple[int, int], float] = {}
+    while open_pairs:
+        count: dict[tuple[int, int], int] = {}
+        for pair in open_pairs:
+            for h in hops(pair):
+                if h not in cleared:
+                    count[h] = count.get(h, 0) + 1
+        if not count:  # what is left crosses only links a healthy pair runs at full rate on: no link to blame
+            break
+        best = min(count, key=lambda h: (-count[h], h))
+        explained = [p for p in open_pairs if best in hops(p)]
+        scales[best] = max(open_pairs[p] for p in explained)
+        for p in explained:
+            del open_pairs[p]
+    return {hop: s for hop, s in scales.items() if s < 1.0}
 
 
 def scaled_topology(topology: Topology, scales: Mapping[tuple[int, int], float]) -> Topology:

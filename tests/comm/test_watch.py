@@ -223,6 +223,22 @@ def test_one_slow_nic_scales_only_that_nics_link():
     assert all(slow.links[i] == topo.links[i] for i in range(len(topo.links)) if i != e)
 
 
+
+def test_a_pair_across_a_thin_uplink_does_not_clear_the_nic_it_leaves_by():
+    """racks:2,3,4 with rank 0's NIC cut (issue 39's scenario a): its pairs inside the rack are slow, its pair to the
+    other rack runs at the 4:1 uplink's rate as modelled (the NIC is not what bounds it). The NIC alone is scaled;
+    a rule that let every healthy pair clear every link on its route blamed the receivers' links instead."""
+    topo = get_topology("racks:2,3,4")
+    slow = {(0, 1): 0.25, (0, 2): 0.26}
+    healthy = [(0, 3), (1, 2), (3, 4), (4, 5), (5, 3)]
+    scales = link_scales(topo, slow, healthy)
+    (hop, s), = scales.items()
+    lk = topo.links[hop[0]]
+    leaving = (lk.a, lk.b)[hop[1]]
+    assert s == 0.26 and leaving == topo.ranks[0]  # rank 0's host -> its switch
+    # where every link of a slow pair is one a healthy pair runs at full rate on, nothing is blamed
+    assert link_scales(topo, {(1, 2): 0.5}, healthy=[(1, 0), (0, 2)]) == {}
+
 # ---- bad input ----------------------------------------------------------------------------------------------
 def test_bad_input_names_the_value():
     with pytest.raises(GradsyncError, match="leave=1.5 must be below enter=1.2"):
