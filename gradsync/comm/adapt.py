@@ -342,6 +342,17 @@ class Adapter:
 
     def _replan(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> SwitchRecord:
         old_plan = self._label(nbytes)
+        if (self.options.min_gain > 0 and switch.after.straggler is None and switch.before.straggler is None
+                and topology == self.plans.topology):
+            # The slow pairs put no link below the rates the running plan was made for (noise on pairs no link
+            # explains, or a return to them): a replan would price the same plan, at a planning's cost on rank 0
+            # while every rank waits, on each such flip of the detector.
+            message = (f"gradsync: plan held at collective {switch.collective}: {seen(switch.before, switch.after)}; "
+                       f"keeping {old_plan}: no link is slower than the plan assumes")
+            record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, old_plan, 0.0, message)
+            self.held.append(record)
+            self._say(message)
+            return record
         prospect = self._prospect(switch, topology, old, nbytes) if self.options.min_gain > 0 else None
         if prospect is not None and prospect[2] >= prospect[1] * (1 - self.options.min_gain):
             new_label, old_s, new_s = prospect
