@@ -393,7 +393,7 @@ def signum_step(x: Tensor, previous: Tensor | None, momentum: float) -> tuple[Te
 #: splitmix64's odd constants (``sparsify.Strata``'s hash) as signed int64 arguments.
 _WEYL = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX = 0xBF58476D1CE4E5B9 - (1 << 64)
-_RANDK_BLOCK = 1024
+_K_BLOCK = 1024  # elements of k per program: the sparse kernels work on k values, not the tensor
 
 
 def randk_gather(x: Tensor, k: int, seed: int) -> tuple[Tensor, Tensor] | None:
@@ -405,8 +405,8 @@ def randk_gather(x: Tensor, k: int, seed: int) -> tuple[Tensor, Tensor] | None:
     q, r = divmod(x.numel(), k)
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     indices = torch.empty(k, dtype=torch.int64, device=x.device)
-    kern["randk_gather"][(_cdiv(k, _RANDK_BLOCK),)](x, values, indices, k, q, r, seed, _WEYL, _MIX,
-                                                    BLOCK=_RANDK_BLOCK)
+    kern["randk_gather"][(_cdiv(k, _K_BLOCK),)](x, values, indices, k, q, r, seed, _WEYL, _MIX,
+                                                    BLOCK=_K_BLOCK)
     return values, indices
 
 
@@ -436,7 +436,7 @@ def gather_narrow(x: Tensor, indices: Tensor) -> tuple[Tensor, Tensor] | None:
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     narrow = torch.empty(k, dtype=torch.int32, device=x.device)
     if k:
-        kern["gather_narrow"][(_cdiv(k, _RANDK_BLOCK),)](x, indices, values, narrow, k, BLOCK=_RANDK_BLOCK)
+        kern["gather_narrow"][(_cdiv(k, _K_BLOCK),)](x, indices, values, narrow, k, BLOCK=_K_BLOCK)
     return values, narrow
 
 
@@ -451,5 +451,5 @@ def scatter_values(values: Tensor, indices: Tensor, n: int) -> Tensor | None:
         return None
     out = torch.zeros(n, dtype=values.dtype, device=values.device)
     if k:
-        kern["scatter_values"][(_cdiv(k, _RANDK_BLOCK),)](values, indices, out, k, BLOCK=_RANDK_BLOCK)
+        kern["scatter_values"][(_cdiv(k, _K_BLOCK),)](values, indices, out, k, BLOCK=_K_BLOCK)
     return out
