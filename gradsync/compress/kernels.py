@@ -390,22 +390,20 @@ def signum_step(x: Tensor, previous: Tensor | None, momentum: float) -> tuple[Te
     return m, bits
 
 
-#: splitmix64's odd constants (``sparsify.Strata``'s hash) as signed int64 arguments.
-_WEYL = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX = 0xBF58476D1CE4E5B9 - (1 << 64)
 _K_BLOCK = 1024  # elements of k per program: the sparse kernels work on k values, not the tensor
 
 
-def randk_gather(x: Tensor, k: int, seed: int) -> tuple[Tensor, Tensor] | None:
+def randk_gather(x: Tensor, k: int, seed: int, weyl: int, mix: int) -> tuple[Tensor, Tensor] | None:
     """Rand-k's ``(values, indices)`` for a signed 64-bit ``seed`` in one launch: ``Strata(n, k).draw(seed)`` and
-    ``x[indices]``, the same indices (int64) and values."""
+    ``x[indices]``, the same indices (int64) and values; ``weyl`` and ``mix``: the hash's constants as signed int64
+    (``sparsify``'s, where the hash is defined)."""
     kern = _for(x)
     if kern is None or not _fits(x) or x.dtype not in (*_FLOATS, torch.float64) or not 0 < k <= x.numel():
         return None
     q, r = divmod(x.numel(), k)
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     indices = torch.empty(k, dtype=torch.int64, device=x.device)
-    kern["randk_gather"][(_cdiv(k, _K_BLOCK),)](x, values, indices, k, q, r, seed, _WEYL, _MIX,
+    kern["randk_gather"][(_cdiv(k, _K_BLOCK),)](x, values, indices, k, q, r, seed, weyl, mix,
                                                     BLOCK=_K_BLOCK)
     return values, indices
 

@@ -273,7 +273,7 @@ class RandK(Compressor):
         step = self._state.get(info.name, 0)
         self._state[info.name] = step + 1
         seed = stable_seed("randk", self.seed, info.name, step)
-        fused = kernels.randk_gather(flat, k_of(info.numel, self.ratio), _signed64(seed))
+        fused = kernels.randk_gather(flat, k_of(info.numel, self.ratio), _signed64(seed), _WEYL, _MIX)
         if fused is not None:  # the draw and the gather in one launch (a GPU): the same indices and values
             return [fused[0]], Context(info, (fused[1],))
         indices = self._strata_of(info.numel, flat.device).draw(seed)

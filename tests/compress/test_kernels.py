@@ -406,10 +406,10 @@ def test_an_empty_chain_of_launch_hooks_is_no_hook():
 def test_randk_gather_draws_the_strata_reference_and_place_is_the_scatter(fused, n, k, seed):
     """The fused draw is the hash in plain Python integers (``strata_reference``), whatever width Triton gives the
     seed (0 and 1 are specialized, 2**31 is 64-bit); the fused place is a zero fill and a scatter."""
-    from gradsync.compress.sparsify import _signed64, strata_reference
+    from gradsync.compress.sparsify import _MIX, _WEYL, _signed64, strata_reference
 
     x = _values(n, seed % 1000 + n, torch.float16 if k == 3 else torch.float32)
-    values, indices = kernels.randk_gather(x, k, _signed64(seed))
+    values, indices = kernels.randk_gather(x, k, _signed64(seed), _WEYL, _MIX)
     expected = torch.tensor(strata_reference(n, k, seed), dtype=torch.int64)
     assert torch.equal(indices, expected) and torch.equal(values, x[expected])
     assert torch.equal(kernels.randk_place(values, indices, n), torch.zeros(n, dtype=x.dtype).scatter_(0, indices, values))
