@@ -347,23 +347,13 @@ class Adapter:
             # The slow pairs put no link below the rates the running plan was made for (noise on pairs no link
             # explains, or a return to them): a replan would price the same plan, at a planning's cost on rank 0
             # while every rank waits, on each such flip of the detector.
-            message = (f"gradsync: plan held at collective {switch.collective}: {seen(switch.before, switch.after)}; "
-                       f"keeping {old_plan}: no link is slower than the plan assumes")
-            record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, old_plan, 0.0, message)
-            self.held.append(record)
-            self._say(message)
-            return record
+            return self._hold(switch, old_plan, "no link is slower than the plan assumes", 0.0)
         prospect = self._prospect(switch, topology, old, nbytes) if self.options.min_gain > 0 else None
         if prospect is not None and prospect[2] >= prospect[1] * (1 - self.options.min_gain):
             new_label, old_s, new_s = prospect
-            message = (f"gradsync: plan held at collective {switch.collective}: {seen(switch.before, switch.after)}; "
-                       f"keeping {old_plan}: replanned ({new_label}) it would save under {self.options.min_gain:.0%}, "
-                       f"predicted {old_s:.3g} s -> {new_s:.3g} s per collective")
-            record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, old_plan, old_s - new_s,
-                                  message)
-            self.held.append(record)
-            self._say(message)
-            return record
+            return self._hold(switch, old_plan, f"replanned ({new_label}) it would save under "
+                              f"{self.options.min_gain:.0%}, predicted {old_s:.3g} s -> {new_s:.3g} s per collective",
+                              old_s - new_s)
         late = self._late(switch.after)
         self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
@@ -382,6 +372,15 @@ class Adapter:
         record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, new_plan,
                               None if times is None else times[0] - times[1], message)
         self.switches.append(record)
+        self._say(message)
+        return record
+
+    def _hold(self, switch: Switch, old_plan: str, why: str, gain_s: float) -> SwitchRecord:
+        """Keep ``old_plan`` through ``switch`` (no new generation): recorded in :attr:`held`, one line from rank 0."""
+        message = (f"gradsync: plan held at collective {switch.collective}: {seen(switch.before, switch.after)}; "
+                   f"keeping {old_plan}: {why}")
+        record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, old_plan, gain_s, message)
+        self.held.append(record)
         self._say(message)
         return record
 
