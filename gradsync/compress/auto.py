@@ -35,7 +35,7 @@ import torch
 
 from gradsync.compress.base import COMMUNICATORS, CompressionError, Compressor, TwoRoundCompressor, create
 from gradsync.compress.merge import MergeError
-from gradsync.compress.merge_model import Cost, MergeCostModel, Partition
+from gradsync.compress.merge_model import Cost, MergeCostModel, Partition, ShiftedCost, fit_group_overhead
 from gradsync.compress.merge_search import optimal_per_y
 from gradsync.compress.profile import MeasuredCost, measure_codec
 from gradsync.registry import Registry
@@ -365,6 +365,8 @@ class JointChoice:
     predicted_s: float
     #: each allowed codec's best iteration time over all partitions (``"none"`` included)
     per_codec_s: Mapping[str, float]
+    #: seconds each group costs beyond its codec and its collective, fitted to a timed step (``observed``)
+    group_overhead_s: float = 0.0
 
 
 class _GroupCost:
@@ -388,31 +390,51 @@ class _GroupCost:
 
 def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s: float, *, policy: str,
                  dtype: torch.dtype, wire: WireModel, codec_cost: Callable[[str, int], float], world: int,
-                 forward_s: float = 0.0) -> JointChoice:
+                 forward_s: float = 0.0, observed: tuple[Partition, float] | None = None) -> JointChoice:
     """The merged partition and the codec together, as MergeComp searches them: for each allowed codec, its
     pipeline (:class:`~gradsync.compress.merge_model.MergeCostModel`: ``h`` the codec's encode + decode, ``g`` its
     collective of each group's payload on ``wire``) and the partition its exact search finds (every group count);
     the codec whose best partition is quickest wins, ties to the earlier (more accurate) one. Tensors are in
-    backward order, each group a flat buffer (so PowerSGD sees vectors, which it sends as they are)."""
+    backward order, each group a flat buffer (so PowerSGD sees vectors, which it sends as they are).
+
+    ``observed``: a partition and the seconds one step took running it with ``"none"`` (the timed layer-wise
+    first step). What each group costs beyond its collective -- launching it, the bookkeeping, averaging its
+    result -- is in no profile, and priced at zero it makes extra groups look free (LeNet-5 on loopback: a
+    624-byte tail split off, 0.81-0.84x DDP against 0.90-0.96x in one group). It is fitted to that step
+    (:func:`~gradsync.compress.merge_model.fit_group_overhead` on ``"none"``'s model) and added to every codec's
+    ``h``: the same per group whatever the codec."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise CompressionError(f"world={world!r} must be an integer >= 1 (ranks the gradients are averaged over)")
-    best: tuple[float, str, Partition] | None = None
-    per_codec: dict[str, float] = {}
-    for option in allowed(policy, dtype):
+
+    def model_for(option: CodecOption, overhead_s: float) -> MergeCostModel:
         comp = option.create()
 
-        def comm(x: int, comp: Compressor = comp) -> float:
+        def comm(x: int) -> float:
             return _wire_seconds(comp, comp.payload_bytes((x,), dtype), wire, world)
 
-        model = MergeCostModel(tuple(sizes), tuple(ready_s), backward_end_s, h=_GroupCost(
-            lambda x, name=option.name: codec_cost(name, x)), g=_GroupCost(comm), forward_s=forward_s)
+        h: Cost = _GroupCost(lambda x: codec_cost(option.name, x))
+        return MergeCostModel(tuple(sizes), tuple(ready_s), backward_end_s, h=ShiftedCost(h, overhead_s)
+                              if overhead_s > 0 else h, g=_GroupCost(comm), forward_s=forward_s)
+
+    options = allowed(policy, dtype)
+    overhead = 0.0
+    if observed is not None:
+        partition, seconds = observed
+        if not isinstance(partition, Partition) or partition.n != len(sizes):
+            raise CompressionError(f"observed={observed!r} must be (a Partition of the {len(sizes)} tensors, the "
+                                   f"seconds a step with it took)")
+        _, overhead = fit_group_overhead(model_for(options[0], 0.0), partition, seconds)
+    best: tuple[float, str, Partition] | None = None
+    per_codec: dict[str, float] = {}
+    for option in options:
+        model = model_for(option, overhead)
         seconds, partition = min(optimal_per_y(model).values(), key=lambda tp: (tp[0], tp[1].num_groups))
         per_codec[option.name] = float(seconds)
         if best is None or seconds < best[0]:  # strictly quicker: a tie stays with the earlier codec
             best = (float(seconds), option.name, partition)
     if best is None:  # pragma: no cover - "none" is always allowed
         raise CompressionError(f"policy {policy!r} allows no codec")
-    return JointChoice(best[1], best[2], best[0], per_codec)
+    return JointChoice(best[1], best[2], best[0], per_codec, overhead)
 
 
 def review(choice: AutoChoice, measured_s: float, measured_none_s: float) -> AutoChoice:

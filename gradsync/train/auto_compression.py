@@ -642,21 +642,24 @@ class AutoCompression:
                 "torch": torch.__version__, "codecs": [repr(o) for o in options], "ladder": list(ladder)}
 
     def plan_partition(self, sizes: Sequence[int], ready_s: Sequence[float], backward_end_s: float,
-                       dtype: torch.dtype) -> JointChoice:
+                       dtype: torch.dtype, observed: tuple[Partition, float] | None = None) -> JointChoice:
         """The merged partition chosen together with the codec (:func:`~gradsync.compress.auto.choose_joint`) from
         one timed step's ready times (tensors in backward order), once for the job: rank 0 computes it and every
         rank gets the same. Each group's codec is then chosen and measured as usual; the partition is priced
-        with the best single codec, as MergeComp searches a partition for one compressor."""
+        with the best single codec, as MergeComp searches a partition for one compressor. ``observed``: the
+        timed step's partition and seconds (same origin as ``ready_s``), which price each group's own cost."""
         def compute() -> bytes:
             self._profile(min(sizes), sum(sizes), dtype)
             joint = choose_joint(sizes, ready_s, backward_end_s, policy=self.allow, dtype=dtype, wire=self.wire,
-                                 codec_cost=self.codec_cost, world=self.runtime.world_size)
+                                 codec_cost=self.codec_cost, world=self.runtime.world_size, observed=observed)
             return json.dumps({"codec": joint.codec, "counts": list(joint.partition.counts),
-                               "predicted_s": joint.predicted_s, "per_codec_s": dict(joint.per_codec_s)}).encode()
+                               "predicted_s": joint.predicted_s, "per_codec_s": dict(joint.per_codec_s),
+                               "group_overhead_s": joint.group_overhead_s}).encode()
 
         doc = json.loads(self._decide(f"joint/{len(sizes)}", compute))
         self.joint = JointChoice(str(doc["codec"]), Partition.from_counts([int(c) for c in doc["counts"]]),
-                                 float(doc["predicted_s"]), {str(k): float(v) for k, v in doc["per_codec_s"].items()})
+                                 float(doc["predicted_s"]), {str(k): float(v) for k, v in doc["per_codec_s"].items()},
+                                 float(doc["group_overhead_s"]))
         return self.joint
 
     def _device(self) -> torch.device:

@@ -330,7 +330,8 @@ class DistributedOptimizer:
         inside, self._inside = self._inside, 0.0
         if _is_auto(self.compression):  # the partition and the codec chosen together, on auto's own wire model
             self.partition = self.compression.plan_partition(sizes, ready, max(end - start - inside, last),
-                                                             self._dtype).partition
+                                                             self._dtype, observed=(_layerwise(n), synced - start)
+                                                             ).partition
             self._build_groups(self.partition)
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")

@@ -157,8 +157,9 @@ def test_casts_are_lossless_on_their_own_dtype_and_cast_class_otherwise() -> Non
 
 
 # -- the partition and the codec together ------------------------------------------------------------------------
-def _brute_force_joint(sizes, ready, end, policy, wire, cost, world):
-    """Every codec x every contiguous partition, priced by MergeCostModel.iteration_time with closed-form h and g."""
+def _brute_force_joint(sizes, ready, end, policy, wire, cost, world, overhead=0.0):
+    """Every codec x every contiguous partition, priced by MergeCostModel.iteration_time with closed-form h and g
+    (``overhead`` seconds added to every group's h)."""
     import itertools
 
     from gradsync.compress.merge_model import MergeCostModel, Partition
@@ -167,7 +168,7 @@ def _brute_force_joint(sizes, ready, end, policy, wire, cost, world):
     n = len(sizes)
     for option in allowed(policy, torch.float32):
         comp = option.create()
-        h = lambda x, name=option.name: np.vectorize(lambda v: cost(name, int(v)))(x)  # noqa: E731
+        h = lambda x, name=option.name: np.vectorize(lambda v: cost(name, int(v)) + overhead)(x)  # noqa: E731
         g = lambda x, comp=comp: np.vectorize(  # noqa: E731
             lambda v: wire(comp.communicator, comp.payload_bytes((int(v),), torch.float32), world))(x)
         model = MergeCostModel(tuple(sizes), tuple(ready), end, h=h, g=g)
@@ -208,6 +209,37 @@ def test_the_joint_search_is_brute_forces_optimum_over_codecs_and_partitions() -
             picked.add((joint.codec, joint.partition.num_groups))
     # the cases differ: compressing and not, one group and several (a search that ignored either would fail some)
     assert len({c for c, _ in picked}) >= 3 and len({y for _, y in picked}) >= 2, picked
+
+
+def test_the_joint_search_prices_each_groups_own_cost_from_a_timed_layerwise_step() -> None:
+    """A step's per-group cost that no profile sees (launch, bookkeeping): fitted to the timed layer-wise step, it
+    turns a split that is free in the model into one group, and the result is brute force's with that cost."""
+    from gradsync.compress.auto import choose_joint
+    from gradsync.compress.merge_model import MergeCostModel, Partition
+
+    sizes, ready, end = [156, 2_400, 30_000, 48_000, 150], [1e-4, 4e-4, 1.2e-3, 2.4e-3, 2.5e-3], 2.6e-3
+    wire = AlphaBeta(5e-5, 1e9)
+    cost = lambda codec, numel: 0.0 if codec == "none" else 3e-5 + 1e-9 * numel  # noqa: E731
+    plain = choose_joint(sizes, ready, end, policy="cast", dtype=torch.float32, wire=wire, codec_cost=cost, world=2)
+    assert plain.group_overhead_s == 0.0 and plain.partition.num_groups > 1, plain  # free groups: it splits
+    true_overhead = 4e-4
+    g = lambda x: np.vectorize(lambda v: wire("allreduce", 4 * int(v), 2))(x)  # noqa: E731
+    h = lambda x: np.zeros_like(np.asarray(x, dtype=float)) + true_overhead  # noqa: E731
+    layerwise = Partition(5, tuple(range(1, 5)))
+    seen = MergeCostModel(tuple(sizes), tuple(ready), end, h=h, g=g).iteration_time(layerwise)
+    joint = choose_joint(sizes, ready, end, policy="cast", dtype=torch.float32, wire=wire, codec_cost=cost, world=2,
+                         observed=(layerwise, seen))
+    assert joint.group_overhead_s == pytest.approx(true_overhead, rel=1e-3)
+    t, codec, cuts = _brute_force_joint(sizes, ready, end, "cast", wire, cost, 2, overhead=true_overhead)
+    assert joint.predicted_s == pytest.approx(t, rel=1e-3) and joint.codec == codec, (joint, t, codec, cuts)
+    assert joint.partition.num_groups == len(cuts) + 1 < plain.partition.num_groups
+    # a step no slower than the model: no overhead, the same choice as without it
+    quick = choose_joint(sizes, ready, end, policy="cast", dtype=torch.float32, wire=wire, codec_cost=cost, world=2,
+                         observed=(layerwise, 0.0))
+    assert quick == plain
+    with pytest.raises(CompressionError, match="Partition of the 5 tensors"):
+        choose_joint(sizes, ready, end, policy="cast", dtype=torch.float32, wire=wire, codec_cost=cost, world=2,
+                     observed=(Partition(4, ()), 1.0))
 
 
 def test_the_joint_search_keeps_none_on_a_free_wire_and_compresses_on_a_slow_one() -> None:
