@@ -1,10 +1,12 @@
 """Plans that follow the cluster while the job runs (issue 39): watch the wire, replan, route around dead links.
 
-The runtime hands every large planned allreduce to an :class:`Adapter`:
+The runtime hands every large allreduce to an :class:`Adapter`, planned or on the backend's own ring (those
+take the queued path, not the native fast path, so every rank counts the same ones):
 
 * **watch**: the executor records when each message this rank sent was posted and when it completed
   (:attr:`Executor.sent <gradsync.comm.executor.Executor.sent>`); :func:`~gradsync.comm.watch.collective_rates`
-  turns them into one rate per ``(src, dst)`` pair this rank sends on;
+  turns them into one rate per ``(src, dst)`` pair this rank sends on; each rank also times its whole stay in
+  the collective, which shows a late rank on any plan (the backend's ring gives nothing else);
 * **agree**: the pair rates of all ranks travel in one small sum-allreduce (``world_size**2`` float64s, each
   entry written by its sender alone, so the sum is exact), so every rank feeds the *same* numbers to the same
   deterministic :class:`~gradsync.comm.watch.Detector` and sees the same switch at the same collective.
@@ -32,12 +34,13 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from gradsync.comm.collectives import NativeAllreduce
 from gradsync.comm.executor import Executor
 from gradsync.comm.plans import ALLREDUCE, PlanCache
 from gradsync.comm.tuning import Tuning
@@ -58,7 +61,7 @@ from gradsync.comm.watch import (
 from gradsync.errors import GradsyncError, PeerError, SimulationError, TopologyError
 from gradsync.plan.schedule import Schedule
 from gradsync.sim.choose import Chooser
-from gradsync.sim.cost import NATIVE, size_class
+from gradsync.sim.cost import NATIVE, native_schedule, size_class
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Link, Topology
 
@@ -184,28 +187,38 @@ class Adapter:
         return self.detector.conditions
 
     # ---- watching --------------------------------------------------------------------------------------
+    def qualifies(self, ex: object, nbytes: float) -> bool:
+        """Whether an allreduce of ``nbytes`` on ``ex`` is one the watch counts (the same answer on every rank):
+        planned or the backend's own (a late rank shows in each rank's time in it, without pair rates). The
+        runtime runs those through :meth:`watch`, never on its native fast path, so every rank counts the same
+        collectives in the same order."""
+        return (isinstance(ex, (Executor, NativeAllreduce)) and ex.schedule.collective == ALLREDUCE
+                and nbytes >= self.options.min_bytes and ex.schedule.world_size >= 2)
+
     def watch(self, ex: object, nbytes: float) -> bool:
         """Whether this run of ``ex`` is watched (the same answer on every rank); if so, ``ex`` starts recording."""
-        if (not isinstance(ex, Executor) or ex.schedule.collective != ALLREDUCE or nbytes < self.options.min_bytes
-                or ex.schedule.world_size < 2):
+        if not self.qualifies(ex, nbytes):
             return False
         self.eligible += 1
         if (self.eligible - 1) % self.options.every and not self.detector.pending:
             return False
-        ex.sent, ex.clock = [], self.clock
+        if isinstance(ex, Executor):  # the backend's own collective has no messages of ours to time
+            ex.sent, ex.clock = [], self.clock
         self._entered = self.clock()
         return True
 
-    def after(self, ex: Executor, nbytes: float) -> SwitchRecord | None:
+    def after(self, ex: Executor | NativeAllreduce, nbytes: float) -> SwitchRecord | None:
         """``ex`` just ran a watched allreduce of ``nbytes``: agree on the pair rates, and switch when the
         detector says so (every rank does, at this collective)."""
         seconds = self.clock() - self._entered
         self.watched += 1
-        sent, ex.sent = ex.sent or [], None
         n = ex.schedule.world_size
-        me = ex.rank
-        rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
-                                 self.options.pair_min_bytes)
+        me = self.rank
+        rates: dict[Hashable, float] = {}
+        if isinstance(ex, Executor):  # the backend's own collective gives each rank's time alone
+            sent, ex.sent = ex.sent or [], None
+            rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
+                                     self.options.pair_min_bytes)
         # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
         # is exact and every rank reads the same numbers
         vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo
@@ -238,6 +251,14 @@ class Adapter:
         # Late "by a share of the collective" as it ran, not as the model says it would: a slow link shifts the
         # ranks' end times unevenly too, by a share of a collective it also makes longer.
         reference = max(spent)
+        if shared and not self._factor:
+            # warmed up on the backend's own collective, which gives no pair rates: learn the pairs of the plan
+            # that runs now before comparing them (a wire that never matched the model is not a degraded one)
+            for k, v in shared.items():
+                self._warm.setdefault(k, []).append(v / expected[k])
+            if max(len(v) for v in self._warm.values()) >= self.options.warmup:
+                self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
+            shared = {}
         overall = statistics.median(self._factor.values()) if self._factor else 1.0
         want = {k: expected[k] * self._factor.get(k, overall) for k in shared}
         switch = self.detector.observe(shared, want, delays if reference > 0 else (), reference if reference > 0 else 1.0)
@@ -254,11 +275,18 @@ class Adapter:
 
     def _predict(self, schedule: Schedule, topology: Topology, nbytes: float, late: dict[int, float]) -> float:
         """Seconds of ``schedule`` on ``topology`` with the ranks in ``late`` arriving late, priced as
-        :meth:`CostModel.predict <gradsync.sim.cost.CostModel.predict>` prices (plus the late arrival)."""
+        :meth:`CostModel.predict <gradsync.sim.cost.CostModel.predict>` prices (plus the late arrival; the
+        backend's α for its own ring, :func:`~gradsync.sim.cost.native_schedule`)."""
         model = self.plans.cost_model
+        alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
         return simulate(schedule, model.rates(topology), float(nbytes), streaming=False, fifo=True,
-                        message_s=model.message_s, reverse_share=model.reverse_share, progress=False,
+                        message_s=alpha, reverse_share=model.reverse_share, progress=False,
                         start_delay_s=late or None).time_s
+
+    def _schedule_of(self, pick: Sequence[str | int], topology: Topology) -> Schedule:
+        """The schedule ``auto``'s ``pick`` (name, depth) runs as: the backend's own is priced as its ring."""
+        name, depth = str(pick[0]), int(pick[1])
+        return native_schedule(topology) if name == NATIVE else self.plans.schedule(name, depth)
 
     def _straggler_pick(self, nbytes: float, late: dict[int, float]) -> None:
         """With a rank late, ``auto`` runs the straggler schedule for this size class where the model, told of the
@@ -270,9 +298,9 @@ class Adapter:
         def compute() -> bytes:
             topo = plans.topology
             try:
-                best = (self._predict(plans.schedule(*current), topo, nbytes, late), list(current))
+                best = (self._predict(self._schedule_of(current, topo), topo, nbytes, late), list(current))
             except (GradsyncError, KeyError):
-                return json.dumps(list(current)).encode()  # the backend's own ring: not priced here
+                return json.dumps(list(current)).encode()  # a plan that cannot be priced stays
             for depth in plans.cost_model.pipelines:
                 try:
                     t = self._predict(plans.schedule("straggler", depth), topo, nbytes, late)
@@ -291,8 +319,9 @@ class Adapter:
         got = self._expected.get(key)
         if got is None or got[0] is not schedule:
             model = self.plans.cost_model
+            alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
             sim = simulate(schedule, model.rates(self.base_topology), float(nbytes), streaming=False, fifo=True,
-                           message_s=model.message_s, reverse_share=model.reverse_share, progress=False)
+                           message_s=alpha, reverse_share=model.reverse_share, progress=False)
             start, finish = sim.transfer_times()
             arr = schedule.arrays
             frac = np.array([c.size for c in schedule.chunks])[arr["chunk"]]

@@ -337,7 +337,7 @@ class Runtime:
         same order (anything queued meanwhile waits for it), without two thread handoffs per call.
         """
         ex = self._executor_for(tensors, op, algorithm)
-        if (isinstance(ex, NativeAllreduce) and isinstance(tensors, torch.Tensor)
+        if (isinstance(ex, NativeAllreduce) and isinstance(tensors, torch.Tensor) and not self._watches(ex, tensors)
                 and (op == "sum" or tensors.is_floating_point() or tensors.is_complex())):
             t0, start = time.perf_counter(), TraceRecorder.now_us()
             work = self._native_issue(tensors, ex)
@@ -385,6 +385,8 @@ class Runtime:
         collective to one group and its peer's to the other: a mismatch.)
         """
         ex = NATIVE_ANY if always else self.executor(algorithm, tensor.numel() * tensor.element_size())
+        if self._watches(ex, tensor):
+            return None
         work = self._native_issue(tensor, ex)
         if work is None:
             return None
@@ -393,6 +395,12 @@ class Runtime:
             start, caller = TraceRecorder.now_us(), threading.current_thread()
             fut.add_done_callback(lambda _: self._trace_native(tensor, start, caller))
         return fut
+
+    def _watches(self, ex: Any, tensors: Tensors) -> bool:
+        """Whether the watch counts an allreduce of ``tensors`` on ``ex`` (:meth:`Adapter.qualifies
+        <gradsync.comm.adapt.Adapter.qualifies>`, by size alone): such a call takes the queued path, where the
+        watch sees every one in the same order on every rank, not the native fast path beside it."""
+        return self.adapt is not None and self.adapt.qualifies(ex, nbytes_of(tensors))
 
     def _native_issue(self, tensor: torch.Tensor, ex: Any) -> Any:
         """The process group's work of ``tensor``'s native allreduce, issued here, or None where ``ex`` (the size's

@@ -50,6 +50,42 @@ def test_bml_on_bcube_3_2_with_nine_processes(tmp_path):
         assert rep is not None and rep["checked"] == ["bml"] and rep["failures"] == [], (rank, rep)
 
 
+def test_a_late_rank_on_the_backends_own_ring_moves_every_rank_to_the_straggler_plan_and_back(tmp_path):
+    """Issue 39 (b) where ``auto`` runs the backend's ring (a flat switch): those allreduces are watched too (each
+    rank's time in the collective shows the late one; the ring has no pair rates to give), every rank switches at
+    the same collective to the plan the simulator prices fastest for the late arrival, and back when it is on
+    time; every sum exact. All 16 are watched: the native fast path would have hidden them."""
+    from dataclasses import replace
+
+    from gradsync.plan import PlanOptions, synthesize
+    from gradsync.sim import simulate
+    from gradsync.sim.cost import CostModel, native_schedule
+
+    reports = launch(WORKER, ["late_native", str(tmp_path), "switch:4"], 4, tmp_path, timeout_s=180)
+    for rank, rep in enumerate(reports):
+        assert rep is not None and rep["exact"] and rep["watched"] == 16, (rank, rep)
+        assert [(s["generation"], s["collective"], s["straggler"], s["old"]) for s in rep["switches"]] == [
+            (1, 5, 3, "native/1"), (2, 11, None, rep["switches"][0]["new"])], (rank, rep)
+        assert rep["switches"][1]["new"] == "native/1"
+        assert rep["switches"][0]["delay_s"] == pytest.approx(rep["late_s"], rel=0.2)
+        assert [s["new"] for s in rep["switches"]] == [s["new"] for s in reports[0]["switches"]], (rank, rep)
+    first = reports[0]
+    new = first["switches"][0]["new"]
+    assert first["plans"] == ["native/1"] * 6 + [new] * 6 + ["native/1"] * 4, first["plans"]
+    # the pick is the simulator's fastest for rank 3 late by the measured delay (the worker's α = 1 µs)
+    topo, model = get_topology("switch:4"), replace(CostModel(), message_s=1e-6, native_message_s=1e-6)
+    late = {3: first["switches"][0]["delay_s"]}
+
+    def seconds(schedule) -> float:
+        return simulate(schedule, model.rates(topo), 1 << 20, streaming=False, fifo=True, message_s=1e-6,
+                        reverse_share=model.reverse_share, progress=False, start_delay_s=late).time_s
+
+    priced = {"native/1": seconds(native_schedule(topo))}
+    priced.update({f"straggler/{d}": seconds(synthesize("straggler", topo, PlanOptions(pipeline=d, straggler=3)))
+                   for d in model.pipelines})
+    assert new == min(priced, key=lambda k: (priced[k], k != "native/1")) and new.startswith("straggler/"), priced
+
+
 def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):
     """The measured α is the same on every rank, positive and bounded, marked in the model's source, written
     once to the cache, and a second init reads it back unchanged (no second measurement)."""

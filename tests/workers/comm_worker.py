@@ -362,7 +362,41 @@ def scenario_explore(topology: str) -> dict:
     return out
 
 
-SCENARIOS = {"mismatch": scenario_mismatch, "calibrate": scenario_calibrate, "default_init": scenario_default_init, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill}
+def scenario_late_native(topology: str) -> dict:
+    """The last rank arrives ``late_s`` late at allreduces 4-9 of 16 of a size ``auto`` runs on the backend's own
+    ring: the watch sees it in each rank's time in the collective (that ring gives no pair rates), every rank
+    switches at the same collective to the plan the model prices fastest for that late arrival, and back once it
+    is on time; every sum exact (integers in float32). α = 1 µs: bandwidth decides, so the straggler schedule
+    wins in the model (with the default α a 1 MiB loopback allreduce is α-bound and the ring stays)."""
+    from dataclasses import replace
+
+    from gradsync.comm.adapt import AdaptOptions
+    from gradsync.comm.watch import Hysteresis
+    from gradsync.sim.cost import CostModel
+
+    model = replace(CostModel(), message_s=1e-6, native_message_s=1e-6)
+    # enter at 80% of a collective, leave below 50%: a loopback collective of a few ms jitters by a few ms
+    options = AdaptOptions(late=Hysteresis(0.8, 0.5, 3), warmup=2, every=1, min_bytes=1 << 20)
+    rt = gradsync.init(topology, timeout_s=60, adapt=options, cost_model=model)
+    numel = (1 << 20) // 4
+    late_s, exact, plans = 0.25, True, []
+    for i in range(16):
+        if RANK == WORLD - 1 and 4 <= i < 10:
+            time.sleep(late_s)
+        x = torch.arange(numel, dtype=torch.float32) % 97 + RANK + i
+        gradsync.allreduce(x)
+        want = (torch.arange(numel, dtype=torch.float32) % 97) * WORLD + WORLD * (WORLD - 1) / 2 + WORLD * i
+        exact &= bool(torch.equal(x, want))
+        plans.append("/".join(map(str, rt.choice(numel * 4))))
+    switches = [{"generation": s.generation, "collective": s.collective, "straggler": s.conditions.straggler,
+                 "delay_s": s.conditions.straggler_delay_s, "old": s.old_plan, "new": s.new_plan,
+                 "message": s.message} for s in rt.adapt.switches]
+    out = {"plans": plans, "switches": switches, "exact": exact, "watched": rt.adapt.watched, "late_s": late_s}
+    gradsync.shutdown()
+    return out
+
+
+SCENARIOS = {"mismatch": scenario_mismatch, "calibrate": scenario_calibrate, "default_init": scenario_default_init, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill, "late_native": scenario_late_native}
 
 
 def main() -> None:
