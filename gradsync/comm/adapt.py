@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -140,6 +141,19 @@ class SwitchRecord:
     message: str
 
 
+@dataclass
+class _Trial:
+    """A switch's new plan on probation (:meth:`Adapter._review`): the size class, the pick it replaced and
+    their labels, the slowest rank's median seconds in the collectives before the switch, and those since."""
+
+    size: int
+    before: tuple[str, int]
+    old_plan: str
+    new_plan: str
+    baseline_s: float
+    samples: list[float]
+
+
 class Adapter:
     """One runtime's watch, detector and replanning (module docstring).
 
@@ -175,12 +189,23 @@ class Adapter:
         self._warmed = 0
         self._warm_time: list[float] = []
         self._time_factor = 1.0
+        self._warm_slow: list[float] = []
+        self._slowdown = 1.0
+        #: per size class, the slowest rank's seconds in the last few watched collectives (a trial's baseline)
+        self._recent: dict[int, deque[float]] = {}
+        self._trial: _Trial | None = None
         self._factor: dict[Hashable, float] | None = None
         self._expected: dict[tuple[int, int], tuple[Schedule, dict[Hashable, float], list[float]]] = {}
 
     @property
     def rank(self) -> int:
         return self.plans.transport.rank
+
+    @property
+    def slowdown(self) -> float:
+        """How many times slower than the cost model's the wire's rates are, fitted in the warm-up (1 before it
+        ends; at least 1): the rates late arrivals are priced on (:meth:`predicted_s`)."""
+        return self._slowdown
 
     @property
     def conditions(self) -> Conditions:
@@ -236,10 +261,12 @@ class Adapter:
                 self._warm.setdefault(k, []).append(v / expected[k])
             if max(finish) > 0:
                 self._warm_time.append(max(spent) / max(finish))
+                self._warm_slow.append(self._rate_slowdown(ex.schedule, nbytes, max(spent), max(finish)))
             self._warmed += 1
             if self._warmed >= self.options.warmup:
                 self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
                 self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
+                self._slowdown = statistics.median(self._warm_slow) if self._warm_slow else 1.0
             return None
         # Each rank leaves the collective when the plan's last message to or from it is done, which the model
         # predicts (``finish``, scaled to this wire by the warm-up): a rank that spent less than that in it, by more
@@ -251,6 +278,9 @@ class Adapter:
         # Late "by a share of the collective" as it ran, not as the model says it would: a slow link shifts the
         # ranks' end times unevenly too, by a share of a collective it also makes longer.
         reference = max(spent)
+        size = size_class(nbytes)
+        keep = max(self.options.link.k, self.options.late.k)
+        self._recent.setdefault(size, deque(maxlen=keep)).append(reference)
         if shared and not self._factor:
             # warmed up on the backend's own collective, which gives no pair rates: learn the pairs of the plan
             # that runs now before comparing them (a wire that never matched the model is not a degraded one)
@@ -263,7 +293,7 @@ class Adapter:
         want = {k: expected[k] * self._factor.get(k, overall) for k in shared}
         switch = self.detector.observe(shared, want, delays if reference > 0 else (), reference if reference > 0 else 1.0)
         if switch is None:
-            return None
+            return self._review(size, reference)
         degraded = dict(switch.after.link_scale)
         healthy = [k for k in shared if k not in degraded]
         scales = link_scales(self.base_topology, degraded, healthy)  # type: ignore[arg-type]
@@ -274,14 +304,42 @@ class Adapter:
         return {} if conditions.straggler is None else {conditions.straggler: conditions.straggler_delay_s}
 
     def _predict(self, schedule: Schedule, topology: Topology, nbytes: float, late: dict[int, float]) -> float:
-        """Seconds of ``schedule`` on ``topology`` with the ranks in ``late`` arriving late, priced as
-        :meth:`CostModel.predict <gradsync.sim.cost.CostModel.predict>` prices (plus the late arrival; the
-        backend's α for its own ring, :func:`~gradsync.sim.cost.native_schedule`)."""
+        """Seconds of ``schedule`` on ``topology`` with the ranks in ``late`` arriving late (measured seconds),
+        priced as :meth:`CostModel.predict <gradsync.sim.cost.CostModel.predict>` prices (the backend's α for
+        its own ring, :func:`~gradsync.sim.cost.native_schedule`) on the wire as the warm-up measured it.
+
+        Why on the warm-up's rates (:attr:`slowdown`): a late arrival is measured on the wire, the plans are
+        priced on the model, and an uncalibrated model (a flat switch, where ``init`` skips calibration) can be
+        20x off the wire; a 0.15 s delay beside a collective the model prices at 7 ms would hide every plan's
+        difference. The watched collectives are large (wire-bound), so the gap is put on the rates, not on α."""
         model = self.plans.cost_model
         alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
-        return simulate(schedule, model.rates(topology), float(nbytes), streaming=False, fifo=True,
-                        message_s=alpha, reverse_share=model.reverse_share, progress=False,
+        return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
+                        fifo=True, message_s=alpha, reverse_share=model.reverse_share, progress=False,
                         start_delay_s=late or None).time_s
+
+    def _rate_slowdown(self, schedule: Schedule, nbytes: float, measured_s: float, modelled_s: float) -> float:
+        """The factor ``g >= 1`` by which the model's rates must be divided for ``schedule`` to take
+        ``measured_s``: the model's time is its α part (the same schedule on near-infinite rates) plus a
+        bandwidth part that scales with ``g``."""
+        model = self.plans.cost_model
+        alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
+        fast = simulate(schedule, _slowed(model.rates(self.base_topology), 1e-6), float(nbytes), streaming=False,
+                        fifo=True, message_s=alpha, reverse_share=model.reverse_share, progress=False).time_s
+        wire = modelled_s - fast
+        return max(1.0, (measured_s - fast) / wire) if wire > 0 else 1.0
+
+    def predicted_s(self, nbytes: float) -> float | None:
+        """The model's seconds for an allreduce of ``nbytes`` on the plan that runs now, on the cluster as the
+        detector last saw it (scaled links, a late rank's arrival); None where that plan cannot be priced. What a
+        benchmark puts beside the measured steady state. Every rank calls it at the same point: a size not yet
+        run is priced job-wide."""
+        plans = self.plans
+        try:
+            schedule = self._schedule_of(plans.choice(size_class(nbytes)), plans.topology)
+            return self._predict(schedule, plans.topology, nbytes, self._late(self.conditions))
+        except (GradsyncError, KeyError, SimulationError):
+            return None
 
     def _schedule_of(self, pick: Sequence[str | int], topology: Topology) -> Schedule:
         """The schedule ``auto``'s ``pick`` (name, depth) runs as: the backend's own is priced as its ring."""
@@ -384,6 +442,10 @@ class Adapter:
                               f"{self.options.min_gain:.0%}, predicted {old_s:.3g} s -> {new_s:.3g} s per collective",
                               old_s - new_s)
         late = self._late(switch.after)
+        size = size_class(nbytes)
+        before = self.plans.choice(size) if self.auto else None  # the size ran: its pick is known on every rank
+        recent = self._recent.get(size)
+        self._trial, self._recent = None, {}
         self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
         self._expected.clear()
@@ -400,6 +462,34 @@ class Adapter:
         message = describe_switch(switch, old_plan, new_plan, times)
         record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, new_plan,
                               None if times is None else times[0] - times[1], message)
+        self.switches.append(record)
+        self._say(message)
+        if before is not None and recent and new_plan != old_plan and (late or switch.after.link_scale):
+            self._trial = _Trial(size, before, old_plan, new_plan, statistics.median(recent), [])
+        return record
+
+    def _review(self, size: int, seconds: float) -> SwitchRecord | None:
+        """One watched collective of a plan on trial (:class:`_Trial`): after as many as the detector needed to
+        switch, a plan whose median is slower than the plan it replaced measured before the switch, on the same
+        cluster, goes back to that plan for this size (every rank alike: the times are the shared ones). The
+        model chose it, the wire decides: the executor's own costs on a loaded host are what no model prices
+        (a straggler plan measured 1.2x its prediction on the 8-rank testbed)."""
+        trial = self._trial
+        if trial is None or trial.size != size:
+            return None
+        trial.samples.append(seconds)
+        if len(trial.samples) < max(self.options.link.k, self.options.late.k):
+            return None
+        self._trial = None
+        got = statistics.median(trial.samples)
+        if got <= trial.baseline_s:
+            return None
+        self.plans.choose(size, trial.before)
+        message = (f"gradsync: plan {trial.new_plan} measured {got:.3g} s per collective against {trial.old_plan}'s "
+                   f"{trial.baseline_s:.3g} s before the switch, on the same cluster: back to {trial.old_plan}")
+        conditions = self.detector.conditions
+        record = SwitchRecord(self.detector.generation, self.detector.collectives, conditions, trial.new_plan,
+                              trial.old_plan, trial.baseline_s - got, message)
         self.switches.append(record)
         self._say(message)
         return record
@@ -453,6 +543,13 @@ class Adapter:
     def _say(self, message: str) -> None:
         if self.rank == 0:
             print(message, file=sys.stderr, flush=True)
+
+
+def _slowed(topology: Topology, factor: float) -> Topology:
+    """``topology`` with every link's rate divided by ``factor``."""
+    if factor == 1.0:
+        return topology
+    return replace(topology, links=tuple(lk.scaled(1.0 / factor) for lk in topology.links))
 
 
 def _component(links: list[Link], start: str, topo: Topology) -> set[str]:

@@ -54,6 +54,7 @@ class ClockedTransport:
         self.stamp: float | None = None
         self.busy = 0.0  # when this rank's NIC has sent everything posted so far
         self.factor: dict[tuple[int, int], float] = {}
+        self.per_message = 0.0  # fake seconds each send costs its NIC beyond its bytes (a host cost no model has)
 
     def clock(self) -> float:
         t, self.stamp = (self.now if self.stamp is None else self.stamp), None
@@ -66,7 +67,8 @@ class ClockedTransport:
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int):
         self.stamp = None
-        seconds = tensor.numel() * tensor.element_size() / (RATE * self.factor.get((self.rank, peer), 1.0))
+        seconds = (tensor.numel() * tensor.element_size() / (RATE * self.factor.get((self.rank, peer), 1.0))
+                   + self.per_message)
         done = self.busy = max(self.busy, self.now) + seconds
         with self.net.lock:
             self.net.arrivals.setdefault((self.rank, peer, tag), []).append(done)
@@ -103,7 +105,7 @@ def _values(rank: int, i: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _run_job(world: int, topology: str, algorithm: str, dtype: torch.dtype, slow: dict[int, dict[tuple[int, int], float]],
              steps: int, noise: float = 0.0, late: dict[int, dict[int, float]] | None = None, cost_model=None,
-             options: AdaptOptions = OPTIONS, probe=None):
+             options: AdaptOptions = OPTIONS, probe=None, per_message_s: float = 0.0):
     """Every rank runs ``steps`` allreduces; before collective ``i`` the wire's pair factors become ``slow[i]``
     (kept until the next entry), each scaled by a seeded noise in ``[1 - noise, 1 + noise]``, and the ranks in
     ``late[i]`` (kept the same way) arrive that many fake seconds late. Returns per rank (switches, whether every
@@ -114,6 +116,7 @@ def _run_job(world: int, topology: str, algorithm: str, dtype: torch.dtype, slow
 
     def body(tr):
         wire = ClockedTransport(tr, net)
+        wire.per_message = per_message_s
         rt = Runtime(wire, topology, algorithm, timeout_s=20, adapt=options, clock=wire.clock, cost_model=cost_model)
         rng = random.Random(tr.rank)
         exact = True
@@ -324,6 +327,9 @@ def test_a_late_rank_switches_every_rank_once_and_back_with_the_plan_the_model_p
                        cost_model=None if alpha is None else model)
     for switches, exact in results:
         assert exact
+        if alpha is not None:  # the fake wire's straggler schedule measures slower than its model: back after k
+            back = switches.pop(1)
+            assert (back.collective, back.new_plan) == (8, switches[0].old_plan) and back.predicted_gain_s < 0
         assert [(s.generation, s.collective, s.conditions.straggler) for s in switches] == [(1, 5, 3), (2, 10, None)]
         assert switches[0].conditions.straggler_delay_s == pytest.approx(2e-3, rel=0.05)
         assert "rank 3 late by 0.00" in switches[0].message and "rank 3 on time again" in switches[1].message
@@ -339,6 +345,33 @@ def test_a_late_rank_switches_every_rank_once_and_back_with_the_plan_the_model_p
     priced.update({f"straggler/{d}": seconds("straggler", d) for d in model.pipelines})
     assert switches[0].new_plan == min(priced, key=lambda k: (priced[k], k != switches[0].old_plan))
     assert switches[0].new_plan.startswith("straggler/") == (alpha is not None)
+
+
+def test_a_plan_that_measures_slower_than_the_one_it_replaced_goes_back_on_every_rank():
+    """The model (α = 1 µs) picks the straggler schedule for rank 3, 2 ms late, but every send costs 200 fake µs
+    that it does not price: after the detector's k = 3 collectives on it, its median is above the old plan's
+    median before the switch, and every rank goes back to the old plan at the same collective with one line;
+    rank 3 on time again switches as usual; every sum exact."""
+    from dataclasses import replace
+
+    from gradsync.sim.cost import CostModel
+
+    model = replace(CostModel(), message_s=1e-6, native_message_s=1e-6)
+    # the link side off: 32 sub-chunks' small messages read slow beside the ring's large ones (200 µs each)
+    options = dataclasses.replace(OPTIONS, link=Hysteresis(100.0, 50.0, 3))
+    results = _run_job(4, "switch:4", "auto", torch.float32, {}, steps=16, late={4: {3: 2e-3}, 12: {}},
+                       cost_model=model, per_message_s=2e-4, options=options)
+    for switches, exact in results:
+        assert exact
+        first, back, on_time = switches
+        assert (first.generation, first.collective, first.conditions.straggler) == (1, 5, 3)
+        assert first.new_plan.startswith("straggler/") and first.new_plan != first.old_plan
+        # three collectives on trial (6, 7, 8), then back to the old plan within the same generation
+        assert (back.generation, back.collective, back.old_plan, back.new_plan) == (1, 8, first.new_plan,
+                                                                                    first.old_plan)
+        assert back.predicted_gain_s < 0 and f"back to {first.old_plan}" in back.message
+        assert (on_time.generation, on_time.conditions.straggler) == (2, None)
+    assert len({tuple((s.generation, s.collective, s.new_plan) for s in sw) for sw, _ in results}) == 1
 
 
 def test_a_collective_queued_before_a_replan_runs_on_the_new_plan():

@@ -375,8 +375,10 @@ def scenario_late_native(topology: str) -> dict:
     from gradsync.sim.cost import CostModel
 
     model = replace(CostModel(), message_s=1e-6, native_message_s=1e-6)
-    # enter at 80% of a collective, leave below 50%: a loopback collective of a few ms jitters by a few ms
-    options = AdaptOptions(late=Hysteresis(0.8, 0.5, 3), warmup=2, every=1, min_bytes=1 << 20)
+    # enter at 80% of a collective, leave below 50%: a loopback collective of a few ms jitters by a few ms; its
+    # pairs' rates jitter too, so the link side is off (100x slower to enter): this is about the late rank
+    options = AdaptOptions(link=Hysteresis(100.0, 50.0, 3), late=Hysteresis(0.8, 0.5, 3), warmup=2, every=1,
+                           min_bytes=1 << 20)
     rt = gradsync.init(topology, timeout_s=60, adapt=options, cost_model=model)
     numel = (1 << 20) // 4
     late_s, exact, plans = 0.25, True, []
@@ -391,7 +393,8 @@ def scenario_late_native(topology: str) -> dict:
     switches = [{"generation": s.generation, "collective": s.collective, "straggler": s.conditions.straggler,
                  "delay_s": s.conditions.straggler_delay_s, "old": s.old_plan, "new": s.new_plan,
                  "message": s.message} for s in rt.adapt.switches]
-    out = {"plans": plans, "switches": switches, "exact": exact, "watched": rt.adapt.watched, "late_s": late_s}
+    out = {"plans": plans, "switches": switches, "exact": exact, "watched": rt.adapt.watched, "late_s": late_s,
+           "slowdown": rt.adapt.slowdown}
     gradsync.shutdown()
     return out
 
