@@ -29,6 +29,17 @@ def test_summary_takes_each_phases_median_and_the_goals_ratios() -> None:
     assert worse["met"] == {"degraded_vs_static": False, "degraded_vs_gloo": False, "recovered": True}
 
 
+def test_the_late_scenario_has_its_own_goals_and_puts_the_prediction_beside_the_steady_state() -> None:
+    """Scenario b's goals (1.15x static, 1.2x gloo) are not a; measured / predicted of adaptive while late."""
+    report = _report(static=1.2, adaptive=1.0, gloo=1.25)
+    assert not any(at.summarize(report)["met"][k] for k in ("degraded_vs_static", "degraded_vs_gloo"))
+    report["config"]["scenario"] = "late"
+    report["predicted_degraded_s"] = {"adaptive_plan": "straggler/4", "adaptive": 0.8}
+    s = at.summarize(report)
+    assert all(s["met"].values()) and s["goals"] == at.GOALS["late"]
+    assert s["adaptive_degraded_over_predicted"] == pytest.approx(1.25)
+
+
 def test_rank0_asks_and_the_driver_changes_the_rate_once_per_ask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, str | None]] = []
     monkeypatch.setattr("gradsync.testbed.control.set_server_rate",
