@@ -281,6 +281,14 @@ class Adapter:
         size = size_class(nbytes)
         keep = max(self.options.link.k, self.options.late.k)
         self._recent.setdefault(size, deque(maxlen=keep)).append(reference)
+        # A late rank's pairs read its lateness, not the wire (a message to it waits until it posts the receive):
+        # they are neither learned nor compared while it is late, by the detector's conditions or by this
+        # collective's delays (on the testbed they read 0.05x and replanned a healthy wire three times).
+        late_now = {r for r, d in enumerate(delays) if reference > 0 and d > self.options.late.leave * reference}
+        if self.detector.conditions.straggler is not None:
+            late_now.add(self.detector.conditions.straggler)
+        if late_now:
+            shared = {k: v for k, v in shared.items() if not set(k) & late_now}  # type: ignore[arg-type]
         if shared and not self._factor:
             # warmed up on the backend's own collective, which gives no pair rates: learn the pairs of the plan
             # that runs now before comparing them (a wire that never matched the model is not a degraded one)

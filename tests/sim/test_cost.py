@@ -315,3 +315,29 @@ def test_a_models_burst_makes_short_messages_cheaper_and_travels_in_its_json():
     assert bursty.predict(ring, topo, 1 << 30) == pytest.approx(large, rel=0.02)
     with pytest.raises(PlanError, match="burst_s=-1"):
         CostModel(burst_s=-1)
+
+
+def test_a_straggler_plan_is_waited_on_with_its_late_rank_last():
+    """The executor blocks on one message at a time in wait order: for the straggler schedule every on-time
+    rank's reduce among the others (steps before the late rank joins) comes before any transfer to or from the
+    late rank, so the others do that work while it is late. The on-time order (no delay) interleaves them: a rank
+    would block on the late rank's first shard with its own reduce unfinished."""
+    from gradsync.plan import PlanOptions, synthesize
+    from gradsync.sim.cost import CostModel, phase_order
+    from gradsync.sim.engine import simulate
+    from gradsync.topology.io import get_topology
+
+    topo = get_topology("switch:5")
+    schedule = synthesize("straggler", topo, PlanOptions(pipeline=4, straggler=4))
+    a = schedule.arrays
+    m = topo.world_size - 1
+    touches_late = (a["src"] == 4) | (a["dst"] == 4)
+    reduce_among_others = (a["step"] < m - 1) & ~touches_late
+    assert reduce_among_others.any() and touches_late.any()
+    model = CostModel()
+    order = model.wait_order(schedule, topo, 1 << 22)
+    assert order[reduce_among_others].max() <= order[touches_late].min()
+    on_time = simulate(schedule, model.rates(topo), float(1 << 22), streaming=False, fifo=True,
+                       message_s=model.message_s, reverse_share=model.reverse_share, progress=False)
+    plain = phase_order(schedule, on_time.transfer_times()[1])
+    assert plain[reduce_among_others].max() > plain[touches_late].min()  # what the late-aware order changes
