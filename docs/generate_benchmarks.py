@@ -354,26 +354,42 @@ def adapt() -> list[str]:
 
 
 def adapt_testbed() -> list[str]:
-    if not (RESULTS / "adapt_testbed.json").is_file():
-        return []
-    j = load("adapt_testbed.json")
+    out: list[str] = []
+    for name, title in (("adapt_testbed.json", "A NIC cut mid-job on the testbed (`gradsync bench adapt-testbed`)"),
+                        ("adapt_testbed_late.json", "A rank late every step on the testbed (`gradsync bench "
+                                                    "adapt-testbed --scenario late`)")):
+        if (RESULTS / name).is_file():
+            out += _adapt_testbed(name, title)
+    return out
+
+
+def _adapt_testbed(name: str, title: str) -> list[str]:
+    j = load(name)
     cfg, s = j["config"], j["summary"]
-    out = ["## A NIC cut mid-job on the testbed (`gradsync bench adapt-testbed`)", "",
-           *sources("adapt_testbed.json"),
+    late = cfg.get("scenario") == "late"
+    change = (f"Server {cfg['slow_rank']} enters every allreduce {num(cfg['delay_s'])} s late (one gloo allreduce's "
+              f"time, its warm-up median)" if late else
+              f"Server {cfg['slow_rank']}'s NICs run at 1/{num(cfg['factor'])} of their rate")
+    out = [f"## {title}", "", *sources(name),
            f"`{cfg['topology']}` at {cfg['rate']} per unit link, {cfg['world']} ranks, {size(cfg['size_bytes'])} float32 "
            f"allreduces: static gradsync (`adapt=False`), gradsync watching every qualifying allreduce "
            f"(`AdaptOptions(every=1)`) and gloo's `all_reduce`, one each per round in rotating order, {cfg['rounds']} "
-           f"rounds after {cfg['warmup']}. Server {cfg['slow_rank']}'s NICs run at 1/{num(cfg['factor'])} of their rate "
+           f"rounds after {cfg['warmup']}. {change} "
            f"from round {cfg['degrade_at']} to {cfg['restore_at'] - 1}; each phase's median leaves out the "
            f"{cfg['settle']} rounds after a change. Static ran `{j['static_plan']}`.", ""]
     out += table(["method", *s["medians_s"]["static"].keys()],
                  ([m, *(num(v) for v in s["medians_s"][m].values())] for m in s["medians_s"]))
-    r, met = s["ratios"], s["met"]
-    out += ["", f"While degraded, adaptive runs {num(r['degraded_vs_static'])}x static and {num(r['degraded_vs_gloo'])}x "
-            f"gloo (goal ≥ {num(j['summary']['goals']['degraded_vs_static'])}x both: "
-            f"{'met' if met['degraded_vs_static'] and met['degraded_vs_gloo'] else 'not met'}); after / before "
+    r, met, goals = s["ratios"], s["met"], s["goals"]
+    pred = j.get("predicted_degraded_s") or {}
+    out += ["", f"While degraded, adaptive runs {num(r['degraded_vs_static'])}x static (goal ≥ "
+            f"{num(goals['degraded_vs_static'])}x: {'met' if met['degraded_vs_static'] else 'not met'}) and "
+            f"{num(r['degraded_vs_gloo'])}x gloo (goal ≥ {num(goals['degraded_vs_gloo'])}x: "
+            f"{'met' if met['degraded_vs_gloo'] else 'not met'}); after / before "
             f"{num(r['recovered'])} (goal within 5 %: {'met' if met['recovered'] else 'not met'}); every sum exact: "
-            f"{'yes' if s['all_exact'] else 'NO'}; {j['watched']} collectives watched.", ""]
+            f"{'yes' if s['all_exact'] else 'NO'}; {j['watched']} collectives watched"
+            + (f"; the last degraded round ran `{pred['adaptive_plan']}`, which the model prices at "
+               f"{num(pred['adaptive'])} s (measured / predicted {num(s['adaptive_degraded_over_predicted'])})"
+               if s.get("adaptive_degraded_over_predicted") else "") + ".", ""]
     lines = [sw["message"] for sw in j["switches"]] + j["held"]
     return out + (block(lines) if lines else [])
 
