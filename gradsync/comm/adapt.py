@@ -283,7 +283,7 @@ class Adapter:
         self._recent.setdefault(size, deque(maxlen=keep)).append(reference)
         # A late rank's pairs read its lateness, not the wire (a message to it waits until it posts the receive):
         # they are neither learned nor compared while it is late, by the detector's conditions or by this
-        # collective's delays (on the testbed they read 0.05x and replanned a healthy wire three times).
+        # collective's delays (compared, they replanned a healthy wire around the late rank's links).
         late_now = {r for r, d in enumerate(delays) if reference > 0 and d > self.options.late.leave * reference}
         if self.detector.conditions.straggler is not None:
             late_now.add(self.detector.conditions.straggler)
@@ -318,8 +318,9 @@ class Adapter:
 
         Why on the warm-up's rates (:attr:`slowdown`): a late arrival is measured on the wire, the plans are
         priced on the model, and an uncalibrated model (a flat switch, where ``init`` skips calibration) can be
-        20x off the wire; a 0.15 s delay beside a collective the model prices at 7 ms would hide every plan's
-        difference. The watched collectives are large (wire-bound), so the gap is put on the rates, not on α."""
+        far off the wire: a delay of one real collective beside one the model prices many times shorter hides
+        every plan's difference. The watched collectives are large (wire-bound), so the gap goes on the rates,
+        not on α."""
         model = self.plans.cost_model
         alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
         return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
@@ -481,7 +482,7 @@ class Adapter:
         switch, a plan whose median is slower than the plan it replaced measured before the switch, on the same
         cluster, goes back to that plan for this size (every rank alike: the times are the shared ones). The
         model chose it, the wire decides: the executor's own costs on a loaded host are what no model prices
-        (a straggler plan measured 1.2x its prediction on the 8-rank testbed)."""
+        (docs/runtime.md, "Plans that follow the cluster")."""
         trial = self._trial
         if trial is None or trial.size != size:
             return None

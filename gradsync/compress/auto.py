@@ -399,8 +399,8 @@ def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s:
 
     ``observed``: a partition and the seconds one step took running it with ``"none"`` (the timed layer-wise
     first step). What each group costs beyond its collective -- launching it, the bookkeeping, averaging its
-    result -- is in no profile, and priced at zero it makes extra groups look free (LeNet-5 on loopback: a
-    624-byte tail split off, 0.81-0.84x DDP against 0.90-0.96x in one group). It is fitted to that step
+    result -- is in no profile, and priced at zero it makes extra groups look free (a small model's last tensor
+    split off into a group of its own, slower than one group). It is fitted to that step
     (:func:`~gradsync.compress.merge_model.fit_group_overhead` on ``"none"``'s model) and added to every codec's
     ``h``: the same per group whatever the codec."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:

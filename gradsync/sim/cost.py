@@ -299,7 +299,7 @@ class CostModel:
         if isinstance(late, int) and schedule.world_size > 1:
             # A plan for a late rank is waited on as if it came after everything that does not need it: in the
             # on-time order the others would block on its first message and leave the reduce among themselves,
-            # the work its lateness is there to hide, until it arrives (measured on the testbed: 2x its time).
+            # the work its lateness is there to hide, until it arrives.
             times = finish({late: float(np.max(times[np.isfinite(times)], initial=0.0))})
         return phase_order(schedule, times)
 
