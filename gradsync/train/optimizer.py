@@ -254,6 +254,9 @@ class DistributedOptimizer:
         self.partition = resolve_merge(merge, [p.numel() for _, p in self._params])
         self.cost_model: MergeCostModel | None = None
         self._calibrating = self.partition is None  # "auto": the first step runs layer-wise and is timed
+        # compression="auto" fits each group's own cost to that step's time (choose_joint's observed): it times the
+        # second layer-wise step, as the first also pays every group size's first collective (planned, decided)
+        self._untimed_steps = 1 if self._calibrating and _is_auto(compression) else 0
         self._arrivals: list[tuple[int, float]] = []
         self._inside = 0.0  # seconds the calibration step spent inside the groups' add()
         self._build_groups(self.partition if self.partition is not None else _layerwise(len(self._params)))
@@ -299,7 +302,10 @@ class DistributedOptimizer:
                 p.grad = r.detach().clone()
             else:
                 write_aggregate(p.grad, r)  # (nothing to copy where it was decoded straight into .grad)
-        if self._calibrating:
+        if self._calibrating and self._untimed_steps:
+            self._untimed_steps -= 1
+            self._arrivals, self._inside = [], 0.0
+        elif self._calibrating:
             self._calibrate(end, synced)
 
     def _calibrate(self, end: float, synced: float) -> None:
