@@ -73,10 +73,14 @@ def test_a_late_rank_on_the_backends_own_ring_moves_every_rank_to_the_straggler_
         assert got[0] == (1, 5, 3, "native/1", new), (rank, rep)
         if back:
             assert got[1] == (1, 8, 3, new, "native/1") and "back to native/1" in rep["switches"][1]["message"]
-        assert got[1 + back][:4] == (2, 11, None, "native/1" if back else new) and got[-1][4] == "native/1"
+        # on time from allreduce 10: k = 3 collectives below half of one (11 without jitter; a loaded host's
+        # scheduling can push a few-ms collective over that for a round or two)
+        assert len(got) == 2 + back and got[-1][0] == 2 and got[-1][2] is None and 11 <= got[-1][1] <= 14, got
+        assert got[-1][3:] == ("native/1" if back else new, "native/1"), got
         assert rep["switches"][0]["delay_s"] == pytest.approx(rep["late_s"], rel=0.2)
         assert rep["plans"] == first["plans"], (rank, rep)
-    trial = [new] * (3 if back else 6)  # allreduces 6-8 on trial, or until rank 3 is on time again
+    on_time = first["switches"][-1]["collective"]  # collective c's switch shows from allreduce c + 1 on
+    trial = [new] * (3 if back else on_time - 5)  # allreduces 6-8 on trial, or until rank 3 is on time again
     assert first["plans"] == ["native/1"] * 6 + trial + ["native/1"] * (10 - len(trial)), first["plans"]
     # the pick is the simulator's fastest for rank 3 late by the measured delay (the worker's α = 1 µs), on the
     # model's rates divided by the warm-up's fitted slowdown (loopback is not the model's switch)
