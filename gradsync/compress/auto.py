@@ -397,8 +397,8 @@ def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s:
     the codec whose best partition is quickest wins, ties to the earlier (more accurate) one. Tensors are in
     backward order, each group a flat buffer (so PowerSGD sees vectors, which it sends as they are).
 
-    ``observed``: a partition and the seconds one step took running it with ``"none"`` (the timed layer-wise
-    first step). What each group costs beyond its collective -- launching it, the bookkeeping, averaging its
+    ``observed``: a partition and the seconds one step took running it with ``"none"`` (the optimizer's timed
+    layer-wise step). What each group costs beyond its collective -- launching it, the bookkeeping, averaging its
     result -- is in no profile, and priced at zero it makes extra groups look free (a small model's last tensor
     split off into a group of its own, slower than one group). It is fitted to that step
     (:func:`~gradsync.compress.merge_model.fit_group_overhead` on ``"none"``'s model) and added to every codec's

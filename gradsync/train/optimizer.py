@@ -69,8 +69,9 @@ class DistributedOptimizer:
     ``allow`` permits (``"lossless"``, ``"cast"`` -- the default --, ``"any"``), measured against ``"none"`` on its
     first steps and dropped where slower (:class:`~gradsync.train.AutoCompression`; pass one to set its wire,
     codec costs or clock); ``optimizer.compression.report()`` prints the choices. With ``merge="auto"`` the
-    partition and the codec are chosen together after the timed first step, on auto's wire model and codec
-    costs (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``); it is the default with
+    partition and the codec are chosen together after the second layer-wise step, timed (the first warms up),
+    on auto's wire model and codec costs, with each group's own cost fitted to that step's time
+    (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``); it is the default with
     ``compression="auto"``, since a group that settles on ``"none"`` is one native allreduce, and layer-wise
     that is one collective per tensor where DDP sends a few buckets.
     ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
@@ -309,7 +310,7 @@ class DistributedOptimizer:
             self._calibrate(end, synced)
 
     def _calibrate(self, end: float, synced: float) -> None:
-        """After the timed layer-wise first step: backward order and ready times -> profiled model -> partition."""
+        """After the timed layer-wise step: backward order and ready times -> profiled model -> partition."""
         from gradsync.compress.merge import search_optimal
         from gradsync.train.grouped import profile_cost_model
 
