@@ -257,14 +257,13 @@ class Adapter:
         expected, finish = self._expected_rates(ex.schedule, nbytes)
         shared = {k: v for k, v in shared.items() if k in expected}
         if self._factor is None:  # warm-up: learn how each pair's wire, and the whole run, compare with the model
-            for k, v in shared.items():
-                self._warm.setdefault(k, []).append(v / expected[k])
+            self._learn_pairs(shared, expected)
             if max(finish) > 0:
                 self._warm_time.append(max(spent) / max(finish))
                 self._warm_slow.append(self._rate_slowdown(ex.schedule, nbytes, max(spent), max(finish)))
             self._warmed += 1
             if self._warmed >= self.options.warmup:
-                self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
+                self._settle_pairs()
                 self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
                 self._slowdown = statistics.median(self._warm_slow) if self._warm_slow else 1.0
             return None
@@ -279,8 +278,7 @@ class Adapter:
         # ranks' end times unevenly too, by a share of a collective it also makes longer.
         reference = max(spent)
         size = size_class(nbytes)
-        keep = max(self.options.link.k, self.options.late.k)
-        self._recent.setdefault(size, deque(maxlen=keep)).append(reference)
+        self._recent.setdefault(size, deque(maxlen=self._trial_length)).append(reference)
         # A late rank's pairs read its lateness, not the wire (a message to it waits until it posts the receive):
         # they are neither learned nor compared while it is late, by the detector's conditions or by this
         # collective's delays (compared, they replanned a healthy wire around the late rank's links).
@@ -292,10 +290,9 @@ class Adapter:
         if shared and not self._factor:
             # warmed up on the backend's own collective, which gives no pair rates: learn the pairs of the plan
             # that runs now before comparing them (a wire that never matched the model is not a degraded one)
-            for k, v in shared.items():
-                self._warm.setdefault(k, []).append(v / expected[k])
+            self._learn_pairs(shared, expected)
             if max(len(v) for v in self._warm.values()) >= self.options.warmup:
-                self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
+                self._settle_pairs()
             shared = {}
         overall = statistics.median(self._factor.values()) if self._factor else 1.0
         want = {k: expected[k] * self._factor.get(k, overall) for k in shared}
@@ -307,6 +304,25 @@ class Adapter:
         scales = link_scales(self.base_topology, degraded, healthy)  # type: ignore[arg-type]
         topology = scaled_topology(self.base_topology, scales) if scales else self.base_topology
         return self._replan(switch, topology, ex.schedule, nbytes)
+
+    def _learn_pairs(self, shared: dict[Hashable, float], expected: dict[Hashable, float]) -> None:
+        """Record each pair's measured / modelled rate toward its warm-up factor."""
+        for k, v in shared.items():
+            self._warm.setdefault(k, []).append(v / expected[k])
+
+    def _settle_pairs(self) -> None:
+        """The warm-up is over for the pairs: each one's factor is the median of what it recorded."""
+        self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
+
+    @property
+    def _trial_length(self) -> int:
+        """Watched collectives behind a verdict: as many as the detector needs to switch (either side)."""
+        return max(self.options.link.k, self.options.late.k)
+
+    def _alpha(self, schedule: Schedule) -> float:
+        """The per-message cost ``schedule`` runs with: the backend's α for its own ring, else the executor's."""
+        model = self.plans.cost_model
+        return model.native_message_s if schedule.algorithm == NATIVE else model.message_s
 
     def _late(self, conditions: Conditions) -> dict[int, float]:
         return {} if conditions.straggler is None else {conditions.straggler: conditions.straggler_delay_s}
@@ -322,9 +338,8 @@ class Adapter:
         every plan's difference. The watched collectives are large (wire-bound), so the gap goes on the rates,
         not on α."""
         model = self.plans.cost_model
-        alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
         return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
-                        fifo=True, message_s=alpha, reverse_share=model.reverse_share, progress=False,
+                        fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
                         start_delay_s=late or None).time_s
 
     def _rate_slowdown(self, schedule: Schedule, nbytes: float, measured_s: float, modelled_s: float) -> float:
@@ -332,9 +347,8 @@ class Adapter:
         ``measured_s``: the model's time is its α part (the same schedule on near-infinite rates) plus a
         bandwidth part that scales with ``g``."""
         model = self.plans.cost_model
-        alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
         fast = simulate(schedule, _slowed(model.rates(self.base_topology), 1e-6), float(nbytes), streaming=False,
-                        fifo=True, message_s=alpha, reverse_share=model.reverse_share, progress=False).time_s
+                        fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False).time_s
         wire = modelled_s - fast
         return max(1.0, (measured_s - fast) / wire) if wire > 0 else 1.0
 
@@ -386,9 +400,8 @@ class Adapter:
         got = self._expected.get(key)
         if got is None or got[0] is not schedule:
             model = self.plans.cost_model
-            alpha = model.native_message_s if schedule.algorithm == NATIVE else model.message_s
             sim = simulate(schedule, model.rates(self.base_topology), float(nbytes), streaming=False, fifo=True,
-                           message_s=alpha, reverse_share=model.reverse_share, progress=False)
+                           message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False)
             start, finish = sim.transfer_times()
             arr = schedule.arrays
             frac = np.array([c.size for c in schedule.chunks])[arr["chunk"]]
@@ -487,7 +500,7 @@ class Adapter:
         if trial is None or trial.size != size:
             return None
         trial.samples.append(seconds)
-        if len(trial.samples) < max(self.options.link.k, self.options.late.k):
+        if len(trial.samples) < self._trial_length:
             return None
         self._trial = None
         got = statistics.median(trial.samples)

@@ -295,7 +295,7 @@ class CostModel:
             return sim.transfer_times()[1]
 
         times = finish(None)
-        late = schedule.meta.get("straggler") if schedule.algorithm == "straggler" else None
+        late = schedule.meta.get("straggler")  # the rank a straggler plan lets join last (plan.straggler)
         if isinstance(late, int) and schedule.world_size > 1:
             # A plan for a late rank is waited on as if it came after everything that does not need it: in the
             # on-time order the others would block on its first message and leave the reduce among themselves,
