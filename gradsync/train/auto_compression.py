@@ -53,6 +53,7 @@ from gradsync.comm.tuning import cache_file, write_cache
 from gradsync.compress.auto import (
     CODECS,
     CPU_PROFILE_CAP,
+    MARGIN,
     POLICIES,
     PROFILE_TYPE,
     AlphaBeta,
@@ -72,7 +73,7 @@ from gradsync.compress.auto import (
     trust_margin,
     wide_margin,
 )
-from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts, all_finite
+from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts, all_finite, cast
 from gradsync.compress.merge_model import Partition
 from gradsync.train.communicator import CompressionStep, average_in_place
 
@@ -133,6 +134,8 @@ class _Group:
     #: measured quicker: :data:`PLANNED`)
     native: bool = False
     planned: bool = False
+    #: whether its last codec launch (not "none") ran on the backend's allreduce of one buffer (a cast codec's)
+    native_codec: bool = False
 
     def now(self) -> GroupSpec:
         """The group as the model prices it now: with the slack its last step measured."""
@@ -204,6 +207,8 @@ class AutoCompression:
         self._settled_steps: list[float] = []
         #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
         self._baseline_turn = False
+        #: whether the settled casts' gain clears their host time (:meth:`_clear_of_host`); None: not decided yet
+        self._clear: bool | None = None
         #: steps ended so far; the clock when this step's last exchange ended, and when the step was closed
         self._ended = 0
         self._done_at = -math.inf
@@ -298,10 +303,16 @@ class AutoCompression:
         group.launches += 1
         self.current = codec
         verdict = self.boundary.verdict_for([key])
-        work = self._native(flat, key, verdict) if codec == "none" and flat is not None else None
+        work = None
+        if flat is not None and codec == "none":
+            work = self._native(flat, key, verdict)
+        elif flat is not None and codec != PLANNED and (wire := self._step(codec).cast_dtype) is not None:
+            work = self._native(flat, key, verdict, wire)  # a fixed fp16 hook's path: the same bits, less host time
         native = work is not None
         if codec == "none":
             group.native = native
+        elif codec != PLANNED:
+            group.native_codec = native
         if work is None:
             step = self._step("none" if codec == PLANNED else codec)
             work = step.step_async(tensors, infos, reuse=reuse, verdict=verdict)
@@ -327,13 +338,18 @@ class AutoCompression:
         work.future.add_done_callback(record)
         return work
 
-    def _native(self, flat: Tensor, key: str, verdict: StepVerdict) -> Work | None:
+    def _native(self, flat: Tensor, key: str, verdict: StepVerdict, wire: torch.dtype | None = None) -> Work | None:
         """``flat`` averaged in place by the process group's own async allreduce, whatever the runtime plans for
         its size (None where the backend cannot take it: no process group, another device). The sum is the same
         bits on every rank, so whether it is finite is the job's verdict on this group: it joins the step's, as
-        every codec's exchange does (:func:`~gradsync.compress.base.all_finite`)."""
+        every codec's exchange does (:func:`~gradsync.compress.base.all_finite`).
+
+        ``wire``: a cast codec's dtype (fp16, bf16): ``flat`` is cast, summed in that dtype and cast back, as a
+        fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
+        own step then runs on the planned exchange, as the fixed codec would)."""
         runtime = self.runtime
-        fut = runtime.native_allreduce_async(flat, always=True)
+        sent = flat if wire is None else cast(flat, wire)
+        fut = runtime.native_allreduce_async(sent, always=wire is None)
         if fut is None:
             return None
         slot = verdict.reserve()
@@ -342,6 +358,8 @@ class AutoCompression:
 
         def average(f: torch.futures.Future) -> list[Tensor]:
             f.value()
+            if sent is not flat:
+                flat.copy_(sent)
             verdict.fill(slot, Verdicts(all_finite(flat)))
             if world > 1:
                 average_in_place(flat, world)
@@ -409,7 +427,7 @@ class AutoCompression:
         if not self.settled:
             return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
-        if not chosen or not self._none_ran:
+        if not chosen or not self._none_ran or self._clear_of_host(chosen):
             self.verified = True
             return
         if all(launch.final for launch in launches):
@@ -427,6 +445,26 @@ class AutoCompression:
                 self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s, "step")
                 self._groups[key].planned = False
             self._write_cache()
+
+    def _clear_of_host(self, chosen: dict[str, AutoChoice]) -> bool:
+        """Whether the whole-step check cannot change the verdict, so its ``"none"`` steps (what choosing costs
+        most on a slow wire) are skipped: every settled choice is a cast run on the backend's allreduce of its
+        buffer (nothing on the communication thread; on backward's, the cast alone), and their measured gain over
+        ``"none"`` is more than ``MARGIN`` times that cast's profiled seconds -- the most it could take from the
+        rest of the step. Decided once, job-wide (each rank timed its own launches)."""
+        groups = [self._groups[k] for k in chosen]
+        if not all(g.native_codec and not g.planned and self._step(c.codec).cast_dtype is not None
+                   for g, c in zip(groups, chosen.values())):
+            return False
+
+        def clear() -> bool:
+            gain = sum(g.mean_s("none") - g.mean_s(c.codec) for g, c in zip(groups, chosen.values()))
+            host = sum(self.codec_cost(c.codec, g.spec.numel) for g, c in zip(groups, chosen.values()))
+            return math.isfinite(gain) and gain > MARGIN * host
+
+        if self._clear is None:
+            self._clear = self._decide_flag("step-check-clear", clear)
+        return self._clear
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""

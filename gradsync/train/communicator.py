@@ -69,7 +69,7 @@ from gradsync.compress.base import (
     nonfinite_marks,
     shares_memory,
 )
-from gradsync.compress.memory import default_memory
+from gradsync.compress.memory import NoMemory, default_memory
 from gradsync.compress.payload import pack_payload, unpack_payload
 from gradsync.registry import Registry
 
@@ -352,6 +352,15 @@ class CompressionStep:
     def nonfinite_steps(self) -> int:
         """Closed training steps that had a NaN or inf in some tensor on some worker (their updates were dropped)."""
         return self.boundary.nonfinite_steps
+
+    @property
+    def cast_dtype(self) -> torch.dtype | None:
+        """The wire dtype when this step is a plain elementwise cast (fp16, bf16) with no memory, summed by
+        allreduce: a bucket may then be cast whole and summed by the backend's own allreduce, which gives the same
+        bits as :meth:`step_async` at a fraction of its host time. None otherwise."""
+        if type(self.memory) is NoMemory and type(self.communicator) is AllreduceCommunicator:
+            return self.compressor.cast_dtype
+        return None
 
     def __repr__(self) -> str:
         return f"CompressionStep({self.compressor!r}, {self.memory!r}, {self.communicator.name!r})"

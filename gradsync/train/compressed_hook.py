@@ -40,9 +40,8 @@ import torch.distributed as dist
 
 from gradsync.comm.runtime import Runtime, is_initialized
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo, cast
-from gradsync.compress.memory import NoMemory
 from gradsync.train.auto_compression import AutoCompression, param_signature
-from gradsync.train.communicator import AllreduceCommunicator, CompressionStep, average_in_place, write_aggregate
+from gradsync.train.communicator import CompressionStep, average_in_place, write_aggregate
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
@@ -112,14 +111,9 @@ class CompressionHookState:
         self.native_buckets = 0
         self.payload_bytes = 0
         self.dense_bytes = 0
-        step = self.step
         #: The wire dtype when the step is a plain cast (fp16) with no memory, summed by allreduce: the hook
         #: then casts the whole bucket and sums it with the process group's own future where it can.
-        self.cast_dtype: torch.dtype | None = (
-            step.compressor.cast_dtype
-            if self.auto is None and type(step.memory) is NoMemory and type(step.communicator) is AllreduceCommunicator
-            else None
-        )
+        self.cast_dtype: torch.dtype | None = self.step.cast_dtype if self.auto is None else None
         if runtime is not None or is_initialized() or (dist.is_available() and dist.is_initialized()):
             self.resolve()  # something to run on already: look it up now, as GradsyncHookState does
 

@@ -433,8 +433,10 @@ def test_the_optimizers_merged_groups_reach_auto_with_their_members_shapes_and_o
 
 def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make ``rt`` look like a runtime whose backend takes every buffer (a native allreduce done at once) and that
-    plans every size itself: "none" has two ways."""
+    plans every size itself: "none" has two ways (and a cast codec, like a fixed one, takes the planned one)."""
     def native(tensor, algorithm=None, always=False):
+        if not always:  # the runtime plans this size: only a caller that measured both ways takes the backend
+            return None
         fut = torch.futures.Future()
         fut.set_result([tensor])
         return fut
@@ -499,3 +501,69 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         assert ("fp16", "measured") in reasons and not {"step"} & {r for _, r in reasons}, rows
     else:  # every codec back to "none" (a group the model left on "none" keeps its own reason)
         assert ("none", "step") in reasons and all(r["codec"] == "none" for r in rows), rows
+
+
+def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_same_bits(rt, monkeypatch) -> None:
+    """fp16 on a group handed over as one buffer (a DDP bucket): the buffer is cast whole, summed in fp16 by the
+    backend's allreduce where the runtime runs that size natively (``always=False``, as the fixed fp16 hook asks),
+    cast back and averaged -- the bits of fp16's own step, without its per-tensor host time. Where the runtime plans
+    the size itself (None), fp16's own step runs, on the planned exchange."""
+    from gradsync.compress.base import TensorInfo
+    from gradsync.train.communicator import CompressionStep
+
+    calls: list[tuple[torch.dtype, bool]] = []
+    natively = [True]
+
+    def native(tensor, algorithm=None, always=False):
+        calls.append((tensor.dtype, always))
+        if not natively[0]:
+            return None
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([tensor])  # one rank: the sum is the tensor
+        return fut
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) / 3
+    info = TensorInfo("w", (1000,), torch.float32)
+    expected = CompressionStep("fp16", runtime=rt).step_async([x.clone()], [info]).wait()[0]
+    assert not torch.equal(expected, x)  # fp16 rounds: the test can tell the paths from no cast at all
+    for planned in (False, True):
+        natively[0] = not planned
+        auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, cache=False)
+        for _ in range(2 * PROBE_STEPS + 2):  # "none" is timed first, then the choice it informs: fp16 on this wire
+            flat = x.clone()
+            calls.clear()
+            work = auto.step_async([flat], [info], key="g", flat=flat)
+            out = work.wait()[0]
+            if auto.current == "fp16":
+                break
+        assert auto.current == "fp16", auto.table()
+        assert calls == [(torch.float16, False)]
+        assert torch.equal(out, expected)
+        if not planned:
+            assert out is flat  # averaged in its own buffer, as the hook's bucket is
+
+
+@pytest.mark.parametrize("host_s, checked", [(1e-9, False), (0.1, True)])
+def test_casts_on_the_backends_allreduce_skip_the_whole_step_check_only_when_their_gain_clears_their_host_time(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, host_s: float, checked: bool) -> None:
+    """fp16 run as a cast of each group's buffer summed by the backend (the runtime runs every size natively) has
+    nothing on the communication thread; on backward's, its cast. Where the measured gain over "none" (fake clock:
+    about 2 ms a group) is more than twice the cast's profiled seconds, the whole-step check could not change the
+    verdict and its "none" steps are skipped; where the cast's seconds could eat the gain (0.1 s), they run."""
+    def native(tensor, algorithm=None, always=False):
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([tensor])
+        return fut
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: True)
+    clock = FakeClock({"none": 1e-3, "other": 1e-6})
+    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda codec, numel: host_s,
+                           clock=clock, cache=False)
+    clock.auto = auto
+    _train(rt, auto, 5 * PROBE_STEPS + 3)
+    rows = auto.table()
+    assert auto.verified and auto.settled, rows
+    assert {r["codec"] for r in rows} == {"fp16"} and all(g.native_codec for g in auto._groups.values()), rows
+    assert bool(auto.step_check["baseline_s"]) is checked, auto.step_check
