@@ -53,7 +53,6 @@ from gradsync.comm.tuning import cache_file, write_cache
 from gradsync.compress.auto import (
     CODECS,
     CPU_PROFILE_CAP,
-    MARGIN,
     POLICIES,
     PROFILE_TYPE,
     AlphaBeta,
@@ -134,8 +133,6 @@ class _Group:
     #: measured quicker: :data:`PLANNED`)
     native: bool = False
     planned: bool = False
-    #: whether its last codec launch (not "none") ran on the backend's allreduce of one buffer (a cast codec's)
-    native_codec: bool = False
 
     def now(self) -> GroupSpec:
         """The group as the model prices it now: with the slack its last step measured."""
@@ -207,8 +204,6 @@ class AutoCompression:
         self._settled_steps: list[float] = []
         #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
         self._baseline_turn = False
-        #: whether the settled casts' gain clears their host time (:meth:`_clear_of_host`); None: not decided yet
-        self._clear: bool | None = None
         #: steps ended so far; the clock when this step's last exchange ended, and when the step was closed
         self._ended = 0
         self._done_at = -math.inf
@@ -311,8 +306,6 @@ class AutoCompression:
         native = work is not None
         if codec == "none":
             group.native = native
-        elif codec != PLANNED:
-            group.native_codec = native
         if work is None:
             step = self._step("none" if codec == PLANNED else codec)
             work = step.step_async(tensors, infos, reuse=reuse, verdict=verdict)
@@ -427,7 +420,7 @@ class AutoCompression:
         if not self.settled:
             return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
-        if not chosen or not self._none_ran or self._clear_of_host(chosen):
+        if not chosen or not self._none_ran:
             self.verified = True
             return
         if all(launch.final for launch in launches):
@@ -445,26 +438,6 @@ class AutoCompression:
                 self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s, "step")
                 self._groups[key].planned = False
             self._write_cache()
-
-    def _clear_of_host(self, chosen: dict[str, AutoChoice]) -> bool:
-        """Whether the whole-step check cannot change the verdict, so its ``"none"`` steps (what choosing costs
-        most on a slow wire) are skipped: every settled choice is a cast run on the backend's allreduce of its
-        buffer (nothing on the communication thread; on backward's, the cast alone), and their measured gain over
-        ``"none"`` is more than ``MARGIN`` times that cast's profiled seconds -- the most it could take from the
-        rest of the step. Decided once, job-wide (each rank timed its own launches)."""
-        groups = [self._groups[k] for k in chosen]
-        if not all(g.native_codec and not g.planned and self._step(c.codec).cast_dtype is not None
-                   for g, c in zip(groups, chosen.values())):
-            return False
-
-        def clear() -> bool:
-            gain = sum(g.mean_s("none") - g.mean_s(c.codec) for g, c in zip(groups, chosen.values()))
-            host = sum(self.codec_cost(c.codec, g.spec.numel) for g, c in zip(groups, chosen.values()))
-            return math.isfinite(gain) and gain > MARGIN * host
-
-        if self._clear is None:
-            self._clear = self._decide_flag("step-check-clear", clear)
-        return self._clear
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""

@@ -542,28 +542,3 @@ def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_sam
         assert torch.equal(out, expected)
         if not planned:
             assert out is flat  # averaged in its own buffer, as the hook's bucket is
-
-
-@pytest.mark.parametrize("host_s, checked", [(1e-9, False), (0.1, True)])
-def test_casts_on_the_backends_allreduce_skip_the_whole_step_check_only_when_their_gain_clears_their_host_time(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, host_s: float, checked: bool) -> None:
-    """fp16 run as a cast of each group's buffer summed by the backend (the runtime runs every size natively) has
-    nothing on the communication thread; on backward's, its cast. Where the measured gain over "none" (fake clock:
-    about 2 ms a group) is more than twice the cast's profiled seconds, the whole-step check could not change the
-    verdict and its "none" steps are skipped; where the cast's seconds could eat the gain (0.1 s), they run."""
-    def native(tensor, algorithm=None, always=False):
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result([tensor])
-        return fut
-
-    monkeypatch.setattr(rt, "native_allreduce_async", native)
-    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: True)
-    clock = FakeClock({"none": 1e-3, "other": 1e-6})
-    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda codec, numel: host_s,
-                           clock=clock, cache=False)
-    clock.auto = auto
-    _train(rt, auto, 5 * PROBE_STEPS + 3)
-    rows = auto.table()
-    assert auto.verified and auto.settled, rows
-    assert {r["codec"] for r in rows} == {"fp16"} and all(g.native_codec for g in auto._groups.values()), rows
-    assert bool(auto.step_check["baseline_s"]) is checked, auto.step_check
