@@ -341,6 +341,8 @@ class AutoCompression:
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
         own step then runs on the planned exchange, as the fixed codec would)."""
         runtime = self.runtime
+        if wire is not None and not runtime.runs_natively(flat.numel() * wire.itemsize):
+            return None  # asked before casting: a planned size would cast the buffer for nothing
         sent = flat if wire is None else cast(flat, wire)
         fut = runtime.native_allreduce_async(sent, always=wire is None)
         if fut is None:

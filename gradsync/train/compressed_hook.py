@@ -234,6 +234,8 @@ def _native_cast(
     the general path); the same on every rank, as the plan is.
     """
     runtime = state.step.communicator.runtime
+    if not runtime.runs_natively(buffer.numel() * wire.itemsize):
+        return None  # asked before casting: a planned size would cast the bucket for nothing
     compressed = cast(buffer, wire)
     fut = runtime.native_allreduce_async(compressed)
     if fut is None:
