@@ -72,9 +72,9 @@ from gradsync.compress.auto import (
     trust_margin,
     wide_margin,
 )
-from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts, all_finite, cast
+from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts, all_finite
 from gradsync.compress.merge_model import Partition
-from gradsync.train.communicator import CompressionStep, average_in_place
+from gradsync.train.communicator import CompressionStep, average_in_place, native_cast_sum_async
 
 __all__ = ["AUTO_TYPE", "PLANNED", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
 
@@ -341,10 +341,10 @@ class AutoCompression:
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
         own step then runs on the planned exchange, as the fixed codec would)."""
         runtime = self.runtime
-        if wire is not None and not runtime.runs_natively(flat.numel() * wire.itemsize):
-            return None  # asked before casting: a planned size would cast the buffer for nothing
-        sent = flat if wire is None else cast(flat, wire)
-        fut = runtime.native_allreduce_async(sent, always=wire is None)
+        if wire is None:
+            fut = runtime.native_allreduce_async(flat, always=True)
+        else:
+            fut = native_cast_sum_async(runtime, flat, wire)
         if fut is None:
             return None
         slot = verdict.reserve()
@@ -353,8 +353,6 @@ class AutoCompression:
 
         def average(f: torch.futures.Future) -> list[Tensor]:
             f.value()
-            if sent is not flat:
-                flat.copy_(sent)
             verdict.fill(slot, Verdicts(all_finite(flat)))
             if world > 1:
                 average_in_place(flat, world)

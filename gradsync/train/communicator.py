@@ -64,6 +64,7 @@ from gradsync.compress.base import (
     TensorInfo,
     TwoRoundCompressor,
     Verdicts,
+    cast,
     create,
     create_memory,
     nonfinite_marks,
@@ -492,6 +493,27 @@ def write_aggregate(dest: Tensor, result: Tensor) -> None:
     place into the buffer it was given, ``step_async(..., reuse=True)``: the same elements, nothing to copy)."""
     if not (result.data_ptr() == dest.data_ptr() and result.shape == dest.shape and result.stride() == dest.stride()):
         dest.copy_(result)
+
+
+def native_cast_sum_async(runtime: Runtime, flat: Tensor, wire: torch.dtype) -> torch.futures.Future | None:
+    """``flat`` summed over ranks in ``wire`` (a cast codec's dtype: fp16, bf16) by the process group's own async
+    allreduce and cast back into ``flat`` -- the fixed fp16 hook's path, and auto's for a cast -- where the runtime
+    runs that size natively; None where it plans it. The future's value is ``flat``, summed, not yet averaged. The
+    runtime is asked before casting: a planned size costs no copy."""
+    if not runtime.runs_natively(flat.numel() * wire.itemsize):
+        return None
+    sent = cast(flat, wire)
+    fut = runtime.native_allreduce_async(sent)
+    if fut is None:
+        return None
+
+    def back(f: torch.futures.Future) -> Tensor:
+        f.value()
+        if sent is not flat:
+            flat.copy_(sent)
+        return flat
+
+    return fut.then(back)
 
 
 def average_in_place(tensor: Tensor, world: int) -> Tensor:

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm.runtime import Runtime, is_initialized
-from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo, cast
+from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
 from gradsync.train.auto_compression import AutoCompression, param_signature
-from gradsync.train.communicator import CompressionStep, average_in_place, write_aggregate
+from gradsync.train.communicator import CompressionStep, average_in_place, native_cast_sum_async, write_aggregate
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
@@ -234,10 +234,7 @@ def _native_cast(
     the general path); the same on every rank, as the plan is.
     """
     runtime = state.step.communicator.runtime
-    if not runtime.runs_natively(buffer.numel() * wire.itemsize):
-        return None  # asked before casting: a planned size would cast the bucket for nothing
-    compressed = cast(buffer, wire)
-    fut = runtime.native_allreduce_async(compressed)
+    fut = native_cast_sum_async(runtime, buffer, wire)
     if fut is None:
         return None
     state.buckets += 1
@@ -248,8 +245,4 @@ def _native_cast(
         _bucket_key(state, bucket)
     world = runtime.world_size
 
-    def decompress(f: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(f.value()[0])
-        return average_in_place(buffer, world)
-
-    return fut.then(decompress)
+    return fut.then(lambda f: average_in_place(f.value(), world))
