@@ -284,17 +284,21 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
             step()
         return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
-    for name in [*COMPRESSORS.names(), "auto"]:  # auto: compression chosen per group (issue 40)
-        def by_optimizer(name: str = name) -> bool:
+    # auto: compression chosen per group (issue 40), under each accuracy policy ("auto" alone: allow="cast")
+    for name in [*COMPRESSORS.names(), "auto", "auto:lossless", "auto:any"]:
+        codec, _, allow = name.partition(":")
+        extra = {"allow": allow} if allow else {}
+
+        def by_optimizer(codec: str = codec, extra: dict[str, str] = extra) -> bool:
             model = _cnn().to(device)
             opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
-                                                compression=name)
+                                                compression=codec, **extra)
             return train(model, opt.step, opt)
 
-        def by_hook(name: str = name) -> bool:
+        def by_hook(codec: str = codec, extra: dict[str, str] = extra) -> bool:
             net = _cnn().to(device)
             model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-            model.register_comm_hook(gradsync.CompressionHookState(name, model=net), gradsync.compression_hook)
+            model.register_comm_hook(gradsync.CompressionHookState(codec, model=net, **extra), gradsync.compression_hook)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
             return train(model, opt.step, opt)
 
@@ -511,7 +515,7 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
                                    torch.nn.ReLU(), torch.nn.Linear(1000, 10)).to(device)
 
     methods: dict[str, Any] = {}
-    for name in ("ddp", "torch_fp16", "gradsync_fp16", "torch_powersgd", "gradsync_powersgd"):
+    for name in ("ddp", "torch_fp16", "gradsync_fp16", "torch_powersgd", "gradsync_powersgd", "gradsync_auto"):
         base = net()
         model = DDP(base, device_ids=[0])
         if name == "torch_fp16":
@@ -523,6 +527,8 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         elif name == "gradsync_powersgd":
             model.register_comm_hook(gradsync.CompressionHookState("powersgd", model=base), gradsync.compression_hook)
+        elif name == "gradsync_auto":  # one rank: nothing to save on the wire, so auto must cost about nothing
+            model.register_comm_hook(gradsync.CompressionHookState("auto", model=base), gradsync.compression_hook)
         methods[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
     x, y = torch.randn(64, 3, 32, 32, device=device), torch.randint(0, 10, (64,), device=device)
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -553,7 +559,8 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
                   flush=True)
     med = {m: statistics.median(t) for m, t in times.items()}
     rows = [{"method": m, "median_s": s} for m, s in med.items()]
-    for ours, theirs in (("gradsync_fp16", "torch_fp16"), ("gradsync_powersgd", "torch_powersgd")):
+    for ours, theirs in (("gradsync_fp16", "torch_fp16"), ("gradsync_powersgd", "torch_powersgd"),
+                         ("gradsync_auto", "ddp")):
         paired = [a / b for a, b in zip(times[ours], times[theirs])]  # the same step, the two in turn
         rows.append({"ratio": f"{ours}/{theirs}", "value": med[ours] / med[theirs],
                      "paired_median": statistics.median(paired)})
