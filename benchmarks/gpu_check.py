@@ -515,6 +515,7 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
                                    torch.nn.ReLU(), torch.nn.Linear(1000, 10)).to(device)
 
     methods: dict[str, Any] = {}
+    states: dict[str, Any] = {}
     for name in ("ddp", "torch_fp16", "gradsync_fp16", "torch_powersgd", "gradsync_powersgd", "gradsync_auto"):
         base = net()
         model = DDP(base, device_ids=[0])
@@ -528,7 +529,8 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
         elif name == "gradsync_powersgd":
             model.register_comm_hook(gradsync.CompressionHookState("powersgd", model=base), gradsync.compression_hook)
         elif name == "gradsync_auto":  # one rank: nothing to save on the wire, so auto must cost about nothing
-            model.register_comm_hook(gradsync.CompressionHookState("auto", model=base), gradsync.compression_hook)
+            states[name] = gradsync.CompressionHookState("auto", model=base)
+            model.register_comm_hook(states[name], gradsync.compression_hook)
         methods[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
     x, y = torch.randn(64, 3, 32, 32, device=device), torch.randint(0, 10, (64,), device=device)
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -545,7 +547,8 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
             if step >= 5:
                 times[name].append(time.perf_counter() - t0)
     if os.environ.get("GRADSYNC_GPU_PROFILE"):  # where a hook's step time goes: the top ops of 3 steps each
-        for name in ("torch_powersgd", "gradsync_powersgd", "torch_fp16", "gradsync_fp16"):
+        for name in os.environ.get("GRADSYNC_GPU_PROFILE", "").split(",") if "_" in os.environ.get(
+                "GRADSYNC_GPU_PROFILE", "") else ("torch_powersgd", "gradsync_powersgd", "torch_fp16", "gradsync_fp16"):
             model, opt = methods[name]
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -557,6 +560,8 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
             print(f"---- profile {name}", flush=True)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50),
                   flush=True)
+    auto = states["gradsync_auto"].auto  # what it chose, and how many buckets ran as the backend's own allreduce
+    print(f"  auto: {auto.native_launches} native launches, step check {auto.step_check}\n{auto.report()}", flush=True)
     med = {m: statistics.median(t) for m, t in times.items()}
     rows = [{"method": m, "median_s": s} for m, s in med.items()]
     for ours, theirs in (("gradsync_fp16", "torch_fp16"), ("gradsync_powersgd", "torch_powersgd"),
