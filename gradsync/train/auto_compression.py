@@ -23,6 +23,11 @@ thread), that planned exchange is timed right after as a second way to send the 
 (:data:`PLANNED`), and the quicker of the two is the group's ``"none"`` from then on: a plan measured alone may
 beat the backend's and still lose inside a training step, where it shares the cores with backward.
 
+Once every group has settled and the whole-step check is over, a group whose choice is stateless and runs on
+the backend's allreduce ("none", or a cast the runtime sums natively) launches by :meth:`AutoCompression.settled_launch`:
+the allreduce and the average, without the timing callbacks and step bookkeeping the choosing needs, which on a GPU
+cost more host time than the allreduce's launch (``gradsync bench gpu``'s hook step times, docs/mergecomp.md).
+
 Settled choices are cached (JSON) per model signature, wire model, device, world size and policy, so the next
 job with the same ones starts decided; another wire or parameter signature misses the cache.
 :meth:`AutoCompression.report` prints one table: group, bytes, codec, predicted and measured time.
@@ -221,11 +226,16 @@ class AutoCompression:
         #: timing callbacks not waited for yet: (group key, set when its time is recorded)
         self._events: list[tuple[str, threading.Event]] = []
         self._loaded = False
+        #: the groups that launch lean (:meth:`settled_launch`): every group's choice settled and checked, each one
+        #: stateless and summed by the backend's allreduce; None until the step check is over (set at each end_step)
+        self._lean: frozenset[str] | None = None
         #: whether the settled choices came from an earlier job's cache
         self.cached = False
         self.current = "none"
         #: "none" launches summed by the backend's own allreduce of the whole group (``step_async(flat=...)``)
         self.native_launches = 0
+        #: launches that took :meth:`settled_launch` (some of native_launches)
+        self.settled_launches = 0
         #: the partition and codec chosen together (:meth:`plan_partition`, ``merge="auto"``); None before
         self.joint: JointChoice | None = None
         # Which AutoCompression of this process this is: part of every job-wide decision's key, so a second one
@@ -284,6 +294,7 @@ class AutoCompression:
         if not self._loaded:
             self._loaded = True
             self._load_cache()
+        self._lean = None  # a group outside the lean set launched (a new one, a planned size): look again at end_step
         key = key or (infos[0].name if len(infos) == 1 else f"{infos[0].name}..{infos[-1].name}")
         if any(launch.key == key for launch in self._this_step):
             self.end_step()
@@ -360,6 +371,59 @@ class AutoCompression:
 
         return Work(fut.then(average), f"auto:{key}:native")
 
+    def settled_launch(self, flat: Tensor, key: str, *, verdict: bool = True) -> torch.futures.Future | None:
+        """A settled group's launch at the cost of a plain allreduce hook: ``flat`` averaged in place by the backend's
+        own allreduce (cast to and from the wire dtype for a cast codec), the future's value ``flat``. Only once
+        every group's choice is settled, checked and stateless ("none" on the backend's allreduce, or a cast) and
+        nothing is measured any more; None otherwise (the caller takes :meth:`step_async`), the same on every rank.
+
+        ``verdict``: whether the group's finite verdict joins the step's, as on the slow path (the optimizer skips
+        a non-finite step). A DDP hook passes False: with no codec state in the job there is nothing to roll back,
+        and a NaN reaches the aggregate by the sum itself, as on the fixed fp16 hook's native path. The timing
+        callbacks, the job-wide decisions and the step bookkeeping of :meth:`step_async` are skipped: on a GPU
+        their host time is most of a bucket's (``gradsync bench gpu``'s hook step times, docs/mergecomp.md)."""
+        lean = self._lean
+        if lean is None or key not in lean:
+            return None
+        group = self._groups[key]
+        runtime = self.runtime
+        wire = None if group.choice.codec == "none" else self._step(group.choice.codec).cast_dtype  # type: ignore[union-attr]
+        if wire is None:
+            fut = runtime.native_allreduce_async(flat, always=True)
+        else:
+            fut = native_cast_sum_async(runtime, flat, wire)
+        if fut is None:
+            return None
+        self.native_launches += 1
+        self.settled_launches += 1
+        world = runtime.world_size
+        if verdict:
+            step = self.boundary.verdict_for([key])
+            slot = step.reserve()
+
+            def checked(f: torch.futures.Future) -> Tensor:
+                f.value()
+                step.fill(slot, Verdicts(all_finite(flat)))
+                return average_in_place(flat, world) if world > 1 else flat
+
+            return fut.then(checked)
+        if world == 1:
+            return fut.then(lambda f: flat)
+        return fut.then(lambda f: average_in_place(flat, world))
+
+    def _lean_groups(self) -> frozenset[str] | None:
+        """The groups :meth:`settled_launch` may take: all of them once the step check is over and every choice is
+        stateless on the backend's allreduce ("none" not on a planned exchange, or a memoryless cast); else None."""
+        if not self.verified or not self.settled or self._baseline_turn:
+            return None
+        keys = self._current_groups()
+        for key in keys:
+            group = self._groups[key]
+            codec = group.priced().codec
+            if group.planned or (codec != "none" and self._step(codec).cast_dtype is None):
+                return None
+        return frozenset(keys)
+
     def close_step(self) -> None:
         """No exchange joins the training step any more (:meth:`CompressionStep.close_step`, for every codec)."""
         if self._closed_at is None and self._this_step:
@@ -404,6 +468,7 @@ class AutoCompression:
         if self._ended > 1 and not self.verified:  # the job's first step warms up
             span = max(done, closed if closed is not None else -math.inf) - min(launch.t0 for launch in launches)
             self._check_step(max(0.0, span - deciding), launches)
+        self._lean = self._lean_groups()
 
     def _check_step(self, seconds: float, launches: list[_Launch]) -> None:
         """The whole step's check, after the per-group ones: a group's own time leaves out what its codec costs the

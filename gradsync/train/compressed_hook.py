@@ -23,7 +23,9 @@ the bucket ``GradBucket.is_last()`` names (DDP hands buckets over in index order
 or, should it never come, the next iteration's first use of a parameter name. When any bucket held a NaN or inf
 on any rank, no bucket's error feedback or compressor state changes in that iteration (its NaN aggregate makes
 GradScaler skip the step); ``state.nonfinite_steps`` counts such iterations. A bucket on the native cast path
-(``fp16`` without memory) has neither state nor a count: its NaN reaches the aggregate by the sum itself.
+(``fp16`` without memory) has neither state nor a count: its NaN reaches the aggregate by the sum itself. The same
+holds for ``compression="auto"`` once every bucket has settled on a stateless choice ("none", or a cast, on the
+backend's allreduce): each bucket is then a plain allreduce hook (:meth:`AutoCompression.settled_launch`).
 
 Why our PowerSGD runs on gloo with several buckets: both rounds of a bucket run inside that one job, and
 jobs run in submission order, so every rank sees the same sequence of collectives. (PyTorch's
@@ -33,7 +35,7 @@ the callbacks can interleave the rounds differently on different ranks.)
 
 # No ``from __future__ import annotations``: DDP inspects the hook's annotations and wants real objects.
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -105,8 +107,8 @@ class CompressionHookState:
         self._names: dict[int, str] = {id(p): n for n, p in named} if named is not None else {}
         #: For ``merge="bucket"``: each merged group's name -> the parameter names in it, as DDP bucketed them.
         self.bucket_members: dict[str, list[str]] = {}
-        #: per bucket layout (dtype and parameter ids): its TensorInfos and their payload and dense bytes, made once
-        self._bucket_infos: dict[tuple[Any, ...], tuple[list[TensorInfo], int, int]] = {}
+        #: per bucket layout (dtype and parameter ids): its group name, TensorInfos, payload and dense bytes
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self.buckets = 0
         self.native_buckets = 0
         self.payload_bytes = 0
@@ -153,20 +155,27 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         if fut is not None:
             return fut
     state.buckets += 1
+    layout = _layout(state, bucket, buffer)
+    state.dense_bytes += layout.dense
+    if state.auto is not None:  # the bucket is auto's group, whatever merge says
+        settled = state.auto.settled_launch(buffer, layout.key, verdict=False)
+        if settled is not None:  # a settled, stateless choice on the backend's allreduce: a plain hook's cost
+            if bucket.is_last():
+                state.close_step()
+            return settled
     if state.merge == "bucket":
-        key = _bucket_key(state, bucket)
         tensors = [buffer]
-        infos = [TensorInfo(key, tuple(buffer.shape), buffer.dtype, bucket.index())]
+        infos = [TensorInfo(layout.key, tuple(buffer.shape), buffer.dtype, bucket.index())]
         state.payload_bytes += state.step.compressor.payload_bytes(infos[0].shape, buffer.dtype) if state.auto is None else 0
-        state.dense_bytes += infos[0].nbytes
     else:
         tensors = list(bucket.gradients())
-        infos = _layerwise_infos(state, bucket, buffer, tensors)
+        infos = layout.infos
+        state.payload_bytes += layout.payload
     # The views in ``tensors`` alias ``buffer``; the local half copies what it needs before anything is written,
     # and an aggregate may be decoded straight into its gradient's place in the bucket (reuse).
-    if state.auto is not None:  # the bucket is auto's group, whatever merge says
-        key = infos[0].name if state.merge == "bucket" else _bucket_key(state, bucket)
-        inner = state.auto.step_async(tensors, infos, reuse=True, key=key, flat=buffer)
+    if state.auto is not None:
+        inner = state.auto.step_async(tensors, infos, reuse=True, key=infos[0].name if state.merge == "bucket"
+                                      else layout.key, flat=buffer)
     else:
         inner = state.step.step_async(tensors, infos, reuse=True)
     if bucket.is_last():  # every bucket of the iteration is queued: no exchange joins its verdict any more
@@ -193,33 +202,34 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     return out
 
 
-def _layerwise_infos(state: CompressionHookState, bucket: dist.GradBucket, buffer: torch.Tensor,
-                     tensors: list[torch.Tensor]) -> list[TensorInfo]:
-    """Each gradient's TensorInfo, with the bucket's payload and dense bytes added to the statistics. Made once per
-    bucket layout (its dtype and parameters, DDP's rebuilt buckets each their own): a record per gradient per step
-    would cost the hook more than its launches."""
+class _Layout(NamedTuple):
+    """One bucket layout's records, made once: its merged group's name, each gradient's TensorInfo, and the
+    payload and dense bytes of one pass (auto's payload is counted by its codecs: 0 here)."""
+
+    key: str
+    infos: list[TensorInfo]
+    payload: int
+    dense: int
+
+
+def _layout(state: CompressionHookState, bucket: dist.GradBucket, buffer: torch.Tensor) -> _Layout:
+    """The bucket's :class:`_Layout`, per layout (its dtype and parameters; DDP's rebuilt buckets each their own): a
+    record per gradient per step would cost the hook more than its launches. Made from the parameters' shapes (a
+    gradient has its parameter's), so a bucket that never needs its gradients' views never makes them."""
     params = bucket.parameters()
     key = (buffer.dtype, *map(id, params))
-    cached = state._bucket_infos.get(key)
-    if cached is None or len(cached[0]) != len(tensors):
-        infos = [TensorInfo(state.name_of(p), tuple(g.shape), g.dtype, i) for i, (p, g) in enumerate(zip(params, tensors))]
+    layout = state._layouts.get(key)
+    if layout is None:
+        names = [state.name_of(p) for p in params]
+        name = f"bucket:{names[0]}..{names[-1]}" if names else f"bucket{bucket.index()}"
+        state.bucket_members[name] = names
+        infos = [TensorInfo(n, tuple(p.shape), buffer.dtype, i) for i, (n, p) in enumerate(zip(names, params))]
         comp = state.step.compressor
         payload = sum(comp.payload_bytes(info.shape, info.dtype) for info in infos) if state.auto is None else 0
-        if len(state._bucket_infos) > 1024:
-            state._bucket_infos.clear()
-        cached = state._bucket_infos[key] = (infos, payload, sum(info.nbytes for info in infos))
-    infos, payload, dense = cached
-    state.payload_bytes += payload
-    state.dense_bytes += dense
-    return infos
-
-
-def _bucket_key(state: CompressionHookState, bucket: dist.GradBucket) -> str:
-    """The merged group's name for ``merge="bucket"``, recording its members."""
-    names = [state.name_of(p) for p in bucket.parameters()]
-    key = f"bucket:{names[0]}..{names[-1]}" if names else f"bucket{bucket.index()}"
-    state.bucket_members[key] = names
-    return key
+        if len(state._layouts) > 1024:
+            state._layouts.clear()
+        layout = state._layouts[key] = _Layout(name, infos, payload, sum(info.nbytes for info in infos))
+    return layout
 
 
 def _native_cast(
@@ -242,7 +252,7 @@ def _native_cast(
     state.payload_bytes += state.step.compressor.payload_bytes(buffer.numel(), buffer.dtype)
     state.dense_bytes += buffer.numel() * buffer.element_size()
     if state.merge == "bucket":
-        _bucket_key(state, bucket)
+        _layout(state, bucket, buffer)  # records the bucket's members
     world = runtime.world_size
 
     return fut.then(lambda f: average_in_place(f.value(), world))

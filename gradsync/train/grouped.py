@@ -257,6 +257,10 @@ floating dtype.
         # a merged group's buf is ours: the aggregate may come back in it
         reuse = len(parts) > 1 or self.reuse_inputs
         if self._auto and reuse:
+            settled = self.step.settled_launch(buf, g.info.name)  # a settled stateless choice: a plain allreduce
+            if settled is not None:
+                self._works.append((g, Work(settled.then(lambda f: [f.value()]), f"auto:{g.info.name}:settled")))
+                return
             # auto: its "none" is the backend's allreduce of buf, any codec sees the members' shapes (views of buf)
             tensors, infos = [buf], [g.info]
             if g.parts:

@@ -543,3 +543,72 @@ def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_sam
         assert torch.equal(out, expected)
         if not planned:
             assert out is flat  # averaged in its own buffer, as the hook's bucket is
+
+
+def _with_native(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """Make ``rt`` look like a runtime whose backend takes every buffer natively (one rank: the sum is the buffer,
+    done at once); the dtypes it was handed, in order."""
+    sent: list[torch.dtype] = []
+
+    def native(tensor, algorithm=None, always=False):
+        sent.append(tensor.dtype)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([tensor])
+        return fut
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: True)
+    return sent
+
+
+@pytest.mark.parametrize("allow, wire, stateless", [("cast", AlphaBeta(0.0, float("inf")), True),
+                                                    ("cast", SLOW, True), ("any", SLOW, False)])
+def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_state_never_does(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, allow: str, wire, stateless: bool) -> None:
+    """Once every group's choice is settled and checked, a stateless one ("none" on an infinitely fast wire, fp16
+    on a slow one) launches by :meth:`AutoCompression.settled_launch`: the backend's allreduce of the group's buffer
+    and nothing else (no per-launch timing, no step_async), the same bits as before it settled; the optimizer still
+    skips a step whose gradient is NaN. A codec with state (error feedback under allow="any") keeps step_async: its
+    step's finite verdict is what rolls the state back."""
+    sent = _with_native(rt, monkeypatch)
+    clock = FakeClock({"none": 1e-4, "other": 1e-6})  # a codec measures quicker than "none": it is kept
+    auto = AutoCompression(allow, runtime=rt, wire=wire, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
+    clock.auto = auto
+    slow: list[int] = []
+    real = auto.step_async
+
+    def spy(*args, **kwargs):
+        slow.append(1)
+        return real(*args, **kwargs)
+
+    auto.step_async = spy  # type: ignore[method-assign]
+    model, plain = _model(), _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge=1)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    per_step: list[tuple[int, int]] = []
+    for step in range(6 * PROBE_STEPS + 4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        before = (len(slow), auto.settled_launches)
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append((len(slow) - before[0], auto.settled_launches - before[1]))
+        plain(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+    codecs = {c.codec for c in auto.choices.values()}
+    assert auto.settled and auto.verified, auto.table()
+    if not stateless:
+        assert codecs - {"none", "fp16", "bf16"} and auto._lean is None, auto.table()
+        assert all(n == 0 for _, n in per_step) and all(s > 0 for s, _ in per_step), per_step
+        return
+    assert per_step[-1] == (0, 1) and per_step[-2] == (0, 1), (per_step, auto.table())  # one group, lean
+    assert sent[-1] == (torch.float32 if codecs == {"none"} else torch.float16), (sent, codecs)
+    if codecs == {"none"}:  # one rank and no rounding: the plain optimizer's bits
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(p, q)
+    weights = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((4, 8), float("nan"))).square().sum().backward()
+    assert opt.step() is None and opt.nonfinite_steps == 1  # the verdict joins the step on the lean path too
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))

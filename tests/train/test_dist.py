@@ -61,15 +61,19 @@ def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and
         assert all(g["record_timeouts"] == 0 for g in got), got  # no decision stalled on another group's exchange
 
 
-def test_auto_none_on_a_ddp_bucket_is_ddps_allreduce_and_still_counts_a_bad_iteration(tmp_path):
-    """Issue 40: "none" on a bucket is the backend's own allreduce of the bucket (as DDP without a hook), and its
-    sum's finiteness joins the iteration's verdict: a NaN or inf on one rank counts once on every rank."""
+def test_auto_none_on_a_ddp_bucket_is_ddps_allreduce_and_counts_a_bad_iteration_while_choosing(tmp_path):
+    """Issue 40: "none" on a bucket is the backend's own allreduce of the bucket (as DDP without a hook). While
+    auto chooses, its sum's finiteness joins the iteration's verdict: a NaN or inf on one rank counts once on
+    every rank. Once settled, every bucket is a plain allreduce (``settled_launch``): the NaN reaches every rank's
+    gradient by the sum, and there is no state to roll back and no count."""
     reports = launch(WORKER, ["auto_native_nonfinite", str(tmp_path)], WORLD, tmp_path, timeout_s=180)
     for rank, rep in enumerate(reports):
         for bad, r in rep.items():
             launches, buckets = r["native"]
             assert buckets >= 8 and launches == buckets, (rank, bad, r["diff"], r["report"], r["native"])  # natively
-            assert r["bad_nonfinite"] and r["later_equal"] and r["counts"] == [1, 0], (rank, bad, r)
+            per_iteration = (buckets - 1) // 7  # one bucket at iteration 0, DDP rebuilds them after it
+            assert r["settled"][:3] == [0, 0, 0] and r["settled"][4:] == [per_iteration] * 4, (rank, bad, r)
+            assert r["bad_nonfinite"] == [True, True] and r["later_equal"] and r["counts"] == [1, 0], (rank, bad, r)
 
 
 def test_one_bad_gradient_in_one_ddp_bucket_leaves_every_bucket_as_if_the_iteration_never_happened(tmp_path):

@@ -264,9 +264,10 @@ def scenario_nonfinite_hook() -> dict:
 
 def scenario_auto_native_nonfinite() -> dict:
     """compression="auto" on an infinitely fast wire through the DDP hook: every bucket runs "none" by DDP's own
-    allreduce of the bucket. At iteration 2 one gradient element on rank 0 is NaN (or inf): every rank's gradient
-    there is non-finite, the iteration counts once on every rank, and the next iterations are those of a run that
-    skipped it."""
+    allreduce of the bucket. At iterations 2 (still choosing) and 6 (settled: every bucket launched by
+    ``settled_launch``) one gradient element on rank 0 is NaN (or inf): every rank's gradient there is non-finite,
+    iteration 2 counts once on every rank (iteration 6 has no codec state to guard and is not counted, as on the
+    fixed fp16 hook's native path), and the other iterations are those of a run that skipped both."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gradsync.compress.auto import AlphaBeta
@@ -284,24 +285,30 @@ def scenario_auto_native_nonfinite() -> dict:
                                    probe_steps=1, cache=False)  # any codec costs more than the wire saves
             state = gradsync.CompressionHookState(auto, runtime=rt, model=module)
             net.register_comm_hook(state, gradsync.compression_hook)
-            grads = []
-            for s in range(5):
-                if skip and s == 2:
+            grads, settled = [], []
+            for s in range(8):
+                if skip and s in (2, 6):
                     grads.append({})
                     continue
                 coeffs = step_tensors(_HOOK_SHAPES, s, RANK, bad=(2, "w2", 1, float(bad)))
+                if s == 6:
+                    coeffs = {**coeffs, **step_tensors(_HOOK_SHAPES, 2, RANK, bad=(2, "w2", 1, float(bad)))}
                 module.zero_grad()
+                before = auto.settled_launches
                 net(coeffs).backward()
+                settled.append(auto.settled_launches - before)
                 grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
             state.close_step()
-            runs.append((grads, state.nonfinite_steps, (auto.native_launches, state.buckets), auto.report()))
-        (seen, count, native, report), (never, count_never, _, _) = runs
+            runs.append((grads, state.nonfinite_steps, (auto.native_launches, state.buckets), auto.report(), settled))
+        (seen, count, native, report, settled), (never, count_never, _, _, _) = runs
+        kept = (0, 1, 3, 4, 5, 7)
         out[bad] = {
-            "bad_nonfinite": not bool(torch.isfinite(seen[2]["w2"]).all()),
-            "later_equal": all(torch.equal(seen[s][n], never[s][n]) for s in (3, 4) for n in _HOOK_SHAPES),
+            "bad_nonfinite": [not bool(torch.isfinite(seen[s]["w2"]).all()) for s in (2, 6)],
+            "later_equal": all(torch.equal(seen[s][n], never[s][n]) for s in kept for n in _HOOK_SHAPES),
             "counts": [count, count_never],
             "native": native,
-            "diff": [n for s in (3, 4) for n in _HOOK_SHAPES if not torch.equal(seen[s][n], never[s][n])],
+            "settled": settled,
+            "diff": [n for s in kept for n in _HOOK_SHAPES if not torch.equal(seen[s][n], never[s][n])],
             "report": report,
         }
     gradsync.shutdown()
