@@ -420,8 +420,13 @@ class AutoCompression:
         for key in keys:
             group = self._groups[key]
             codec = group.priced().codec
-            if group.planned or (codec != "none" and self._step(codec).cast_dtype is None):
-                return None
+            if codec == "none":
+                if group.planned:  # its "none" is the runtime's planned exchange, not the backend's allreduce
+                    return None
+            else:  # a cast takes the backend's allreduce only where the runtime runs its size natively
+                wire = self._step(codec).cast_dtype
+                if wire is None or not self.runtime.runs_natively(group.spec.numel * wire.itemsize):
+                    return None
         return frozenset(keys)
 
     def close_step(self) -> None:

@@ -561,17 +561,22 @@ def _with_native(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[torch.dty
     return sent
 
 
-@pytest.mark.parametrize("allow, wire, stateless", [("cast", AlphaBeta(0.0, float("inf")), True),
-                                                    ("cast", SLOW, True), ("any", SLOW, False)])
+@pytest.mark.parametrize("allow, wire, natively, stateless", [("cast", AlphaBeta(0.0, float("inf")), True, True),
+                                                              ("cast", SLOW, True, True), ("cast", SLOW, False, False),
+                                                              ("any", SLOW, True, False)])
 def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_state_never_does(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, allow: str, wire, stateless: bool) -> None:
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, allow: str, wire, natively: bool, stateless: bool) -> None:
     """Once every group's choice is settled and checked, a stateless one ("none" on an infinitely fast wire, fp16
     on a slow one) launches by :meth:`AutoCompression.settled_launch`: the backend's allreduce of the group's buffer
     and nothing else (no per-launch timing, no step_async), the same bits as before it settled; the optimizer still
     skips a step whose gradient is NaN. A codec with state (error feedback under allow="any") keeps step_async: its
-    step's finite verdict is what rolls the state back."""
+    step's finite verdict is what rolls the state back. So does fp16 where the runtime plans the size itself
+    (``natively`` False): it runs on the planned exchange, as the fixed codec does."""
     sent = _with_native(rt, monkeypatch)
-    clock = FakeClock({"none": 1e-4, "other": 1e-6})  # a codec measures quicker than "none": it is kept
+    if not natively:
+        monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
+    # a codec measures quicker than "none" (it is kept), the planned way far slower (the backend's is kept)
+    clock = FakeClock({"none": 1e-4, PLANNED: 1.0, "other": 1e-6})
     auto = AutoCompression(allow, runtime=rt, wire=wire, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
     clock.auto = auto
     slow: list[int] = []
@@ -600,7 +605,8 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     codecs = {c.codec for c in auto.choices.values()}
     assert auto.settled and auto.verified, auto.table()
     if not stateless:
-        assert codecs - {"none", "fp16", "bf16"} and auto._lean is None, auto.table()
+        assert (codecs - {"none", "fp16", "bf16"} if natively else codecs == {"fp16"}), auto.table()
+        assert auto._lean is None, auto.table()
         assert all(n == 0 for _, n in per_step) and all(s > 0 for s, _ in per_step), per_step
         return
     assert per_step[-1] == (0, 1) and per_step[-2] == (0, 1), (per_step, auto.table())  # one group, lean
