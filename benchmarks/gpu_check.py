@@ -6,12 +6,14 @@ Three parts, each case in its own try so one failure never hides the rest:
   result as on the CPU where the codec is deterministic, and its time (median of ``--reps``, the device
   synchronised) beside GRACE's formulas for the same method on the same device (``benchmarks.codecs``; rand-k
   against both GRACE variants: a full ``randperm`` and ``randint`` with replacement);
-* ``engines``: in fresh processes, every compressor through ``DistributedOptimizer`` and through the DDP
-  ``compression_hook`` for a few steps of a small CNN, on NCCL with one rank and on gloo with CUDA tensors with
+* ``engines``: in fresh processes, every compressor (and ``"auto"`` under each ``allow`` policy) through
+  ``DistributedOptimizer`` and through the DDP ``compression_hook`` for a few steps of a small CNN, on NCCL with one rank and on gloo with CUDA tensors with
   two ranks sharing the GPU; and ``gradsync.allreduce`` of a CUDA tensor with every synthesizer on gloo
   (exact sums). A case passes when it runs, its result is finite, and (allreduce) exact;
 * ``hooks``: DDP step time on NCCL with one rank, methods interleaved: plain DDP, torch's
-  ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1) against gradsync's fp16 and powersgd hooks.
+  ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1) against gradsync's fp16 and powersgd hooks, and
+  ``compression="auto"``'s hook against plain DDP (one rank: nothing to gain on the wire, so auto's own cost shows).
+  ``GRADSYNC_GPU_PROFILE=1`` profiles the four fp16/powersgd hooks; a comma-separated list of method names, those.
 
 Without a GPU it runs the same cases on the CPU with gloo (a dry run: NCCL cases are skipped and say so), which
 is what the test suite does with ``--quick``. The file records the GPU's name, torch's and NCCL's versions.

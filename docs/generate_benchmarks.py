@@ -455,7 +455,8 @@ def gpu() -> list[str]:
         engines: dict[str, list[int]] = {}
         for r in j["engines"]:
             engines.setdefault(r["engine"], [0, 0])[0 if r.get("ok") else 1] += 1
-        out += ["Every compressor through `DistributedOptimizer` and through the DDP `compression_hook`, and "
+        out += ["Every compressor (and `auto` under each `allow` policy, where the run had them) through "
+                "`DistributedOptimizer` and through the DDP `compression_hook`, and "
                 "`gradsync.allreduce` of a CUDA tensor with every synthesizer and `auto`: "
                 + "; ".join(f"{e} {ok} ran, {bad} failed" for e, (ok, bad) in engines.items()) + ".", ""]
         out += ["Codec time (compress + decompress of one float32 tensor, median, device synchronised) against "
