@@ -44,6 +44,14 @@ import torch
 from gradsync.comm.collectives import NativeAllreduce
 from gradsync.comm.executor import Executor
 from gradsync.comm.plans import ALLREDUCE, PlanCache
+from gradsync.comm.tcpinfo import (
+    MAX_ENDPOINTS,
+    decode_endpoint,
+    encode_endpoint,
+    peer_ranks,
+    read_connections,
+    wire_rates,
+)
 from gradsync.comm.tuning import Tuning
 from gradsync.comm.watch import (
     MIN_BYTES,
@@ -66,11 +74,13 @@ from gradsync.sim.cost import NATIVE, native_schedule, size_class
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Link, Topology
 
-__all__ = ["ADAPT_MIN_BYTES", "AdaptOptions", "Adapter", "SwitchRecord", "adapt_from_env"]
+__all__ = ["ADAPT_MIN_BYTES", "WIRE_SOURCES", "AdaptOptions", "Adapter", "SwitchRecord", "adapt_from_env"]
 
 #: Allreduces below this many bytes are not watched: their pairs move too little to measure the wire, and the
 #: agreement round (one small allreduce) would be a visible share of them.
 ADAPT_MIN_BYTES = 1 << 20
+#: :attr:`AdaptOptions.wire`'s choices.
+WIRE_SOURCES = ("auto", "timings")
 _OFF = ("0", "false", "off", "no")
 
 
@@ -87,7 +97,11 @@ class AdaptOptions:
     <gradsync.comm.watch.Detector.pending>`, the same on every rank). Why: a watched collective ends with a small
     agreement round that waits for the slowest rank, which costs about a quarter of a 4 MB loopback allreduce
     (``gradsync bench adapt``); sampling divides that cost by ``every``, and watching every collective once
-    something looks wrong keeps the detection time at ``every + k - 1`` collectives, not ``every * k``."""
+    something looks wrong keeps the detection time at ``every + k - 1`` collectives, not ``every * k``.
+    ``wire``: where a pair's rate comes from: ``"auto"`` (default) the kernel's counters of the connection to that
+    peer where the transport runs on gloo's TCP connections and the peer's connection is found
+    (:mod:`gradsync.comm.tcpinfo`: bytes acknowledged over the time the connection was busy, which leaves out the
+    time either process was not scheduled), else the executor's own send timings; ``"timings"`` always those."""
 
     link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
     late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
@@ -96,8 +110,11 @@ class AdaptOptions:
     pair_min_bytes: float = MIN_BYTES
     min_gain: float = 0.05
     every: int = 16
+    wire: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.wire not in WIRE_SOURCES:
+            raise GradsyncError(f"wire={self.wire!r} must be one of {WIRE_SOURCES} (where pair rates come from)")
         for name in ("link", "late"):
             if not isinstance(getattr(self, name), Hysteresis):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a Hysteresis(enter, leave, k)")
@@ -181,6 +198,13 @@ class Adapter:
         #: Collectives watched so far (warm-up included), and those that qualified (``options.every``).
         self.watched = 0
         self.eligible = 0
+        #: The kernel's counters (``options.wire``): whether to read them, each peer connection's rank (None until
+        #: the first watched collective maps them), the reading before the collective in progress, and of the last
+        #: watched collective's pair rates how many came from them.
+        self._tcp = options.wire == "auto" and plans.caps.backend == "gloo"
+        self._tcp_peers: dict[tuple[str, int], int] | None = None
+        self._tcp_before: dict | None = None
+        self.tcp_pairs = 0
         self._fresh()
 
     def _fresh(self) -> None:
@@ -229,8 +253,26 @@ class Adapter:
             return False
         if isinstance(ex, Executor):  # the backend's own collective has no messages of ours to time
             ex.sent, ex.clock = [], self.clock
+            if self._tcp:
+                if self._tcp_peers is None:
+                    self._tcp_peers = self._map_connections(ex.schedule.world_size)
+                self._tcp_before = read_connections() if self._tcp_peers else None
         self._entered = self.clock()
         return True
+
+    def _map_connections(self, world: int) -> dict[tuple[str, int], int]:
+        """Which rank each of this process's TCP connections leads to: every rank's local endpoints in one
+        sum-allreduce (each row has one writer: exact), then :func:`~gradsync.comm.tcpinfo.peer_ranks`. Every
+        rank calls it at the same watched collective (the first)."""
+        mine = list(read_connections())
+        local = sorted({c.local for c in mine})[:MAX_ENDPOINTS]
+        vec = torch.zeros(world * MAX_ENDPOINTS, dtype=torch.float64)  # host: read back at once
+        for i, (address, port) in enumerate(local):
+            vec[self.rank * MAX_ENDPOINTS + i] = encode_endpoint(address, port)
+        self._share(vec)
+        rows = vec.view(world, MAX_ENDPOINTS).tolist()
+        listed = {r: [decode_endpoint(c) for c in row if c > 0] for r, row in enumerate(rows)}
+        return peer_ranks(mine, listed, self.rank)
 
     def after(self, ex: Executor | NativeAllreduce, nbytes: float) -> SwitchRecord | None:
         """``ex`` just ran a watched allreduce of ``nbytes``: agree on the pair rates, and switch when the
@@ -244,6 +286,12 @@ class Adapter:
             sent, ex.sent = ex.sent or [], None
             rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
                                      self.options.pair_min_bytes)
+            before, self._tcp_before = self._tcp_before, None
+            if before is not None and self._tcp_peers:  # the kernel's rate where it has the pair's connection
+                wire = wire_rates(before, read_connections(), self._tcp_peers, self.options.pair_min_bytes)
+                tcp = {(me, ex.proc_of.index(p)): r for p, r in wire.items() if p in ex.proc_of}
+                rates.update({k: v for k, v in tcp.items() if k in rates})
+                self.tcp_pairs = sum(1 for k in tcp if k in rates)
         # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
         # is exact and every rank reads the same numbers
         vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo

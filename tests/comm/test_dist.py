@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from gradsync.sim.choose import algorithms_for
@@ -48,6 +50,20 @@ def test_bml_on_bcube_3_2_with_nine_processes(tmp_path):
     reports = launch(WORKER, ["sums", str(tmp_path), "bcube:3,2", "bml"], 9, tmp_path, timeout_s=280)
     for rank, rep in enumerate(reports):
         assert rep is not None and rep["checked"] == ["bml"] and rep["failures"] == [], (rank, rep)
+
+
+def test_the_watch_reads_each_pairs_rate_from_the_kernels_counters_of_its_gloo_connection(tmp_path):
+    """Issue 39: on gloo, each rank maps its TCP connections to the other ranks (every other rank found: its
+    gloo connection), and a watched planned allreduce takes its pairs' rates from those connections' counters (the
+    planned ring sends to both neighbours: two pairs per rank; a connection whose busy time was all the receiver's
+    stalls, 3 processes sharing 2 cores, gives no rate that time); the sums stay exact."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("TCP_INFO's counters are Linux's")
+    reports = launch(WORKER, ["tcp_rates", str(tmp_path), "switch:3"], 3, tmp_path, timeout_s=120)
+    for rank, rep in enumerate(reports):
+        assert rep["exact"] and rep["watched"] == 4, (rank, rep)
+        assert rep["peers"] == [r for r in range(3) if r != rank], (rank, rep)
+        assert all(0 <= n <= 2 for n in rep["tcp_pairs"]) and sum(rep["tcp_pairs"]) >= 2, (rank, rep)
 
 
 def test_a_late_rank_on_the_backends_own_ring_moves_every_rank_to_the_straggler_plan_and_back(tmp_path):

@@ -399,7 +399,27 @@ def scenario_late_native(topology: str) -> dict:
     return out
 
 
-SCENARIOS = {"mismatch": scenario_mismatch, "calibrate": scenario_calibrate, "default_init": scenario_default_init, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill, "late_native": scenario_late_native}
+def scenario_tcp_rates(topology: str) -> dict:
+    """A planned ring watched on gloo: at its first watched allreduce every rank maps its TCP connections to the
+    ranks they lead to, and the pair rates of each watched allreduce come from the kernel's counters."""
+    from gradsync.comm.adapt import AdaptOptions
+
+    options = AdaptOptions(warmup=2, every=1, min_bytes=1 << 20)
+    rt = gradsync.init(topology, "ring", timeout_s=60, adapt=options)
+    numel = (2 << 20) // 4
+    exact, tcp = True, []
+    for i in range(4):
+        x = torch.full((numel,), float(RANK + i))
+        gradsync.allreduce(x)
+        exact &= bool((x == sum(r + i for r in range(WORLD))).all())
+        tcp.append(rt.adapt.tcp_pairs)
+    peers = sorted(set((rt.adapt._tcp_peers or {}).values()))
+    out = {"exact": exact, "tcp_pairs": tcp, "peers": peers, "watched": rt.adapt.watched}
+    gradsync.shutdown()
+    return out
+
+
+SCENARIOS = {"tcp_rates": scenario_tcp_rates, "mismatch": scenario_mismatch, "calibrate": scenario_calibrate, "default_init": scenario_default_init, "explore": scenario_explore, "sums": scenario_sums, "sharded": scenario_sharded, "ddp": scenario_ddp, "ddp_native": scenario_ddp_native, "optimizer": scenario_optimizer, "kill": scenario_kill, "late_native": scenario_late_native}
 
 
 def main() -> None:

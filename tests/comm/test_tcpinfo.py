@@ -1,0 +1,94 @@
+"""The kernel's per-connection counters the watch reads (gradsync.comm.tcpinfo, issue 39): the struct offsets, the
+endpoint codes, which rank a connection leads to, and the wire rate, against synthetic counters and one real
+loopback connection."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import sys
+import threading
+
+import pytest
+import torch
+
+from gradsync.comm.tcpinfo import (
+    Connection,
+    TcpCounters,
+    decode_endpoint,
+    encode_endpoint,
+    parse_tcp_info,
+    peer_ranks,
+    read_connections,
+    wire_rates,
+)
+
+
+def _raw(acked: int, busy: int, rwnd: int, sndbuf: int, *, pad: int = 232) -> bytes:
+    """A ``struct tcp_info`` laid out as linux/tcp.h: 8 bytes, 24 u32, 4 u64, 6 u32, 4 u64 (delivery_rate first)."""
+    head = bytes(8) + struct.pack("=24I", *range(24))
+    return (head + struct.pack("=QQQQ", 7, 8, acked, 9) + struct.pack("=6I", *range(6))
+            + struct.pack("=QQQQ", 10, busy, rwnd, sndbuf)).ljust(pad, b"\0")
+
+
+def test_the_counters_are_read_at_the_kernels_offsets_and_a_short_struct_gives_none() -> None:
+    assert parse_tcp_info(_raw(123456789, 4000, 300, 20)) == TcpCounters(123456789, 4000, 300, 20)
+    assert parse_tcp_info(_raw(1, 2, 3, 4)[:190]) is None  # a kernel before busy_time (4.10) has no such fields
+
+
+@pytest.mark.parametrize("address, port", [("0.0.0.0", 1), ("10.213.0.7", 29500), ("255.255.255.255", 65535)])
+def test_an_endpoint_travels_exactly_as_one_float64(address: str, port: int) -> None:
+    code = encode_endpoint(address, port)
+    summed = torch.tensor([0.0, code], dtype=torch.float64).sum().item()  # what the sum-allreduce does to it
+    assert decode_endpoint(summed) == (address, port)
+
+
+def test_each_connection_maps_to_the_one_other_rank_that_lists_its_peer_endpoint() -> None:
+    mine = [Connection(("10.0.0.1", 40000), ("10.0.0.2", 50000)),   # to rank 1
+            Connection(("10.0.0.1", 40001), ("10.0.0.3", 50001)),   # to rank 2
+            Connection(("10.0.0.1", 40002), ("10.0.0.9", 29500)),   # a store nobody lists
+            Connection(("10.0.0.1", 40003), ("10.0.0.4", 7))]       # listed by two ranks: ambiguous
+    listed = {0: [("10.0.0.1", 40000), ("10.0.0.1", 40001)], 1: [("10.0.0.2", 50000), ("10.0.0.4", 7)],
+              2: [("10.0.0.3", 50001), ("10.0.0.4", 7)]}
+    assert peer_ranks(mine, listed, rank=0) == {("10.0.0.2", 50000): 1, ("10.0.0.3", 50001): 2}
+
+
+def test_the_wire_rate_is_bytes_acked_over_busy_time_less_receiver_stalls_on_the_busiest_connection() -> None:
+    a, b, c = (Connection(("h", i), ("p", i)) for i in range(3))
+    peers = {("p", 0): 1, ("p", 1): 1, ("p", 2): 2}
+    before = {a: TcpCounters(0, 0, 0, 0), b: TcpCounters(100, 10, 0, 0), c: TcpCounters(0, 0, 0, 0)}
+    after = {a: TcpCounters(4_000_000, 2_000_000, 1_000_000, 0),  # 4 MB in 2 s busy, 1 s of it the receiver's
+             b: TcpCounters(1_100, 1_010, 0, 0),                  # another group's connection to rank 1: fewer bytes
+             c: TcpCounters(10, 5, 0, 0)}                          # rank 2: too few bytes to say
+    assert wire_rates(before, after, peers, min_bytes=1000) == {1: pytest.approx(4e6)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO's counters are Linux's")
+def test_a_loopback_connection_reports_what_it_moved_and_a_rate() -> None:
+    """One real connection: the kernel's acknowledged bytes grow by what was sent, and the rate is finite."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    payload = b"x" * (4 << 20)
+    got = bytearray()
+
+    def drain() -> None:
+        while len(got) < len(payload):
+            got.extend(conn.recv(1 << 20))
+
+    try:
+        me = Connection(client.getsockname()[:2], client.getpeername()[:2])
+        before = read_connections()
+        assert me in before, sorted(before)
+        reader = threading.Thread(target=drain)
+        reader.start()
+        client.sendall(payload)
+        reader.join(timeout=30)
+        assert len(got) == len(payload)
+        after = read_connections()
+        assert after[me].bytes_acked - before[me].bytes_acked == len(payload)
+        rates = wire_rates(before, after, {me.peer: 1}, min_bytes=1 << 20)
+        assert set(rates) == {1} and rates[1] > len(payload)  # faster than a byte per second's worth: > 4 MB/s
+    finally:
+        for s in (client, conn, server):
+            s.close()
