@@ -5,8 +5,11 @@ take the queued path, not the native fast path, so every rank counts the same on
 
 * **watch**: the executor records when each message this rank sent was posted and when it completed
   (:attr:`Executor.sent <gradsync.comm.executor.Executor.sent>`); :func:`~gradsync.comm.watch.collective_rates`
-  turns them into one rate per ``(src, dst)`` pair this rank sends on; each rank also times its whole stay in
-  the collective, which shows a late rank on any plan (the backend's ring gives nothing else);
+  turns them into one rate per ``(src, dst)`` pair this rank sends on. On gloo the kernel's counters of the
+  pair's TCP connection replace it where the connection is found (:mod:`gradsync.comm.tcpinfo`,
+  :attr:`AdaptOptions.wire`): a send's own timing also holds the time either process was not scheduled. Each
+  rank also times its whole stay in the collective, which shows a late rank on any plan (the backend's ring
+  gives nothing else);
 * **agree**: the pair rates of all ranks travel in one small sum-allreduce (``world_size**2`` float64s, each
   entry written by its sender alone, so the sum is exact), so every rank feeds the *same* numbers to the same
   deterministic :class:`~gradsync.comm.watch.Detector` and sees the same switch at the same collective.
@@ -94,7 +97,9 @@ class AdaptOptions:
     share of a collective's predicted time a replan must save to be run (below it the switch is held);
     ``every``: watch one allreduce in this many of those that qualify (the same ones on every rank), and every
     one while the detector has a key or rank partway to a switch (:attr:`Detector.pending
-    <gradsync.comm.watch.Detector.pending>`, the same on every rank). Why: a watched collective ends with a small
+    <gradsync.comm.watch.Detector.pending>`, the same on every rank) or believes the cluster off its baseline (a
+    degraded link or a late rank, switched to or held: its return is then seen at once, not up to ``every``
+    collectives late). Why: a watched collective ends with a small
     agreement round that waits for the slowest rank, which costs about a quarter of a 4 MB loopback allreduce
     (``gradsync bench adapt``); sampling divides that cost by ``every``, and watching every collective once
     something looks wrong keeps the detection time at ``every + k - 1`` collectives, not ``every * k``.
@@ -249,7 +254,8 @@ class Adapter:
         if not self.qualifies(ex, nbytes):
             return False
         self.eligible += 1
-        if (self.eligible - 1) % self.options.every and not self.detector.pending:
+        if ((self.eligible - 1) % self.options.every and not self.detector.pending
+                and self.detector.conditions.baseline):  # off the baseline: every one, to see it come back
             return False
         if isinstance(ex, Executor):  # the backend's own collective has no messages of ours to time
             ex.sent, ex.clock = [], self.clock

@@ -160,14 +160,15 @@ def test_a_slow_link_switches_once_after_k_collectives_on_every_rank_with_exact_
     assert "(1, 2) at 0.25x its modelled rate" in first.message and "ring/1 -> ring/1" in first.message
 
 
-@pytest.mark.parametrize("every, slow_from, watched, at", [(2, 4, 7, 3), (4, 9, 7, 4)])
+@pytest.mark.parametrize("every, slow_from, watched, at", [(2, 4, 9, 3), (4, 9, 8, 4)])
 def test_watching_one_allreduce_in_every_few_samples_the_same_ones_on_every_rank_and_still_switches(
         every, slow_from, watched, at):
     """``every=2``: collectives 0, 2, 4, ... are watched on every rank (the others pay nothing); two warm up. The
     slow NIC from collective 4 is seen at 4; from then every collective is watched while the detector is partway
-    (5, 6), so it switches at its third watched collective (collective 6, not 8), then samples again (8, 10): 7
-    watched of 11. ``every=4``, slow from 9: watched 0, 4 (warm-up), 8 (healthy), 12, 13, 14 (the switch, the
-    detector's fourth), 16: 7 of 17, where one in four alone would have switched at collective 20."""
+    (5, 6), so it switches at its third watched collective (collective 6, not 8), and every one after it while the
+    cluster is off its baseline (7 to 10): 9 watched of 11. ``every=4``, slow from 9: watched 0, 4 (warm-up), 8
+    (healthy), 12, 13, 14 (the switch, the detector's fourth), 15, 16: 8 of 17, where one in four alone would have
+    switched at collective 20."""
     options = dataclasses.replace(OPTIONS, every=every)
     steps = 4 * every + 3 if every == 2 else 17
     results = _run_job(4, "switch:4", "ring", torch.float32, {slow_from: SLOW_NIC}, steps=steps, options=options,
@@ -186,6 +187,29 @@ def test_the_plan_switches_back_once_the_link_recovers():
         assert exact
         assert [(s.generation, s.collective) for s in switches] == [(1, 5), (2, 10)]
         assert switches[1].conditions.baseline and "back to its modelled rate" in switches[1].message
+
+
+def test_off_the_baseline_every_collective_is_watched_so_the_return_is_seen_k_collectives_after_it(monkeypatch):
+    """``every=4``, rank 1's NIC slow from collective 5 to 11: watched 0, 4 (warm-up), 8 (slow: partway), 9, 10
+    (the switch). While the cluster is off its baseline every collective is watched, so the recovery at 12 is seen
+    at 12 and the plan switches back at 14, the third healthy one; sampling one in four, as on the baseline, it
+    was seen at 16 and switched back at 18."""
+    from gradsync.comm import adapt
+
+    switched: list[int] = []
+    after = adapt.Adapter.after
+
+    def spy(self, ex, nbytes):
+        got = after(self, ex, nbytes)
+        if self.rank == 0 and got is not None and got in self.switches:
+            switched.append(self.eligible - 1)  # the collective's index among all those that qualified
+        return got
+
+    monkeypatch.setattr(adapt.Adapter, "after", spy)
+    options = dataclasses.replace(OPTIONS, every=4)
+    results = _run_job(4, "switch:4", "ring", torch.float32, {5: SLOW_NIC, 12: {}}, steps=20, options=options)
+    assert all(exact for _, exact in results)
+    assert switched == [10, 14], switched
 
 
 def test_noise_below_the_threshold_never_switches():
