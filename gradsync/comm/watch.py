@@ -347,11 +347,15 @@ def link_scales(topology: Topology, pair_scale: Mapping[tuple[int, int], float],
     ``(src, dst)`` keys); ``healthy``: the pairs measured at their modelled rate.
 
     The fewest links that explain every slow pair, greedily: the link direction crossed by the most slow pairs
-    not yet explained takes the largest scale among them (a link is at least as fast as the fastest pair it
-    slows), and so on. A healthy pair clears only the links that bound it (those within 1% of the slowest on its
-    route, by the topology's rates): a pair across a 4:1 uplink runs at the uplink's rate whether or not the NIC
-    it leaves by is cut to a quarter, so it says nothing about that NIC. One slow NIC then scales that NIC's
-    link alone: every pair through it is slow, and it is the one link they share.
+    not yet explained takes the largest scale among those it bounds (a link is at least as fast as the fastest
+    pair it slows), and so on. A link bounds a pair when it is within 1% of the slowest on the pair's route, by
+    the topology's rates; where it bounds none of them, the largest scale among all. A healthy pair clears only
+    the links that bound it: a pair across a 4:1 uplink runs at the uplink's rate whether or not the NIC it
+    leaves by is cut to a quarter, so it says nothing about that NIC. Nor does such a pair, slowed, set the NIC's
+    scale: on the testbed with a NIC at a quarter, its rack-local pairs read 0.15-0.16x and its pairs across the
+    uplink 0.41-0.54x (sharing the cut NIC with the others), and a NIC scaled to 0.54 priced no replan worth
+    running. One slow NIC then scales that NIC's link alone: every pair through it is slow, and it is the one
+    link they share.
     """
     route = router_for(topology)
     hops_of: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -364,12 +368,16 @@ def link_scales(topology: Topology, pair_scale: Mapping[tuple[int, int], float],
     def rate(hop: tuple[int, int]) -> float:
         return topology.links[hop[0]].directed_GBps[hop[1]]
 
+    def bounding(pair: tuple[int, int]) -> set[tuple[int, int]]:
+        path = hops(pair)
+        if not path:
+            return set()
+        slowest = min(map(rate, path))
+        return {h for h in path if rate(h) <= slowest * 1.01}
+
     cleared: set[tuple[int, int]] = set()
     for pair in healthy:
-        path = hops(pair)
-        if path:
-            slowest = min(map(rate, path))
-            cleared.update(h for h in path if rate(h) <= slowest * 1.01)
+        cleared.update(bounding(pair))
     open_pairs = {p: min(1.0, float(s)) for p, s in sorted(pair_scale.items())}
     scales: dict[tuple[int, int], float] = {}
     while open_pairs:
@@ -382,7 +390,8 @@ def link_scales(topology: Topology, pair_scale: Mapping[tuple[int, int], float],
             break
         best = min(count, key=lambda h: (-count[h], h))
         explained = [p for p in open_pairs if best in hops(p)]
-        scales[best] = max(open_pairs[p] for p in explained)
+        bound = [p for p in explained if best in bounding(p)] or explained
+        scales[best] = max(open_pairs[p] for p in bound)
         for p in explained:
             del open_pairs[p]
     return {hop: s for hop, s in scales.items() if s < 1.0}

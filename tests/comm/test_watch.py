@@ -224,6 +224,19 @@ def test_one_slow_nic_scales_only_that_nics_link():
 
 
 
+def test_a_slow_pair_bound_by_a_thin_uplink_does_not_set_the_scale_of_the_nic_it_crosses():
+    """racks:2,3,4 with rank 0's NIC at a quarter, as the testbed read it: its rack-local pairs at 0.15-0.16x, its
+    pairs to the other rack (bound by the 4:1 uplink, sharing the cut NIC) at 0.41-0.54x. Every one of them crosses
+    the NIC, which explains them all; its scale is that of the pairs it bounds (0.16), not 0.54."""
+    topo = get_topology("racks:2,3,4")
+    slow = {(0, 1): 0.15, (0, 2): 0.16, (1, 0): 0.16, (2, 0): 0.16, (0, 3): 0.54, (3, 0): 0.41}
+    healthy = [(1, 2), (2, 1), (3, 4), (4, 5), (5, 3), (1, 4), (4, 1)]
+    scales = link_scales(topo, slow, healthy)
+    nic = {e for e, lk in enumerate(topo.links) if "host0" in (lk.a, lk.b)}
+    assert {e for e, _ in scales} == nic, scales
+    assert sorted(scales.values()) == [0.16, 0.16], scales  # out of host0 (0.15, 0.16) and into it (0.16, 0.16)
+
+
 def test_a_pair_across_a_thin_uplink_does_not_clear_the_nic_it_leaves_by():
     """racks:2,3,4 with rank 0's NIC cut (issue 39's scenario a): its pairs inside the rack are slow, its pair to the
     other rack runs at the 4:1 uplink's rate as modelled (the NIC is not what bounds it). The NIC alone is scaled;
