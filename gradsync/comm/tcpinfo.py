@@ -84,8 +84,13 @@ def read_connections() -> dict[Connection, TcpCounters]:
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(int(name)))  # a duplicate: closing it leaves the owner's fd alone
+            fd = os.dup(int(name))  # a duplicate: closing it leaves the owner's fd alone
         except (OSError, ValueError):
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # the number was closed and reused for something else in between
+            os.close(fd)
             continue
         try:
             if sock.type != socket.SOCK_STREAM or sock.family != socket.AF_INET:
