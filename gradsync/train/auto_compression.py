@@ -97,6 +97,14 @@ PLANNED = "none/planned"
 _SERIALS = itertools.count()
 
 
+def _checked_average(f: torch.futures.Future, flat: Tensor, world: int, verdict: StepVerdict, slot: int) -> Tensor:
+    """After the backend's sum of ``flat`` (``f``): whether it is finite joins the step's verdict at ``slot``, then
+    ``flat`` is averaged in place (the same bits on every rank, so the same verdict too)."""
+    f.value()
+    verdict.fill(slot, Verdicts(all_finite(flat)))
+    return average_in_place(flat, world) if world > 1 else flat
+
+
 def wire_of(runtime: Runtime) -> AlphaBeta:
     """The runtime's calibrated wire as α–β: α of one native ring step (or one executor message), β the
     slowest link's rate (measured per link class where calibrated) times the transport's goodput."""
@@ -351,25 +359,24 @@ class AutoCompression:
         ``wire``: a cast codec's dtype (fp16, bf16): ``flat`` is cast, summed in that dtype and cast back, as a
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
         own step then runs on the planned exchange, as the fixed codec would)."""
-        runtime = self.runtime
-        if wire is None:
-            fut = runtime.native_allreduce_async(flat, always=True)
-        else:
-            fut = native_cast_sum_async(runtime, flat, wire)
+        fut = self._backend_sum(flat, wire)
         if fut is None:
             return None
         slot = verdict.reserve()
         self.native_launches += 1
-        world = runtime.world_size
+        world = self.runtime.world_size
 
         def average(f: torch.futures.Future) -> list[Tensor]:
-            f.value()
-            verdict.fill(slot, Verdicts(all_finite(flat)))
-            if world > 1:
-                average_in_place(flat, world)
-            return [flat]
+            return [_checked_average(f, flat, world, verdict, slot)]
 
         return Work(fut.then(average), f"auto:{key}:native")
+
+    def _backend_sum(self, flat: Tensor, wire: torch.dtype | None) -> torch.futures.Future | None:
+        """``flat`` summed in place by the process group's own allreduce (in ``wire`` and cast back, for a cast
+        codec, where the runtime runs that size natively); None where the backend cannot take it."""
+        if wire is None:
+            return self.runtime.native_allreduce_async(flat, always=True)
+        return native_cast_sum_async(self.runtime, flat, wire)
 
     def settled_launch(self, flat: Tensor, key: str, *, verdict: bool = True) -> torch.futures.Future | None:
         """A settled group's launch at the cost of a plain allreduce hook: ``flat`` averaged in place by the backend's
@@ -385,28 +392,17 @@ class AutoCompression:
         lean = self._lean
         if lean is None or key not in lean:
             return None
-        group = self._groups[key]
-        runtime = self.runtime
-        wire = None if group.choice.codec == "none" else self._step(group.choice.codec).cast_dtype  # type: ignore[union-attr]
-        if wire is None:
-            fut = runtime.native_allreduce_async(flat, always=True)
-        else:
-            fut = native_cast_sum_async(runtime, flat, wire)
+        codec = self._groups[key].priced().codec
+        fut = self._backend_sum(flat, None if codec == "none" else self._step(codec).cast_dtype)
         if fut is None:
             return None
         self.native_launches += 1
         self.settled_launches += 1
-        world = runtime.world_size
+        world = self.runtime.world_size
         if verdict:
             step = self.boundary.verdict_for([key])
             slot = step.reserve()
-
-            def checked(f: torch.futures.Future) -> Tensor:
-                f.value()
-                step.fill(slot, Verdicts(all_finite(flat)))
-                return average_in_place(flat, world) if world > 1 else flat
-
-            return fut.then(checked)
+            return fut.then(lambda f: _checked_average(f, flat, world, step, slot))
         if world == 1:
             return fut.then(lambda f: flat)
         return fut.then(lambda f: average_in_place(flat, world))

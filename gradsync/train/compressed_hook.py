@@ -174,8 +174,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     # The views in ``tensors`` alias ``buffer``; the local half copies what it needs before anything is written,
     # and an aggregate may be decoded straight into its gradient's place in the bucket (reuse).
     if state.auto is not None:
-        inner = state.auto.step_async(tensors, infos, reuse=True, key=infos[0].name if state.merge == "bucket"
-                                      else layout.key, flat=buffer)
+        inner = state.auto.step_async(tensors, infos, reuse=True, key=layout.key, flat=buffer)
     else:
         inner = state.step.step_async(tensors, infos, reuse=True)
     if bucket.is_last():  # every bucket of the iteration is queued: no exchange joins its verdict any more
