@@ -17,7 +17,10 @@ take the queued path, not the native fast path, so every rank counts the same on
   collective is one message-cost round next to a wire-bound one;
 * **compare**: each pair is compared with what the cost model predicts for the plan that ran (the simulated
   per-pair rate), times the ratio measured in the first :attr:`AdaptOptions.warmup` watched collectives, so a
-  wire that never matched the model's absolute rates is not a degraded one;
+  wire that never matched the model's absolute rates is not a degraded one. That factor belongs to the plan (how
+  the wire runs its pairs beside the model): after a switch the new plan's pairs learn theirs again, against the
+  model of the cluster as the detector believes it, and only the degraded pairs, whose return is watched, keep
+  theirs. On gloo's kernel counters a late peer does not slow a pair, so those pairs are compared while it is late;
 * **replan**: on a switch the degraded pairs become per-link capacity scales
   (:func:`~gradsync.comm.watch.link_scales`), the plan cache is reset on the scaled topology (a new
   generation: the choice and wait order are decided job-wide through ``decide`` under new keys, so every rank
@@ -67,6 +70,7 @@ from gradsync.comm.watch import (
     collective_rates,
     describe_switch,
     link_scales,
+    on_time_pairs,
     scaled_topology,
     seen,
 )
@@ -224,7 +228,10 @@ class Adapter:
         self._recent: dict[int, deque[float]] = {}
         self._trial: _Trial | None = None
         self._factor: dict[Hashable, float] | None = None
-        self._expected: dict[tuple[int, int], tuple[Schedule, dict[Hashable, float], list[float]]] = {}
+        self._expected: dict[tuple[int, int, int], tuple[Schedule, Topology, dict[Hashable, float], list[float]]] = {}
+        #: the cluster as the detector last believed it (the topology a switch scaled, replanned or held): what a
+        #: pair without a factor is learned against, and when each rank is expected to leave the collective
+        self._world: Topology = self.base_topology
 
     @property
     def rank(self) -> int:
@@ -288,6 +295,7 @@ class Adapter:
         n = ex.schedule.world_size
         me = self.rank
         rates: dict[Hashable, float] = {}
+        kernel: set[Hashable] = set()  # pairs whose rate is the kernel's: a late peer does not slow those
         if isinstance(ex, Executor):  # the backend's own collective gives each rank's time alone
             sent, ex.sent = ex.sent or [], None
             rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
@@ -296,19 +304,22 @@ class Adapter:
             if before is not None and self._tcp_peers:  # the kernel's rate where it has the pair's connection
                 wire = wire_rates(before, read_connections(), self._tcp_peers, self.options.pair_min_bytes)
                 tcp = {(me, ex.proc_of.index(p)): r for p, r in wire.items() if p in ex.proc_of}
-                rates.update({k: v for k, v in tcp.items() if k in rates})
-                self.tcp_pairs = sum(1 for k in tcp if k in rates)
+                kernel = {k for k in tcp if k in rates}
+                rates.update({k: tcp[k] for k in kernel})
+                self.tcp_pairs = len(kernel)
         # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
-        # is exact and every rank reads the same numbers
+        # is exact and every rank reads the same numbers; a rate is negative where it is the sender's own timing
         vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo
         for (src, dst), r in rates.items():
-            vec[src * n + dst] = r
+            vec[src * n + dst] = r if (src, dst) in kernel else -r
         vec[n * n + me] = max(seconds, 0.0)
         self._share(vec)
         spent = vec[n * n:].tolist()
-        pairs = vec[: n * n]
-        shared = {(int(i) // n, int(i) % n): float(pairs[i]) for i in torch.nonzero(pairs).flatten().tolist()}
-        expected, finish = self._expected_rates(ex.schedule, nbytes)
+        pairs = vec[: n * n].tolist()
+        shared = {(i // n, i % n): abs(r) for i, r in enumerate(pairs) if r}
+        kernel = {(i // n, i % n) for i, r in enumerate(pairs) if r > 0}
+        expected, _ = self._expected_rates(ex.schedule, nbytes, self.base_topology)
+        _, finish = self._expected_rates(ex.schedule, nbytes, self._world)
         shared = {k: v for k, v in shared.items() if k in expected}
         if self._factor is None:  # warm-up: learn how each pair's wire, and the whole run, compare with the model
             self._learn_pairs(shared, expected)
@@ -333,40 +344,51 @@ class Adapter:
         reference = max(spent)
         size = size_class(nbytes)
         self._recent.setdefault(size, deque(maxlen=self._trial_length)).append(reference)
-        # A late rank's pairs read its lateness, not the wire (a message to it waits until it posts the receive):
-        # they are neither learned nor compared while it is late, by the detector's conditions or by this
-        # collective's delays (compared, they replanned a healthy wire around the late rank's links).
+        # A late rank's timed pairs are neither learned nor compared while it is late, by the detector's conditions
+        # or by this collective's delays (compared, they replanned a healthy wire around the late rank's links).
         late_now = {r for r, d in enumerate(delays) if reference > 0 and d > self.options.late.leave * reference}
         if self.detector.conditions.straggler is not None:
             late_now.add(self.detector.conditions.straggler)
-        if late_now:
-            shared = {k: v for k, v in shared.items() if not set(k) & late_now}  # type: ignore[arg-type]
-        if shared and not self._factor:
-            # warmed up on the backend's own collective, which gives no pair rates: learn the pairs of the plan
-            # that runs now before comparing them (a wire that never matched the model is not a degraded one)
-            self._learn_pairs(shared, expected)
-            if max(len(v) for v in self._warm.values()) >= self.options.warmup:
-                self._settle_pairs()
-            shared = {}
-        overall = statistics.median(self._factor.values()) if self._factor else 1.0
-        want = {k: expected[k] * self._factor.get(k, overall) for k in shared}
+        shared = on_time_pairs(shared, late_now, kernel)
+        # A pair without a factor (a warm-up on the backend's own collective, which gives no pair rates; a plan
+        # that runs since a switch) learns it first, against the model on the cluster as now believed: a factor
+        # belongs to a plan (how the wire runs that plan's pairs beside the model), and a wire that never
+        # matched the model is not a degraded one.
+        fresh = {k: v for k, v in shared.items() if k not in self._factor}
+        if fresh:
+            self._learn_pairs(fresh, self._expected_rates(ex.schedule, nbytes, self._world)[0])
+            shared = {k: v for k, v in shared.items() if k not in fresh}
+        want = {k: expected[k] * self._factor[k] for k in shared}
         switch = self.detector.observe(shared, want, delays if reference > 0 else (), reference if reference > 0 else 1.0)
         if switch is None:
             return self._review(size, reference)
         degraded = dict(switch.after.link_scale)
         healthy = [k for k in shared if k not in degraded]
         scales = link_scales(self.base_topology, degraded, healthy)  # type: ignore[arg-type]
-        topology = scaled_topology(self.base_topology, scales) if scales else self.base_topology
-        return self._replan(switch, topology, ex.schedule, nbytes)
+        self._world = scaled_topology(self.base_topology, scales) if scales else self.base_topology
+        return self._replan(switch, self._world, ex.schedule, nbytes)
 
     def _learn_pairs(self, shared: dict[Hashable, float], expected: dict[Hashable, float]) -> None:
-        """Record each pair's measured / modelled rate toward its warm-up factor."""
+        """Record each pair's measured / modelled rate toward its factor; after the warm-up, a pair with
+        :attr:`AdaptOptions.warmup` of them settles at once."""
         for k, v in shared.items():
-            self._warm.setdefault(k, []).append(v / expected[k])
+            samples = self._warm.setdefault(k, [])
+            samples.append(v / expected[k])
+            if self._factor is not None and len(samples) >= self.options.warmup:
+                self._factor[k] = statistics.median(self._warm.pop(k))
 
     def _settle_pairs(self) -> None:
         """The warm-up is over for the pairs: each one's factor is the median of what it recorded."""
         self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
+        self._warm = {}
+
+    def _relearn(self) -> None:
+        """Another plan runs: its pairs learn their factors again, except the degraded ones, whose factors are
+        what their return is seen against."""
+        if self._factor is not None:
+            keep = dict(self.detector.conditions.link_scale)
+            self._factor = {k: f for k, f in self._factor.items() if k in keep}
+        self._warm = {}
 
     @property
     def _trial_length(self) -> int:
@@ -447,14 +469,15 @@ class Adapter:
         name, depth = json.loads(plans.decide(f"adapt/straggler/{size}", compute))
         plans.choose(size, (str(name), int(depth)))
 
-    def _expected_rates(self, schedule: Schedule, nbytes: float) -> tuple[dict[Hashable, float], list[float]]:
-        """Per pair, the rate the cost model predicts for ``schedule`` on the unscaled topology, and per rank, when
-        its last message is done (cached)."""
-        key = (id(schedule), size_class(nbytes))
+    def _expected_rates(self, schedule: Schedule, nbytes: float,
+                        topology: Topology) -> tuple[dict[Hashable, float], list[float]]:
+        """Per pair, the rate the cost model predicts for ``schedule`` on ``topology``, and per rank, when its
+        last message is done (cached)."""
+        key = (id(schedule), size_class(nbytes), id(topology))
         got = self._expected.get(key)
-        if got is None or got[0] is not schedule:
+        if got is None or got[0] is not schedule or got[1] is not topology:
             model = self.plans.cost_model
-            sim = simulate(schedule, model.rates(self.base_topology), float(nbytes), streaming=False, fifo=True,
+            sim = simulate(schedule, model.rates(topology), float(nbytes), streaming=False, fifo=True,
                            message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False)
             start, finish = sim.transfer_times()
             arr = schedule.arrays
@@ -468,9 +491,9 @@ class Adapter:
             m = len(done)
             np.maximum.at(ends, arr["src"][:m], done)
             np.maximum.at(ends, arr["dst"][:m], done)
-            got = self._expected[key] = (schedule, collective_rates(samples, self.options.pair_min_bytes),
+            got = self._expected[key] = (schedule, topology, collective_rates(samples, self.options.pair_min_bytes),
                                          [float(e) for e in ends])
-        return got[1], got[2]
+        return got[2], got[3]
 
     # ---- replanning --------------------------------------------------------------------------------------
     def _prospect(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> tuple[str, float, float] | None:
@@ -525,6 +548,7 @@ class Adapter:
         self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
         self._expected.clear()
+        self._relearn()
         if late and self.auto:
             self._straggler_pick(nbytes, late)
         new = getattr(self._build(nbytes), "schedule", None)
@@ -561,6 +585,7 @@ class Adapter:
         if got <= trial.baseline_s:
             return None
         self.plans.choose(size, trial.before)
+        self._relearn()
         message = (f"gradsync: plan {trial.new_plan} measured {got:.3g} s per collective against {trial.old_plan}'s "
                    f"{trial.baseline_s:.3g} s before the switch, on the same cluster: back to {trial.old_plan}")
         conditions = self.detector.conditions

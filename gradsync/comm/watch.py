@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,7 +44,7 @@ from gradsync.plan.routing import router_for
 from gradsync.topology.model import Topology
 
 __all__ = ["Conditions", "Detector", "Hysteresis", "RollingEstimates", "Sample", "Switch", "arrival_delays",
-           "collective_rates", "describe_switch", "link_scales", "scaled_topology", "seen"]
+           "collective_rates", "describe_switch", "link_scales", "on_time_pairs", "scaled_topology", "seen"]
 
 #: Below this many bytes per key and collective, a rate measures α, not the wire (the executor's α is
 #: ~150 µs; 256 KiB at 10 Gbit/s is ~200 µs).
@@ -109,6 +109,18 @@ def arrival_delays(arrivals_s: Sequence[float]) -> tuple[float, ...]:
         return ()
     ref = sorted(times)[(len(times) - 1) // 2]
     return tuple(max(0.0, t - ref) for t in times)
+
+
+def on_time_pairs(rates: Mapping[tuple[int, int], float], late: Collection[int],
+                  kernel: Collection[tuple[int, int]] = ()) -> dict[tuple[int, int], float]:
+    """The pair ``rates`` that say something about the wire while the ranks in ``late`` are late: a pair timed by
+    its sender reads a late peer's lateness (a message to it waits until it posts the receive), so those with a
+    late end are left out; a pair in ``kernel`` (the kernel's counters of its connection: bytes over the time the
+    connection was busy) does not, and stays."""
+    late = set(late)
+    if not late:
+        return dict(rates)
+    return {k: v for k, v in rates.items() if k in kernel or not set(k) & late}
 
 
 class RollingEstimates:
