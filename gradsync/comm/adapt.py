@@ -18,9 +18,11 @@ take the queued path, not the native fast path, so every rank counts the same on
 * **compare**: each pair is compared with what the cost model predicts for the plan that ran (the simulated
   per-pair rate), times the ratio measured in the first :attr:`AdaptOptions.warmup` watched collectives, so a
   wire that never matched the model's absolute rates is not a degraded one. That factor belongs to the plan (how
-  the wire runs its pairs beside the model): after a switch the new plan's pairs learn theirs again, against the
-  model of the cluster as the detector believes it, and only the degraded pairs, whose return is watched, keep
-  theirs. On gloo's kernel counters a late peer does not slow a pair, so those pairs are compared while it is late;
+  the wire runs its pairs beside the model): a plan explored or switched to learns its pairs' factors first,
+  against the model of the cluster as the detector believes it, and a degraded pair is compared with the factor
+  it was seen slow with until then, so its return is seen at once. On gloo's kernel counters a late peer does not
+  slow a pair, so those pairs are compared while it is late; a collective with a pair slower than the cluster as
+  believed judges no rank late (the link's change also ends the ranks unevenly);
 * **replan**: on a switch the degraded pairs become per-link capacity scales
   (:func:`~gradsync.comm.watch.link_scales`), the plan cache is reset on the scaled topology (a new
   generation: the choice and wait order are decided job-wide through ``decide`` under new keys, so every rank
@@ -218,7 +220,8 @@ class Adapter:
 
     def _fresh(self) -> None:
         self.detector = Detector(self.options.link, self.options.late)
-        self._warm: dict[Hashable, list[float]] = {}
+        #: per plan (the schedule object, held so that its id is not reused) and pair, the ratios toward its factor
+        self._warm: dict[tuple[int, Hashable], list[float]] = {}
         self._warmed = 0
         self._warm_time: list[float] = []
         self._time_factor = 1.0
@@ -227,7 +230,11 @@ class Adapter:
         #: per size class, the slowest rank's seconds in the last few watched collectives (a trial's baseline)
         self._recent: dict[int, deque[float]] = {}
         self._trial: _Trial | None = None
-        self._factor: dict[Hashable, float] | None = None
+        #: per plan, each pair's settled measured / modelled factor (:meth:`_plan_factors`)
+        self._factors: dict[int, tuple[Schedule, dict[Hashable, float]]] = {}
+        #: each degraded pair's factor on the plan it was seen slow on: what it is compared with on a plan that has
+        #: not learned its own yet, so that its return is seen at once
+        self._kept: dict[Hashable, float] = {}
         self._expected: dict[tuple[int, int, int], tuple[Schedule, Topology, dict[Hashable, float], list[float]]] = {}
         #: the cluster as the detector last believed it (the topology a switch scaled, replanned or held): what a
         #: pair without a factor is learned against, and when each rank is expected to leave the collective
@@ -321,14 +328,13 @@ class Adapter:
         expected, _ = self._expected_rates(ex.schedule, nbytes, self.base_topology)
         _, finish = self._expected_rates(ex.schedule, nbytes, self._world)
         shared = {k: v for k, v in shared.items() if k in expected}
-        if self._factor is None:  # warm-up: learn how each pair's wire, and the whole run, compare with the model
-            self._learn_pairs(shared, expected)
+        if self._warmed < self.options.warmup:  # warm-up: learn how the pairs' wire, and the run, compare with the model
+            self._learn_pairs(ex.schedule, shared, expected)
             if max(finish) > 0:
                 self._warm_time.append(max(spent) / max(finish))
                 self._warm_slow.append(self._rate_slowdown(ex.schedule, nbytes, max(spent), max(finish)))
             self._warmed += 1
             if self._warmed >= self.options.warmup:
-                self._settle_pairs()
                 self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
                 self._slowdown = statistics.median(self._warm_slow) if self._warm_slow else 1.0
             return None
@@ -350,45 +356,52 @@ class Adapter:
         if self.detector.conditions.straggler is not None:
             late_now.add(self.detector.conditions.straggler)
         shared = on_time_pairs(shared, late_now, kernel)
-        # A pair without a factor (a warm-up on the backend's own collective, which gives no pair rates; a plan
-        # that runs since a switch) learns it first, against the model on the cluster as now believed: a factor
-        # belongs to a plan (how the wire runs that plan's pairs beside the model), and a wire that never
-        # matched the model is not a degraded one.
-        fresh = {k: v for k, v in shared.items() if k not in self._factor}
+        # A pair without a factor on this plan (a warm-up on the backend's own collective, which gives no pair
+        # rates; a plan explored or switched to since) learns it first, against the model of the cluster as now
+        # believed: a factor belongs to a plan (how the wire runs that plan's pairs beside the model: compared
+        # with another plan's, healthy pairs read half their rate), and a wire that never matched the model is
+        # not a degraded one.
+        factors = self._plan_factors(ex.schedule)
+        degraded = dict(self.detector.conditions.link_scale)
+        use = {k: factors[k] if k in factors else self._kept[k] for k in shared
+               if k in factors or (k in degraded and k in self._kept)}
+        world = self._expected_rates(ex.schedule, nbytes, self._world)[0]
+        fresh = {k: v for k, v in shared.items() if k not in factors}
         if fresh:
-            self._learn_pairs(fresh, self._expected_rates(ex.schedule, nbytes, self._world)[0])
-            shared = {k: v for k, v in shared.items() if k not in fresh}
-        want = {k: expected[k] * self._factor[k] for k in shared}
-        switch = self.detector.observe(shared, want, delays if reference > 0 else (), reference if reference > 0 else 1.0)
+            self._learn_pairs(ex.schedule, fresh, world)
+        shared = {k: v for k, v in shared.items() if k in use}
+        want = {k: expected[k] * use[k] for k in shared}
+        # A pair slower than the cluster as believed says a link changed, which also ends the ranks unevenly (a
+        # slow NIC made the ranks the model ends last look late by the difference): no rank is judged late on it.
+        link_news = any(world[k] * use[k] >= self.options.link.enter * v for k, v in shared.items())
+        judged = delays if reference > 0 and not link_news else ()
+        switch = self.detector.observe(shared, want, judged, reference if reference > 0 else 1.0)
         if switch is None:
             return self._review(size, reference)
         degraded = dict(switch.after.link_scale)
+        self._kept = {k: use.get(k, self._kept.get(k)) for k in degraded if k in use or k in self._kept}
         healthy = [k for k in shared if k not in degraded]
         scales = link_scales(self.base_topology, degraded, healthy)  # type: ignore[arg-type]
         self._world = scaled_topology(self.base_topology, scales) if scales else self.base_topology
         return self._replan(switch, self._world, ex.schedule, nbytes)
 
-    def _learn_pairs(self, shared: dict[Hashable, float], expected: dict[Hashable, float]) -> None:
-        """Record each pair's measured / modelled rate toward its factor; after the warm-up, a pair with
-        :attr:`AdaptOptions.warmup` of them settles at once."""
+    def _plan_factors(self, schedule: Schedule) -> dict[Hashable, float]:
+        """``schedule``'s settled pair factors (empty for a plan not seen yet)."""
+        got = self._factors.get(id(schedule))
+        if got is None or got[0] is not schedule:
+            self._warm = {key: v for key, v in self._warm.items() if key[0] != id(schedule)}  # a dead plan's id
+            got = self._factors[id(schedule)] = (schedule, {})
+        return got[1]
+
+    def _learn_pairs(self, schedule: Schedule, shared: dict[Hashable, float], expected: dict[Hashable, float]) -> None:
+        """Record each pair's measured / modelled rate on ``schedule`` toward its factor there, which settles (the
+        median) once it has :attr:`AdaptOptions.warmup` of them."""
+        factors = self._plan_factors(schedule)
         for k, v in shared.items():
-            samples = self._warm.setdefault(k, [])
+            samples = self._warm.setdefault((id(schedule), k), [])
             samples.append(v / expected[k])
-            if self._factor is not None and len(samples) >= self.options.warmup:
-                self._factor[k] = statistics.median(self._warm.pop(k))
-
-    def _settle_pairs(self) -> None:
-        """The warm-up is over for the pairs: each one's factor is the median of what it recorded."""
-        self._factor = {k: statistics.median(v) for k, v in self._warm.items()}
-        self._warm = {}
-
-    def _relearn(self) -> None:
-        """Another plan runs: its pairs learn their factors again, except the degraded ones, whose factors are
-        what their return is seen against."""
-        if self._factor is not None:
-            keep = dict(self.detector.conditions.link_scale)
-            self._factor = {k: f for k, f in self._factor.items() if k in keep}
-        self._warm = {}
+            if len(samples) >= self.options.warmup:
+                factors[k] = statistics.median(self._warm.pop((id(schedule), k)))
 
     @property
     def _trial_length(self) -> int:
@@ -548,7 +561,7 @@ class Adapter:
         self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
         self._expected.clear()
-        self._relearn()
+        self._factors, self._warm = {}, {}  # the plans of the old generation are gone
         if late and self.auto:
             self._straggler_pick(nbytes, late)
         new = getattr(self._build(nbytes), "schedule", None)
@@ -585,7 +598,6 @@ class Adapter:
         if got <= trial.baseline_s:
             return None
         self.plans.choose(size, trial.before)
-        self._relearn()
         message = (f"gradsync: plan {trial.new_plan} measured {got:.3g} s per collective against {trial.old_plan}'s "
                    f"{trial.baseline_s:.3g} s before the switch, on the same cluster: back to {trial.old_plan}")
         conditions = self.detector.conditions
