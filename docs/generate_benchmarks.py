@@ -252,6 +252,23 @@ def vs_native_fabrics() -> list[str]:
                 "arrives, and the per-receiver α the model calibrates (0.8–1.3 ms) does not see nine processes "
                 "contending at once. On a cluster with a core per rank that term does not arise; the model has no "
                 "shared-core term (a pool of 2 cores fed the calibrated α overshot 2x in an earlier try).")
+    out += note("a second look (2026-11-28, same fabric, rate and size, lp forced at each depth, 5 alternating "
+                "calls, the committed cost model's prediction) puts most of the gap elsewhere than the CPU. lp/2, "
+                "4, 8, 16, 32 measured 1.106, 1.058, 0.963, 0.909, 0.945 s against 0.927, 0.863, 0.835, 0.829, "
+                "0.839 s predicted (1.19, 1.23, 1.15, 1.10, 1.13x), the ring 1.002 s against 1.074 (0.93x); "
+                "unshaped, the same plans took 0.052, 0.063, 0.085, 0.139, 0.214 s. The gap shrinks as the CPU per "
+                "call grows, so it is not the CPU. With every shaper's queue at 100 ms instead of 25 ms the ratios "
+                "stayed (1.22, 1.14, 1.15, 1.08, 1.11x), and the wire's total rate holds with several flows (two "
+                "700 KB flows into one 60 Mbit/s downlink 0.194 s, one flow of the same bytes 0.195 s; two each way "
+                "0.215 s). It is how TCP flows share a shaped uplink over a few round trips: in one lp/2 call the "
+                "six first-round sub-chunks across the core, which the model shares fairly and ends together at "
+                "0.258 s, ended at 0.249, 0.255, 0.311, 0.395, 0.424 and 0.436 s, and the trees that fell behind "
+                "left the uplinks idle at the end. Plans with one flow per uplink direction run at their "
+                "prediction: the ring, the two-rack leader exchange, and here `hierarchical/4` (0.951 s against "
+                "0.929; at depths 8, 16, 32 the per-message CPU does show: 1.08, 1.22, 1.34x). `auto`'s measured "
+                "pick, lp/16, was the fastest plan in every run. The model keeps fair sharing: credit-based fabrics "
+                "(RDMA) share per queue pair, and a share that depends on each connection's recent window is not "
+                "something a plan can be priced on.")
     return out
 
 
