@@ -216,6 +216,8 @@ class Adapter:
         self._tcp_peers: dict[tuple[str, int], int] | None = None
         self._tcp_before: dict | None = None
         self.tcp_pairs = 0
+        #: the chooser rank 0 priced the last prospective replan with (:meth:`_prospect`)
+        self._priced: Chooser | None = None
         self._fresh()
 
     def _fresh(self) -> None:
@@ -526,6 +528,7 @@ class Adapter:
                                       options=plans.options, margin=current.margin)
                     pick = chooser.choose(nbytes)
                     name, depth = pick.algorithm, pick.pipeline
+                    self._priced = chooser  # the replan's own: adopted if it runs (rank 0 prices every choice)
                 else:
                     chooser = Chooser(topology, model, algorithms=[], native=True, options=plans.options)
                     name, depth = old.algorithm, plans.choice(size)[1]
@@ -560,6 +563,10 @@ class Adapter:
         self._trial, self._recent = None, {}
         self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
+        priced, self._priced = self._priced, None
+        if (priced is not None and priced.topology is topology and priced.model is self.plans.cost_model
+                and priced.options == self.plans.options):
+            self.plans.adopt(priced)  # what the prospect planned and priced on rank 0 is not done again
         self._expected.clear()
         self._factors, self._warm = {}, {}  # the plans of the old generation are gone
         if late and self.auto:
@@ -609,6 +616,7 @@ class Adapter:
 
     def _hold(self, switch: Switch, old_plan: str, why: str, gain_s: float) -> SwitchRecord:
         """Keep ``old_plan`` through ``switch`` (no new generation): recorded in :attr:`held`, one line from rank 0."""
+        self._priced = None
         message = (f"gradsync: plan held at collective {switch.collective}: {seen(switch.before, switch.after)}; "
                    f"keeping {old_plan}: {why}")
         record = SwitchRecord(switch.generation, switch.collective, switch.after, old_plan, old_plan, gain_s, message)

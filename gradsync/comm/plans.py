@@ -114,6 +114,16 @@ class PlanCache:
         return bytes(self.caps.decide(f"g{self.generation}/{key}", compute, max(self.timeout_s, PLAN_TIMEOUT_S)))
 
     # ---- choices ----------------------------------------------------------------------------------------
+    def adopt(self, chooser: Chooser) -> None:
+        """Price allreduce with ``chooser``, made for this cache's topology, cost model and options by whoever
+        priced a replan before it ran (:class:`~gradsync.comm.adapt.Adapter`): its plans and choices are not
+        made a second time while every rank waits."""
+        if (chooser.topology is not self.topology or chooser.model is not self.cost_model
+                or chooser.options != self.options):
+            raise GradsyncError("adopt() takes a chooser made for this plan cache's topology, cost model and "
+                                "options; build one with PlanCache.chooser() instead")
+        self._choosers[ALLREDUCE] = chooser
+
     def choice(self, size: int, collective: str = ALLREDUCE) -> Pick:
         """``auto``'s pick for a size class: a measured one (:meth:`choose`), or the model's, priced once for
         the job."""

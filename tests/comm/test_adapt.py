@@ -249,6 +249,30 @@ def test_after_a_replan_the_new_plans_pairs_learn_their_factors_before_they_are_
         assert len(switches) == 1 and not held, [r.message for r in switches + held]
 
 
+def test_a_replan_prices_its_choice_once_on_rank_0_and_every_rank_runs_it(monkeypatch):
+    """The prospect of a replan (is the new plan worth a new generation?) chooses the plan on the scaled topology;
+    the new generation then runs that choice without choosing it again (on the testbed each choice took seconds
+    of rank 0's time while every rank waited). Without the adoption: two choices per rank."""
+    from gradsync.sim.choose import Chooser
+
+    calls: list[tuple[int, int, str]] = []
+    choose = Chooser._choose
+
+    def spy(self, size):
+        calls.append((id(self.topology), int(size), threading.current_thread().name))
+        return choose(self, size)
+
+    monkeypatch.setattr(Chooser, "_choose", spy)
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8,
+                       options=GAINFUL, probe=lambda rt: id(rt.plans.topology))
+    assert all(exact and len(s) == 1 for s, exact, _ in results)
+    new_topology = {t for _, _, t in results}
+    assert len(new_topology) == 4  # each rank's own scaled copy
+    on_new = [c[0] for c in calls if c[0] in new_topology and c[1] == BUFFER]
+    # in process each rank decides for itself: once per rank, the prospect's; the new generation adopted it
+    assert sorted(on_new) == sorted(new_topology), calls
+
+
 def test_a_switch_whose_replan_gains_nothing_is_held_and_keeps_plan_and_executors(capsys):
     """One slow NIC slows every ring through it alike: with the default min_gain the fixed ring's replan saves
     nothing, so the switch in and the switch back are both held on every rank, at the same collectives: no new
