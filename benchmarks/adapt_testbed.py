@@ -43,6 +43,9 @@ from typing import Any
 
 RESULT_TYPE = "gradsync.bench.adapt_testbed"
 METHODS = ("static", "adaptive", "gloo")
+#: Untimed rounds past ``--warmup`` while a runtime still explores or the watch warms up: the phases compare steady
+#: states (the watch's warm-up and ``auto``'s exploration are once per job, and ran 1.2-2.4x static's round).
+MAX_SETTLE_ROUNDS = 30
 #: How long rank 0 waits for the driver to change the rate, and the driver for the workers to finish.
 HANDSHAKE_S = 60.0
 #: Per scenario (the issue's): adaptive against static and gloo while degraded, and after against before.
@@ -91,8 +94,19 @@ def worker(args: argparse.Namespace) -> int:
     late = args.scenario == "late"
     delay = float(args.delay or 0.0)
     predicted: dict[str, float | None] = {}
-    for r in range(args.warmup + args.rounds):
-        timed = r - args.warmup
+
+    def settled() -> bool:  # the same on every rank: explorers pick, and watches count, job-wide
+        watch = adaptive.adapt
+        return (not static.exploring() and not adaptive.exploring()
+                and (watch is None or watch.watched >= watch.options.warmup))
+
+    start: int | None = None  # the first timed round
+    r = -1
+    while start is None or r + 1 - start < args.rounds:
+        r += 1
+        if start is None and r >= args.warmup and (settled() or r >= args.warmup + MAX_SETTLE_ROUNDS):
+            start = r
+        timed = -1 if start is None else r - start
         if timed == 0 and late and not args.delay:  # Δ: one ring allreduce's time, the same on every rank
             got = torch.tensor([statistics.median(warm_gloo)], dtype=torch.float64)
             dist.broadcast(got, 0)
@@ -128,7 +142,7 @@ def worker(args: argparse.Namespace) -> int:
         out = {"type": RESULT_TYPE,
                "config": {"scenario": args.scenario, "topology": args.topology, "world": world,
                           "size_bytes": args.size, "rounds": args.rounds,
-                          "warmup": args.warmup, "degrade_at": args.degrade_at, "restore_at": args.restore_at,
+                          "warmup": args.warmup, "warmup_rounds": start, "degrade_at": args.degrade_at, "restore_at": args.restore_at,
                           "settle": args.settle, "slow_rank": args.slow_rank, "factor": args.factor,
                           "delay_s": delay if late else None, "rate": args.rate, "torch": torch.__version__},
                "predicted_degraded_s": predicted,
@@ -222,7 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", default="400mbit", help="unit link rate (default 400mbit)")
     p.add_argument("--size", type=int, default=4 << 20, help="bytes per allreduce (default 4 MiB)")
     p.add_argument("--rounds", type=int, default=60, help="timed rounds (default 60)")
-    p.add_argument("--warmup", type=int, default=8, help="untimed rounds first (default 8)")
+    p.add_argument("--warmup", type=int, default=8,
+                   help="untimed rounds first (default 8; more until neither runtime explores and the watch has "
+                        f"warmed up, at most {MAX_SETTLE_ROUNDS} more)")
     p.add_argument("--degrade-at", type=int, default=20, help="round before which the NIC slows (default 20)")
     p.add_argument("--restore-at", type=int, default=40, help="round before which it is back (default 40)")
     p.add_argument("--settle", type=int, default=5, help="rounds after each change left out of its phase (default 5)")

@@ -406,7 +406,7 @@ def _adapt_testbed(name: str, title: str) -> list[str]:
            f"`{cfg['topology']}` at {cfg['rate']} per unit link, {cfg['world']} ranks, {size(cfg['size_bytes'])} float32 "
            f"allreduces: static gradsync (`adapt=False`), gradsync watching every qualifying allreduce "
            f"(`AdaptOptions(every=1)`) and gloo's `all_reduce`, one each per round in rotating order, {cfg['rounds']} "
-           f"rounds after {cfg['warmup']}. {change} "
+           f"rounds after {cfg.get('warmup_rounds') or cfg['warmup']}. {change} "
            f"from round {cfg['degrade_at']} to {cfg['restore_at'] - 1}; each phase's median leaves out the "
            f"{cfg['settle']} rounds after a change. Static ran `{j['static_plan']}`.", ""]
     out += table(["method", *s["medians_s"]["static"].keys()],

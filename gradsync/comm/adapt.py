@@ -228,6 +228,7 @@ class Adapter:
         self._warm_time: list[float] = []
         self._time_factor = 1.0
         self._warm_slow: list[float] = []
+        self._fast: dict[tuple[int, int], tuple[Schedule, float]] = {}  # per plan and size, its α-only seconds
         self._slowdown = 1.0
         #: per size class, the slowest rank's seconds in the last few watched collectives (a trial's baseline)
         self._recent: dict[int, deque[float]] = {}
@@ -437,9 +438,14 @@ class Adapter:
         """The factor ``g >= 1`` by which the model's rates must be divided for ``schedule`` to take
         ``measured_s``: the model's time is its α part (the same schedule on near-infinite rates) plus a
         bandwidth part that scales with ``g``."""
-        model = self.plans.cost_model
-        fast = simulate(schedule, _slowed(model.rates(self.base_topology), 1e-6), float(nbytes), streaming=False,
-                        fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False).time_s
+        key = (id(schedule), size_class(nbytes))
+        got = self._fast.get(key)
+        if got is None or got[0] is not schedule:  # the same every warm-up collective of the plan: once
+            model = self.plans.cost_model
+            got = self._fast[key] = (schedule, simulate(
+                schedule, _slowed(model.rates(self.base_topology), 1e-6), float(nbytes), streaming=False, fifo=True,
+                message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False).time_s)
+        fast = got[1]
         wire = modelled_s - fast
         return max(1.0, (measured_s - fast) / wire) if wire > 0 else 1.0
 
