@@ -229,6 +229,8 @@ class Adapter:
         self._time_factor = 1.0
         self._warm_slow: list[float] = []
         self._fast: dict[tuple[int, int], tuple[Schedule, float]] = {}  # per plan and size, its α-only seconds
+        #: ``auto``'s settled picks on the baseline, kept at the first switch away from it and given back on return
+        self._baseline_picks: dict[int, tuple[str, int]] | None = None
         self._slowdown = 1.0
         #: per size class, the slowest rank's seconds in the last few watched collectives (a trial's baseline)
         self._recent: dict[int, deque[float]] = {}
@@ -556,7 +558,11 @@ class Adapter:
             # explains, or a return to them): a replan would price the same plan, at a planning's cost on rank 0
             # while every rank waits, on each such flip of the detector.
             return self._hold(switch, old_plan, "no link is slower than the plan assumes", 0.0)
-        prospect = self._prospect(switch, topology, old, nbytes) if self.options.min_gain > 0 else None
+        # Back to the baseline: its own plans and measured picks are what it runs, with nothing chosen again
+        home = (self.auto and self._baseline_picks is not None and switch.after.baseline
+                and topology is self.base_topology)
+        prospect = (self._prospect(switch, topology, old, nbytes) if self.options.min_gain > 0 and not home
+                    else None)
         if prospect is not None and prospect[2] >= prospect[1] * (1 - self.options.min_gain):
             new_label, old_s, new_s = prospect
             return self._hold(switch, old_plan, f"replanned ({new_label}) it would save under "
@@ -567,8 +573,14 @@ class Adapter:
         before = self.plans.choice(size) if self.auto else None  # the size ran: its pick is known on every rank
         recent = self._recent.get(size)
         self._trial, self._recent = None, {}
+        if (self.auto and self._baseline_picks is None and self.plans.topology is self.base_topology
+                and self.plans.options.straggler is None):  # the baseline's own plans are running: keep its picks
+            self._baseline_picks = self.tuning.final_picks()
         self.plans.options = replace(self.base_options, straggler=switch.after.straggler)
         self.tuning.set_cost_model(self.plans.cost_model, topology)  # a new generation: decided afresh, job-wide
+        if home:
+            self.tuning.restore(self._baseline_picks or {})
+            self._baseline_picks = None
         priced, self._priced = self._priced, None
         if (priced is not None and priced.topology is topology and priced.model is self.plans.cost_model
                 and priced.options == self.plans.options):

@@ -277,6 +277,19 @@ class Tuning:
         self._explorers.update(dict.fromkeys(choices))  # measured already (a larger class: by an earlier job's calls)
         self.tuned = records
 
+    def final_picks(self) -> dict[int, Pick]:
+        """The size classes whose pick is final under this cost model (none of them still exploring), and their
+        picks: what :meth:`restore` gives back."""
+        return {size: pick for size, pick in self.plans.chosen().items()
+                if (ex := self._explorers.get(size)) is None or ex.pick is not None}
+
+    def restore(self, picks: dict[int, Pick]) -> None:
+        """Run ``picks`` (from :meth:`final_picks`) at once, measured already: a generation's choices given back when the
+        cluster is as it was then (:class:`~gradsync.comm.adapt.Adapter`), without choosing or exploring again."""
+        for size, pick in picks.items():
+            self.plans.choose(size, pick)
+        self._explorers.update(dict.fromkeys(picks))
+
     # ---- measuring ----------------------------------------------------------------------------------------
     def slowest(self, fn: Callable[[], Any], reps: int) -> float:
         """The slowest rank's median of ``reps`` timings of ``fn`` (after two warm-up calls when ``reps > 1``):

@@ -273,6 +273,30 @@ def test_a_replan_prices_its_choice_once_on_rank_0_and_every_rank_runs_it(monkey
     assert sorted(on_new) == sorted(new_topology), calls
 
 
+def test_back_on_the_baseline_auto_runs_its_baseline_picks_again_without_choosing_them(monkeypatch):
+    """The cluster as it was before the first switch gets the plans it had: the size classes' settled picks come
+    back at the return, and nothing is chosen (or, on a process group, explored) again on the baseline topology."""
+    from gradsync.sim.choose import Chooser
+
+    calls: list[tuple[int, int]] = []
+    choose = Chooser._choose
+
+    def spy(self, size):
+        calls.append((id(self.topology), int(size)))
+        return choose(self, size)
+
+    monkeypatch.setattr(Chooser, "_choose", spy)
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: SLOW_NIC, 10: {}}, steps=16,
+                       probe=lambda rt: (id(rt.adapt.base_topology), rt.plans.topology is rt.adapt.base_topology))
+    for switches, exact, (_, home) in results:
+        assert exact and home
+        away, back = switches
+        assert not away.conditions.baseline and back.conditions.baseline and back.new_plan == away.old_plan
+    base = {b for _, _, (b, _) in results}
+    on_base = [t for t, size in calls if t in base and size == BUFFER]
+    assert sorted(on_base) == sorted(base), calls  # each rank's first choice only (in process each decides)
+
+
 def test_a_switch_whose_replan_gains_nothing_is_held_and_keeps_plan_and_executors(capsys):
     """One slow NIC slows every ring through it alike: with the default min_gain the fixed ring's replan saves
     nothing, so the switch in and the switch back are both held on every rank, at the same collectives: no new
