@@ -20,9 +20,13 @@ take the queued path, not the native fast path, so every rank counts the same on
   wire that never matched the model's absolute rates is not a degraded one. That factor belongs to the plan (how
   the wire runs its pairs beside the model): a plan explored or switched to learns its pairs' factors first,
   against the model of the cluster as the detector believes it, and a degraded pair is compared with the factor
-  it was seen slow with until then, so its return is seen at once. On gloo's kernel counters a late peer does not
-  slow a pair, so those pairs are compared while it is late; a collective with a pair slower than the cluster as
-  believed judges no rank late (the link's change also ends the ranks unevenly);
+  it was seen slow with until then. A plan switched to on a scaled belief learns, for its pairs across the scaled
+  links, their degraded level, and compares them with nothing: when they run at twice that level (or the square
+  root of the belief's slowdown of their path, if less) for ``k_leave`` collectives, the links are back and every
+  rank returns to the baseline (the pairs that read slow may not be in the new plan at all). On gloo's kernel
+  counters a late peer does not slow a pair, so those pairs are compared while it is late; no rank is judged late
+  in a collective with a pair slower than the cluster as believed, nor while the belief has a scaled link (the
+  link's change also ends the ranks unevenly, and the scaled model does not time their ends as the wire does);
 * **replan**: on a switch the degraded pairs become per-link capacity scales
   (:func:`~gradsync.comm.watch.link_scales`), the plan cache is reset on the scaled topology (a new
   generation: the choice and wait order are decided job-wide through ``decide`` under new keys, so every rank
@@ -39,6 +43,7 @@ take the queued path, not the native fast path, so every rank counts the same on
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -88,6 +93,9 @@ __all__ = ["ADAPT_MIN_BYTES", "WIRE_SOURCES", "AdaptOptions", "Adapter", "Switch
 #: Allreduces below this many bytes are not watched: their pairs move too little to measure the wire, and the
 #: agreement round (one small allreduce) would be a visible share of them.
 ADAPT_MIN_BYTES = 1 << 20
+#: A pair across a scaled link shows it back by running this many times its degraded level (or the square root of the
+#: belief's slowdown of its path, if less): between the level and its rate on the baseline, whatever the plan's factors.
+RETURN_GAIN = 2.0
 #: :attr:`AdaptOptions.wire`'s choices.
 WIRE_SOURCES = ("auto", "timings")
 _OFF = ("0", "false", "off", "no")
@@ -224,11 +232,14 @@ class Adapter:
         self.detector = Detector(self.options.link, self.options.late)
         #: per plan (the schedule object, held so that its id is not reused) and pair, the ratios toward its factor
         self._warm: dict[tuple[int, Hashable], list[float]] = {}
+        self._floor: dict[tuple[int, Hashable], float] = {}  # the least ratio each settled pair learned
         self._warmed = 0
         self._warm_time: list[float] = []
         self._time_factor = 1.0
         self._warm_slow: list[float] = []
         self._fast: dict[tuple[int, int], tuple[Schedule, float]] = {}  # per plan and size, its α-only seconds
+        self._back = 0  # watched collectives in a row with the scaled links' pairs faster than their degraded level
+        self._slow_by: tuple[Topology, dict[Hashable, float]] | None = None
         #: ``auto``'s settled picks on the baseline, kept at the first switch away from it and given back on return
         self._baseline_picks: dict[int, tuple[str, int]] | None = None
         self._slowdown = 1.0
@@ -236,7 +247,7 @@ class Adapter:
         self._recent: dict[int, deque[float]] = {}
         self._trial: _Trial | None = None
         #: per plan, each pair's settled measured / modelled factor (:meth:`_plan_factors`)
-        self._factors: dict[int, tuple[Schedule, dict[Hashable, float]]] = {}
+        self._factors: dict[int, tuple[Schedule, dict[Hashable, float], Topology]] = {}
         #: each degraded pair's factor on the plan it was seen slow on: what it is compared with on a plan that has
         #: not learned its own yet, so that its return is seen at once
         self._kept: dict[Hashable, float] = {}
@@ -357,7 +368,10 @@ class Adapter:
         self._recent.setdefault(size, deque(maxlen=self._trial_length)).append(reference)
         # A late rank's timed pairs are neither learned nor compared while it is late, by the detector's conditions
         # or by this collective's delays (compared, they replanned a healthy wire around the late rank's links).
-        late_now = {r for r, d in enumerate(delays) if reference > 0 and d > self.options.late.leave * reference}
+        # While the belief has a scaled link, only a confirmed late rank counts: the slow link's own rank ends late on
+        # a wire the scaled model does not time exactly, and its pairs are the ones that show the link coming back.
+        late_now = {r for r, d in enumerate(delays)
+                    if reference > 0 and d > self.options.late.leave * reference and self._world is self.base_topology}
         if self.detector.conditions.straggler is not None:
             late_now.add(self.detector.conditions.straggler)
         shared = on_time_pairs(shared, late_now, kernel)
@@ -367,19 +381,36 @@ class Adapter:
         # with another plan's, healthy pairs read half their rate), and a wire that never matched the model is
         # not a degraded one.
         factors = self._plan_factors(ex.schedule)
+        here = self._learned_here(ex.schedule)  # its factors hold the belief: learned since the last switch
         degraded = dict(self.detector.conditions.link_scale)
-        use = {k: factors[k] if k in factors else self._kept[k] for k in shared
-               if k in factors or (k in degraded and k in self._kept)}
-        world = self._expected_rates(ex.schedule, nbytes, self._world)[0]
         fresh = {k: v for k, v in shared.items() if k not in factors}
         if fresh:
-            self._learn_pairs(ex.schedule, fresh, world)
+            self._learn_pairs(ex.schedule, fresh, expected)
+        # On such a plan a pair across a link the belief scaled learned its degraded level: it is not compared (it is
+        # what the belief explains) but shows the link's return, as a run faster than that level (below).
+        slow_by = self._believed_slowdown() if here else {}
+        cross = {k: v for k, v in shared.items() if k in factors and slow_by.get(k, 1.0) > 1.05}
+        use = {k: factors[k] if k in factors else self._kept[k] for k in shared
+               if k not in fresh and k not in cross and not (here and slow_by.get(k, 1.0) > 1.05)
+               and (k in factors or (k in degraded and k in self._kept))}
+        if cross and degraded:
+            # against the slowest it learned: a link back while it learned is still seen (its median is not)
+            gains = [v / (expected[k] * self._floor.get((id(ex.schedule), k), factors[k])
+                          * min(RETURN_GAIN, math.sqrt(slow_by[k]))) for k, v in cross.items()]
+            self._back = self._back + 1 if statistics.median(gains) >= 1.0 else 0
+            if self._back >= self.options.link.k_out:  # back: the baseline's plans again, at this collective
+                self._back, self._world = 0, self.base_topology
+                return self._replan(self.detector.clear_links(), self._world, ex.schedule, nbytes)
+        else:
+            self._back = 0
+        believed = expected if here else self._expected_rates(ex.schedule, nbytes, self._world)[0]
         shared = {k: v for k, v in shared.items() if k in use}
         want = {k: expected[k] * use[k] for k in shared}
         # A pair slower than the cluster as believed says a link changed, which also ends the ranks unevenly (a
         # slow NIC made the ranks the model ends last look late by the difference): no rank is judged late on it.
-        link_news = any(world[k] * use[k] >= self.options.link.enter * v for k, v in shared.items())
-        judged = delays if reference > 0 and not link_news else ()
+        link_news = any(believed[k] * use[k] >= self.options.link.enter * v for k, v in shared.items())
+        # Nor while the belief has a scaled link: its model of the ranks' ends is not the wire's.
+        judged = delays if reference > 0 and not link_news and self._world is self.base_topology else ()
         switch = self.detector.observe(shared, want, judged, reference if reference > 0 else 1.0)
         if switch is None:
             return self._review(size, reference)
@@ -395,8 +426,27 @@ class Adapter:
         got = self._factors.get(id(schedule))
         if got is None or got[0] is not schedule:
             self._warm = {key: v for key, v in self._warm.items() if key[0] != id(schedule)}  # a dead plan's id
-            got = self._factors[id(schedule)] = (schedule, {})
+            got = self._factors[id(schedule)] = (schedule, {}, self._world)
         return got[1]
+
+    def _learned_here(self, schedule: Schedule) -> bool:
+        """Whether ``schedule`` learned its factors on the believed cluster as it is, off the baseline: since the
+        last switch (a plan that ran across a held one learned them on another belief)."""
+        got = self._factors.get(id(schedule))
+        return (self._world is not self.base_topology and got is not None and got[0] is schedule
+                and got[2] is self._world)
+
+    def _believed_slowdown(self) -> dict[Hashable, float]:
+        """Per ordered rank pair, how many times slower the belief makes one stream's path than the baseline does
+        (its bottleneck link's rate on the base topology over the scaled one; cached per belief)."""
+        if self._slow_by is None or self._slow_by[0] is not self._world:
+            model, n = self.plans.cost_model, self._world.world_size
+            got: dict[Hashable, float] = {}
+            for src in range(n):
+                base, now = model.paths_from(self.base_topology, src), model.paths_from(self._world, src)
+                got.update({(src, dst): base[dst][0] / now[dst][0] for dst in range(n) if dst != src})
+            self._slow_by = (self._world, got)
+        return self._slow_by[1]
 
     def _learn_pairs(self, schedule: Schedule, shared: dict[Hashable, float], expected: dict[Hashable, float]) -> None:
         """Record each pair's measured / modelled rate on ``schedule`` toward its factor there, which settles (the
@@ -406,6 +456,7 @@ class Adapter:
             samples = self._warm.setdefault((id(schedule), k), [])
             samples.append(v / expected[k])
             if len(samples) >= self.options.warmup:
+                self._floor[(id(schedule), k)] = min(samples)
                 factors[k] = statistics.median(self._warm.pop((id(schedule), k)))
 
     @property
@@ -586,7 +637,7 @@ class Adapter:
                 and priced.options == self.plans.options):
             self.plans.adopt(priced)  # what the prospect planned and priced on rank 0 is not done again
         self._expected.clear()
-        self._factors, self._warm = {}, {}  # the plans of the old generation are gone
+        self._factors, self._warm, self._floor = {}, {}, {}  # the plans of the old generation are gone
         if late and self.auto:
             self._straggler_pick(nbytes, late)
         new = getattr(self._build(nbytes), "schedule", None)

@@ -288,6 +288,14 @@ class Detector:
             return None
         return self._switch()
 
+    def clear_links(self) -> Switch:
+        """One collective in which the caller saw every degraded key's link back by other evidence (a pair across it
+        faster than its degraded level): the switch to the conditions without them, late ranks kept."""
+        self.collectives += 1
+        for track in self._links.values():
+            track.degraded, track.run = False, 0
+        return self._switch()
+
     def _switch(self) -> Switch:
         before = self.conditions
         scale = tuple(sorted(((key, self._recent(("ratio", key), self.link.k)) for key, t in self._links.items()

@@ -297,6 +297,22 @@ def test_back_on_the_baseline_auto_runs_its_baseline_picks_again_without_choosin
     assert sorted(on_base) == sorted(base), calls  # each rank's first choice only (in process each decides)
 
 
+def test_a_link_back_is_seen_on_a_plan_without_the_pairs_that_showed_it_slow():
+    """Rank 1's NIC at 1/8 moves ``auto`` from ``ps/1`` to ``tree/2``, which has no (1, 3), the pair that read slow.
+    Its pairs across that NIC learn their degraded level instead of being compared; once they run at twice that
+    level for k collectives the link is back, every rank returns to the baseline's plan at the same collective, and
+    no healthy pair or rank was flagged on the way."""
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}, 10: {}}, steps=20,
+                       options=GAINFUL, probe=lambda rt: rt.adapt.held)
+    for switches, exact, held in results:
+        assert exact and not held
+        away, back = switches
+        assert [k for k, _ in away.conditions.link_scale] == [(1, 3)] and away.new_plan != away.old_plan
+        assert back.conditions.baseline and back.new_plan == away.old_plan
+        assert "(1, 3) back to its modelled rate" in back.message
+    assert len({tuple((s.generation, s.collective) for s in sw) for sw, _, _ in results}) == 1
+
+
 def test_a_switch_whose_replan_gains_nothing_is_held_and_keeps_plan_and_executors(capsys):
     """One slow NIC slows every ring through it alike: with the default min_gain the fixed ring's replan saves
     nothing, so the switch in and the switch back are both held on every rank, at the same collectives: no new
