@@ -313,6 +313,23 @@ def test_a_link_back_is_seen_on_a_plan_without_the_pairs_that_showed_it_slow():
     assert len({tuple((s.generation, s.collective) for s in sw) for sw, _, _ in results}) == 1
 
 
+def test_after_a_switch_the_watched_size_runs_the_models_pick_without_exploring():
+    """An explorer's calls are not watched (each runs one of several candidates): after a switch the watched size
+    class is decided at once with the model's pick for the new belief, so the watch sees every collective (and a
+    link's return) from the next one on."""
+    from gradsync.sim.cost import size_class
+
+    def probe(rt):
+        return rt.tuning.explored(), rt.choice(BUFFER), rt.plans.chooser().choose(BUFFER)
+
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8,
+                       options=GAINFUL, probe=probe)
+    for switches, exact, (explored, running, model) in results:
+        assert exact and len(switches) == 1
+        assert size_class(BUFFER) in explored and explored[size_class(BUFFER)] is None  # decided, nothing timed
+        assert running == (model.algorithm, model.pipeline)
+
+
 def test_a_switch_whose_replan_gains_nothing_is_held_and_keeps_plan_and_executors(capsys):
     """One slow NIC slows every ring through it alike: with the default min_gain the fixed ring's replan saves
     nothing, so the switch in and the switch back are both held on every rank, at the same collectives: no new
