@@ -18,9 +18,8 @@ take the queued path, not the native fast path, so every rank counts the same on
 * **compare**: each pair is compared with what the cost model predicts for the plan that ran (the simulated
   per-pair rate), times the ratio measured in the first :attr:`AdaptOptions.warmup` watched collectives, so a
   wire that never matched the model's absolute rates is not a degraded one. That factor belongs to the plan (how
-  the wire runs its pairs beside the model): a plan explored or switched to learns its pairs' factors first,
-  against the model of the cluster as the detector believes it, and a degraded pair is compared with the factor
-  it was seen slow with until then. A plan switched to on a scaled belief learns, for its pairs across the scaled
+  the wire runs its pairs beside the model): a plan explored or switched to learns its pairs' factors first, and a
+  degraded pair is compared with the factor it was seen slow with until then. A plan switched to on a scaled belief learns, for its pairs across the scaled
   links, their degraded level, and compares them with nothing: when they run at twice that level (or the square
   root of the belief's slowdown of their path, if less) for ``k_leave`` collectives, the links are back and every
   rank returns to the baseline (the pairs that read slow may not be in the new plan at all). On gloo's kernel
@@ -376,10 +375,9 @@ class Adapter:
             late_now.add(self.detector.conditions.straggler)
         shared = on_time_pairs(shared, late_now, kernel)
         # A pair without a factor on this plan (a warm-up on the backend's own collective, which gives no pair
-        # rates; a plan explored or switched to since) learns it first, against the model of the cluster as now
-        # believed: a factor belongs to a plan (how the wire runs that plan's pairs beside the model: compared
-        # with another plan's, healthy pairs read half their rate), and a wire that never matched the model is
-        # not a degraded one.
+        # rates; a plan explored or switched to since) learns it first: a factor belongs to a plan (how the wire
+        # runs that plan's pairs beside the model: compared with another plan's, healthy pairs read half their
+        # rate), and a wire that never matched the model is not a degraded one.
         factors = self._plan_factors(ex.schedule)
         here = self._learned_here(ex.schedule)  # its factors hold the belief: learned since the last switch
         degraded = dict(self.detector.conditions.link_scale)
@@ -389,10 +387,10 @@ class Adapter:
         # On such a plan a pair across a link the belief scaled learned its degraded level: it is not compared (it is
         # what the belief explains) but shows the link's return, as a run faster than that level (below).
         slow_by = self._believed_slowdown() if here else {}
-        cross = {k: v for k, v in shared.items() if k in factors and slow_by.get(k, 1.0) > 1.05}
+        across = {k for k in shared if slow_by.get(k, 1.0) > 1.05}
+        cross = {k: v for k, v in shared.items() if k in across and k in factors}
         use = {k: factors[k] if k in factors else self._kept[k] for k in shared
-               if k not in fresh and k not in cross and not (here and slow_by.get(k, 1.0) > 1.05)
-               and (k in factors or (k in degraded and k in self._kept))}
+               if k not in fresh and k not in across and (k in factors or (k in degraded and k in self._kept))}
         if cross and degraded:
             # against the slowest it learned: a link back while it learned is still seen (its median is not)
             gains = [v / (expected[k] * self._floor.get((id(ex.schedule), k), factors[k])
