@@ -22,9 +22,7 @@ take the queued path, not the native fast path, so every rank counts the same on
   degraded pair is compared with the factor it was seen slow with until then. A plan switched to on a scaled belief learns, for its pairs across the scaled
   links, their degraded level, and compares them with nothing: when they run at twice that level (or the square
   root of the belief's slowdown of their path, if less) for ``k_leave`` collectives, the links are back and every
-  rank returns to the baseline (the pairs that read slow may not be in the new plan at all). On gloo's kernel
-  counters a late peer does not slow a pair, so those pairs are compared while it is late; no rank is judged late
-  in a collective with a pair slower than the cluster as believed, nor while the belief has a scaled link (the
+  rank returns to the baseline (the pairs that read slow may not be in the new plan at all). No rank is judged late in a collective with a pair slower than the cluster as believed, nor while the belief has a scaled link (the
   link's change also ends the ranks unevenly, and the scaled model does not time their ends as the wire does);
 * **replan**: on a switch the degraded pairs become per-link capacity scales
   (:func:`~gradsync.comm.watch.link_scales`), the plan cache is reset on the scaled topology (a new
@@ -317,7 +315,6 @@ class Adapter:
         n = ex.schedule.world_size
         me = self.rank
         rates: dict[Hashable, float] = {}
-        kernel: set[Hashable] = set()  # pairs whose rate is the kernel's: a late peer does not slow those
         if isinstance(ex, Executor):  # the backend's own collective gives each rank's time alone
             sent, ex.sent = ex.sent or [], None
             rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
@@ -326,20 +323,18 @@ class Adapter:
             if before is not None and self._tcp_peers:  # the kernel's rate where it has the pair's connection
                 wire = wire_rates(before, read_connections(), self._tcp_peers, self.options.pair_min_bytes)
                 tcp = {(me, ex.proc_of.index(p)): r for p, r in wire.items() if p in ex.proc_of}
-                kernel = {k for k in tcp if k in rates}
-                rates.update({k: tcp[k] for k in kernel})
-                self.tcp_pairs = len(kernel)
+                rates.update({k: v for k, v in tcp.items() if k in rates})
+                self.tcp_pairs = sum(1 for k in tcp if k in rates)
         # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
-        # is exact and every rank reads the same numbers; a rate is negative where it is the sender's own timing
+        # is exact and every rank reads the same numbers
         vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo
         for (src, dst), r in rates.items():
-            vec[src * n + dst] = r if (src, dst) in kernel else -r
+            vec[src * n + dst] = r
         vec[n * n + me] = max(seconds, 0.0)
         self._share(vec)
         spent = vec[n * n:].tolist()
         pairs = vec[: n * n].tolist()
-        shared = {(i // n, i % n): abs(r) for i, r in enumerate(pairs) if r}
-        kernel = {(i // n, i % n) for i, r in enumerate(pairs) if r > 0}
+        shared = {(i // n, i % n): r for i, r in enumerate(pairs) if r}
         expected, _ = self._expected_rates(ex.schedule, nbytes, self.base_topology)
         _, finish = self._expected_rates(ex.schedule, nbytes, self._world)
         shared = {k: v for k, v in shared.items() if k in expected}
@@ -373,7 +368,7 @@ class Adapter:
                     if reference > 0 and d > self.options.late.leave * reference and self._world is self.base_topology}
         if self.detector.conditions.straggler is not None:
             late_now.add(self.detector.conditions.straggler)
-        shared = on_time_pairs(shared, late_now, kernel)
+        shared = on_time_pairs(shared, late_now)
         # A pair without a factor on this plan (a warm-up on the backend's own collective, which gives no pair
         # rates; a plan explored or switched to since) learns it first: a factor belongs to a plan (how the wire
         # runs that plan's pairs beside the model: compared with another plan's, healthy pairs read half their

@@ -111,16 +111,12 @@ def arrival_delays(arrivals_s: Sequence[float]) -> tuple[float, ...]:
     return tuple(max(0.0, t - ref) for t in times)
 
 
-def on_time_pairs(rates: Mapping[tuple[int, int], float], late: Collection[int],
-                  kernel: Collection[tuple[int, int]] = ()) -> dict[tuple[int, int], float]:
-    """The pair ``rates`` that say something about the wire while the ranks in ``late`` are late: a pair timed by
-    its sender reads a late peer's lateness (a message to it waits until it posts the receive), so those with a
-    late end are left out; a pair in ``kernel`` (the kernel's counters of its connection: bytes over the time the
-    connection was busy) does not, and stays."""
+def on_time_pairs(rates: Mapping[tuple[int, int], float], late: Collection[int]) -> dict[tuple[int, int], float]:
+    """The pair ``rates`` that say something about the wire while the ranks in ``late`` are late: a pair with a late
+    end reads its lateness (a message to it waits until it posts the receive; on gloo's kernel counters too, see
+    docs/runtime.md), so it is left out."""
     late = set(late)
-    if not late:
-        return dict(rates)
-    return {k: v for k, v in rates.items() if k in kernel or not set(k) & late}
+    return {k: v for k, v in rates.items() if not set(k) & late}
 
 
 class RollingEstimates:
