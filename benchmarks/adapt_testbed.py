@@ -44,7 +44,7 @@ from typing import Any
 RESULT_TYPE = "gradsync.bench.adapt_testbed"
 METHODS = ("static", "adaptive", "gloo")
 #: Untimed rounds past ``--warmup`` while a runtime still explores or the watch warms up: the phases compare steady
-#: states (the watch's warm-up and ``auto``'s exploration are once per job, and ran 1.2-2.4x static's round).
+#: states (the watch's warm-up and ``auto``'s exploration are once per job; docs/runtime.md has what they cost).
 MAX_SETTLE_ROUNDS = 30
 #: How long rank 0 waits for the driver to change the rate, and the driver for the workers to finish.
 HANDSHAKE_S = 60.0

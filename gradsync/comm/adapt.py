@@ -635,7 +635,7 @@ class Adapter:
             self._straggler_pick(nbytes, late)
         if self.auto and not home:
             # the watched size runs the model's pick for the new belief at once: an explorer's calls are not watched,
-            # and on the testbed its exploration took the whole degraded phase, so the return was never seen
+            # so while it explored the links' return would go unseen (docs/runtime.md)
             self.tuning.restore({size: self.plans.choice(size)})
         new = getattr(self._build(nbytes), "schedule", None)
         new_plan = self._label(nbytes)
