@@ -384,12 +384,14 @@ def link_scales(topology: Topology, pair_scale: Mapping[tuple[int, int], float],
     def rate(hop: tuple[int, int]) -> float:
         return topology.links[hop[0]].directed_GBps[hop[1]]
 
+    bound_of: dict[tuple[int, int], set[tuple[int, int]]] = {}
+
     def bounding(pair: tuple[int, int]) -> set[tuple[int, int]]:
-        path = hops(pair)
-        if not path:
-            return set()
-        slowest = min(map(rate, path))
-        return {h for h in path if rate(h) <= slowest * 1.01}
+        if pair not in bound_of:
+            path = hops(pair)
+            slowest = min(map(rate, path)) if path else 0.0
+            bound_of[pair] = {h for h in path if rate(h) <= slowest * 1.01}
+        return bound_of[pair]
 
     cleared: set[tuple[int, int]] = set()
     for pair in healthy:
