@@ -19,11 +19,13 @@ take the queued path, not the native fast path, so every rank counts the same on
   per-pair rate), times the ratio measured in the first :attr:`AdaptOptions.warmup` watched collectives, so a
   wire that never matched the model's absolute rates is not a degraded one. That factor belongs to the plan (how
   the wire runs its pairs beside the model): a plan explored or switched to learns its pairs' factors first, and a
-  degraded pair is compared with the factor it was seen slow with until then. A plan switched to on a scaled belief learns, for its pairs across the scaled
-  links, their degraded level, and compares them with nothing: when they run at twice that level (or the square
-  root of the belief's slowdown of their path, if less) for ``k_leave`` collectives, the links are back and every
-  rank returns to the baseline (the pairs that read slow may not be in the new plan at all). No rank is judged late in a collective with a pair slower than the cluster as believed, nor while the belief has a scaled link (the
-  link's change also ends the ranks unevenly, and the scaled model does not time their ends as the wire does);
+  degraded pair is compared with the factor it was seen slow with until then. A plan switched to on a scaled
+  belief learns, for its pairs across the scaled links, their degraded level, and compares them with nothing:
+  when they run at twice that level (or the square root of the belief's slowdown of their path, if less) for
+  ``k_leave`` collectives, the links are back and every rank returns to the baseline (the pairs that read slow may
+  not be in the new plan at all). No rank is judged late in a collective with a pair slower than the cluster as
+  believed, nor while the belief has a scaled link (the link's change also ends the ranks unevenly, and the
+  scaled model does not time their ends as the wire does);
 * **replan**: on a switch the degraded pairs become per-link capacity scales
   (:func:`~gradsync.comm.watch.link_scales`), the plan cache is reset on the scaled topology (a new
   generation: the choice and wait order are decided job-wide through ``decide`` under new keys, so every rank
@@ -187,6 +189,19 @@ class _Trial:
     samples: list[float]
 
 
+@dataclass
+class _Learned:
+    """What the watch learned about one plan (:meth:`Adapter._learned`): the schedule (held, so that its id is not
+    reused), the belief it ran on, each pair's ratios so far, and once it has :attr:`AdaptOptions.warmup` of them,
+    its factor (their median) and floor (their least)."""
+
+    schedule: Schedule
+    world: Topology
+    samples: dict[Hashable, list[float]] = field(default_factory=dict)
+    factors: dict[Hashable, float] = field(default_factory=dict)
+    floors: dict[Hashable, float] = field(default_factory=dict)
+
+
 class Adapter:
     """One runtime's watch, detector and replanning (module docstring).
 
@@ -227,9 +242,6 @@ class Adapter:
 
     def _fresh(self) -> None:
         self.detector = Detector(self.options.link, self.options.late)
-        #: per plan (the schedule object, held so that its id is not reused) and pair, the ratios toward its factor
-        self._warm: dict[tuple[int, Hashable], list[float]] = {}
-        self._floor: dict[tuple[int, Hashable], float] = {}  # the least ratio each settled pair learned
         self._warmed = 0
         self._warm_time: list[float] = []
         self._time_factor = 1.0
@@ -243,8 +255,8 @@ class Adapter:
         #: per size class, the slowest rank's seconds in the last few watched collectives (a trial's baseline)
         self._recent: dict[int, deque[float]] = {}
         self._trial: _Trial | None = None
-        #: per plan, each pair's settled measured / modelled factor (:meth:`_plan_factors`)
-        self._factors: dict[int, tuple[Schedule, dict[Hashable, float], Topology]] = {}
+        #: per plan (by the schedule's id), what its pairs taught (:meth:`_learned`)
+        self._plans_learned: dict[int, _Learned] = {}
         #: each degraded pair's factor on the plan it was seen slow on: what it is compared with on a plan that has
         #: not learned its own yet, so that its return is seen at once
         self._kept: dict[Hashable, float] = {}
@@ -365,7 +377,7 @@ class Adapter:
         # While the belief has a scaled link, only a confirmed late rank counts: the slow link's own rank ends late on
         # a wire the scaled model does not time exactly, and its pairs are the ones that show the link coming back.
         late_now = {r for r, d in enumerate(delays)
-                    if reference > 0 and d > self.options.late.leave * reference and self._world is self.base_topology}
+                    if reference > 0 and d > self.options.late.leave * reference and not self._scaled}
         if self.detector.conditions.straggler is not None:
             late_now.add(self.detector.conditions.straggler)
         shared = on_time_pairs(shared, late_now)
@@ -373,8 +385,9 @@ class Adapter:
         # rates; a plan explored or switched to since) learns it first: a factor belongs to a plan (how the wire
         # runs that plan's pairs beside the model: compared with another plan's, healthy pairs read half their
         # rate), and a wire that never matched the model is not a degraded one.
-        factors = self._plan_factors(ex.schedule)
-        here = self._learned_here(ex.schedule)  # its factors hold the belief: learned since the last switch
+        learned = self._learned(ex.schedule)
+        factors = learned.factors
+        here = self._scaled and learned.world is self._world  # its factors hold the belief: learned since the switch
         degraded = dict(self.detector.conditions.link_scale)
         fresh = {k: v for k, v in shared.items() if k not in factors}
         if fresh:
@@ -388,7 +401,7 @@ class Adapter:
                if k not in fresh and k not in across and (k in factors or (k in degraded and k in self._kept))}
         if cross and degraded:
             # against the slowest it learned: a link back while it learned is still seen (its median is not)
-            gains = [v / (expected[k] * self._floor.get((id(ex.schedule), k), factors[k])
+            gains = [v / (expected[k] * learned.floors[k]
                           * min(RETURN_GAIN, math.sqrt(slow_by[k]))) for k, v in cross.items()]
             self._back = self._back + 1 if statistics.median(gains) >= 1.0 else 0
             if self._back >= self.options.link.k_out:  # back: the baseline's plans again, at this collective
@@ -403,7 +416,7 @@ class Adapter:
         # slow NIC made the ranks the model ends last look late by the difference): no rank is judged late on it.
         link_news = any(believed[k] * use[k] >= self.options.link.enter * v for k, v in shared.items())
         # Nor while the belief has a scaled link: its model of the ranks' ends is not the wire's.
-        judged = delays if reference > 0 and not link_news and self._world is self.base_topology else ()
+        judged = delays if reference > 0 and not link_news and not self._scaled else ()
         switch = self.detector.observe(shared, want, judged, reference if reference > 0 else 1.0)
         if switch is None:
             return self._review(size, reference)
@@ -414,20 +427,17 @@ class Adapter:
         self._world = scaled_topology(self.base_topology, scales) if scales else self.base_topology
         return self._replan(switch, self._world, ex.schedule, nbytes)
 
-    def _plan_factors(self, schedule: Schedule) -> dict[Hashable, float]:
-        """``schedule``'s settled pair factors (empty for a plan not seen yet)."""
-        got = self._factors.get(id(schedule))
-        if got is None or got[0] is not schedule:
-            self._warm = {key: v for key, v in self._warm.items() if key[0] != id(schedule)}  # a dead plan's id
-            got = self._factors[id(schedule)] = (schedule, {}, self._world)
-        return got[1]
+    def _learned(self, schedule: Schedule) -> _Learned:
+        """What ``schedule``'s pairs taught so far (nothing yet for a plan not seen before)."""
+        got = self._plans_learned.get(id(schedule))
+        if got is None or got.schedule is not schedule:  # new, or a dead plan's id reused
+            got = self._plans_learned[id(schedule)] = _Learned(schedule, self._world)
+        return got
 
-    def _learned_here(self, schedule: Schedule) -> bool:
-        """Whether ``schedule`` learned its factors on the believed cluster as it is, off the baseline: since the
-        last switch (a plan that ran across a held one learned them on another belief)."""
-        got = self._factors.get(id(schedule))
-        return (self._world is not self.base_topology and got is not None and got[0] is schedule
-                and got[2] is self._world)
+    @property
+    def _scaled(self) -> bool:
+        """Whether the detector believes some link slower than the baseline's (a switch scaled it, made or held)."""
+        return self._world is not self.base_topology
 
     def _believed_slowdown(self) -> dict[Hashable, float]:
         """Per ordered rank pair, how many times slower the belief makes one stream's path than the baseline does
@@ -444,13 +454,13 @@ class Adapter:
     def _learn_pairs(self, schedule: Schedule, shared: dict[Hashable, float], expected: dict[Hashable, float]) -> None:
         """Record each pair's measured / modelled rate on ``schedule`` toward its factor there, which settles (the
         median) once it has :attr:`AdaptOptions.warmup` of them."""
-        factors = self._plan_factors(schedule)
+        learned = self._learned(schedule)
         for k, v in shared.items():
-            samples = self._warm.setdefault((id(schedule), k), [])
+            samples = learned.samples.setdefault(k, [])
             samples.append(v / expected[k])
             if len(samples) >= self.options.warmup:
-                self._floor[(id(schedule), k)] = min(samples)
-                factors[k] = statistics.median(self._warm.pop((id(schedule), k)))
+                learned.floors[k] = min(samples)
+                learned.factors[k] = statistics.median(learned.samples.pop(k))
 
     @property
     def _trial_length(self) -> int:
@@ -630,7 +640,7 @@ class Adapter:
                 and priced.options == self.plans.options):
             self.plans.adopt(priced)  # what the prospect planned and priced on rank 0 is not done again
         self._expected.clear()
-        self._factors, self._warm, self._floor = {}, {}, {}  # the plans of the old generation are gone
+        self._plans_learned = {}  # the plans of the old generation are gone
         if late and self.auto:
             self._straggler_pick(nbytes, late)
         if self.auto and not home:
