@@ -249,33 +249,9 @@ def test_after_a_replan_the_new_plans_pairs_learn_their_factors_before_they_are_
         assert len(switches) == 1 and not held, [r.message for r in switches + held]
 
 
-def test_a_replan_prices_its_choice_once_on_rank_0_and_every_rank_runs_it(monkeypatch):
-    """The prospect of a replan (is the new plan worth a new generation?) chooses the plan on the scaled topology;
-    the new generation then runs that choice without choosing it again (on the testbed each choice took seconds
-    of rank 0's time while every rank waited). Without the adoption: two choices per rank."""
-    from gradsync.sim.choose import Chooser
-
-    calls: list[tuple[int, int, str]] = []
-    choose = Chooser._choose
-
-    def spy(self, size):
-        calls.append((id(self.topology), int(size), threading.current_thread().name))
-        return choose(self, size)
-
-    monkeypatch.setattr(Chooser, "_choose", spy)
-    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8,
-                       options=GAINFUL, probe=lambda rt: id(rt.plans.topology))
-    assert all(exact and len(s) == 1 for s, exact, _ in results)
-    new_topology = {t for _, _, t in results}
-    assert len(new_topology) == 4  # each rank's own scaled copy
-    on_new = [c[0] for c in calls if c[0] in new_topology and c[1] == BUFFER]
-    # in process each rank decides for itself: once per rank, the prospect's; the new generation adopted it
-    assert sorted(on_new) == sorted(new_topology), calls
-
-
-def test_back_on_the_baseline_auto_runs_its_baseline_picks_again_without_choosing_them(monkeypatch):
-    """The cluster as it was before the first switch gets the plans it had: the size classes' settled picks come
-    back at the return, and nothing is chosen (or, on a process group, explored) again on the baseline topology."""
+def _count_choices(monkeypatch) -> list[tuple[int, int]]:
+    """Every full choice the cost model makes from now on, as (id of its topology, size class): a list the test
+    reads after the job."""
     from gradsync.sim.choose import Chooser
 
     calls: list[tuple[int, int]] = []
@@ -286,6 +262,28 @@ def test_back_on_the_baseline_auto_runs_its_baseline_picks_again_without_choosin
         return choose(self, size)
 
     monkeypatch.setattr(Chooser, "_choose", spy)
+    return calls
+
+
+def test_a_replan_prices_its_choice_once_on_rank_0_and_every_rank_runs_it(monkeypatch):
+    """The prospect of a replan (is the new plan worth a new generation?) chooses the plan on the scaled topology;
+    the new generation then runs that choice without choosing it again (on the testbed each choice took seconds
+    of rank 0's time while every rank waited). Without the adoption: two choices per rank."""
+    calls = _count_choices(monkeypatch)
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8,
+                       options=GAINFUL, probe=lambda rt: id(rt.plans.topology))
+    assert all(exact and len(s) == 1 for s, exact, _ in results)
+    new_topology = {t for _, _, t in results}
+    assert len(new_topology) == 4  # each rank's own scaled copy
+    on_new = [t for t, size in calls if t in new_topology and size == BUFFER]
+    # in process each rank decides for itself: once per rank, the prospect's; the new generation adopted it
+    assert sorted(on_new) == sorted(new_topology), calls
+
+
+def test_back_on_the_baseline_auto_runs_its_baseline_picks_again_without_choosing_them(monkeypatch):
+    """The cluster as it was before the first switch gets the plans it had: the size classes' settled picks come
+    back at the return, and nothing is chosen (or, on a process group, explored) again on the baseline topology."""
+    calls = _count_choices(monkeypatch)
     results = _run_job(4, "switch:4", "auto", torch.float64, {4: SLOW_NIC, 10: {}}, steps=16,
                        probe=lambda rt: (id(rt.adapt.base_topology), rt.plans.topology is rt.adapt.base_topology))
     for switches, exact, (_, home) in results:
