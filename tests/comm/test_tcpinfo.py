@@ -89,11 +89,10 @@ def test_a_loopback_connection_reports_what_it_moved_and_a_rate() -> None:
         assert after[me].bytes_acked - before[me].bytes_acked == len(payload)
         rates = wire_rates(before, after, {me.peer: 1}, min_bytes=1 << 20)
         wire_us = (after[me].busy_us - before[me].busy_us) - (after[me].rwnd_limited_us - before[me].rwnd_limited_us)
-        assert after[me].busy_us > before[me].busy_us  # it was busy sending
         if wire_us > 0:  # the bytes over the time the wire, not the reader, held them
             assert rates == {1: pytest.approx(len(payload) / (wire_us * 1e-6))}
-        else:  # a loaded machine: the reading thread never kept up, every busy microsecond was a window stall
-            assert rates == {}
+        else:  # every busy microsecond a window stall (a reader that fell behind), or none counted busy at all
+            assert rates == {}  # (seen on a loaded CI machine: busy_us 0 for the whole 4 MiB on loopback)
     finally:
         for s in (client, conn, server):
             s.close()
