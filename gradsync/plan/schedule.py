@@ -43,6 +43,7 @@ Modules: the chunks, transfers and trees are :mod:`gradsync.plan.transfers`, the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -183,6 +184,25 @@ class Schedule:
     def arrays(self) -> dict[str, np.ndarray]:
         """Column view of the transfers (chunk, src, dst, step, reduce) for vectorised consumers."""
         return _columns(self.transfers)
+
+    @cached_property
+    def digest(self) -> str:
+        """A hash of what moves: the collective, the ranks, every chunk and every transfer (routes and priorities
+        included), not the algorithm's name or ``meta``. Two synthesizers that plan the same transfers (``tree`` and
+        ``lp`` where the LP's optimum is one tree) give equal digests, so what depends only on the transfers (a
+        simulation) is done once for both."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(json.dumps([self.collective, list(self.ranks),
+                             [[c.offset, c.size, c.root] for c in self.chunks]]).encode())
+        for name, col in self.arrays.items():
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(col).tobytes())
+        routes: dict[tuple[str, ...], int] = {}
+        h.update(np.fromiter((routes.setdefault(t.route, len(routes)) for t in self.transfers), np.int64,
+                             len(self.transfers)).tobytes())
+        h.update(json.dumps([list(r) for r in routes]).encode())
+        h.update(np.fromiter((t.priority for t in self.transfers), np.int64, len(self.transfers)).tobytes())
+        return h.hexdigest()
 
     @cached_property
     def explicit_arrays(self) -> dict[str, np.ndarray]:

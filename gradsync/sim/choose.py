@@ -101,6 +101,7 @@ class Chooser:
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self._checked: set[tuple[str, int]] = set()
         self._choices: dict[int, Choice] = {}
+        self._predicted: dict[tuple[str, float], float] = {}
 
     def schedule(self, algorithm: str, pipeline: int, *, check: bool = False) -> Schedule:
         """``algorithm`` planned at ``pipeline`` sub-chunks (cached); ``check``: also self-checked (once),
@@ -116,6 +117,16 @@ class Chooser:
             self._schedules[key].check(self.topology)
             self._checked.add(key)
         return self._schedules[key]
+
+    def predict(self, schedule: Schedule, size: float) -> float:
+        """:meth:`CostModel.predict` of ``schedule`` on this topology, once per distinct set of transfers
+        (:attr:`Schedule.digest`): where ``lp``'s optimum is one tree it plans what ``tree`` plans, and the second
+        simulation of the same transfers was a third of a replan's time on the racks testbed."""
+        key = (schedule.digest, float(size))
+        got = self._predicted.get(key)
+        if got is None:
+            got = self._predicted[key] = self.model.predict(schedule, self.topology, size)
+        return got
 
     def fluid_s(self, algorithm: str, size: float) -> float:
         """``algorithm``'s fluid time for ``size`` bytes on the model's rates (at the first pipeline depth):
@@ -191,7 +202,7 @@ class Chooser:
                 busiest = int(np.bincount(dst).max()) if dst.size else 0
                 if max(fluid[name], busiest * self.model.message_s) >= best_so_far * (1 - PRUNE):
                     break  # this depth cannot win, and deeper ones only receive more messages
-                t = self.model.predict(sched, self.topology, size)
+                t = self.predict(sched, size)
                 cands.append(Candidate(name, p, t))
                 misses = 0 if t < mine else misses + 1
                 if misses >= DEPTH_PATIENCE:

@@ -150,3 +150,23 @@ def test_schedule_file_limits_depth_and_size(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADSYNC_MAX_INPUT_BYTES", "100")
     with pytest.raises(ScheduleError, match=r"more than the limit of 100 bytes.*GRADSYNC_MAX_INPUT_BYTES=\d+"):
         Schedule.load(good)
+
+
+def test_the_digest_follows_what_moves_and_not_the_name():
+    """Equal for the same transfers under another name or meta, or spelled out from blocks; different when one
+    transfer's route, step or priority, or one chunk's size, changes (what a simulation of it depends on)."""
+    t = get_topology("racks:2,2,2")
+    s = synthesize("tree", t, PlanOptions(pipeline=2))
+    flat = s.expanded()
+    assert dataclasses.replace(s, algorithm="other", meta={"x": 1}).digest == s.digest == flat.digest
+    first = flat.transfers[0]
+    other_route = next(tr.route for tr in flat.transfers if tr.route != first.route)
+    changed = [
+        _with(flat, [dataclasses.replace(first, route=other_route), *flat.transfers[1:]]),
+        _with(flat, [dataclasses.replace(first, step=first.step + 1), *flat.transfers[1:]]),
+        _with(flat, [dataclasses.replace(first, priority=first.priority + 1), *flat.transfers[1:]]),
+        dataclasses.replace(flat, chunks=(dataclasses.replace(flat.chunks[0], size=0.4),
+                                          dataclasses.replace(flat.chunks[1], offset=0.4, size=0.6))),
+    ]
+    digests = {c.digest for c in changed}
+    assert s.digest not in digests and len(digests) == len(changed)

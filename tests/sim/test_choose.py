@@ -49,6 +49,22 @@ def test_chooser_skips_candidates_the_planner_refuses(monkeypatch):
         Chooser(topo, algorithms=["ring"]).choose(1 << 22, exact=True)
 
 
+def test_two_synthesizers_that_plan_the_same_transfers_are_simulated_once(monkeypatch):
+    """On racks:2,3,4 the LP's optimum is one tree, the one ``tree`` plans: the chooser prices the two with one
+    simulation (Schedule.digest) and gives both the time that simulation gives."""
+    ch = Chooser(get_topology("racks:2,3,4"), CostModel(), algorithms=["tree", "lp"])
+    a, b = ch.schedule("tree", 4), ch.schedule("lp", 4)
+    assert a.algorithm != b.algorithm and a.digest == b.digest
+    calls: list[str] = []
+    real = CostModel.predict
+    monkeypatch.setattr(CostModel, "predict", lambda self, s, *args, **kw: calls.append(s.algorithm) or real(self, s, *args, **kw))
+    size = float(1 << 22)
+    assert ch.predict(a, size) == ch.predict(b, size) == real(ch.model, b, ch.topology, size)
+    assert calls == ["tree"]
+    ch.predict(ch.schedule("tree", 8), size)
+    assert calls == ["tree", "tree"]  # another depth is other transfers
+
+
 def test_chooser_keeps_the_native_ring_where_the_topology_gives_no_bandwidth_advantage():
     """On a flat switch every schedule's fluid time equals the backend's ring; a predicted gain would come
     only from per-message costs (calibrated on the wire, least certain): native stays, even when α says
