@@ -311,6 +311,30 @@ def test_a_link_back_is_seen_on_a_plan_without_the_pairs_that_showed_it_slow():
     assert len({tuple((s.generation, s.collective) for s in sw) for sw, _, _ in results}) == 1
 
 
+def test_a_links_return_is_judged_by_the_least_gain_it_should_bring_the_pair():
+    """The racks testbed's case: tree/16 around a NIC believed at 0.18x, which made the path 5.4x slower, gains its
+    pair across it 2.1x in the model when the NIC is back; the pair read 1.9x its degraded level once back: above
+    sqrt(2.1) = 1.45 (back), under the 2x the path alone asked. A read 1.2x the level while degraded is not back.
+    Where the model gains the pair less than the wire does (a ring's pair: 1.16x in the model), the bar stays at
+    RETURN_MIN; with no model rate the path decides; the bar never passes RETURN_GAIN."""
+    from gradsync.comm.adapt import RETURN_GAIN, RETURN_MIN, return_margins
+
+    level = 10.0
+    pair = (0, 1)
+
+    def margin(read: float, path: float, plan: dict) -> float:
+        (got,) = return_margins({pair: read * level}, {pair: level}, {pair: path}, plan)
+        return got
+
+    assert margin(1.9, 5.43, {pair: 2.1}) == pytest.approx(1.9 / 2.1 ** 0.5) and margin(1.9, 5.43, {pair: 2.1}) >= 1
+    assert margin(1.9, 5.43, {}) == pytest.approx(1.9 / RETURN_GAIN) and margin(1.9, 5.43, {}) < 1  # the path: not back
+    assert margin(1.2, 5.43, {pair: 2.1}) < 1.0
+    assert margin(4.0, 4.0, {pair: 1.16}) == pytest.approx(4.0 / RETURN_MIN)
+    assert margin(1.25, 4.0, {pair: 1.16}) < 1.0
+    assert margin(1.9, 1.5, {pair: 9.0}) == pytest.approx(1.9 / RETURN_MIN)  # sqrt(1.5) < RETURN_MIN
+    assert margin(3.0, 16.0, {pair: 16.0}) == pytest.approx(3.0 / RETURN_GAIN)
+
+
 def test_after_a_switch_the_watched_size_runs_the_models_pick_without_exploring():
     """An explorer's calls are not watched (each runs one of several candidates): after a switch the watched size
     class is decided at once with the model's pick for the new belief, so the watch sees every collective (and a
