@@ -391,21 +391,25 @@ class Adapter:
         # rate), and a wire that never matched the model is not a degraded one.
         learned = self._learned(ex.schedule)
         factors = learned.factors
-        here = self._scaled and learned.world is self._world  # its factors hold the belief: learned since the switch
+        # Its factors hold a scaled belief: learned since a switch, on the belief that switch made. A switch held since
+        # (a pair read slow that no replan would gain from) changes the belief, not what the plan's pairs learned: the
+        # links scaled when they learned are the ones whose return they show (after a held switch its pairs across
+        # the cut NIC were compared no more, and the NIC's return went unseen for 4 collectives and 2 replans).
+        here = self._scaled and learned.world is not self.base_topology
         degraded = dict(self.detector.conditions.link_scale)
         fresh = {k: v for k, v in shared.items() if k not in factors}
         if fresh:
             self._learn_pairs(ex.schedule, fresh, expected)
         # On such a plan a pair across a link the belief scaled learned its degraded level: it is not compared (it is
         # what the belief explains) but shows the link's return, as a run faster than that level (below).
-        slow_by = self._believed_slowdown() if here else {}
+        slow_by = self._believed_slowdown(learned.world) if here else {}
         across = {k for k in shared if slow_by.get(k, 1.0) > 1.05}
         cross = {k: v for k, v in shared.items() if k in across and k in factors}
         use = {k: factors[k] if k in factors else self._kept[k] for k in shared
                if k not in fresh and k not in across and (k in factors or (k in degraded and k in self._kept))}
         if cross and degraded:
             # against the slowest it learned: a link back while it learned is still seen (its median is not)
-            on_belief = self._expected_rates(ex.schedule, nbytes, self._world)[0]
+            on_belief = self._expected_rates(ex.schedule, nbytes, learned.world)[0]
             margins = return_margins(cross, {k: expected[k] * learned.floors[k] for k in cross}, slow_by,
                                      {k: expected[k] / on_belief[k] for k in cross if on_belief.get(k)})
             self._back = self._back + 1 if statistics.median(margins) >= 1.0 else 0
@@ -444,16 +448,16 @@ class Adapter:
         """Whether the detector believes some link slower than the baseline's (a switch scaled it, made or held)."""
         return self._world is not self.base_topology
 
-    def _believed_slowdown(self) -> dict[Hashable, float]:
-        """Per ordered rank pair, how many times slower the belief makes one stream's path than the baseline does
+    def _believed_slowdown(self, belief: Topology) -> dict[Hashable, float]:
+        """Per ordered rank pair, how many times slower ``belief`` makes one stream's path than the baseline does
         (its bottleneck link's rate on the base topology over the scaled one; cached per belief)."""
-        if self._slow_by is None or self._slow_by[0] is not self._world:
-            model, n = self.plans.cost_model, self._world.world_size
+        if self._slow_by is None or self._slow_by[0] is not belief:
+            model, n = self.plans.cost_model, belief.world_size
             got: dict[Hashable, float] = {}
             for src in range(n):
-                base, now = model.paths_from(self.base_topology, src), model.paths_from(self._world, src)
+                base, now = model.paths_from(self.base_topology, src), model.paths_from(belief, src)
                 got.update({(src, dst): base[dst][0] / now[dst][0] for dst in range(n) if dst != src})
-            self._slow_by = (self._world, got)
+            self._slow_by = (belief, got)
         return self._slow_by[1]
 
     def _learn_pairs(self, schedule: Schedule, shared: dict[Hashable, float], expected: dict[Hashable, float]) -> None:

@@ -335,6 +335,23 @@ def test_a_links_return_is_judged_by_the_least_gain_it_should_bring_the_pair():
     assert margin(3.0, 16.0, {pair: 16.0}) == pytest.approx(3.0 / RETURN_GAIN)
 
 
+def test_a_held_switch_does_not_hide_the_links_return():
+    """Rank 1's NIC at 1/8 from collective 4 moves ``auto`` to ``tree/2``; from 9 the pair (2, 0) reads 0.6x as well,
+    a switch no replan gains from (held: the belief now has two slow links, the plan and what its pairs learned stay).
+    The NIC is back at 14: its pairs on ``tree/2`` learned their degraded level on the first belief and show the
+    return at once, back to the baseline's plan at collective 15 with every link cleared on every rank. (When a
+    held switch's belief hid them, the return came at 18, on the other pair's, still believing the NIC slow.)"""
+    slow = {pr: 0.125 for pr in SLOW_NIC}
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: slow, 9: {**slow, (2, 0): 0.6}, 14: {(2, 0): 0.6}},
+                       steps=18, options=GAINFUL, probe=lambda rt: rt.adapt.held)
+    for switches, exact, held in results:
+        assert exact
+        assert [h.collective for h in held] == [10] and held[0].new_plan == held[0].old_plan
+        away, back = switches
+        assert back.collective == 15 and back.conditions.baseline and back.new_plan == away.old_plan
+    assert len({tuple((s.generation, s.collective) for s in sw) for sw, _, _ in results}) == 1
+
+
 def test_after_a_switch_the_watched_size_runs_the_models_pick_without_exploring():
     """An explorer's calls are not watched (each runs one of several candidates): after a switch the watched size
     class is decided at once with the model's pick for the new belief, so the watch sees every collective (and a
