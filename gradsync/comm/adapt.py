@@ -20,10 +20,10 @@ take the queued path, not the native fast path, so every rank counts the same on
   wire that never matched the model's absolute rates is not a degraded one. That factor belongs to the plan (how
   the wire runs its pairs beside the model): a plan explored or switched to learns its pairs' factors first, and a
   degraded pair is compared with the factor it was seen slow with until then. A plan switched to on a scaled
-  belief learns, for its pairs across the scaled links, their degraded level, and compares them with nothing:
-  when they run at twice that level (or the square root of the belief's slowdown of their path, if less) for
-  ``k_leave`` collectives, the links are back and every rank returns to the baseline (the pairs that read slow may
-  not be in the new plan at all). No rank is judged late in a collective with a pair slower than the cluster as
+  belief learns, for its pairs across the links scaled then, their degraded level, and compares them with
+  nothing (a switch held since does not change which): when they run above that level by the least gain the
+  links' return should bring them (:func:`return_margins`) for ``k_leave`` collectives, the links are back and
+  every rank returns to the baseline (the pairs that read slow may not be in the new plan at all). No rank is judged late in a collective with a pair slower than the cluster as
   believed, nor while the belief has a scaled link (the link's change also ends the ranks unevenly, and the
   scaled model does not time their ends as the wire does);
 * **replan**: on a switch the degraded pairs become per-link capacity scales
@@ -251,6 +251,9 @@ class Adapter:
         self._time_factor = 1.0
         self._warm_slow: list[float] = []
         self._fast: dict[tuple[int, int], tuple[Schedule, float]] = {}  # per plan and size, its α-only seconds
+        #: a replan's predictions, its prospect's and its log line's alike (the same plans on the same belief)
+        self._priced_s: dict[tuple[int, int, float, float, tuple[tuple[int, float], ...]],
+                             tuple[Schedule, Topology, float]] = {}
         self._back = 0  # watched collectives in a row with the scaled links' pairs faster than their degraded level
         self._slow_by: tuple[Topology, dict[Hashable, float]] | None = None
         #: ``auto``'s settled picks on the baseline, kept at the first switch away from it and given back on return
@@ -494,10 +497,15 @@ class Adapter:
         far off the wire: a delay of one real collective beside one the model prices many times shorter hides
         every plan's difference. The watched collectives are large (wire-bound), so the gap goes on the rates,
         not on α."""
-        model = self.plans.cost_model
-        return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
-                        fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
-                        start_delay_s=late or None).time_s
+        key = (id(schedule), id(topology), float(nbytes), self.slowdown, tuple(sorted(late.items())))
+        got = self._priced_s.get(key)
+        if got is None or got[0] is not schedule or got[1] is not topology:
+            model = self.plans.cost_model
+            got = self._priced_s[key] = (schedule, topology, simulate(
+                schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False, fifo=True,
+                message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
+                start_delay_s=late or None).time_s)
+        return got[2]
 
     def _rate_slowdown(self, schedule: Schedule, nbytes: float, measured_s: float, modelled_s: float) -> float:
         """The factor ``g >= 1`` by which the model's rates must be divided for ``schedule`` to take
@@ -615,6 +623,7 @@ class Adapter:
 
     def _replan(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> SwitchRecord:
         old_plan = self._label(nbytes)
+        self._priced_s.clear()  # the last replan's plans are gone: nothing kept alive past it
         if (self.options.min_gain > 0 and switch.after.straggler is None and switch.before.straggler is None
                 and topology == self.plans.topology):
             # The slow pairs put no link below the rates the running plan was made for (noise on pairs no link

@@ -280,6 +280,30 @@ def test_a_replan_prices_its_choice_once_on_rank_0_and_every_rank_runs_it(monkey
     assert sorted(on_new) == sorted(new_topology), calls
 
 
+def test_a_replan_simulates_each_plan_it_prices_once_for_its_prospect_and_its_log_line(monkeypatch):
+    """The prospect prices the running plan and the new one on the scaled cluster; the switch's log line gives the
+    same two predictions: from the same two simulations, not two more (each a share of the seconds every rank waits
+    on rank 0)."""
+    import sys
+
+    import gradsync.comm.adapt as adapt
+
+    priced: list[tuple[str, int, int]] = []
+    real = adapt.simulate
+
+    def spy(schedule, topology, nbytes, **kw):
+        if sys._getframe(1).f_code.co_name == "_predict":
+            priced.append((threading.current_thread().name, id(schedule), int(nbytes)))
+        return real(schedule, topology, nbytes, **kw)
+
+    monkeypatch.setattr(adapt, "simulate", spy)
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8,
+                       options=GAINFUL)
+    assert all(exact and len(s) == 1 for s, exact in results)
+    assert results[0][0][0].predicted_gain_s is not None  # rank 0 logs the two predictions
+    assert priced and len(set(priced)) == len(priced), priced
+
+
 def test_back_on_the_baseline_auto_runs_its_baseline_picks_again_without_choosing_them(monkeypatch):
     """The cluster as it was before the first switch gets the plans it had: the size classes' settled picks come
     back at the return, and nothing is chosen (or, on a process group, explored) again on the baseline topology."""
