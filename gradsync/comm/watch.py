@@ -41,7 +41,7 @@ from typing import Any
 
 from gradsync.errors import GradsyncError
 from gradsync.plan.routing import router_for
-from gradsync.topology.model import Topology
+from gradsync.topology.model import LINK_SCALE, Topology
 
 __all__ = ["Conditions", "Detector", "Hysteresis", "RollingEstimates", "Sample", "Switch", "arrival_delays",
            "collective_rates", "describe_switch", "link_scales", "on_time_pairs", "scaled_topology", "seen"]
@@ -416,11 +416,20 @@ def link_scales(topology: Topology, pair_scale: Mapping[tuple[int, int], float],
 
 
 def scaled_topology(topology: Topology, scales: Mapping[tuple[int, int], float]) -> Topology:
-    """``topology`` with each link direction's bandwidth multiplied by its scale (:func:`link_scales`)."""
+    """``topology`` with each link direction's bandwidth multiplied by its scale (:func:`link_scales`).
+
+    The scales are also recorded in ``attrs["link_scale"]`` (``(a, b, a->b scale, b->a scale)`` per scaled link, on
+    top of any the topology had): a cost model with measured class rates replaces a link's bandwidth by its class's
+    (:meth:`CostModel.rates <gradsync.sim.cost.CostModel.rates>`), and applies these after it, so a belief that a
+    link runs slow survives a model that measured the class it belongs to."""
     links = list(topology.links)
+    recorded = {(a, b): (float(u), float(d)) for a, b, u, d in topology.attrs.get(LINK_SCALE, ())}
     for e, lk in enumerate(links):
         up, down = scales.get((e, 0), 1.0), scales.get((e, 1), 1.0)
         if up != 1.0 or down != 1.0:
             a_b, b_a = lk.directed_GBps
             links[e] = replace(lk, bandwidth_GBps=a_b * up, bandwidth_down_GBps=b_a * down)
-    return replace(topology, links=tuple(links))
+            was = recorded.get((lk.a, lk.b), (1.0, 1.0))
+            recorded[(lk.a, lk.b)] = (was[0] * up, was[1] * down)
+    attrs = {**topology.attrs, LINK_SCALE: tuple((a, b, u, d) for (a, b), (u, d) in recorded.items())}
+    return replace(topology, links=tuple(links), attrs=attrs)

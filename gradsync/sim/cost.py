@@ -42,7 +42,7 @@ from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import Chunk, Schedule
 from gradsync.plan.synthesizers import ring_blocks, split_chunks
 from gradsync.sim.engine import simulate
-from gradsync.topology.model import Topology
+from gradsync.topology.model import LINK_SCALE, Topology
 
 __all__ = ["BURST_NOISE", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
            "stream_rate_of"]
@@ -216,12 +216,25 @@ class CostModel:
 
     # ---- the model ------------------------------------------------------------------------------------------
     def rates(self, topology: Topology) -> Topology:
-        """``topology`` with the link rates the runtime really gets (measured class rates × goodput)."""
+        """``topology`` with the link rates the runtime really gets (measured class rates × goodput). A link a
+        runtime's belief scaled (``attrs[LINK_SCALE]``, :func:`gradsync.comm.watch.scaled_topology`) keeps its
+        scales on top of its class's measured rate: the class rate replaces what the file says, not what the wire
+        was seen to do since."""
         if not self.link_GBps and self.goodput == 1.0:
             return topology
-        links = tuple(lk.scaled(self.link_GBps.get(lk.kind, lk.bandwidth_GBps) * self.goodput / lk.bandwidth_GBps)
-                      for lk in topology.links)
-        return replace(topology, links=links)
+        scaled = {(a, b): (float(u), float(d)) for a, b, u, d in topology.attrs.get(LINK_SCALE, ())}
+        links = []
+        for lk in topology.links:
+            if lk.kind not in self.link_GBps:
+                links.append(lk.scaled(self.goodput))
+                continue
+            up, down = scaled.get((lk.a, lk.b), (1.0, 1.0))
+            a_b, b_a = lk.directed_GBps
+            rate = self.link_GBps[lk.kind] * self.goodput
+            # the class rate replaces the link's unscaled a->b rate; b->a keeps its ratio to it, both their scales
+            links.append(replace(lk, bandwidth_GBps=rate * up, bandwidth_down_GBps=(
+                None if lk.bandwidth_down_GBps is None and up == down else rate * (b_a / down) / (a_b / up) * down)))
+        return replace(topology, links=tuple(links))
 
     def path_GBps(self, topology: Topology, src: int, dst: int) -> float:
         """The rate one stream from rank ``src`` to rank ``dst`` gets under this model: the slowest link

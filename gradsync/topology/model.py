@@ -39,6 +39,9 @@ COMPUTE_KINDS = frozenset({"gpu", "cpu", "host"})
 #: Devices that only forward bytes: they neither aggregate nor replicate (OMS §3).
 FORWARD_KINDS = frozenset({"switch", "nic"})
 DEVICE_KINDS = COMPUTE_KINDS | FORWARD_KINDS
+#: ``Topology.attrs`` key of the scales a runtime's belief put on links (``(a, b, a->b scale, b->a scale)`` each):
+#: what a cost model with measured class rates applies after them (``gradsync.comm.watch.scaled_topology``).
+LINK_SCALE = "link_scale"
 
 
 @dataclass(frozen=True)

@@ -359,6 +359,20 @@ def test_a_links_return_is_judged_by_the_least_gain_it_should_bring_the_pair():
     assert margin(3.0, 16.0, {pair: 16.0}) == pytest.approx(3.0 / RETURN_GAIN)
 
 
+def test_a_cost_model_with_measured_class_rates_still_prices_the_slow_link():
+    """A model whose link classes were measured (``gradsync testbed probe --cost-model``) replaces each link's rate
+    by its class's; the belief that rank 1's NIC runs at 1/8 is applied after that, so the replan prices the slow NIC
+    and switches (it was erased: both plans priced alike on the scaled cluster, and every switch was held)."""
+    from gradsync.sim.cost import CostModel
+
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: {pr: 0.125 for pr in SLOW_NIC}}, steps=8,
+                       options=GAINFUL, probe=lambda rt: rt.adapt.held, cost_model=CostModel(link_GBps={"network": 1.0}))
+    for switches, exact, held in results:
+        assert exact and not held
+        (away,) = switches
+        assert away.new_plan != away.old_plan and away.conditions.link_scale
+
+
 def test_a_held_switch_does_not_hide_the_links_return():
     """Rank 1's NIC at 1/8 from collective 4 moves ``auto`` to ``tree/2``; from 9 the pair (2, 0) reads 0.6x as well,
     a switch no replan gains from (held: the belief now has two slow links, the plan and what its pairs learned stay).

@@ -79,6 +79,24 @@ def test_measured_rates_and_goodput_scale_the_links():
     assert slow == pytest.approx(4 * base, rel=1e-9)
 
 
+def test_a_runtimes_scaled_links_keep_their_scales_under_measured_class_rates():
+    """A belief that links run slow (gradsync.comm.watch.scaled_topology) is applied after the class rate that
+    replaces the file's: with every link of ring:4 at half, the ring takes twice as long under a model with measured
+    class rates, as under one without (the class rate used to replace the scaled rate, and the belief was lost)."""
+    from gradsync.comm.watch import scaled_topology
+
+    t = get_topology("ring:4")
+    s = synthesize("ring", t)
+    kind = t.links[0].kind
+    measured = CostModel(message_s=0.0, link_GBps={kind: 0.2}, goodput=0.5)
+    halved = scaled_topology(t, {(e, d): 0.5 for e in range(len(t.links)) for d in (0, 1)})
+    assert measured.predict(s, halved, 1e8) == pytest.approx(2 * measured.predict(s, t, 1e8), rel=1e-9)
+    one = scaled_topology(scaled_topology(t, {(0, 0): 0.5}), {(0, 0): 0.5, (0, 1): 0.8})  # scales compose
+    rated = measured.rates(one)
+    assert rated.links[0].directed_GBps == pytest.approx((0.2 * 0.5 * 0.25, 0.2 * 0.5 * 0.8))
+    assert rated.links[1].directed_GBps == pytest.approx((0.1, 0.1)) and rated.links[1].bandwidth_down_GBps is None
+
+
 def test_a_calibration_stream_far_below_the_files_rate_rescales_every_class():
     """racks:2,3,4 as built (10 Gbit/s NICs, 2.5 Gbit/s uplinks) on a wire 25x slower: rank 0 -> rank 3
     crosses the uplink, 0.3125 GB/s x goodput 0.96 in the file; the stream measured 1/25 of that, so every
