@@ -82,7 +82,7 @@ from gradsync.comm.watch import (
 )
 from gradsync.errors import GradsyncError, PeerError, SimulationError, TopologyError
 from gradsync.plan.schedule import Schedule
-from gradsync.sim.choose import Chooser
+from gradsync.sim.choose import PRUNE, Chooser
 from gradsync.sim.cost import NATIVE, native_schedule, size_class
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Link, Topology
@@ -603,6 +603,9 @@ class Adapter:
             try:
                 if self.auto:
                     current = plans.chooser()
+                    bound = self._no_gain_bound(current, topology, old, nbytes)
+                    if bound is not None:
+                        return json.dumps(bound).encode()
                     chooser = Chooser(topology, model, algorithms=current.algorithms, native=current.native,
                                       options=plans.options, margin=current.margin)
                     pick = chooser.choose(nbytes)
@@ -621,6 +624,32 @@ class Adapter:
         got = json.loads(plans.decide(f"adapt/prospect/{self.detector.generation}/{size}", compute))
         return None if got is None else (str(got[0]), float(got[1]), float(got[2]))
 
+    def _no_gain_bound(self, current: Chooser, topology: Topology, old: Schedule,
+                       nbytes: float) -> list[str | float] | None:
+        """A hold priced without choosing: ``["", now, floor]`` where the running plan, priced ``now`` on ``topology``,
+        is within :attr:`AdaptOptions.min_gain` of ``floor``, a lower bound on every plan there; else None (choose).
+
+        ``current`` chose this size on the cluster the running generation planned for, and no plan was priced under
+        its least candidate there (less the chooser's pruning share). In the model a slower link makes no plan
+        faster, so where ``topology`` only slows links that bound holds on it too (where it speeds some up, by
+        at most the largest speed-up). On the racks testbed a pair that read slow for a few collectives on the
+        degraded plan had rank 0 choose among every plan, 2.5 to 4.5 s while every rank waited, to keep the plan."""
+        size = size_class(nbytes)
+        choice = current.chosen(size)
+        before, now = current.topology, topology
+        if (choice is None or not choice.candidates
+                or [(lk.a, lk.b) for lk in before.links] != [(lk.a, lk.b) for lk in now.links]):
+            return None
+        model = current.model
+        rated_before, rated_now = model.rates(before), model.rates(now)
+        faster = max([1.0, *(b / a for la, lb in zip(rated_before.links, rated_now.links)
+                             for a, b in zip(la.directed_GBps, lb.directed_GBps))])
+        floor = min(c.predicted_s for c in choice.candidates) * (1 - PRUNE) / faster
+        now_s = model.predict(old, now, size, native=old.algorithm == NATIVE)
+        if now_s * (1 - self.options.min_gain) > floor:
+            return None
+        return ["", now_s, floor]
+
     def _replan(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> SwitchRecord:
         old_plan = self._label(nbytes)
         self._priced_s.clear()  # the last replan's plans are gone: nothing kept alive past it
@@ -637,9 +666,12 @@ class Adapter:
                     else None)
         if prospect is not None and prospect[2] >= prospect[1] * (1 - self.options.min_gain):
             new_label, old_s, new_s = prospect
-            return self._hold(switch, old_plan, f"replanned ({new_label}) it would save under "
-                              f"{self.options.min_gain:.0%}, predicted {old_s:.3g} s -> {new_s:.3g} s per collective",
-                              old_s - new_s)
+            share = f"{self.options.min_gain:.0%}"
+            why = (f"replanned ({new_label}) it would save under {share}, predicted {old_s:.3g} s -> {new_s:.3g} s "
+                   f"per collective" if new_label else
+                   f"no plan would save {share}: it is priced {old_s:.3g} s per collective on the cluster as now seen, "
+                   f"and none under {new_s:.3g} s before (a slower link makes no plan faster)")
+            return self._hold(switch, old_plan, why, 0.0 if not new_label else old_s - new_s)
         late = self._late(switch.after)
         size = size_class(nbytes)
         before = self.plans.choice(size) if self.auto else None  # the size ran: its pick is known on every rank

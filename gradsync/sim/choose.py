@@ -157,6 +157,10 @@ class Chooser:
         """Every (algorithm, pipeline) the chooser may consider, ``native`` first."""
         return ([(NATIVE, 1)] if self.native else []) + [(n, p) for n in self.algorithms for p in self.model.pipelines]
 
+    def chosen(self, nbytes: float) -> Choice | None:
+        """The choice already made for ``nbytes``'s size class, or None (nothing is priced)."""
+        return self._choices.get(size_class(nbytes))
+
     def choose(self, nbytes: float, *, exact: bool = False) -> Choice:
         """The choice for ``nbytes``'s size class (cached), or for ``nbytes`` itself with ``exact``."""
         if exact:

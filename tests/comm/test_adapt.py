@@ -359,6 +359,32 @@ def test_a_links_return_is_judged_by_the_least_gain_it_should_bring_the_pair():
     assert margin(3.0, 16.0, {pair: 16.0}) == pytest.approx(3.0 / RETURN_GAIN)
 
 
+def test_a_switch_that_only_slows_links_is_held_without_choosing_where_no_plan_can_gain(monkeypatch):
+    """On ``tree/2`` around rank 1's slow NIC, the pair (2, 0) reads 0.6x from collective 9: the new belief only slows
+    a link, so no plan is faster on it than the least the running generation priced before; the running plan is
+    priced within 5% of that, and the switch is held at collective 10 without choosing among every plan. A full
+    choice on that belief (brute force, here) finds nothing 5% faster either."""
+    from gradsync.sim.choose import Chooser
+    from gradsync.sim.cost import size_class
+
+    calls = _count_choices(monkeypatch)
+    slow = {pr: 0.125 for pr in SLOW_NIC}
+
+    def probe(rt):
+        return (rt.adapt.held, rt.adapt._world, rt.plans.chooser(), rt.plans.schedule(*rt.choice(BUFFER)),
+                rt.plans.options)
+
+    results = _run_job(4, "switch:4", "auto", torch.float64, {4: slow, 9: {**slow, (2, 0): 0.6}}, steps=13,
+                       options=GAINFUL, probe=probe)
+    for switches, exact, (held, belief, chooser, running, options) in results:
+        assert exact and len(switches) == 1 and [h.collective for h in held] == [10]
+        assert id(belief) not in {t for t, _ in calls}  # nothing chosen on the held belief
+        full = Chooser(belief, chooser.model, algorithms=chooser.algorithms, native=chooser.native, options=options,
+                       margin=chooser.margin).choose(BUFFER)
+        now = chooser.model.predict(running, belief, size_class(BUFFER))
+        assert min(c.predicted_s for c in full.candidates) >= now * (1 - GAINFUL.min_gain)
+
+
 def test_a_cost_model_with_measured_class_rates_still_prices_the_slow_link():
     """A model whose link classes were measured (``gradsync testbed probe --cost-model``) replaces each link's rate
     by its class's; the belief that rank 1's NIC runs at 1/8 is applied after that, so the replan prices the slow NIC
@@ -385,6 +411,7 @@ def test_a_held_switch_does_not_hide_the_links_return():
     for switches, exact, held in results:
         assert exact
         assert [h.collective for h in held] == [10] and held[0].new_plan == held[0].old_plan
+        assert "no plan would save 5%" in held[0].message
         away, back = switches
         assert back.collective == 15 and back.conditions.baseline and back.new_plan == away.old_plan
     assert len({tuple((s.generation, s.collective) for s in sw) for sw, _, _ in results}) == 1
