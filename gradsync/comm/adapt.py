@@ -23,9 +23,10 @@ take the queued path, not the native fast path, so every rank counts the same on
   belief learns, for its pairs across the links scaled then, their degraded level, and compares them with
   nothing (a switch held since does not change which): when they run above that level by the least gain the
   links' return should bring them (:func:`return_margins`) for ``k_leave`` collectives, the links are back and
-  every rank returns to the baseline (the pairs that read slow may not be in the new plan at all). No rank is judged late in a collective with a pair slower than the cluster as
-  believed, nor while the belief has a scaled link (the link's change also ends the ranks unevenly, and the
-  scaled model does not time their ends as the wire does);
+  every rank returns to the baseline (the pairs that read slow may not be in the new plan at all). No rank is
+  judged late in a collective with a pair slower than the cluster as believed, nor while the belief has a scaled
+  link (the link's change also ends the ranks unevenly, and the scaled model does not time their ends as the wire
+  does);
 * **replan**: on a switch the degraded pairs become per-link capacity scales
   (:func:`~gradsync.comm.watch.link_scales`), the plan cache is reset on the scaled topology (a new
   generation: the choice and wait order are decided job-wide through ``decide`` under new keys, so every rank
@@ -34,7 +35,9 @@ take the queued path, not the native fast path, so every rank counts the same on
   back, the same way. A switch whose new plan the model prices less than :attr:`AdaptOptions.min_gain` faster
   than the plan that runs, on the cluster as it now is, is *held*: the plan, its executors and ``auto``'s
   measured choices stay, and rank 0 logs one line saying so (a NIC that slows every ring alike, or noise across
-  the threshold, cost a new generation and a new exploration for nothing);
+  the threshold, cost a new generation and a new exploration for nothing). Where the new belief only slows links
+  and the running plan is priced within that share of the least any plan was priced before, it is held without
+  choosing (a slower link makes no plan faster in the model);
 * **reroute**: :meth:`Adapter.drop_link` removes a link from the topology and replans on the surviving graph;
   where no path joins every rank any more, it raises :class:`~gradsync.errors.PeerError` naming the link.
 """
@@ -415,7 +418,7 @@ class Adapter:
             on_belief = self._expected_rates(ex.schedule, nbytes, learned.world)[0]
             margins = return_margins(cross, {k: expected[k] * learned.floors[k] for k in cross}, slow_by,
                                      {k: expected[k] / on_belief[k] for k in cross if on_belief.get(k)})
-            self._back = self._back + 1 if statistics.median(margins) >= 1.0 else 0
+            self._back = self._back + 1 if margins and statistics.median(margins) >= 1.0 else 0
             if self._back >= self.options.link.k_out:  # back: the baseline's plans again, at this collective
                 self._back, self._world = 0, self.base_topology
                 return self._replan(self.detector.clear_links(), self._world, ex.schedule, nbytes)
