@@ -334,49 +334,14 @@ class Adapter:
         detector says so (every rank does, at this collective)."""
         seconds = self.clock() - self._entered
         self.watched += 1
-        n = ex.schedule.world_size
-        me = self.rank
-        rates: dict[Hashable, float] = {}
-        if isinstance(ex, Executor):  # the backend's own collective gives each rank's time alone
-            sent, ex.sent = ex.sent or [], None
-            rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
-                                     self.options.pair_min_bytes)
-            before, self._tcp_before = self._tcp_before, None
-            if before is not None and self._tcp_peers:  # the kernel's rate where it has the pair's connection
-                wire = wire_rates(before, read_connections(), self._tcp_peers, self.options.pair_min_bytes)
-                tcp = {(me, ex.proc_of.index(p)): r for p, r in wire.items() if p in ex.proc_of}
-                rates.update({k: v for k, v in tcp.items() if k in rates})
-                self.tcp_pairs = sum(1 for k in tcp if k in rates)
-        # [pair rates (n*n) | each rank's seconds in the collective (n)]: every entry has one writer, so the sum
-        # is exact and every rank reads the same numbers
-        vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo
-        for (src, dst), r in rates.items():
-            vec[src * n + dst] = r
-        vec[n * n + me] = max(seconds, 0.0)
-        self._share(vec)
-        spent = vec[n * n:].tolist()
-        pairs = vec[: n * n].tolist()
-        shared = {(i // n, i % n): r for i, r in enumerate(pairs) if r}
+        shared, spent = self._agree(ex.schedule.world_size, self._measure(ex), seconds)
         expected, _ = self._expected_rates(ex.schedule, nbytes, self.base_topology)
         _, finish = self._expected_rates(ex.schedule, nbytes, self._world)
         shared = {k: v for k, v in shared.items() if k in expected}
-        if self._warmed < self.options.warmup:  # warm-up: learn how the pairs' wire, and the run, compare with the model
-            self._learn_pairs(ex.schedule, shared, expected)
-            if max(finish) > 0:
-                self._warm_time.append(max(spent) / max(finish))
-                self._warm_slow.append(self._rate_slowdown(ex.schedule, nbytes, max(spent), max(finish)))
-            self._warmed += 1
-            if self._warmed >= self.options.warmup:
-                self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
-                self._slowdown = statistics.median(self._warm_slow) if self._warm_slow else 1.0
+        if self._warmed < self.options.warmup:
+            self._warm_up(ex.schedule, nbytes, shared, expected, max(spent), max(finish))
             return None
-        # Each rank leaves the collective when the plan's last message to or from it is done, which the model
-        # predicts (``finish``, scaled to this wire by the warm-up): a rank that spent less than that in it, by more
-        # than the others did, came late by the difference. No common clock is needed, and a plan in which
-        # ranks finish at different times (the straggler schedule) is not mistaken for a late rank.
-        excess = [t - self._time_factor * f for t, f in zip(spent, finish)]
-        top = max(excess)
-        delays = arrival_delays([top - e for e in excess])
+        delays = self._delays(spent, finish)
         # Late "by a share of the collective" as it ran, not as the model says it would: a slow link shifts the
         # ranks' end times unevenly too, by a share of a collective it also makes longer.
         reference = max(spent)
@@ -413,17 +378,9 @@ class Adapter:
         cross = {k: v for k, v in shared.items() if k in across and k in factors}
         use = {k: factors[k] if k in factors else self._kept[k] for k in shared
                if k not in fresh and k not in across and (k in factors or (k in degraded and k in self._kept))}
-        if cross and degraded:
-            # against the slowest it learned: a link back while it learned is still seen (its median is not)
-            on_belief = self._expected_rates(ex.schedule, nbytes, learned.world)[0]
-            margins = return_margins(cross, {k: expected[k] * learned.floors[k] for k in cross}, slow_by,
-                                     {k: expected[k] / on_belief[k] for k in cross if on_belief.get(k)})
-            self._back = self._back + 1 if margins and statistics.median(margins) >= 1.0 else 0
-            if self._back >= self.options.link.k_out:  # back: the baseline's plans again, at this collective
-                self._back, self._world = 0, self.base_topology
-                return self._replan(self.detector.clear_links(), self._world, ex.schedule, nbytes)
-        else:
-            self._back = 0
+        if self._links_back(ex.schedule, nbytes, learned, cross if degraded else {}, slow_by, expected):
+            self._world = self.base_topology  # back: the baseline's plans again, at this collective
+            return self._replan(self.detector.clear_links(), self._world, ex.schedule, nbytes)
         believed = expected if here else self._expected_rates(ex.schedule, nbytes, self._world)[0]
         shared = {k: v for k, v in shared.items() if k in use}
         want = {k: expected[k] * use[k] for k in shared}
@@ -441,6 +398,74 @@ class Adapter:
         scales = link_scales(self.base_topology, degraded, healthy)  # type: ignore[arg-type]
         self._world = scaled_topology(self.base_topology, scales) if scales else self.base_topology
         return self._replan(switch, self._world, ex.schedule, nbytes)
+
+    def _measure(self, ex: Executor | NativeAllreduce) -> dict[Hashable, float]:
+        """This rank's rate to each peer it sent to in the collective ``ex`` ran: the executor's send timings,
+        replaced by the kernel's counters where the pair's connection is known; nothing for the backend's own
+        collective (it gives each rank's time alone)."""
+        if not isinstance(ex, Executor):
+            return {}
+        me = self.rank
+        sent, ex.sent = ex.sent or [], None
+        rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
+                                 self.options.pair_min_bytes)
+        before, self._tcp_before = self._tcp_before, None
+        if before is not None and self._tcp_peers:  # the kernel's rate where it has the pair's connection
+            wire = wire_rates(before, read_connections(), self._tcp_peers, self.options.pair_min_bytes)
+            tcp = {(me, ex.proc_of.index(p)): r for p, r in wire.items() if p in ex.proc_of}
+            rates.update({k: v for k, v in tcp.items() if k in rates})
+            self.tcp_pairs = sum(1 for k in tcp if k in rates)
+        return rates
+
+    def _agree(self, n: int, rates: dict[Hashable, float], seconds: float) -> tuple[dict[Hashable, float], list[float]]:
+        """Every rank's pair rates and seconds in the collective, the same on every rank: ``[pair rates (n*n) | each
+        rank's seconds (n)]`` in one sum-allreduce, every entry with one writer, so the sum is exact."""
+        vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo
+        for (src, dst), r in rates.items():
+            vec[src * n + dst] = r
+        vec[n * n + self.rank] = max(seconds, 0.0)
+        self._share(vec)
+        pairs = vec[: n * n].tolist()
+        return {(i // n, i % n): r for i, r in enumerate(pairs) if r}, vec[n * n:].tolist()
+
+    def _warm_up(self, schedule: Schedule, nbytes: float, shared: dict[Hashable, float],
+                 expected: dict[Hashable, float], spent_s: float, finish_s: float) -> None:
+        """One warm-up collective: learn how the pairs' wire, and the run as a whole, compare with the model."""
+        self._learn_pairs(schedule, shared, expected)
+        if finish_s > 0:
+            self._warm_time.append(spent_s / finish_s)
+            self._warm_slow.append(self._rate_slowdown(schedule, nbytes, spent_s, finish_s))
+        self._warmed += 1
+        if self._warmed >= self.options.warmup:
+            self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
+            self._slowdown = statistics.median(self._warm_slow) if self._warm_slow else 1.0
+
+    def _delays(self, spent: list[float], finish: list[float]) -> list[float]:
+        """Each rank's arrival delay. A rank leaves the collective when the plan's last message to or from it is done,
+        which the model predicts (``finish``, scaled to this wire by the warm-up): a rank that spent less than that
+        in it, by more than the others did, came late by the difference. No common clock is needed, and a plan in
+        which ranks finish at different times (the straggler schedule) is not mistaken for a late rank."""
+        excess = [t - self._time_factor * f for t, f in zip(spent, finish)]
+        top = max(excess)
+        return arrival_delays([top - e for e in excess])
+
+    def _links_back(self, schedule: Schedule, nbytes: float, learned: _Learned, cross: dict[Hashable, float],
+                    slow_by: dict[Hashable, float], expected: dict[Hashable, float]) -> bool:
+        """Whether the scaled links are back: ``cross`` (the pairs across them that learned their degraded level on
+        ``learned``'s belief) ran above that level by the gain the return should bring them (:func:`return_margins`,
+        their median, against the slowest they learned: a link back while they learned is still seen) for
+        ``k_leave`` watched collectives in a row."""
+        if not cross:
+            self._back = 0
+            return False
+        on_belief = self._expected_rates(schedule, nbytes, learned.world)[0]
+        margins = return_margins(cross, {k: expected[k] * learned.floors[k] for k in cross}, slow_by,
+                                 {k: expected[k] / on_belief[k] for k in cross if on_belief.get(k)})
+        self._back = self._back + 1 if margins and statistics.median(margins) >= 1.0 else 0
+        if self._back < self.options.link.k_out:
+            return False
+        self._back = 0
+        return True
 
     def _learned(self, schedule: Schedule) -> _Learned:
         """What ``schedule``'s pairs taught so far (nothing yet for a plan not seen before)."""
