@@ -100,7 +100,7 @@ ADAPT_MIN_BYTES = 1 << 20
 #: should gain it less (:func:`return_margins`).
 RETURN_GAIN = 2.0
 #: The least gain over its degraded level that shows a pair's link back, whatever the model says the return gains it:
-#: above the noise of the kernel's per-connection rates on the testbed (one pair read 0.58-0.74x over one cut).
+#: above the noise of the kernel's per-connection rates (docs/runtime.md, "Plans that follow the cluster").
 RETURN_MIN = 1.3
 #: :attr:`AdaptOptions.wire`'s choices.
 WIRE_SOURCES = ("auto", "timings")
@@ -364,8 +364,8 @@ class Adapter:
         factors = learned.factors
         # Its factors hold a scaled belief: learned since a switch, on the belief that switch made. A switch held since
         # (a pair read slow that no replan would gain from) changes the belief, not what the plan's pairs learned: the
-        # links scaled when they learned are the ones whose return they show (after a held switch its pairs across
-        # the cut NIC were compared no more, and the NIC's return went unseen for 4 collectives and 2 replans).
+        # links scaled when they learned are the ones whose return they show (compared with nothing after a held
+        # switch, they left the NIC's return unseen until two replans later: docs/runtime.md).
         here = self._scaled and learned.world is not self.base_topology
         degraded = dict(self.detector.conditions.link_scale)
         fresh = {k: v for k, v in shared.items() if k not in factors}
@@ -660,8 +660,8 @@ class Adapter:
         ``current`` chose this size on the cluster the running generation planned for, and no plan was priced under
         its least candidate there (less the chooser's pruning share). In the model a slower link makes no plan
         faster, so where ``topology`` only slows links that bound holds on it too (where it speeds some up, by
-        at most the largest speed-up). On the racks testbed a pair that read slow for a few collectives on the
-        degraded plan had rank 0 choose among every plan, 2.5 to 4.5 s while every rank waited, to keep the plan."""
+        at most the largest speed-up). A pair that reads slow for a few collectives on a degraded plan would
+        otherwise have rank 0 choose among every plan, while every rank waits, to keep the plan (docs/runtime.md)."""
         size = size_class(nbytes)
         choice = current.chosen(size)
         before, now = current.topology, topology
@@ -828,10 +828,9 @@ def return_margins(rates: Mapping[Hashable, float], levels: Mapping[Hashable, fl
     path's bottleneck rate (``path_gain``, the belief's slowdown of the path) and its rate in the model of the
     running plan (``plan_gain``: the model's rate for the plan on the baseline over that on the belief; a pair
     without one is judged by its path). A plan chosen around a slow link leans on it little, so its pair there gains
-    less than the path: on the racks testbed a NIC believed at 0.18x made its path 5.4x slower, tree/16's pair across
-    it 2.1x in the model, and it read 1.8-2.0x its level once back, under the 2x the path asked. The model can also
-    miss what the wire gains (a ring's pairs wait on its slowest whatever their own rate, 1.2x in the model, 4x on the
-    wire), so the bar never drops below :data:`RETURN_MIN`, above the kernel's per-connection noise."""
+    less than the path does (a tree with the cut NIC's rank as a leaf). The model can also miss what the wire gains
+    (a ring's pairs wait on its slowest whatever their own rate), so the bar never drops below :data:`RETURN_MIN`,
+    above the kernel's per-connection noise. The testbed runs behind both are in docs/runtime.md."""
     out = []
     for k, v in rates.items():
         level, path = levels.get(k), path_gain.get(k, 1.0)

@@ -120,8 +120,8 @@ class Chooser:
 
     def predict(self, schedule: Schedule, size: float) -> float:
         """:meth:`CostModel.predict` of ``schedule`` on this topology, once per distinct set of transfers
-        (:attr:`Schedule.digest`): where ``lp``'s optimum is one tree it plans what ``tree`` plans, and the second
-        simulation of the same transfers was a third of a replan's time on the racks testbed."""
+        (:attr:`Schedule.digest`): where ``lp``'s optimum is one tree it plans what ``tree`` plans, and a second
+        simulation of the same transfers would only repeat the first."""
         key = (schedule.digest, float(size))
         got = self._predicted.get(key)
         if got is None:
