@@ -80,7 +80,10 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         if len(good) < len(rows):
             print(f"warning: {len(rows) - len(good)} of {len(rows)} pairs missed the expected rate and are left out of "
                   f"the cost model" + ("" if good else "; it uses the TCP header arithmetic for the goodput instead"))
-        model = cost_model(load_state(args.state), good)
+        from gradsync.topology.io import get_topology
+
+        model = cost_model(load_state(args.state), good,
+                           topology=get_topology(args.topology) if args.topology else None)
         try:
             Path(args.cost_model).write_text(json.dumps(model.to_dict(), indent=1) + "\n", encoding="utf-8")
         except OSError as exc:
@@ -170,6 +173,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also measure each pair loaded both ways at once (the cost model's reverse_share)")
     p.add_argument("--cost-model", default=None, metavar="FILE",
                    help="write the runtime's cost model (link rates of this testbed, measured goodput) as JSON")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="with --cost-model: the topology file the testbed was built from (a built-in name is found "
+                        "from the testbed's state)")
     p.set_defaults(testbed_func=_cmd_probe)
 
     s = sub.add_parser("status", parents=[common], help="show the testbed that is up")

@@ -157,8 +157,8 @@ class CostModel:
     lone stream each way). ``burst_s``: seconds of tokens each link direction holds at its own rate (a
     token-bucket shaper: ``tc tbf``'s burst, a cloud NIC's burst credits; 0 for a wire that never runs above
     its rate; measured by the calibration, :func:`burst_of`). ``link_GBps``: measured rates per link class
-    (``Link.kind``) replacing the
-    topology file's (before ``goodput``). ``pipelines``: sub-chunk counts the chooser tries.
+    (``Link.kind``): each class's slowest link runs at it, the class's others keep their ratio to that link
+    (:meth:`rates`, before ``goodput``). ``pipelines``: sub-chunk counts the chooser tries.
     ``source`` says where the numbers came from (``defaults``, ``measured``, ``probe``, a file).
     """
 
@@ -216,25 +216,24 @@ class CostModel:
 
     # ---- the model ------------------------------------------------------------------------------------------
     def rates(self, topology: Topology) -> Topology:
-        """``topology`` with the link rates the runtime really gets (measured class rates × goodput). A link a
-        runtime's belief scaled (``attrs[LINK_SCALE]``, :func:`gradsync.comm.watch.scaled_topology`) keeps its
-        scales on top of its class's measured rate: the class rate replaces what the file says, not what the wire
+        """``topology`` with the link rates the runtime really gets: each measured class's slowest link direction at
+        the class rate (``link_GBps``, the rate a probe gives a class), its other links keeping their ratio to that
+        one (a file's 3:1 host links and uplinks of one kind stay 3:1), then ``goodput``. A link a runtime's belief
+        scaled (``attrs[LINK_SCALE]``, :func:`gradsync.comm.watch.scaled_topology`) keeps its scales: the class is
+        anchored on the links' rates before them, so the class rate replaces what the file says, not what the wire
         was seen to do since."""
         if not self.link_GBps and self.goodput == 1.0:
             return topology
         scaled = {(a, b): (float(u), float(d)) for a, b, u, d in topology.attrs.get(LINK_SCALE, ())}
-        links = []
+        slowest: dict[str, float] = {}
         for lk in topology.links:
-            if lk.kind not in self.link_GBps:
-                links.append(lk.scaled(self.goodput))
-                continue
-            up, down = scaled.get((lk.a, lk.b), (1.0, 1.0))
-            a_b, b_a = lk.directed_GBps
-            rate = self.link_GBps[lk.kind] * self.goodput
-            # the class rate replaces the link's unscaled a->b rate; b->a keeps its ratio to it, both their scales
-            links.append(replace(lk, bandwidth_GBps=rate * up, bandwidth_down_GBps=(
-                None if lk.bandwidth_down_GBps is None and up == down else rate * (b_a / down) / (a_b / up) * down)))
-        return replace(topology, links=tuple(links))
+            if lk.kind in self.link_GBps:
+                up, down = scaled.get((lk.a, lk.b), (1.0, 1.0))
+                a_b, b_a = lk.directed_GBps
+                slowest[lk.kind] = min(slowest.get(lk.kind, math.inf), a_b / up, b_a / down)
+        links = tuple(lk.scaled(self.goodput * (self.link_GBps[lk.kind] / slowest[lk.kind] if lk.kind in slowest else 1.0))
+                      for lk in topology.links)
+        return replace(topology, links=links)
 
     def path_GBps(self, topology: Topology, src: int, dst: int) -> float:
         """The rate one stream from rank ``src`` to rank ``dst`` gets under this model: the slowest link

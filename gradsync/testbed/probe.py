@@ -24,6 +24,7 @@ from gradsync.testbed.errors import TestbedError
 
 if TYPE_CHECKING:
     from gradsync.sim.cost import CostModel
+    from gradsync.topology.model import Topology
 
 __all__ = ["probe", "probe_pair", "probe_duplex", "format_table", "cost_model", "DEFAULT_TOLERANCE", "MAX_PAIRS", "TCP_GOODPUT"]
 
@@ -36,12 +37,14 @@ _WORKER = str(Path(__file__).with_name("_probe_worker.py"))
 TCP_GOODPUT = 1448 / 1514
 
 
-def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), **fields: Any) -> CostModel:
+def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), *, topology: Topology | None = None,
+               **fields: Any) -> CostModel:
     """The runtime's :class:`~gradsync.sim.cost.CostModel` for this testbed: every link class at its shaped
     rate, and the goodput share the probe measured (the median of ``rows``' measured/expected, capped at 1;
     :data:`TCP_GOODPUT` without rows), and the median ``reverse_share`` of rows probed both ways
     (``probe(duplex=True)``; 0 without), and the shaper's token bucket (``burst_s``: :func:`tbf_burst` at the
-    slowest class's rate, in seconds of that rate). ``fields`` set the rest (``message_s``...).
+    slowest class's rate, in seconds of that rate). ``fields`` set the rest (``message_s``...). ``topology``: the
+    one the testbed was built from, where its name alone does not find it (a file).
 
     Rows that measured nothing (a probe that failed) are left out with the others' median; when none is
     usable the header arithmetic is used, so a bad probe never yields a model that cannot run.
@@ -51,7 +54,16 @@ def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), **fields:
     from gradsync.sim.cost import CostModel
     from gradsync.topology.io import get_topology
 
-    topo = get_topology(plan.topology)
+    if topology is None:
+        from gradsync.errors import TopologyError
+
+        try:
+            topology = get_topology(plan.topology)
+        except TopologyError:
+            raise TestbedError(f"the testbed was built from topology {plan.topology!r}, which is no built-in name: give "
+                               f"the file it was built from (`gradsync testbed probe --cost-model FILE --topology "
+                               f"TOPOLOGY_FILE`, or cost_model(..., topology=...))") from None
+    topo = topology
     unit = float(topo.unit_bandwidth_GBps or 1.0)
     rates: dict[str, float] = {}
     for lk in topo.links:

@@ -194,6 +194,24 @@ def test_probe_rows_become_the_runtimes_cost_model() -> None:
                                                                 "uplink": pytest.approx(0.0125 * m.goodput)}
 
 
+def test_a_probed_model_of_a_hand_written_file_gives_each_link_its_shaped_rate() -> None:
+    """A file names every link's kind alike (``link``: host links at 3 GB/s, uplinks at 1): the probe's class rate is
+    the slowest link's shaped rate, and the model's rates are the testbed's for every link, 3:1 as shaped (the class
+    rate used to flatten the class, and the racks were gone from the model)."""
+    from gradsync.testbed.probe import cost_model
+
+    topo = get_topology(str(Path(__file__).resolve().parents[2] / "benchmarks" / "fabrics" / "three-rack.yaml"))
+    plan = build_plan(topo, "60mbit")
+    m = cost_model(plan, [{"measured_mbit": 57.0, "expected_mbit": 60.0}], topology=topo)
+    assert set(m.link_GBps) == {"link"}
+    unit = float(topo.unit_bandwidth_GBps or 1.0)
+    shaped = [60 * lk.bandwidth_GBps / unit / 8e3 * m.goodput for lk in topo.links]
+    assert [lk.bandwidth_GBps for lk in m.rates(topo).links] == pytest.approx(shaped)
+    assert len({round(r, 12) for r in shaped}) == 2  # two rates, as the file says
+    with pytest.raises(TestbedError, match="three-rack.*no built-in name.*--topology"):
+        cost_model(plan)  # the state names the file's topology, which no builder knows
+
+
 def test_unsupported_topology_and_bad_state_are_clear_errors() -> None:
     with pytest.raises(TestbedError, match="neither a rank nor a switch"):
         plan_for("minsky:2")
