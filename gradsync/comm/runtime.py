@@ -51,7 +51,7 @@ from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.plan.synthesizers import PlanOptions
 from gradsync.sim.choose import AUTO, Chooser
-from gradsync.sim.cost import CostModel, size_class
+from gradsync.sim.cost import NATIVE, CostModel, size_class
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
@@ -277,8 +277,10 @@ class Runtime:
         return f"{name}/{pipeline}"
 
     def _share_sum(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over ranks now, on the plan for its size (the watch's agreement round)."""
-        self._executor_for(tensor, "sum", None).run(tensor, "sum")
+        """Sum ``tensor`` over ranks now (the watch's agreement round): on the backend's own allreduce where the
+        transport has one (a few float64s, each entry with one writer, so the sum is exact in any order; on a planned
+        ring its tiny messages were most of what watching an allreduce cost), else on the plan for its size."""
+        self._executor_for(tensor, "sum", NATIVE if self.plans.caps.native else None).run(tensor, "sum")
 
     def set_cost_model(self, model: CostModel) -> None:
         """Price with ``model`` from now on: plans and choices made with the old one are dropped."""
