@@ -41,7 +41,7 @@ from typing import Any
 
 from gradsync.errors import GradsyncError
 from gradsync.plan.routing import router_for
-from gradsync.topology.model import LINK_SCALE, Topology
+from gradsync.topology.model import LINK_SCALE, Topology, recorded_link_scales
 
 __all__ = ["Conditions", "Detector", "Hysteresis", "RollingEstimates", "Sample", "Switch", "arrival_delays",
            "collective_rates", "describe_switch", "link_scales", "on_time_pairs", "scaled_topology", "seen"]
@@ -423,7 +423,7 @@ def scaled_topology(topology: Topology, scales: Mapping[tuple[int, int], float])
     (:meth:`CostModel.rates <gradsync.sim.cost.CostModel.rates>`), and applies these after it, so a belief that a
     link runs slow survives a model that measured the class it belongs to."""
     links = list(topology.links)
-    recorded = {(a, b): (float(u), float(d)) for a, b, u, d in topology.attrs.get(LINK_SCALE, ())}
+    recorded = recorded_link_scales(topology)
     for e, lk in enumerate(links):
         up, down = scales.get((e, 0), 1.0), scales.get((e, 1), 1.0)
         if up != 1.0 or down != 1.0:

@@ -42,7 +42,7 @@ from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import Chunk, Schedule
 from gradsync.plan.synthesizers import ring_blocks, split_chunks
 from gradsync.sim.engine import simulate
-from gradsync.topology.model import LINK_SCALE, Topology
+from gradsync.topology.model import Topology, recorded_link_scales
 
 __all__ = ["BURST_NOISE", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
            "stream_rate_of"]
@@ -224,7 +224,7 @@ class CostModel:
         was seen to do since."""
         if not self.link_GBps and self.goodput == 1.0:
             return topology
-        scaled = {(a, b): (float(u), float(d)) for a, b, u, d in topology.attrs.get(LINK_SCALE, ())}
+        scaled = recorded_link_scales(topology)
         slowest: dict[str, float] = {}
         for lk in topology.links:
             if lk.kind in self.link_GBps:

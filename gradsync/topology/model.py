@@ -44,6 +44,11 @@ DEVICE_KINDS = COMPUTE_KINDS | FORWARD_KINDS
 LINK_SCALE = "link_scale"
 
 
+def recorded_link_scales(topology: Topology) -> dict[tuple[str, str], tuple[float, float]]:
+    """``attrs[LINK_SCALE]`` as ``{(a, b): (a->b scale, b->a scale)}`` (empty where no belief scaled a link)."""
+    return {(a, b): (float(u), float(d)) for a, b, u, d in topology.attrs.get(LINK_SCALE, ())}
+
+
 @dataclass(frozen=True)
 class Device:
     """One node of the topology graph."""
