@@ -161,6 +161,7 @@ floating dtype.
         partition: Partition,
         *,
         reuse_inputs: bool = False,
+        plain: bool = False,
     ) -> None:
         if len(names) != len(shapes) or partition.n != len(names):
             raise MergeError(
@@ -180,6 +181,9 @@ floating dtype.
         compressor = getattr(step, "compressor", None)
         #: auto (``averages_flat``) picks a codec per group, PowerSGD among them: its groups keep their shapes too
         self._auto = bool(getattr(step, "averages_flat", False))
+        #: auto's groups sent uncompressed, outside its choosing (:meth:`AutoCompression.plain_launch`): the
+        #: optimizer's calibration steps, whose partition is not the job's
+        self.plain = plain and self._auto
         batched = (compressor is not None and not compressor.merges_flat) or self._auto
         for j, (a, b) in enumerate(partition.bounds):
             members = tuple(range(a, b))
@@ -256,6 +260,9 @@ floating dtype.
             torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         # a merged group's buf is ours: the aggregate may come back in it
         reuse = len(parts) > 1 or self.reuse_inputs
+        if self.plain:
+            self._works.append((g, self.step.plain_launch(buf, g.info)))
+            return
         if self._auto and reuse:
             settled = self.step.settled_launch(buf, g.info.name)  # a settled stateless choice: a plain allreduce
             if settled is not None:

@@ -48,6 +48,8 @@ __all__ = ["DistributedOptimizer", "FIRST_BUCKET_BYTES"]
 
 #: The first group's default size limit (``torch.distributed``'s ``_DEFAULT_FIRST_BUCKET_BYTES``, DDP's).
 FIRST_BUCKET_BYTES = 1 << 20
+#: DDP's default bucket size limit (``bucket_cap_mb=25``): ``compression="auto"``'s calibration steps bucket so.
+DDP_BUCKET_BYTES = 25 << 20
 
 
 class DistributedOptimizer:
@@ -69,7 +71,8 @@ class DistributedOptimizer:
     ``allow`` permits (``"lossless"``, ``"cast"`` -- the default --, ``"any"``), measured against ``"none"`` on its
     first steps and dropped where slower (:class:`~gradsync.train.AutoCompression`; pass one to set its wire,
     codec costs or clock); ``optimizer.compression.report()`` prints the choices. With ``merge="auto"`` the
-    partition and the codec are chosen together after the second layer-wise step, timed (the first warms up),
+    partition and the codec are chosen together after the second step, timed (the first warms up; both send
+    DDP's buckets uncompressed),
     on auto's wire model and codec costs, with each group's own cost fitted to that step's time
     (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``); it is the default with
     ``compression="auto"``, since a group that settles on ``"none"`` is one native allreduce, and layer-wise
@@ -254,13 +257,17 @@ class DistributedOptimizer:
             merge = "auto" if _is_auto(compression) else "layerwise"
         self.partition = resolve_merge(merge, [p.numel() for _, p in self._params])
         self.cost_model: MergeCostModel | None = None
-        self._calibrating = self.partition is None  # "auto": the first step runs layer-wise and is timed
+        self._calibrating = self.partition is None  # "auto": the first step(s) calibrate, one of them timed
         # compression="auto" fits each group's own cost to that step's time (choose_joint's observed): it times the
-        # second layer-wise step, as the first also pays every group size's first collective (planned, decided)
+        # second step, as the job's first also pays its first collectives and allocations
         self._untimed_steps = 1 if self._calibrating and _is_auto(compression) else 0
         self._arrivals: list[tuple[int, float]] = []
         self._inside = 0.0  # seconds the calibration step spent inside the groups' add()
-        self._build_groups(self.partition if self.partition is not None else _layerwise(len(self._params)))
+        #: the calibration steps' groups: layer-wise (the compressor's per-tensor cost is measured there), or, with
+        #: compression="auto", DDP's buckets sent uncompressed (:func:`_ddp_partition`)
+        self._calibration = (_ddp_partition([p.numel() * p.element_size() for _, p in self._params])
+                             if _is_auto(compression) else _layerwise(len(self._params)))
+        self._build_groups(self.partition if self.partition is not None else self._calibration)
 
     def _build_groups(self, partition: Partition) -> None:
         from gradsync.train.grouped import MergedGroups
@@ -269,6 +276,9 @@ class DistributedOptimizer:
         self._groups = MergedGroups(
             self.compression, [n for n, _ in self._params], [tuple(p.shape) for _, p in self._params], self._dtype, partition,
             reuse_inputs=True,  # .grad gets the aggregate anyway: decode it straight there
+            # compression="auto"'s calibration steps send DDP's buckets uncompressed, outside auto's choosing: they
+            # are thrown away after them
+            plain=self._calibrating and _is_auto(self.compression),
         )
 
     def _on_grad_compressed(self, param: torch.Tensor) -> None:
@@ -310,7 +320,7 @@ class DistributedOptimizer:
             self._calibrate(end, synced)
 
     def _calibrate(self, end: float, synced: float) -> None:
-        """After the timed layer-wise step: backward order and ready times -> profiled model -> partition."""
+        """After the timed calibration step: backward order and ready times -> profiled model -> partition."""
         from gradsync.compress.merge import search_optimal
         from gradsync.train.grouped import profile_cost_model
 
@@ -320,10 +330,16 @@ class DistributedOptimizer:
         seen = [i for i, _ in arrivals]
         seen_set = set(seen)
         order = seen + [i for i in range(len(self._params)) if i not in seen_set]
-        # Every rank must plan the same groups: keep the observed order only if all ranks observed it.
+        # Every rank must plan the same groups: keep the observed order only if all ranks observed it. Summed on the
+        # backend's own allreduce where there is one (exact: small integers in float64); a planned allreduce of a
+        # size seen once would be planned, and decided job-wide, for it alone.
         check = torch.tensor([float(i) for i in order], dtype=torch.float64)  # host: the collective stages it
-        self.runtime.allreduce(check, "avg")
-        if not torch.equal(check, torch.tensor([float(i) for i in order], dtype=torch.float64)):  # host
+        fut = self.runtime.native_allreduce_async(check, always=True)
+        if fut is None:
+            self.runtime.allreduce(check, "sum")
+        else:
+            fut.wait()
+        if not torch.equal(check, self.runtime.world_size * torch.tensor([float(i) for i in order], dtype=torch.float64)):
             order = list(range(len(self._params)))
         when = dict((i, t - start) for i, t in arrivals)
         ready, last = [], 0.0
@@ -333,12 +349,14 @@ class DistributedOptimizer:
         self._params = [self._params[i] for i in order]
         sizes = [p.numel() for _, p in self._params]
         n = len(self._params)
-        # the timed step ran layer-wise: its end-to-end time calibrates the per-group overhead
+        # the timed step's end-to-end time, with its groups, calibrates the per-group overhead
         inside, self._inside = self._inside, 0.0
         if _is_auto(self.compression):  # the partition and the codec chosen together, on auto's own wire model
+            # the groups that ran; where backward's order was another, DDP's buckets in that order (near enough)
+            ran = self._calibration if order == list(range(n)) else _ddp_partition(
+                [p.numel() * p.element_size() for _, p in self._params])
             self.partition = self.compression.plan_partition(sizes, ready, max(end - start - inside, last),
-                                                             self._dtype, observed=(_layerwise(n), synced - start)
-                                                             ).partition
+                                                             self._dtype, observed=(ran, synced - start)).partition
             self._build_groups(self.partition)
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
@@ -423,6 +441,26 @@ def _layerwise(n: int) -> Partition:
     from gradsync.compress.merge import Partition
 
     return Partition.layerwise(n)
+
+
+def _ddp_partition(nbytes: list[int]) -> Partition:
+    """DDP's default buckets over tensors of ``nbytes`` (backward order): the first closes at ``FIRST_BUCKET_BYTES``,
+    the others at ``DDP_BUCKET_BYTES``, as ``_on_grad`` groups.
+
+    ``compression="auto"``'s calibration steps send them: those steps time backward's ready times and fit each
+    group's own cost, and sent as DDP's buckets they cost about what DDP's steps do. Layer-wise, LeNet-5's ten
+    tensors made them several times a settled step (docs/mergecomp.md)."""
+    from gradsync.compress.merge import Partition
+
+    counts, count, size = [], 0, 0
+    for b in nbytes:
+        count, size = count + 1, size + b
+        if size >= (DDP_BUCKET_BYTES if counts else FIRST_BUCKET_BYTES):
+            counts.append(count)
+            count, size = 0, 0
+    if count:
+        counts.append(count)
+    return Partition.from_counts(counts)
 
 
 def _byte_count(name: str, value: object, hint: str) -> int:

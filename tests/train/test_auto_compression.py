@@ -205,6 +205,45 @@ def test_merge_auto_chooses_the_partition_with_the_codec(rt: Runtime, wire, comp
     assert len(auto.table()) == joint.partition.num_groups
 
 
+@pytest.mark.filterwarnings("ignore:gradsync. a gradient of the step")
+@pytest.mark.parametrize("backend", [False, True])
+def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt: Runtime, monkeypatch, backend) -> None:
+    """merge="auto"'s two calibration steps run groups that are thrown away after them: DDP's buckets (here one),
+    each averaged uncompressed (the backend's allreduce where it takes it, else the "none" exchange), and auto
+    records, times and decides nothing for them -- the partition is its only decision -- while a NaN there still
+    skips the step. (Layer-wise, and priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors
+    cost its first two steps 3-6x a settled one on switch:4.)"""
+    if backend:
+        _with_planned_none(rt, monkeypatch)
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0 if c == "none" else 1e-6,
+                           cache=False)
+    keys: list[str] = []
+    real = auto._decide
+
+    def spy(key, compute):
+        keys.append(key)
+        return real(key, compute)
+
+    monkeypatch.setattr(auto, "_decide", spy)
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge="auto")
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((4, 8), float("nan"))).square().sum().backward()
+    assert opt.step() is None and opt.nonfinite_steps == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    opt.step()
+    assert keys == ["joint/4"] and not auto._groups and auto.joint is not None, (keys, list(auto._groups))
+    assert auto.native_launches == (2 if backend else 0)  # one bucket a step
+    for step in range(2 * PROBE_STEPS + 2):  # then the partition's own groups are chosen for as usual
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(2 + step))).square().sum().backward()
+        opt.step()
+    assert len(auto.table()) == auto.joint.partition.num_groups and any(k.startswith("first/") for k in keys), keys
+
+
 def test_the_codec_profile_is_cached_per_device_and_codecs_and_widened_when_a_group_falls_outside(rt, tmp_path,
                                                                                                   monkeypatch):
     """The first job profiles the allowed codecs on the fixed points covering its groups and writes them; the next

@@ -9,7 +9,7 @@ import torch
 from gradsync.comm.runtime import Runtime
 from gradsync.compress import COMPRESSORS
 from gradsync.errors import GradsyncError
-from gradsync.train.optimizer import FIRST_BUCKET_BYTES, DistributedOptimizer
+from gradsync.train.optimizer import DDP_BUCKET_BYTES, FIRST_BUCKET_BYTES, DistributedOptimizer, _ddp_partition
 from tests.compress.seeded import seeded, step_tensors
 from tests.train.local_ranks import on_ranks
 
@@ -70,6 +70,20 @@ def test_the_first_group_closes_at_first_bucket_bytes(first, expect):
         assert rt.groups == expect
         assert opt.group_bytes == [sum(g) for g in expect]  # the statistic names the groups of the last step
     opt.remove_hooks()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_auto_calibration_buckets_are_ddps_own(seed: int) -> None:
+    """compression="auto"'s calibration steps send DDP's default buckets: the same cuts as torch's own bucketing
+    (``_compute_bucket_assignment_by_size`` with DDP's first and later limits) on random tensor sizes."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(seed)
+    numels = [int(torch.randint(1, 9_000_000, (1,), generator=g)) // int(torch.randint(1, 50, (1,), generator=g))
+              for _ in range(int(torch.randint(1, 30, (1,), generator=g)))]
+    tensors = [torch.empty(n) for n in numels]
+    buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES])
+    assert [list(range(a, b)) for a, b in _ddp_partition([4 * n for n in numels]).bounds] == buckets
 
 
 def test_the_first_group_travels_while_backward_goes_on():
