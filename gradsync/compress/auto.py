@@ -12,8 +12,10 @@ Per group and codec ``c`` (``h``: encode + decode here, ``g``: the wire, ``slack
     exposed(c)   = max(0, predicted(c) - slack)        # hidden behind backward: free
 
 The smallest ``exposed`` wins; ties go to the earlier codec of the policy (``"none"`` first, then casts,
-then error-feedback codecs), so a group that any codec would hide is not compressed. Groups are priced
-one by one: that they share one communication stream is left to the measurement (:func:`review`).
+then error-feedback codecs), so a group that any codec would hide is not compressed. A codec must also be
+priced :data:`TRY_GAIN` times quicker than ``"none"`` (exposed) to be chosen at all: a smaller predicted gain
+is inside what the model misses on a loaded host, and trying it costs timed steps that measure noise. Groups
+are priced one by one: that they share one communication stream is left to the measurement (:func:`review`).
 
 Policies (``allow=``) say what accuracy a user gives up, as data (:data:`POLICIES`):
 
@@ -61,6 +63,7 @@ __all__ = [
     "profile_codecs",
     "review",
     "MARGIN",
+    "TRY_GAIN",
     "trust_margin",
     "wide_margin",
     "rival",
@@ -71,6 +74,11 @@ ACCURACY = ("lossless", "cast", "any")
 #: A choice predicted more than this many times quicker than ``"none"`` is trusted without timing ``"none"``, as
 #: long as it measures at most ``1/MARGIN`` of ``"none"``'s predicted time (:func:`wide_margin`, :func:`trust_margin`).
 MARGIN = 2.0
+#: A codec is chosen over ``"none"`` only where it is priced this many times quicker (exposed seconds): below it the
+#: model's error on a loaded host (codec costs profiled alone, a wire shared with backward) is as large as the gain,
+#: and a trial would cost timed steps to measure noise. LeNet-5 on switch:4 at 10 Gbit/s priced fp16 1.15x quicker
+#: on its one bucket; the trial and the whole-step check cost more than the cast could win.
+TRY_GAIN = 1.25
 #: The ``type`` of a cached :class:`CodecProfile`.
 PROFILE_TYPE = "gradsync.codec_profile"
 
@@ -341,16 +349,22 @@ def _wire_seconds(comp: Compressor, payload: float, wire: WireModel, world: int)
 
 
 def choose(groups: Sequence[GroupSpec], *, policy: str, wire: WireModel, codec_cost: Callable[[str, int], float],
-           world: int) -> tuple[AutoChoice, ...]:
-    """Per group, the allowed codec with the least exposed time (module docstring); ties to the earlier codec."""
+           world: int, gain: float = TRY_GAIN) -> tuple[AutoChoice, ...]:
+    """Per group, the allowed codec with the least exposed time (module docstring), ties to the earlier codec; a
+    codec not ``gain`` times quicker than ``"none"`` (exposed) leaves the group on ``"none"``."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise CompressionError(f"world={world!r} must be an integer >= 1 (ranks the gradients are averaged over)")
+    if not (isinstance(gain, (int, float)) and math.isfinite(gain) and gain >= 1):
+        raise CompressionError(f"gain={gain!r} must be a number >= 1 (how much quicker than none a codec must be)")
     out = []
     for spec in groups:
         options = allowed(policy, spec.dtype)
         priced = [(o, *_price(o, spec, wire, codec_cost, world)) for o in options]
         none_s = priced[0][2]
-        best = min(range(len(priced)), key=lambda i: (max(0.0, priced[i][2] - spec.slack_s), i))
+        exposed = [max(0.0, seconds - spec.slack_s) for _, _, seconds in priced]
+        best = min(range(len(priced)), key=lambda i: (exposed[i], i))
+        if exposed[best] * gain > exposed[0]:
+            best = 0
         option, payload, seconds = priced[best]
         out.append(AutoChoice(spec.name, spec.nbytes, option.name, payload, seconds, none_s))
     return tuple(out)

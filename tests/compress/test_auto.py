@@ -11,6 +11,7 @@ import torch
 from gradsync.compress.auto import (
     CODECS,
     POLICIES,
+    TRY_GAIN,
     AlphaBeta,
     AutoChoice,
     CodecProfile,
@@ -107,6 +108,21 @@ def test_codec_cost_decides_when_the_wire_is_cheap() -> None:
     assert pick.codec == "fp16" and pick.predicted_s == pytest.approx(1e-3 + 2e-3)
 
 
+@pytest.mark.parametrize("alpha_s, picked", [(0.0, "fp16"), (2.9e-3, "fp16"), (3.1e-3, "none"), (10e-3, "none")])
+def test_a_codec_is_chosen_only_where_it_is_priced_try_gain_times_quicker(alpha_s: float, picked: str) -> None:
+    """Closed form on 2 ranks (allreduce 2 (α + M/(2β))) with a free codec: none 2α + 4 ms, fp16 2α + 2 ms; fp16 is
+    picked iff (2α + 4 ms) >= TRY_GAIN (2α + 2 ms), i.e. α <= 3 ms at TRY_GAIN = 1.25. gain=1 keeps any win."""
+    assert TRY_GAIN == 1.25
+    spec = GroupSpec("g", ((1_000_000,),), torch.float32)
+    wire = AlphaBeta(alpha_s, 1e9)
+    (pick,) = choose([spec], policy="cast", wire=wire, codec_cost=_free_codecs, world=2)
+    assert pick.codec == picked and pick.none_s == pytest.approx(2 * alpha_s + 4e-3), pick
+    (eager,) = choose([spec], policy="cast", wire=wire, codec_cost=_free_codecs, world=2, gain=1.0)
+    assert eager.codec == "fp16"
+    with pytest.raises(CompressionError, match="gain=0.5"):
+        choose([spec], policy="cast", wire=wire, codec_cost=_free_codecs, world=2, gain=0.5)
+
+
 def test_a_choice_measured_slower_than_none_is_dropped() -> None:
     pick = AutoChoice("g", 4000, "topk-1%", 80, 1e-3, 4e-3)
     dropped = review(pick, measured_s=5e-3, measured_none_s=4e-3)
@@ -125,7 +141,8 @@ def test_a_wide_margin_is_trusted_only_while_the_measurement_keeps_it() -> None:
     for wire in (SLOW, AlphaBeta(0.0, 1e3), AlphaBeta(1.0, 1e9)):
         (cast,) = choose([GroupSpec("w", ((1000,),), torch.float32)], policy="cast", wire=wire, codec_cost=_free_codecs,
                          world=4)
-        assert cast.codec == "fp16" and not wide_margin(cast), cast
+        # (where latency is the wire's whole cost, halving the bytes gains under TRY_GAIN: "none")
+        assert cast.codec == ("none" if wire.alpha_s == 1.0 else "fp16") and not wide_margin(cast), cast
     pick = AutoChoice("g", 4000, "topk-1%", 80, 0.1, 1.0)
     kept = trust_margin(pick, 0.5)
     assert kept is not None and (kept.codec, kept.reason, kept.none_s) == ("topk-1%", "measured", 1.0)

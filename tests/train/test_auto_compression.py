@@ -13,7 +13,7 @@ import torch
 
 from gradsync.comm.local import LocalFabric
 from gradsync.comm.runtime import Runtime
-from gradsync.compress.auto import AlphaBeta
+from gradsync.compress.auto import TRY_GAIN, AlphaBeta
 from gradsync.compress.base import CompressionError
 from gradsync.errors import GradsyncError
 from gradsync.train.auto_compression import PLANNED, PROBE_STEPS, AutoCompression, param_signature
@@ -322,12 +322,15 @@ def test_a_native_bucket_is_timed_from_its_own_launch_while_the_group_runs_bucke
     assert auto._groups["B"].times["none"] == [pytest.approx(0.4)]
 
 
-@pytest.mark.parametrize("native_s, planned_s, penalty", [(1e-3, 1e-5, 0.0), (1e-5, 1e-3, 0.0), (1e-3, 1e-5, 1.0)])
+@pytest.mark.parametrize("native_s, planned_s, penalty", [(1e-3, 1e-5, 0.0), (1e-5, 1e-3, 0.0), (1e-3, 1e-5, 1.0),
+                                                      (1e-3, 1.8e-3, 0.0), (1e-3, 1.55e-3, 0.0)])
 def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_exchange(
         rt, monkeypatch, tmp_path, native_s, planned_s, penalty):
     """Where the runtime plans a group's size itself, "none" is timed both ways (the backend's allreduce of the
     flat buffer, then the planned exchange) and the quicker one carries every later "none" launch; the next job
-    reads it from the cache. Fake clock: one way 100x the other. With ``penalty``, every whole step on the planned
+    reads it from the cache. Fake clock: one way 100x the other, or the planned way a little quicker (1.11x: under
+    TRY_GAIN, the backend's is kept without a step check; 1.29x: over it; a backend launch reads the clock twice on
+    this thread, its launch and its done callback, so it measures 2 native_s). With ``penalty``, every whole step on the planned
     way costs that much more elsewhere (its thread taking backward's cores): the whole-step check sends the group
     back to the backend's allreduce (reason "step"), however quick its own exchange measured."""
     monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
@@ -341,7 +344,8 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
     sig = param_signature(_model().named_parameters())
-    want_planned = planned_s < native_s and not penalty
+    clear = planned_s * TRY_GAIN <= 2 * native_s  # the planned way clears the bar
+    want_planned = clear and not penalty
     for job in ("first", "next"):
         clock = FakeClock({"none": native_s, PLANNED: planned_s, "other": 1.0})
         auto = AutoCompression("lossless", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock,
@@ -367,7 +371,7 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
         check = auto.step_check
         if job == "next":
             assert len(natives) == (0 if want_planned else steps), natives
-        elif planned_s < native_s:
+        elif clear:
             assert len(check["baseline_s"]) == len(check["settled_s"]) == PROBE_STEPS, check
             assert (row["reason"] == "step") is bool(penalty), row
             assert len(natives) == 2 * PROBE_STEPS + (steps - 4 * PROBE_STEPS if penalty else 0), natives
