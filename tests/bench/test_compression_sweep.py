@@ -70,9 +70,11 @@ def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_a
     ratios 0.6/0.4, 0.9/0.45, 0.4/0.8 = 1.5, 2.0, 0.5 -> median 1.5; ratio of medians 0.6/0.45 = 1.333.
     With allow="cast" top-k is out and fp16 (median 1.1) is best: 1.2/0.4, 1.0/0.45, 1.1/0.8 = 3, 2.222, 1.375 ->
     2.222. DDP: 2/0.4, 2/0.45, 2/0.8 -> 4.444; its 2 s >= 2 x 0.45: wire-bound. Accuracy 95.5 % vs 96 %: -0.5
-    points. Choosing: auto's first steps 2.65 s, 0.85 s beyond 4 x 0.45; none's 0.5 s beyond 4 x 1.5 is the
-    path's own: (0.85 - 0.5) / 2.65."""
-    config = _config(ddp=_method([2.0, 2.0, 2.0], 0.96), none=_method([1.5, 1.5, 1.5], first=[2.0, 1.5, 1.5, 1.5]),
+    points. Choosing: auto's first steps 2.65 s, 0.45 s beyond 4 x its mean pace 0.55 (not its median: 0.85 s);
+    DDP's 0.3 s beyond 4 x 2.0 are a job's own start-up: (0.45 - 0.3) / 2.65. Without DDP's first steps, none's
+    (0.5 s beyond 4 x 1.5) stand in: (0.45 - 0.5) / 2.65."""
+    config = _config(ddp=_method([2.0, 2.0, 2.0], 0.96, first=[2.3, 2.0, 2.0, 2.0]),
+                     none=_method([1.5, 1.5, 1.5], first=[2.0, 1.5, 1.5, 1.5]),
                      fp16=_method([1.2, 1.0, 1.1]), **{"topk-1%": _method([0.6, 0.9, 0.4])},
                      auto=_method([0.4, 0.45, 0.8], 0.955, first=[1.0, 0.4, 0.45, 0.8]))
     got = bench.summarize_config(config, "any")
@@ -83,7 +85,10 @@ def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_a
     assert got["auto_vs_ddp"]["median"] == pytest.approx(2.0 / 0.45) and got["wire_bound"]
     assert got["auto_vs_none"]["median"] == pytest.approx(1.5 / 0.45)
     assert got["accuracy_points_vs_ddp"] == pytest.approx(-0.5)
-    assert got["choose_share"] == pytest.approx((0.85 - 0.5) / 2.65)
+    assert got["choose_share"] == pytest.approx((0.45 - 0.3) / 2.65) and got["choose_reference"] == "ddp"
+    config["methods"]["ddp"]["first_steps_s"] = []
+    alone = bench.summarize_config(config, "any")
+    assert alone["choose_share"] == pytest.approx((0.45 - 0.5) / 2.65) and alone["choose_reference"] == "none"
     cast = bench.summarize_config(config, "cast")
     assert cast["best_fixed"] == "fp16" and cast["auto_vs_best"]["median"] == pytest.approx(1.0 / 0.45)
     assert bench.fixed_pool(list(config["methods"]), "cast") == ["ddp", "none", "fp16"]
