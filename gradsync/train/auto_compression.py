@@ -121,12 +121,14 @@ def param_signature(named: Iterable[tuple[str, Tensor]]) -> list[list[Any]]:
 
 
 class _Launch(NamedTuple):
-    """One launch of the step in progress: its group, when it started, the codec it ran, whether it had settled."""
+    """One launch of the step in progress: its group, when it started, the codec it ran, whether it had settled, and
+    the seconds the step had spent in job-wide decisions when it started."""
 
     key: str
     t0: float
     codec: str
     final: bool
+    decided_s: float = 0.0
 
 
 @dataclass
@@ -135,7 +137,8 @@ class _Group:
     launches: int = 0
     choice: AutoChoice | None = None
     final: bool = False
-    slack_s: float = 0.0
+    #: the least slack a step measured (None: no step yet)
+    slack_s: float | None = None
     times: dict[str, list[float]] = field(default_factory=dict)
     #: the codecs timed so far (or being timed), in order, and the launches left in the last one's trial
     trials: list[str] = field(default_factory=list)
@@ -149,8 +152,8 @@ class _Group:
     planned: bool = False
 
     def now(self) -> GroupSpec:
-        """The group as the model prices it now: with the slack its last step measured."""
-        return GroupSpec(self.spec.name, self.spec.shapes, self.spec.dtype, self.slack_s)
+        """The group as the model prices it now: with the least slack its steps measured."""
+        return GroupSpec(self.spec.name, self.spec.shapes, self.spec.dtype, self.slack_s or 0.0)
 
     def mean_s(self, codec: str) -> float:
         """The mean of ``codec``'s timed launches on this group (inf: none timed)."""
@@ -314,7 +317,7 @@ class AutoCompression:
         if codec == "none" and group.planned and not self._baseline_turn:
             codec = PLANNED  # this group's "none" is the planned exchange (it measured quicker)
         t0 = self.clock()
-        self._this_step.append(_Launch(key, t0, codec, sink is None and group.final))
+        self._this_step.append(_Launch(key, t0, codec, sink is None and group.final, self._deciding_s))
         group.launches += 1
         self.current = codec
         verdict = self.boundary.verdict_for([key])
@@ -456,8 +459,12 @@ class AutoCompression:
 
     def end_step(self) -> None:
         """Backward is over (the optimizer's ``step()``; the hook infers it from a group launching again): each
-        group's slack is the time from its launch to the last launch. The step's timing callbacks are waited for
-        (bounded): one that ran late would otherwise charge the next step's launches to this step's times.
+        group's slack is the time from its launch to the last launch, less the job-wide decisions between them (a
+        later group's choosing holds backward's thread, not backward), and a group keeps the least it has seen: an
+        exchange on gradsync's thread slows the rest of backward (the GIL, the cores), and a slack that long would
+        hide a wire-bound group behind backward, so it would never be compressed. The step's timing callbacks are
+        waited for (bounded): one that ran late would otherwise charge the next step's launches to this step's
+        times.
 
         The step's whole time, for the step check, runs from its first launch to the later of its last exchange's
         end and its close (the optimizer's wait, DDP's last bucket): what a codec can change (its encoding slowing
@@ -472,9 +479,11 @@ class AutoCompression:
             return
         launches, self._this_step = self._this_step, []
         self._live = [launch.key for launch in launches]
-        end = max(launch.t0 for launch in launches)
+        last = max(launches, key=lambda launch: launch.t0)
         for launch in launches:
-            self._groups[launch.key].slack_s = max(0.0, end - launch.t0)
+            group = self._groups[launch.key]
+            slack = max(0.0, last.t0 - launch.t0 - (last.decided_s - launch.decided_s))
+            group.slack_s = slack if group.slack_s is None else min(group.slack_s, slack)
         deciding, self._deciding_s = self._deciding_s, 0.0
         self._ended += 1
         if self._ended > 1 and not self.verified:  # the job's first step warms up
@@ -815,7 +824,8 @@ class AutoCompression:
     # ---- the table -----------------------------------------------------------------------------------------
     def table(self) -> list[dict[str, Any]]:
         """One row per group: bytes, codec (``planned``: its "none" runs on the runtime's planned exchange, not the
-        backend's allreduce), predicted and measured seconds (None: not measured), and why."""
+        backend's allreduce), the slack it was priced with (None: no step yet), predicted and measured seconds
+        (None: not measured), and why."""
         rows = []
         for key in self._current_groups():
             g = self._groups[key]
@@ -823,7 +833,7 @@ class AutoCompression:
             codec = c.codec if c is not None else "none"
             measured = g.times.get(codec)
             rows.append({"group": key, "bytes": g.spec.nbytes if c is None else c.nbytes, "codec": codec,
-                         "planned": codec == "none" and g.planned,
+                         "planned": codec == "none" and g.planned, "slack_s": g.slack_s,
                          "predicted_s": None if c is None else c.predicted_s,
                          "measured_s": float(np.mean(measured)) if measured else None,
                          "reason": "probing" if c is None else c.reason})

@@ -322,6 +322,43 @@ def test_a_native_bucket_is_timed_from_its_own_launch_while_the_group_runs_bucke
     assert auto._groups["B"].times["none"] == [pytest.approx(0.4)]
 
 
+def test_a_groups_slack_leaves_out_later_groups_choosing_and_keeps_the_least_a_step_measured(rt, monkeypatch):
+    """Bucket A launches at 0 and B at 0.1, but B's first choice holds the thread 0.2 s (rank 0 profiling): B starts
+    at 0.3, and A's slack is 0.1 (backward's), not 0.3. The next step B starts 0.5 s after A (an exchange slowing
+    backward): A keeps 0.1, the least seen, which the model prices it with; the table shows it."""
+    monkeypatch.setattr(rt, "native_allreduce_async", lambda tensor, algorithm=None, always=False: _done([tensor]))
+    now = [0.0]
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=lambda: now[0],
+                           cache=False)
+    real = auto._decide
+
+    def decide(key, compute):
+        def slow():
+            now[0] += 0.2 if key.endswith("/B") else 0.0
+            return compute()
+        return real(key, slow)
+
+    monkeypatch.setattr(auto, "_decide", decide)
+    from gradsync.compress.base import TensorInfo
+
+    a, b = torch.zeros(8), torch.zeros(4)
+    for start, gap in ((0.0, 0.1), (1.0, 0.5)):
+        now[0] = start
+        auto.step_async([a], [TensorInfo("a", (8,), torch.float32)], key="A", flat=a)
+        now[0] = start + gap
+        auto.step_async([b], [TensorInfo("b", (4,), torch.float32)], key="B", flat=b)
+        auto.end_step()
+        assert auto._groups["A"].slack_s == pytest.approx(0.1), start
+    assert auto._groups["A"].now().slack_s == pytest.approx(0.1)
+    assert {r["group"]: r["slack_s"] for r in auto.table()} == {"A": pytest.approx(0.1), "B": 0.0}
+
+
+def _done(value):
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
 @pytest.mark.parametrize("native_s, planned_s, penalty", [(1e-3, 1e-5, 0.0), (1e-5, 1e-3, 0.0), (1e-3, 1e-5, 1.0),
                                                       (1e-3, 1.8e-3, 0.0), (1e-3, 1.55e-3, 0.0)])
 def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_exchange(
