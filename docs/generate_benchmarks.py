@@ -550,6 +550,11 @@ def _compression_sweep(rel: str, title: str) -> list[str]:
                      num(r["choose_share"], 2), ", ".join(f"{k} {v}" for k, v in sorted((r.get("auto_codecs") or {}).items()))])
     out += table(["where", "model/path", "best fixed", "auto s", "best s", "auto / best", "auto / DDP", "wire-bound",
                   "acc. points vs DDP", "choosing share", "auto ran"], rows)
+    refs = {r.get("choose_reference") for r in j["configs"]}
+    out += ["", "`choosing share`: " + ("auto's first steps beyond its mean pace, less DDP's own start-up excess "
+                                         "(the estimator since 26a1bee)." if "ddp" in refs else
+                                         "auto's first steps beyond its median, less `none`'s excess (the estimator "
+                                         "before 26a1bee, which charged the steps' skew to auto: DDP alone read 2-7 %).")]
     return out + ["", *block(j["summary"])]
 
 
