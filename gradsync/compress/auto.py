@@ -64,6 +64,8 @@ __all__ = [
     "review",
     "MARGIN",
     "TRY_GAIN",
+    "STEP_TOLERANCE",
+    "whole_steps_lose",
     "trust_margin",
     "wide_margin",
     "rival",
@@ -79,6 +81,11 @@ MARGIN = 2.0
 #: and a trial would cost timed steps to measure noise. LeNet-5 on switch:4 at 10 Gbit/s priced fp16 1.15x quicker
 #: on its one bucket; the trial and the whole-step check cost more than the cast could win.
 TRY_GAIN = 1.25
+#: The whole-step check sends settled choices back to ``"none"`` only where their steps' median is this much slower
+#: than the steps that ran ``"none"`` (:func:`whole_steps_lose`): it has a few noisy steps a side against the groups'
+#: own timings, which already put the choices ahead. The MLP's DDP hook on the two-tier file at 1 Gbit/s went back
+#: to ``"none"`` on 0.380 s against 0.377 s, and ran 0.77x the fixed fp16 hook.
+STEP_TOLERANCE = 0.05
 #: The ``type`` of a cached :class:`CodecProfile`.
 PROFILE_TYPE = "gradsync.codec_profile"
 
@@ -459,6 +466,16 @@ def review(choice: AutoChoice, measured_s: float, measured_none_s: float) -> Aut
         return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "dropped")
     return AutoChoice(choice.group, choice.nbytes, choice.codec, choice.payload_bytes, choice.predicted_s,
                       choice.none_s, "measured")
+
+
+def whole_steps_lose(settled_s: Sequence[float], baseline_s: Sequence[float],
+                     tolerance: float = STEP_TOLERANCE) -> bool:
+    """Whether whole steps with the settled choices (``settled_s``) ran slower than those with ``"none"`` everywhere
+    (``baseline_s``): their median beyond ``1 + tolerance`` times the baseline's. Each side needs a step."""
+    if not settled_s or not baseline_s:
+        raise CompressionError(f"the whole-step check needs steps on both sides, got {list(settled_s)} and "
+                               f"{list(baseline_s)}")
+    return float(np.median(settled_s)) > (1.0 + tolerance) * float(np.median(baseline_s))
 
 
 def wide_margin(choice: AutoChoice, margin: float = MARGIN) -> bool:

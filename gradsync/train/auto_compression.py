@@ -76,6 +76,7 @@ from gradsync.compress.auto import (
     review,
     rival,
     trust_margin,
+    whole_steps_lose,
     wide_margin,
 )
 from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts, all_finite
@@ -497,7 +498,8 @@ class AutoCompression:
         the communication thread leaves out what that thread takes from backward. Once every group has settled on
         choices other than DDP's own (a codec, or "none" on the planned exchange), the next ``2 * probe_steps``
         steps alternate between those choices and "none" on the backend's allreduce everywhere, timed whole; where
-        the choices' median is the slower, every group goes back to that "none" (reason ``"step"``). Both kinds
+        the choices' median is more than :data:`~gradsync.compress.auto.STEP_TOLERANCE` slower
+        (:func:`~gradsync.compress.auto.whole_steps_lose`), every group goes back to that "none" (reason ``"step"``). Both kinds
         run warm and side by side: the job's first "none" steps were still warming up (new sizes planned, first
         calls) and would flatter any choice. Choices where no step ran that "none" everywhere (codecs trusted on a
         wide margin, an earlier job's cached choices) are kept without the check."""
@@ -518,8 +520,7 @@ class AutoCompression:
         self.verified = True
         self._baseline_turn = False
 
-        if self._decide_flag("step-check", lambda: float(np.median(self._settled_steps))
-                             > float(np.median(self._baseline_steps))):
+        if self._decide_flag("step-check", lambda: whole_steps_lose(self._settled_steps, self._baseline_steps)):
             for key, c in chosen.items():
                 self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s, "step")
                 self._groups[key].planned = False

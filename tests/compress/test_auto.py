@@ -11,6 +11,7 @@ import torch
 from gradsync.compress.auto import (
     CODECS,
     POLICIES,
+    STEP_TOLERANCE,
     TRY_GAIN,
     AlphaBeta,
     AutoChoice,
@@ -23,6 +24,7 @@ from gradsync.compress.auto import (
     review,
     rival,
     trust_margin,
+    whole_steps_lose,
     wide_margin,
 )
 from gradsync.compress.base import CompressionError
@@ -121,6 +123,18 @@ def test_a_codec_is_chosen_only_where_it_is_priced_try_gain_times_quicker(alpha_
     assert eager.codec == "fp16"
     with pytest.raises(CompressionError, match="gain=0.5"):
         choose([spec], policy="cast", wire=wire, codec_cost=_free_codecs, world=2, gain=0.5)
+
+
+def test_whole_steps_lose_only_beyond_the_tolerance() -> None:
+    """Medians 1.0 s (baseline) against 1.03 s (settled): inside STEP_TOLERANCE = 5 %, kept; 1.06 s: lost. The
+    median, not the mean: one slow step (3 s) on the settled side does not decide."""
+    assert STEP_TOLERANCE == 0.05
+    assert not whole_steps_lose([1.03, 1.03], [1.0, 1.0])
+    assert whole_steps_lose([1.06, 1.06], [1.0, 1.0])
+    assert not whole_steps_lose([1.0, 1.02, 3.0], [0.99, 1.0, 1.01])
+    assert whole_steps_lose([1.03, 1.03], [1.0, 1.0], tolerance=0.0)
+    with pytest.raises(CompressionError, match="both sides"):
+        whole_steps_lose([], [1.0])
 
 
 def test_a_choice_measured_slower_than_none_is_dropped() -> None:
