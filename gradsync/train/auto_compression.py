@@ -364,8 +364,10 @@ class AutoCompression:
         ``wire``: a cast codec's dtype (fp16, bf16): ``flat`` is cast, summed in that dtype and cast back, as a
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
         own step then runs on the planned exchange, as the fixed codec would)."""
-        fut = self._averaged(flat, wire, verdict)
-        return None if fut is None else Work(fut.then(lambda f: [f.value()]), f"auto:{key}:native")
+        fut = self._backend_sum(flat, wire)
+        if fut is None:
+            return None
+        return Work(self._averaged(fut, flat, verdict).then(lambda f: [f.value()]), f"auto:{key}:native")
 
     def _backend_sum(self, flat: Tensor, wire: torch.dtype | None) -> torch.futures.Future | None:
         """``flat`` summed in place by the process group's own allreduce (in ``wire`` and cast back, for a cast
@@ -389,11 +391,11 @@ class AutoCompression:
         if lean is None or key not in lean:
             return None
         codec = self._groups[key].priced().codec
-        fut = self._averaged(flat, None if codec == "none" else self._step(codec).cast_dtype,
-                             self.boundary.verdict_for([key]) if verdict else None)
-        if fut is not None:
-            self.settled_launches += 1
-        return fut
+        fut = self._backend_sum(flat, None if codec == "none" else self._step(codec).cast_dtype)
+        if fut is None:  # nothing joined the step: the caller's step_async opens its verdict
+            return None
+        self.settled_launches += 1
+        return self._averaged(fut, flat, self.boundary.verdict_for([key]) if verdict else None)
 
     def plain_launch(self, flat: Tensor, info: TensorInfo) -> Work:
         """``flat`` (one group, named by ``info``) averaged uncompressed, outside every choice: for groups that are
@@ -401,18 +403,15 @@ class AutoCompression:
         is recorded, timed or decided for it (a group seen there and priced, timed and profiled for like the job's
         own cost each of those steps several times a plain one); its finite verdict joins the step's. The
         backend's own allreduce where it can take ``flat``, else the ``"none"`` step's exchange."""
+        fut = self._backend_sum(flat, None)
         verdict = self.boundary.verdict_for([info.name])
-        fut = self._averaged(flat, None, verdict)
-        if fut is not None:
-            return Work(fut.then(lambda f: [f.value()]), f"auto:{info.name}:plain")
-        return self.base.step_async([flat], [info], reuse=True, verdict=verdict)
-
-    def _averaged(self, flat: Tensor, wire: torch.dtype | None, verdict: StepVerdict | None) -> torch.futures.Future | None:
-        """``flat`` summed by the backend (:meth:`_backend_sum`) and averaged in place, the future's value ``flat``;
-        with ``verdict``, whether it is finite joins that step's. None where the backend cannot take it."""
-        fut = self._backend_sum(flat, wire)
         if fut is None:
-            return None
+            return self.base.step_async([flat], [info], reuse=True, verdict=verdict)
+        return Work(self._averaged(fut, flat, verdict).then(lambda f: [f.value()]), f"auto:{info.name}:plain")
+
+    def _averaged(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None) -> torch.futures.Future:
+        """After the backend's sum of ``flat`` (``fut``, :meth:`_backend_sum`): ``flat`` averaged in place, the
+        future's value ``flat``; with ``verdict``, whether it is finite joins that step's."""
         self.native_launches += 1
         world = self.runtime.world_size
         if verdict is not None:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from gradsync.compress import Compressor, Memory, Partition
     from gradsync.compress.merge import MergeCostModel
 
-__all__ = ["DistributedOptimizer", "FIRST_BUCKET_BYTES"]
+__all__ = ["DDP_BUCKET_BYTES", "DistributedOptimizer", "FIRST_BUCKET_BYTES"]
 
 #: The first group's default size limit (``torch.distributed``'s ``_DEFAULT_FIRST_BUCKET_BYTES``, DDP's).
 FIRST_BUCKET_BYTES = 1 << 20

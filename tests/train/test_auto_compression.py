@@ -353,6 +353,20 @@ def test_a_groups_slack_leaves_out_later_groups_choosing_and_keeps_the_least_a_s
     assert {r["group"]: r["slack_s"] for r in auto.table()} == {"A": pytest.approx(0.1), "B": 0.0}
 
 
+def test_a_settled_launch_the_backend_cannot_take_leaves_the_step_to_the_general_path(rt: Runtime) -> None:
+    """Where the backend cannot sum the buffer (here: no process group), a lean group's settled launch returns None
+    and opens no step: the caller's step_async opens it (opened twice, the launch would close its own step)."""
+    from gradsync.compress.auto import AutoChoice, GroupSpec
+    from gradsync.train.auto_compression import _Group
+
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, cache=False)
+    auto._groups["A"] = _Group(GroupSpec("A", ((8,),), torch.float32),
+                               choice=AutoChoice("A", 32, "none", 32, 1.0, 1.0, "measured"), final=True)
+    auto._lean = frozenset({"A"})
+    assert auto.settled_launch(torch.zeros(8), "A") is None
+    assert auto.boundary._open is None and auto.native_launches == 0 and auto.settled_launches == 0
+
+
 def _done(value):
     fut = torch.futures.Future()
     fut.set_result(value)
