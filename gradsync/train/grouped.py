@@ -149,7 +149,8 @@ class MergedGroups:
     buffer named after its first and last tensor -- unless the compressor keeps shapes (``merges_flat``
 False, PowerSGD), when a group is a batch of its tensors under their own names, compressed one by one and
 exchanged together (one collective per round instead of one per tensor). All tensors must share one
-floating dtype.
+floating dtype. ``plain`` (with ``compression="auto"`` and ``reuse_inputs``): every group is averaged uncompressed,
+outside auto's choosing (the optimizer's calibration steps).
     """
 
     def __init__(
@@ -167,6 +168,8 @@ floating dtype.
             raise MergeError(
                 f"{len(names)} names, {len(shapes)} shapes and a partition of {partition.n} tensors: give one of each per tensor"
             )
+        if plain and not reuse_inputs:
+            raise MergeError("plain=True averages each group's gradients in place: pass reuse_inputs=True with it")
         self.step = step
         #: Whether the gradients given to :meth:`add` may be overwritten by their aggregates (the optimizer's
         #: ``.grad``, which step() overwrites anyway): each aggregate is then decoded straight into its gradient.

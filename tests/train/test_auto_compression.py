@@ -353,6 +353,18 @@ def test_a_groups_slack_leaves_out_later_groups_choosing_and_keeps_the_least_a_s
     assert {r["group"]: r["slack_s"] for r in auto.table()} == {"A": pytest.approx(0.1), "B": 0.0}
 
 
+def test_plain_groups_need_inputs_given_up(rt: Runtime) -> None:
+    """Plain groups are averaged in place: without reuse_inputs a caller's gradients would be overwritten."""
+    from gradsync.compress.merge import MergeError, Partition
+    from gradsync.train.grouped import MergedGroups
+
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, cache=False)
+    with pytest.raises(MergeError, match="reuse_inputs=True"):
+        MergedGroups(auto, ["a"], [(2,)], torch.float32, Partition.layerwise(1), plain=True)
+    assert MergedGroups(auto, ["a"], [(2,)], torch.float32, Partition.layerwise(1), plain=True,
+                        reuse_inputs=True).plain
+
+
 def test_a_settled_launch_the_backend_cannot_take_leaves_the_step_to_the_general_path(rt: Runtime) -> None:
     """Where the backend cannot sum the buffer (here: no process group), a lean group's settled launch returns None
     and opens no step: the caller's step_async opens it (opened twice, the launch would close its own step)."""
