@@ -339,7 +339,8 @@ class DistributedOptimizer:
             self.runtime.allreduce(check, "sum")
         else:
             fut.wait()
-        if not torch.equal(check, self.runtime.world_size * torch.tensor([float(i) for i in order], dtype=torch.float64)):
+        expect = self.runtime.world_size * torch.tensor([float(i) for i in order], dtype=torch.float64)  # host
+        if not torch.equal(check, expect):
             order = list(range(len(self._params)))
         when = dict((i, t - start) for i, t in arrivals)
         ready, last = [], 0.0
