@@ -63,10 +63,9 @@ def cost_model(plan: TestbedPlan, rows: Sequence[dict[str, Any]] = (), *, topolo
             raise TestbedError(f"the testbed was built from topology {plan.topology!r}, which is no built-in name: give "
                                f"the file it was built from (`gradsync testbed probe --cost-model FILE --topology "
                                f"TOPOLOGY_FILE`, or cost_model(..., topology=...))") from None
-    topo = topology
-    unit = float(topo.unit_bandwidth_GBps or 1.0)
+    unit = float(topology.unit_bandwidth_GBps or 1.0)
     rates: dict[str, float] = {}
-    for lk in topo.links:
+    for lk in topology.links:
         rate = plan.rate_mbit * lk.bandwidth_GBps / unit / 8e3  # GB/s
         rates[lk.kind] = min(rates.get(lk.kind, rate), rate)
     shares = [float(r["measured_mbit"]) / float(r["expected_mbit"]) for r in rows

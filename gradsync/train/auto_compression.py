@@ -403,11 +403,9 @@ class AutoCompression:
         is recorded, timed or decided for it (a group seen there and priced, timed and profiled for like the job's
         own cost each of those steps several times a plain one); its finite verdict joins the step's. The
         backend's own allreduce where it can take ``flat``, else the ``"none"`` step's exchange."""
-        fut = self._backend_sum(flat, None)
         verdict = self.boundary.verdict_for([info.name])
-        if fut is None:
-            return self.base.step_async([flat], [info], reuse=True, verdict=verdict)
-        return Work(self._averaged(fut, flat, verdict).then(lambda f: [f.value()]), f"auto:{info.name}:plain")
+        return self._native(flat, info.name, verdict) or self.base.step_async([flat], [info], reuse=True,
+                                                                              verdict=verdict)
 
     def _averaged(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None) -> torch.futures.Future:
         """After the backend's sum of ``flat`` (``fut``, :meth:`_backend_sum`): ``flat`` averaged in place, the
