@@ -64,6 +64,11 @@ class PlanCache:
         self.cost_model = cost_model
         #: bumped by :meth:`reset`: decisions are per cost model
         self.generation = 0
+        #: bumped whenever a call settles something before or while it runs: a size class's choice priced, an
+        #: executor built, an exploring call (:class:`~gradsync.comm.tuning.Explorer`). A call that bumped it
+        #: took longer than the exchange it will run from then on, so a timing that spans a bump is not that
+        #: exchange's (:attr:`Runtime.settling <gradsync.comm.runtime.Runtime.settling>`)
+        self.settling = 0
         self._choosers: dict[str, Chooser] = {}
         self._planner: Chooser | None = None  # named allreduce plans, without pricing any candidate
         self._choices: dict[tuple[str, int], Pick] = {}
@@ -138,6 +143,7 @@ class PlanCache:
             where = "" if collective == ALLREDUCE else f"{collective}/"
             name, pipeline = json.loads(self.decide(f"choice/{where}{size}", compute))
             got = self._choices[(collective, size)] = (str(name), int(pipeline))
+            self.settling += 1
         return got
 
     def choose(self, size: int, pick: Pick, collective: str = ALLREDUCE) -> None:
@@ -170,6 +176,7 @@ class PlanCache:
                     order = np.frombuffer(raw, "<f8")
                 ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
             self._executors[key] = ex
+            self.settling += 1
         return ex
 
     def owns(self, ex: object) -> bool:

@@ -242,6 +242,13 @@ class Runtime:
         the first calls' measurements (:attr:`explore`) replaced it with."""
         return self.plans.choice(size_class(nbytes))
 
+    @property
+    def settling(self) -> int:
+        """A count that grows whenever a collective settles something before or while it runs (a size class's
+        choice priced, a plan built, an exploring call): a timing across which it grew measured more than the
+        exchange the job runs from then on (:attr:`PlanCache.settling <gradsync.comm.plans.PlanCache.settling>`)."""
+        return self.plans.settling
+
     def exploring(self) -> bool:
         """Whether some size class's first calls are timing pipeline depths (:meth:`Tuning.exploring
         <gradsync.comm.tuning.Tuning.exploring>`): a benchmark warms up until this is False."""

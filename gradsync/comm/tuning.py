@@ -38,7 +38,7 @@ from gradsync.sim.choose import PRUNE
 from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, size_class, stream_rate_of
 from gradsync.topology.model import Topology
 
-__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
+__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
            "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
@@ -74,6 +74,9 @@ EXPLORE_MARGIN = 0.03
 #: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
 #: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
 EXPLORE_STEPS = 2
+#: The most calls an explorer runs before it picks: a warm-up round and EXPLORE_REPS timed ones of up to four
+#: candidates (the model's depth, its double and half, a rival), then of up to three per step on.
+EXPLORE_MAX_CALLS = (1 + EXPLORE_REPS) * (4 + 3 * EXPLORE_STEPS)
 #: The explorer's first step also times the best plan of another algorithm that the model prices within this
 #: share of its choice: near-equal algorithms are where the model's ranking is least sure (docs/runtime.md).
 EXPLORE_RIVAL = 0.1
@@ -588,6 +591,7 @@ class Explorer:
     def run(self, tensors: Any, op: str = "sum") -> Any:
         if self.pick is not None:  # queued before the decision
             return self.plans.executor(*self.pick, self.size).run(tensors, op)
+        self.plans.settling += 1  # a call that measures runs a candidate, not what the class will run
         m = len(self.candidates)
         cand = self.candidates[self.step_calls % m]
         ex = self.plans.executor(*cand, self.size)

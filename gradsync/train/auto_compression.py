@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from gradsync.comm.runtime import Runtime, Work
-from gradsync.comm.tuning import cache_file, write_cache
+from gradsync.comm.tuning import EXPLORE_MAX_CALLS, cache_file, write_cache
 from gradsync.compress.auto import (
     CODECS,
     CPU_PROFILE_CAP,
@@ -89,6 +89,11 @@ __all__ = ["AUTO_TYPE", "PLANNED", "PROBE_STEPS", "AutoCompression", "param_sign
 AUTO_TYPE = "gradsync.compression_auto"
 #: Launches per group timed with ``"none"``, then with the choice.
 PROBE_STEPS = 2
+#: Launches a trial may add to its ``probe_steps`` while the runtime settles the exchange it runs (a new payload
+#: size priced and planned, its pipeline depths explored): a launch across which :attr:`Runtime.settling
+#: <gradsync.comm.runtime.Runtime.settling>` grew timed that, not what the codec will cost from then on. Up to an
+#: explorer's longest run; then the trial's times are what they were.
+SETTLING_LAUNCHES = EXPLORE_MAX_CALLS
 #: How long a review waits for a timing callback of a job already finished (it runs on the comm thread).
 RECORD_WAIT_S = 5.0
 #: Codecs a group times at most: the model's pick and up to two rivals while each measures beyond its prediction
@@ -141,6 +146,8 @@ class _Group:
     #: the least slack a step measured (None: no step yet)
     slack_s: float | None = None
     times: dict[str, list[float]] = field(default_factory=dict)
+    #: launches timed while the runtime settled their exchange (:data:`SETTLING_LAUNCHES`), kept apart
+    unsettled: dict[str, list[float]] = field(default_factory=dict)
     #: the codecs timed so far (or being timed), in order, and the launches left in the last one's trial
     trials: list[str] = field(default_factory=list)
     left: int = 0
@@ -157,8 +164,13 @@ class _Group:
         return GroupSpec(self.spec.name, self.spec.shapes, self.spec.dtype, self.slack_s or 0.0)
 
     def mean_s(self, codec: str) -> float:
-        """The mean of ``codec``'s timed launches on this group (inf: none timed)."""
-        return float(np.mean(self.times.get(codec) or [math.inf]))
+        """The mean of ``codec``'s timed launches on this group; of those timed while the runtime settled their
+        exchange only where no other was (inf: none timed)."""
+        return float(np.mean(self.times.get(codec) or self.unsettled.get(codec) or [math.inf]))
+
+    def trial_over(self, probe_steps: int) -> bool:
+        """Whether the trial in progress has ``probe_steps`` settled timings, or no launch left to wait for them."""
+        return self.left == 0 or len(self.times.get(self.trials[-1], ())) >= probe_steps
 
     def priced(self) -> AutoChoice:
         """The choice a check is about; one before any was made is a bug in the caller."""
@@ -317,6 +329,8 @@ class AutoCompression:
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         if codec == "none" and group.planned and not self._baseline_turn:
             codec = PLANNED  # this group's "none" is the planned exchange (it measured quicker)
+        settling = self.runtime.settling if sink is not None else 0
+        trial = group.trials[-1] if sink is not None else codec
         t0 = self.clock()
         self._this_step.append(_Launch(key, t0, codec, sink is None and group.final, self._deciding_s))
         group.launches += 1
@@ -348,7 +362,11 @@ class AutoCompression:
                     start = max(t1, self._last_done)
                     self._last_done = now
             if sink is not None:
-                sink.append((t1 - t0) + max(0.0, now - start))
+                took = (t1 - t0) + max(0.0, now - start)
+                if self.runtime.settling == settling:
+                    sink.append(took)
+                else:  # the runtime planned or explored meanwhile: a rough time, used only if no other comes
+                    group.unsettled.setdefault(trial, []).append(took)
             event.set()
 
         self._events.append((key, event))
@@ -525,7 +543,7 @@ class AutoCompression:
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""
-        if not group.final and group.left == 0:
+        if not group.final and group.trial_over(self.probe_steps):
             self._next_trial(group)
         if group.final:
             return "none" if self._baseline_turn else group.choice.codec, None  # type: ignore[union-attr]
@@ -583,7 +601,7 @@ class AutoCompression:
                 raise CompressionError(f"group {group.spec.name!r}: codec {codec!r} is tried without its priced choice")
             group.candidates[codec] = group.choice = choice
         group.trials.append(codec)
-        group.left = self.probe_steps
+        group.left = self.probe_steps + SETTLING_LAUNCHES
 
     # ---- deciding once for the job -------------------------------------------------------------------------
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
@@ -823,18 +841,20 @@ class AutoCompression:
     def table(self) -> list[dict[str, Any]]:
         """One row per group: bytes, codec (``planned``: its "none" runs on the runtime's planned exchange, not the
         backend's allreduce), the slack it was priced with (None: no step yet), predicted and measured seconds
-        (None: not measured), and why."""
+        (None: not measured), why, and how many of its trials' launches were timed while the runtime settled their
+        exchange (kept apart: :data:`SETTLING_LAUNCHES`)."""
         rows = []
         for key in self._current_groups():
             g = self._groups[key]
             c = g.choice
             codec = c.codec if c is not None else "none"
-            measured = g.times.get(codec)
+            measured = g.times.get(codec) or g.unsettled.get(codec)
             rows.append({"group": key, "bytes": g.spec.nbytes if c is None else c.nbytes, "codec": codec,
                          "planned": codec == "none" and g.planned, "slack_s": g.slack_s,
                          "predicted_s": None if c is None else c.predicted_s,
                          "measured_s": float(np.mean(measured)) if measured else None,
-                         "reason": "probing" if c is None else c.reason})
+                         "reason": "probing" if c is None else c.reason,
+                         "settling_launches": sum(len(v) for v in g.unsettled.values())})
         return rows
 
     def report(self) -> str:

@@ -86,3 +86,25 @@ def test_every_collective_is_a_named_range_in_the_profiler(tmp_path):
         rt.shutdown()
     names = {e["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if "name" in e}
     assert {"gradsync::allreduce::ring", "gradsync::allgather"} <= names
+
+
+def test_settling_grows_on_a_size_classs_first_call_and_not_on_the_next():
+    """A size class's first allreduce prices its choice (both ranks agree on it; its executor, one per algorithm and
+    depth, may exist already): ``Runtime.settling`` grows across it, so a timing of that call is not one of the
+    exchange. The second call of the same size, and of another size in the same class, settles nothing; a larger
+    class does again."""
+    from gradsync.comm import Runtime
+
+    def body(tr):
+        rt = Runtime(tr, "switch:2", "auto", timeout_s=20)
+        grew = []
+        for n in (1000, 1000, 900, 100_000):
+            before = rt.settling
+            rt.allreduce(torch.ones(n))
+            grew.append(rt.settling - before)
+        rt.shutdown()
+        return grew
+
+    for got in run_ranks(2, body):
+        assert not isinstance(got, BaseException), got
+        assert got[0] >= 1 and got[1] == got[2] == 0 and got[3] >= 1, got

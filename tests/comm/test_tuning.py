@@ -121,18 +121,19 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
     keeps its first candidate unless another beats it by ``EXPLORE_MARGIN``; a pick at the edge is timed
     against the next depth that way, at most ``EXPLORE_STEPS`` more times; then the pick is recorded and run."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import EXPLORE_REPS, EXPLORE_STEPS, Explorer
+    from gradsync.comm.tuning import EXPLORE_MAX_CALLS, EXPLORE_REPS, EXPLORE_STEPS, Explorer
 
     assert EXPLORE_STEPS == 2  # the second case's three steps
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     picks = _fake_timing(monkeypatch, rt, cost)
     first = [("ring", model)] + [("ring", q) for q in (2 * model, model // 2) if q >= 1]
     ex = Explorer(rt.tuning, object(), 4 << 20, first)
-    calls = 0
+    calls, before = 0, rt.settling
     while ex.pick is None:
         ex.run(torch.zeros(1))
         calls += 1
-        assert calls <= 40
+        assert calls <= EXPLORE_MAX_CALLS
+    assert rt.settling - before == calls  # every call that measured ran a candidate, not the class's pick
     record = rt.tuned[4 << 20]
     assert [[c[1] for c in step["candidates"]] for step in record["steps"]] == steps
     assert ex.pick == ("ring", pick) and record["choice"] == ["ring", pick] and rt.choice(4 << 20) == ("ring", pick)
@@ -141,6 +142,7 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
     assert ran[-len(steps[-1]):] == steps[-1]  # the last round: the last step's candidates, in turn
     ex.run(torch.zeros(1))
     assert picks[-1] == ("ring", pick) and record["measured_s"]["ring/" + str(pick)] == cost[pick]
+    assert rt.settling - before == calls  # the pick's own calls settle nothing
 
 
 @pytest.mark.parametrize("rival_cost, steps, pick", [
@@ -154,17 +156,18 @@ def test_the_explorer_times_a_rival_algorithm_and_its_depths_when_it_wins(monkey
     """A first step with another algorithm's plan beside the model's depths (what ``rival_of`` adds): measured
     faster by more than the margin, it replaces the model's algorithm and is stepped over its own depths."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import Explorer
+    from gradsync.comm.tuning import EXPLORE_MAX_CALLS, Explorer
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     _fake_timing(monkeypatch, rt, {("forest", 8): 10.0, ("forest", 16): 10.5, ("forest", 4): 10.2,
                                    **{("hierarchical", d): t for d, t in rival_cost.items()}})
     monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: depth in (4, 8, 16))
     ex = Explorer(rt.tuning, object(), 4 << 20, [("forest", 8), ("forest", 16), ("forest", 4), ("hierarchical", 8)])
-    for _ in range(60):
-        if ex.pick is not None:
-            break
+    calls = 0
+    while ex.pick is None:
         ex.run(torch.zeros(1))
+        calls += 1
+        assert calls <= EXPLORE_MAX_CALLS  # the longest run the trials of compression="auto" wait out
     record = rt.tuned[4 << 20]
     assert [[f"{a}/{d}" for a, d in step["candidates"]] for step in record["steps"]] == steps
     assert "/".join(map(str, ex.pick)) == pick and rt.choice(4 << 20) == ex.pick

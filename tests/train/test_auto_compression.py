@@ -53,7 +53,18 @@ class FakeClock:
 
 
 @pytest.fixture
-def rt() -> Iterator[Runtime]:
+def rt(monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtime]:
+    """One rank whose exchanges never count as settling: the fake clocks below charge a launch by its codec only,
+    so a first call's planning costs nothing here (what it does to a trial: ``settling_rt``)."""
+    monkeypatch.setattr(Runtime, "settling", property(lambda self: 0))
+    runtime = Runtime(LocalFabric(1).transport(0))
+    yield runtime
+    runtime.shutdown()
+
+
+@pytest.fixture
+def settling_rt() -> Iterator[Runtime]:
+    """One rank, its settling counter as the runtime keeps it."""
     runtime = Runtime(LocalFabric(1).transport(0))
     yield runtime
     runtime.shutdown()
@@ -105,6 +116,48 @@ def test_a_choice_measured_faster_than_none_is_kept(rt: Runtime) -> None:
     rows = auto.table()
     assert [(r["codec"], r["reason"]) for r in rows] == [("fp16", "measured")] * 2
     assert all(r["measured_s"] is not None and r["predicted_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_a_launch_timed_while_the_runtime_settled_its_exchange_waits_for_a_settled_one(
+        monkeypatch: pytest.MonkeyPatch, counted: bool) -> None:
+    """fp16's first launch per group costs 1 ms (its payload's first call: priced, planned, explored), later ones
+    0.1 us, "none" 1 us a call. Counted as settling (the runtime's counter grew across it), that launch is kept
+    apart and the trial runs one more: fp16 is kept. Were it counted in (``counted=False``: the counter stands
+    still), its 1 ms would drop fp16 for "none"."""
+    settled = [0]
+    monkeypatch.setattr(Runtime, "settling", property(lambda self: settled[0]))
+    runtime = Runtime(LocalFabric(1).transport(0))
+    slow: set[str] = set()  # the groups whose first fp16 launch was charged
+    seen: list[object] = []  # the launches whose clock reading after launching (t1) was taken
+
+    class SettlingClock(FakeClock):
+        def __call__(self) -> float:
+            launches = self.auto._this_step if self.auto is not None else []
+            if threading.current_thread() is threading.main_thread() and launches:
+                launch = launches[-1]
+                if launch.codec == "fp16" and not any(launch is x for x in seen):  # this launch's t1
+                    seen.append(launch)
+                    if launch.key not in slow:
+                        slow.add(launch.key)
+                        settled[0] += counted
+                        self.now += 1e-3
+                        return self.now
+            return super().__call__()
+
+    try:
+        clock = SettlingClock({"none": 1e-6, "fp16": 1e-7, "other": 1e-7})
+        auto = _auto(runtime, clock)
+        _train(runtime, auto, 2 * PROBE_STEPS + 2)
+        rows = auto.table()
+    finally:
+        runtime.shutdown()
+    assert auto.settled and len(rows) == 2, rows
+    if counted:
+        assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("fp16", "measured", 1)] * 2, rows
+        assert all(r["measured_s"] < 1e-6 for r in rows), rows
+    else:
+        assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("none", "dropped", 0)] * 2, rows
 
 
 def test_an_infinitely_fast_wire_runs_none_without_a_trial(rt: Runtime) -> None:
