@@ -658,6 +658,7 @@ class AutoCompression:
         group.planned = self._decide_flag(f"planned/{group.spec.name}", quicker)
         if group.planned:
             group.times["none"] = list(group.times.get(PLANNED, []))
+            group.unsettled["none"] = list(group.unsettled.get(PLANNED, []))
 
     def _agree_choice(self, group: _Group, stage: str) -> AutoChoice:
         """The model's choice for ``group`` (``stage``: ``"first"`` before anything was timed, its slack that of an

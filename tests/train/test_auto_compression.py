@@ -778,3 +778,18 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     model(torch.full((4, 8), float("nan"))).square().sum().backward()
     assert opt.step() is None and opt.nonfinite_steps == 1  # the verdict joins the step on the lean path too
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
+def test_a_groups_mean_prefers_settled_launches_and_its_trial_ends_on_enough_of_them_or_none_left() -> None:
+    from gradsync.compress.auto import GroupSpec
+    from gradsync.train.auto_compression import _Group
+
+    g = _Group(GroupSpec("g", ((4,),), torch.float32), trials=["fp16"], left=3)
+    g.unsettled["fp16"] = [1.0]
+    assert g.mean_s("fp16") == 1.0 and g.mean_s("none") == float("inf")  # rough times only where nothing else
+    g.times["fp16"] = [0.25]
+    assert g.mean_s("fp16") == 0.25 and not g.trial_over(2)
+    g.times["fp16"].append(0.75)
+    assert g.trial_over(2)  # two settled launches
+    g.times["fp16"], g.left = [0.25], 0
+    assert g.trial_over(2)  # no launch left to wait with
