@@ -12,6 +12,11 @@ through the same few steps, as ``auto`` explores plans:
 3. the chosen codec then runs ``probe_steps`` launches, timed; at the next one rank 0's measurements decide,
    for every rank, whether it stays (:func:`~gradsync.compress.auto.review`: slower than ``"none"`` -> dropped).
 
+A launch across which the runtime settled its exchange (:attr:`Runtime.settling
+<gradsync.comm.runtime.Runtime.settling>`: a payload size's first call priced and planned, its pipeline depths
+explored) is timed apart, and its trial runs up to :data:`SETTLING_LAUNCHES` more launches for ``probe_steps``
+settled ones: a codec's payload is a size the runtime has never sent, and its first calls time that, not the codec.
+
 Where the model puts a codec more than :data:`~gradsync.compress.auto.MARGIN` times ahead of ``"none"`` at the
 group's first launch, step 1 is skipped: the codec is timed first, and kept if it took at most ``1/MARGIN`` of
 ``"none"``'s predicted time; otherwise ``"none"`` is timed after all and step 3's review decides. On a slow wire
