@@ -458,11 +458,15 @@ def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s:
     return JointChoice(best[1], best[2], best[0], per_codec, overhead)
 
 
-def review(choice: AutoChoice, measured_s: float, measured_none_s: float) -> AutoChoice:
-    """After measuring: a choice slower than ``"none"`` on this group is dropped for ``"none"``; else kept."""
+def review(choice: AutoChoice, measured_s: float, measured_none_s: float, gain: float = 1.0) -> AutoChoice:
+    """After measuring: a choice that did not measure ``gain`` times quicker than ``"none"`` on this group (by default:
+    slower) is dropped for ``"none"``; else kept. A gain above 1 is the bar where the group's own time understates
+    what the codec costs the step (its exchange on gradsync's communication thread against "none" on the backend's)."""
+    if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not gain >= 1.0:
+        raise CompressionError(f"gain={gain!r} must be a number >= 1 (how many times quicker than 'none' to keep it)")
     if choice.codec == "none":
         return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "measured")
-    if measured_s > measured_none_s:
+    if measured_s * gain > measured_none_s:
         return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "dropped")
     return AutoChoice(choice.group, choice.nbytes, choice.codec, choice.payload_bytes, choice.predicted_s,
                       choice.none_s, "measured")

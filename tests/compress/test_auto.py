@@ -143,6 +143,13 @@ def test_a_choice_measured_slower_than_none_is_dropped() -> None:
     assert (dropped.codec, dropped.payload_bytes, dropped.reason) == ("none", 4000, "dropped")
     kept = review(pick, measured_s=2e-3, measured_none_s=4e-3)
     assert (kept.codec, kept.payload_bytes, kept.reason) == ("topk-1%", 80, "measured")
+    # with a bar: 3.6 ms against 4 ms is quicker, but not 1.25x quicker; 3.2 ms is exactly that
+    assert review(pick, measured_s=3.6e-3, measured_none_s=4e-3).reason == "measured"
+    assert review(pick, measured_s=3.6e-3, measured_none_s=4e-3, gain=1.25).reason == "dropped"
+    assert review(pick, measured_s=3.2e-3, measured_none_s=4e-3, gain=1.25).reason == "measured"
+    for bad in (0.9, True, "1.25"):
+        with pytest.raises(CompressionError, match="gain="):
+            review(pick, measured_s=1e-3, measured_none_s=4e-3, gain=bad)
 
 
 def test_a_wide_margin_is_trusted_only_while_the_measurement_keeps_it() -> None:

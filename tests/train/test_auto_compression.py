@@ -793,3 +793,48 @@ def test_a_groups_mean_prefers_settled_launches_and_its_trial_ends_on_enough_of_
     assert g.trial_over(2)  # two settled launches
     g.times["fp16"], g.left = [0.25], 0
     assert g.trial_over(2)  # no launch left to wait with
+
+
+class LaunchClock(FakeClock):
+    """Charges each launch ``cost[codec]`` once, at its first reading after it started (however many readings its
+    done callback adds on this thread)."""
+
+    def __init__(self, cost: dict[str, float]) -> None:
+        super().__init__(cost)
+        self.seen: list[object] = []
+
+    def __call__(self) -> float:
+        launches = self.auto._this_step if self.auto is not None else []
+        if threading.current_thread() is threading.main_thread() and launches:
+            launch = launches[-1]
+            if not any(launch is x for x in self.seen):
+                self.seen.append(launch)
+                self.now += self.cost.get(launch.codec, self.cost["other"])
+        return self.now
+
+
+@pytest.mark.parametrize("fp16_s, on_backend, kept", [(0.9e-3, False, False), (0.5e-3, False, True),
+                                                      (0.9e-3, True, True)])
+def test_a_codec_on_gradsyncs_thread_must_beat_none_on_the_backend_by_try_gain(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, fp16_s: float, on_backend: bool, kept: bool) -> None:
+    """"none" on the backend's allreduce takes 1 ms a launch; fp16 0.9 ms (1.11x quicker) or 0.5 ms (2x). Where fp16's
+    payload runs on the runtime's planned exchange (gradsync's thread), it is kept only 1.25x quicker (TRY_GAIN):
+    dropped at 1.11x, kept at 2x. Where the backend sums fp16 too (a size the runtime runs natively), any lead keeps
+    it."""
+    _with_planned_none(rt, monkeypatch)
+    if on_backend:
+        def native(tensor, algorithm=None, always=False):
+            fut = torch.futures.Future()
+            fut.set_result([tensor])
+            return fut
+
+        monkeypatch.setattr(rt, "native_allreduce_async", native)
+        monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: nbytes < 2 * 100)  # fp16 of 100 floats
+    clock = LaunchClock({"none": 1e-3, "fp16": fp16_s, PLANNED: 1.0, "other": 1.0})
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
+    clock.auto = auto
+    _train(rt, auto, 3 * PROBE_STEPS + 2, wide=8, merge=1)  # 8*8+8+8*2+2 = 90 floats in one group
+    (row,) = auto.table()
+    group = auto._groups[row["group"]]
+    assert group.native and not group.planned and ("fp16" in group.threaded) is not on_backend, (row, group)
+    assert (row["codec"], row["reason"]) == (("fp16", "measured") if kept else ("none", "dropped")), row
