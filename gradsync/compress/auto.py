@@ -61,6 +61,7 @@ __all__ = [
     "choose",
     "choose_joint",
     "profile_codecs",
+    "quicker_by",
     "review",
     "MARGIN",
     "TRY_GAIN",
@@ -370,7 +371,7 @@ def choose(groups: Sequence[GroupSpec], *, policy: str, wire: WireModel, codec_c
         none_s = priced[0][2]
         exposed = [max(0.0, seconds - spec.slack_s) for _, _, seconds in priced]
         best = min(range(len(priced)), key=lambda i: (exposed[i], i))
-        if exposed[best] * gain > exposed[0]:
+        if not quicker_by(exposed[best], exposed[0], gain):
             best = 0
         option, payload, seconds = priced[best]
         out.append(AutoChoice(spec.name, spec.nbytes, option.name, payload, seconds, none_s))
@@ -458,6 +459,12 @@ def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s:
     return JointChoice(best[1], best[2], best[0], per_codec, overhead)
 
 
+def quicker_by(seconds: float, than_s: float, factor: float) -> bool:
+    """Whether ``seconds`` is at least ``factor`` times quicker than ``than_s``: the one bar every keep-or-drop here
+    is (a codec's price against "none"'s, a measurement against "none"'s, against a margin)."""
+    return seconds * factor <= than_s
+
+
 def review(choice: AutoChoice, measured_s: float, measured_none_s: float, gain: float = 1.0) -> AutoChoice:
     """After measuring: a choice that did not measure ``gain`` times quicker than ``"none"`` on this group (by default:
     slower) is dropped for ``"none"``; else kept. A gain above 1 is the bar where the group's own time understates
@@ -466,7 +473,7 @@ def review(choice: AutoChoice, measured_s: float, measured_none_s: float, gain: 
         raise CompressionError(f"gain={gain!r} must be a number >= 1 (how many times quicker than 'none' to keep it)")
     if choice.codec == "none":
         return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "measured")
-    if measured_s * gain > measured_none_s:
+    if not quicker_by(measured_s, measured_none_s, gain):
         return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "dropped")
     return AutoChoice(choice.group, choice.nbytes, choice.codec, choice.payload_bytes, choice.predicted_s,
                       choice.none_s, "measured")
@@ -494,7 +501,7 @@ def trust_margin(choice: AutoChoice, measured_s: float, margin: float = MARGIN) 
     """After timing a :func:`wide_margin` choice alone: kept (``"measured"``) if it took at most ``1/margin`` of
     ``"none"``'s predicted time -- then ``"none"`` would have to be ``margin`` times quicker than its model for the
     codec to lose -- else None: time ``"none"`` and :func:`review` as usual."""
-    if not measured_s * margin <= choice.none_s:
+    if not quicker_by(measured_s, choice.none_s, margin):
         return None
     return AutoChoice(choice.group, choice.nbytes, choice.codec, choice.payload_bytes, choice.predicted_s,
                       choice.none_s, "measured")

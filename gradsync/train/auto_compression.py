@@ -78,6 +78,7 @@ from gradsync.compress.auto import (
     ladder_covers,
     profile_codecs,
     profile_ladder,
+    quicker_by,
     review,
     rival,
     trust_margin,
@@ -337,8 +338,9 @@ class AutoCompression:
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         if codec == "none" and group.planned and not self._baseline_turn:
             codec = PLANNED  # this group's "none" is the planned exchange (it measured quicker)
-        settling = self.runtime.settling if sink is not None else 0
-        trial = group.trials[-1] if sink is not None else codec
+        # a launch timed while the runtime settles its exchange goes to the trial's rough times instead
+        rough = group.unsettled.setdefault(group.trials[-1], []) if sink is not None else None
+        settling = self.runtime.settling
         t0 = self.clock()
         self._this_step.append(_Launch(key, t0, codec, sink is None and group.final, self._deciding_s))
         group.launches += 1
@@ -371,12 +373,9 @@ class AutoCompression:
                 else:  # gradsync's exchanges queue on one thread: their service time
                     start = max(t1, self._last_done)
                     self._last_done = now
-            if sink is not None:
-                took = (t1 - t0) + max(0.0, now - start)
-                if self.runtime.settling == settling:
-                    sink.append(took)
-                else:  # the runtime planned or explored meanwhile: a rough time, used only if no other comes
-                    group.unsettled.setdefault(trial, []).append(took)
+            if sink is not None and rough is not None:
+                # the runtime planned or explored meanwhile: a rough time, used only if no other comes
+                (sink if self.runtime.settling == settling else rough).append((t1 - t0) + max(0.0, now - start))
             event.set()
 
         self._events.append((key, event))
@@ -663,7 +662,7 @@ class AutoCompression:
         measured a few percent quicker on its own and its steps ran 0.80-0.86x DDP's (docs/mergecomp.md)."""
         def quicker() -> bool:
             self._wait_records(group.spec.name)
-            return group.mean_s(PLANNED) * TRY_GAIN <= group.mean_s("none")
+            return quicker_by(group.mean_s(PLANNED), group.mean_s("none"), TRY_GAIN)
 
         group.planned = self._decide_flag(f"planned/{group.spec.name}", quicker)
         if group.planned:
@@ -702,9 +701,8 @@ class AutoCompression:
         """Keep the choice or drop it for "none", decided for the job. A codec whose exchange ran on gradsync's
         communication thread while "none" ran on the backend's allreduce must measure
         :data:`~gradsync.compress.auto.TRY_GAIN` times quicker, the bar the planned way of "none" clears
-        (:meth:`_agree_planned`): its own time leaves out what that thread takes from backward. LeNet-5's one group on
-        ``switch:4`` at 300 Mbit/s kept fp16 on the runtime's planned exchange of its 123 KB payload, quicker on the
-        group, and its steps ran 0.80x DDP's (the compression sweep at 4968221; docs/mergecomp.md)."""
+        (:meth:`_agree_planned`): its own time leaves out what that thread takes from backward (what a codec kept on a
+        smaller lead cost LeNet-5's steps: docs/mergecomp.md)."""
         choice = group.priced()
         gain = TRY_GAIN if choice.codec in group.threaded and group.native and not group.planned else 1.0
         return self._agreed(group, "review", lambda: review(choice, group.mean_s(choice.codec), group.mean_s("none"),
@@ -867,11 +865,11 @@ class AutoCompression:
             g = self._groups[key]
             c = g.choice
             codec = c.codec if c is not None else "none"
-            measured = g.times.get(codec) or g.unsettled.get(codec)
+            measured = g.mean_s(codec)
             rows.append({"group": key, "bytes": g.spec.nbytes if c is None else c.nbytes, "codec": codec,
                          "planned": codec == "none" and g.planned, "slack_s": g.slack_s,
                          "predicted_s": None if c is None else c.predicted_s,
-                         "measured_s": float(np.mean(measured)) if measured else None,
+                         "measured_s": measured if math.isfinite(measured) else None,
                          "reason": "probing" if c is None else c.reason,
                          "settling_launches": sum(len(v) for v in g.unsettled.values())})
         return rows
