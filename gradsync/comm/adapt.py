@@ -86,7 +86,7 @@ from gradsync.comm.watch import (
 from gradsync.errors import GradsyncError, PeerError, SimulationError, TopologyError
 from gradsync.plan.schedule import Schedule
 from gradsync.sim.choose import PRUNE, Chooser
-from gradsync.sim.cost import NATIVE, native_schedule, size_class
+from gradsync.sim.cost import DEFAULT_SOURCE, NATIVE, CostModel, native_schedule, size_class
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Link, Topology
 
@@ -250,13 +250,13 @@ class Adapter:
     def _fresh(self) -> None:
         self.detector = Detector(self.options.link, self.options.late)
         self._warmed = 0
-        self._warm_time: list[float] = []
-        self._time_factor = 1.0
         self._warm_slow: list[float] = []
         self._fast: dict[tuple[int, int], tuple[Schedule, float]] = {}  # per plan and size, its α-only seconds
         #: a replan's predictions, its prospect's and its log line's alike (the same plans on the same belief)
         self._priced_s: dict[tuple[int, int, float, float, tuple[tuple[int, float], ...]],
                              tuple[Schedule, Topology, float]] = {}
+        #: per plan, size and slowdown, each rank's predicted end on the wire (:meth:`_ends_on_wire`)
+        self._ends_s: dict[tuple[int, int, float, float], tuple[Schedule, Topology, tuple[float, ...]]] = {}
         self._back = 0  # watched collectives in a row with the scaled links' pairs faster than their degraded level
         self._slow_by: tuple[Topology, dict[Hashable, float]] | None = None
         #: ``auto``'s settled picks on the baseline, kept at the first switch away from it and given back on return
@@ -341,7 +341,7 @@ class Adapter:
         if self._warmed < self.options.warmup:
             self._warm_up(ex.schedule, nbytes, shared, expected, max(spent), max(finish))
             return None
-        delays = self._delays(spent, finish)
+        delays = self._delays(spent, self._ends_on_wire(ex.schedule, nbytes, self._world))
         # Late "by a share of the collective" as it ran, not as the model says it would: a slow link shifts the
         # ranks' end times unevenly too, by a share of a collective it also makes longer.
         reference = max(spent)
@@ -433,19 +433,39 @@ class Adapter:
         """One warm-up collective: learn how the pairs' wire, and the run as a whole, compare with the model."""
         self._learn_pairs(schedule, shared, expected)
         if finish_s > 0:
-            self._warm_time.append(spent_s / finish_s)
             self._warm_slow.append(self._rate_slowdown(schedule, nbytes, spent_s, finish_s))
         self._warmed += 1
         if self._warmed >= self.options.warmup:
-            self._time_factor = statistics.median(self._warm_time) if self._warm_time else 1.0
             self._slowdown = statistics.median(self._warm_slow) if self._warm_slow else 1.0
+            self._measure_alpha()
 
-    def _delays(self, spent: list[float], finish: list[float]) -> list[float]:
+    def _measure_alpha(self) -> None:
+        """Measure the executor's α where nobody measured or wrote one: ``init`` calibrates only where the baseline's pick turns on it
+        (not on a flat switch, whose pick is the backend's ring), and loopback's default α is several times too
+        small where ranks share a host's cores. The plans the watch switches to (a late rank's, a tree around a slow
+        link) turn on it: priced at the default, a late rank's plan was run at depth 64 on the testbed where 16 was
+        faster (docs/runtime.md). Every rank, at the same watched collective (the warm-up's last); the model's
+        pipeline choices are made afresh with it, job-wide."""
+        plans = self.plans
+        model = plans.cost_model
+        if (model.source != DEFAULT_SOURCE or model.message_s != CostModel().message_s  # measured, or set by hand
+                or not plans.caps.native or plans.transport.world_size < 2):
+            return
+        alpha = self.tuning.measure_message_s()
+        self.tuning.set_cost_model(replace(model, message_s=alpha, source=f"{model.source}; executor α measured by "
+                                                                          f"the watch ({alpha * 1e6:.0f} us)"))
+        self._expected.clear()
+        self._priced_s.clear()
+        self._ends_s.clear()
+        self._plans_learned = {}
+
+    def _delays(self, spent: list[float], ends: list[float]) -> list[float]:
         """Each rank's arrival delay. A rank leaves the collective when the plan's last message to or from it is done,
-        which the model predicts (``finish``, scaled to this wire by the warm-up): a rank that spent less than that
-        in it, by more than the others did, came late by the difference. No common clock is needed, and a plan in
-        which ranks finish at different times (the straggler schedule) is not mistaken for a late rank."""
-        excess = [t - self._time_factor * f for t, f in zip(spent, finish)]
+        which the model predicts (``ends``, on the wire as the warm-up measured it: :meth:`_ends_on_wire`): a rank
+        that spent less than that in it, by more than the others did, came late by the difference. No common clock
+        is needed, and a plan in which ranks finish at different times (the straggler schedule) is not mistaken for
+        a late rank."""
+        excess = [t - e for t, e in zip(spent, ends)]
         top = max(excess)
         return arrival_delays([top - e for e in excess])
 
@@ -607,15 +627,22 @@ class Adapter:
             samples = (Sample((int(s), int(d)), float(f) * nbytes, float(a), float(max(a, b)))
                        for s, d, f, a, b in zip(arr["src"], arr["dst"], frac, start, finish)
                        if np.isfinite(a) and np.isfinite(b))  # a transfer of no bytes has no flow
-            n = schedule.world_size
-            ends = np.zeros(n)
-            done = np.where(np.isfinite(finish), finish, 0.0)
-            m = len(done)
-            np.maximum.at(ends, arr["src"][:m], done)
-            np.maximum.at(ends, arr["dst"][:m], done)
             got = self._expected[key] = (schedule, topology, collective_rates(samples, self.options.pair_min_bytes),
-                                         [float(e) for e in ends])
+                                         _rank_ends(schedule, finish))
         return got[2], got[3]
+
+    def _ends_on_wire(self, schedule: Schedule, nbytes: float, topology: Topology) -> list[float]:
+        """Per rank, when its last message of ``schedule`` is done, priced as :meth:`_predict` prices (the model's
+        rates divided by the warm-up's slowdown, α unscaled: a measured α is the wire's already; scaling the whole
+        time instead multiplied a large α by the rates' factor and hid a late rank's return)."""
+        key = (id(schedule), id(topology), float(nbytes), self.slowdown)
+        got = self._ends_s.get(key)
+        if got is None or got[0] is not schedule or got[1] is not topology:
+            model = self.plans.cost_model
+            sim = simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
+                           fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False)
+            got = self._ends_s[key] = (schedule, topology, _rank_ends(schedule, sim.transfer_times()[1]))
+        return list(got[2])
 
     # ---- replanning --------------------------------------------------------------------------------------
     def _prospect(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> tuple[str, float, float] | None:
@@ -681,6 +708,7 @@ class Adapter:
     def _replan(self, switch: Switch, topology: Topology, old: Schedule, nbytes: float) -> SwitchRecord:
         old_plan = self._label(nbytes)
         self._priced_s.clear()  # the last replan's plans are gone: nothing kept alive past it
+        self._ends_s.clear()
         if (self.options.min_gain > 0 and switch.after.straggler is None and switch.before.straggler is None
                 and topology == self.plans.topology):
             # The slow pairs put no link below the rates the running plan was made for (noise on pairs no link
@@ -861,3 +889,14 @@ def _component(links: list[Link], start: str, topo: Topology) -> set[str]:
                 seen.add(nxt)
                 todo.append(nxt)
     return seen
+
+
+def _rank_ends(schedule: Schedule, finish: np.ndarray) -> tuple[float, ...]:
+    """Per rank, the latest of ``finish`` (per transfer) over the transfers it sends or receives."""
+    arr = schedule.arrays
+    ends = np.zeros(schedule.world_size)
+    done = np.where(np.isfinite(finish), finish, 0.0)
+    m = len(done)
+    np.maximum.at(ends, arr["src"][:m], done)
+    np.maximum.at(ends, arr["dst"][:m], done)
+    return tuple(float(e) for e in ends)

@@ -33,6 +33,7 @@ import torch
 from gradsync.comm.executor import Executor
 from gradsync.comm.plans import ALLREDUCE, PLANNED_BACKENDS, Pick, PlanCache
 from gradsync.errors import GradsyncError
+from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import SYNTHESIZERS
 from gradsync.sim.choose import PRUNE
 from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, size_class, stream_rate_of
@@ -344,12 +345,8 @@ class Tuning:
         import torch.distributed as dist
 
         plans, group, rank = self.plans, self.plans.caps.group, self.rank
-        ring = plans.schedule("ring", 1, check=True)
-        # lanes, as the runs the model mostly chooses for (over SMALL_RUN_BYTES) use: a small run's key-order
-        # waits are cheaper, so α measured with them would under-price every larger run
-        ex = Executor(ring, plans.transport, mapping=plans.mapping, timeout_s=plans.timeout_s, progress="lanes")
-        device = plans.caps.collective_device()  # where the backend takes tensors: what a job's gradients reach
-        buf = torch.zeros(max(1, size // 4), device=device)
+        ring, ex, buf = self._ring_probe(size)
+        device = buf.device
         far = self.duplex_peer()
         pair = rank in (0, far)
         big = torch.zeros(DUPLEX_BYTES // 4, device=device) if pair else None
@@ -397,15 +394,10 @@ class Tuning:
         # α is solved on the refined rates: on rates the wire lacks it would absorb the missing transfer time
         zero = replace(base, message_s=0.0, native_message_s=0.0)
         one = replace(base, message_s=1e-3, native_message_s=1e-3)
-
-        def solve(at0: float, at1: float, measured: float, unchanged: float) -> float:
-            slope = (at1 - at0) / 1e-3
-            return max(1e-6, (measured - at0) / slope) if slope > 0 else unchanged
-
         topo = plans.topology
-        alpha = solve(zero.predict(ring, topo, nbytes), one.predict(ring, topo, nbytes), t_ex, base.message_s)
-        native = solve(zero.predict_native(topo, nbytes), one.predict_native(topo, nbytes), t_nat,
-                       base.native_message_s)
+        alpha = _solve_alpha(zero.predict(ring, topo, nbytes), one.predict(ring, topo, nbytes), t_ex, base.message_s)
+        native = _solve_alpha(zero.predict_native(topo, nbytes), one.predict_native(topo, nbytes), t_nat,
+                              base.native_message_s)
         model = replace(base, message_s=alpha, native_message_s=native, reverse_share=kappa,
                         source=f"{base.source}; message costs calibrated on {self.world_size} ranks "
                                f"({alpha * 1e6:.0f} us executor, {native * 1e6:.0f} us native; both ways "
@@ -413,6 +405,34 @@ class Tuning:
                                + f"; burst {base.burst_s * 1e3:.3g} ms)")
         self.set_cost_model(model)
         return model
+
+    def _ring_probe(self, size: int) -> tuple[Schedule, Executor, torch.Tensor]:
+        """The planned ring, an executor for it and a ``size``-byte buffer where the backend takes tensors: what
+        α is timed on. Lanes, as the runs the model mostly chooses for (over SMALL_RUN_BYTES) use: a small run's
+        key-order waits are cheaper, so α measured with them would under-price every larger run."""
+        plans = self.plans
+        ring = plans.schedule("ring", 1, check=True)
+        ex = Executor(ring, plans.transport, mapping=plans.mapping, timeout_s=plans.timeout_s, progress="lanes")
+        return ring, ex, torch.zeros(max(1, size // 4), device=plans.caps.collective_device())
+
+    def measure_message_s(self, reps: int = QUICK_REPS, size_bytes: int = 4096) -> float:
+        """α of one executor message on this job's wire and host, as :meth:`calibrate` measures it (a small
+        allreduce on the planned ring, the slowest rank's median, solved on the model's rates), without the
+        streams or changing the model: every rank calls it at the same point. Ranks that share a host's cores
+        wait on one another's messages, which no loopback default knows (docs/runtime.md)."""
+        if not self.plans.caps.native:
+            raise GradsyncError(f"measuring α needs a torch.distributed transport; this one is "
+                                f"{self.plans.transport.name!r}")
+        plans = self.plans
+        ring, ex, buf = self._ring_probe(int(size_bytes))
+        try:
+            measured = self.slowest(lambda: ex.run(buf), reps)
+        finally:
+            ex.close()
+        model, topo, nbytes = plans.cost_model, plans.topology, buf.numel() * 4
+        at0 = replace(model, message_s=0.0).predict(ring, topo, nbytes)
+        at1 = replace(model, message_s=1e-3).predict(ring, topo, nbytes)
+        return _solve_alpha(at0, at1, measured, model.message_s)
 
     def duplex_peer(self) -> int:
         """The rank whose path from rank 0 has the slowest bottleneck (then the fewest hops): the links that
@@ -643,3 +663,10 @@ class Explorer:
                            lambda: json.dumps([q for q in depths if q >= 1 and (name, q) not in measured
                                                and plans.plannable(name, q)]).encode())
         return [(name, int(q)) for q in json.loads(raw)]
+
+
+def _solve_alpha(at0: float, at1: float, measured: float, unchanged: float) -> float:
+    """The α at which a prediction affine in α (``at0`` at 0, ``at1`` at 1 ms) equals ``measured``; ``unchanged``
+    where α does not move it."""
+    slope = (at1 - at0) / 1e-3
+    return max(1e-6, (measured - at0) / slope) if slope > 0 else unchanged

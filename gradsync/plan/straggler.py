@@ -11,8 +11,14 @@ contribution is left to fold in when it arrives. Here, with ``s`` the late rank 
    shards and shard ``q`` ends, summed over P, at its owner ``p_q``. Rank ``s`` takes no part.
 2. **The late rank joins** (step ``m - 1``): ``s`` sends its shard ``q`` straight to ``p_q`` along the
    route the topology's router gives (the shortest path), which adds it: ``p_q`` now holds the full sum.
-3. **Results out** (steps ``m .. 2m-2``): ``p_q`` copies shard ``q`` to ``s`` (step ``m``) while the ring
-   over P allgathers it (steps ``m .. 2m-2``).
+3. **Results out**: ``p_q`` copies shard ``q`` to ``s`` and to every other rank of P, either straight from
+   ``p_q`` (*fan-out*, all at step ``m``) or, for the others, around the ring over P (an allgather, steps
+   ``m .. 2m-2``). The bytes on a rank's own link are the same either way; they differ on shared links (a
+   rack's uplink carries a shard once per rank beyond it with fan-out, at most twice with the ring), so the
+   plan takes fan-out unless its busiest link direction carries more (:meth:`Schedule.link_loads`). On a switch
+   fan-out wins: each copy is one hop, not ``m - 1`` store-and-forward hops, and no rank relays, so a rank
+   waits on a message only to keep it, not to pass it on (on the 2-core testbed, ``switch:8`` at 100 Mbit/s, 4
+   MiB, the rank late by one ring allreduce: the time after it arrives fell from 0.52 to 0.48 s, docs/runtime.md).
 
 After ``s`` arrives its link carries the buffer once each way (``M`` out in step 2, ``M`` in in step 3),
 against ``2 (N - 1) / N · M`` each way for a ring, and every on-time rank's link carries ``M`` each way too
@@ -64,6 +70,17 @@ def plan_straggler(topology: Topology, options: PlanOptions) -> Schedule:
     s = late_rank(topology, options)
     if n == 1:
         return Schedule("straggler", topology.name, topology.ranks, (Chunk(0.0, 1.0, 0),), (), meta={"straggler": 0})
+    fanout = _results_out(topology, options, s, fanout=True)
+    if n < 4:  # one or two on-time ranks: the ring's allgather is the fan-out
+        return fanout
+    ring = _results_out(topology, options, s, fanout=False)
+    costs = topology.directed_costs
+    return fanout if fanout.link_loads(topology).cost(costs) <= ring.link_loads(topology).cost(costs) * (1 + 1e-9) else ring
+
+
+def _results_out(topology: Topology, options: PlanOptions, s: int, *, fanout: bool) -> Schedule:
+    """The schedule for late rank ``s`` with the results sent out from each owner straight to every rank
+    (``fanout``), or straight to ``s`` and around the ring over the on-time ranks to the others."""
     idx = topology.rank_index
     others = [idx[v] for v in nx.dfs_preorder_nodes(topology.graph, topology.ranks[0]) if v in idx and idx[v] != s]
     m = len(others)
@@ -78,13 +95,18 @@ def plan_straggler(topology: Topology, options: PlanOptions) -> Schedule:
         chunk_ids = [ids[q][sub] for q in range(m)]
         ring, owner = ring_transfers(others, chunk_ids, ring_routes)
         roots.update(owner)
-        # The ring's allgather (steps m-1 ..) moves one step later, behind the join at step m - 1.
-        transfers += [t if t.step < m - 1 else Transfer(t.chunk, t.src, t.dst, t.route, t.reduce, t.step + 1) for t in ring]
+        if fanout:
+            transfers += [t for t in ring if t.step < m - 1]
+        else:  # the ring's allgather (steps m-1 ..) moves one step later, behind the join at step m - 1
+            transfers += [t if t.step < m - 1 else Transfer(t.chunk, t.src, t.dst, t.route, t.reduce, t.step + 1) for t in ring]
         for c in chunk_ids:
             p = owner[c]
             there = route(late, topology.ranks[p])
             transfers.append(Transfer(c, s, p, there, True, m - 1))
             transfers.append(Transfer(c, p, s, tuple(reversed(there)), False, m))
+            if fanout:
+                transfers += [Transfer(c, p, o, route(topology.ranks[p], topology.ranks[o]), False, m)
+                              for o in others if o != p]
     chunks = [Chunk(ch.offset, ch.size, roots[i]) for i, ch in enumerate(chunks)]
-    meta = {"straggler": s, "straggler_name": late, "on_time_order": names}
+    meta = {"straggler": s, "straggler_name": late, "on_time_order": names, "results": "fanout" if fanout else "ring"}
     return Schedule("straggler", topology.name, topology.ranks, tuple(chunks), tuple(transfers), meta=meta)

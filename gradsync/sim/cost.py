@@ -44,7 +44,7 @@ from gradsync.plan.synthesizers import ring_blocks, split_chunks
 from gradsync.sim.engine import simulate
 from gradsync.topology.model import Topology, recorded_link_scales
 
-__all__ = ["BURST_NOISE", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
+__all__ = ["BURST_NOISE", "DEFAULT_SOURCE", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
            "stream_rate_of"]
 
 #: The pseudo-algorithm name for the backend's own allreduce.
@@ -53,6 +53,9 @@ NATIVE = "native"
 #: A calibration stream slower than its path's modelled rate by more than this factor rescales the links
 #: (:meth:`CostModel.refined`): the topology's rates are wrong, not merely TCP's goodput.
 RATE_TOLERANCE = 2.0
+
+#: :attr:`CostModel.source` of a model nothing was measured for: the file's rates, loopback's α.
+DEFAULT_SOURCE = "defaults"
 
 #: Smallest size class: every message up to this many bytes is planned as this size.
 MIN_CLASS_BYTES = 4096
@@ -169,7 +172,7 @@ class CostModel:
     burst_s: float = 0.0
     link_GBps: Mapping[str, float] = field(default_factory=dict)
     pipelines: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    source: str = "defaults"
+    source: str = DEFAULT_SOURCE
 
     def __post_init__(self) -> None:
         _seconds("message_s", self.message_s)

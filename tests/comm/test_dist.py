@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from gradsync.sim.choose import algorithms_for
+from gradsync.sim.cost import CostModel
 from gradsync.topology.io import get_topology
 from tests.dist_launch import launch
 
@@ -56,7 +57,9 @@ def test_the_watch_reads_each_pairs_rate_from_the_kernels_counters_of_its_gloo_c
     """Issue 39: on gloo, each rank maps its TCP connections to the other ranks (every other rank found: its
     gloo connection), and a watched planned allreduce takes its pairs' rates from those connections' counters (the
     planned ring sends to both neighbours: two pairs per rank; a connection whose busy time was all the receiver's
-    stalls, 3 processes sharing 2 cores, gives no rate that time); the sums stay exact."""
+    stalls, 3 processes sharing 2 cores, gives no rate that time); the sums stay exact. Nothing measured the model
+    (``ring`` is not ``auto``: ``init`` calibrates nothing), so at the warm-up's end every rank measures the
+    executor's α together and prices with it from then on, the same on every rank."""
     if not sys.platform.startswith("linux"):
         pytest.skip("TCP_INFO's counters are Linux's")
     reports = launch(WORKER, ["tcp_rates", str(tmp_path), "switch:3"], 3, tmp_path, timeout_s=120)
@@ -64,6 +67,9 @@ def test_the_watch_reads_each_pairs_rate_from_the_kernels_counters_of_its_gloo_c
         assert rep["exact"] and rep["watched"] == 4, (rank, rep)
         assert rep["peers"] == [r for r in range(3) if r != rank], (rank, rep)
         assert all(0 <= n <= 2 for n in rep["tcp_pairs"]) and sum(rep["tcp_pairs"]) >= 2, (rank, rep)
+        assert rep["source"] == reports[0]["source"] and rep["message_s"] == reports[0]["message_s"], (rank, rep)
+    assert "executor α measured by the watch" in reports[0]["source"], reports[0]
+    assert 1e-6 <= reports[0]["message_s"] < 0.5 and reports[0]["message_s"] != CostModel().message_s, reports[0]
 
 
 def test_a_late_rank_on_the_backends_own_ring_moves_every_rank_to_the_straggler_plan_and_back(tmp_path):
@@ -75,7 +81,7 @@ def test_a_late_rank_on_the_backends_own_ring_moves_every_rank_to_the_straggler_
 
     from gradsync.plan import PlanOptions, synthesize
     from gradsync.sim import simulate
-    from gradsync.sim.cost import CostModel, native_schedule
+    from gradsync.sim.cost import native_schedule
 
     reports = launch(WORKER, ["late_native", str(tmp_path), "switch:4"], 4, tmp_path, timeout_s=180)
     first = reports[0]
@@ -114,6 +120,7 @@ def test_a_late_rank_on_the_backends_own_ring_moves_every_rank_to_the_straggler_
     priced.update({f"straggler/{d}": seconds(synthesize("straggler", topo, PlanOptions(pipeline=d, straggler=3)))
                    for d in model.pipelines})
     assert new == min(priced, key=lambda k: (priced[k], k != "native/1")) and new.startswith("straggler/"), priced
+    assert all(rep["message_s"] == 1e-6 for rep in reports)  # an α the user wrote is never measured over
 
 
 def test_calibration_measures_message_costs_once_and_caches_them(tmp_path):

@@ -8,7 +8,7 @@ import torch
 
 from gradsync.comm import Executor, run_ranks
 from gradsync.errors import PlanError
-from gradsync.plan import PlanOptions, synthesize
+from gradsync.plan import PlanOptions, straggler, synthesize
 from gradsync.plan.straggler import late_rank
 from gradsync.sim import simulate
 from gradsync.topology.io import get_topology
@@ -74,6 +74,34 @@ def test_plans_on_fabrics_other_than_a_switch(spec):
     for s in _late_ranks(topo.world_size):
         schedule = synthesize("straggler", topo, PlanOptions(straggler=s, pipeline=2))
         schedule.check(topo)
+
+
+@pytest.mark.parametrize("spec,results", [("switch:8", "fanout"), ("ring:6", "fanout"), ("bcube:3,2", "fanout"),
+                                          ("racks:2,3,4", "ring"), ("racks:3,3,3", "ring")])
+def test_results_go_out_the_way_that_loads_the_busiest_link_less(spec, results):
+    """Fan-out (each owner copies its shard straight to every rank) unless the ring's allgather loads the busiest
+    link direction less: on racks a shard crosses an uplink once per rank beyond it with fan-out. Brute force:
+    both ways built and their fluid costs compared here, from the transfers."""
+    topo = get_topology(spec)
+    m = topo.world_size - 1
+    for s in _late_ranks(topo.world_size):
+        schedule = synthesize("straggler", topo, PlanOptions(straggler=s, pipeline=2))
+        assert schedule.meta["results"] == results
+        sizes = [c.size for c in schedule.chunks]
+        copies = [t for t in schedule.transfers if not t.reduce and t.dst != s]
+        if results == "fanout":  # one step after the join, from the owner, to each of the m - 1 others
+            assert {t.step for t in copies} == {m} and all(t.src == schedule.chunks[t.chunk].root for t in copies)
+            assert sum(sizes[t.chunk] for t in copies) == pytest.approx(m - 1)
+        else:  # around the ring: m - 2 more hops after the first
+            assert {t.step for t in copies} == set(range(m, 2 * m - 1))
+        costs = {}
+        for way in ("fanout", "ring"):
+            other = schedule if way == results else None
+            if other is None:  # the way not taken: same phases, results out the other way
+                other = straggler._results_out(topo, PlanOptions(straggler=s, pipeline=2), s, fanout=way == "fanout")
+            other.check(topo)
+            costs[way] = other.link_loads(topo).cost(topo.directed_costs)
+        assert costs[results] <= min(costs.values()) * (1 + 1e-9), costs
 
 
 def test_default_late_rank_is_the_last_and_a_bad_one_is_refused():

@@ -394,7 +394,7 @@ def scenario_late_native(topology: str) -> dict:
                  "delay_s": s.conditions.straggler_delay_s, "old": s.old_plan, "new": s.new_plan,
                  "message": s.message} for s in rt.adapt.switches]
     out = {"plans": plans, "switches": switches, "exact": exact, "watched": rt.adapt.watched, "late_s": late_s,
-           "slowdown": rt.adapt.slowdown}
+           "slowdown": rt.adapt.slowdown, "message_s": rt.cost_model.message_s}
     gradsync.shutdown()
     return out
 
@@ -414,7 +414,8 @@ def scenario_tcp_rates(topology: str) -> dict:
         exact &= bool((x == sum(r + i for r in range(WORLD))).all())
         tcp.append(rt.adapt.tcp_pairs)
     peers = sorted(set((rt.adapt._tcp_peers or {}).values()))
-    out = {"exact": exact, "tcp_pairs": tcp, "peers": peers, "watched": rt.adapt.watched}
+    out = {"exact": exact, "tcp_pairs": tcp, "peers": peers, "watched": rt.adapt.watched,
+           "message_s": rt.cost_model.message_s, "source": rt.cost_model.source}
     gradsync.shutdown()
     return out
 
