@@ -440,9 +440,9 @@ class Adapter:
             self._measure_alpha()
 
     def _measure_alpha(self) -> None:
-        """Measure the executor's α where nobody measured or wrote one: ``init`` calibrates only where the baseline's pick turns on it
-        (not on a flat switch, whose pick is the backend's ring), and loopback's default α is several times too
-        small where ranks share a host's cores. The plans the watch switches to (a late rank's, a tree around a slow
+        """Measure the executor's α where nobody measured or wrote one: ``init`` calibrates only where the
+        baseline's pick turns on it (not on a flat switch, whose pick is the backend's ring), and loopback's
+        default α is several times too small where ranks share a host's cores. The plans the watch switches to (a late rank's, a tree around a slow
         link) turn on it: priced at the default, a late rank's plan was run at depth 64 on the testbed where 16 was
         faster (docs/runtime.md). Every rank, at the same watched collective (the warm-up's last); the model's
         pipeline choices are made afresh with it, job-wide."""

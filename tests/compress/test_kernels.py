@@ -202,7 +202,7 @@ def test_terngrad_fused_is_an_unbiased_ternary_of_the_clipped_tensor(fused, monk
     info = TensorInfo("w", (n,), torch.float32)
     c = create("terngrad", clip=clip, seed=1)
     total = torch.zeros(n, dtype=torch.float64)
-    trials = 300
+    trials = 100  # each trial is three interpreted kernel launches; the summed statistic below is the sharp one
     for _ in range(trials):
         payload, ctx = c.compress(x, info)
         decoded = c.decompress(payload, ctx)
@@ -218,7 +218,13 @@ def test_terngrad_fused_is_an_unbiased_ternary_of_the_clipped_tensor(fused, monk
                                atol=0)
     torch.testing.assert_close(scale.reshape(()), target.abs().max(), rtol=1e-6, atol=0)
     sd = scale.double().item() / 2 / math.sqrt(trials)  # a Bernoulli of range `scale`: variance <= scale^2 / 4
-    assert ((total / trials - target.double()).abs() <= 5 * sd).all()
+    error = total / trials - target.double()
+    assert (error.abs() <= 5 * sd).all()
+    # Unbiased as a whole: a rounding biased toward 0 by 0.1 |x| (keeping 0.9 |x| / scale of the mass) moves the
+    # signed sum to 2.75x this 5-sigma bound with clip=1.0 (simulated, 100 trials); per element, even 300 trials
+    # never see it (0.1 scale at most, against 5 sigma = 0.14 scale). With clip=None the outlier makes scale 9 and
+    # that bias 0.3x the bound: caught by neither.
+    assert abs(float((torch.sign(target.double()) * error).sum())) <= 5 * sd * math.sqrt(n)
 
 
 def test_the_switch(monkeypatch):
