@@ -603,6 +603,28 @@ def test_a_plan_that_measures_slower_than_the_one_it_replaced_goes_back_on_every
     assert len({tuple((s.generation, s.collective, s.new_plan) for s in sw) for sw, _ in results}) == 1
 
 
+def test_a_pair_no_link_explains_is_held_while_the_same_rank_stays_late_and_its_return_is_still_seen():
+    """On the straggler plan for rank 3 (40 ms late from collective 4 to 13), pair (0, 1) reads 0.3x from
+    collective 10, which no link explains (rank 0's other pairs and rank 1's are healthy): the switch at 11 keeps
+    the plan (held, no planning) rather than planning the same plan again, the pair learns its level there anew,
+    and rank 3's return is still seen a few collectives after it is on time; every rank alike, every sum exact."""
+    from dataclasses import replace
+
+    from gradsync.sim.cost import CostModel
+
+    model = replace(CostModel(), message_s=1e-6, native_message_s=1e-6)
+    results = _run_job(4, "switch:4", "straggler", torch.float32, {10: {(0, 1): 0.3}}, steps=20,
+                       late={4: {3: 4e-2}, 14: {}}, cost_model=model, options=GAINFUL,
+                       probe=lambda rt: [(h.collective, h.message) for h in rt.adapt.held])
+    for switches, exact, held in results:
+        assert exact
+        assert (switches[0].collective, switches[0].conditions.straggler) == (5, 3), switches
+        assert [c for c, _ in held] == [11] and "(0, 1) at" in held[0][1] and "no link is slower" in held[0][1], held
+        back = switches[1]
+        assert 14 < back.collective <= 17 and "rank 3 on time again" in back.message, back.message
+    assert len({tuple((s.generation, s.collective) for s in r[0]) + tuple(r[2]) for r in results}) == 1
+
+
 def test_a_collective_queued_before_a_replan_runs_on_the_new_plan():
     """An allreduce queued with an executor that a replan closed since (here a new cost model while the queue is
     held) picks its executor again when it runs: the old one is never run after it was closed, and the sum is
