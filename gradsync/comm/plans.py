@@ -171,8 +171,9 @@ class PlanCache:
                 schedule = self.schedule(name, pipeline, collective, check=True)
                 order = None
                 if schedule.num_transfers <= MAX_ORDERED_TRANSFERS:
+                    known = self.chooser(collective).finish_times(schedule, size)  # priced when it was chosen
                     raw = self.decide(f"order/{collective}/{name}/{pipeline}/{size}", lambda: self.cost_model.wait_order(
-                        schedule, self.topology, size).astype("<f8").tobytes())
+                        schedule, self.topology, size, known).astype("<f8").tobytes())
                     order = np.frombuffer(raw, "<f8")
                 ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
             self._executors[key] = ex

@@ -102,6 +102,7 @@ class Chooser:
         self._checked: set[tuple[str, int]] = set()
         self._choices: dict[int, Choice] = {}
         self._predicted: dict[tuple[str, float], float] = {}
+        self._finish: dict[tuple[str, float], np.ndarray] = {}  # per transfer, of each simulation behind _predicted
 
     def schedule(self, algorithm: str, pipeline: int, *, check: bool = False) -> Schedule:
         """``algorithm`` planned at ``pipeline`` sub-chunks (cached); ``check``: also self-checked (once),
@@ -125,8 +126,16 @@ class Chooser:
         key = (schedule.digest, float(size))
         got = self._predicted.get(key)
         if got is None:
-            got = self._predicted[key] = self.model.predict(schedule, self.topology, size)
+            run = self.model.run(schedule, self.topology, size)
+            got = self._predicted[key] = run.time_s
+            self._finish[key] = run.transfer_times()[1]
         return got
+
+    def finish_times(self, schedule: Schedule, size: float) -> np.ndarray | None:
+        """Per transfer, when :meth:`predict` simulated it finishing for ``size`` bytes (None if it did not price
+        these transfers at that size): what :meth:`CostModel.wait_order <gradsync.sim.cost.CostModel.wait_order>`
+        orders an executor's waits by, without simulating the plan a second time."""
+        return self._finish.get((schedule.digest, float(size)))
 
     def fluid_s(self, algorithm: str, size: float) -> float:
         """``algorithm``'s fluid time for ``size`` bytes on the model's rates (at the first pipeline depth):

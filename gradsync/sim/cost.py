@@ -41,7 +41,7 @@ from gradsync.errors import PlanError
 from gradsync.plan.routing import router_for
 from gradsync.plan.schedule import Chunk, Schedule
 from gradsync.plan.synthesizers import ring_blocks, split_chunks
-from gradsync.sim.engine import simulate
+from gradsync.sim.engine import SimResult, simulate
 from gradsync.topology.model import Topology, recorded_link_scales
 
 __all__ = ["BURST_NOISE", "DEFAULT_SOURCE", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
@@ -283,11 +283,17 @@ class CostModel:
     def predict(self, schedule: Schedule, topology: Topology, size_bytes: float, *, native: bool = False) -> float:
         """Seconds to allreduce ``size_bytes`` with ``schedule`` as the runtime runs it (``native``: with the
         backend's α instead of the executor's)."""
+        return self.run(schedule, topology, size_bytes, native=native).time_s
+
+    def run(self, schedule: Schedule, topology: Topology, size_bytes: float, *, native: bool = False) -> SimResult:
+        """The simulation :meth:`predict` reads its time from (per transfer: :meth:`SimResult.transfer_times`,
+        what :meth:`wait_order` orders by)."""
         alpha = self.native_message_s if native else self.message_s
         return simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                        message_s=alpha, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False).time_s
+                        message_s=alpha, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False)
 
-    def wait_order(self, schedule: Schedule, topology: Topology, size_bytes: float) -> np.ndarray:
+    def wait_order(self, schedule: Schedule, topology: Topology, size_bytes: float,
+                   given: np.ndarray | None = None) -> np.ndarray:
         """Per transfer, the order in which the executor should wait for it: the model's predicted finish
         time, raised where needed so that it never decreases along a rank's phases of one chunk.
 
@@ -298,7 +304,9 @@ class CostModel:
         Waiting in predicted arrival order removes that. Deadlock-freedom needs a *global* order in which
         every transfer comes after its dependencies and after the earlier phases of its chunk at both
         ends; :func:`phase_order` gives exactly that (``key[t] >= key[u]`` for every such ``u``, ties
-        broken by step), so the executor's induction still holds.
+        broken by step), so the executor's induction still holds. ``given``: the per-transfer finish times of
+        :meth:`run` for these arguments where the caller has them already (the chooser that priced the plan), so
+        the same simulation is not run twice.
         """
         if not schedule.num_transfers:
             return np.zeros(0)
@@ -309,7 +317,7 @@ class CostModel:
                            progress=False, start_delay_s=delay)
             return sim.transfer_times()[1]
 
-        times = finish(None)
+        times = finish(None) if given is None else given
         late = schedule.meta.get("straggler")  # the rank a straggler plan lets join last (plan.straggler)
         if isinstance(late, int) and schedule.world_size > 1:
             # A plan for a late rank is waited on as if it came after everything that does not need it: in the

@@ -47,3 +47,32 @@ def test_the_runtime_reads_what_a_transport_can_do_from_its_capabilities():
     probes = [f"{p.name}: {m}" for p in comm.glob("*.py")
               for m in re.findall(r"getattr\((?:self\.)?transport\b[^)]*\)", p.read_text())]
     assert probes == []
+
+
+def test_an_executor_waits_in_the_order_of_the_simulation_that_priced_its_plan(monkeypatch):
+    """The chooser simulated the chosen plan to price it; building its executor orders the waits by that same
+    simulation's finish times (the same order a fresh simulation gives) instead of running it again: on rank 0,
+    where every size class's first call waits for it (issue 40's choosing cost)."""
+    import numpy as np
+
+    import gradsync.sim.cost as cost
+    from gradsync.comm import Runtime
+    from gradsync.sim.cost import size_class
+
+    rt = Runtime(LocalFabric(4).transport(0), "racks:2,2,4", "auto", timeout_s=5)
+    try:
+        size = size_class(1 << 20)
+        name, depth = rt.plans.choice(size)
+        assert name != "native"  # a planned schedule: its executor has a wait order
+        runs: list[str] = []
+        real = cost.simulate
+        monkeypatch.setattr(cost, "simulate", lambda s, *a, **k: runs.append(s.algorithm) or real(s, *a, **k))
+        ex = rt.plans.executor(name, depth, size)
+        assert runs == []  # no second simulation of the plan
+        model, topo = rt.cost_model, rt.plans.topology
+        known = rt.plans.chooser().finish_times(ex.schedule, size)
+        assert known is not None and len(known) == len(ex.schedule.transfers)
+        assert np.array_equal(model.wait_order(ex.schedule, topo, size, known), model.wait_order(ex.schedule, topo, size))
+        assert runs == [name]  # the fresh order above simulated once
+    finally:
+        rt.shutdown()
