@@ -178,6 +178,11 @@ class Chooser:
         got = self._choices.get(size)
         if got is None:
             got = self._choices[size] = self._choose(size)
+            # keep the finish times of the pick only (the executor built next is ordered by them): one array per
+            # transfer of each candidate would hold hundreds of MB on a large fabric across the size classes
+            keep = None if got.algorithm == NATIVE else (self.schedule(got.algorithm, got.pipeline).digest, float(size))
+            for key in [k for k in self._finish if k[1] == float(size) and k != keep]:
+                del self._finish[key]
         return got
 
     def _choose(self, size: float) -> Choice:

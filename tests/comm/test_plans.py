@@ -74,5 +74,11 @@ def test_an_executor_waits_in_the_order_of_the_simulation_that_priced_its_plan(m
         assert known is not None and len(known) == len(ex.schedule.transfers)
         assert np.array_equal(model.wait_order(ex.schedule, topo, size, known), model.wait_order(ex.schedule, topo, size))
         assert runs == [name]  # the fresh order above simulated once
+        # the other candidates' finish times are not kept (one array per transfer each, every size class)
+        chooser = rt.plans.chooser()
+        others = [c for c in chooser.choose(size).candidates if c.algorithm != "native"
+                  and chooser.schedule(c.algorithm, c.pipeline).digest != ex.schedule.digest]
+        assert others and all(chooser.finish_times(chooser.schedule(c.algorithm, c.pipeline), size) is None
+                              for c in others)
     finally:
         rt.shutdown()
