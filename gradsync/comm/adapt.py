@@ -87,7 +87,7 @@ from gradsync.errors import GradsyncError, PeerError, SimulationError, TopologyE
 from gradsync.plan.schedule import Schedule
 from gradsync.sim.choose import PRUNE, Chooser
 from gradsync.sim.cost import DEFAULT_SOURCE, NATIVE, CostModel, native_schedule, size_class
-from gradsync.sim.engine import simulate
+from gradsync.sim.engine import SimResult, simulate
 from gradsync.topology.model import Link, Topology
 
 __all__ = ["ADAPT_MIN_BYTES", "RETURN_GAIN", "RETURN_MIN", "WIRE_SOURCES", "AdaptOptions", "Adapter", "SwitchRecord",
@@ -548,12 +548,16 @@ class Adapter:
         key = (id(schedule), id(topology), float(nbytes), self.slowdown, tuple(sorted(late.items())))
         got = self._priced_s.get(key)
         if got is None or got[0] is not schedule or got[1] is not topology:
-            model = self.plans.cost_model
-            got = self._priced_s[key] = (schedule, topology, simulate(
-                schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False, fifo=True,
-                message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
-                start_delay_s=late or None).time_s)
+            got = self._priced_s[key] = (schedule, topology, self._on_wire(schedule, topology, nbytes, late).time_s)
         return got[2]
+
+    def _on_wire(self, schedule: Schedule, topology: Topology, nbytes: float, late: dict[int, float]) -> SimResult:
+        """The simulation :meth:`_predict` and :meth:`_ends_on_wire` read: the model's rates divided by the warm-up's
+        slowdown, the plan's α (the backend's for its own ring), the ranks in ``late`` arriving late."""
+        model = self.plans.cost_model
+        return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
+                        fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
+                        start_delay_s=late or None)
 
     def _rate_slowdown(self, schedule: Schedule, nbytes: float, measured_s: float, modelled_s: float) -> float:
         """The factor ``g >= 1`` by which the model's rates must be divided for ``schedule`` to take
@@ -638,9 +642,7 @@ class Adapter:
         key = (id(schedule), id(topology), float(nbytes), self.slowdown)
         got = self._ends_s.get(key)
         if got is None or got[0] is not schedule or got[1] is not topology:
-            model = self.plans.cost_model
-            sim = simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
-                           fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False)
+            sim = self._on_wire(schedule, topology, nbytes, {})
             got = self._ends_s[key] = (schedule, topology, _rank_ends(schedule, sim.transfer_times()[1]))
         return list(got[2])
 

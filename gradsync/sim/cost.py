@@ -285,12 +285,14 @@ class CostModel:
         backend's α instead of the executor's)."""
         return self.run(schedule, topology, size_bytes, native=native).time_s
 
-    def run(self, schedule: Schedule, topology: Topology, size_bytes: float, *, native: bool = False) -> SimResult:
+    def run(self, schedule: Schedule, topology: Topology, size_bytes: float, *, native: bool = False,
+            start_delay_s: Mapping[int, float] | None = None) -> SimResult:
         """The simulation :meth:`predict` reads its time from (per transfer: :meth:`SimResult.transfer_times`,
-        what :meth:`wait_order` orders by)."""
+        what :meth:`wait_order` orders by); ``start_delay_s``: late ranks, as :func:`~gradsync.sim.simulate` takes."""
         alpha = self.native_message_s if native else self.message_s
         return simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                        message_s=alpha, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False)
+                        message_s=alpha, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False,
+                        start_delay_s=start_delay_s)
 
     def wait_order(self, schedule: Schedule, topology: Topology, size_bytes: float,
                    given: np.ndarray | None = None) -> np.ndarray:
@@ -312,10 +314,7 @@ class CostModel:
             return np.zeros(0)
 
         def finish(delay: Mapping[int, float] | None) -> np.ndarray:
-            sim = simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                           message_s=self.message_s, reverse_share=self.reverse_share, burst_s=self.burst_s,
-                           progress=False, start_delay_s=delay)
-            return sim.transfer_times()[1]
+            return self.run(schedule, topology, size_bytes, start_delay_s=delay).transfer_times()[1]
 
         times = finish(None) if given is None else given
         late = schedule.meta.get("straggler")  # the rank a straggler plan lets join last (plan.straggler)

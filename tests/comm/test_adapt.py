@@ -292,7 +292,7 @@ def test_a_replan_simulates_each_plan_it_prices_once_for_its_prospect_and_its_lo
     real = adapt.simulate
 
     def spy(schedule, topology, nbytes, **kw):
-        if sys._getframe(1).f_code.co_name == "_predict":
+        if sys._getframe(2).f_code.co_name == "_predict":  # through Adapter._on_wire, the wire's simulation
             priced.append((threading.current_thread().name, id(schedule), int(nbytes)))
         return real(schedule, topology, nbytes, **kw)
 
