@@ -1,4 +1,4 @@
-"""``gradsync testbed up|run|down|probe|status``: the emulated cluster (:mod:`gradsync.testbed`) on the command line.
+"""``gradsync testbed up|run|down|probe|status|link``: the emulated cluster (:mod:`gradsync.testbed`) on the command line.
 
 Each handler returns the exit code; errors are :class:`~gradsync.testbed.errors.TestbedError` (a
 ``GradsyncError``), which the main CLI prints as one line.
@@ -123,13 +123,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_link(args: argparse.Namespace) -> int:
+    from gradsync.testbed.control import set_link
+
+    plan = set_link(args.rank, args.peer, args.state_ == "up", state_path=args.state)
+    moved = sum(1 for s in plan.servers for r in plan.routes(s.rank) if r not in s.routes)
+    print(f"link {plan.server(args.rank).device}-{args.peer} {args.state_}: "
+          + (f"{len(plan.cut)} NIC(s) cut, {moved} routes go around them" if plan.cut else "every route as built"))
+    return 0
+
+
 def cmd_testbed(args: argparse.Namespace) -> int:
     """Dispatch ``gradsync testbed ACTION``."""
     return int(args.testbed_func(args))
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``testbed`` (with ``up``, ``run``, ``down``, ``probe``, ``status``) to the main CLI's subparsers."""
+    """Add ``testbed`` (with ``up``, ``run``, ``down``, ``probe``, ``status``, ``link``) to the main CLI's subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--state", default=None, metavar="PATH",
                         help="state file (default $GRADSYNC_TESTBED or /run/gradsync-testbed/state.json)")
@@ -181,4 +191,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s = sub.add_parser("status", parents=[common], help="show the testbed that is up")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(testbed_func=_cmd_status)
+
+    lk = sub.add_parser("link", parents=[common],
+                        help="cut or mend a server's link while the testbed runs (the routes go around a cut link)")
+    lk.add_argument("state_", choices=("down", "up"), metavar="down|up", help="cut the link, or mend it")
+    lk.add_argument("--rank", type=int, required=True, help="the server")
+    lk.add_argument("--peer", required=True, help="the topology device at the link's other end, e.g. L0.sw0")
+    lk.set_defaults(testbed_func=_cmd_link)
     return tb

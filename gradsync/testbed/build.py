@@ -201,12 +201,20 @@ class TestbedPlan:
     #: ``net.ipv4.tcp_slow_start_after_idle`` in every namespace: True (Linux's default) restarts a connection's
     #: congestion window after it idles one RTO; False keeps it, as clusters tuned for training set it
     idle_restart: bool = True
+    #: NICs whose link is cut, ``(rank, nic index)`` (:func:`gradsync.testbed.control.set_link`): they carry
+    #: nothing, and :meth:`routes` go around them as a fabric's routing converges after a failure
+    cut: tuple[tuple[int, int], ...] = ()
     _by_address: dict[str, Nic] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _routes: dict[int, tuple[Route, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for s in self.servers:
             for nic in s.nics:
                 self._by_address[nic.address] = nic
+        for rank, index in self.cut:
+            if not 0 <= rank < len(self.servers) or not 0 <= index < len(self.servers[rank].nics):
+                raise TestbedError(f"cut NIC ({rank}, {index}) is not a NIC of this testbed")
+        self._routes.update(_reroute(self) if self.cut else {s.rank: s.routes for s in self.servers})
 
     # ---- lookups ------------------------------------------------------------------------------------
     @property
@@ -233,25 +241,36 @@ class TestbedPlan:
         except KeyError:
             raise TestbedError(f"no server of this testbed has address {address}") from None
 
-    def hops(self, src: int, dst: int) -> list[tuple[Nic, Nic]]:
-        """(sending NIC, receiving NIC) per server-to-server hop from ``src`` to ``dst``'s primary address.
+    def routes(self, rank: int) -> tuple[Route, ...]:
+        """Server ``rank``'s host routes as they are now: :attr:`Server.routes` as built, or, with NICs
+        :attr:`cut`, those of the paths that crossed one replaced by a path around it."""
+        self.server(rank)
+        return self._routes[rank]
 
-        Walks the planned routes exactly as the kernel would: connected subnet first, else the ``/32`` route.
-        """
-        target = self.server(dst).address
+    def hops(self, src: int, dst: int) -> list[tuple[Nic, Nic]]:
+        """(sending NIC, receiving NIC) per server-to-server hop from ``src`` to ``dst``'s primary address."""
+        return self.walk(src, self.server(dst).address)
+
+    def walk(self, src: int, target: str, routes: dict[int, tuple[Route, ...]] | None = None) -> list[tuple[Nic, Nic]]:
+        """(sending NIC, receiving NIC) per hop from server ``src`` to the address ``target``, walking ``routes``
+        (default :meth:`routes`) as the kernel does: the longest prefix, so a ``/32`` route before the subnet
+        the server shares with the target."""
+        table = self._routes if routes is None else routes
+        dst = self.owner(target).rank
         subnet = self.owner(target).subnet
         here = self.server(src)
         out: list[tuple[Nic, Nic]] = []
         while here.rank != dst:
             if len(out) > len(self.servers):
-                raise TestbedError(f"routes from rank {src} to rank {dst} loop; this is a bug in the plan")
-            direct = [n for n in here.nics if n.subnet == subnet]
-            if direct:
+                raise TestbedError(f"routes from rank {src} to {target} (rank {dst}) loop; this is a bug in the plan")
+            route = next((r for r in table[here.rank] if r.dest == f"{target}/32"), None)
+            if route is None:
+                direct = [n for n in here.nics if n.subnet == subnet]
+                if not direct:
+                    raise TestbedError(f"rank {here.rank} has no route to {target} (rank {dst}); this is a bug in "
+                                       f"the plan")
                 out.append((direct[0], self.owner(target)))
                 break
-            route = next((r for r in here.routes if r.dest == f"{target}/32"), None)
-            if route is None:
-                raise TestbedError(f"rank {here.rank} has no route to {target} (rank {dst}); this is a bug in the plan")
             nic = next(n for n in here.nics if n.ifname == route.dev)
             nxt = self.owner(route.via)
             out.append((nic, nxt))
@@ -322,6 +341,7 @@ class TestbedPlan:
             "bridges": [asdict(b) for b in self.bridges],
             "trunks": [asdict(t) for t in self.trunks],
             "dropped": [list(d) for d in self.dropped],
+            "cut": [list(c) for c in self.cut],
         }
 
     @classmethod
@@ -344,6 +364,7 @@ class TestbedPlan:
                 dropped=tuple(tuple(d) for d in data["dropped"]), prefix=data.get("prefix", PREFIX),
                 tcp_cc=data.get("tcp_cc", "host"),  # states written before the choice existed kept the host's
                 idle_restart=bool(data.get("tcp_idle_restart", True)),  # ... and Linux's idle restart
+                cut=tuple((int(r), int(i)) for r, i in data.get("cut", ())),
             )
         except (KeyError, TypeError) as exc:
             raise TestbedError(f"testbed state is incomplete or from another version ({exc!r}); "
@@ -424,6 +445,51 @@ def _next_hops(n: int, subnets_of: dict[int, set[int]], digits: list[tuple[int, 
             raise TestbedError(f"servers {missing} cannot reach server {dst} through servers and switches; "
                                f"the testbed needs every rank reachable without non-rank compute devices")
     return nh
+
+
+def _reroute(plan: TestbedPlan) -> dict[int, tuple[Route, ...]]:
+    """Every server's routes with :attr:`TestbedPlan.cut` NICs carrying nothing, as a fabric's routing converges
+    after a failure: a route whose path (as built) crosses no cut NIC stays; each other one goes to the next server
+    on a shortest path around the cut NICs (ties to the lower rank), arriving on any live NIC of the target's server
+    (its addresses are local on every NIC). Loop-free: a kept route's path is kept hop by hop, and a new one brings
+    the packet a hop nearer its server on the surviving graph. A server the cut leaves unreachable: TestbedError."""
+    cut = set(plan.cut)
+    n = plan.world_size
+    live = {s.rank: {x.subnet: x for x in s.nics if (s.rank, x.index) not in cut} for s in plan.servers}
+    adj = {u: sorted(v for v in range(n) if v != u and live[u].keys() & live[v].keys()) for u in range(n)}
+    built = {s.rank: s.routes for s in plan.servers}
+    out: dict[int, tuple[Route, ...]] = {}
+    towards: dict[int, list[int]] = {}
+    for dst in range(n):  # BFS distances to dst on the surviving server graph
+        dist = [-1] * n
+        dist[dst] = 0
+        queue = deque([dst])
+        while queue:
+            u = queue.popleft()
+            for v in adj[u]:
+                if dist[v] < 0:
+                    dist[v] = dist[u] + 1
+                    queue.append(v)
+        towards[dst] = dist
+    for src in plan.servers:
+        routes: list[Route] = []
+        for dst in plan.servers:
+            if dst.rank == src.rank:
+                continue
+            dist = towards[dst.rank]
+            for target in dst.nics:
+                path = plan.walk(src.rank, target.address, built)
+                if not any((a.rank, a.index) in cut or (b.rank, b.index) in cut for a, b in path):
+                    routes += [r for r in built[src.rank] if r.dest == f"{target.address}/32"]
+                    continue
+                if dist[src.rank] < 0:
+                    raise TestbedError(f"cutting NICs {sorted(cut)} leaves rank {src.rank} without a path to rank "
+                                       f"{dst.rank}: no route around them")
+                hop = min(v for v in adj[src.rank] if dist[v] == dist[src.rank] - 1)
+                shared = min(live[src.rank].keys() & live[hop].keys())
+                routes.append(Route(f"{target.address}/32", live[hop][shared].address, live[src.rank][shared].ifname))
+        out[src.rank] = tuple(routes)
+    return out
 
 
 def build_plan(topology: Topology, rate: str | float = "200mbit", delay: str | float | None = None,

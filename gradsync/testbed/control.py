@@ -30,7 +30,7 @@ from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
 __all__ = ["DEFAULT_STATE_PATH", "STATE_ENV", "current_user", "load_owner", "owner_record", "resolve_state_path",
-           "load_state", "set_server_rate", "tbf_burst", "up", "down", "status"]
+           "load_state", "set_link", "set_server_rate", "tbf_burst", "up", "down", "status"]
 
 #: Where the state file goes unless a path or ``$GRADSYNC_TESTBED`` says otherwise (/run is tmpfs: a reboot,
 #: which also removes every namespace, removes the state too).
@@ -127,6 +127,45 @@ def set_server_rate(rank: int, rate: str | float | None, *,
         netns.tc("qdisc", "change", "dev", nic.host_ifname, *_tbf(mbit))  # switch -> server
         netns.tc("qdisc", "change", "dev", nic.ifname, *_tbf(mbit), ns=server.namespace)  # server -> switch
     return mbit
+
+
+def set_link(rank: int, peer: str, up: bool, *, state_path: str | os.PathLike[str] | None = None) -> TestbedPlan:
+    """Cut (``up=False``) or mend the link between server ``rank`` and topology device ``peer`` (its switch, or the
+    server at the other end of a direct cable) while the testbed runs: a failed cable or switch port. The
+    switch-side end of the NIC's veth goes down, so the server's NIC loses its carrier (what a host sees of a dead
+    link: ``/sys/class/net/<nic>/carrier`` reads 0) and the link carries nothing; then every server's routes that
+    crossed it go around it (:attr:`TestbedPlan.cut`, :meth:`TestbedPlan.routes`), as a fabric's routing converges.
+    Connections stay open: their packets take the new paths after a retransmission. Mending puts the link and the
+    routes back. Returns the plan as it is now (also written to the state file)."""
+    path = resolve_state_path(state_path)
+    plan = load_state(path)
+    server = plan.server(rank)
+    ends = [nic for nic in server.nics if nic.peer == peer]
+    if not ends:
+        raise TestbedError(f"server {rank} ({server.device}) has no link to {peer!r}; its links go to "
+                           f"{[nic.peer for nic in server.nics]}")
+    nic = ends[0]
+    # a direct cable has the other server's NIC on the same 2-port bridge: a cut cable is dead at both ends
+    mine = [nic] + [x for s in plan.servers if s.device == peer for x in s.nics if x.bridge == nic.bridge]
+    keys = {(x.rank, x.index) for x in mine}
+    cut = sorted(set(plan.cut) - keys) if up else sorted(set(plan.cut) | keys)
+    after = dataclasses.replace(plan, cut=tuple(cut))  # raises, before anything changes, if nothing routes around it
+    for x in mine:  # the link first, then the routes: a cut the fabric's routing reacts to, a mend it then uses
+        netns.ip("link", "set", x.host_ifname, "up" if up else "down")
+    cc = () if plan.tcp_cc == "host" else ("congctl", plan.tcp_cc)
+    for s in plan.servers:
+        old = {r.dest: r for r in plan.routes(s.rank)}
+        new = {r.dest: r for r in after.routes(s.rank)}
+        for dest, r in new.items():
+            if old.get(dest) != r:
+                netns.ip("route", "replace", r.dest, "via", r.via, "dev", r.dev, *cc, ns=s.namespace)
+        for dest in old.keys() - new.keys():
+            netns.ip("route", "del", dest, ns=s.namespace, check=False)
+    raw = json.loads(path.read_text())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**after.to_dict(), "owner": raw.get("owner")}, indent=1) + "\n")
+    tmp.replace(path)
+    return after
 
 
 def _sysctls(forwarding: bool, idle_restart: bool = True) -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import networkx as nx
 import pytest
 
 from gradsync.commands.testbed import add_parser, parse_pairs
@@ -29,6 +31,7 @@ from gradsync.testbed import (
     build_plan,
     down,
     leftovers,
+    load_state,
     parse_delay,
     parse_rate,
     probe,
@@ -38,7 +41,7 @@ from gradsync.testbed import (
 )
 from gradsync.testbed import netns as tb_netns
 from gradsync.testbed import status as tb_status
-from gradsync.testbed.control import current_user, load_owner, owner_record, set_server_rate
+from gradsync.testbed.control import current_user, load_owner, owner_record, set_link, set_server_rate
 from gradsync.topology import get_topology
 
 SPECS = ("switch:3", "switch:9", "bcube:2,2", "bcube:3,2", "bcube:2,3", "fattree:4", "ring:2", "ring:5")
@@ -140,6 +143,55 @@ def test_fattree_is_one_loop_free_l2_tree_and_ring_relays() -> None:
     ring = plan_for("ring:5")
     assert all(len(s.nics) == 2 and s.forwarding for s in ring.servers)
     assert ring.path(0, 2) == [0, 1, 2] and ring.path(0, 3) == [0, 4, 3]
+
+
+def _server_graph(plan: TestbedPlan) -> nx.Graph:
+    """Servers joined where they share a subnet on NICs that are not cut (brute force over every pair)."""
+    g = nx.Graph()
+    g.add_nodes_from(range(plan.world_size))
+    for a in plan.servers:
+        for b in plan.servers:
+            live = [(x, y) for x in a.nics for y in b.nics if x.subnet == y.subnet and a.rank < b.rank
+                    and (a.rank, x.index) not in plan.cut and (b.rank, y.index) not in plan.cut]
+            if live:
+                g.add_edge(a.rank, b.rank)
+    return g
+
+
+@pytest.mark.parametrize("spec,cut", [("bcube:3,2", [(0, 0)]), ("bcube:3,2", [(4, 1), (8, 0)]), ("ring:5", [(0, 0)])])
+def test_a_cut_nic_is_routed_around_and_every_other_route_stays(spec: str, cut: list[tuple[int, int]]) -> None:
+    """Every server reaches every address of every other without touching a cut NIC; a path that crossed none keeps
+    its routes hop by hop; a new one is a shortest path on the surviving server graph."""
+    built = plan_for(spec)
+    plan = dataclasses.replace(built, cut=tuple(cut))
+    g = _server_graph(plan)
+    changed = 0
+    for src in plan.servers:
+        for dst in plan.servers:
+            for target in dst.nics if dst.rank != src.rank else ():
+                old = built.walk(src.rank, target.address)
+                new = plan.walk(src.rank, target.address)
+                assert new[-1][1].rank == dst.rank
+                assert not any((x.rank, x.index) in plan.cut for hop in new for x in hop), (src.rank, target)
+                if not any((x.rank, x.index) in plan.cut for hop in old for x in hop):
+                    assert new == old
+                else:
+                    changed += 1
+                    assert len(new) == nx.shortest_path_length(g, src.rank, dst.rank)
+    assert changed > 0
+    unchanged = [r for r in range(plan.world_size) if plan.routes(r) == built.routes(r)]
+    assert len(unchanged) < plan.world_size
+    again = TestbedPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.cut == plan.cut and again.routes(1) == plan.routes(1)
+    assert TestbedPlan.from_dict(json.loads(json.dumps(built.to_dict()))).cut == ()
+
+
+def test_cutting_every_link_of_a_server_is_refused_with_the_rank_named() -> None:
+    plan = plan_for("bcube:2,2")
+    with pytest.raises(TestbedError, match="leaves rank 0 without a path to rank 1"):
+        dataclasses.replace(plan, cut=((0, 0), (0, 1)))
+    with pytest.raises(TestbedError, match=r"cut NIC \(0, 5\) is not a NIC"):
+        dataclasses.replace(plan, cut=((0, 5),))
 
 
 def test_plan_round_trips_through_json_and_scales_rates() -> None:
@@ -265,6 +317,8 @@ def test_cli_parser_builds_every_subcommand() -> None:
     assert a.cmd[-3:] == ["python", "-c", "print(1)"] and a.timeout == 5
     for action in ("down", "probe", "status"):
         assert parser.parse_args(["testbed", action, "--state", "/tmp/x.json"]).testbed_action == action
+    a = parser.parse_args(["testbed", "link", "down", "--rank", "4", "--peer", "L0.sw1"])
+    assert (a.testbed_action, a.state_, a.rank, a.peer) == ("link", "down", 4, "L0.sw1")
     assert parse_pairs("0-1,2-3") == [(0, 1), (2, 3)]
     with pytest.raises(TestbedError):
         parse_pairs("0:1")
@@ -531,6 +585,41 @@ def test_delay_needs_netem_or_cleans_up(tmp_path: Path) -> None:
     finally:
         down(state_path=state)
     assert _no_gs_objects() == []
+
+
+def _kernel_route(ns: str, address: str) -> tuple[str, str | None]:
+    """(dev, via) the kernel of namespace ``ns`` sends a packet for ``address`` on."""
+    words = subprocess.run(["ip", "-n", ns, "route", "get", address], capture_output=True, text=True,
+                           check=True).stdout.split()
+    return words[words.index("dev") + 1], words[words.index("via") + 1] if "via" in words else None
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_a_cut_link_loses_its_carrier_and_the_kernel_routes_around_it(tmp_path: Path) -> None:
+    """set_link: the server's NIC reads no carrier, every namespace's kernel sends each address the way the plan's
+    routes say (around the cut), a connection open across the cut carries its bytes, and mending puts it all back."""
+    state = tmp_path / "state.json"
+    with _bring_up("bcube:2,2", state) as plan:
+        with pytest.raises(TestbedError, match="has no link to 'L9.sw0'; its links go to"):
+            set_link(0, "L9.sw0", False, state_path=state)
+        cut = set_link(0, "L0.sw0", False, state_path=state)
+        assert cut.cut == ((0, 0),) and load_state(state).cut == ((0, 0),)
+        carrier = subprocess.run(["ip", "netns", "exec", "gs-h0", "cat", "/sys/class/net/gs-nic0/carrier"],
+                                 capture_output=True, text=True)
+        assert carrier.stdout.strip() in ("0", "")  # no carrier (reading it may fail on a down link)
+        for mend in (False, True):
+            now = set_link(0, "L0.sw0", True, state_path=state) if mend else cut
+            for src in now.servers:
+                for dst in now.servers:
+                    if dst.rank == src.rank:
+                        continue
+                    for target in dst.nics:
+                        (nic, into), *_ = now.walk(src.rank, target.address)
+                        via = None if into.address == target.address and not any(
+                            r.dest == f"{target.address}/32" for r in now.routes(src.rank)) else into.address
+                        assert _kernel_route(src.namespace, target.address) == (nic.ifname, via)
+        assert load_state(state).cut == () and load_state(state).routes(1) == plan.routes(1)
 
 
 @needs_root
