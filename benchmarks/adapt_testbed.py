@@ -49,12 +49,17 @@ MAX_SETTLE_ROUNDS = 30
 #: How long rank 0 waits for the driver to change the rate, and the driver for the workers to finish.
 HANDSHAKE_S = 60.0
 #: Per scenario (the issue's): adaptive against static and gloo while degraded, and after against before.
+#: ``dead``: the step time after the reroute within this share of the model's prediction for the surviving graph.
 GOALS = {"nic": {"degraded_vs_static": 1.3, "degraded_vs_gloo": 1.3, "recovered_within": 0.05},
-         "late": {"degraded_vs_static": 1.15, "degraded_vs_gloo": 1.2, "recovered_within": 0.05}}
-DEFAULT_TOPOLOGY = {"nic": "racks:2,3,4", "late": "switch:8"}
+         "late": {"degraded_vs_static": 1.15, "degraded_vs_gloo": 1.2, "recovered_within": 0.05},
+         "dead": {"predicted_within": 0.15}}
+DEFAULT_TOPOLOGY = {"nic": "racks:2,3,4", "late": "switch:8", "dead": "bcube:3,2"}
 #: The unit link rate per scenario: the late one runs where one ring allreduce of 4 MiB is wire-bound, not where the
-#: executor's own costs decide it (docs/runtime.md, "Plans that follow the cluster").
-DEFAULT_RATE = {"nic": "400mbit", "late": "100mbit"}
+#: executor's own costs decide it (docs/runtime.md, "Plans that follow the cluster"); the dead one at bcube's rate in
+#: ``bench vs-native``.
+DEFAULT_RATE = {"nic": "400mbit", "late": "100mbit", "dead": "200mbit"}
+#: What each scenario's change is called in the log and the plot.
+CHANGES = {"nic": ("degrade", "restore"), "late": ("late", "on time"), "dead": ("cut", "mend")}
 
 
 def _ask(control: Path, what: str, round_: int) -> None:
@@ -103,6 +108,9 @@ def worker(args: argparse.Namespace) -> int:
         return (not static.exploring() and not adaptive.exploring()
                 and (watch is None or watch.watched >= watch.options.warmup))
 
+    plans: dict[str, list[str]] = {"static": [], "adaptive": []}
+    settled_in: dict[str, list[bool]] = {"static": [], "adaptive": []}
+    settling = {"static": static.settling, "adaptive": adaptive.settling}
     start: int | None = None  # the first timed round
     r = -1
     while start is None or r + 1 - start < args.rounds:
@@ -119,6 +127,12 @@ def worker(args: argparse.Namespace) -> int:
         if timed == args.restore_at - 1 and adaptive.adapt is not None:  # every rank: the steady state's price
             predicted = {"adaptive_plan": "/".join(map(str, adaptive.choice(args.size))),
                          "adaptive": adaptive.adapt.predicted_s(args.size)}
+            rerouted = [s for s in adaptive.adapt.switches if "no carrier" in s.message]
+            if rerouted:  # the model's price of the surviving graph's plan: when chosen (before it ran), and as it runs
+                predicted.update(reroute_plan=rerouted[-1].new_plan, at_reroute=rerouted[-1].predicted_s,
+                                 model=adaptive.cost_model.predict(
+                                     adaptive.schedule(None, args.size), adaptive.topology, args.size,
+                                     native=adaptive.choice(args.size)[0] == "native"))
         sleep = delay if late and rank == args.slow_rank and args.degrade_at <= timed < args.restore_at else 0.0
         order = METHODS[r % 3:] + METHODS[:r % 3]
         for name in order:
@@ -135,6 +149,11 @@ def worker(args: argparse.Namespace) -> int:
                 times[name].append(float(took))
             elif name == "gloo":
                 warm_gloo.append(float(took))
+        if timed >= 0:  # what each runtime ran, and whether it settled something (planned, explored) this round
+            for name, rt in (("static", static), ("adaptive", adaptive)):
+                plans[name].append("/".join(map(str, rt.choice(args.size))))
+                settled_in[name].append(rt.settling != settling[name])
+                settling[name] = rt.settling
         if rank == 0 and timed >= 0 and timed % 10 == 0:
             print(f"round {timed}/{args.rounds}: " + ", ".join(f"{m} {times[m][-1]:.3f} s" for m in METHODS),
                   flush=True)
@@ -147,9 +166,11 @@ def worker(args: argparse.Namespace) -> int:
                           "size_bytes": args.size, "rounds": args.rounds,
                           "warmup": args.warmup, "warmup_rounds": start, "degrade_at": args.degrade_at, "restore_at": args.restore_at,
                           "settle": args.settle, "slow_rank": args.slow_rank, "factor": args.factor,
-                          "delay_s": delay if late else None, "rate": args.rate, "torch": torch.__version__},
+                          "delay_s": delay if late else None, "rate": args.rate, "peer": args.peer,
+                          "torch": torch.__version__},
                "predicted_degraded_s": predicted,
                "samples_s": times, "exact": {m: bool(ok[i] == 1.0) for i, m in enumerate(METHODS)},
+               "plans": plans, "settling_rounds": {m: [i for i, x in enumerate(v) if x] for m, v in settled_in.items()},
                "static_plan": "/".join(map(str, static.choice(args.size))),
                "adaptive_plan_end": "/".join(map(str, adaptive.choice(args.size))),
                "switches": [{"generation": s.generation, "collective": s.collective, "old": s.old_plan,
@@ -169,16 +190,25 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
     med = {m: {p: statistics.median([out["samples_s"][m][i] for i in rs]) for p, rs in phases.items() if len(rs)}
            for m in METHODS}
     deg = med["adaptive"].get("degraded")
-    goals = GOALS[cfg.get("scenario", "nic")]
+    scenario = cfg.get("scenario", "nic")
+    goals = GOALS[scenario]
     ratios = {"degraded_vs_static": med["static"]["degraded"] / deg if deg else None,
               "degraded_vs_gloo": med["gloo"]["degraded"] / deg if deg else None,
               "recovered": med["adaptive"]["after"] / med["adaptive"]["before"] if "after" in med["adaptive"] else None}
-    met = {"degraded_vs_static": (ratios["degraded_vs_static"] or 0) >= goals["degraded_vs_static"],
-           "degraded_vs_gloo": (ratios["degraded_vs_gloo"] or 0) >= goals["degraded_vs_gloo"],
-           "recovered": ratios["recovered"] is not None and abs(ratios["recovered"] - 1) <= goals["recovered_within"]}
-    pred = (out.get("predicted_degraded_s") or {}).get("adaptive")
+    predicted = out.get("predicted_degraded_s") or {}
+    pred = predicted.get("adaptive")
+    anchor = predicted.get("model") or predicted.get("at_reroute")  # the plan as it runs, else as first chosen
+    over = deg / anchor if deg and anchor else None
+    if scenario == "dead":
+        met = {"predicted": over is not None and abs(over - 1) <= goals["predicted_within"],
+               "logged": sum("no carrier" in s["message"] for s in out["switches"]) == 1}
+    else:
+        met = {"degraded_vs_static": (ratios["degraded_vs_static"] or 0) >= goals["degraded_vs_static"],
+               "degraded_vs_gloo": (ratios["degraded_vs_gloo"] or 0) >= goals["degraded_vs_gloo"],
+               "recovered": ratios["recovered"] is not None and abs(ratios["recovered"] - 1) <= goals["recovered_within"]}
     return {"medians_s": med, "ratios": ratios, "goals": goals, "met": met, "all_exact": all(out["exact"].values()),
-            "adaptive_degraded_over_predicted": deg / pred if deg and pred else None}
+            "adaptive_degraded_over_predicted": deg / pred if deg and pred else None,
+            "adaptive_degraded_over_predicted_at_reroute": over}
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -191,10 +221,12 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 3.8))
     for m in METHODS:
         ax.plot(out["samples_s"][m], marker=".", linewidth=1, label=m)
-    change = (f"rank {cfg['slow_rank']} late by {cfg['delay_s']:.3f} s" if cfg.get("scenario") == "late"
-              else f"rank {cfg['slow_rank']}'s NIC at 1/{cfg['factor']:g}")
-    for at, what in ((cfg["degrade_at"], change), (cfg["restore_at"], "on time" if cfg.get("scenario") == "late"
-                                                                        else "restored")):
+    scenario = cfg.get("scenario", "nic")
+    change = {"late": lambda: f"rank {cfg['slow_rank']} late by {cfg['delay_s']:.3f} s",
+              "dead": lambda: f"link {cfg['slow_rank']}-{cfg.get('peer')} cut",
+              "nic": lambda: f"rank {cfg['slow_rank']}'s NIC at 1/{cfg['factor']:g}"}[scenario]()
+    back = {"late": "on time", "dead": "mended", "nic": "restored"}[scenario]
+    for at, what in ((cfg["degrade_at"], change), (cfg["restore_at"], back)):
         ax.axvline(at - 0.5, color="k", linestyle="--", linewidth=0.8)
         ax.text(at, ax.get_ylim()[1] * 0.95, what, fontsize=8, va="top")
     for s in out["switches"]:
@@ -212,7 +244,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
 def _drive(control: Path, args: argparse.Namespace, stop: threading.Event) -> list[dict[str, Any]]:
     """The driver's side of the handshake: make each change rank 0 asks for, then say done."""
     from gradsync.testbed.build import parse_rate
-    from gradsync.testbed.control import set_server_rate
+    from gradsync.testbed.control import set_link, set_server_rate
 
     log = []
     seen = ""
@@ -222,8 +254,12 @@ def _drive(control: Path, args: argparse.Namespace, stop: threading.Event) -> li
         text = ask.read_text().strip() if ask.is_file() else ""
         if text and text != seen:
             what = text.split()[0]
-            mbit = set_server_rate(args.slow_rank, f"{slow}mbit" if what == "degrade" else None)
-            log.append({"ask": text, "rate_mbit": mbit, "at": time.time()})
+            if args.scenario == "dead":
+                plan = set_link(args.slow_rank, args.peer, up=what != "degrade")
+                log.append({"ask": text, "cut": [list(c) for c in plan.cut], "at": time.time()})
+            else:
+                mbit = set_server_rate(args.slow_rank, f"{slow}mbit" if what == "degrade" else None)
+                log.append({"ask": text, "rate_mbit": mbit, "at": time.time()})
             (control / "done.tmp").write_text(text + "\n")
             (control / "done.tmp").replace(control / "done")
             seen = text
@@ -234,9 +270,14 @@ def _drive(control: Path, args: argparse.Namespace, stop: threading.Event) -> li
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gradsync bench adapt-testbed", description=__doc__.splitlines()[0])
     p.add_argument("--scenario", choices=sorted(GOALS), default="nic",
-                   help="nic: a server's NICs slow down (a); late: a rank enters every allreduce late (b)")
-    p.add_argument("--topology", default=None, help="testbed topology (default racks:2,3,4; switch:8 for late)")
-    p.add_argument("--rate", default=None, help="unit link rate (default 400mbit; 100mbit for late)")
+                   help="nic: a server's NICs slow down (a); late: a rank enters every allreduce late (b); dead: a "
+                        "server's link stops carrying anything and the fabric routes around it (c)")
+    p.add_argument("--peer", default=None,
+                   help="dead: the device at the cut link's other end (default: --slow-rank's level-0 switch, its "
+                        "NIC 0's)")
+    p.add_argument("--topology", default=None,
+                   help="testbed topology (default racks:2,3,4; switch:8 for late; bcube:3,2 for dead)")
+    p.add_argument("--rate", default=None, help="unit link rate (default 400mbit; 100mbit for late; 200mbit for dead)")
     p.add_argument("--size", type=int, default=4 << 20, help="bytes per allreduce (default 4 MiB)")
     p.add_argument("--rounds", type=int, default=60, help="timed rounds (default 60)")
     p.add_argument("--warmup", type=int, default=8,
@@ -261,6 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gradsync.topology.io import get_topology
 
         args.slow_rank = get_topology(args.topology).world_size - 1 if args.scenario == "late" else 0
+    if args.scenario == "dead" and args.peer is None:
+        from gradsync.testbed.build import build_plan
+        from gradsync.topology.io import get_topology
+
+        args.peer = build_plan(get_topology(args.topology), args.rate).server(args.slow_rank).nics[0].peer
     if args.worker:
         return worker(args)
     if not 0 <= args.degrade_at < args.restore_at <= args.rounds or args.factor <= 1:
@@ -297,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stem = "adapt_testbed" if args.scenario == "nic" else f"adapt_testbed_{args.scenario}"
     (args.out / f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(out, args.out / f"{stem}.png")
+    if args.scenario == "dead":
+        return _report_dead(out, args.out, stem)
     s = out["summary"]
     for m in METHODS:
         print(f"{m:9s} " + ", ".join(f"{ph} {v:.3f} s" for ph, v in s["medians_s"][m].items()))
@@ -313,6 +361,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sw in out["switches"]:
         print("  " + sw["message"])
     print(f"wrote {args.out / (stem + '.json')} and .png")
+    return 0
+
+
+def _report_dead(out: dict[str, Any], where: Path, stem: str) -> int:
+    """Scenario (c)'s lines: the medians, the reroute's log line and its prediction against the measured time."""
+    s = out["summary"]
+    for m in METHODS:
+        print(f"{m:9s} " + ", ".join(f"{ph} {v:.3f} s" for ph, v in s["medians_s"][m].items()))
+    r, pred = s["ratios"], out.get("predicted_degraded_s") or {}
+    print(f"cut: adaptive {r['degraded_vs_static']:.2f}x static, {r['degraded_vs_gloo']:.2f}x gloo; after / before "
+          f"{r['recovered']:.3f}; exact: {s['all_exact']}")
+    over = s["adaptive_degraded_over_predicted_at_reroute"]
+    if over is not None:
+        first = pred.get("at_reroute")
+        print(f"after the reroute: {pred['adaptive_plan']} ran, the model prices it at {pred.get('model', 0):.3f} s on "
+              f"the surviving graph (at the reroute it chose {pred.get('reroute_plan')}, priced "
+              f"{first if first is None else f'{first:.3f}'} s); measured / predicted {over:.2f} (goal within "
+              f"{s['goals']['predicted_within']:.0%}: {'met' if s['met']['predicted'] else 'NOT met'})")
+    for sw in out["switches"]:
+        print("  " + sw["message"])
+    print(f"wrote {where / (stem + '.json')} and .png")
     return 0
 
 

@@ -389,7 +389,9 @@ def adapt_testbed() -> list[str]:
     out: list[str] = []
     for name, title in (("adapt_testbed.json", "A NIC cut mid-job on the testbed (`gradsync bench adapt-testbed`)"),
                         ("adapt_testbed_late.json", "A rank late every step on the testbed (`gradsync bench "
-                                                    "adapt-testbed --scenario late`)")):
+                                                    "adapt-testbed --scenario late`)"),
+                        ("adapt_testbed_dead.json", "A link that stops carrying anything on the testbed (`gradsync "
+                                                    "bench adapt-testbed --scenario dead`)")):
         if (RESULTS / name).is_file():
             out += _adapt_testbed(name, title)
     return out
@@ -398,10 +400,12 @@ def adapt_testbed() -> list[str]:
 def _adapt_testbed(name: str, title: str) -> list[str]:
     j = load(name)
     cfg, s = j["config"], j["summary"]
-    late = cfg.get("scenario") == "late"
-    change = (f"Server {cfg['slow_rank']} enters every allreduce {num(cfg['delay_s'])} s late (one gloo allreduce's "
-              f"time, its warm-up median)" if late else
-              f"Server {cfg['slow_rank']}'s NICs run at 1/{num(cfg['factor'])} of their rate")
+    scenario = cfg.get("scenario", "nic")
+    change = {"late": lambda: f"Server {cfg['slow_rank']} enters every allreduce {num(cfg['delay_s'])} s late (one "
+                              f"gloo allreduce's time, its warm-up median)",
+              "dead": lambda: f"Server {cfg['slow_rank']}'s link to `{cfg['peer']}` is cut (`gradsync testbed link "
+                              f"down`: its NIC loses the carrier, and the testbed's routes go around the link)",
+              "nic": lambda: f"Server {cfg['slow_rank']}'s NICs run at 1/{num(cfg['factor'])} of their rate"}[scenario]()
     out = [f"## {title}", "", *sources(name),
            f"`{cfg['topology']}` at {cfg['rate']} per unit link, {cfg['world']} ranks, {size(cfg['size_bytes'])} float32 "
            f"allreduces: static gradsync (`adapt=False`), gradsync watching every qualifying allreduce "
@@ -413,6 +417,18 @@ def _adapt_testbed(name: str, title: str) -> list[str]:
                  ([m, *(num(v) for v in s["medians_s"][m].values())] for m in s["medians_s"]))
     r, met, goals = s["ratios"], s["met"], s["goals"]
     pred = j.get("predicted_degraded_s") or {}
+    if scenario == "dead":
+        over = s.get("adaptive_degraded_over_predicted_at_reroute")
+        out += ["", f"While cut, adaptive runs {num(r['degraded_vs_static'])}x static and {num(r['degraded_vs_gloo'])}x "
+                f"gloo; every sum exact: {'yes' if s['all_exact'] else 'NO'}; the reroute logged in one line: "
+                f"{'yes' if met['logged'] else 'NO'}. After the reroute adaptive ran `{pred.get('adaptive_plan')}`, "
+                f"which the cost model prices at {num(pred.get('model'))} s on the surviving graph (at the reroute it "
+                f"chose `{pred.get('reroute_plan')}`, priced {num(pred.get('at_reroute'))} s): measured / predicted "
+                f"{num(over)} (goal within {num(100 * goals['predicted_within'])} %: "
+                f"{'met' if met['predicted'] else 'not met'}); {j['watched']} collectives watched."
+                + _plans_note(j), ""]
+        lines = [sw["message"] for sw in j["switches"]] + j["held"]
+        return out + (block(lines) if lines else [])
     out += ["", f"While degraded, adaptive runs {num(r['degraded_vs_static'])}x static (goal ≥ "
             f"{num(goals['degraded_vs_static'])}x: {'met' if met['degraded_vs_static'] else 'not met'}) and "
             f"{num(r['degraded_vs_gloo'])}x gloo (goal ≥ {num(goals['degraded_vs_gloo'])}x: "
@@ -424,6 +440,18 @@ def _adapt_testbed(name: str, title: str) -> list[str]:
                if s.get("adaptive_degraded_over_predicted") else "") + ".", ""]
     lines = [sw["message"] for sw in j["switches"]] + j["held"]
     return out + (block(lines) if lines else [])
+
+
+def _plans_note(j: dict) -> str:
+    """Which plan adaptive ran before the change, and how many rounds of each phase it spent settling (exploring)."""
+    plans, settled, cfg = j.get("plans"), j.get("settling_rounds"), j["config"]
+    if not plans or not settled:
+        return ""
+    cut = [r for r in settled["adaptive"] if cfg["degrade_at"] <= r < cfg["restore_at"]]
+    return (f" Adaptive ran `{plans['adaptive'][0]}` before the cut (its own exploration's pick; static's was "
+            f"`{plans['static'][0]}`), and after the reroute it explored again: it settled something (planned, built or "
+            f"timed a candidate) in {len(cut)} of the {cfg['restore_at'] - cfg['degrade_at']} cut rounds, the slow "
+            f"rounds of the plot.")
 
 
 def mergecomp() -> list[str]:

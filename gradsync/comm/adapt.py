@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from gradsync.comm import nics as _nics
 from gradsync.comm.collectives import NativeAllreduce
 from gradsync.comm.executor import Executor
 from gradsync.comm.plans import ALLREDUCE, PlanCache
@@ -126,7 +127,11 @@ class AdaptOptions:
     ``wire``: where a pair's rate comes from: ``"auto"`` (default) the kernel's counters of the connection to that
     peer where the transport runs on gloo's TCP connections and the peer's connection is found
     (:mod:`gradsync.comm.tcpinfo`: bytes acknowledged over the time the connection was busy, which leaves out the
-    time either process was not scheduled), else the executor's own send timings; ``"timings"`` always those."""
+    time either process was not scheduled), else the executor's own send timings; ``"timings"`` always those.
+    ``nics``: this rank's NICs and the topology links they end, ``(interface, device, peer)`` each
+    (:mod:`gradsync.comm.nics`); None (default) reads ``$GRADSYNC_NICS``, which ``gradsync testbed run`` sets. A
+    NIC whose carrier is gone at a watched collective drops its link on every rank (a reroute); its carrier back,
+    the link returns."""
 
     link: Hysteresis = field(default_factory=lambda: Hysteresis(1.5, 1.2, 3))
     late: Hysteresis = field(default_factory=lambda: Hysteresis(0.25, 0.1, 3))
@@ -136,8 +141,12 @@ class AdaptOptions:
     min_gain: float = 0.05
     every: int = 16
     wire: str = "auto"
+    nics: tuple[_nics.Nic, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.nics is not None and (not isinstance(self.nics, tuple) or not all(
+                isinstance(n, tuple) and len(n) == 3 and all(isinstance(x, str) and x for x in n) for n in self.nics)):
+            raise TypeError(f"nics={self.nics!r} must be a tuple of (interface, device, peer) name triples")
         if self.wire not in WIRE_SOURCES:
             raise GradsyncError(f"wire={self.wire!r} must be one of {WIRE_SOURCES} (where pair rates come from)")
         for name in ("link", "late"):
@@ -181,6 +190,8 @@ class SwitchRecord:
     new_plan: str
     predicted_gain_s: float | None
     message: str
+    #: a reroute's: the model's seconds for the new plan on the surviving graph (before its warm-up measures it)
+    predicted_s: float | None = None
 
 
 @dataclass
@@ -245,7 +256,37 @@ class Adapter:
         self.tcp_pairs = 0
         #: the chooser rank 0 priced the last prospective replan with (:meth:`_prospect`)
         self._priced: Chooser | None = None
+        #: The topology the job started on; the links dropped by hand (:meth:`drop_link`) and those a NIC's carrier
+        #: says are dead (the same on every rank), which :attr:`base_topology` leaves out.
+        self.full_topology: Topology = plans.topology
+        self._dropped: dict[frozenset[str], str] = {}  # each as its caller named it, in the order dropped
+        self.links_down: frozenset[frozenset[str]] = frozenset()
+        #: this rank's NICs whose carrier the watch reads (:mod:`gradsync.comm.nics`)
+        self.nics = self._own_nics(options.nics)
         self._fresh()
+
+    def _own_nics(self, given: tuple[_nics.Nic, ...] | None) -> tuple[_nics.Nic, ...]:
+        """This rank's NICs: ``given`` must all be this rank's links; from ``$GRADSYNC_NICS``, another device's are
+        left out (a testbed job may plan on fewer servers than the testbed has). Each must be an interface here and a
+        link of the topology, else the watch would drop a healthy link."""
+        topo = self.full_topology
+        me = topo.ranks[self.rank]
+        listed = given if given is not None else _nics.nics_from_env()
+        where = "AdaptOptions(nics=...)" if given is not None else f"${_nics.NICS_ENV}"
+        mine = tuple(n for n in listed if given is not None or n[1] == me)
+        if len(mine) > _nics.MAX_NICS:
+            raise GradsyncError(f"{where} lists {len(mine)} NICs for {me!r}; the watch reads at most {_nics.MAX_NICS}")
+        here = _nics.interfaces()
+        for ifname, device, peer in mine:
+            if device != me:
+                raise GradsyncError(f"{where} gives NIC {ifname!r} to {device!r}, but this is rank {self.rank} "
+                                    f"({me!r}); list this rank's own NICs")
+            if not topo.has_link(device, peer):
+                raise GradsyncError(f"{where}: topology {topo.name!r} has no link {device}-{peer} for NIC {ifname!r}")
+            if ifname not in here:
+                raise GradsyncError(f"{where} names interface {ifname!r}, which this host does not have "
+                                    f"(it has {here}); a missing NIC would read as a dead link")
+        return mine
 
     def _fresh(self) -> None:
         self.detector = Detector(self.options.link, self.options.late)
@@ -334,7 +375,10 @@ class Adapter:
         detector says so (every rank does, at this collective)."""
         seconds = self.clock() - self._entered
         self.watched += 1
-        shared, spent = self._agree(ex.schedule.world_size, self._measure(ex), seconds)
+        shared, spent, down = self._agree(ex.schedule.world_size, self._measure(ex), seconds)
+        if down != self.links_down:
+            self.links_down = down
+            return self._relink(nbytes)
         expected, _ = self._expected_rates(ex.schedule, nbytes, self.base_topology)
         _, finish = self._expected_rates(ex.schedule, nbytes, self._world)
         shared = {k: v for k, v in shared.items() if k in expected}
@@ -417,16 +461,25 @@ class Adapter:
             self.tcp_pairs = sum(1 for k in tcp if k in rates)
         return rates
 
-    def _agree(self, n: int, rates: dict[Hashable, float], seconds: float) -> tuple[dict[Hashable, float], list[float]]:
-        """Every rank's pair rates and seconds in the collective, the same on every rank: ``[pair rates (n*n) | each
-        rank's seconds (n)]`` in one sum-allreduce, every entry with one writer, so the sum is exact."""
-        vec = torch.zeros(n * n + n, dtype=torch.float64)  # host: read back at once; planned plans run on gloo
+    def _agree(self, n: int, rates: dict[Hashable, float], seconds: float
+               ) -> tuple[dict[Hashable, float], list[float], frozenset[frozenset[str]]]:
+        """Every rank's pair rates, seconds in the collective and dead links, the same on every rank: ``[pair rates
+        (n*n) | each rank's seconds (n) | each rank's NICs without carrier (n*MAX_NICS)]`` in one sum-allreduce,
+        every entry with one writer, so the sum is exact."""
+        k = _nics.MAX_NICS
+        vec = torch.zeros(n * n + n + n * k, dtype=torch.float64)  # host: read back at once; plans run on gloo
         for (src, dst), r in rates.items():
             vec[src * n + dst] = r
         vec[n * n + self.rank] = max(seconds, 0.0)
+        if self.nics:
+            start = n * n + n + self.rank * k
+            vec[start:start + k] = torch.tensor(_nics.encode_down(self.nics, self.full_topology.device_index,
+                                                                  _nics.carrier), dtype=torch.float64)
         self._share(vec)
         pairs = vec[: n * n].tolist()
-        return {(i // n, i % n): r for i, r in enumerate(pairs) if r}, vec[n * n:].tolist()
+        down = _nics.decode_down(vec[n * n + n:].view(n, k).tolist(), self.full_topology.ranks,
+                                 tuple(d.name for d in self.full_topology.devices))
+        return {(i // n, i % n): r for i, r in enumerate(pairs) if r}, vec[n * n: n * n + n].tolist(), down
 
     def _warm_up(self, schedule: Schedule, nbytes: float, shared: dict[Hashable, float],
                  expected: dict[Hashable, float], spent_s: float, finish_s: float) -> None:
@@ -820,36 +873,68 @@ class Adapter:
     def drop_link(self, u: str | int, v: str | int, nbytes: float) -> SwitchRecord:
         """Remove the link between devices ``u`` and ``v`` (names, or rank indices) and replan on the surviving
         graph; every rank calls it at the same point. No path left between some ranks: :class:`PeerError`."""
-        topo = self.base_topology
+        topo = self.full_topology
         a, b = (topo.ranks[x] if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < topo.world_size
                 else x for x in (u, v))
         key = frozenset((a, b))
-        links = [lk for lk in topo.links if lk.key != key]
-        if len(links) == len(topo.links):
+        if not topo.has_link(a, b):
             near = sorted(f"{lk.a}-{lk.b}" for lk in topo.links if a in lk.key or b in lk.key)[:8]
             raise GradsyncError(f"topology {topo.name!r} has no link {a}-{b} to drop (given {u!r}, {v!r}); links "
                                 f"at those devices: {near or 'none'}")
-        try:
-            # the family's own router and symmetry assume every link of the family is there: plan as a graph
-            attrs = {k: val for k, val in topo.attrs.items() if k != "family"}
-            survived = replace(topo, name=f"{topo.name}-{a}-{b}", links=tuple(links), attrs=attrs)
-        except TopologyError as exc:
-            parts = [_component(links, r, topo) for r in topo.ranks]
-            main = max(parts, key=lambda part: sum(r in part for r in topo.ranks))
-            gone = [r for r in topo.ranks if r not in main]
-            who = topo.ranks.index(gone[0]) if gone else -1
-            raise PeerError(f"link {a}-{b} is down and no other path joins rank(s) {gone} to the others in "
-                            f"{topo.name!r}; the job cannot go on without it ({exc})", who) from exc
+        self._dropped.setdefault(key, f"{a}-{b}")
+        return self._relink(nbytes)
+
+    def _relink(self, nbytes: float) -> SwitchRecord:
+        """Replan on :attr:`full_topology` less the links dropped by hand and those without carrier (every rank at
+        the same collective): one log line names the links gone or back, the old plan and the new one, and what
+        the model predicts for it. No path left between some ranks: :class:`PeerError` naming the link."""
+        topo = self.full_topology
+        names = {**{lk.key: f"{lk.a}-{lk.b}" for lk in topo.links if lk.key in self.links_down}, **self._dropped}
+        gone = set(names)
+        before = {lk.key for lk in self.base_topology.links}
+        links = [lk for lk in topo.links if lk.key not in gone]
+        if len(links) == len(topo.links):
+            survived = topo
+        else:
+            try:
+                # the family's own router and symmetry assume every link of the family is there: plan as a graph
+                attrs = {k: val for k, val in topo.attrs.items() if k != "family"}
+                name = "-".join([topo.name, *names.values()])
+                survived = replace(topo, name=name, links=tuple(links), attrs=attrs)
+            except TopologyError as exc:
+                parts = [_component(links, r, topo) for r in topo.ranks]
+                main = max(parts, key=lambda part: sum(r in part for r in topo.ranks))
+                cut_off = [r for r in topo.ranks if r not in main]
+                dead = ", ".join(names.values())
+                who = topo.ranks.index(cut_off[0]) if cut_off else -1
+                raise PeerError(f"link{'s' if len(names) > 1 else ''} {dead} {'are' if len(names) > 1 else 'is'} "
+                                f"down and no other path joins rank(s) {cut_off} to the others in "
+                                f"{topo.name!r}; the job cannot go on without it ({exc})", who) from exc
+        now = {lk.key for lk in survived.links}
+        what = "; ".join(x for x in (
+            ", ".join(f"link {names[k]} {'dropped' if k in self._dropped else 'is down (no carrier)'}"
+                      for k in names if k in before - now),
+            ", ".join(f"link {lk.a}-{lk.b} is back" for lk in topo.links if lk.key in now - before)) if x)
         old_plan = self._label(nbytes)
         self.base_topology = survived
         self._fresh()
         self.plans.options = self.base_options
         self.tuning.set_cost_model(self.plans.cost_model, survived)
-        self._build(nbytes)
+        ex = self._build(nbytes)
         new_plan = self._label(nbytes)
-        message = (f"gradsync: link {a}-{b} dropped from {topo.name!r}: replanned on the {len(links)} surviving links; "
-                   f"{old_plan} -> {new_plan}")
-        record = SwitchRecord(self.plans.generation, 0, Conditions(), old_plan, new_plan, None, message)
+        predicted = None
+        try:  # the model's price (the watch's slowdown is reset): auto's pick, job-wide, or the plan built
+            schedule = (self._schedule_of(self.plans.choice(size_class(nbytes)), survived) if self.auto
+                        else getattr(ex, "schedule", None))
+            if schedule is not None:
+                predicted = self._predict(schedule, survived, nbytes, {})
+        except (GradsyncError, KeyError, SimulationError):
+            pass
+        on = (f"replanned on the {len(links)} surviving links" if survived is not topo
+              else f"replanned on all {len(links)} links")
+        message = (f"gradsync: {what or 'links unchanged'} in {topo.name!r}: {on}; {old_plan} -> {new_plan}"
+                   + (f" (predicted {predicted:.3g} s)" if predicted is not None else ""))
+        record = SwitchRecord(self.plans.generation, 0, Conditions(), old_plan, new_plan, None, message, predicted)
         self.switches.append(record)
         self._say(message)
         return record

@@ -467,6 +467,7 @@ class Runtime:
                 out = ex.run(payload, op)
                 if watched:
                     adapt.after(ex, nbytes)  # type: ignore[union-attr]
+                    self.topology = adapt.base_topology  # type: ignore[union-attr]  # less a link found dead
                 return out
         except BaseException as exc:
             named = self._named(exc)

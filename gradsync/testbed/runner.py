@@ -36,6 +36,9 @@ def worker_env(plan: TestbedPlan, rank: int, world: Sequence[int], master_port: 
         "TP_SOCKET_IFNAME": server.ifname,
         "NCCL_SOCKET_IFNAME": server.ifname,
         "GRADSYNC_TESTBED_ADDR": server.address,
+        # which NIC ends which topology link (gradsync.comm.nics, read by the runtime's watch, which drops a link
+        # whose NIC loses its carrier; the testbed sits below the runtime, so the name is written out here)
+        "GRADSYNC_NICS": ",".join(f"{n.ifname}={server.device}/{n.peer}" for n in server.nics),
         STATE_ENV: state,
     })
     return env

@@ -44,7 +44,7 @@ def test_rank0_asks_and_the_driver_changes_the_rate_once_per_ask(tmp_path: Path,
     calls: list[tuple[int, str | None]] = []
     monkeypatch.setattr("gradsync.testbed.control.set_server_rate",
                         lambda rank, rate, **kw: calls.append((rank, rate)) or 25.0)
-    args = type("A", (), {"rate": "100mbit", "factor": 4.0, "slow_rank": 2})()
+    args = type("A", (), {"rate": "100mbit", "factor": 4.0, "slow_rank": 2, "scenario": "nic"})()
     stop = threading.Event()
     log: list = []
     driver = threading.Thread(target=lambda: log.extend(at._drive(tmp_path, args, stop)))
@@ -56,6 +56,35 @@ def test_rank0_asks_and_the_driver_changes_the_rate_once_per_ask(tmp_path: Path,
         stop.set()
         driver.join(timeout=5)
     assert calls == [(2, "25.0mbit"), (2, None)] and [e["ask"] for e in log] == ["degrade 20", "restore 40"]
+
+
+def test_the_dead_link_scenario_cuts_and_mends_the_link_and_judges_the_reroutes_prediction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scenario c: the driver cuts the link at the first ask and mends it at the second; the goal is the time after
+    the reroute against the model's price of the surviving graph's plan, and one reroute line in the log."""
+    calls: list[tuple[int, str, bool]] = []
+    monkeypatch.setattr("gradsync.testbed.control.set_link",
+                        lambda rank, peer, up, **kw: calls.append((rank, peer, up)) or type("P", (), {"cut": ()})())
+    args = type("A", (), {"rate": "100mbit", "factor": 4.0, "slow_rank": 0, "scenario": "dead", "peer": "L0.sw0"})()
+    stop = threading.Event()
+    driver = threading.Thread(target=lambda: at._drive(tmp_path, args, stop))
+    driver.start()
+    try:
+        at._ask(tmp_path, "degrade", 20)
+        at._ask(tmp_path, "restore", 40)
+    finally:
+        stop.set()
+        driver.join(timeout=5)
+    assert calls == [(0, "L0.sw0", False), (0, "L0.sw0", True)]
+    report = _report(static=1.5, adaptive=1.1, gloo=2.0)
+    report["config"]["scenario"] = "dead"
+    report["predicted_degraded_s"] = {"adaptive": 1.1, "at_reroute": 1.0, "reroute_plan": "lp/8"}
+    report["switches"] = [{"message": "gradsync: link s00-L0.sw0 is down (no carrier) in 'bcube:3,2': ..."},
+                          {"message": "gradsync: link s00-L0.sw0 is back in 'bcube:3,2': ..."}]
+    s = at.summarize(report)
+    assert s["adaptive_degraded_over_predicted_at_reroute"] == pytest.approx(1.1) and all(s["met"].values())
+    report["predicted_degraded_s"]["at_reroute"] = 0.9  # 1.22x the prediction: beyond 15%
+    assert at.summarize(report)["met"] == {"predicted": False, "logged": True}
 
 
 def test_bad_rounds_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

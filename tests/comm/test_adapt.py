@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gradsync.comm import LocalFabric, run_ranks
+from gradsync.comm import nics as nics_mod
 from gradsync.comm.adapt import AdaptOptions, adapt_from_env
 from gradsync.comm.runtime import Runtime
 from gradsync.comm.watch import Hysteresis
@@ -507,7 +508,120 @@ def test_ring_without_a_link_is_a_path_and_without_two_the_error_names_the_link(
         assert torch.equal(got[2], want)
     for got in _drop_and_run("ring:4", 4, [("gpu0", "gpu1"), ("gpu3", "gpu0")]):
         assert isinstance(got, PeerError), got
-        assert "link gpu3-gpu0 is down" in str(got) and "['gpu0']" in str(got) and got.peer == 0
+        assert "links gpu0-gpu1, gpu3-gpu0 are down" in str(got) and "['gpu0']" in str(got) and got.peer == 0
+
+
+# ---- a NIC without carrier --------------------------------------------------------------------------------
+def _fake_nics(monkeypatch, tmp_path, world: int, per_rank: int = 2):
+    """A folder of fake interfaces ``r{rank}n{i}``, each with a carrier file reading 1, as the kernel's."""
+    monkeypatch.setattr(nics_mod, "SYS_NET", tmp_path)
+    for r in range(world):
+        for i in range(per_rank):
+            (tmp_path / f"r{r}n{i}").mkdir()
+            (tmp_path / f"r{r}n{i}" / "carrier").write_text("1\n")
+    return lambda r, i, up: (tmp_path / f"r{r}n{i}" / "carrier").write_text("1\n" if up else "0\n")
+
+
+def _ring_nics(rank: int) -> tuple[tuple[str, str, str], ...]:
+    """ring:4's rank ``rank``: NIC 0 to the next GPU, NIC 1 to the previous one."""
+    return ((f"r{rank}n0", f"gpu{rank}", f"gpu{(rank + 1) % 4}"), (f"r{rank}n1", f"gpu{rank}", f"gpu{(rank - 1) % 4}"))
+
+
+def test_a_nic_without_carrier_drops_its_link_on_every_rank_at_one_collective_and_its_return_brings_it_back(
+        monkeypatch, tmp_path, capsys):
+    """Rank 0's NIC to gpu1 loses its carrier before collective 3: every rank replans without gpu0-gpu1 at that
+    collective (the same generation, one log line), the new plan's routes avoid it, every sum is exact; the carrier
+    back before collective 6, every rank returns to the full ring."""
+    set_carrier = _fake_nics(monkeypatch, tmp_path, 4)
+    numel = 3000
+    want = sum(_values(r, 0, numel, torch.int64) for r in range(4))
+
+    def body(tr):
+        options = dataclasses.replace(OPTIONS, warmup=1, nics=_ring_nics(tr.rank))
+        rt = Runtime(tr, "ring:4", "ring", timeout_s=20, adapt=options)
+        seen = []
+        try:
+            for step in range(8):
+                if tr.rank == 0 and step in (3, 6):
+                    set_carrier(0, 0, up=step == 6)
+                x = _values(tr.rank, 0, numel, torch.int64)
+                rt.allreduce(x)
+                hops = {frozenset(h) for t in rt.schedule(None, numel * 8).transfers
+                        for h in zip(t.route[:-1], t.route[1:])}
+                seen.append((torch.equal(x, want), rt.topology.has_link("gpu0", "gpu1"),
+                             frozenset(("gpu0", "gpu1")) in hops))
+            return seen, [(s.generation, s.message) for s in rt.adapt.switches]
+        finally:
+            rt.shutdown()
+
+    results = run_ranks(4, body, timeout_s=120)
+    for got in results:
+        assert not isinstance(got, BaseException), got
+    assert all(r[1] == results[0][1] for r in results)  # every rank: the same switches at the same generations
+    for seen, switches in results:
+        assert all(exact for exact, _, _ in seen)
+        assert [has for _, has, _ in seen] == [True] * 3 + [False] * 3 + [True] * 2
+        assert [used for _, _, used in seen] == [True] * 3 + [False] * 3 + [True] * 2
+        assert len(switches) == 2 and switches[0][0] < switches[1][0]
+        assert "link gpu0-gpu1 is down (no carrier)" in switches[0][1] and "surviving links" in switches[0][1]
+        assert "link gpu0-gpu1 is back" in switches[1][1] and "predicted" in switches[1][1]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "no carrier" in ln or "is back" in ln]
+    assert lines == [m for _, m in results[0][1]]  # rank 0 logs each, once
+
+
+def test_every_nic_of_a_rank_without_carrier_is_a_peer_error_naming_its_links(monkeypatch, tmp_path):
+    set_carrier = _fake_nics(monkeypatch, tmp_path, 4)
+
+    def body(tr):
+        rt = Runtime(tr, "ring:4", "ring", timeout_s=20,
+                     adapt=dataclasses.replace(OPTIONS, warmup=1, nics=_ring_nics(tr.rank)))
+        try:
+            for step in range(3):
+                if tr.rank == 2 and step == 1:
+                    set_carrier(2, 0, up=False)
+                    set_carrier(2, 1, up=False)
+                rt.allreduce(_values(tr.rank, 0, 3000, torch.int64))
+        finally:
+            rt.shutdown()
+
+    for got in run_ranks(4, body, timeout_s=120):
+        assert isinstance(got, PeerError), got
+        assert "links gpu1-gpu2, gpu2-gpu3 are down" in str(got) and "['gpu2']" in str(got) and got.peer == 2
+
+
+def test_nics_are_read_from_the_environment_and_checked_against_the_topology_and_the_host(monkeypatch, tmp_path):
+    _fake_nics(monkeypatch, tmp_path, 1)
+    assert nics_mod.parse_nics(" a=s00/L0.sw0, b=s00/L1.sw0 ") == (("a", "s00", "L0.sw0"), ("b", "s00", "L1.sw0"))
+    for bad in ("a=s00", "a", "=s00/L0.sw0", "a=s00/L0.sw0,a=s00/L1.sw0"):
+        with pytest.raises(GradsyncError, match="GRADSYNC_NICS"):
+            nics_mod.parse_nics(bad)
+    with pytest.raises(TypeError, match="nics="):
+        AdaptOptions(nics=(("a", "b"),))
+
+    def start(options, rank=0):
+        made = []
+
+        def body(tr):
+            made.append(Runtime(tr, "switch:2", "ring", timeout_s=10, adapt=options))
+            return made[-1].adapt.nics
+
+        try:
+            return run_ranks(2, body, timeout_s=60)[rank]
+        finally:
+            for rt in made:
+                rt.shutdown()
+
+    # from the environment: another device's NICs are left out (a testbed job on fewer servers than it has)
+    monkeypatch.setenv("GRADSYNC_NICS", "r0n0=host0/sw0,r0n1=host7/sw0")
+    assert start(OPTIONS) == (("r0n0", "host0", "sw0"),)
+    monkeypatch.setenv("GRADSYNC_NICS", "r0n0=host0/host1")
+    got = start(OPTIONS)
+    assert isinstance(got, GradsyncError) and "has no link host0-host1" in str(got)
+    monkeypatch.setenv("GRADSYNC_NICS", "eth9=host0/sw0")
+    got = start(OPTIONS)
+    assert isinstance(got, GradsyncError) and "'eth9', which this host does not have" in str(got)
+    got = start(dataclasses.replace(OPTIONS, nics=(("r0n0", "host1", "sw0"),)))
+    assert isinstance(got, GradsyncError) and "gives NIC 'r0n0' to 'host1', but this is rank 0" in str(got)
 
 
 def test_dropping_a_link_that_is_not_there_names_the_links_at_its_devices():

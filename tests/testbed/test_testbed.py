@@ -186,6 +186,21 @@ def test_a_cut_nic_is_routed_around_and_every_other_route_stays(spec: str, cut: 
     assert TestbedPlan.from_dict(json.loads(json.dumps(built.to_dict()))).cut == ()
 
 
+def test_every_worker_is_told_which_nic_ends_which_topology_link() -> None:
+    """GRADSYNC_NICS in each worker's environment: its own NICs, each the end of a link of the topology, in the
+    form the runtime's watch reads (gradsync.comm.nics)."""
+    from gradsync.comm.nics import parse_nics
+    from gradsync.testbed.runner import worker_env
+
+    plan = plan_for("bcube:3,2")
+    topo = get_topology("bcube:3,2")
+    for rank in (0, 5):
+        env = worker_env(plan, rank, list(range(plan.world_size)), 29500, "/tmp/state.json", {})
+        nics = parse_nics(env["GRADSYNC_NICS"])
+        assert [n[0] for n in nics] == [x.ifname for x in plan.server(rank).nics]
+        assert all(device == topo.ranks[rank] and topo.has_link(device, peer) for _, device, peer in nics)
+
+
 def test_cutting_every_link_of_a_server_is_refused_with_the_rank_named() -> None:
     plan = plan_for("bcube:2,2")
     with pytest.raises(TestbedError, match="leaves rank 0 without a path to rank 1"):
