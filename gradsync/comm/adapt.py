@@ -39,7 +39,9 @@ take the queued path, not the native fast path, so every rank counts the same on
   and the running plan is priced within that share of the least any plan was priced before, it is held without
   choosing (a slower link makes no plan faster in the model);
 * **reroute**: :meth:`Adapter.drop_link` removes a link from the topology and replans on the surviving graph;
-  where no path joins every rank any more, it raises :class:`~gradsync.errors.PeerError` naming the link.
+  where no path joins every rank any more, it raises :class:`~gradsync.errors.PeerError` naming the link. A link
+  whose NIC lost its carrier (:mod:`gradsync.comm.nics`: each rank reads its own, and the agreement round carries
+  them) is dropped the same way by every rank at one watched collective, and comes back with its carrier.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from gradsync.comm.executor import Executor
 from gradsync.comm.plans import ALLREDUCE, PlanCache
 from gradsync.comm.tcpinfo import (
     MAX_ENDPOINTS,
+    TcpReader,
     decode_endpoint,
     encode_endpoint,
     peer_ranks,
@@ -252,6 +255,7 @@ class Adapter:
         #: watched collective's pair rates how many came from them.
         self._tcp = options.wire == "auto" and plans.caps.backend == "gloo"
         self._tcp_peers: dict[tuple[str, int], int] | None = None
+        self._tcp_reader: TcpReader | None = None
         self._tcp_before: dict | None = None
         self.tcp_pairs = 0
         #: the chooser rank 0 priced the last prospective replan with (:meth:`_prospect`)
@@ -276,7 +280,7 @@ class Adapter:
         mine = tuple(n for n in listed if given is not None or n[1] == me)
         if len(mine) > _nics.MAX_NICS:
             raise GradsyncError(f"{where} lists {len(mine)} NICs for {me!r}; the watch reads at most {_nics.MAX_NICS}")
-        here = _nics.interfaces()
+        here = _nics.interfaces() if mine else []
         for ifname, device, peer in mine:
             if device != me:
                 raise GradsyncError(f"{where} gives NIC {ifname!r} to {device!r}, but this is rank {self.rank} "
@@ -352,7 +356,8 @@ class Adapter:
             if self._tcp:
                 if self._tcp_peers is None:
                     self._tcp_peers = self._map_connections(ex.schedule.world_size)
-                self._tcp_before = read_connections() if self._tcp_peers else None
+                    self._tcp_reader = TcpReader(self._tcp_peers)
+                self._tcp_before = self._tcp_reader.read() if self._tcp_reader and self._tcp_peers else None
         self._entered = self.clock()
         return True
 
@@ -455,7 +460,8 @@ class Adapter:
                                  self.options.pair_min_bytes)
         before, self._tcp_before = self._tcp_before, None
         if before is not None and self._tcp_peers:  # the kernel's rate where it has the pair's connection
-            wire = wire_rates(before, read_connections(), self._tcp_peers, self.options.pair_min_bytes)
+            assert self._tcp_reader is not None  # made with the peers
+            wire = wire_rates(before, self._tcp_reader.read(), self._tcp_peers, self.options.pair_min_bytes)
             tcp = {(me, ex.proc_of.index(p)): r for p, r in wire.items() if p in ex.proc_of}
             rates.update({k: v for k, v in tcp.items() if k in rates})
             self.tcp_pairs = sum(1 for k in tcp if k in rates)

@@ -28,8 +28,8 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-__all__ = ["MAX_ENDPOINTS", "Connection", "TcpCounters", "decode_endpoint", "encode_endpoint", "parse_tcp_info",
-           "peer_ranks", "read_connections", "wire_rates"]
+__all__ = ["MAX_ENDPOINTS", "Connection", "TcpCounters", "TcpReader", "decode_endpoint", "encode_endpoint",
+           "parse_tcp_info", "peer_ranks", "read_connections", "wire_rates"]
 
 #: Endpoints a rank lists for the mapping (its connections beyond these are not mapped, and their peers keep
 #: the executor's timings). gloo keeps one connection per peer and process group, so this covers 20 peers
@@ -73,13 +73,18 @@ def parse_tcp_info(raw: bytes) -> TcpCounters | None:
 
 def read_connections() -> dict[Connection, TcpCounters]:
     """Every connected TCP socket of this process with its counters (empty where the platform gives none)."""
+    return {conn: counters for conn, (_, counters) in _scan().items()}
+
+
+def _scan() -> dict[Connection, tuple[int, TcpCounters]]:
+    """Every connected IPv4 TCP socket of this process: its fd and counters (a walk over every fd)."""
     if _TCP_INFO is None:
         return {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
         return {}
-    out: dict[Connection, TcpCounters] = {}
+    out: dict[Connection, tuple[int, TcpCounters]] = {}
     for name in fds:
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -102,8 +107,55 @@ def read_connections() -> dict[Connection, TcpCounters]:
         finally:
             sock.close()
         if counters is not None:
-            out[conn] = counters
+            out[conn] = (int(name), counters)
     return out
+
+
+class TcpReader:
+    """Reads the counters of the connections to ``peers`` (peer endpoints) without walking every fd of the
+    process each time: the first reading walks them (:func:`read_connections`) and keeps those connections' fd
+    numbers; later readings ask those fds alone (the owner's fd, borrowed and handed back, never closed), each
+    checked to still be the same connection. A fd closed or reused since, or a connection gone: the next reading
+    walks again. The walk costs a few system calls per fd of the process (gloo, the store, files): measured on the
+    9-rank testbed, ~3 ms per reading on a busy core, twice per watched collective."""
+
+    def __init__(self, peers: Iterable[tuple[str, int]]) -> None:
+        self.peers = frozenset(peers)
+        self._fds: dict[Connection, int] | None = None
+        #: full walks so far (a test reads it)
+        self.walks = 0
+
+    def read(self) -> dict[Connection, TcpCounters]:
+        if self._fds:
+            got = self._read_known(self._fds)
+            if got is not None:
+                return got
+        self.walks += 1
+        found = {c: v for c, v in _scan().items() if c.peer in self.peers}
+        self._fds = {c: fd for c, (fd, _) in found.items()}
+        return {c: counters for c, (_, counters) in found.items()}
+
+    @staticmethod
+    def _read_known(fds: Mapping[Connection, int]) -> dict[Connection, TcpCounters] | None:
+        assert _TCP_INFO is not None  # a reader with fds found them through it
+        out: dict[Connection, TcpCounters] = {}
+        for conn, fd in fds.items():
+            try:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fileno=fd)
+            except OSError:
+                return None
+            try:
+                if Connection(sock.getsockname()[:2], sock.getpeername()[:2]) != conn:
+                    return None
+                counters = parse_tcp_info(sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256))
+            except OSError:  # not a socket any more, or not connected
+                return None
+            finally:
+                sock.detach()  # the fd is the owner's: never closed here
+            if counters is None:
+                return None
+            out[conn] = counters
+        return out
 
 
 def encode_endpoint(address: str, port: int) -> float:

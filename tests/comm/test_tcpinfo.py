@@ -15,6 +15,7 @@ import torch
 from gradsync.comm.tcpinfo import (
     Connection,
     TcpCounters,
+    TcpReader,
     decode_endpoint,
     encode_endpoint,
     parse_tcp_info,
@@ -96,3 +97,39 @@ def test_a_loopback_connection_reports_what_it_moved_and_a_rate() -> None:
     finally:
         for s in (client, conn, server):
             s.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO's counters are Linux's")
+def test_the_reader_asks_the_known_fds_alone_leaves_them_open_and_walks_again_when_one_is_gone() -> None:
+    """TcpReader: its first reading walks every fd, later ones read the same counters from the fds it kept (no
+    walk), the borrowed fds stay open and usable, and a connection closed since makes the next reading walk."""
+    server = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    for _ in range(2):
+        client = socket.create_connection(server.getsockname())
+        conn, _ = server.accept()
+        pairs.append((client, conn))
+    try:
+        peers = [c.getpeername()[:2] for c, _ in pairs]
+        reader = TcpReader(peers)
+        first = reader.read()
+        assert reader.walks == 1 and {c.peer for c in first} == set(peers)
+        pairs[0][0].sendall(b"y" * 100_000)
+        got = bytearray()
+        while len(got) < 100_000:
+            got.extend(pairs[0][1].recv(1 << 16))
+        again = reader.read()
+        assert reader.walks == 1  # the kept fds, no walk
+        assert again == {c: v for c, v in read_connections().items() if c.peer in set(peers)}
+        me = Connection(pairs[0][0].getsockname()[:2], pairs[0][0].getpeername()[:2])
+        assert again[me].bytes_acked - first[me].bytes_acked == 100_000
+        pairs[0][0].sendall(b"z")  # still the owner's, open
+        assert pairs[0][1].recv(1) == b"z"
+        pairs[1][0].close()
+        third = reader.read()
+        assert reader.walks == 2 and {c.peer for c in third} == {peers[0]}
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+        server.close()
