@@ -388,6 +388,8 @@ def adapt() -> list[str]:
 def adapt_testbed() -> list[str]:
     out: list[str] = []
     for name, title in (("adapt_testbed.json", "A NIC cut mid-job on the testbed (`gradsync bench adapt-testbed`)"),
+                        ("adapt_bcube/adapt_testbed.json", "A NIC cut mid-job on BCube (`gradsync bench adapt-testbed "
+                                                           "--topology bcube:3,2 --rate 200mbit --slow-rank 4`)"),
                         ("adapt_testbed_late.json", "A rank late every step on the testbed (`gradsync bench "
                                                     "adapt-testbed --scenario late`)"),
                         ("adapt_testbed_dead.json", "A link that stops carrying anything on the testbed (`gradsync "
@@ -437,21 +439,20 @@ def _adapt_testbed(name: str, title: str) -> list[str]:
             f"{'yes' if s['all_exact'] else 'NO'}; {j['watched']} collectives watched"
             + (f"; the last degraded round ran `{pred['adaptive_plan']}`, which the model prices at "
                f"{num(pred['adaptive'])} s (measured / predicted {num(s['adaptive_degraded_over_predicted'])})"
-               if s.get("adaptive_degraded_over_predicted") else "") + ".", ""]
+               if s.get("adaptive_degraded_over_predicted") else "") + "." + _plans_note(j), ""]
     lines = [sw["message"] for sw in j["switches"]] + j["held"]
     return out + (block(lines) if lines else [])
 
 
 def _plans_note(j: dict) -> str:
-    """Which plan adaptive ran before the change, and how many rounds of each phase it spent settling (exploring)."""
+    """Which plan adaptive ran before the change, and how many rounds of the change it spent settling (exploring)."""
     plans, settled, cfg = j.get("plans"), j.get("settling_rounds"), j["config"]
     if not plans or not settled:
         return ""
-    cut = [r for r in settled["adaptive"] if cfg["degrade_at"] <= r < cfg["restore_at"]]
-    return (f" Adaptive ran `{plans['adaptive'][0]}` before the cut (its own exploration's pick; static's was "
-            f"`{plans['static'][0]}`), and after the reroute it explored again: it settled something (planned, built or "
-            f"timed a candidate) in {len(cut)} of the {cfg['restore_at'] - cfg['degrade_at']} cut rounds, the slow "
-            f"rounds of the plot.")
+    during = [r for r in settled["adaptive"] if cfg["degrade_at"] <= r < cfg["restore_at"]]
+    return (f" Adaptive ran `{plans['adaptive'][0]}` before the change (its own exploration's pick; static's was "
+            f"`{plans['static'][0]}`); it settled something (planned, built or timed a candidate) in {len(during)} of "
+            f"the {cfg['restore_at'] - cfg['degrade_at']} rounds of the change, the slow rounds of the plot.")
 
 
 def mergecomp() -> list[str]:
