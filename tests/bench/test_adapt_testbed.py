@@ -40,21 +40,26 @@ def test_the_late_scenario_has_its_own_goals_and_puts_the_prediction_beside_the_
     assert s["adaptive_degraded_over_predicted"] == pytest.approx(1.25)
 
 
+def _degrade_and_restore(control: Path, args: dict) -> list:
+    """Rank 0's two asks (degrade at round 20, restore at 40) against a driver thread; the driver's log."""
+    stop = threading.Event()
+    log: list = []
+    driver = threading.Thread(target=lambda: log.extend(at._drive(control, type("A", (), args)(), stop)))
+    driver.start()
+    try:
+        at._ask(control, "degrade", 20)
+        at._ask(control, "restore", 40)
+    finally:
+        stop.set()
+        driver.join(timeout=5)
+    return log
+
+
 def test_rank0_asks_and_the_driver_changes_the_rate_once_per_ask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, str | None]] = []
     monkeypatch.setattr("gradsync.testbed.control.set_server_rate",
                         lambda rank, rate, **kw: calls.append((rank, rate)) or 25.0)
-    args = type("A", (), {"rate": "100mbit", "factor": 4.0, "slow_rank": 2, "scenario": "nic"})()
-    stop = threading.Event()
-    log: list = []
-    driver = threading.Thread(target=lambda: log.extend(at._drive(tmp_path, args, stop)))
-    driver.start()
-    try:
-        at._ask(tmp_path, "degrade", 20)
-        at._ask(tmp_path, "restore", 40)
-    finally:
-        stop.set()
-        driver.join(timeout=5)
+    log = _degrade_and_restore(tmp_path, {"rate": "100mbit", "factor": 4.0, "slow_rank": 2, "scenario": "nic"})
     assert calls == [(2, "25.0mbit"), (2, None)] and [e["ask"] for e in log] == ["degrade 20", "restore 40"]
 
 
@@ -65,16 +70,8 @@ def test_the_dead_link_scenario_cuts_and_mends_the_link_and_judges_the_reroutes_
     calls: list[tuple[int, str, bool]] = []
     monkeypatch.setattr("gradsync.testbed.control.set_link",
                         lambda rank, peer, up, **kw: calls.append((rank, peer, up)) or type("P", (), {"cut": ()})())
-    args = type("A", (), {"rate": "100mbit", "factor": 4.0, "slow_rank": 0, "scenario": "dead", "peer": "L0.sw0"})()
-    stop = threading.Event()
-    driver = threading.Thread(target=lambda: at._drive(tmp_path, args, stop))
-    driver.start()
-    try:
-        at._ask(tmp_path, "degrade", 20)
-        at._ask(tmp_path, "restore", 40)
-    finally:
-        stop.set()
-        driver.join(timeout=5)
+    _degrade_and_restore(tmp_path, {"rate": "100mbit", "factor": 4.0, "slow_rank": 0, "scenario": "dead",
+                                    "peer": "L0.sw0"})
     assert calls == [(0, "L0.sw0", False), (0, "L0.sw0", True)]
     report = _report(static=1.5, adaptive=1.1, gloo=2.0)
     report["config"]["scenario"] = "dead"
