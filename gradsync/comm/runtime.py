@@ -89,6 +89,9 @@ class Work:
 
 #: :meth:`Runtime._native_issue`'s executor for ``native_allreduce_async(always=True)``: whatever the size's plan.
 NATIVE_ANY = object()
+#: The watch's agreement round on gloo (:meth:`Runtime._share_sum`): a tree reduces and broadcasts in two latency
+#: steps per level where gloo's ring takes ``2 (n - 1)``.
+AGREE_ALGORITHM = "tree"
 
 
 def _label(ex: Any) -> str:
@@ -284,10 +287,21 @@ class Runtime:
         return f"{name}/{pipeline}"
 
     def _share_sum(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over ranks now (the watch's agreement round): on the backend's own allreduce where the
-        transport has one (a few float64s, each entry with one writer, so the sum is exact in any order; on a planned
-        ring its tiny messages were most of what watching an allreduce cost), else on the plan for its size."""
-        self._executor_for(tensor, "sum", NATIVE if self.plans.caps.native else None).run(tensor, "sum")
+        """Sum ``tensor`` over ranks now (the watch's agreement round: a few hundred float64s, each entry with one
+        writer, so the sum is exact in any order). On gloo, on a :data:`AGREE_ALGORITHM` plan: gloo's allreduce is a
+        ring, ``2 (n - 1)`` latency steps, and its wait after the slowest rank was most of what watching an
+        allreduce cost (docs/runtime.md); a planned ring's tiny messages cost more still. Elsewhere on the backend's
+        own allreduce where the transport has one, else on the plan for its size."""
+        caps = self.plans.caps
+        ex: Any = None
+        if caps.backend == "gloo":
+            try:
+                ex = self.executor(AGREE_ALGORITHM, tensor.numel() * tensor.element_size())
+            except GradsyncError:  # no tree on this topology: the backend's own
+                ex = None
+        if ex is None:
+            ex = self._executor_for(tensor, "sum", NATIVE if caps.native else None)
+        ex.run(tensor, "sum")
 
     def set_cost_model(self, model: CostModel) -> None:
         """Price with ``model`` from now on: plans and choices made with the old one are dropped."""

@@ -69,6 +69,8 @@ def test_the_watch_reads_each_pairs_rate_from_the_kernels_counters_of_its_gloo_c
         assert all(0 <= n <= 2 for n in rep["tcp_pairs"]) and sum(rep["tcp_pairs"]) >= 2, (rank, rep)
         assert rep["source"] == reports[0]["source"] and rep["message_s"] == reports[0]["message_s"], (rank, rep)
     assert "executor α measured by the watch" in reports[0]["source"], reports[0]
+    # the agreement rounds ran on a tree (two latency steps a level), not on gloo's ring or the job's planned ring
+    assert all("tree" in rep["built"] for rep in reports), reports[0]
     assert 1e-6 <= reports[0]["message_s"] < 0.5 and reports[0]["message_s"] != CostModel().message_s, reports[0]
 
 

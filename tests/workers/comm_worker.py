@@ -415,7 +415,8 @@ def scenario_tcp_rates(topology: str) -> dict:
         tcp.append(rt.adapt.tcp_pairs)
     peers = sorted(set((rt.adapt._tcp_peers or {}).values()))
     out = {"exact": exact, "tcp_pairs": tcp, "peers": peers, "watched": rt.adapt.watched,
-           "message_s": rt.cost_model.message_s, "source": rt.cost_model.source}
+           "message_s": rt.cost_model.message_s, "source": rt.cost_model.source,
+           "built": sorted(name for name, _ in rt.plans.built())}
     gradsync.shutdown()
     return out
 
