@@ -479,8 +479,8 @@ class Adapter:
         vec[n * n + self.rank] = max(seconds, 0.0)
         if self.nics:
             start = n * n + n + self.rank * k
-            vec[start:start + k] = torch.tensor(_nics.encode_down(self.nics, self.full_topology.device_index,
-                                                                  _nics.carrier), dtype=torch.float64)
+            for i, code in enumerate(_nics.encode_down(self.nics, self.full_topology.device_index, _nics.carrier)):
+                vec[start + i] = code
         self._share(vec)
         pairs = vec[: n * n].tolist()
         down = _nics.decode_down(vec[n * n + n:].view(n, k).tolist(), self.full_topology.ranks,
