@@ -58,8 +58,6 @@ DEFAULT_TOPOLOGY = {"nic": "racks:2,3,4", "late": "switch:8", "dead": "bcube:3,2
 #: executor's own costs decide it (docs/runtime.md, "Plans that follow the cluster"); the dead one at bcube's rate in
 #: ``bench vs-native``.
 DEFAULT_RATE = {"nic": "400mbit", "late": "100mbit", "dead": "200mbit"}
-#: What each scenario's change is called in the log and the plot.
-CHANGES = {"nic": ("degrade", "restore"), "late": ("late", "on time"), "dead": ("cut", "mend")}
 
 
 def _ask(control: Path, what: str, round_: int) -> None:
@@ -343,46 +341,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     stem = "adapt_testbed" if args.scenario == "nic" else f"adapt_testbed_{args.scenario}"
     (args.out / f"{stem}.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(out, args.out / f"{stem}.png")
-    if args.scenario == "dead":
-        return _report_dead(out, args.out, stem)
     s = out["summary"]
     for m in METHODS:
         print(f"{m:9s} " + ", ".join(f"{ph} {v:.3f} s" for ph, v in s["medians_s"][m].items()))
-    r = s["ratios"]
-    g = s["goals"]
-    print(f"degraded: adaptive {r['degraded_vs_static']:.2f}x static (goal >= {g['degraded_vs_static']}x), "
-          f"{r['degraded_vs_gloo']:.2f}x gloo (goal >= {g['degraded_vs_gloo']}x); "
-          f"after / before {r['recovered']:.3f} (goal within 5 %); switches {len(out['switches'])}, held "
-          f"{len(out['held'])}; exact: {s['all_exact']}")
-    pred = out.get("predicted_degraded_s") or {}
-    if s["adaptive_degraded_over_predicted"] is not None:
-        print(f"adaptive while degraded: {pred['adaptive_plan']} predicted {pred['adaptive']:.3f} s, measured / "
-              f"predicted {s['adaptive_degraded_over_predicted']:.2f}")
+    for line in (_dead_lines if args.scenario == "dead" else _degraded_lines)(out):
+        print(line)
     for sw in out["switches"]:
         print("  " + sw["message"])
     print(f"wrote {args.out / (stem + '.json')} and .png")
     return 0
 
 
-def _report_dead(out: dict[str, Any], where: Path, stem: str) -> int:
-    """Scenario (c)'s lines: the medians, the reroute's log line and its prediction against the measured time."""
+def _degraded_lines(out: dict[str, Any]) -> list[str]:
+    """Scenarios (a) and (b): adaptive against static and gloo while degraded, recovery, the prediction."""
     s = out["summary"]
-    for m in METHODS:
-        print(f"{m:9s} " + ", ".join(f"{ph} {v:.3f} s" for ph, v in s["medians_s"][m].items()))
+    r, g = s["ratios"], s["goals"]
+    lines = [f"degraded: adaptive {r['degraded_vs_static']:.2f}x static (goal >= {g['degraded_vs_static']}x), "
+             f"{r['degraded_vs_gloo']:.2f}x gloo (goal >= {g['degraded_vs_gloo']}x); "
+             f"after / before {r['recovered']:.3f} (goal within 5 %); switches {len(out['switches'])}, held "
+             f"{len(out['held'])}; exact: {s['all_exact']}"]
+    pred = out.get("predicted_degraded_s") or {}
+    if s["adaptive_degraded_over_predicted"] is not None:
+        lines.append(f"adaptive while degraded: {pred['adaptive_plan']} predicted {pred['adaptive']:.3f} s, measured / "
+                     f"predicted {s['adaptive_degraded_over_predicted']:.2f}")
+    return lines
+
+
+def _dead_lines(out: dict[str, Any]) -> list[str]:
+    """Scenario (c): adaptive against static and gloo while cut, and the reroute's prediction against the time."""
+    s = out["summary"]
     r, pred = s["ratios"], out.get("predicted_degraded_s") or {}
-    print(f"cut: adaptive {r['degraded_vs_static']:.2f}x static, {r['degraded_vs_gloo']:.2f}x gloo; after / before "
-          f"{r['recovered']:.3f}; exact: {s['all_exact']}")
+    lines = [f"cut: adaptive {r['degraded_vs_static']:.2f}x static, {r['degraded_vs_gloo']:.2f}x gloo; after / before "
+             f"{r['recovered']:.3f}; exact: {s['all_exact']}"]
     over = s["adaptive_degraded_over_predicted_at_reroute"]
     if over is not None:
         first = pred.get("at_reroute")
-        print(f"after the reroute: {pred['adaptive_plan']} ran, the model prices it at {pred.get('model', 0):.3f} s on "
-              f"the surviving graph (at the reroute it chose {pred.get('reroute_plan')}, priced "
-              f"{first if first is None else f'{first:.3f}'} s); measured / predicted {over:.2f} (goal within "
-              f"{s['goals']['predicted_within']:.0%}: {'met' if s['met']['predicted'] else 'NOT met'})")
-    for sw in out["switches"]:
-        print("  " + sw["message"])
-    print(f"wrote {where / (stem + '.json')} and .png")
-    return 0
+        lines.append(f"after the reroute: {pred['adaptive_plan']} ran, the model prices it at {pred.get('model', 0):.3f} s "
+                     f"on the surviving graph (at the reroute it chose {pred.get('reroute_plan')}, priced "
+                     f"{first if first is None else f'{first:.3f}'} s); measured / predicted {over:.2f} (goal within "
+                     f"{s['goals']['predicted_within']:.0%}: {'met' if s['met']['predicted'] else 'NOT met'})")
+    return lines
 
 
 if __name__ == "__main__":

@@ -459,8 +459,7 @@ class Adapter:
         rates = collective_rates((Sample((me, ex.proc_of.index(peer)), b, t0, t1) for peer, b, t0, t1 in sent),
                                  self.options.pair_min_bytes)
         before, self._tcp_before = self._tcp_before, None
-        if before is not None and self._tcp_peers:  # the kernel's rate where it has the pair's connection
-            assert self._tcp_reader is not None  # made with the peers
+        if before is not None and self._tcp_reader is not None and self._tcp_peers:  # the kernel's, where it has it
             wire = wire_rates(before, self._tcp_reader.read(), self._tcp_peers, self.options.pair_min_bytes)
             tcp = {(me, ex.proc_of.index(p)): r for p, r in wire.items() if p in ex.proc_of}
             rates.update({k: v for k, v in tcp.items() if k in rates})
@@ -479,12 +478,11 @@ class Adapter:
         vec[n * n + self.rank] = max(seconds, 0.0)
         if self.nics:
             start = n * n + n + self.rank * k
-            for i, code in enumerate(_nics.encode_down(self.nics, self.full_topology.device_index, _nics.carrier)):
+            for i, code in enumerate(_nics.encode_down(self.nics, self.full_topology, _nics.carrier)):
                 vec[start + i] = code
         self._share(vec)
         pairs = vec[: n * n].tolist()
-        down = _nics.decode_down(vec[n * n + n:].view(n, k).tolist(), self.full_topology.ranks,
-                                 tuple(d.name for d in self.full_topology.devices))
+        down = _nics.decode_down(vec[n * n + n:].view(n, k).tolist(), self.full_topology)
         return {(i // n, i % n): r for i, r in enumerate(pairs) if r}, vec[n * n: n * n + n].tolist(), down
 
     def _warm_up(self, schedule: Schedule, nbytes: float, shared: dict[Hashable, float],
@@ -638,10 +636,9 @@ class Adapter:
         detector last saw it (scaled links, a late rank's arrival); None where that plan cannot be priced. What a
         benchmark puts beside the measured steady state. Every rank calls it at the same point: a size not yet
         run is priced job-wide."""
-        plans = self.plans
-        try:
-            schedule = self._schedule_of(plans.choice(size_class(nbytes)), plans.topology)
-            return self._predict(schedule, plans.topology, nbytes, self._late(self.conditions))
+        try:  # what the runtime runs for this size: auto's pick (or its explorer, on the model's), or the plan asked for
+            schedule = self._build(nbytes).schedule
+            return self._predict(schedule, self.plans.topology, nbytes, self._late(self.conditions))
         except (GradsyncError, KeyError, SimulationError):
             return None
 
@@ -926,16 +923,9 @@ class Adapter:
         self._fresh()
         self.plans.options = self.base_options
         self.tuning.set_cost_model(self.plans.cost_model, survived)
-        ex = self._build(nbytes)
+        self._build(nbytes)
         new_plan = self._label(nbytes)
-        predicted = None
-        try:  # the model's price (the watch's slowdown is reset): auto's pick, job-wide, or the plan built
-            schedule = (self._schedule_of(self.plans.choice(size_class(nbytes)), survived) if self.auto
-                        else getattr(ex, "schedule", None))
-            if schedule is not None:
-                predicted = self._predict(schedule, survived, nbytes, {})
-        except (GradsyncError, KeyError, SimulationError):
-            pass
+        predicted = self.predicted_s(nbytes)  # the model's price: the watch's slowdown and conditions are reset
         on = (f"replanned on the {len(links)} surviving links" if survived is not topo
               else f"replanned on all {len(links)} links")
         message = (f"gradsync: {what or 'links unchanged'} in {topo.name!r}: {on}; {old_plan} -> {new_plan}"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gradsync.errors import GradsyncError
+from gradsync.topology.model import Topology
 
 __all__ = ["MAX_NICS", "NICS_ENV", "Nic", "carrier", "decode_down", "encode_down", "interfaces", "nics_from_env",
            "parse_nics"]
@@ -72,16 +73,17 @@ def carrier(ifname: str) -> bool:
         return False
 
 
-def encode_down(nics: tuple[Nic, ...], devices: dict[str, int], up: Callable[[str], bool]) -> list[float]:
-    """This rank's row of the agreement round: per NIC (at most :data:`MAX_NICS`), its peer's device index + 1
-    when its carrier is gone, else 0 (float64 holds it exactly)."""
+def encode_down(nics: tuple[Nic, ...], topology: Topology, up: Callable[[str], bool]) -> list[float]:
+    """This rank's row of the agreement round: per NIC (at most :data:`MAX_NICS`), its peer's device index in
+    ``topology`` + 1 when its carrier is gone, else 0 (float64 holds it exactly)."""
     row = [0.0] * MAX_NICS
     for i, (ifname, _, peer) in enumerate(nics[:MAX_NICS]):
         if not up(ifname):
-            row[i] = float(devices[peer] + 1)
+            row[i] = float(topology.device_index[peer] + 1)
     return row
 
 
-def decode_down(rows: list[list[float]], ranks: tuple[str, ...], devices: tuple[str, ...]) -> frozenset[frozenset[str]]:
-    """The links every rank's row says are dead: ``{ranks[r], devices[code - 1]}`` per nonzero code."""
-    return frozenset(frozenset((ranks[r], devices[int(c) - 1])) for r, row in enumerate(rows) for c in row if c > 0)
+def decode_down(rows: list[list[float]], topology: Topology) -> frozenset[frozenset[str]]:
+    """The links every rank's row says are dead: rank ``r``'s device and device ``code - 1`` per nonzero code."""
+    return frozenset(frozenset((topology.ranks[r], topology.devices[int(c) - 1].name))
+                     for r, row in enumerate(rows) for c in row if c > 0)

@@ -125,10 +125,13 @@ class Runtime:
         self.transport = transport
         if topology is None:
             topology = os.environ.get("GRADSYNC_TOPOLOGY") or f"switch:{transport.world_size}"
-        self.topology = topology if isinstance(topology, Topology) else get_topology(str(topology))
-        if self.topology.world_size != transport.world_size:
+        #: the watch that replans when the wire leaves the model (:mod:`gradsync.comm.adapt`); None: off
+        #: (``adapt=False`` or ``GRADSYNC_ADAPT=0``)
+        self.adapt: Adapter | None = None
+        self._topology = topology if isinstance(topology, Topology) else get_topology(str(topology))
+        if self._topology.world_size != transport.world_size:
             raise GradsyncError(
-                f"topology {self.topology.name!r} has {self.topology.world_size} ranks but the job has "
+                f"topology {self._topology.name!r} has {self._topology.world_size} ranks but the job has "
                 f"world_size={transport.world_size}; pass a topology with {transport.world_size} ranks "
                 f"(e.g. 'switch:{transport.world_size}') or select ranks like 'p3.16xlarge[0,1,2,3]'"
             )
@@ -139,7 +142,7 @@ class Runtime:
         #: what the transport offers beyond point to point (read once: the runtime never probes it)
         self.caps = transport.capabilities
         #: choices and executors for every collective (:mod:`gradsync.comm.plans`)
-        self.plans = PlanCache(transport, self.topology, options=self.options, mapping=mapping, timeout_s=timeout_s,
+        self.plans = PlanCache(transport, self._topology, options=self.options, mapping=mapping, timeout_s=timeout_s,
                                cost_model=cost_model or CostModel())
         #: calibration, tuning and exploring for ``auto`` (:mod:`gradsync.comm.tuning`)
         self.tuning = Tuning(self.plans, self.submit)
@@ -157,9 +160,6 @@ class Runtime:
         #: what this rank asked for, compared with the other ranks' only when a collective fails
         self.ledger = Ledger()
         adapt_options = adapt_from_env(adapt)
-        #: the watch that replans when the wire leaves the model (:mod:`gradsync.comm.adapt`); None: off
-        #: (``adapt=False`` or ``GRADSYNC_ADAPT=0``)
-        self.adapt: Adapter | None = None
         if adapt_options is not None and transport.world_size > 1:
             self.adapt = Adapter(self.plans, self.tuning, adapt_options, share=self._share_sum,
                                  build=lambda nbytes: self.executor(None, nbytes), label=self._plan_label, clock=clock,
@@ -167,6 +167,12 @@ class Runtime:
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
         self._thread.start()
         self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
+
+    @property
+    def topology(self) -> Topology:
+        """The job's topology as it is now: the one it started on, less the links the watch dropped (by
+        :meth:`drop_link`, or for a NIC without carrier)."""
+        return self.adapt.base_topology if self.adapt is not None else self._topology
 
     # ---- planning (the plan cache and tuning do the work) ----------------------------------------------------
     @functools.cached_property
@@ -274,7 +280,6 @@ class Runtime:
             except PeerError as exc:
                 self._failed = exc
                 raise
-            self.topology = adapt.base_topology
 
         self.submit(drop, "drop_link").wait()
 
@@ -481,7 +486,6 @@ class Runtime:
                 out = ex.run(payload, op)
                 if watched:
                     adapt.after(ex, nbytes)  # type: ignore[union-attr]
-                    self.topology = adapt.base_topology  # type: ignore[union-attr]  # less a link found dead
                 return out
         except BaseException as exc:
             named = self._named(exc)

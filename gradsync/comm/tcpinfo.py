@@ -116,8 +116,8 @@ class TcpReader:
     process each time: the first reading walks them (:func:`read_connections`) and keeps those connections' fd
     numbers; later readings ask those fds alone (the owner's fd, borrowed and handed back, never closed), each
     checked to still be the same connection. A fd closed or reused since, or a connection gone: the next reading
-    walks again. The walk costs a few system calls per fd of the process (gloo, the store, files): measured on the
-    9-rank testbed, ~3 ms per reading on a busy core, twice per watched collective."""
+    walks again. The walk costs a few system calls per fd of the process (gloo, the store, files), twice per watched
+    collective (docs/runtime.md)."""
 
     def __init__(self, peers: Iterable[tuple[str, int]]) -> None:
         self.peers = frozenset(peers)
