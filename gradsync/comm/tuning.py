@@ -85,13 +85,22 @@ EXPLORE_RIVAL = 0.1
 Submit = Callable[[Callable[[], Any], str], Any]  # Runtime.submit: queue on the communication thread -> Work
 
 
-def tuned_choice(measured: Mapping[Pick, float], model: Pick, margin: float = TUNE_MARGIN) -> Pick:
+def tuned_choice(measured: Mapping[Pick, float], model: Pick, margin: float = TUNE_MARGIN,
+                 fallback: Pick | None = None) -> Pick:
     """The model's choice, unless a measured candidate beats it by more than ``margin`` (a share of its time):
-    then the fastest. A tie within the margin keeps the model's choice, so noise does not flip it."""
+    then the fastest. A tie within the margin keeps the model's choice, so noise does not flip it.
+
+    ``fallback`` (the backend's own collective, when measured) needs no margin: within the margin it replaces
+    the model's choice as soon as it measured faster. A near-tie is where gradsync would otherwise run a
+    little slower than what the user had without it, and running the backend's collective costs nothing new."""
     if model not in measured:
         raise GradsyncError(f"the model's choice {model} was not measured; measured: {sorted(measured)}")
     fastest = min(measured, key=lambda k: (measured[k], k != model))
-    return fastest if measured[fastest] < (1.0 - margin) * measured[model] else model
+    if measured[fastest] < (1.0 - margin) * measured[model]:
+        return fastest
+    if fallback is not None and fallback in measured and measured[fallback] < measured[model]:
+        return fallback
+    return model
 
 
 def max_over_ranks(group: Any, values: Sequence[float], device: torch.device) -> list[float]:
@@ -451,7 +460,8 @@ class Tuning:
         Per class, the model's choice, the native collective and every other algorithm at its best predicted
         pipeline depth and at depth 1 each run ``reps`` times after two warm-ups (the slowest rank's median,
         identical on every rank); a candidate replaces the model's choice only when it is more than
-        :data:`TUNE_MARGIN` faster.
+        :data:`TUNE_MARGIN` faster, and the native collective whenever it measured faster (gradsync is not to
+        run slower than the backend where the two are near-equal).
         Returns ``{class bytes: {"choice": [algorithm, pipeline], "model": [...], "measured_s": {...}}}``
         (also kept in :attr:`tuned`). Runs on the communication thread like :meth:`calibrate`; a runtime
         that is not ``auto`` (``auto=False``), or has one rank or no torch.distributed transport, has nothing
@@ -489,7 +499,7 @@ class Tuning:
             for name, pipeline in tried:
                 ex = plans.executor(name, pipeline, size)
                 measured[(name, pipeline)] = self.slowest(lambda ex=ex, buf=buf: ex.run(buf, "sum"), reps)
-            pick = tuned_choice(measured, model)
+            pick = tuned_choice(measured, model, fallback=(NATIVE, 1))
             plans.choose(size, pick)
             # executors are cached per (algorithm, depth) with the wait order priced at their first size: drop
             # the candidates this class built but did not pick, so a larger size that runs one later prices

@@ -33,6 +33,22 @@ def test_tuned_choice_keeps_the_model_unless_a_candidate_is_clearly_faster():
         tuned_choice({("ring", 1): 1.0}, model)
 
 
+def test_tuned_choice_falls_back_to_the_native_collective_whenever_it_measured_faster():
+    """Within the margin another plan does not replace the model's choice, but the backend's own collective does
+    (the 256 KiB class on the hand-written three-rack file: lp/2 72 ms against gloo's 68 ms was kept)."""
+    from gradsync.comm.tuning import TUNE_MARGIN, tuned_choice
+
+    model, native = ("lp", 2), ("native", 1)
+    near = {model: 0.0720, native: 0.0684, ("tree", 1): 0.0690}
+    assert tuned_choice(near, model) == model  # no fallback named: the margin rules
+    assert tuned_choice(near, model, fallback=native) == native
+    # the fallback measured slower, or was not measured: the model's choice stays
+    assert tuned_choice({model: 1.0, native: 1.01}, model, fallback=native) == model
+    assert tuned_choice({model: 1.0, ("tree", 1): 0.99}, model, fallback=native) == model
+    # a clearly faster plan still beats both
+    assert tuned_choice({model: 1.0, native: 0.97, ("tree", 1): 1.0 - 2 * TUNE_MARGIN}, model, fallback=native) == ("tree", 1)
+
+
 def test_cached_tuned_choices_are_checked_before_auto_uses_them():
     """``use_tuned`` adopts a cache's choices per size class (what ``auto`` then runs, exact) and refuses a
     wrong file whole, naming the entry: an unknown algorithm, a size that is no class, a depth of 0."""
