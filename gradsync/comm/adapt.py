@@ -614,7 +614,7 @@ class Adapter:
         model = self.plans.cost_model
         return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
                         fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
-                        start_delay_s=late or None)
+                        start_delay_s=late or None, message_overlap=schedule.algorithm == NATIVE)
 
     def _rate_slowdown(self, schedule: Schedule, nbytes: float, measured_s: float, modelled_s: float) -> float:
         """The factor ``g >= 1`` by which the model's rates must be divided for ``schedule`` to take
@@ -626,7 +626,8 @@ class Adapter:
             model = self.plans.cost_model
             got = self._fast[key] = (schedule, simulate(
                 schedule, _slowed(model.rates(self.base_topology), 1e-6), float(nbytes), streaming=False, fifo=True,
-                message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False).time_s)
+                message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
+                message_overlap=schedule.algorithm == NATIVE).time_s)
         fast = got[1]
         wire = modelled_s - fast
         return max(1.0, (measured_s - fast) / wire) if wire > 0 else 1.0

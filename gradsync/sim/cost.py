@@ -292,7 +292,7 @@ class CostModel:
         alpha = self.native_message_s if native else self.message_s
         return simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
                         message_s=alpha, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False,
-                        start_delay_s=start_delay_s)
+                        start_delay_s=start_delay_s, message_overlap=native)
 
     def wait_order(self, schedule: Schedule, topology: Topology, size_bytes: float,
                    given: np.ndarray | None = None) -> np.ndarray:

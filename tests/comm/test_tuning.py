@@ -327,3 +327,21 @@ def test_the_default_calibrates_only_where_a_plan_beats_the_backends_ring_in_ban
     assert not pays(str(two_racks), "ring")
     assert not pays(str(two_racks), backend="nccl") and not pays(str(two_racks), native=False)
     assert not pays(str(two_racks), mapping=[0, 1, 2, 3]) and not pays("switch:1", world=1)
+
+
+def test_the_natives_alpha_is_solved_on_its_overlapping_price():
+    """Calibration reads the backend's α off a small allreduce priced as 2(N-1) max(wire, α) (not affine in α):
+    the solved α gives back the measured time (α above the step's wire time: below it α does not show), and the
+    edge cases say what they return."""
+    from gradsync.comm.tuning import _solve_rising
+    from gradsync.sim.cost import CostModel
+    from gradsync.topology import get_topology
+
+    t = get_topology("switch:5")
+    base = CostModel()
+    for true_alpha in (2e-3, 1e-6 * 30):
+        measured = replace(base, native_message_s=true_alpha).predict_native(t, 4096)
+        got = _solve_rising(lambda a: replace(base, native_message_s=a).predict_native(t, 4096), measured, 7.0)
+        assert replace(base, native_message_s=got).predict_native(t, 4096) == pytest.approx(measured, rel=2e-3)
+    assert _solve_rising(lambda a: 1.0 + a, 0.5, 7.0) == 1e-6  # slower than measured at α = 0: the floor
+    assert _solve_rising(lambda a: 1.0, 2.0, 7.0) == 7.0  # α does not move it: unchanged

@@ -19,14 +19,19 @@ from gradsync.topology import get_topology
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-@pytest.mark.parametrize("alpha", [0.0, 1e-4])
+@pytest.mark.parametrize("alpha", [0.0, 1e-4, 1e-2])
 def test_native_ring_is_the_store_and_forward_closed_form(n, alpha):
-    """gloo's ring in rank order: 2(N-1) steps of M/N bytes, each paying α: 2(N-1)(M/(Nβ) + α)."""
+    """gloo's ring in rank order: 2(N-1) steps of M/N bytes, each taking the longer of its wire time and α (the
+    backend's per-step cost runs while the step's bytes arrive): 2(N-1) max(M/(Nβ), α). The executor's α stays
+    in series: the same ring on the executor's price pays M/(Nβ) + α per step."""
     t = get_topology(f"ring:{n}")
     beta = t.links[0].bandwidth_GBps * 1e9
     m = 3e7
-    model = CostModel(native_message_s=alpha)
-    assert model.predict_native(t, m) == pytest.approx(2 * (n - 1) * (m / (n * beta) + alpha), rel=1e-9)
+    step = m / (n * beta)
+    assert (alpha > step) == (alpha == 1e-2)  # both regimes are covered
+    model = CostModel(native_message_s=alpha, message_s=alpha)
+    assert model.predict_native(t, m) == pytest.approx(2 * (n - 1) * max(step, alpha), rel=1e-9)
+    assert model.predict(native_schedule(t), t, m) == pytest.approx(2 * (n - 1) * (step + alpha), rel=1e-9)
 
 
 def test_bidirectional_ring_halves_the_bytes_per_step():
@@ -236,12 +241,14 @@ def test_a_link_loaded_both_ways_carries_one_over_one_plus_kappa_each_way(kappa)
 
 @pytest.mark.parametrize("n", [3, 5])
 def test_native_ring_with_reverse_share_is_the_closed_form(n):
-    """Every NIC of a switch is loaded both ways in gloo's ring: 2(N-1)(M(1+κ)/(Nβ) + α)."""
+    """Every NIC of a switch is loaded both ways in gloo's ring: 2(N-1) max(M(1+κ)/(Nβ), α)."""
     t = get_topology(f"switch:{n}")
     beta = t.links[0].bandwidth_GBps * 1e9
-    m, alpha, kappa = 3e7, 1e-4, 0.08
-    got = CostModel(native_message_s=alpha, reverse_share=kappa).predict_native(t, m)
-    assert got == pytest.approx(2 * (n - 1) * (m * (1 + kappa) / (n * beta) + alpha), rel=1e-9)
+    m, kappa = 3e7, 0.08
+    step = m * (1 + kappa) / (n * beta)
+    for alpha in (1e-4, 3 * step):
+        got = CostModel(native_message_s=alpha, reverse_share=kappa).predict_native(t, m)
+        assert got == pytest.approx(2 * (n - 1) * max(step, alpha), rel=1e-9)
 
 
 @pytest.mark.parametrize("bad,match", [
