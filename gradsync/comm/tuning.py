@@ -40,7 +40,7 @@ from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, siz
 from gradsync.topology.model import Topology
 
 __all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
-           "TUNE_MARGIN", "TUNE_MAX_BYTES", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
+           "TUNE_MARGIN", "TUNE_MAX_BYTES", "EXPLORE_MIN_BYTES", "EXPLORE_NATIVE", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
 #: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many).
@@ -81,6 +81,14 @@ EXPLORE_MAX_CALLS = (1 + EXPLORE_REPS) * (4 + 3 * EXPLORE_STEPS)
 #: The explorer's first step also times the best plan of another algorithm that the model prices within this
 #: share of its choice: near-equal algorithms are where the model's ranking is least sure (docs/runtime.md).
 EXPLORE_RIVAL = 0.1
+#: ... and the backend's own collective, where the model prices it within this share of its choice (either way:
+#: beside a plan it priced a little slower, or, when it chose the backend, beside the best plan), so that ``auto``
+#: settles on a plan only where it measured no slower than the collective the user had without gradsync.
+EXPLORE_NATIVE = 0.25
+#: Size classes from this size up that tuning did not measure are explored (above :data:`TUNE_MAX_BYTES` always;
+#: the default ``init`` calibrates without tuning). Below it a call is a few messages' fixed costs, which
+#: calibration measures.
+EXPLORE_MIN_BYTES = 64 << 10
 
 Submit = Callable[[Callable[[], Any], str], Any]  # Runtime.submit: queue on the communication thread -> Work
 
@@ -513,9 +521,10 @@ class Tuning:
 
     # ---- exploring ----------------------------------------------------------------------------------------
     def explorer(self, size: int, model: Pick) -> Explorer | None:
-        """The size class's :class:`Explorer` while it is still measuring (None: not exploring, a class tuning
-        covers, decided already, or nothing to compare: native, or no process group)."""
-        if not self.explore or size <= TUNE_MAX_BYTES:
+        """The size class's :class:`Explorer` while it is still measuring (None: not exploring, a class below
+        :data:`EXPLORE_MIN_BYTES` or one tuning measured, decided already, nothing to compare, or no process
+        group)."""
+        if not self.explore or size < EXPLORE_MIN_BYTES or (size <= TUNE_MAX_BYTES and size in self.tuned):
             return None
         if size not in self._explorers:
             self._explorers[size] = self._new_explorer(size, model)
@@ -524,12 +533,15 @@ class Tuning:
 
     def _new_explorer(self, size: int, model: Pick) -> Explorer | None:
         plans = self.plans
-        if not plans.caps.native or self.world_size == 1 or model[0] == NATIVE:
+        if not plans.caps.native or self.world_size == 1:
             return None
 
         def candidates() -> bytes:  # priced by rank 0, like every choice
+            choice = plans.chooser().choose(size)
+            if model[0] == NATIVE:
+                return json.dumps([model] + native_rival_of(choice, model)).encode()
             depths = [(model[0], q) for q in (2 * model[1], model[1] // 2) if plans.plannable(model[0], q)]
-            return json.dumps([model] + depths + rival_of(plans.chooser().choose(size), model)).encode()
+            return json.dumps([model] + depths + rival_of(choice, model) + native_rival_of(choice, model)).encode()
 
         tried = [(str(a), int(p)) for a, p in json.loads(plans.decide(f"explore/{size}", candidates))]
         return Explorer(self, plans.caps.group, size, tried) if len(tried) > 1 else None
@@ -642,7 +654,7 @@ class Explorer:
         slowest = max_over_ranks(self.group, medians, self.plans.caps.collective_device())
         measured = dict(zip(self.candidates, slowest))
         incumbent = self.candidates[0]
-        pick = tuned_choice(measured, incumbent, EXPLORE_MARGIN)
+        pick = tuned_choice(measured, incumbent, EXPLORE_MARGIN, fallback=(NATIVE, 1))
         self.steps.append({"candidates": [list(c) for c in self.candidates], "pick": list(pick),
                            "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}})
         beyond = self._beyond(pick, incumbent)
@@ -661,7 +673,7 @@ class Explorer:
         other candidates are the incumbent's double and half, so the double's next is its double, the half's its
         half), or, for another algorithm, its own double and half; decided by rank 0 for every rank."""
         name, p = pick
-        if pick == incumbent or len(self.steps) > EXPLORE_STEPS:
+        if pick == incumbent or name == NATIVE or len(self.steps) > EXPLORE_STEPS:
             return []
         if name != incumbent[0]:
             depths = [2 * p, p // 2]
@@ -673,6 +685,24 @@ class Explorer:
                            lambda: json.dumps([q for q in depths if q >= 1 and (name, q) not in measured
                                                and plans.plannable(name, q)]).encode())
         return [(name, int(q)) for q in json.loads(raw)]
+
+
+def native_rival_of(choice: Any, model: Pick) -> list[Pick]:
+    """What to time against the backend's own collective: for a planned ``model``, the backend's collective; for
+    the backend's, the best-priced plan; either only where the model prices the two within
+    :data:`EXPLORE_NATIVE` of each other (a near-tie, where α and the wire's short-transfer behaviour decide)."""
+    priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
+    mine = priced.get(tuple(model))
+    if mine is None:
+        return []
+    if model[0] != NATIVE:
+        other = priced.get((NATIVE, 1))
+        return [(NATIVE, 1)] if other is not None and other <= mine * (1 + EXPLORE_NATIVE) else []
+    plans = [(t, pick) for pick, t in priced.items() if pick[0] != NATIVE]
+    if not plans:
+        return []
+    t, pick = min(plans)
+    return [pick] if t <= mine * (1 + EXPLORE_NATIVE) else []
 
 
 def _solve_rising(predict: Callable[[float], float], measured: float, unchanged: float, rounds: int = 40) -> float:

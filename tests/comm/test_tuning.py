@@ -85,17 +85,25 @@ def test_tune_without_a_process_group_has_nothing_to_measure():
 
 def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
     """``explore`` times depths on a job's own calls only where a process group can agree on the timings,
-    and only above the tuned classes: without one, ``auto`` runs the model's choice, nothing is recorded."""
+    and only from EXPLORE_MIN_BYTES up, where tuning did not measure the class: without a group, ``auto`` runs
+    the model's choice, nothing is recorded."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import TUNE_MAX_BYTES
+    from gradsync.comm.tuning import EXPLORE_MIN_BYTES, TUNE_MAX_BYTES
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     rt.explore = True
-    for nbytes in (1000, TUNE_MAX_BYTES, 4 << 20):
+    for nbytes in (1000, EXPLORE_MIN_BYTES // 2, TUNE_MAX_BYTES, 4 << 20):
         ex = rt.executor("auto", nbytes)
         assert (ex.schedule.algorithm, ex.schedule is rt.executor("auto", nbytes).schedule) == (rt.choice(nbytes)[0], True)
     assert not rt.exploring() and rt.tuned == {}
-    assert rt.tuning.explored() == {4 << 20: None}  # decided once: nothing to time
+    assert rt.tuning.explored() == {TUNE_MAX_BYTES: None, 4 << 20: None}  # decided once: nothing to time
+    # a small class tuning measured is not explored again; one it did not measure is
+    tuned_rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    tuned_rt.explore = True
+    tuned_rt.tuning.tuned = {TUNE_MAX_BYTES: {"choice": ["ring", 1]}}
+    tuned_rt.executor("auto", TUNE_MAX_BYTES)
+    tuned_rt.executor("auto", EXPLORE_MIN_BYTES)
+    assert tuned_rt.tuning.explored() == {EXPLORE_MIN_BYTES: None}
 
 
 def _fake_timing(monkeypatch, rt, cost) -> list:
@@ -345,3 +353,51 @@ def test_the_natives_alpha_is_solved_on_its_overlapping_price():
         assert replace(base, native_message_s=got).predict_native(t, 4096) == pytest.approx(measured, rel=2e-3)
     assert _solve_rising(lambda a: 1.0 + a, 0.5, 7.0) == 1e-6  # slower than measured at α = 0: the floor
     assert _solve_rising(lambda a: 1.0, 2.0, 7.0) == 7.0  # α does not move it: unchanged
+
+
+def test_native_rival_of_times_the_backend_beside_a_near_plan_either_way():
+    """Within EXPLORE_NATIVE of each other, the backend's collective is timed beside the model's plan, and the best
+    plan beside the backend's when the model chose it; further apart, nothing (what the model is sure of)."""
+    from gradsync.comm.tuning import EXPLORE_NATIVE, native_rival_of
+    from gradsync.sim.choose import Candidate, Choice
+
+    def choice(*cands):
+        return Choice(cands[0][0], cands[0][1], cands[0][2], 256 << 10, tuple(Candidate(a, p, t) for a, p, t in cands))
+
+    near = 1 + EXPLORE_NATIVE * 0.9
+    far = 1 + EXPLORE_NATIVE * 1.1
+    assert native_rival_of(choice(("lp", 2, 1.0), ("native", 1, near), ("tree", 1, 1.01)), ("lp", 2)) == [("native", 1)]
+    assert native_rival_of(choice(("lp", 2, 1.0), ("native", 1, far)), ("lp", 2)) == []
+    assert native_rival_of(choice(("native", 1, 1.0), ("hierarchical", 2, near), ("hierarchical", 1, near * 1.01)),
+                           ("native", 1)) == [("hierarchical", 2)]
+    assert native_rival_of(choice(("native", 1, 1.0), ("hierarchical", 2, far)), ("native", 1)) == []
+    assert native_rival_of(choice(("native", 1, 1.0)), ("native", 1)) == []  # no plan was priced
+    assert native_rival_of(choice(("lp", 2, 1.0)), ("lp", 2)) == []  # no process group: the backend was not priced
+
+
+@pytest.mark.parametrize("first, cost, steps, pick", [
+    # the model's plan measured 5% slower than the backend's collective: within the margin, yet the backend wins
+    ([("lp", 2), ("lp", 4), ("lp", 1), ("native", 1)], {("lp", 2): 72.0, ("lp", 4): 80.0, ("lp", 1): 75.0,
+                                                         ("native", 1): 68.0}, 1, ("native", 1)),
+    # the model chose the backend; the plan beside it measured 1.4x quicker: it wins and its depths are timed
+    ([("native", 1), ("hierarchical", 2)], {("native", 1): 62.0, ("hierarchical", 1): 50.0, ("hierarchical", 2): 45.0,
+                                            ("hierarchical", 4): 47.0}, 2, ("hierarchical", 2)),
+    # the model chose the backend and it measured quickest: kept, nothing more timed
+    ([("native", 1), ("hierarchical", 2)], {("native", 1): 62.0, ("hierarchical", 2): 63.0}, 1, ("native", 1)),
+])
+def test_the_explorer_never_settles_on_a_plan_slower_than_the_backend(monkeypatch, first, cost, steps, pick):
+    """The backend's collective among the explored candidates (``native_rival_of``): any measured edge keeps it (no
+    margin); a plan that beat it is stepped over its own depths, as any other algorithm's."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import Explorer
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    _fake_timing(monkeypatch, rt, cost)
+    monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: name != "native" and (name, depth) in cost)
+    ex = Explorer(rt.tuning, object(), 256 << 10, first)
+    for _ in range(100):
+        if ex.pick is not None:
+            break
+        ex.run(torch.zeros(1))
+    record = rt.tuned[256 << 10]
+    assert ex.pick == pick and rt.choice(256 << 10) == pick and len(record["steps"]) == steps
