@@ -664,6 +664,13 @@ class Explorer:
             self._begin([pick, *beyond])
             return
         measured_all = {k: v for step in self.steps for k, v in step["measured_s"].items()}  # latest time each
+        native = f"{NATIVE}/1"
+        if native in measured_all and measured_all[native] < measured_all[f"{pick[0]}/{pick[1]}"]:
+            # later steps time the winner against its own depths only: a pick that drifted slower than the
+            # backend measured is not kept (docs/runtime.md, "Explore")
+            dropped, pick = pick, (NATIVE, 1)
+            if dropped not in self._had and dropped not in self.tuning.in_use(besides=self):
+                self.plans.drop([dropped])
         self.pick = pick
         self.tuning.settled(self.size, pick, {"choice": list(pick), "model": list(self.model), "online": True,
                                               "measured_s": measured_all, "steps": self.steps})

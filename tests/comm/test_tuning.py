@@ -108,7 +108,7 @@ def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
 
 def _fake_timing(monkeypatch, rt, cost) -> list:
     """The explorer on a fake clock: a call of the plan ``(name, depth)`` takes ``cost[(name, depth)]`` (or
-    ``cost[depth]``) seconds of the tuning module's clock only (other threads keep the real one), ranks agree
+    ``cost[depth]``; a callable: its value at each call) seconds of the tuning module's clock only (other threads keep the real one), ranks agree
     on the values as they are, and ``rt``'s executors are fakes. Returns the picks run, in order."""
     import gradsync.comm.tuning as tuning
 
@@ -121,7 +121,8 @@ def _fake_timing(monkeypatch, rt, cost) -> list:
 
         def run(self, tensors, op="sum"):
             ran.append(self.pick)
-            clock[0] += cost[self.pick] if self.pick in cost else cost[self.pick[1]]
+            took = cost[self.pick] if self.pick in cost else cost[self.pick[1]]
+            clock[0] += took() if callable(took) else took
             return tensors
 
     real = tuning.time
@@ -375,6 +376,16 @@ def test_native_rival_of_times_the_backend_beside_a_near_plan_either_way():
     assert native_rival_of(choice(("lp", 2, 1.0)), ("lp", 2)) == []  # no process group: the backend was not priced
 
 
+def _drifting(before: float, calls: int, after: float):
+    """A call time for ``_fake_timing``: ``before`` for the first ``calls`` calls, ``after`` from then on."""
+    seen = [0]
+
+    def took() -> float:
+        seen[0] += 1
+        return before if seen[0] <= calls else after
+    return took
+
+
 @pytest.mark.parametrize("first, cost, steps, pick", [
     # the model's plan measured 5% slower than the backend's collective: within the margin, yet the backend wins
     ([("lp", 2), ("lp", 4), ("lp", 1), ("native", 1)], {("lp", 2): 72.0, ("lp", 4): 80.0, ("lp", 1): 75.0,
@@ -384,6 +395,11 @@ def test_native_rival_of_times_the_backend_beside_a_near_plan_either_way():
                                             ("hierarchical", 4): 47.0}, 2, ("hierarchical", 2)),
     # the model chose the backend and it measured quickest: kept, nothing more timed
     ([("native", 1), ("hierarchical", 2)], {("native", 1): 62.0, ("hierarchical", 2): 63.0}, 1, ("native", 1)),
+    # lp/4 beat the backend in the first step, then its half won the next step (its first 4 calls at 25), which
+    # times depths only; in the last step it ran at 33, slower than the backend measured: the backend is run
+    ([("lp", 8), ("lp", 16), ("lp", 4), ("native", 1)], {("lp", 8): 29.0, ("lp", 16): 28.0, ("lp", 4): 26.0,
+                                                          ("native", 1): 27.7, ("lp", 2): _drifting(25.0, 4, 33.0),
+                                                          ("lp", 1): 40.0}, 3, ("native", 1)),
 ])
 def test_the_explorer_never_settles_on_a_plan_slower_than_the_backend(monkeypatch, first, cost, steps, pick):
     """The backend's collective among the explored candidates (``native_rival_of``): any measured edge keeps it (no
