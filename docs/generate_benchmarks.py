@@ -231,12 +231,20 @@ def vs_native_fabrics() -> list[str]:
         out += table(["case", "topology", "rate", "size", "gloo s", "gradsync s", "pick", "speed-up", "predicted",
                       "measured / predicted", "from", "init s"], rows)
         out += ["", *block(j["summary"])]
-    out += ["`vs_native_fabrics.json` is every fabric case in one run, priced by the cost model with token buckets "
-            "(a shaper's burst, spent once per collective) and the two-way loss, both measured by `init`'s quick "
-            "calibration. `vs_native_fabrics_4to1.json` is the hand-written 4:1 file alone, run just before it on "
-            "a quiet machine (the full run's 4 MiB row of that file was timed while tests ran beside it: busy "
-            "share 0.59). `init s` is the whole `gradsync.init` on the 2-core machine (process group, planning, "
-            "the quick calibration).", ""]
+    out += ["`vs_native_fabrics.json` is every fabric case in one run, nothing else on the machine, priced by the "
+            "cost model with token buckets (a shaper's burst, spent once per collective), the two-way loss and the "
+            "per-message costs, all measured by `init`'s quick calibration; the backend's ring is priced with its "
+            "per-step cost overlapping the wire, and `auto` times the backend's collective beside a plan priced "
+            "within 25 % of it ([runtime.md](runtime.md#calibration-tuning-and-exploration)). That day the "
+            "calibrated per-message costs were 1.3-3.5 ms (0.7-1.6 ms in the run of 2026-11-27 at older code): "
+            "the 2 cores ran slower, and at 256 KiB, where the executor's α is most of a plan's price, the "
+            "predictions of planned picks are too high (file-4to1: forest/2 measured 0.64x its price). The "
+            "slow-rack row at 1 MiB (0.82x) is the explorer settling on a depth that drifted slower than gloo's "
+            "ring after the step that had timed the ring; the check added after this run (the pick's latest time "
+            "against the backend's) would have run the ring; not measured again yet. "
+            "`vs_native_fabrics_4to1.json` is the hand-written 4:1 file alone, run on 2026-11-27 at older code "
+            "on a quiet machine. `init s` is the whole `gradsync.init` on the 2-core machine (process group, "
+            "planning, the quick calibration).", ""]
     out += note("why the three-rack rows run 1.07–1.18x their prediction (2026-11-27, three-rack.yaml at 60mbit, "
                 "4 MiB, plans forced with `PlanCache.executor`, 5 alternating calls, interface byte counters sampled "
                 "every 20 ms). Every plan moves the bytes the cut bound says (lp/16 5.43 MiB per uplink direction "
