@@ -75,9 +75,10 @@ EXPLORE_MARGIN = 0.03
 #: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
 #: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
 EXPLORE_STEPS = 2
-#: The most calls an explorer runs before it picks: a warm-up round and EXPLORE_REPS timed ones of up to four
-#: candidates (the model's depth, its double and half, a rival), then of up to three per step on.
-EXPLORE_MAX_CALLS = (1 + EXPLORE_REPS) * (4 + 3 * EXPLORE_STEPS)
+#: The most calls an explorer runs before it picks: a warm-up round and EXPLORE_REPS timed ones of up to five
+#: candidates (the model's depth, its double and half, a rival, the backend's collective), then of up to three
+#: per step on.
+EXPLORE_MAX_CALLS = (1 + EXPLORE_REPS) * (5 + 3 * EXPLORE_STEPS)
 #: The explorer's first step also times the best plan of another algorithm that the model prices within this
 #: share of its choice: near-equal algorithms are where the model's ranking is least sure (docs/runtime.md).
 EXPLORE_RIVAL = 0.1

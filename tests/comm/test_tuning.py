@@ -405,15 +405,16 @@ def test_the_explorer_never_settles_on_a_plan_slower_than_the_backend(monkeypatc
     """The backend's collective among the explored candidates (``native_rival_of``): any measured edge keeps it (no
     margin); a plan that beat it is stepped over its own depths, as any other algorithm's."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import Explorer
+    from gradsync.comm.tuning import EXPLORE_MAX_CALLS, Explorer
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     _fake_timing(monkeypatch, rt, cost)
     monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: name != "native" and (name, depth) in cost)
     ex = Explorer(rt.tuning, object(), 256 << 10, first)
-    for _ in range(100):
-        if ex.pick is not None:
-            break
+    calls = 0
+    while ex.pick is None:
         ex.run(torch.zeros(1))
+        calls += 1
+        assert calls <= EXPLORE_MAX_CALLS
     record = rt.tuned[256 << 10]
     assert ex.pick == pick and rt.choice(256 << 10) == pick and len(record["steps"]) == steps
