@@ -54,6 +54,7 @@ import sys
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -584,10 +585,10 @@ class Adapter:
         """Watched collectives behind a verdict: as many as the detector needs to switch (either side)."""
         return max(self.options.link.k, self.options.late.k)
 
-    def _alpha(self, schedule: Schedule) -> float:
-        """The per-message cost ``schedule`` runs with: the backend's α for its own ring, else the executor's."""
-        model = self.plans.cost_model
-        return model.native_message_s if schedule.algorithm == NATIVE else model.message_s
+    def _messages(self, schedule: Schedule) -> dict[str, Any]:
+        """How ``schedule``'s messages cost (:meth:`CostModel.messages <gradsync.sim.cost.CostModel.messages>`): the
+        backend's α, overlapping the wire, for its own ring; else the executor's, in series."""
+        return self.plans.cost_model.messages(schedule.algorithm == NATIVE)
 
     def _late(self, conditions: Conditions) -> dict[int, float]:
         return {} if conditions.straggler is None else {conditions.straggler: conditions.straggler_delay_s}
@@ -613,8 +614,8 @@ class Adapter:
         slowdown, the plan's α (the backend's for its own ring), the ranks in ``late`` arriving late."""
         model = self.plans.cost_model
         return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
-                        fifo=True, message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
-                        start_delay_s=late or None, message_overlap=schedule.algorithm == NATIVE)
+                        fifo=True, reverse_share=model.reverse_share, progress=False, start_delay_s=late or None,
+                        **self._messages(schedule))
 
     def _rate_slowdown(self, schedule: Schedule, nbytes: float, measured_s: float, modelled_s: float) -> float:
         """The factor ``g >= 1`` by which the model's rates must be divided for ``schedule`` to take
@@ -626,8 +627,7 @@ class Adapter:
             model = self.plans.cost_model
             got = self._fast[key] = (schedule, simulate(
                 schedule, _slowed(model.rates(self.base_topology), 1e-6), float(nbytes), streaming=False, fifo=True,
-                message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False,
-                message_overlap=schedule.algorithm == NATIVE).time_s)
+                reverse_share=model.reverse_share, progress=False, **self._messages(schedule)).time_s)
         fast = got[1]
         wire = modelled_s - fast
         return max(1.0, (measured_s - fast) / wire) if wire > 0 else 1.0
@@ -681,7 +681,7 @@ class Adapter:
         if got is None or got[0] is not schedule or got[1] is not topology:
             model = self.plans.cost_model
             sim = simulate(schedule, model.rates(topology), float(nbytes), streaming=False, fifo=True,
-                           message_s=self._alpha(schedule), reverse_share=model.reverse_share, progress=False)
+                           reverse_share=model.reverse_share, progress=False, **self._messages(schedule))
             start, finish = sim.transfer_times()
             arr = schedule.arrays
             frac = np.array([c.size for c in schedule.chunks])[arr["chunk"]]

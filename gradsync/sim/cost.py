@@ -289,10 +289,14 @@ class CostModel:
             start_delay_s: Mapping[int, float] | None = None) -> SimResult:
         """The simulation :meth:`predict` reads its time from (per transfer: :meth:`SimResult.transfer_times`,
         what :meth:`wait_order` orders by); ``start_delay_s``: late ranks, as :func:`~gradsync.sim.simulate` takes."""
-        alpha = self.native_message_s if native else self.message_s
         return simulate(schedule, self.rates(topology), float(size_bytes), streaming=False, fifo=True,
-                        message_s=alpha, reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False,
-                        start_delay_s=start_delay_s, message_overlap=native)
+                        reverse_share=self.reverse_share, burst_s=self.burst_s, progress=False,
+                        start_delay_s=start_delay_s, **self.messages(native))
+
+    def messages(self, native: bool = False) -> dict[str, Any]:
+        """:func:`~gradsync.sim.simulate`'s per-message arguments for a schedule the executor runs (its α, in series
+        with the wire) or for the backend's own ring (``native``: the backend's α, overlapping the wire)."""
+        return {"message_s": self.native_message_s if native else self.message_s, "message_overlap": native}
 
     def wait_order(self, schedule: Schedule, topology: Topology, size_bytes: float,
                    given: np.ndarray | None = None) -> np.ndarray:
