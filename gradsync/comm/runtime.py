@@ -166,7 +166,13 @@ class Runtime:
                                  auto=algorithm == AUTO)
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
         self._thread.start()
-        self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
+        if algorithm == AUTO:
+            # Candidates are known now (a topology nothing plans fails here); each size class is priced when first
+            # used, after any calibration: pricing the default class here (options.size_bytes) ran every candidate's
+            # simulation on a model that calibration then replaced, most of init on a large fabric.
+            self.plans.chooser()
+        else:
+            self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
 
     @property
     def topology(self) -> Topology:

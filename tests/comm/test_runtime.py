@@ -108,3 +108,40 @@ def test_settling_grows_on_a_size_classs_first_call_and_not_on_the_next():
     for got in run_ranks(2, body):
         assert not isinstance(got, BaseException), got
         assert got[0] >= 1 and got[1] == got[2] == 0 and got[3] >= 1, got
+
+
+def test_auto_prices_nothing_at_init_and_each_size_class_at_its_first_call(monkeypatch):
+    """``auto`` knows its candidates at init but prices no size class there: the default class was priced on a
+    model that calibration replaced right after (every candidate simulated, most of init on 9 ranks). The first
+    call of a class prices exactly that class. A named algorithm is still planned at init, so a bad one fails
+    there."""
+    from gradsync.comm import Runtime
+    from gradsync.sim.choose import Chooser
+
+    priced: list[float] = []
+    original = Chooser._choose
+    monkeypatch.setattr(Chooser, "_choose", lambda self, size: priced.append(size) or original(self, size))
+
+    def body(tr):
+        rt = Runtime(tr, "racks:2,2,2", "auto", timeout_s=20)
+        at_init = dict(rt.plans.chosen())
+        rt.allreduce(torch.ones(1000))
+        after = dict(rt.plans.chosen())
+        rt.shutdown()
+        return at_init, after
+
+    for got in run_ranks(4, body):
+        assert not isinstance(got, BaseException), got
+        at_init, after = got
+        assert at_init == {} and len(after) == 1, got
+    assert len(set(priced)) == 1 and priced[0] < 1e6, priced  # the one class it ran, not options.size_bytes'
+
+    def named(tr):
+        try:
+            Runtime(tr, "switch:2", "no-such-plan", timeout_s=20)
+        except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    for got in run_ranks(2, named):
+        assert isinstance(got, str) and "no-such-plan" in got, got
