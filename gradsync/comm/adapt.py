@@ -721,7 +721,7 @@ class Adapter:
                     if bound is not None:
                         return json.dumps(bound).encode()
                     chooser = Chooser(topology, model, algorithms=current.algorithms, native=current.native,
-                                      options=plans.options, margin=current.margin)
+                                      options=plans.options, margin=current.margin, keep_within=current.keep_within)
                     pick = chooser.choose(nbytes)
                     name, depth = pick.algorithm, pick.pipeline
                     self._priced = chooser  # the replan's own: adopted if it runs (rank 0 prices every choice)

@@ -26,7 +26,7 @@ from gradsync.sim.choose import Chooser
 from gradsync.sim.cost import NATIVE, CostModel, native_schedule
 from gradsync.topology.model import Topology
 
-__all__ = ["ALLREDUCE", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
+__all__ = ["ALLREDUCE", "EXPLORE_RIVAL", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
 
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
 #: keep step order rather than spend a simulation at plan time.
@@ -39,6 +39,10 @@ ALLREDUCE = "allreduce"
 #: own collective: no planned schedule has been measured there yet, and ``auto`` never picks a path that has
 #: not run on its engine. A named algorithm still runs, over the backend's point-to-point messages.
 PLANNED_BACKENDS = frozenset({"gloo", ""})
+#: The explorer's first step also times the best plan of another algorithm that the model prices within this
+#: share of its choice: near-equal algorithms are where the model's ranking is least sure (docs/runtime.md). The
+#: allreduce chooser prices each algorithm's deeper pipelines until it cannot come this close (``keep_within``).
+EXPLORE_RIVAL = 0.1
 
 #: An (algorithm, pipeline depth) pair: what a choice picks and what an executor runs.
 Pick = tuple[str, int]
@@ -83,7 +87,7 @@ class PlanCache:
                 native = self.caps.native and self.mapping is None
                 algorithms = None if self.caps.backend in PLANNED_BACKENDS or not native else []
                 got = Chooser(self.topology, self.cost_model, algorithms=algorithms, native=native,
-                              options=self.options)
+                              options=self.options, keep_within=EXPLORE_RIVAL)
             else:
                 got = Chooser(self.topology, self.cost_model, native=False,
                               options=replace(self.options, collective=collective))

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gradsync.comm.executor import Executor
-from gradsync.comm.plans import ALLREDUCE, PLANNED_BACKENDS, Pick, PlanCache
+from gradsync.comm.plans import ALLREDUCE, EXPLORE_RIVAL, PLANNED_BACKENDS, Pick, PlanCache
 from gradsync.errors import GradsyncError
 from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import SYNTHESIZERS
@@ -79,9 +79,6 @@ EXPLORE_STEPS = 2
 #: candidates (the model's depth, its double and half, a rival, the backend's collective), then of up to three
 #: per step on.
 EXPLORE_MAX_CALLS = (1 + EXPLORE_REPS) * (5 + 3 * EXPLORE_STEPS)
-#: The explorer's first step also times the best plan of another algorithm that the model prices within this
-#: share of its choice: near-equal algorithms are where the model's ranking is least sure (docs/runtime.md).
-EXPLORE_RIVAL = 0.1
 #: ... and the backend's own collective, where the model prices it within this share of its choice (either way:
 #: beside a plan it priced a little slower, or, when it chose the backend, beside the best plan), so that ``auto``
 #: settles on a plan only where it measured no slower than the collective the user had without gradsync.

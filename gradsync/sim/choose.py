@@ -23,7 +23,7 @@ from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
 from gradsync.sim.cost import NATIVE, CostModel, native_schedule, size_class
 from gradsync.topology.model import Topology
 
-__all__ = ["AUTO", "DEPTH_PATIENCE", "Candidate", "Choice", "Chooser", "algorithm_names", "algorithms_for", "plan_auto", "synthesize"]
+__all__ = ["AUTO", "DEPTH_GAIN_FACTOR", "DEPTH_PATIENCE", "Candidate", "Choice", "Chooser", "algorithm_names", "algorithms_for", "plan_auto", "synthesize"]
 
 #: The name that asks for the chooser's pick instead of one synthesizer.
 AUTO = "auto"
@@ -33,6 +33,11 @@ PRUNE = 0.01
 #: An algorithm's deeper pipelines are still priced until this many depths in a row failed to beat its best:
 #: a planner may plan a different forest at the next depth (lp), so one rise is not yet its minimum.
 DEPTH_PATIENCE = 2
+#: An algorithm behind the best so far stops deepening once its time less this many times its latest gains per
+#: doubling of the depth cannot beat the best: each doubling at most halves the fill time it gains from (and adds
+#: as many messages again), so the gains at least halve and sum to no more than the last one; twice that leaves
+#: room for a planner's different forest at the next depth.
+DEPTH_GAIN_FACTOR = 2.0
 
 
 def algorithm_names() -> list[str]:
@@ -76,11 +81,14 @@ class Chooser:
     ``native=True`` adds the backend's own allreduce as a candidate (the runtime does, when its transport
     has a process group). Ties go to the earlier candidate: ``native`` first, so gradsync only replaces the
     backend's collective where the model says it is faster by more than ``margin`` (a fraction).
-    Deterministic: every rank that builds a chooser from the same inputs makes the same choices.
+    ``keep_within``: an algorithm behind the best is priced at deeper pipelines until it cannot come within
+    this fraction of the best (0: until it cannot win), so that whoever reads the candidates for a close rival
+    (the runtime's explorer) finds that rival's best depth priced. Deterministic: every rank that builds a chooser from the same inputs makes the same choices.
     """
 
     def __init__(self, topology: Topology, model: CostModel | None = None, *, algorithms: Iterable[str] | None = None,
-                 native: bool = False, options: PlanOptions | None = None, margin: float = 0.03) -> None:
+                 native: bool = False, options: PlanOptions | None = None, margin: float = 0.03,
+                 keep_within: float = 0.0) -> None:
         self.topology = topology
         self.model = model or CostModel()
         self.options = options or PlanOptions()
@@ -88,6 +96,9 @@ class Chooser:
         if not 0 <= margin < 1:
             raise PlanError(f"margin={margin!r} must lie in [0, 1)")
         self.margin = margin
+        if not 0 <= keep_within < 1:
+            raise PlanError(f"keep_within={keep_within!r} must lie in [0, 1)")
+        self.keep_within = keep_within
         names = (list(algorithms) if algorithms is not None
                  else [n for n in SYNTHESIZERS.names() if SYNTHESIZERS.get(n).candidate(self.options)])
         collective = self.options.collective
@@ -195,7 +206,10 @@ class Chooser:
         algorithm's pipeline depths are tried in increasing order until the bound passes the best (α grows
         with the depth while the fill time shrinks) or :data:`DEPTH_PATIENCE` depths in a row failed to beat
         the algorithm's best (α against fill has one minimum, but lp may plan a different forest at each
-        depth: on three racks with a slower one it priced 0.650, 0.651, 0.621, 0.616 s at depths 4 to 32)."""
+        depth: on three racks with a slower one it priced 0.650, 0.651, 0.621, 0.616 s at depths 4 to 32). An
+        algorithm behind another's best also stops where its gains per doubling say it cannot catch up
+        (:meth:`_done_deepening`): the deepest pipelines are the costliest simulations, and on three racks at
+        16 MiB most of the pricing went to plans that lost by 10 % or more."""
         cands: list[Candidate] = []
         if self.native:
             cands.append(Candidate(NATIVE, 1, self.model.predict_native(self.topology, size)))
@@ -210,7 +224,7 @@ class Chooser:
             best_so_far = min((c.predicted_s for c in cands), default=math.inf)
             if fluid[name] >= best_so_far * (1 - PRUNE):
                 break  # every later algorithm's fluid time is larger still
-            mine, misses = math.inf, 0
+            mine, misses, gains, last = math.inf, 0, [], math.inf
             for p in self.model.pipelines:
                 try:
                     sched = self.schedule(name, p)
@@ -225,7 +239,12 @@ class Chooser:
                 misses = 0 if t < mine else misses + 1
                 if misses >= DEPTH_PATIENCE:
                     break
-                mine = min(mine, t)
+                if math.isfinite(last):
+                    gains = (gains + [last - t])[-DEPTH_PATIENCE:]
+                last, mine = t, min(mine, t)
+                if gains and mine > best_so_far and self._done_deepening(mine, t - DEPTH_GAIN_FACTOR * max(gains),
+                                                                           best_so_far, misses):
+                    break
                 best_so_far = min(best_so_far, t)
         if not cands:
             raise PlanError(f"no algorithm can be planned for {self.topology.name!r} here: "
@@ -240,6 +259,17 @@ class Chooser:
                 # the per-message costs, where calibration is least certain and the backend runs in C++.
                 best = nat
         return Choice(best.algorithm, best.pipeline, best.predicted_s, size, tuple(cands))
+
+    def _done_deepening(self, mine: float, floor: float, best: float, misses: int) -> bool:
+        """Whether an algorithm behind ``best`` (another's) stops deepening: by its gains per doubling it cannot get
+        below ``floor`` (:data:`DEPTH_GAIN_FACTOR`), so it cannot win, and either it cannot come within
+        ``keep_within`` of ``best`` or it is that close already and its last depth did not improve on ``mine`` (a
+        rival's best depth is found; the explorer steps over its depths by measurement)."""
+        floor = min(mine, floor)
+        if floor < best * (1 - PRUNE):
+            return False
+        close = best * (1 + self.keep_within)
+        return not self.keep_within or floor >= close or (mine <= close and misses > 0)
 
     def table(self, sizes: Sequence[float]) -> list[Choice]:
         return [self.choose(s) for s in sizes]

@@ -184,3 +184,66 @@ def test_auto_on_a_hand_written_file_is_the_fastest_candidate_in_the_event_simul
     else:
         assert got <= best / (1 - PRUNE) + 1e-12, (choice, brute)
         assert got < brute[NATIVE, 1] * (1 - chooser.margin)
+
+
+class _Priced:
+    """A stand-in schedule for :func:`_depths_priced`: its algorithm and depth, and no transfers."""
+
+    def __init__(self, algorithm: str, pipeline: int) -> None:
+        import numpy as np
+
+        self.algorithm, self.pipeline, self.arrays = algorithm, pipeline, {"dst": np.zeros(0, dtype=int)}
+
+
+def _depths_priced(monkeypatch, curves: dict, keep_within: float):
+    """The chooser's pick and the depths it simulated per algorithm, where ``curves[algorithm][depth]`` is the
+    predicted time (algorithms tried in the order given: the first has the least fluid time)."""
+    order = list(curves)
+    priced: dict[str, list[int]] = {a: [] for a in curves}
+    monkeypatch.setattr(Chooser, "schedule", lambda self, a, p, check=False: _Priced(a, p))
+    monkeypatch.setattr(Chooser, "fluid_s", lambda self, a, size: 0.01 * (1 + order.index(a)))
+    monkeypatch.setattr(Chooser, "predict", lambda self, s, size: priced[s.algorithm].append(s.pipeline)
+                        or curves[s.algorithm][s.pipeline])
+    ch = Chooser(get_topology("racks:2,2,2"), CostModel(pipelines=(1, 2, 4, 8, 16, 32, 64)), algorithms=order,
+                 keep_within=keep_within)
+    choice = ch.choose(1 << 20, exact=True)
+    return (choice.algorithm, choice.pipeline), priced
+
+
+LEADER = {1: 10.0, 2: 6.0, 4: 4.0, 8: 3.0, 16: 2.5, 32: 2.3, 64: 2.4}
+# behind: gains halve per doubling (4, 2, 1, 0.5, 0.25, ...), so from depth 16 on it cannot reach 2.3 (4.5 - 2 x 1)
+FAR = {1: 12.0, 2: 8.0, 4: 6.0, 8: 5.0, 16: 4.5, 32: 4.25, 64: 4.125}
+# behind by 6 %, and rising from depth 16: a close rival whose best depth (8) is found
+CLOSE = {1: 3.0, 2: 2.6, 4: 2.45, 8: 2.44, 16: 2.46, 32: 2.47, 64: 2.5}
+
+
+@pytest.mark.parametrize("keep_within, far_depths", [(0.0, [1, 2, 4, 8, 16]), (0.1, [1, 2, 4, 8, 16, 32])])
+def test_an_algorithm_behind_stops_deepening_once_its_gains_cannot_catch_up(monkeypatch, keep_within, far_depths):
+    """Deep pipelines are the costly simulations (9216 transfers took 14.5 s on the three-rack file at 16 MiB). An
+    algorithm behind another's best stops once its latest gains per doubling, twice over, cannot bring it below
+    that best (``keep_within=0``), or within ``keep_within`` of it (what the runtime's explorer reads rivals
+    from). A close rival stops at its first rise; the leader keeps its patience (DEPTH_PATIENCE) and the pick
+    is what brute force over every depth gives."""
+    pick, priced = _depths_priced(monkeypatch, {"lp": LEADER, "forest": FAR, "hierarchical": CLOSE}, keep_within)
+    assert pick == ("lp", 32)
+    assert priced["lp"] == [1, 2, 4, 8, 16, 32, 64]
+    assert priced["forest"] == far_depths
+    assert priced["hierarchical"] == [1, 2, 4, 8, 16]  # without the stop, patience priced 32 as well
+
+
+def test_the_leader_that_falls_rises_and_falls_again_is_still_followed(monkeypatch):
+    """The stop applies only behind another algorithm: lp's own plans may fall, rise, then fall again with depth
+    (a different forest at each), and its best beyond the rise is still found."""
+    lp = {1: 10.0, 2: 6.0, 4: 3.0, 8: 3.01, 16: 2.8, 32: 2.7, 64: 2.75}
+    far = {p: t + 1.0 for p, t in FAR.items()}
+    for keep_within in (0.0, 0.1):
+        pick, priced = _depths_priced(monkeypatch, {"lp": lp, "forest": far}, keep_within)
+        assert pick == ("lp", 32) and priced["lp"] == [1, 2, 4, 8, 16, 32, 64], (keep_within, priced)
+        assert priced["forest"][-1] < 64
+
+
+def test_keep_within_out_of_range_is_a_clear_error():
+    from gradsync.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"keep_within=1\.5 must lie in \[0, 1\)"):
+        Chooser(get_topology("racks:2,2,2"), keep_within=1.5)
