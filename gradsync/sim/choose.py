@@ -83,7 +83,8 @@ class Chooser:
     backend's collective where the model says it is faster by more than ``margin`` (a fraction).
     ``keep_within``: an algorithm behind the best is priced at deeper pipelines until it cannot come within
     this fraction of the best (0: until it cannot win), so that whoever reads the candidates for a close rival
-    (the runtime's explorer) finds that rival's best depth priced. Deterministic: every rank that builds a chooser from the same inputs makes the same choices.
+    (the runtime's explorer) finds that rival's best depth priced. Deterministic: every rank that builds a
+    chooser from the same inputs makes the same choices.
     """
 
     def __init__(self, topology: Topology, model: CostModel | None = None, *, algorithms: Iterable[str] | None = None,
