@@ -46,9 +46,10 @@ __all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_MARGIN"
 #: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many).
 DUPLEX_BYTES = 4 << 20
 #: Repetitions of the streams in the quick calibration ``init`` runs by default (:meth:`Tuning.load_or_calibrate`
-#: with ``quick=True``): κ and the burst from two, not five. Even the quick one measures the two-way loss: it moves
-#: every prediction on a link loaded both ways (docs/runtime.md).
-QUICK_REPS = 2
+#: with ``quick=True``): κ and the burst from three, not five; three so that a median stands on two of them, and one
+#: busy repetition on shared cores cannot set a cost alone (docs/runtime.md). Even the quick one measures the
+#: two-way loss: it moves every prediction on a link loaded both ways.
+QUICK_REPS = 3
 #: The burst probe (:func:`~gradsync.sim.cost.burst_of`): a one-way transfer of this many bytes (all start), and
 #: one that takes about :data:`BURST_PROBE_S` at the measured rate (within [16 KiB, half of DUPLEX_BYTES]): long
 #: enough that a few milliseconds of a shaper's tokens show above the start's noise, short enough to be cheap.
