@@ -614,6 +614,7 @@ class Explorer:
         self.pick: Pick | None = None
         #: each step's candidates (incumbent first), measured times and pick: the record ``tuning.tuned`` keeps
         self.steps: list[dict[str, Any]] = []
+        self._latest: dict[Pick, float] = {}  # each candidate's latest step time, over every step
         self._had = self.plans.built()  # executors that existed before: never dropped here
         self._begin(candidates)
         #: the model's choice, planned now on the caller's thread (as ``auto`` without exploring would)
@@ -652,6 +653,7 @@ class Explorer:
         medians = [statistics.median(self.times[c]) for c in self.candidates]
         slowest = max_over_ranks(self.group, medians, self.plans.caps.collective_device())
         measured = dict(zip(self.candidates, slowest))
+        self._latest.update(measured)
         incumbent = self.candidates[0]
         pick = tuned_choice(measured, incumbent, EXPLORE_MARGIN, fallback=(NATIVE, 1))
         self.steps.append({"candidates": [list(c) for c in self.candidates], "pick": list(pick),
@@ -662,17 +664,18 @@ class Explorer:
         if beyond:
             self._begin([pick, *beyond])
             return
-        measured_all = {k: v for step in self.steps for k, v in step["measured_s"].items()}  # latest time each
-        native = f"{NATIVE}/1"
-        if native in measured_all and measured_all[native] < measured_all[f"{pick[0]}/{pick[1]}"]:
-            # later steps time the winner against its own depths only: a pick that drifted slower than the
-            # backend measured is not kept (docs/runtime.md, "Explore")
-            dropped, pick = pick, (NATIVE, 1)
-            if dropped not in self._had and dropped not in self.tuning.in_use(besides=self):
+        native = (NATIVE, 1)
+        if native in self._latest and pick != native:
+            # later steps time the winner against its own depths only: held against the backend's latest time by
+            # the rule of every step, a pick that drifted slower than the backend is not kept (docs/runtime.md)
+            latest = {pick: self._latest[pick], native: self._latest[native]}
+            dropped, pick = pick, tuned_choice(latest, pick, EXPLORE_MARGIN, fallback=native)
+            if pick != dropped and dropped not in self._had and dropped not in self.tuning.in_use(besides=self):
                 self.plans.drop([dropped])
         self.pick = pick
         self.tuning.settled(self.size, pick, {"choice": list(pick), "model": list(self.model), "online": True,
-                                              "measured_s": measured_all, "steps": self.steps})
+                                              "measured_s": {f"{a}/{p}": t for (a, p), t in self._latest.items()},
+                                              "steps": self.steps})
 
     def _beyond(self, pick: Pick, incumbent: Pick) -> list[Pick]:
         """The depths to time against ``pick`` when it beat the incumbent, while steps remain: past it (a step's
