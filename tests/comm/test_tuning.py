@@ -108,8 +108,9 @@ def test_exploring_needs_a_process_group_and_leaves_small_classes_to_tune():
 
 def _fake_timing(monkeypatch, rt, cost) -> list:
     """The explorer on a fake clock: a call of the plan ``(name, depth)`` takes ``cost[(name, depth)]`` (or
-    ``cost[depth]``; a callable: its value at each call) seconds of the tuning module's clock only (other threads keep the real one), ranks agree
-    on the values as they are, and ``rt``'s executors are fakes. Returns the picks run, in order."""
+    ``cost[depth]``; a callable: its value at each call) seconds of the tuning module's clock only (other threads
+    keep the real one), ranks agree on the values as they are, and ``rt``'s executors are fakes. Returns the
+    picks run, in order."""
     import gradsync.comm.tuning as tuning
 
     clock = [0.0]
