@@ -222,6 +222,10 @@ register_benchmark("compression-sweep", "benchmarks.compression_sweep:main",
                    "issue 40: compression='auto' vs DDP, 'none' and each fixed codec over 36 configurations (3 rates x "
                    "switch:4/two-tier racks x LeNet-5/ResNet-18/MLP x optimizer/hook) on the emulated cluster (root; "
                    "--quick on loopback without); writes compression_sweep.{json,png}", checkout=True)
+register_benchmark("cast-accuracy", "benchmarks.cast_accuracy:main",
+                   "issue 40: test accuracy of fp16/bf16 on the wire (and fp16 with a shared scale) against the exact "
+                   "average and a one-ulp jitter, LeNet-5 and the MLP over seeds, one process; writes "
+                   "cast_accuracy.{json,png}", checkout=True)
 register_benchmark("adapt", "benchmarks.adapt_overhead:main",
                    "issue 39: what the runtime's watch costs on a wire that does not change: the same 4 MiB allreduce "
                    "with adapt on and off, alternating in the same 3 processes on gloo loopback; writes adapt.{json,png}",
