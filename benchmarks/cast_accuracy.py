@@ -21,7 +21,7 @@ For each of ``--seeds`` seeds (initial weights and data order) and each variant,
 
 Run from the repository root::
 
-    gradsync bench cast-accuracy                  # about 5 minutes on one core
+    gradsync bench cast-accuracy                  # about 15 minutes on one core, the MLP most of it
     .venv/bin/python -m benchmarks.cast_accuracy --models lenet5 --seeds 3
 """
 
@@ -70,7 +70,9 @@ def _codec(name: str) -> Combine:
     def combine(grads: list[torch.Tensor], state: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
         from gradsync.compress import TensorInfo, create
 
-        codec = state.get("codec") or state.setdefault("codec", create(name))
+        if "codec" not in state:  # one per tensor, as each exchange has its own
+            state["codec"] = create(name)
+        codec = state["codec"]
         info = TensorInfo(state["name"], tuple(grads[0].shape), grads[0].dtype)
         payloads, ctx = [], None
         for g in grads:
