@@ -602,8 +602,10 @@ class Explorer:
     same order) picks with :func:`tuned_choice` and :data:`EXPLORE_MARGIN`, the step's first candidate being
     the incumbent. When the pick is the double (the half), the optimum may lie further that way: up to
     :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a fresh warm-up round;
-    when it is the other algorithm, against that algorithm's own double and half.
-    Later calls run the last pick. It runs like an executor: every candidate computes the same sum, so the
+    when it is the other algorithm, against that algorithm's own double and half. A pick that a later step timed
+    again must still beat the model's choice by the margin on its latest time, or the model's choice runs (a step's
+    winner is the lowest of several noisy medians, biased low); a plan is then held against the backend's latest
+    time. Later calls run the last pick. It runs like an executor: every candidate computes the same sum, so the
     calls that measure are real work, not extra collectives.
     """
 
@@ -664,6 +666,15 @@ class Explorer:
         if beyond:
             self._begin([pick, *beyond])
             return
+        model = self.model
+        if pick != model and model in self._latest:
+            # the pick won its first step on one median among several candidates, the lowest of several noisy
+            # draws; where a later step timed it again, its latest time must still beat the model's choice by the
+            # margin, else the model's choice runs (docs/runtime.md)
+            dropped, pick = pick, tuned_choice({pick: self._latest[pick], model: self._latest[model]}, model,
+                                               EXPLORE_MARGIN)
+            if pick != dropped and dropped not in self._had and dropped not in self.tuning.in_use(besides=self):
+                self.plans.drop([dropped])
         native = (NATIVE, 1)
         if native in self._latest and pick != native:
             # later steps time the winner against its own depths only: held against the backend's latest time by

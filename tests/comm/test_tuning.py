@@ -419,3 +419,36 @@ def test_the_explorer_never_settles_on_a_plan_slower_than_the_backend(monkeypatc
         assert calls <= EXPLORE_MAX_CALLS
     record = rt.tuned[256 << 10]
     assert ex.pick == pick and rt.choice(256 << 10) == pick and len(record["steps"]) == steps
+
+
+@pytest.mark.parametrize("again, pick", [
+    # lp/32 won the first step on a lucky median (0.928 against the model's 0.968), then timed 0.987 beside its own
+    # double: no longer 3 % ahead of the model's choice, which runs (file-3racks, 4 MiB, 2026-11-29: lp/32 ran 1.066 s)
+    (0.987, ("lp", 16)),
+    # timed again at 0.930: still more than the margin ahead of the model's 0.968, so it stays
+    (0.930, ("lp", 32)),
+])
+def test_a_pick_timed_again_must_still_beat_the_models_choice_by_the_margin(monkeypatch, again, pick):
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import EXPLORE_MARGIN, EXPLORE_MAX_CALLS, EXPLORE_REPS, Explorer
+
+    assert 0.987 > (1 - EXPLORE_MARGIN) * 0.968 > 0.930  # the two cases sit either side of the margin
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    cost = {("lp", 16): 0.968, ("lp", 8): 0.972, ("lp", 32): _drifting(0.928, 1 + EXPLORE_REPS, again),
+            ("lp", 64): 1.018}
+    _fake_timing(monkeypatch, rt, cost)
+    monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: (name, depth) in cost)
+    dropped: list = []
+    monkeypatch.setattr(rt.plans, "drop", lambda picks: dropped.extend(picks))
+    ex = Explorer(rt.tuning, object(), 4 << 20, [("lp", 16), ("lp", 32), ("lp", 8)])
+    calls = 0
+    while ex.pick is None:
+        ex.run(torch.zeros(1))
+        calls += 1
+        assert calls <= EXPLORE_MAX_CALLS
+    record = rt.tuned[4 << 20]
+    assert [[d for _, d in step["candidates"]] for step in record["steps"]] == [[16, 32, 8], [32, 64]]
+    assert [tuple(step["pick"]) for step in record["steps"]] == [("lp", 32), ("lp", 32)]  # each step's own rule
+    assert ex.pick == pick and rt.choice(4 << 20) == pick and record["choice"] == list(pick)
+    assert record["measured_s"]["lp/32"] == pytest.approx(again)  # the latest time of each candidate is what the record keeps
+    assert (("lp", 32) in dropped) == (pick == ("lp", 16))  # a pick given up releases its executor
