@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import errno
+import gc
 import logging
 import os
 import socket
@@ -154,3 +155,7 @@ def _at_exit() -> None:
         except Exception as exc:  # noqa: BLE001
             log.debug("gradsync: exit hook %r failed: %s", fn, exc)
     destroy_owned()
+    # A shut-down runtime is freed only by the cycle collector (its parts refer to each other), and with it the last
+    # references to its transport's process group. Collected here, the group's threads end while the interpreter is
+    # whole; left to a collection during finalization, gloo's teardown can abort the process (exit 134).
+    gc.collect()
