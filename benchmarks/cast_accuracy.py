@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import code_revision
+from gradsync.compress import TensorInfo, create
 
 RESULT_TYPE = "gradsync.bench.cast_accuracy"
 MOMENTUM = 0.9
@@ -68,8 +69,6 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 
 def _codec(name: str) -> Combine:
     def combine(grads: list[torch.Tensor], state: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
-        from gradsync.compress import TensorInfo, create
-
         if "codec" not in state:  # one per tensor, as each exchange has its own
             state["codec"] = create(name)
         codec = state["codec"]

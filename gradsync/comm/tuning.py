@@ -671,22 +671,25 @@ class Explorer:
             # the pick won its first step on one median among several candidates, the lowest of several noisy
             # draws; where a later step timed it again, its latest time must still beat the model's choice by the
             # margin, else the model's choice runs (docs/runtime.md)
-            dropped, pick = pick, tuned_choice({pick: self._latest[pick], model: self._latest[model]}, model,
-                                               EXPLORE_MARGIN)
-            if pick != dropped and dropped not in self._had and dropped not in self.tuning.in_use(besides=self):
-                self.plans.drop([dropped])
+            pick = self._held(pick, model, incumbent=model)
         native = (NATIVE, 1)
         if native in self._latest and pick != native:
             # later steps time the winner against its own depths only: held against the backend's latest time by
             # the rule of every step, a pick that drifted slower than the backend is not kept (docs/runtime.md)
-            latest = {pick: self._latest[pick], native: self._latest[native]}
-            dropped, pick = pick, tuned_choice(latest, pick, EXPLORE_MARGIN, fallback=native)
-            if pick != dropped and dropped not in self._had and dropped not in self.tuning.in_use(besides=self):
-                self.plans.drop([dropped])
+            pick = self._held(pick, native, incumbent=pick, fallback=native)
         self.pick = pick
         self.tuning.settled(self.size, pick, {"choice": list(pick), "model": list(self.model), "online": True,
                                               "measured_s": {f"{a}/{p}": t for (a, p), t in self._latest.items()},
                                               "steps": self.steps})
+
+    def _held(self, pick: Pick, rival: Pick, *, incumbent: Pick, fallback: Pick | None = None) -> Pick:
+        """:func:`tuned_choice` between ``pick`` and ``rival`` on their latest times, ``incumbent`` (one of the two)
+        kept within the margin; a pick given up releases its executor unless it existed before or is in use."""
+        kept = tuned_choice({pick: self._latest[pick], rival: self._latest[rival]}, incumbent, EXPLORE_MARGIN,
+                            fallback=fallback)
+        if kept != pick and pick not in self._had and pick not in self.tuning.in_use(besides=self):
+            self.plans.drop([pick])
+        return kept
 
     def _beyond(self, pick: Pick, incumbent: Pick) -> list[Pick]:
         """The depths to time against ``pick`` when it beat the incumbent, while steps remain: past it (a step's

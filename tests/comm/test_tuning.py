@@ -134,6 +134,19 @@ def _fake_timing(monkeypatch, rt, cost) -> list:
     return ran
 
 
+def _explore(ex) -> int:
+    """Run ``ex`` (an ``Explorer``) on a dummy tensor until it picks; the calls it took, never more than
+    ``EXPLORE_MAX_CALLS`` (the longest run the trials of compression="auto" wait out)."""
+    from gradsync.comm.tuning import EXPLORE_MAX_CALLS
+
+    calls = 0
+    while ex.pick is None:
+        ex.run(torch.zeros(1))
+        calls += 1
+        assert calls <= EXPLORE_MAX_CALLS
+    return calls
+
+
 @pytest.mark.parametrize("model, cost, steps, pick", [
     # the double wins twice, then the next double is within the margin: the last winner stays
     (1, {1: 10.0, 2: 8.0, 4: 6.0, 8: 5.9}, [[1, 2], [2, 4], [4, 8]], 4),
@@ -147,18 +160,15 @@ def test_the_explorer_steps_on_while_the_edge_wins(monkeypatch, model, cost, ste
     keeps its first candidate unless another beats it by ``EXPLORE_MARGIN``; a pick at the edge is timed
     against the next depth that way, at most ``EXPLORE_STEPS`` more times; then the pick is recorded and run."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import EXPLORE_MAX_CALLS, EXPLORE_REPS, EXPLORE_STEPS, Explorer
+    from gradsync.comm.tuning import EXPLORE_REPS, EXPLORE_STEPS, Explorer
 
     assert EXPLORE_STEPS == 2  # the second case's three steps
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     picks = _fake_timing(monkeypatch, rt, cost)
     first = [("ring", model)] + [("ring", q) for q in (2 * model, model // 2) if q >= 1]
     ex = Explorer(rt.tuning, object(), 4 << 20, first)
-    calls, before = 0, rt.settling
-    while ex.pick is None:
-        ex.run(torch.zeros(1))
-        calls += 1
-        assert calls <= EXPLORE_MAX_CALLS
+    before = rt.settling
+    calls = _explore(ex)
     assert rt.settling - before == calls  # every call that measured ran a candidate, not the class's pick
     record = rt.tuned[4 << 20]
     assert [[c[1] for c in step["candidates"]] for step in record["steps"]] == steps
@@ -182,18 +192,14 @@ def test_the_explorer_times_a_rival_algorithm_and_its_depths_when_it_wins(monkey
     """A first step with another algorithm's plan beside the model's depths (what ``rival_of`` adds): measured
     faster by more than the margin, it replaces the model's algorithm and is stepped over its own depths."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import EXPLORE_MAX_CALLS, Explorer
+    from gradsync.comm.tuning import Explorer
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     _fake_timing(monkeypatch, rt, {("forest", 8): 10.0, ("forest", 16): 10.5, ("forest", 4): 10.2,
                                    **{("hierarchical", d): t for d, t in rival_cost.items()}})
     monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: depth in (4, 8, 16))
     ex = Explorer(rt.tuning, object(), 4 << 20, [("forest", 8), ("forest", 16), ("forest", 4), ("hierarchical", 8)])
-    calls = 0
-    while ex.pick is None:
-        ex.run(torch.zeros(1))
-        calls += 1
-        assert calls <= EXPLORE_MAX_CALLS  # the longest run the trials of compression="auto" wait out
+    _explore(ex)
     record = rt.tuned[4 << 20]
     assert [[f"{a}/{d}" for a, d in step["candidates"]] for step in record["steps"]] == steps
     assert "/".join(map(str, ex.pick)) == pick and rt.choice(4 << 20) == ex.pick
@@ -406,17 +412,13 @@ def test_the_explorer_never_settles_on_a_plan_slower_than_the_backend(monkeypatc
     """The backend's collective among the explored candidates (``native_rival_of``): any measured edge keeps it (no
     margin); a plan that beat it is stepped over its own depths, as any other algorithm's."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import EXPLORE_MAX_CALLS, Explorer
+    from gradsync.comm.tuning import Explorer
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     _fake_timing(monkeypatch, rt, cost)
     monkeypatch.setattr(rt.plans, "plannable", lambda name, depth: name != "native" and (name, depth) in cost)
     ex = Explorer(rt.tuning, object(), 256 << 10, first)
-    calls = 0
-    while ex.pick is None:
-        ex.run(torch.zeros(1))
-        calls += 1
-        assert calls <= EXPLORE_MAX_CALLS
+    _explore(ex)
     record = rt.tuned[256 << 10]
     assert ex.pick == pick and rt.choice(256 << 10) == pick and len(record["steps"]) == steps
 
@@ -430,7 +432,7 @@ def test_the_explorer_never_settles_on_a_plan_slower_than_the_backend(monkeypatc
 ])
 def test_a_pick_timed_again_must_still_beat_the_models_choice_by_the_margin(monkeypatch, again, pick):
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import EXPLORE_MARGIN, EXPLORE_MAX_CALLS, EXPLORE_REPS, Explorer
+    from gradsync.comm.tuning import EXPLORE_MARGIN, EXPLORE_REPS, Explorer
 
     assert 0.987 > (1 - EXPLORE_MARGIN) * 0.968 > 0.930  # the two cases sit either side of the margin
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
@@ -441,11 +443,7 @@ def test_a_pick_timed_again_must_still_beat_the_models_choice_by_the_margin(monk
     dropped: list = []
     monkeypatch.setattr(rt.plans, "drop", lambda picks: dropped.extend(picks))
     ex = Explorer(rt.tuning, object(), 4 << 20, [("lp", 16), ("lp", 32), ("lp", 8)])
-    calls = 0
-    while ex.pick is None:
-        ex.run(torch.zeros(1))
-        calls += 1
-        assert calls <= EXPLORE_MAX_CALLS
+    _explore(ex)
     record = rt.tuned[4 << 20]
     assert [[d for _, d in step["candidates"]] for step in record["steps"]] == [[16, 32, 8], [32, 64]]
     assert [tuple(step["pick"]) for step in record["steps"]] == [("lp", 32), ("lp", 32)]  # each step's own rule
