@@ -26,10 +26,14 @@ T = TypeVar("T")
 class LocalFabric:
     """Mailboxes shared by the ranks of one in-process group."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, *, decide: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
+        #: whether the ranks share job-wide decisions (rank 0 computes, the others wait for its bytes), as
+        #: torch.distributed's store does; off: every rank computes its own, the point-to-point default
+        self.shares_decisions = decide
+        self._decisions: dict[str, bytes] = {}
         # Like the real engines, the n-th receive *posted* for (src, dst, tag) gets the n-th message sent with
         # it, whenever either side gets there: a receive posted twice by mistake steals a later message.
         self._boxes: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
@@ -47,6 +51,25 @@ class LocalFabric:
         with self._cv:
             self._failed.add(rank)
             self._cv.notify_all()
+
+    def _decide(self, rank: int, key: str, compute: Callable[[], bytes], timeout_s: float) -> bytes:
+        """:data:`~gradsync.comm.transport.Decide` for ``rank``: rank 0's ``compute()``, the same bytes everywhere."""
+        if rank == 0:
+            value = compute()
+            with self._cv:
+                self._decisions[key] = value
+                self._cv.notify_all()
+            return value
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while key not in self._decisions:
+                if 0 in self._failed:
+                    raise PeerError(f"rank 0 failed before it published {key!r}", 0)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerError(f"rank 0 did not publish {key!r} within {timeout_s:g} s", 0)
+                self._cv.wait(left)
+            return self._decisions[key]
 
     def _put(self, src: int, dst: int, tag: int, payload: torch.Tensor) -> None:
         key = (src, dst, tag)
@@ -119,7 +142,10 @@ class LocalTransport:
         self.world_size = fabric.world_size
         self.name = "local"
         self.failures = _LocalBoard(fabric)
-        self.capabilities = Capabilities(failures=self.failures)  # point to point only; failures shared in-process
+        # point to point only; failures shared in-process, and decisions where the fabric shares them
+        decide = (lambda key, compute, timeout_s: fabric._decide(rank, key, compute, timeout_s)) \
+            if fabric.shares_decisions else None
+        self.capabilities = Capabilities(failures=self.failures, decide=decide)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> _Done:
         self.fabric._put(self.rank, peer, tag, tensor.detach().clone())

@@ -430,6 +430,11 @@ class Runtime:
             fut.add_done_callback(lambda _: self._trace_native(tensor, start, caller))
         return fut
 
+    def takes_native(self, device: torch.device) -> bool:
+        """Whether :meth:`native_allreduce_async` with ``always=True`` issues a contiguous tensor on ``device`` here and
+        now (a caller that prepares the tensor for the backend's sum alone asks first)."""
+        return bool(self.caps.native) and device == self.device and self._failed is None and not self.on_comm_thread()
+
     def _watches(self, ex: Any, tensors: Tensors) -> bool:
         """Whether the watch counts an allreduce of ``tensors`` on ``ex`` (:meth:`Adapter.qualifies
         <gradsync.comm.adapt.Adapter.qualifies>`, by size alone): such a call takes the queued path, where the
@@ -440,9 +445,8 @@ class Runtime:
         """The process group's work of ``tensor``'s native allreduce, issued here, or None where ``ex`` (the size's
         executor) is not native or the tensor cannot go (another device than the backend's is staged on the
         queued path)."""
-        if (not (isinstance(ex, NativeAllreduce) or (ex is NATIVE_ANY and self.caps.native))
-                or not tensor.is_contiguous() or tensor.device != self.device
-                or self._failed is not None or self.on_comm_thread()):
+        if (not (isinstance(ex, NativeAllreduce) or ex is NATIVE_ANY) or not tensor.is_contiguous()
+                or not self.takes_native(tensor.device)):
             return None
         self._record("allreduce", tensor)
         try:

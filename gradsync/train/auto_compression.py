@@ -403,7 +403,20 @@ class AutoCompression:
             return self.runtime.native_allreduce_async(flat, always=True)
         return native_cast_sum_async(self.runtime, flat, wire)
 
-    def settled_launch(self, flat: Tensor, key: str, *, verdict: bool = True) -> torch.futures.Future | None:
+    def lean_scale(self, key: str, device: torch.device) -> float | None:
+        """The factor a caller may scale ``key``'s gradients (on ``device``) by while it copies them into the group's
+        buffer, for :meth:`settled_launch` with ``scaled=True``: ``1 / world`` where the group launches lean on
+        ``"none"`` (the backend's float sum takes it), so the average costs no pass of its own -- DDP's fused
+        copy-and-divide into its bucket; None otherwise (a cast rounds the scaled values, and off the lean path the
+        codec averages)."""
+        lean = self._lean
+        if (lean is None or key not in lean or self._groups[key].priced().codec != "none"
+                or not self.runtime.takes_native(device)):
+            return None
+        return 1.0 / self.runtime.world_size
+
+    def settled_launch(self, flat: Tensor, key: str, *, verdict: bool = True,
+                       scaled: bool = False) -> torch.futures.Future | None:
         """A settled group's launch at the cost of a plain allreduce hook: ``flat`` averaged in place by the backend's
         own allreduce (cast to and from the wire dtype for a cast codec), the future's value ``flat``. Only once
         every group's choice is settled, checked and stateless ("none" on the backend's allreduce, or a cast) and
@@ -413,16 +426,26 @@ class AutoCompression:
         a non-finite step). A DDP hook passes False: with no codec state in the job there is nothing to roll back,
         and a NaN reaches the aggregate by the sum itself, as on the fixed fp16 hook's native path. The timing
         callbacks, the job-wide decisions and the step bookkeeping of :meth:`step_async` are skipped: on a GPU
-        their host time is most of a bucket's (``gradsync bench gpu``'s hook step times, docs/mergecomp.md)."""
+        their host time is most of a bucket's (``gradsync bench gpu``'s hook step times, docs/mergecomp.md).
+
+        ``scaled``: the caller already scaled ``flat`` by :meth:`lean_scale` (asked of this group, not None): the sum
+        is the average, and only its verdict is taken."""
         lean = self._lean
         if lean is None or key not in lean:
             return None
         codec = self._groups[key].priced().codec
+        if scaled and codec != "none":
+            raise CompressionError(f"group {key!r} runs {codec!r}: only a lean 'none' group is scaled before its sum "
+                                   "(ask lean_scale first)")
         fut = self._backend_sum(flat, None if codec == "none" else self._step(codec).cast_dtype)
         if fut is None:  # nothing joined the step: the caller's step_async opens its verdict
+            if scaled:  # lean_scale said the backend takes it
+                raise CompressionError(f"group {key!r} was scaled for the backend's allreduce, which refused it "
+                                       "after lean_scale said it takes it (a non-contiguous buffer, or the runtime "
+                                       "failed meanwhile)")
             return None
         self.settled_launches += 1
-        return self._averaged(fut, flat, self.boundary.verdict_for([key]) if verdict else None)
+        return self._averaged(fut, flat, self.boundary.verdict_for([key]) if verdict else None, world=1 if scaled else None)
 
     def plain_launch(self, flat: Tensor, info: TensorInfo) -> Work:
         """``flat`` (one group, named by ``info``) averaged uncompressed, outside every choice: for groups that are
@@ -434,11 +457,13 @@ class AutoCompression:
         return self._native(flat, info.name, verdict) or self.base.step_async([flat], [info], reuse=True,
                                                                               verdict=verdict)
 
-    def _averaged(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None) -> torch.futures.Future:
+    def _averaged(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None,
+                  world: int | None = None) -> torch.futures.Future:
         """After the backend's sum of ``flat`` (``fut``, :meth:`_backend_sum`): ``flat`` averaged in place, the
-        future's value ``flat``; with ``verdict``, whether it is finite joins that step's."""
+        future's value ``flat``; with ``verdict``, whether it is finite joins that step's. ``world``: what to divide
+        by (default the runtime's world size; 1 where the terms were scaled before the sum)."""
         self.native_launches += 1
-        world = self.runtime.world_size
+        world = self.runtime.world_size if world is None else world
         if verdict is not None:
             slot = verdict.reserve()
             return fut.then(lambda f: _checked_average(f, flat, world, verdict, slot))

@@ -254,20 +254,17 @@ outside auto's choosing (the optimizer's calibration steps).
             work = self.step.step_async([p.detach() for p in parts], list(g.parts), reuse=self.reuse_inputs)
             self._works.append((g, work))
             return
-        if len(parts) == 1:
-            buf = parts[0].detach()
-        else:
-            buf = self._flat.get(g.index)
-            if buf is None or buf.dtype != self.dtype or buf.device != self._device:
-                buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype, device=self._device)
-            torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
         # a merged group's buf is ours: the aggregate may come back in it
         reuse = len(parts) > 1 or self.reuse_inputs
+        # a lean "none" group is averaged as DDP averages its bucket: scaled while copied in, not in a pass after
+        scale = self.step.lean_scale(g.info.name, self._device) if self._auto and reuse and not self.plain else None
+        buf = self._buffer(g, parts, scale)
         if self.plain:
             self._works.append((g, self.step.plain_launch(buf, g.info)))
             return
         if self._auto and reuse:
-            settled = self.step.settled_launch(buf, g.info.name)  # a settled stateless choice: a plain allreduce
+            # a settled stateless choice: a plain allreduce
+            settled = self.step.settled_launch(buf, g.info.name, scaled=scale is not None)
             if settled is not None:
                 self._works.append((g, Work(settled.then(lambda f: [f.value()]), f"auto:{g.info.name}:settled")))
                 return
@@ -279,6 +276,25 @@ outside auto's choosing (the optimizer's calibration steps).
         else:
             work = self.step.step_async([buf], [g.info], reuse=reuse)
         self._works.append((g, work))
+
+    def _buffer(self, g: _Group, parts: list[Tensor], scale: float | None) -> Tensor:
+        """The group's gradients as one flat tensor: a lone gradient itself, else the group's reused buffer they are
+        copied into; times ``scale`` where given (in the same pass)."""
+        if len(parts) == 1:
+            buf = parts[0].detach()
+            return buf if scale is None else buf.mul_(scale)
+        buf = self._flat.get(g.index)
+        if buf is None or buf.dtype != self.dtype or buf.device != self._device:
+            buf = self._flat[g.index] = torch.empty(g.info.numel, dtype=self.dtype, device=self._device)
+        if scale is None:
+            torch.cat([p.detach().reshape(-1) for p in parts], out=buf)
+            return buf
+        at = 0
+        for p in parts:
+            n = p.numel()
+            torch.mul(p.detach().reshape(-1), scale, out=buf[at : at + n])
+            at += n
+        return buf
 
     def _views(self, buf: Tensor, g: _Group) -> list[Tensor]:
         out, at = [], 0

@@ -199,6 +199,32 @@ def test_dead_rank_is_named_by_every_survivor():
         assert "rank 2" in str(res[r])
 
 
+def test_a_local_fabric_shares_rank_0s_decisions_only_when_asked_and_names_a_dead_rank_0():
+    """``LocalFabric(decide=True)``: every rank gets rank 0's bytes (the others never compute); a rank waiting for a
+    decision of a rank 0 that died raises PeerError naming rank 0, not a hang. Without it, no shared decisions."""
+    import threading
+
+    assert LocalFabric(2).transport(1).capabilities.decide is None
+    fabric = LocalFabric(3, decide=True)
+    out: dict[int, bytes] = {}
+
+    def rank(r: int) -> None:
+        out[r] = fabric.transport(r).capabilities.decide("k", lambda: f"rank{r}".encode(), 5.0)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 1, 0)]  # rank 0 last: the others wait for it
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert out == {0: b"rank0", 1: b"rank0", 2: b"rank0"}
+    fabric.fail(0)
+    with pytest.raises(PeerError, match="rank 0 failed") as info:
+        fabric.transport(1).capabilities.decide("other", lambda: b"x", 5.0)
+    assert info.value.peer == 0
+    with pytest.raises(PeerError, match="within 0.05 s"):
+        LocalFabric(2, decide=True).transport(1).capabilities.decide("k", lambda: b"x", 0.05)
+
+
 @pytest.mark.parametrize("window", [0, 1, 100, 700, 3000, 1 << 30])
 def test_receive_window_sizes_all_give_the_exact_sum(window):
     """Receives posted ahead (any window, even smaller than one chunk) never change the result."""

@@ -13,10 +13,11 @@ from gradsync.comm.runtime import Runtime
 T = TypeVar("T")
 
 
-def on_ranks(world: int, fn: Callable[[int, Runtime], T], timeout_s: float = 120.0) -> list[T]:
+def on_ranks(world: int, fn: Callable[[int, Runtime], T], timeout_s: float = 120.0, *, decide: bool = False) -> list[T]:
     """``fn(rank, runtime)`` on ``world`` threads; their results by rank. A rank that raises marks itself dead on the
-    fabric (its peers' receives fail at once instead of at their timeout) and its error is raised here."""
-    fabric = LocalFabric(world)
+    fabric (its peers' receives fail at once instead of at their timeout) and its error is raised here. ``decide``:
+    the ranks share job-wide decisions (rank 0's), as ``compression="auto"`` needs."""
+    fabric = LocalFabric(world, decide=decide)
     results: dict[int, T] = {}
     errors: list[BaseException] = []
 

@@ -838,3 +838,74 @@ def test_a_codec_on_gradsyncs_thread_must_beat_none_on_the_backend_by_try_gain(
     group = auto._groups[row["group"]]
     assert group.native and not group.planned and ("fp16" in group.threaded) is not on_backend, (row, group)
     assert (row["codec"], row["reason"]) == (("fp16", "measured") if kept else ("none", "dropped")), row
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("merge", [1, "layerwise"])
+def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_mean(world: int, merge) -> None:
+    """A group settled lean on "none" is scaled by 1/world as its gradients are copied into its buffer (DDP's fused
+    copy-and-divide) and the backend's sum is the average: no pass after it. Every step, before and after the group
+    went lean, each rank's ``.grad`` is the mean of the ranks' own gradients (exact on two ranks, where scaling by
+    1/2 commutes with the sum's rounding; to rounding on three), on one merged group and on one group per tensor."""
+    from tests.train.local_ranks import on_ranks
+
+    steps = 3 * PROBE_STEPS + 4
+    seeding = threading.Lock()
+
+    def x_of(step: int, r: int) -> torch.Tensor:
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r))
+
+    def rank(r: int, rt: Runtime) -> tuple[list[list[torch.Tensor]], list[int]]:
+        def native(tensor, algorithm=None, always=False):  # the backend's sum: here, the runtime's own (blocking)
+            rt.allreduce(tensor, "sum")
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result([tensor])
+            return fut
+
+        rt.native_allreduce_async = native  # type: ignore[method-assign]
+        rt.takes_native = lambda device: True  # type: ignore[method-assign]
+        rt.runs_natively = lambda nbytes, algorithm=None: True  # type: ignore[method-assign]
+        auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")),
+                               codec_cost=lambda codec, numel: 0.0, cache=False)
+        auto._serial = -1  # the ranks are threads of one process: one serial, as one process per rank would have
+        scaled: list[int] = []
+        real = auto.lean_scale
+
+        def spy(key, device):
+            s = real(key, device)
+            scaled[-1] += s is not None
+            return s
+
+        auto.lean_scale = spy  # type: ignore[method-assign]
+        with seeding:  # _model() seeds the global generator: one rank at a time, so every rank has the same weights
+            model = _model()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), runtime=rt,
+                                   compression=auto, merge=merge)
+        grads = []
+        for step in range(steps):
+            scaled.append(0)
+            opt.zero_grad()
+            model(x_of(step, r)).square().sum().backward()
+            opt.step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        opt.remove_hooks()
+        return grads, scaled
+
+    out = on_ranks(world, rank, decide=True)
+    ref_model = _model()  # lr=0: the parameters every rank's gradients were taken at
+    for step in range(steps):
+        local = []
+        for r in range(world):
+            ref_model.zero_grad()
+            ref_model(x_of(step, r)).square().sum().backward()
+            local.append([p.grad.clone() for p in ref_model.parameters()])
+        mean = [sum(g[i] for g in local) / world for i in range(len(local[0]))]
+        for r, (grads, _) in enumerate(out):
+            for got, want in zip(grads[step], mean):
+                if world == 2:
+                    assert torch.equal(got, want), (step, r)
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    groups = 1 if merge == 1 else len(list(ref_model.parameters()))
+    for _, scaled in out:
+        assert scaled[-2:] == [groups, groups], scaled  # settled, lean, scaled while copied in
