@@ -272,6 +272,8 @@ class AutoCompression:
         self.settled_launches = 0
         #: the partition and codec chosen together (:meth:`plan_partition`, ``merge="auto"``); None before
         self.joint: JointChoice | None = None
+        #: the optimizer's check of the choices against DDP's buckets (:meth:`check_buckets`); None before
+        self.buckets: dict[str, Any] | None = None
         # Which AutoCompression of this process this is: part of every job-wide decision's key, so a second one
         # with the same group names (a rebuilt model) never reads the first one's decisions. Every rank builds
         # them in the same order (SPMD), so the serials agree.
@@ -382,7 +384,8 @@ class AutoCompression:
         work.future.add_done_callback(record)
         return work
 
-    def _native(self, flat: Tensor, key: str, verdict: StepVerdict, wire: torch.dtype | None = None) -> Work | None:
+    def _native(self, flat: Tensor, key: str, verdict: StepVerdict, wire: torch.dtype | None = None,
+                scaled: bool = False) -> Work | None:
         """``flat`` averaged in place by the process group's own async allreduce, whatever the runtime plans for
         its size (None where the backend cannot take it: no process group, another device). The sum is the same
         bits on every rank, so whether it is finite is the job's verdict on this group: it joins the step's, as
@@ -390,11 +393,17 @@ class AutoCompression:
 
         ``wire``: a cast codec's dtype (fp16, bf16): ``flat`` is cast, summed in that dtype and cast back, as a
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
-        own step then runs on the planned exchange, as the fixed codec would)."""
+        own step then runs on the planned exchange, as the fixed codec would). ``scaled``: ``flat`` was scaled by
+        1/world already (:meth:`plain_scale`), the sum is the average."""
         fut = self._backend_sum(flat, wire)
         if fut is None:
+            if scaled:
+                raise CompressionError(f"group {key!r} was scaled for the backend's allreduce, which refused it "
+                                       "after it said it takes it (a non-contiguous buffer, or the runtime failed "
+                                       "meanwhile)")
             return None
-        return Work(self._averaged(fut, flat, verdict).then(lambda f: [f.value()]), f"auto:{key}:native")
+        return Work(self._averaged(fut, flat, verdict, world=1 if scaled else None).then(lambda f: [f.value()]),
+                    f"auto:{key}:native")
 
     def _backend_sum(self, flat: Tensor, wire: torch.dtype | None) -> torch.futures.Future | None:
         """``flat`` summed in place by the process group's own allreduce (in ``wire`` and cast back, for a cast
@@ -441,21 +450,42 @@ class AutoCompression:
         if fut is None:  # nothing joined the step: the caller's step_async opens its verdict
             if scaled:  # lean_scale said the backend takes it
                 raise CompressionError(f"group {key!r} was scaled for the backend's allreduce, which refused it "
-                                       "after lean_scale said it takes it (a non-contiguous buffer, or the runtime "
-                                       "failed meanwhile)")
+                                       "after it said it takes it (a non-contiguous buffer, or the runtime failed "
+                                       "meanwhile)")
             return None
         self.settled_launches += 1
         return self._averaged(fut, flat, self.boundary.verdict_for([key]) if verdict else None, world=1 if scaled else None)
 
-    def plain_launch(self, flat: Tensor, info: TensorInfo) -> Work:
+    def plain_scale(self, device: torch.device) -> float | None:
+        """:meth:`lean_scale` for :meth:`plain_launch`: ``1 / world`` where the backend's allreduce takes a buffer on
+        ``device``, None where the ``"none"`` step's exchange would run it (and average it itself)."""
+        return 1.0 / self.runtime.world_size if self.runtime.takes_native(device) else None
+
+    def plain_launch(self, flat: Tensor, info: TensorInfo, *, scaled: bool = False) -> Work:
         """``flat`` (one group, named by ``info``) averaged uncompressed, outside every choice: for groups that are
-        not the job's, as the optimizer's calibration steps run a partition that is thrown away after them. Nothing
-        is recorded, timed or decided for it (a group seen there and priced, timed and profiled for like the job's
-        own cost each of those steps several times a plain one); its finite verdict joins the step's. The
-        backend's own allreduce where it can take ``flat``, else the ``"none"`` step's exchange."""
+        not the job's, as the optimizer's calibration steps run a partition that is thrown away after them (and
+        DDP's buckets, where they measured quicker than the job's: :meth:`check_buckets`). Nothing is recorded,
+        timed or decided for it (a group seen there and priced, timed and profiled for like the job's own cost
+        each of those steps several times a plain one); its finite verdict joins the step's. The backend's own
+        allreduce where it can take ``flat``, else the ``"none"`` step's exchange. ``scaled``: ``flat`` was scaled
+        by :meth:`plain_scale` (not None) as it was copied in."""
         verdict = self.boundary.verdict_for([info.name])
-        return self._native(flat, info.name, verdict) or self.base.step_async([flat], [info], reuse=True,
-                                                                              verdict=verdict)
+        return self._native(flat, info.name, verdict, scaled=scaled) or self.base.step_async(
+            [flat], [info], reuse=True, verdict=verdict)
+
+    def check_buckets(self, chosen_s: Sequence[float], buckets_s: Sequence[float], buckets: Sequence[int]) -> bool:
+        """The optimizer's last check, once the choices are settled (``merge="auto"``): whole steps with the chosen
+        partition and codecs (``chosen_s``) against steps with DDP's buckets (of ``buckets`` bytes) sent uncompressed
+        on the backend's allreduce (``buckets_s``), what DDP itself runs. Whether the choice stays: its median must
+        be quicker than the buckets' (a tie goes to DDP's buckets, which cost no accuracy and no choosing). Rank 0's
+        samples decide for every rank; :attr:`buckets` keeps the verdict for :meth:`table` and :meth:`report`."""
+        if not chosen_s or not buckets_s:
+            raise CompressionError(f"the bucket check needs steps on both sides, got {list(chosen_s)} and "
+                                   f"{list(buckets_s)}")
+        keep = self._decide_flag("bucket-check", lambda: float(np.median(chosen_s)) < float(np.median(buckets_s)))
+        self.buckets = {"kept": keep, "chosen_s": list(chosen_s), "buckets_s": list(buckets_s),
+                        "bytes": [int(b) for b in buckets]}
+        return keep
 
     def _averaged(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None,
                   world: int | None = None) -> torch.futures.Future:
@@ -884,7 +914,12 @@ class AutoCompression:
         """One row per group: bytes, codec (``planned``: its "none" runs on the runtime's planned exchange, not the
         backend's allreduce), the slack it was priced with (None: no step yet), predicted and measured seconds
         (None: not measured), why, and how many of its trials' launches were timed while the runtime settled their
-        exchange (kept apart: :data:`SETTLING_LAUNCHES`)."""
+        exchange (kept apart: :data:`SETTLING_LAUNCHES`). Where DDP's buckets measured quicker than the choices
+        (:meth:`check_buckets`), one row per bucket instead: ``"none"``, reason ``"buckets"``."""
+        if self.buckets is not None and not self.buckets["kept"]:
+            return [{"group": f"bucket{i}", "bytes": b, "codec": "none", "planned": False, "slack_s": None,
+                     "predicted_s": None, "measured_s": None, "reason": "buckets", "settling_launches": 0}
+                    for i, b in enumerate(self.buckets["bytes"])]
         rows = []
         for key in self._current_groups():
             g = self._groups[key]
@@ -909,4 +944,9 @@ class AutoCompression:
             codec = PLANNED if r["planned"] else r["codec"]
             lines.append(f"{r['group'][:40]:<40} {r['bytes']:>12d} {codec:<12} {us(r['predicted_s']):>13} "
                          f"{us(r['measured_s']):>12}  {r['reason']}")
+        if self.buckets is not None:
+            b = self.buckets
+            lines.append(f"whole steps (median): chosen {np.median(b['chosen_s']) * 1e3:.2f} ms, DDP's buckets "
+                         f"uncompressed {np.median(b['buckets_s']) * 1e3:.2f} ms: "
+                         + ("the choices stay" if b["kept"] else "DDP's buckets run"))
         return "\n".join(lines)

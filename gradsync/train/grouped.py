@@ -256,11 +256,16 @@ outside auto's choosing (the optimizer's calibration steps).
             return
         # a merged group's buf is ours: the aggregate may come back in it
         reuse = len(parts) > 1 or self.reuse_inputs
-        # a lean "none" group is averaged as DDP averages its bucket: scaled while copied in, not in a pass after
-        scale = self.step.lean_scale(g.info.name, self._device) if self._auto and reuse and not self.plain else None
+        # a lean "none" group (and a plain one) is averaged as DDP averages its bucket: scaled while copied in, not in
+        # a pass after the sum
+        scale = None
+        if self.plain:
+            scale = self.step.plain_scale(self._device)
+        elif self._auto and reuse:
+            scale = self.step.lean_scale(g.info.name, self._device)
         buf = self._buffer(g, parts, scale)
         if self.plain:
-            self._works.append((g, self.step.plain_launch(buf, g.info)))
+            self._works.append((g, self.step.plain_launch(buf, g.info, scaled=scale is not None)))
             return
         if self._auto and reuse:
             # a settled stateless choice: a plain allreduce

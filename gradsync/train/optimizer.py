@@ -43,13 +43,17 @@ from gradsync.errors import GradsyncError
 if TYPE_CHECKING:
     from gradsync.compress import Compressor, Memory, Partition
     from gradsync.compress.merge import MergeCostModel
+    from gradsync.train.grouped import MergedGroups
 
-__all__ = ["DDP_BUCKET_BYTES", "DistributedOptimizer", "FIRST_BUCKET_BYTES"]
+__all__ = ["BUCKET_CHECK_STEPS", "DDP_BUCKET_BYTES", "DistributedOptimizer", "FIRST_BUCKET_BYTES"]
 
 #: The first group's default size limit (``torch.distributed``'s ``_DEFAULT_FIRST_BUCKET_BYTES``, DDP's).
 FIRST_BUCKET_BYTES = 1 << 20
 #: DDP's default bucket size limit (``bucket_cap_mb=25``): ``compression="auto"``'s calibration steps bucket so.
 DDP_BUCKET_BYTES = 25 << 20
+#: Whole steps timed on each side of ``compression="auto"``'s last check, its choices against DDP's buckets sent
+#: uncompressed (:meth:`AutoCompression.check_buckets <gradsync.train.AutoCompression.check_buckets>`).
+BUCKET_CHECK_STEPS = 3
 
 
 class DistributedOptimizer:
@@ -76,7 +80,9 @@ class DistributedOptimizer:
     on auto's wire model and codec costs, with each group's own cost fitted to that step's time
     (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``); it is the default with
     ``compression="auto"``, since a group that settles on ``"none"`` is one native allreduce, and layer-wise
-    that is one collective per tensor where DDP sends a few buckets.
+    that is one collective per tensor where DDP sends a few buckets. Once the choices settle they are timed against
+    DDP's buckets sent uncompressed (:data:`BUCKET_CHECK_STEPS` whole steps each, by turns), and DDP's buckets run
+    from then on unless the choices were quicker (``optimizer.compression.buckets``).
     ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
     gradients travel on the last one (gradient accumulation; scale each micro-batch's loss by 1/N for a mean). A
     parameter's gradient arriving more often raises; :meth:`no_sync` marks extra passes as local instead.
@@ -267,18 +273,29 @@ class DistributedOptimizer:
         #: compression="auto", DDP's buckets sent uncompressed (:func:`_ddp_partition`)
         self._calibration = (_ddp_partition([p.numel() * p.element_size() for _, p in self._params])
                              if _is_auto(compression) else _layerwise(len(self._params)))
+        #: compression="auto" with merge="auto": DDP's buckets sent uncompressed, timed against the choices once they
+        #: settle (BUCKET_CHECK_STEPS whole steps each, alternating), and run instead where they are quicker; None
+        #: when there is nothing (more) to check
+        self._buckets: MergedGroups | None = None
+        self._bucket_s: tuple[list[float], list[float]] = ([], [])  # whole steps: the choices', the buckets'
+        self._bucket_bytes: list[int] = []
+        self._bucket_turn: bool | None = None  # this step runs DDP's buckets (None: no check this step)
+        self._step_t0 = 0.0
         self._build_groups(self.partition if self.partition is not None else self._calibration)
 
     def _build_groups(self, partition: Partition) -> None:
+        self._index = {id(p): i for i, (_, p) in enumerate(self._params)}
+        # compression="auto"'s calibration steps send DDP's buckets uncompressed, outside auto's choosing: they are
+        # thrown away after them
+        self._groups = self._merged(partition, plain=self._calibrating and _is_auto(self.compression))
+
+    def _merged(self, partition: Partition, *, plain: bool) -> MergedGroups:
         from gradsync.train.grouped import MergedGroups
 
-        self._index = {id(p): i for i, (_, p) in enumerate(self._params)}
-        self._groups = MergedGroups(
+        return MergedGroups(
             self.compression, [n for n, _ in self._params], [tuple(p.shape) for _, p in self._params], self._dtype, partition,
             reuse_inputs=True,  # .grad gets the aggregate anyway: decode it straight there
-            # compression="auto"'s calibration steps send DDP's buckets uncompressed, outside auto's choosing: they
-            # are thrown away after them
-            plain=self._calibrating and _is_auto(self.compression),
+            plain=plain,
         )
 
     def _on_grad_compressed(self, param: torch.Tensor) -> None:
@@ -289,7 +306,9 @@ class DistributedOptimizer:
             raise GradsyncError(f"gradient of {self.names.get(id(param), '?')} is sparse; gradsync compresses dense gradients")
         index = self._index[id(param)]
         if not self._calibrating:
-            self._groups.add(index, grad)
+            if self._bucket_turn is None and self._buckets is not None and not self._running_started():
+                self._bucket_turn = self._next_bucket_turn()  # the step's first gradient: which side runs it
+            (self._buckets if self._bucket_turn else self._groups).add(index, grad)
             return
         # Backward's own progress: the time this hook spent compressing earlier gradients taken out (the
         # model adds compression to the ready times itself, so counting it here would count it twice).
@@ -298,11 +317,39 @@ class DistributedOptimizer:
         self._groups.add(index, grad)
         self._inside += time.perf_counter() - t
 
+    def _running_started(self) -> bool:
+        return self._groups.started or (self._buckets is not None and self._buckets.started)
+
+    def _next_bucket_turn(self) -> bool | None:
+        """Whether this step runs DDP's buckets (True), the choices (False), or no check (None): once auto's choices
+        have settled and passed its own checks, DDP's buckets first, then by turns, BUCKET_CHECK_STEPS each."""
+        auto = self.compression
+        if not (auto.settled and auto.verified):
+            return None
+        self._step_t0 = auto.clock()
+        chosen, buckets = self._bucket_s
+        return len(buckets) <= len(chosen)
+
+    def _end_bucket_turn(self) -> None:
+        """After a step of the bucket check: its time goes to its side; once both have BUCKET_CHECK_STEPS, the job
+        decides (rank 0's times) whether the choices stay or DDP's buckets run from now on."""
+        turn, self._bucket_turn = self._bucket_turn, None
+        if turn is None or self._buckets is None:
+            return
+        chosen, buckets = self._bucket_s
+        (buckets if turn else chosen).append(self.compression.clock() - self._step_t0)
+        if min(len(chosen), len(buckets)) < BUCKET_CHECK_STEPS:
+            return
+        keep = self.compression.check_buckets(chosen, buckets, self._bucket_bytes)
+        if not keep:
+            self.partition, self._groups = self._buckets.partition, self._buckets
+        self._buckets = None
+
     def _synchronize_compressed(self) -> None:
         from gradsync.train.communicator import write_aggregate
 
         end = t0 = time.perf_counter()
-        results = self._groups.wait()
+        results = (self._buckets if self._bucket_turn else self._groups).wait()
         synced = time.perf_counter()
         self.wait_seconds += synced - t0
         end_step = getattr(self.compression, "end_step", None)
@@ -318,6 +365,8 @@ class DistributedOptimizer:
             self._arrivals, self._inside = [], 0.0
         elif self._calibrating:
             self._calibrate(end, synced)
+        else:
+            self._end_bucket_turn()
 
     def _calibrate(self, end: float, synced: float) -> None:
         """After the timed calibration step: backward order and ready times -> profiled model -> partition."""
@@ -359,6 +408,10 @@ class DistributedOptimizer:
             self.partition = self.compression.plan_partition(sizes, ready, max(end - start - inside, last),
                                                              self._dtype, observed=(ran, synced - start)).partition
             self._build_groups(self.partition)
+            if self.partition.counts != ran.counts:  # timed against DDP's buckets once the choices settle
+                self._buckets = self._merged(ran, plain=True)
+                self._bucket_bytes = [sum(p.numel() * p.element_size() for _, p in self._params[a:b])
+                                      for a, b in ran.bounds]
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),
@@ -419,8 +472,10 @@ class DistributedOptimizer:
         if self.compression is None:
             self.synchronize()
             return
-        if self._groups.started:
-            self._groups.wait()
+        running = self._buckets if self._bucket_turn else self._groups
+        if running is not None and running.started:
+            running.wait()
+        self._bucket_turn = None  # a dropped step times nothing
         self._arrivals, self._inside = [], 0.0
 
     def remove_hooks(self) -> None:

@@ -909,3 +909,66 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
     groups = 1 if merge == 1 else len(list(ref_model.parameters()))
     for _, scaled in out:
         assert scaled[-2:] == [groups, groups], scaled  # settled, lean, scaled while copied in
+
+
+@pytest.mark.parametrize("chosen_cost, kept", [(4.0, False), (1.0, False), (0.1, True)])
+def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, chosen_cost: float, kept: bool) -> None:
+    """``merge="auto"``: once the choices settle, BUCKET_CHECK_STEPS whole steps with them and as many with DDP's
+    buckets uncompressed alternate (DDP's first); the choices stay only where their median step is quicker (a tie
+    goes to DDP's buckets), else DDP's buckets run from then on, and the table says so. A fake clock charges each
+    launch of a chosen group ``chosen_cost`` (four layer-wise groups) and each of DDP's buckets 1 (one bucket)."""
+    from gradsync.compress.auto import JointChoice
+    from gradsync.compress.merge_model import Partition
+    from gradsync.train.grouped import MergedGroups
+    from gradsync.train.optimizer import BUCKET_CHECK_STEPS
+
+    now = [0.0]
+    auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+                           clock=lambda: now[0], cache=False)
+    monkeypatch.setattr(auto, "plan_partition", lambda sizes, *a, **k: JointChoice(
+        "none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0}))
+    sides: list[str] = []
+    real = MergedGroups._launch
+
+    def launch(self, g):
+        sides.append("buckets" if self.plain else "chosen")
+        now[0] += 1.0 if self.plain else chosen_cost / 4
+        real(self, g)
+
+    monkeypatch.setattr(MergedGroups, "_launch", launch)
+    model, plain = _model(), _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    per_step = []
+    for step in range(24):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        before = len(sides)
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(set(sides[before:]))
+        plain(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), plain.parameters()):  # one rank: every side's average is the gradient
+        assert torch.equal(p, q)
+    assert per_step[:2] == [{"buckets"}, {"buckets"}]  # the calibration steps: DDP's buckets, uncompressed
+    check = auto.buckets
+    assert check is not None and check["kept"] is kept, (check, per_step)
+    assert len(check["chosen_s"]) == len(check["buckets_s"]) == BUCKET_CHECK_STEPS
+    assert check["buckets_s"] == [1.0] * BUCKET_CHECK_STEPS
+    assert check["chosen_s"] == pytest.approx([chosen_cost] * BUCKET_CHECK_STEPS)
+    first = next(i for i in range(2, len(per_step)) if per_step[i] == {"buckets"})  # the check's first step
+    turns = per_step[first : first + 2 * BUCKET_CHECK_STEPS]
+    assert turns == [{"buckets"}, {"chosen"}] * BUCKET_CHECK_STEPS, per_step
+    assert all(s == ({"chosen"} if kept else {"buckets"}) for s in per_step[first + 2 * BUCKET_CHECK_STEPS:]), per_step
+    rows = auto.table()
+    if kept:
+        assert opt.partition == Partition.layerwise(4) and len(rows) == 4
+    else:
+        assert opt.partition == Partition.single(4)
+        assert [(r["group"], r["codec"], r["reason"]) for r in rows] == [("bucket0", "none", "buckets")]
+        assert rows[0]["bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    assert "DDP's buckets" in auto.report()
