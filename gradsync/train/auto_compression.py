@@ -315,6 +315,14 @@ class AutoCompression:
         keys = self._current_groups()
         return bool(keys) and all(self._groups[k].final for k in keys)
 
+    @property
+    def runs_backend_none(self) -> bool:
+        """Whether every group in use runs ``"none"`` on the backend's allreduce (not the planned exchange): DDP's own
+        exchange of those groups."""
+        keys = self._current_groups()
+        return all((c := self._groups[k].choice) is not None and c.codec == "none" and not self._groups[k].planned
+                   for k in keys)
+
     # ---- one launch ----------------------------------------------------------------------------------------
     def step_async(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], *, reuse: bool = False,
                    key: str | None = None, flat: Tensor | None = None) -> Work:

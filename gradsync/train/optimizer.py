@@ -80,9 +80,9 @@ class DistributedOptimizer:
     on auto's wire model and codec costs, with each group's own cost fitted to that step's time
     (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``); it is the default with
     ``compression="auto"``, since a group that settles on ``"none"`` is one native allreduce, and layer-wise
-    that is one collective per tensor where DDP sends a few buckets. Once the choices settle they are timed against
-    DDP's buckets sent uncompressed (:data:`BUCKET_CHECK_STEPS` whole steps each, by turns), and DDP's buckets run
-    from then on unless the choices were quicker (``optimizer.compression.buckets``).
+    that is one collective per tensor where DDP sends a few buckets. Once the choices settle, unless they are DDP's
+    buckets uncompressed, they are timed against those (:data:`BUCKET_CHECK_STEPS` whole steps each, by turns), and
+    DDP's buckets run from then on unless the choices were quicker (``optimizer.compression.buckets``).
     ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
     gradients travel on the last one (gradient accumulation; scale each micro-batch's loss by 1/N for a mean). A
     parameter's gradient arriving more often raises; :meth:`no_sync` marks extra passes as local instead.
@@ -326,6 +326,9 @@ class DistributedOptimizer:
         auto = self.compression
         if not (auto.settled and auto.verified):
             return None
+        if self._buckets is not None and self._buckets.partition == self.partition and auto.runs_backend_none:
+            self._buckets = None  # the choices are DDP's buckets uncompressed: nothing to time them against
+            return None
         self._step_t0 = auto.clock()
         chosen, buckets = self._bucket_s
         return len(buckets) <= len(chosen)
@@ -408,10 +411,10 @@ class DistributedOptimizer:
             self.partition = self.compression.plan_partition(sizes, ready, max(end - start - inside, last),
                                                              self._dtype, observed=(ran, synced - start)).partition
             self._build_groups(self.partition)
-            if self.partition.counts != ran.counts:  # timed against DDP's buckets once the choices settle
-                self._buckets = self._merged(ran, plain=True)
-                self._bucket_bytes = [sum(p.numel() * p.element_size() for _, p in self._params[a:b])
-                                      for a, b in ran.bounds]
+            # timed against DDP's buckets once the choices settle (unless they are those buckets, uncompressed)
+            self._buckets = self._merged(ran, plain=True)
+            self._bucket_bytes = [sum(p.numel() * p.element_size() for _, p in self._params[a:b])
+                                  for a, b in ran.bounds]
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),

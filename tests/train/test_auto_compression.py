@@ -972,3 +972,43 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
         assert [(r["group"], r["codec"], r["reason"]) for r in rows] == [("bucket0", "none", "buckets")]
         assert rows[0]["bytes"] == sum(p.numel() * 4 for p in model.parameters())
     assert "DDP's buckets" in auto.report()
+
+
+@pytest.mark.parametrize("allow, wire, checked", [("lossless", AlphaBeta(0.0, float("inf")), False),
+                                                  ("cast", SLOW, True)])
+def test_choices_on_ddps_own_buckets_are_checked_only_where_they_compress(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, allow: str, wire, checked: bool) -> None:
+    """The joint choice keeps DDP's one bucket: settled on ``"none"`` on the backend's allreduce it is DDP's own step,
+    and nothing is timed against it; settled on a cast (a slow wire) it is timed against DDP's bucket uncompressed
+    all the same (here, costing the same, the tie goes to DDP's bucket)."""
+    from gradsync.compress.auto import JointChoice
+    from gradsync.compress.merge_model import Partition
+    from gradsync.train.grouped import MergedGroups
+
+    now = [0.0]
+    _with_native(rt, monkeypatch)
+    auto = AutoCompression(allow, runtime=rt, wire=wire, codec_cost=lambda c, n: 0.0, clock=lambda: now[0],
+                           cache=False)
+    monkeypatch.setattr(auto, "plan_partition", lambda sizes, *a, **k: JointChoice(
+        "none", Partition.single(len(sizes)), 0.0, {"none": 0.0}))
+    real = MergedGroups._launch
+
+    def launch(self, g):
+        now[0] += 1.0
+        real(self, g)
+
+    monkeypatch.setattr(MergedGroups, "_launch", launch)
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto)
+    for step in range(30):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert auto.settled and auto.verified
+    codecs = {c.codec for c in auto.choices.values()}
+    assert codecs == ({"fp16"} if checked else {"none"}), auto.table()
+    assert (auto.buckets is not None) is checked and opt._buckets is None, auto.buckets
+    if checked:
+        assert auto.buckets["kept"] is False and opt.partition == Partition.single(4)
+        assert [r["reason"] for r in auto.table()] == ["buckets"]
