@@ -147,7 +147,7 @@ def _auto_stats(comp: Any) -> dict[str, Any]:
         return {}
     rows = comp.table()
     return {"settled": comp.settled, "choices": rows, "native_launches": comp.native_launches,
-            "step_check": comp.step_check,
+            "step_check": comp.step_check, "buckets": comp.buckets,
             "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})}}
 
 

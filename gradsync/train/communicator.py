@@ -84,6 +84,7 @@ __all__ = [
     "create_communicator",
     "register_communicator",
     "write_aggregate",
+    "write_aggregates",
 ]
 
 # -- communicators ----------------------------------------------------------------------------------------
@@ -491,8 +492,19 @@ def _summable(x: Tensor) -> Tensor:
 def write_aggregate(dest: Tensor, result: Tensor) -> None:
     """``dest.copy_(result)``, skipped where ``result`` already is ``dest`` (an aggregate the step decoded in
     place into the buffer it was given, ``step_async(..., reuse=True)``: the same elements, nothing to copy)."""
-    if not (result.data_ptr() == dest.data_ptr() and result.shape == dest.shape and result.stride() == dest.stride()):
+    if not _in_place(dest, result):
         dest.copy_(result)
+
+
+def write_aggregates(dests: Sequence[Tensor], results: Sequence[Tensor]) -> None:
+    """:func:`write_aggregate` of each pair, the copies in one multi-tensor call (one launch, not one per tensor)."""
+    pairs = [(d, r) for d, r in zip(dests, results) if not _in_place(d, r)]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [r for _, r in pairs])
+
+
+def _in_place(dest: Tensor, result: Tensor) -> bool:
+    return result.data_ptr() == dest.data_ptr() and result.shape == dest.shape and result.stride() == dest.stride()
 
 
 def native_cast_sum_async(runtime: Runtime, flat: Tensor, wire: torch.dtype) -> torch.futures.Future | None:

@@ -349,8 +349,6 @@ class DistributedOptimizer:
         self._buckets = None
 
     def _synchronize_compressed(self) -> None:
-        from gradsync.train.communicator import write_aggregate
-
         end = t0 = time.perf_counter()
         results = (self._buckets if self._bucket_turn else self._groups).wait()
         synced = time.perf_counter()
@@ -358,11 +356,7 @@ class DistributedOptimizer:
         end_step = getattr(self.compression, "end_step", None)
         if end_step is not None:  # compression="auto": backward is over, its groups' slack is known
             end_step()
-        for (_, p), r in zip(self._params, results):
-            if p.grad is None:
-                p.grad = r.detach().clone()
-            else:
-                write_aggregate(p.grad, r)  # (nothing to copy where it was decoded straight into .grad)
+        _write_back([p for _, p in self._params], results)
         if self._calibrating and self._untimed_steps:
             self._untimed_steps -= 1
             self._arrivals, self._inside = [], 0.0
@@ -485,6 +479,21 @@ class DistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _write_back(params: list[torch.nn.Parameter], results: list[torch.Tensor]) -> None:
+    """Each aggregate into its parameter's ``.grad`` (a copy of it where there is none): one multi-tensor copy for
+    those not decoded straight into their ``.grad`` already (one call, not one per tensor: LeNet-5's ten)."""
+    from gradsync.train.communicator import write_aggregates
+
+    dests, srcs = [], []
+    for p, r in zip(params, results):
+        if p.grad is None:
+            p.grad = r.detach().clone()
+        else:
+            dests.append(p.grad)
+            srcs.append(r)
+    write_aggregates(dests, srcs)
 
 
 def _is_auto(compression: object) -> bool:

@@ -841,13 +841,18 @@ def test_a_codec_on_gradsyncs_thread_must_beat_none_on_the_backend_by_try_gain(
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("merge", [1, "layerwise"])
-def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_mean(world: int, merge) -> None:
-    """A group settled lean on "none" is scaled by 1/world as its gradients are copied into its buffer (DDP's fused
-    copy-and-divide) and the backend's sum is the average: no pass after it. Every step, before and after the group
-    went lean, each rank's ``.grad`` is the mean of the ranks' own gradients (exact on two ranks, where scaling by
-    1/2 commutes with the sum's rounding; to rounding on three), on one merged group and on one group per tensor."""
+@pytest.mark.parametrize("merge, fused", [(1, False), (1, True), ("layerwise", False)])
+def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_mean(
+        monkeypatch: pytest.MonkeyPatch, world: int, merge, fused: bool) -> None:
+    """A group settled lean on "none" is scaled by 1/world as its gradients are copied into its buffer (DDP's
+    copy-and-divide: member by member in one pass for a large group, ``fused``, else copied whole then scaled) and the
+    backend's sum is the average: no pass after it. Every step, before and after the group went lean, each rank's
+    ``.grad`` is the mean of the ranks' own gradients (exact on two ranks, where scaling by 1/2 commutes with the
+    sum's rounding; to rounding on three), on one merged group and on one group per tensor."""
+    import gradsync.train.grouped as grouped
     from tests.train.local_ranks import on_ranks
+
+    monkeypatch.setattr(grouped, "FUSED_SCALE_BYTES", 0 if fused else 1 << 40)
 
     steps = 3 * PROBE_STEPS + 4
     seeding = threading.Lock()
