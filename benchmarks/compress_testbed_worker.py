@@ -73,6 +73,8 @@ class Replica:
     optimizer: Any
     schedule: torch.optim.Optimizer
     stats: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    #: whether the method is still choosing what it runs (``compression="auto"``): its steps are not its pace yet
+    choosing: Callable[[], bool] = field(default=lambda: False)
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,7 @@ def summarize_config(config: dict[str, Any], allow: str) -> dict[str, Any]:
         and ddp.get("accuracy") is not None else None,
         "choose_share": choose, "choose_steps": len(first), "choose_reference": ref_name,
         "auto_codecs": auto.get("stats", {}).get("codecs"),
+        "auto_choosing_steps": auto.get("choosing_steps"),
     }
 
 
@@ -232,7 +233,9 @@ def summary_lines(rows: Sequence[dict[str, Any]], g: dict[str, Any], allow: str)
                      + (f", vs DDP x{d['median']:.2f}" if d else "")
                      + (f", vs none x{r['auto_vs_none']['median']:.2f}" if r["auto_vs_none"] else "")
                      + (f", accuracy {acc:+.1f} points vs DDP" if acc is not None else "")
-                     + (" (wire-bound)" if r["wire_bound"] else ""))
+                     + (" (wire-bound)" if r["wire_bound"] else "")
+                     + (f" (auto chose until step {r['auto_choosing_steps']}, after the {r['warmup']} untimed)"
+                        if (r.get("auto_choosing_steps") or 0) > (r.get("warmup") or 0) else ""))
 
     def val(v: float | None, fmt: str) -> str:
         return "not measured" if v is None else format(v, fmt)
@@ -325,7 +328,7 @@ def _rows(cells: Sequence[dict[str, Any]], allow: str) -> list[dict[str, Any]]:
     for cell in cells:
         where = cell["fabric"] + (f" at {cell['rate']}" if cell["rate"] else "")
         for config in cell["configs"]:
-            out.append({"where": where, "fabric": cell["fabric"], "rate": cell["rate"],
+            out.append({"where": where, "fabric": cell["fabric"], "rate": cell["rate"], "warmup": cell.get("warmup"),
                         **summarize_config(config, allow)})
     return out
 

@@ -121,7 +121,7 @@ def _optimizer_path(method: str, net: nn.Module, setup: Setup) -> Replica:
     base = _sgd(net.parameters(), setup)
     comp = _compression(method, setup)
     opt = gradsync.DistributedOptimizer(base, net.named_parameters(), runtime=setup.runtime, compression=comp)
-    return Replica(net, opt, base, lambda: _auto_stats(comp))
+    return Replica(net, opt, base, lambda: _auto_stats(comp), lambda: opt.choosing)
 
 
 def _hook_path(method: str, net: nn.Module, setup: Setup) -> Replica:
@@ -137,7 +137,7 @@ def _hook_path(method: str, net: nn.Module, setup: Setup) -> Replica:
     model.register_comm_hook(state, gradsync.compression_hook)
     opt = _sgd(model.parameters(), setup)
     return Replica(model, opt, opt, lambda: {**_auto_stats(comp), "payload_bytes": state.payload_bytes,
-                                             "dense_bytes": state.dense_bytes})
+                                             "dense_bytes": state.dense_bytes}, lambda: state.choosing)
 
 
 def _auto_stats(comp: Any) -> dict[str, Any]:
@@ -209,6 +209,7 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
     samples: dict[str, list[float]] = {m: [] for m in methods}
     first: dict[str, list[float]] = {m: [] for m in methods}
     losses: dict[str, list[float]] = {m: [] for m in methods}
+    chose = dict.fromkeys(methods, 0)  # steps until each method stopped choosing (auto; 0: never chose)
     t0 = time.perf_counter()
     for step in range(args.steps):
         start = (step * args.batch) % (n_train - args.batch)
@@ -218,6 +219,8 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
             got: list[float] = []
             dt = _timed(lambda rep=replicas[m], got=got, x=x, y=y: got.append(_train_step(rep, x, y)))
             losses[m].append(got[0])
+            if replicas[m].choosing():
+                chose[m] = step + 1
             if step < args.first:
                 first[m].append(dt)
             if step >= args.warmup:
@@ -228,7 +231,7 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
     for m, rep in replicas.items():
         acc, loss = _evaluate(rep.model, data.x_test, data.y_test) if rank == 0 else (None, None)
         rows[m] = {"median_s": statistics.median(samples[m]), "samples_s": samples[m], "first_steps_s": first[m],
-                   "losses": losses[m], "accuracy": acc, "test_loss": loss,
+                   "losses": losses[m], "accuracy": acc, "test_loss": loss, "choosing_steps": chose[m],
                    "replicas_identical": _identical(rep.model), "stats": rep.stats()}
     return {"model": model_name, "path": path, "parameters": sum(p.numel() for p in base.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "methods": rows,

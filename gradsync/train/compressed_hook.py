@@ -130,6 +130,12 @@ class CompressionHookState:
         return self.step.communicator.runtime
 
     @property
+    def choosing(self) -> bool:
+        """Whether ``compression="auto"`` is still choosing (timing codecs, or checking the choices against
+        ``"none"``); always False for a fixed compressor."""
+        return self.auto is not None and not (self.auto.settled and self.auto.verified)
+
+    @property
     def nonfinite_steps(self) -> int:
         """DDP iterations with a NaN or inf in some bucket on some rank, whose updates were all dropped."""
         return (self.auto or self.step).nonfinite_steps

@@ -419,6 +419,16 @@ class DistributedOptimizer:
         self._build_groups(self.partition)
 
     @property
+    def choosing(self) -> bool:
+        """Whether ``compression="auto"`` is still choosing: calibrating the partition, timing codecs, or checking the
+        choices (against ``"none"``, then against DDP's buckets); False once every step runs what was chosen, and
+        always False otherwise."""
+        auto = self.compression
+        if auto is None or not _is_auto(auto):
+            return False
+        return self._calibrating or not (auto.settled and auto.verified) or self._buckets is not None
+
+    @property
     def nonfinite_steps(self) -> int:
         """Compressed steps with a NaN or inf in some gradient on some rank: every group's error feedback and
         compressor state were left as before the step (0 without compression, which keeps no such state)."""

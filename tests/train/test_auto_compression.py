@@ -946,7 +946,7 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto)
     ref = torch.optim.SGD(plain.parameters(), lr=0.1)
-    per_step = []
+    per_step, choosing = [], []
     for step in range(24):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         before = len(sides)
@@ -954,6 +954,7 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
         opt.step()
         opt.zero_grad()
         per_step.append(set(sides[before:]))
+        choosing.append(opt.choosing)
         plain(x).square().sum().backward()
         ref.step()
         ref.zero_grad()
@@ -968,6 +969,8 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
     first = next(i for i in range(2, len(per_step)) if per_step[i] == {"buckets"})  # the check's first step
     turns = per_step[first : first + 2 * BUCKET_CHECK_STEPS]
     assert turns == [{"buckets"}, {"chosen"}] * BUCKET_CHECK_STEPS, per_step
+    done = first + 2 * BUCKET_CHECK_STEPS - 1  # the check's last step: choosing is over after it
+    assert all(choosing[:done]) and not any(choosing[done:]), (choosing, done)
     assert all(s == ({"chosen"} if kept else {"buckets"}) for s in per_step[first + 2 * BUCKET_CHECK_STEPS:]), per_step
     rows = auto.table()
     if kept:
@@ -1017,3 +1020,17 @@ def test_choices_on_ddps_own_buckets_are_checked_only_where_they_compress(
     if checked:
         assert auto.buckets["kept"] is False and opt.partition == Partition.single(4)
         assert [r["reason"] for r in auto.table()] == ["buckets"]
+
+
+def test_the_hook_state_is_choosing_until_autos_choices_are_settled_and_checked(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradsync.train.compressed_hook import CompressionHookState
+
+    assert CompressionHookState("fp16", runtime=rt).choosing is False
+    auto = AutoCompression("cast", runtime=rt, cache=False)
+    state = CompressionHookState(auto, runtime=rt)
+    assert state.choosing is True  # nothing seen yet
+    monkeypatch.setattr(AutoCompression, "settled", property(lambda self: True))
+    assert state.choosing is True  # settled, the whole-step check not over
+    auto.verified = True
+    assert state.choosing is False
