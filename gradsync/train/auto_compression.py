@@ -358,7 +358,11 @@ class AutoCompression:
         verdict = self.boundary.verdict_for([key])
         work = None
         if flat is not None and codec == "none":
-            work = self._native(flat, key, verdict)
+            # scaled before the sum, as DDP scales its bucket: the same bits as DDP's step on any number of ranks
+            scale = self.plain_scale(flat.device)
+            if scale is not None and scale != 1.0:
+                flat.mul_(scale)
+            work = self._native(flat, key, verdict, scaled=scale is not None)
         elif flat is not None and codec != PLANNED and (wire := self._step(codec).cast_dtype) is not None:
             work = self._native(flat, key, verdict, wire)  # a fixed fp16 hook's path: the same bits, less host time
         native = work is not None

@@ -846,7 +846,8 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
         monkeypatch: pytest.MonkeyPatch, world: int, merge, fused: bool) -> None:
     """A group settled lean on "none" is scaled by 1/world as its gradients are copied into its buffer (DDP's
     copy-and-divide: member by member in one pass for a large group, ``fused``, else copied whole then scaled) and the
-    backend's sum is the average: no pass after it. Every step, before and after the group went lean, each rank's
+    backend's sum is the average: no pass after it. Its ``"none"`` trials, before, scale the buffer before the sum
+    too: every step hands the backend what DDP would, the same bits on any number of ranks. Every step, before and after the group went lean, each rank's
     ``.grad`` is the mean of the ranks' own gradients (exact on two ranks, where scaling by 1/2 commutes with the
     sum's rounding; to rounding on three), on one merged group and on one group per tensor."""
     import gradsync.train.grouped as grouped
@@ -862,6 +863,7 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
 
     def rank(r: int, rt: Runtime) -> tuple[list[list[torch.Tensor]], list[int]]:
         def native(tensor, algorithm=None, always=False):  # the backend's sum: here, the runtime's own (blocking)
+            handed[-1].append(tensor.detach().clone())
             rt.allreduce(tensor, "sum")
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result([tensor])
@@ -874,6 +876,7 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
                                codec_cost=lambda codec, numel: 0.0, cache=False)
         auto._serial = -1  # the ranks are threads of one process: one serial, as one process per rank would have
         scaled: list[int] = []
+        handed: list[list[torch.Tensor]] = []  # what each step handed the backend to sum
         real = auto.lean_scale
 
         def spy(key, device):
@@ -889,12 +892,13 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
         grads = []
         for step in range(steps):
             scaled.append(0)
+            handed.append([])
             opt.zero_grad()
             model(x_of(step, r)).square().sum().backward()
             opt.step()
             grads.append([p.grad.clone() for p in model.parameters()])
         opt.remove_hooks()
-        return grads, scaled
+        return grads, scaled, handed
 
     out = on_ranks(world, rank, decide=True)
     ref_model = _model()  # lr=0: the parameters every rank's gradients were taken at
@@ -905,14 +909,18 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
             ref_model(x_of(step, r)).square().sum().backward()
             local.append([p.grad.clone() for p in ref_model.parameters()])
         mean = [sum(g[i] for g in local) / world for i in range(len(local[0]))]
-        for r, (grads, _) in enumerate(out):
+        for r, (grads, _, handed) in enumerate(out):
+            # every step, choosing or settled, hands the backend each gradient times 1/world, as DDP scales its bucket
+            # (backward order: the reverse of the parameters')
+            want_sent = torch.cat([g.reshape(-1) for g in reversed(local[r])]).mul_(1 / world)
+            assert torch.equal(torch.cat([t.reshape(-1) for t in handed[step]]), want_sent), (step, r)
             for got, want in zip(grads[step], mean):
                 if world == 2:
                     assert torch.equal(got, want), (step, r)
                 else:
                     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     groups = 1 if merge == 1 else len(list(ref_model.parameters()))
-    for _, scaled in out:
+    for _, scaled, _ in out:
         assert scaled[-2:] == [groups, groups], scaled  # settled, lean, scaled while copied in
 
 
