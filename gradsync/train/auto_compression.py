@@ -360,7 +360,7 @@ class AutoCompression:
         if flat is not None and codec == "none":
             # scaled before the sum, as DDP scales its bucket: the same bits as DDP's step on any number of ranks
             scale = self.plain_scale(flat.device)
-            if scale is not None and scale != 1.0:
+            if scale is not None:
                 flat.mul_(scale)
             work = self._native(flat, key, verdict, scaled=scale is not None)
         elif flat is not None and codec != PLANNED and (wire := self._step(codec).cast_dtype) is not None:
@@ -429,12 +429,11 @@ class AutoCompression:
         buffer, for :meth:`settled_launch` with ``scaled=True``: ``1 / world`` where the group launches lean on
         ``"none"`` (the backend's float sum takes it), so the average costs no pass of its own -- DDP's fused
         copy-and-divide into its bucket; None otherwise (a cast rounds the scaled values, and off the lean path the
-        codec averages)."""
+        codec averages; and on one rank, where the sum is the average)."""
         lean = self._lean
-        if (lean is None or key not in lean or self._groups[key].priced().codec != "none"
-                or not self.runtime.takes_native(device)):
+        if lean is None or key not in lean or self._groups[key].priced().codec != "none":
             return None
-        return 1.0 / self.runtime.world_size
+        return self.plain_scale(device)
 
     def settled_launch(self, flat: Tensor, key: str, *, verdict: bool = True,
                        scaled: bool = False) -> torch.futures.Future | None:
@@ -470,8 +469,10 @@ class AutoCompression:
 
     def plain_scale(self, device: torch.device) -> float | None:
         """:meth:`lean_scale` for :meth:`plain_launch`: ``1 / world`` where the backend's allreduce takes a buffer on
-        ``device``, None where the ``"none"`` step's exchange would run it (and average it itself)."""
-        return 1.0 / self.runtime.world_size if self.runtime.takes_native(device) else None
+        ``device``, None where the ``"none"`` step's exchange would run it (and average it itself) and on one rank
+        (the sum is the average: nothing to scale)."""
+        world = self.runtime.world_size
+        return 1.0 / world if world > 1 and self.runtime.takes_native(device) else None
 
     def plain_launch(self, flat: Tensor, info: TensorInfo, *, scaled: bool = False) -> Work:
         """``flat`` (one group, named by ``info``) averaged uncompressed, outside every choice: for groups that are

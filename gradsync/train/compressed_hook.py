@@ -165,7 +165,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
     state.dense_bytes += layout.dense
     if state.auto is not None:  # the bucket is auto's group, whatever merge says
         scale = state.auto.lean_scale(layout.key, buffer.device)  # scaled before the sum, as DDP without a hook
-        if scale is not None and scale != 1.0:
+        if scale is not None:
             buffer.mul_(scale)
         settled = state.auto.settled_launch(buffer, layout.key, verdict=False, scaled=scale is not None)
         if settled is not None:  # a settled, stateless choice on the backend's allreduce: a plain hook's cost

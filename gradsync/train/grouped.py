@@ -292,8 +292,6 @@ outside auto's choosing (the optimizer's calibration steps).
     def _buffer(self, g: _Group, parts: list[Tensor], scale: float | None) -> Tensor:
         """The group's gradients as one flat tensor: a lone gradient itself, else the group's reused buffer they are
         copied into; times ``scale`` where given (in the same pass where the group is large: :data:`FUSED_SCALE_BYTES`)."""
-        if scale == 1.0:  # one rank: the sum is the average
-            scale = None
         if len(parts) == 1:
             buf = parts[0].detach()
             return buf if scale is None else buf.mul_(scale)

@@ -278,7 +278,6 @@ class DistributedOptimizer:
         #: when there is nothing (more) to check
         self._buckets: MergedGroups | None = None
         self._bucket_s: tuple[list[float], list[float]] = ([], [])  # whole steps: the choices', the buckets'
-        self._bucket_bytes: list[int] = []
         self._bucket_turn: bool | None = None  # this step runs DDP's buckets (None: no check this step)
         self._step_t0 = 0.0
         self._build_groups(self.partition if self.partition is not None else self._calibration)
@@ -308,7 +307,7 @@ class DistributedOptimizer:
         if not self._calibrating:
             if self._bucket_turn is None and self._buckets is not None and not self._running_started():
                 self._bucket_turn = self._next_bucket_turn()  # the step's first gradient: which side runs it
-            (self._buckets if self._bucket_turn else self._groups).add(index, grad)
+            self._running.add(index, grad)
             return
         # Backward's own progress: the time this hook spent compressing earlier gradients taken out (the
         # model adds compression to the ready times itself, so counting it here would count it twice).
@@ -316,6 +315,11 @@ class DistributedOptimizer:
         self._arrivals.append((index, t - self._inside))
         self._groups.add(index, grad)
         self._inside += time.perf_counter() - t
+
+    @property
+    def _running(self) -> MergedGroups:
+        """The groups this step runs: DDP's buckets on a turn of the bucket check, else the job's."""
+        return self._buckets if self._bucket_turn and self._buckets is not None else self._groups
 
     def _running_started(self) -> bool:
         return self._groups.started or (self._buckets is not None and self._buckets.started)
@@ -343,14 +347,15 @@ class DistributedOptimizer:
         (buckets if turn else chosen).append(self.compression.clock() - self._step_t0)
         if min(len(chosen), len(buckets)) < BUCKET_CHECK_STEPS:
             return
-        keep = self.compression.check_buckets(chosen, buckets, self._bucket_bytes)
+        keep = self.compression.check_buckets(chosen, buckets,
+                                              [g.info.numel * self._dtype.itemsize for g in self._buckets.groups])
         if not keep:
             self.partition, self._groups = self._buckets.partition, self._buckets
         self._buckets = None
 
     def _synchronize_compressed(self) -> None:
         end = t0 = time.perf_counter()
-        results = (self._buckets if self._bucket_turn else self._groups).wait()
+        results = self._running.wait()
         synced = time.perf_counter()
         self.wait_seconds += synced - t0
         end_step = getattr(self.compression, "end_step", None)
@@ -407,8 +412,6 @@ class DistributedOptimizer:
             self._build_groups(self.partition)
             # timed against DDP's buckets once the choices settle (unless they are those buckets, uncompressed)
             self._buckets = self._merged(ran, plain=True)
-            self._bucket_bytes = [sum(p.numel() * p.element_size() for _, p in self._params[a:b])
-                                  for a, b in ran.bounds]
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),
@@ -479,9 +482,8 @@ class DistributedOptimizer:
         if self.compression is None:
             self.synchronize()
             return
-        running = self._buckets if self._bucket_turn else self._groups
-        if running is not None and running.started:
-            running.wait()
+        if self._running.started:
+            self._running.wait()
         self._bucket_turn = None  # a dropped step times nothing
         self._arrivals, self._inside = [], 0.0
 
