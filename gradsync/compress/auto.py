@@ -67,6 +67,7 @@ __all__ = [
     "TRY_GAIN",
     "STEP_TOLERANCE",
     "whole_steps_lose",
+    "steps_apart",
     "trust_margin",
     "wide_margin",
     "rival",
@@ -487,6 +488,18 @@ def whole_steps_lose(settled_s: Sequence[float], baseline_s: Sequence[float],
         raise CompressionError(f"the whole-step check needs steps on both sides, got {list(settled_s)} and "
                                f"{list(baseline_s)}")
     return float(np.median(settled_s)) > (1.0 + tolerance) * float(np.median(baseline_s))
+
+
+def steps_apart(quick_s: Sequence[float], slow_s: Sequence[float], *, least: int,
+                gain: float = TRY_GAIN) -> bool:
+    """Whether whole steps ``quick_s`` were each at least ``gain`` times quicker than every step of ``slow_s``, with
+    ``least`` steps a side: a gap no step's noise or a warming step explains, so a whole-step comparison can stop
+    before its full count (its slow side, "none" on a slow wire, is the costly one to time)."""
+    if isinstance(least, bool) or not isinstance(least, int) or least < 1:
+        raise CompressionError(f"least={least!r} must be an integer >= 1 (steps a side before a gap counts)")
+    if min(len(quick_s), len(slow_s)) < least:
+        return False
+    return quicker_by(max(quick_s), min(slow_s), gain)
 
 
 def wide_margin(choice: AutoChoice, margin: float = MARGIN) -> bool:

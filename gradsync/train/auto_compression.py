@@ -81,6 +81,7 @@ from gradsync.compress.auto import (
     quicker_by,
     review,
     rival,
+    steps_apart,
     trust_margin,
     whole_steps_lose,
     wide_margin,
@@ -130,6 +131,28 @@ def wire_of(runtime: Runtime) -> AlphaBeta:
 def param_signature(named: Iterable[tuple[str, Tensor]]) -> list[list[Any]]:
     """``[name, shape, dtype]`` per parameter: what a cached choice is valid for."""
     return [[n, list(p.shape), str(p.dtype)] for n, p in named]
+
+
+def _joint_doc(joint: JointChoice) -> dict[str, Any]:
+    return {"codec": joint.codec, "counts": list(joint.partition.counts), "predicted_s": joint.predicted_s,
+            "per_codec_s": dict(joint.per_codec_s), "group_overhead_s": joint.group_overhead_s}
+
+
+def _joint_from(doc: Any) -> JointChoice:
+    """:func:`_joint_doc` read back (rank 0's decision, or a cache file: TypeError/KeyError/ValueError if it is not
+    one)."""
+    return JointChoice(str(doc["codec"]), Partition.from_counts([int(c) for c in doc["counts"]]),
+                       float(doc["predicted_s"]), {str(k): float(v) for k, v in dict(doc["per_codec_s"]).items()},
+                       float(doc["group_overhead_s"]))
+
+
+def _buckets_from(doc: Any) -> dict[str, Any]:
+    """A cached bucket-check verdict (:meth:`AutoCompression.check_buckets`), checked, marked ``"cached"``."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("kept"), bool):
+        raise CompressionError(f"'buckets' must be an object with a boolean 'kept', got {doc!r}")
+    return {"kept": doc["kept"], "chosen_s": [float(x) for x in doc.get("chosen_s", [])],
+            "buckets_s": [float(x) for x in doc.get("buckets_s", [])], "bytes": [int(b) for b in doc.get("bytes", [])],
+            "cached": True}
 
 
 class _Launch(NamedTuple):
@@ -239,6 +262,9 @@ class AutoCompression:
         #: to the later of its last exchange's end and the step's close) with "none" everywhere and with the
         #: settled choices; whether the settled choices passed the step check
         self._none_ran = False
+        #: whole steps that ran "none" everywhere before the choices settled (the groups' probes, the job's first
+        #: step left out): a settled step far quicker than all of them ends the check at once (:func:`steps_apart`)
+        self._early_none_steps: list[float] = []
         self._baseline_steps: list[float] = []
         self._settled_steps: list[float] = []
         #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
@@ -272,8 +298,12 @@ class AutoCompression:
         self.settled_launches = 0
         #: the partition and codec chosen together (:meth:`plan_partition`, ``merge="auto"``); None before
         self.joint: JointChoice | None = None
-        #: the optimizer's check of the choices against DDP's buckets (:meth:`check_buckets`); None before
+        #: the optimizer's check of the choices against DDP's buckets (:meth:`check_buckets`, or an earlier job's
+        #: verdict on the cached partition: ``"cached": True``); None before
         self.buckets: dict[str, Any] | None = None
+        #: an earlier job's partition (:meth:`plan_partition` takes it instead of searching: the cached choices
+        #: are its groups')
+        self._cached_joint: JointChoice | None = None
         # Which AutoCompression of this process this is: part of every job-wide decision's key, so a second one
         # with the same group names (a rebuilt model) never reads the first one's decisions. Every rank builds
         # them in the same order (SPMD), so the serials agree.
@@ -335,9 +365,7 @@ class AutoCompression:
         """
         if not infos:
             raise CompressionError("step_async needs at least one tensor and its TensorInfo")
-        if not self._loaded:
-            self._loaded = True
-            self._load_cache()
+        self._load_once()
         self._lean = None  # a group outside the lean set launched (a new one, a planned size): look again at end_step
         key = key or (infos[0].name if len(infos) == 1 else f"{infos[0].name}..{infos[-1].name}")
         if any(launch.key == key for launch in self._this_step):
@@ -486,18 +514,36 @@ class AutoCompression:
         return self._native(flat, info.name, verdict, scaled=scaled) or self.base.step_async(
             [flat], [info], reuse=True, verdict=verdict)
 
-    def check_buckets(self, chosen_s: Sequence[float], buckets_s: Sequence[float], buckets: Sequence[int]) -> bool:
+    def check_buckets(self, chosen_s: Sequence[float], buckets_s: Sequence[float], buckets: Sequence[int], *,
+                      final: bool = True) -> bool | None:
         """The optimizer's last check, once the choices are settled (``merge="auto"``): whole steps with the chosen
         partition and codecs (``chosen_s``) against steps with DDP's buckets (of ``buckets`` bytes) sent uncompressed
-        on the backend's allreduce (``buckets_s``), what DDP itself runs. Whether the choice stays: its median must
-        be quicker than the buckets' (a tie goes to DDP's buckets, which cost no accuracy and no choosing). Rank 0's
-        samples decide for every rank; :attr:`buckets` keeps the verdict for :meth:`table` and :meth:`report`."""
+        on the backend's allreduce (``buckets_s``), what DDP itself runs. Whether the choice stays: on a clear gap
+        either way (:func:`~gradsync.compress.auto.steps_apart`, as many steps as there are a side), the quicker
+        side; else, at the ``final`` count, its median must be quicker than the buckets' (a tie goes to DDP's
+        buckets, which cost no accuracy and no choosing), and before it None: time another pair. Rank 0's samples
+        decide for every rank; :attr:`buckets` keeps the verdict for :meth:`table` and :meth:`report`."""
         if not chosen_s or not buckets_s:
             raise CompressionError(f"the bucket check needs steps on both sides, got {list(chosen_s)} and "
                                    f"{list(buckets_s)}")
-        keep = self._decide_flag("bucket-check", lambda: float(np.median(chosen_s)) < float(np.median(buckets_s)))
+        least = min(len(chosen_s), len(buckets_s))
+
+        def verdict() -> bytes:
+            if steps_apart(chosen_s, buckets_s, least=least):
+                return b"1"
+            if steps_apart(buckets_s, chosen_s, least=least):
+                return b"0"
+            if not final:
+                return b""
+            return b"1" if float(np.median(chosen_s)) < float(np.median(buckets_s)) else b"0"
+
+        got = self._decide(f"bucket-check/{len(chosen_s)}/{len(buckets_s)}", verdict)
+        if not got:
+            return None
+        keep = got == b"1"
         self.buckets = {"kept": keep, "chosen_s": list(chosen_s), "buckets_s": list(buckets_s),
                         "bytes": [int(b) for b in buckets]}
+        self._write_cache()  # the next job with this partition starts with the verdict
         return keep
 
     def _averaged(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None,
@@ -543,7 +589,7 @@ class AutoCompression:
         """The whole-step check's samples (seconds per step): the uncompressed baseline, the settled steps, and
         whether the check is over."""
         return {"baseline_s": list(self._baseline_steps), "settled_s": list(self._settled_steps),
-                "verified": self.verified}
+                "early_none_s": list(self._early_none_steps), "verified": self.verified}
 
     @property
     def nonfinite_steps(self) -> int:
@@ -594,9 +640,15 @@ class AutoCompression:
         (:func:`~gradsync.compress.auto.whole_steps_lose`), every group goes back to that "none" (reason ``"step"``). Both kinds
         run warm and side by side: the job's first "none" steps were still warming up (new sizes planned, first
         calls) and would flatter any choice. Choices where no step ran that "none" everywhere (codecs trusted on a
-        wide margin, an earlier job's cached choices) are kept without the check."""
+        wide margin, an earlier job's cached choices) are kept without the check. Nor is "none" timed again where
+        the first settled step took less than ``1 / TRY_GAIN`` of every step that ran "none" everywhere while the
+        groups probed it, the job's first left out (:func:`~gradsync.compress.auto.steps_apart`): a warm step's
+        noise is smaller than that gap, the groups' own timings already put the choices ahead, and on a slow wire
+        those "none" steps are what the check costs."""
         if all(launch.codec == "none" for launch in launches):
             self._none_ran = True
+            if not self.settled:
+                self._early_none_steps.append(seconds)
         if not self.settled:
             return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
@@ -606,6 +658,10 @@ class AutoCompression:
         if all(launch.final for launch in launches):
             baseline = all(launch.codec == "none" for launch in launches)
             (self._baseline_steps if baseline else self._settled_steps).append(seconds)
+            if not baseline and len(self._settled_steps) == 1 and self._decide_flag(
+                    "step-apart", lambda: steps_apart(self._settled_steps, self._early_none_steps, least=1)):
+                self.verified, self._baseline_turn = True, False  # no warm-up or noise explains that gap
+                return
         self._baseline_turn = len(self._baseline_steps) < len(self._settled_steps)
         if min(len(self._baseline_steps), len(self._settled_steps)) < self.probe_steps:
             return
@@ -849,18 +905,20 @@ class AutoCompression:
         rank gets the same. Each group's codec is then chosen and measured as usual; the partition is priced
         with the best single codec, as MergeComp searches a partition for one compressor. ``observed``: the
         timed step's partition and seconds (same origin as ``ready_s``), which price each group's own cost."""
+        self._load_once()
+        cached = self._cached_joint
+        if cached is not None and cached.partition.n == len(sizes):  # an earlier job's: every rank read the same
+            self.joint = cached
+            return cached
+        self.buckets = None  # a cached bucket verdict was about the cached partition, not this one
+
         def compute() -> bytes:
             self._profile(min(sizes), sum(sizes), dtype)
             joint = choose_joint(sizes, ready_s, backward_end_s, policy=self.allow, dtype=dtype, wire=self.wire,
                                  codec_cost=self.codec_cost, world=self.runtime.world_size, observed=observed)
-            return json.dumps({"codec": joint.codec, "counts": list(joint.partition.counts),
-                               "predicted_s": joint.predicted_s, "per_codec_s": dict(joint.per_codec_s),
-                               "group_overhead_s": joint.group_overhead_s}).encode()
+            return json.dumps(_joint_doc(joint)).encode()
 
-        doc = json.loads(self._decide(f"joint/{len(sizes)}", compute))
-        self.joint = JointChoice(str(doc["codec"]), Partition.from_counts([int(c) for c in doc["counts"]]),
-                                 float(doc["predicted_s"]), {str(k): float(v) for k, v in doc["per_codec_s"].items()},
-                                 float(doc["group_overhead_s"]))
+        self.joint = _joint_from(json.loads(self._decide(f"joint/{len(sizes)}", compute)))
         return self.joint
 
     def _device(self) -> torch.device:
@@ -885,6 +943,11 @@ class AutoCompression:
     def cache_path(self) -> str:
         return cache_file("compression-auto", self.cache_key())
 
+    def _load_once(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            self._load_cache()
+
     def _load_cache(self) -> None:
         if not self.use_cache:
             return
@@ -901,7 +964,9 @@ class AutoCompression:
             planned = doc.get("planned", [])
             if not isinstance(planned, list) or not all(isinstance(k, str) for k in planned):
                 raise CompressionError(f"'planned' must be a list of group names, got {planned!r}")
-        except (ValueError, KeyError, TypeError, CompressionError) as exc:
+            joint = None if doc.get("joint") is None else _joint_from(doc["joint"])
+            buckets = None if joint is None or doc.get("buckets") is None else _buckets_from(doc["buckets"])
+        except (ValueError, KeyError, TypeError, AttributeError, CompressionError) as exc:
             warnings.warn(f"ignoring the cached auto compression choices {path} ({exc}); measuring again", stacklevel=4)
             return
         dtype = getattr(torch, str(self.signature[0][2]).rsplit(".", 1)[-1]) if self.signature else torch.float32
@@ -913,13 +978,16 @@ class AutoCompression:
             spec = GroupSpec(c.group, ((max(1, c.nbytes),),), torch.float32)  # replaced by the real shapes at launch
             self._groups[c.group] = _Group(spec, choice=cached, final=True, planned=c.group in planned)
         self.cached = bool(choices)
+        self._cached_joint, self.buckets = joint, buckets
 
     def _write_cache(self) -> None:
         if not self.use_cache or self.runtime.rank != 0:
             return
         doc = {"type": AUTO_TYPE, "key": self.cache_key(),
                "groups": {k: c.to_dict() for k, c in self.choices.items()},
-               "planned": sorted(k for k in self.choices if self._groups[k].planned)}
+               "planned": sorted(k for k in self.choices if self._groups[k].planned),
+               "joint": None if self.joint is None else _joint_doc(self.joint),
+               "buckets": self.buckets}
         write_cache(self.cache_path(), doc, "auto compression choices", stacklevel=4)
 
     # ---- the table -----------------------------------------------------------------------------------------

@@ -54,6 +54,9 @@ DDP_BUCKET_BYTES = 25 << 20
 #: Whole steps timed on each side of ``compression="auto"``'s last check, its choices against DDP's buckets sent
 #: uncompressed (:meth:`AutoCompression.check_buckets <gradsync.train.AutoCompression.check_buckets>`).
 BUCKET_CHECK_STEPS = 3
+#: Steps a side after which that check ends early on a clear gap (every step of one side TRY_GAIN times quicker
+#: than every step of the other: :func:`~gradsync.compress.auto.steps_apart`).
+BUCKET_APART_STEPS = 2
 
 
 class DistributedOptimizer:
@@ -81,8 +84,9 @@ class DistributedOptimizer:
     (:func:`~gradsync.compress.auto.choose_joint`, ``optimizer.compression.joint``); it is the default with
     ``compression="auto"``, since a group that settles on ``"none"`` is one native allreduce, and layer-wise
     that is one collective per tensor where DDP sends a few buckets. Once the choices settle, unless they are DDP's
-    buckets uncompressed, they are timed against those (:data:`BUCKET_CHECK_STEPS` whole steps each, by turns), and
-    DDP's buckets run from then on unless the choices were quicker (``optimizer.compression.buckets``).
+    buckets uncompressed, they are timed against those (:data:`BUCKET_CHECK_STEPS` whole steps each, by turns; from
+    :data:`BUCKET_APART_STEPS` on, a clear gap ends it), and DDP's buckets run from then on unless the choices were
+    quicker (``optimizer.compression.buckets``).
     ``backward_passes_per_step``: backward passes (micro-batches) summed into ``.grad`` before each ``step()``; the
     gradients travel on the last one (gradient accumulation; scale each micro-batch's loss by 1/N for a mean). A
     parameter's gradient arriving more often raises; :meth:`no_sync` marks extra passes as local instead.
@@ -338,17 +342,22 @@ class DistributedOptimizer:
         return len(buckets) <= len(chosen)
 
     def _end_bucket_turn(self) -> None:
-        """After a step of the bucket check: its time goes to its side; once both have BUCKET_CHECK_STEPS, the job
-        decides (rank 0's times) whether the choices stay or DDP's buckets run from now on."""
+        """After a step of the bucket check: its time goes to its side; after each pair from BUCKET_APART_STEPS on,
+        the job decides (rank 0's times) whether the choices stay or DDP's buckets run from now on -- on a clear gap
+        only, until BUCKET_CHECK_STEPS pairs."""
         turn, self._bucket_turn = self._bucket_turn, None
         if turn is None or self._buckets is None:
             return
         chosen, buckets = self._bucket_s
         (buckets if turn else chosen).append(self.compression.clock() - self._step_t0)
-        if min(len(chosen), len(buckets)) < BUCKET_CHECK_STEPS:
+        pairs = len(chosen)
+        if pairs != len(buckets) or pairs < BUCKET_APART_STEPS:
             return
         keep = self.compression.check_buckets(chosen, buckets,
-                                              [g.info.numel * self._dtype.itemsize for g in self._buckets.groups])
+                                              [g.info.numel * self._dtype.itemsize for g in self._buckets.groups],
+                                              final=pairs >= BUCKET_CHECK_STEPS)
+        if keep is None:  # no clear gap yet: another pair
+            return
         if not keep:
             self.partition, self._groups = self._buckets.partition, self._buckets
         self._buckets = None
@@ -409,9 +418,13 @@ class DistributedOptimizer:
                 [p.numel() * p.element_size() for _, p in self._params])
             self.partition = self.compression.plan_partition(sizes, ready, max(end - start - inside, last),
                                                              self._dtype, observed=(ran, synced - start)).partition
+            verdict = self.compression.buckets  # an earlier job's on this partition (cached), or None
+            if verdict is not None and not verdict["kept"]:  # DDP's buckets measured quicker: they run
+                self.partition, self._groups = ran, self._merged(ran, plain=True)
+                return
             self._build_groups(self.partition)
-            # timed against DDP's buckets once the choices settle (unless they are those buckets, uncompressed)
-            self._buckets = self._merged(ran, plain=True)
+            if verdict is None:  # timed against DDP's buckets once the choices settle (unless they are those)
+                self._buckets = self._merged(ran, plain=True)
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),
@@ -429,7 +442,11 @@ class DistributedOptimizer:
         auto = self.compression
         if auto is None or not _is_auto(auto):
             return False
-        return self._calibrating or not (auto.settled and auto.verified) or self._buckets is not None
+        if self._calibrating or self._buckets is not None:
+            return True
+        if auto.buckets is not None and not auto.buckets["kept"]:
+            return False  # DDP's buckets run, outside every choice
+        return not (auto.settled and auto.verified)
 
     @property
     def nonfinite_steps(self) -> int:

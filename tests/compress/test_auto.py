@@ -23,6 +23,7 @@ from gradsync.compress.auto import (
     profile_ladder,
     review,
     rival,
+    steps_apart,
     trust_margin,
     whole_steps_lose,
     wide_margin,
@@ -135,6 +136,23 @@ def test_whole_steps_lose_only_beyond_the_tolerance() -> None:
     assert whole_steps_lose([1.03, 1.03], [1.0, 1.0], tolerance=0.0)
     with pytest.raises(CompressionError, match="both sides"):
         whole_steps_lose([], [1.0])
+
+
+def test_steps_apart_needs_every_quick_step_try_gain_under_every_slow_one() -> None:
+    """TRY_GAIN = 1.25: 0.8 s against 1.0 s is apart (1.25x), 0.81 s is not; one slow step on the quick side, or one
+    quick step on the slow side (a probe that happened to run fast), breaks the gap; fewer than ``least`` steps on
+    either side never makes one."""
+    assert TRY_GAIN == 1.25
+    assert steps_apart([0.8], [1.0], least=1)
+    assert not steps_apart([0.81], [1.0], least=1)
+    assert steps_apart([0.5, 0.8], [1.0, 3.0], least=2)
+    assert not steps_apart([0.5, 0.9], [1.0, 3.0], least=2)
+    assert not steps_apart([0.5, 0.5], [1.0, 0.6], least=2)
+    assert not steps_apart([0.5], [1.0, 1.0], least=2)
+    assert not steps_apart([], [1.0], least=1)
+    assert steps_apart([0.9], [1.0], least=1, gain=1.1)
+    with pytest.raises(CompressionError, match="least=0"):
+        steps_apart([0.5], [1.0], least=0)
 
 
 def test_a_choice_measured_slower_than_none_is_dropped() -> None:

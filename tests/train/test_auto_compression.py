@@ -484,14 +484,18 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
         assert auto.settled and row["codec"] == "none" and row["planned"] is want_planned, (job, row)
         assert all(natives)  # "none" on the backend is its allreduce whatever the plan (always=True)
         # first job: PROBE_STEPS launches each way, then the kept one; a kept planned way is checked against the
-        # backend's in whole steps, alternating (PROBE_STEPS more of the backend's). The next job: the cached way.
+        # backend's in whole steps, alternating (PROBE_STEPS more of the backend's), unless its first settled step
+        # took less than 1/TRY_GAIN of the probe's "none" step (no penalty here). The next job: the cached way.
         check = auto.step_check
         if job == "next":
             assert len(natives) == (0 if want_planned else steps), natives
         elif clear:
-            assert len(check["baseline_s"]) == len(check["settled_s"]) == PROBE_STEPS, check
+            want = (PROBE_STEPS, PROBE_STEPS) if penalty else (0, 1)  # (baseline steps, settled steps)
+            assert (len(check["baseline_s"]), len(check["settled_s"])) == want, check
+            assert check["early_none_s"] and all(s * TRY_GAIN <= min(check["early_none_s"])
+                                                 for s in check["settled_s"][:1]) is not bool(penalty), check
             assert (row["reason"] == "step") is bool(penalty), row
-            assert len(natives) == 2 * PROBE_STEPS + (steps - 4 * PROBE_STEPS if penalty else 0), natives
+            assert len(natives) == PROBE_STEPS + (steps - 3 * PROBE_STEPS if penalty else 0), natives
         else:
             assert len(natives) == steps - PROBE_STEPS and not check["baseline_s"], (natives, check)
         assert check["verified"], check
@@ -608,7 +612,7 @@ def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("penalty, profile_s, kept, planned_s, warm_s, between_s",
                          [(0.0, 0.0, True, None, 0.0, 0.0), (1.0, 0.0, False, None, 0.0, 0.0),
                           (1.0, 100.0, False, None, 0.0, 0.0), (1.0, 0.0, False, 10.0, 0.0, 0.0),
-                          (1.0, 0.0, False, None, 5.0, 0.0), (0.0, 0.0, True, None, 0.0, 5.0)])
+                          (1.0, 0.0, False, None, 1.0, 0.0), (0.0, 0.0, True, None, 0.0, 5.0)])
 def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, penalty: float, profile_s: float, kept: bool,
         planned_s: float | None, warm_s: float, between_s: float) -> None:
@@ -619,8 +623,10 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
     a "none" step) is not that step's: counted, it would hide the penalty. With ``planned_s``, "none" also has a
     planned way, far slower (each clock reading in its launches costs that much): the backend's way is kept, and
     the planned way's trial steps are not the baseline (counted, they would hide the penalty too). With
-    ``warm_s``, the job's first step timed whole takes that much longer (warming up): the baseline is timed after
-    settling, alternating with the settled steps, so that early step does not flatter the codec. With
+    ``warm_s``, auto's first step timed whole, a "none" probe, takes that much longer (warming up), as long as a
+    settled step: that step alone cannot end the check (a settled step must be TRY_GAIN times quicker than every
+    probe step for that), and the baseline timed after settling, alternating with the settled steps, decides.
+    Without the penalty the first settled step is that much quicker, and no baseline step runs. With
     ``between_s``, the job spends that long between a "none" step and the next one (a data loader, another
     model's step): not the next step's time, which runs from its first launch to its end."""
     if planned_s is not None:
@@ -642,13 +648,17 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         close_step()
 
     auto.close_step = costly_close_step  # type: ignore[method-assign]
+    # the optimizer's check against DDP's buckets, which follows this one, is test_the_choices_are_timed_against_...
+    monkeypatch.setattr(DistributedOptimizer, "_next_bucket_turn", lambda self: None)
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto)  # merge="auto": the joint search runs inside the first "none" step
+    warmed = False
     for step in range(5 * PROBE_STEPS + 3):
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
-        if step == 1:
-            clock.now += warm_s  # the first step timed whole
+        if auto._ended == 1 and not warmed:  # auto's first step is not timed whole: its second is
+            clock.now += warm_s
+            warmed = True
         ran = auto.current
         opt.step()
         opt.zero_grad()
@@ -657,9 +667,13 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
     rows = auto.table()
     assert auto.verified and auto.settled, rows
     reasons = {(r["codec"], r["reason"]) for r in rows}
+    check = auto.step_check
+    assert check["early_none_s"] and warmed, check
     if kept:
         assert ("fp16", "measured") in reasons and not {"step"} & {r for _, r in reasons}, rows
+        assert not check["baseline_s"] and len(check["settled_s"]) == 1, check  # the gap ended the check
     else:  # every codec back to "none" (a group the model left on "none" keeps its own reason)
+        assert len(check["baseline_s"]) == PROBE_STEPS, check
         assert ("none", "step") in reasons and all(r["codec"] == "none" for r in rows), rows
 
 
@@ -924,17 +938,22 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
         assert scaled[-2:] == [groups, groups], scaled  # settled, lean, scaled while copied in
 
 
-@pytest.mark.parametrize("chosen_cost, kept", [(4.0, False), (1.0, False), (0.1, True)])
+@pytest.mark.parametrize("chosen_cost, kept, pairs", [(4.0, False, 2), (1.0, False, 3), (0.9, True, 3),
+                                                       (0.1, True, 2)])
 def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, chosen_cost: float, kept: bool) -> None:
-    """``merge="auto"``: once the choices settle, BUCKET_CHECK_STEPS whole steps with them and as many with DDP's
-    buckets uncompressed alternate (DDP's first); the choices stay only where their median step is quicker (a tie
-    goes to DDP's buckets), else DDP's buckets run from then on, and the table says so. A fake clock charges each
-    launch of a chosen group ``chosen_cost`` (four layer-wise groups) and each of DDP's buckets 1 (one bucket)."""
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, chosen_cost: float, kept: bool, pairs: int) -> None:
+    """``merge="auto"``: once the choices settle, whole steps with them and with DDP's buckets uncompressed alternate
+    (DDP's first). After BUCKET_APART_STEPS pairs a gap of TRY_GAIN either way decides (4x slower, 10x quicker);
+    else after BUCKET_CHECK_STEPS pairs the choices stay only where their median step is quicker (0.9x; a tie goes
+    to DDP's buckets). DDP's buckets run from then on where they won, and the table says so. A fake clock charges
+    each launch of a chosen group ``chosen_cost`` / 4 (four layer-wise groups) and each of DDP's buckets 1 (one
+    bucket)."""
     from gradsync.compress.auto import JointChoice
     from gradsync.compress.merge_model import Partition
     from gradsync.train.grouped import MergedGroups
-    from gradsync.train.optimizer import BUCKET_CHECK_STEPS
+    from gradsync.train.optimizer import BUCKET_APART_STEPS, BUCKET_CHECK_STEPS
+
+    assert (BUCKET_APART_STEPS, BUCKET_CHECK_STEPS) == (2, 3)
 
     now = [0.0]
     auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
@@ -971,15 +990,14 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
     assert per_step[:2] == [{"buckets"}, {"buckets"}]  # the calibration steps: DDP's buckets, uncompressed
     check = auto.buckets
     assert check is not None and check["kept"] is kept, (check, per_step)
-    assert len(check["chosen_s"]) == len(check["buckets_s"]) == BUCKET_CHECK_STEPS
-    assert check["buckets_s"] == [1.0] * BUCKET_CHECK_STEPS
-    assert check["chosen_s"] == pytest.approx([chosen_cost] * BUCKET_CHECK_STEPS)
+    assert check["buckets_s"] == [1.0] * pairs
+    assert check["chosen_s"] == pytest.approx([chosen_cost] * pairs)
     first = next(i for i in range(2, len(per_step)) if per_step[i] == {"buckets"})  # the check's first step
-    turns = per_step[first : first + 2 * BUCKET_CHECK_STEPS]
-    assert turns == [{"buckets"}, {"chosen"}] * BUCKET_CHECK_STEPS, per_step
-    done = first + 2 * BUCKET_CHECK_STEPS - 1  # the check's last step: choosing is over after it
+    turns = per_step[first : first + 2 * pairs]
+    assert turns == [{"buckets"}, {"chosen"}] * pairs, per_step
+    done = first + 2 * pairs - 1  # the check's last step: choosing is over after it
     assert all(choosing[:done]) and not any(choosing[done:]), (choosing, done)
-    assert all(s == ({"chosen"} if kept else {"buckets"}) for s in per_step[first + 2 * BUCKET_CHECK_STEPS:]), per_step
+    assert all(s == ({"chosen"} if kept else {"buckets"}) for s in per_step[first + 2 * pairs:]), per_step
     rows = auto.table()
     if kept:
         assert opt.partition == Partition.layerwise(4) and len(rows) == 4
@@ -988,6 +1006,73 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
         assert [(r["group"], r["codec"], r["reason"]) for r in rows] == [("bucket0", "none", "buckets")]
         assert rows[0]["bytes"] == sum(p.numel() * 4 for p in model.parameters())
     assert "DDP's buckets" in auto.report()
+
+
+@pytest.mark.parametrize("chosen_cost, kept", [(4.0, False), (0.1, True)])
+def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, chosen_cost: float, kept: bool) -> None:
+    """``merge="auto"``: the first job searches its partition, settles and checks it against DDP's buckets (fake clock
+    as above: the choices 4x slower or 10x quicker). The next job with the same parameters and wire takes the cached
+    partition (no search) and the verdict: after its two calibration steps it runs DDP's buckets where they won, or
+    the cached choices without a bucket check where those did, and stops choosing within two steps. Another
+    parameter signature searches and checks again."""
+    from gradsync.compress.auto import JointChoice
+    from gradsync.compress.merge_model import Partition
+    from gradsync.train import auto_compression
+    from gradsync.train.grouped import MergedGroups
+
+    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
+    searched: list[int] = []
+
+    def joint(sizes, *a, **k):
+        searched.append(len(sizes))
+        return JointChoice("none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0})
+
+    monkeypatch.setattr(auto_compression, "choose_joint", joint)
+    now = [0.0]
+    sides: list[str] = []
+    real = MergedGroups._launch
+
+    def launch(self, g):
+        sides.append("buckets" if self.plain else "chosen")
+        now[0] += 1.0 if self.plain else chosen_cost / 4
+        real(self, g)
+
+    monkeypatch.setattr(MergedGroups, "_launch", launch)
+
+    def job(wide: int = 16) -> tuple[AutoCompression, list[set[str]], list[bool]]:
+        model = _model(wide)
+        auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")),
+                               codec_cost=lambda c, n: 0.0, clock=lambda: now[0],
+                               signature=param_signature(model.named_parameters()))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                   runtime=rt, compression=auto)
+        per_step, choosing = [], []
+        for step in range(16):
+            before = len(sides)
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(set(sides[before:]))
+            choosing.append(opt.choosing)
+        return auto, per_step, choosing
+
+    first, steps, _ = job()
+    assert first.buckets is not None and first.buckets["kept"] is kept and "cached" not in first.buckets
+    assert searched == [4] and {"buckets"} in steps[2:] and {"chosen"} in steps[2:], steps
+    again, steps, choosing = job()
+    assert searched == [4], searched  # the cached partition: no search
+    assert again.buckets is not None and again.buckets["kept"] is kept and again.buckets["cached"], again.buckets
+    assert again.joint is not None and again.joint.partition == Partition.layerwise(4)
+    assert steps[:2] == [{"buckets"}, {"buckets"}]  # the calibration steps
+    assert all(s == ({"chosen"} if kept else {"buckets"}) for s in steps[2:]), steps  # no bucket check
+    # choosing until the calibration is over (DDP's buckets won) or the cached choices' first step timed whole
+    assert choosing[:2] == [True, kept] and not any(choosing[4:]), choosing
+    if kept:
+        assert again.cached and {r["reason"] for r in again.table()} == {"cached"}
+    other, steps, _ = job(wide=32)
+    assert searched == [4, 4] and other.buckets is not None and "cached" not in other.buckets
+    assert {"buckets"} in steps[2:] and {"chosen"} in steps[2:], steps
 
 
 @pytest.mark.parametrize("allow, wire, checked", [("lossless", AlphaBeta(0.0, float("inf")), False),
