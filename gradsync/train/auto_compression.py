@@ -17,8 +17,9 @@ A launch across which the runtime settled its exchange (:attr:`Runtime.settling
 explored) is timed apart, and its trial runs up to :data:`SETTLING_LAUNCHES` more launches for ``probe_steps``
 settled ones: a codec's payload is a size the runtime has never sent, and its first calls time that, not the codec.
 
-Where the model puts a codec more than :data:`~gradsync.compress.auto.MARGIN` times ahead of ``"none"`` at the
-group's first launch, step 1 is skipped: the codec is timed first, and kept if it took at most ``1/MARGIN`` of
+Where the model puts a codec more than :attr:`AutoCompression.margin` (:data:`~gradsync.compress.auto.MARGIN`, or
+``TRY_GAIN`` where the optimizer's bucket check follows) times ahead of ``"none"`` at the group's first launch, step 1
+is skipped: the codec is timed first, and kept if it took at most ``1/margin`` of
 ``"none"``'s predicted time; otherwise ``"none"`` is timed after all and step 3's review decides. On a slow wire
 the ``"none"`` launches are most of what choosing costs.
 
@@ -63,6 +64,7 @@ from gradsync.comm.tuning import EXPLORE_MAX_CALLS, cache_file, write_cache
 from gradsync.compress.auto import (
     CODECS,
     CPU_PROFILE_CAP,
+    MARGIN,
     POLICIES,
     PROFILE_TYPE,
     TRY_GAIN,
@@ -246,6 +248,12 @@ class AutoCompression:
             raise CompressionError(f"wire={wire!r} must be a callable (collective, nbytes, world) -> seconds")
         self.allow = allow
         self.probe_steps = probe_steps
+        #: how far ahead of ``"none"`` the model must put a group's codec for it to be timed first and kept on its own
+        #: measurement against ``"none"``'s predicted time, ``"none"`` never timed (:func:`wide_margin`,
+        #: :func:`trust_margin`). :data:`MARGIN` (a cast never qualifies) where nothing else would time the choices
+        #: against ``"none"``; the optimizer lowers it to :data:`TRY_GAIN` where its check against DDP's buckets
+        #: sent uncompressed follows, whole steps that catch a trusted codec losing
+        self.margin = MARGIN
         self.clock = clock
         self.signature = signature
         self.use_cache = cache and signature is not None
@@ -699,7 +707,7 @@ class AutoCompression:
         trials = [t for t in group.trials if t != PLANNED]
         if not trials:
             first = self._agree_choice(group, "first")
-            if wide_margin(first):
+            if wide_margin(first, self.margin):
                 self._trial(group, first.codec, first)
             else:
                 self._trial(group, "none")
@@ -819,7 +827,7 @@ class AutoCompression:
     def _agree_margin(self, group: _Group) -> AutoChoice | None:
         """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
         choice = group.priced()
-        return self._agree(group, "margin", lambda: trust_margin(choice, group.mean_s(choice.codec)))
+        return self._agree(group, "margin", lambda: trust_margin(choice, group.mean_s(choice.codec), self.margin))
 
     def _agree_review(self, group: _Group) -> AutoChoice:
         """Keep the choice or drop it for "none", decided for the job. A codec whose exchange ran on gradsync's

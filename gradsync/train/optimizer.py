@@ -381,6 +381,7 @@ class DistributedOptimizer:
 
     def _calibrate(self, end: float, synced: float) -> None:
         """After the timed calibration step: backward order and ready times -> profiled model -> partition."""
+        from gradsync.compress.auto import TRY_GAIN
         from gradsync.compress.merge import search_optimal
         from gradsync.train.grouped import profile_cost_model
 
@@ -425,6 +426,9 @@ class DistributedOptimizer:
             self._build_groups(self.partition)
             if verdict is None:  # timed against DDP's buckets once the choices settle (unless they are those)
                 self._buckets = self._merged(ran, plain=True)
+                # whole steps against DDP's uncompressed buckets follow: a codec the model puts TRY_GAIN ahead of
+                # "none" is kept on its own measurement, without timing "none" (the costly side on a slow wire)
+                self.compression.margin = TRY_GAIN
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),

@@ -537,6 +537,28 @@ def test_a_codec_far_ahead_of_none_is_kept_without_ever_timing_none(rt: Runtime)
     assert all("none" not in auto._groups[r["group"]].times for r in rows), rows
 
 
+@pytest.mark.parametrize("merge", ["auto", 2])
+def test_a_cast_well_ahead_is_kept_without_timing_none_where_the_bucket_check_follows(rt: Runtime, merge) -> None:
+    """A cast is at best 2x quicker than "none", never beyond MARGIN: with two fixed groups "none" is timed on each.
+    With merge="auto" the optimizer's check against DDP's buckets follows, so the margin is TRY_GAIN: fp16, priced
+    far more than that ahead on a slow wire and measured inside it, settles without one "none" launch, and the whole
+    steps against DDP's buckets uncompressed are the check."""
+    from gradsync.compress.auto import MARGIN
+
+    clock = FakeClock({"none": 1e-4, "other": 1e-6})
+    auto = _auto(rt, clock)
+    opt, _ = _train(rt, auto, 2 + 2 * PROBE_STEPS + 8, merge=merge)
+    assert auto.settled and auto.margin == (TRY_GAIN if merge == "auto" else MARGIN)
+    fp16 = [g for g in auto._groups.values() if g.choice is not None and g.choice.codec == "fp16"]
+    assert fp16, auto.table()
+    if merge == "auto":
+        assert all("none" not in g.times for g in fp16), auto.table()
+        assert all(g.choice.reason == "measured" for g in fp16)
+        assert auto.buckets is not None and opt._buckets is None, auto.buckets  # the bucket check ran
+    else:
+        assert all(g.times.get("none") for g in fp16), auto.table()
+
+
 def test_a_wide_margin_that_measurement_breaks_times_rivals_then_none_and_reviews(rt: Runtime) -> None:
     """The same wide-margin codec measuring far above its prediction: rival codecs are timed while each is as far
     off (the model missed what codecs cost here), up to MAX_CODECS; all break the margin, so "none" is timed after
@@ -619,8 +641,9 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
     """Each group's fp16 measures quicker than its "none" (fake clock), but every step that ran a codec costs
     ``penalty`` more elsewhere (encoding on backward's thread, as on shared cores). After settling, auto times
     whole steps: with the penalty they are slower than the steps that ran "none", and every group goes back to
-    "none" (reason "step"); without it, fp16 stays. The time spent choosing (a ``profile_s`` codec profile inside
-    a "none" step) is not that step's: counted, it would hide the penalty. With ``planned_s``, "none" also has a
+    "none" (reason "step"); without it, fp16 stays. The time spent in a job-wide decision (a ``profile_s`` codec
+    profile, inside auto's first step timed whole, a "none" probe) is not that step's: counted, that step would
+    look far slower than the settled ones and end the check at once, fp16 kept. With ``planned_s``, "none" also has a
     planned way, far slower (each clock reading in its launches costs that much): the backend's way is kept, and
     the planned way's trial steps are not the baseline (counted, they would hide the penalty too). With
     ``warm_s``, auto's first step timed whole, a "none" probe, takes that much longer (warming up), as long as a
@@ -633,11 +656,11 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         _with_planned_none(rt, monkeypatch)
     clock = FakeClock({"none": 1e-4, PLANNED: planned_s or 0.0, "other": 1e-6})
 
-    def codec_cost(codec: str, numel: int) -> float:
+    def profile() -> bytes:
         clock.now += profile_s
-        return 0.0
+        return b""
 
-    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=codec_cost, clock=clock)
+    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock)
     clock.auto = auto
     close_step = auto.close_step
 
@@ -648,16 +671,17 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         close_step()
 
     auto.close_step = costly_close_step  # type: ignore[method-assign]
-    # the optimizer's check against DDP's buckets, which follows this one, is test_the_choices_are_timed_against_...
-    monkeypatch.setattr(DistributedOptimizer, "_next_bucket_turn", lambda self: None)
     model = _model()
+    # two fixed groups: with merge="auto" the check against DDP's buckets would follow (test_the_choices_are_timed_
+    # against_ddps_buckets...), and a cast the model puts TRY_GAIN ahead would be kept without timing "none"
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                               compression=auto)  # merge="auto": the joint search runs inside the first "none" step
+                               compression=auto, merge=2)
     warmed = False
     for step in range(5 * PROBE_STEPS + 3):
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
         if auto._ended == 1 and not warmed:  # auto's first step is not timed whole: its second is
             clock.now += warm_s
+            auto._decide("test/profile", profile)
             warmed = True
         ran = auto.current
         opt.step()
