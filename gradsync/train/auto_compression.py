@@ -684,13 +684,31 @@ class AutoCompression:
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""
-        if not group.final and group.trial_over(self.probe_steps):
+        if not group.final and self._trial_over(group):
             self._next_trial(group)
         if group.final:
             return "none" if self._baseline_turn else group.choice.codec, None  # type: ignore[union-attr]
         group.left -= 1
         codec = group.trials[-1]
         return codec, group.times.setdefault(codec, [])
+
+    def _trial_over(self, group: _Group) -> bool:
+        """:meth:`_Group.trial_over`, the same on every rank. Whether a launch was timed while the runtime settled an
+        exchange is each rank's own reading (its communication thread's progress against its record callbacks), so
+        one rank may hold ``probe_steps`` settled timings while another waits for more: a rank moving to the next
+        trial alone would wait for a decision the others never ask for, and they for its collectives. So once the
+        trial has had ``probe_steps`` launches (fewer cannot end it) and has launches left, rank 0's timings decide."""
+        if not group.trials or group.left == 0:
+            return True
+        launched = self.probe_steps + SETTLING_LAUNCHES - group.left
+        if launched < self.probe_steps:
+            return False
+
+        def over() -> bool:
+            self._wait_records(group.spec.name)
+            return group.trial_over(self.probe_steps)
+
+        return self._decide_flag(f"over/{group.spec.name}/{len(group.trials)}/{launched}", over)
 
     def _next_trial(self, group: _Group) -> None:
         """What the group times next, once the last trial's launches are spent (or settle it). Usually ``"none"``

@@ -878,6 +878,46 @@ def test_a_codec_on_gradsyncs_thread_must_beat_none_on_the_backend_by_try_gain(
     assert (row["codec"], row["reason"]) == (("fp16", "measured") if kept else ("none", "dropped")), row
 
 
+def test_every_rank_ends_a_trial_when_rank_0_does_whatever_its_own_timings_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a launch was timed while the runtime settled an exchange is each rank's own reading. Here rank 1 reads
+    every one of its launches so (its settling count moves between each launch and its record), rank 0 none: on its
+    own, rank 1 would keep timing "none" for SETTLING_LAUNCHES more launches while rank 0 moves to fp16, and the two
+    would run different exchanges (before, the MLP's optimizer on the two-tier file hung so for 600 s). Rank 0's
+    timings end each trial for both: the same trials, the same codec at every step, the same choices."""
+    import itertools
+
+    from tests.train.local_ranks import on_ranks
+
+    ticks = itertools.count()
+    monkeypatch.setattr(Runtime, "settling", property(lambda self: next(ticks) if self.rank == 1 else 0))
+    steps = 4 * PROBE_STEPS + 2
+    seeding = threading.Lock()
+
+    def rank(r: int, rt: Runtime) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+        auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda codec, numel: 0.0, cache=False)
+        auto._serial = -1  # the ranks are threads of one process: one serial, as one process per rank would have
+        with seeding:
+            model = _model()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                   runtime=rt, compression=auto, merge=1)
+        ran = []
+        for step in range(steps):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            ran.append(auto.current)
+            opt.step()
+            opt.zero_grad()
+        opt.remove_hooks()
+        rough = sum(len(v) for g in auto._groups.values() for v in g.unsettled.values())
+        assert (rough > 0) is (r == 1), rough  # rank 1 read its timings as settling, rank 0 did not
+        return (ran, {k: list(g.trials) for k, g in auto._groups.items()},
+                {k: c.codec for k, c in auto.choices.items()})
+
+    (ran0, trials0, chose0), (ran1, trials1, chose1) = on_ranks(2, rank, timeout_s=60, decide=True)
+    assert ran0 == ran1 and trials0 == trials1 and chose0 == chose1, (ran0, ran1, trials0, trials1)
+    assert ran0[:PROBE_STEPS] == ["none"] * PROBE_STEPS and "fp16" in ran0, ran0  # rank 0's trial lengths
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("merge, fused", [(1, False), (1, True), ("layerwise", False)])
 def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_mean(
