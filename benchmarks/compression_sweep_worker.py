@@ -146,8 +146,11 @@ def _auto_stats(comp: Any) -> dict[str, Any]:
     if not isinstance(comp, AutoCompression):
         return {}
     rows = comp.table()
+    joint = comp.joint
     return {"settled": comp.settled, "choices": rows, "native_launches": comp.native_launches,
-            "step_check": comp.step_check, "buckets": comp.buckets,
+            "step_check": comp.step_check, "buckets": comp.buckets, "trials": comp.trials,
+            "joint": None if joint is None else {"codec": joint.codec, "counts": list(joint.partition.counts),
+                                                 "per_codec_s": dict(joint.per_codec_s)},
             "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})}}
 
 

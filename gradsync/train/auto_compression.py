@@ -354,6 +354,11 @@ class AutoCompression:
         return bool(keys) and all(self._groups[k].final for k in keys)
 
     @property
+    def trials(self) -> dict[str, list[str]]:
+        """The codecs each group timed, in order (:data:`PLANNED`: its "none" on the runtime's planned exchange)."""
+        return {k: list(g.trials) for k, g in self._groups.items()}
+
+    @property
     def runs_backend_none(self) -> bool:
         """Whether every group in use runs ``"none"`` on the backend's allreduce (not the planned exchange): DDP's own
         exchange of those groups."""

@@ -417,8 +417,9 @@ class DistributedOptimizer:
             # the groups that ran; where backward's order was another, DDP's buckets in that order (near enough)
             ran = self._calibration if order == list(range(n)) else _ddp_partition(
                 [p.numel() * p.element_size() for _, p in self._params])
-            self.partition = self.compression.plan_partition(sizes, ready, max(end - start - inside, last),
-                                                             self._dtype, observed=(ran, synced - start)).partition
+            joint = self.compression.plan_partition(sizes, ready, max(end - start - inside, last), self._dtype,
+                                                    observed=(ran, synced - start))
+            self.partition = joint.partition
             verdict = self.compression.buckets  # an earlier job's on this partition (cached), or None
             if verdict is not None and not verdict["kept"]:  # DDP's buckets measured quicker: they run
                 self.partition, self._groups = ran, self._merged(ran, plain=True)
@@ -426,9 +427,13 @@ class DistributedOptimizer:
             self._build_groups(self.partition)
             if verdict is None:  # timed against DDP's buckets once the choices settle (unless they are those)
                 self._buckets = self._merged(ran, plain=True)
-                # whole steps against DDP's uncompressed buckets follow: a codec the model puts TRY_GAIN ahead of
-                # "none" is kept on its own measurement, without timing "none" (the costly side on a slow wire)
-                self.compression.margin = TRY_GAIN
+                if joint.codec != "none":
+                    # the partition's search, which prices overlap with backward from the timed step, found a codec
+                    # quicker than "none", and whole steps against DDP's uncompressed buckets follow: a codec the
+                    # model puts TRY_GAIN ahead of "none" is kept on its own measurement, without timing "none" (the
+                    # costly side on a slow wire). Where it found none quicker, a group's first price (no slack
+                    # measured yet) is not trusted so: "none" is timed first, as elsewhere.
+                    self.compression.margin = TRY_GAIN
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),

@@ -537,21 +537,30 @@ def test_a_codec_far_ahead_of_none_is_kept_without_ever_timing_none(rt: Runtime)
     assert all("none" not in auto._groups[r["group"]].times for r in rows), rows
 
 
-@pytest.mark.parametrize("merge", ["auto", 2])
-def test_a_cast_well_ahead_is_kept_without_timing_none_where_the_bucket_check_follows(rt: Runtime, merge) -> None:
+@pytest.mark.parametrize("merge, joint_none", [("auto", False), ("auto", True), (2, False)])
+def test_a_cast_well_ahead_is_kept_without_timing_none_where_the_bucket_check_follows(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, merge, joint_none: bool) -> None:
     """A cast is at best 2x quicker than "none", never beyond MARGIN: with two fixed groups "none" is timed on each.
     With merge="auto" the optimizer's check against DDP's buckets follows, so the margin is TRY_GAIN: fp16, priced
     far more than that ahead on a slow wire and measured inside it, settles without one "none" launch, and the whole
-    steps against DDP's buckets uncompressed are the check."""
-    from gradsync.compress.auto import MARGIN
+    steps against DDP's buckets uncompressed are the check. Unless the partition's search found no codec quicker
+    than "none" (``joint_none``, its answer faked): a group's first price, with no slack measured, is then not
+    trusted, and "none" is timed first."""
+    from gradsync.compress.auto import MARGIN, JointChoice
+    from gradsync.compress.merge_model import Partition
+    from gradsync.train import auto_compression
 
+    if joint_none:
+        monkeypatch.setattr(auto_compression, "choose_joint", lambda sizes, *a, **k: JointChoice(
+            "none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0}))
     clock = FakeClock({"none": 1e-4, "other": 1e-6})
     auto = _auto(rt, clock)
     opt, _ = _train(rt, auto, 2 + 2 * PROBE_STEPS + 8, merge=merge)
-    assert auto.settled and auto.margin == (TRY_GAIN if merge == "auto" else MARGIN)
+    trusted = merge == "auto" and not joint_none
+    assert auto.settled and auto.margin == (TRY_GAIN if trusted else MARGIN)
     fp16 = [g for g in auto._groups.values() if g.choice is not None and g.choice.codec == "fp16"]
     assert fp16, auto.table()
-    if merge == "auto":
+    if trusted:
         assert all("none" not in g.times for g in fp16), auto.table()
         assert all(g.choice.reason == "measured" for g in fp16)
         assert auto.buckets is not None and opt._buckets is None, auto.buckets  # the bucket check ran
