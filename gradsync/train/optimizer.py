@@ -381,7 +381,7 @@ class DistributedOptimizer:
 
     def _calibrate(self, end: float, synced: float) -> None:
         """After the timed calibration step: backward order and ready times -> profiled model -> partition."""
-        from gradsync.compress.auto import TRY_GAIN
+        from gradsync.compress.auto import TRY_GAIN, quicker_by
         from gradsync.compress.merge import search_optimal
         from gradsync.train.grouped import profile_cost_model
 
@@ -427,12 +427,12 @@ class DistributedOptimizer:
             self._build_groups(self.partition)
             if verdict is None:  # timed against DDP's buckets once the choices settle (unless they are those)
                 self._buckets = self._merged(ran, plain=True)
-                if joint.codec != "none":
-                    # the partition's search, which prices overlap with backward from the timed step, found a codec
-                    # quicker than "none", and whole steps against DDP's uncompressed buckets follow: a codec the
-                    # model puts TRY_GAIN ahead of "none" is kept on its own measurement, without timing "none" (the
-                    # costly side on a slow wire). Where it found none quicker, a group's first price (no slack
-                    # measured yet) is not trusted so: "none" is timed first, as elsewhere.
+                if quicker_by(joint.per_codec_s[joint.codec], joint.per_codec_s.get("none", 0.0), TRY_GAIN):
+                    # the partition's search, which prices overlap with backward from the timed step, put a codec
+                    # TRY_GAIN ahead of "none" for the whole step, and whole steps against DDP's uncompressed buckets
+                    # follow: a codec the model puts TRY_GAIN ahead of "none" on a group is kept on its own
+                    # measurement, without timing "none" (the costly side on a slow wire). Where the search found
+                    # less, a group's first price (no slack measured yet) is not trusted so: "none" is timed first.
                     self.compression.margin = TRY_GAIN
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")

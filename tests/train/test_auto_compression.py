@@ -537,26 +537,29 @@ def test_a_codec_far_ahead_of_none_is_kept_without_ever_timing_none(rt: Runtime)
     assert all("none" not in auto._groups[r["group"]].times for r in rows), rows
 
 
-@pytest.mark.parametrize("merge, joint_none", [("auto", False), ("auto", True), (2, False)])
+@pytest.mark.parametrize("merge, joint_gain", [("auto", None), ("auto", 1.0), ("auto", 1.2), ("auto", 1.3),
+                                               (2, None)])
 def test_a_cast_well_ahead_is_kept_without_timing_none_where_the_bucket_check_follows(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, merge, joint_none: bool) -> None:
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, merge, joint_gain: float | None) -> None:
     """A cast is at best 2x quicker than "none", never beyond MARGIN: with two fixed groups "none" is timed on each.
     With merge="auto" the optimizer's check against DDP's buckets follows, so the margin is TRY_GAIN: fp16, priced
     far more than that ahead on a slow wire and measured inside it, settles without one "none" launch, and the whole
-    steps against DDP's buckets uncompressed are the check. Unless the partition's search found no codec quicker
-    than "none" (``joint_none``, its answer faked): a group's first price, with no slack measured, is then not
-    trusted, and "none" is timed first."""
+    steps against DDP's buckets uncompressed are the check. Unless the partition's search put no codec TRY_GAIN
+    ahead of "none" for the whole step (its answer faked, with ``joint_gain``: "none" itself, or fp16 1.2x ahead;
+    1.3x is trusted): a group's first price, with no slack measured, is then not trusted, and "none" is timed
+    first."""
     from gradsync.compress.auto import MARGIN, JointChoice
     from gradsync.compress.merge_model import Partition
     from gradsync.train import auto_compression
 
-    if joint_none:
+    if joint_gain is not None:
+        codec = "none" if joint_gain == 1.0 else "fp16"
         monkeypatch.setattr(auto_compression, "choose_joint", lambda sizes, *a, **k: JointChoice(
-            "none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0}))
+            codec, Partition.layerwise(len(sizes)), 1.0, {"none": joint_gain, "fp16": 1.0}))
     clock = FakeClock({"none": 1e-4, "other": 1e-6})
     auto = _auto(rt, clock)
     opt, _ = _train(rt, auto, 2 + 2 * PROBE_STEPS + 8, merge=merge)
-    trusted = merge == "auto" and not joint_none
+    trusted = merge == "auto" and (joint_gain is None or joint_gain >= TRY_GAIN)
     assert auto.settled and auto.margin == (TRY_GAIN if trusted else MARGIN)
     fp16 = [g for g in auto._groups.values() if g.choice is not None and g.choice.codec == "fp16"]
     assert fp16, auto.table()
