@@ -18,7 +18,8 @@ explored) is timed apart, and its trial runs up to :data:`SETTLING_LAUNCHES` mor
 settled ones: a codec's payload is a size the runtime has never sent, and its first calls time that, not the codec.
 
 Where the model puts a codec more than :attr:`AutoCompression.margin` (:data:`~gradsync.compress.auto.MARGIN`, or
-``TRY_GAIN`` where the optimizer's bucket check follows) times ahead of ``"none"`` at the group's first launch, step 1
+``TRY_GAIN`` where the optimizer's bucket check follows a search that put the codec that far ahead) times ahead of
+``"none"`` at the group's first launch, step 1
 is skipped: the codec is timed first, and kept if it took at most ``1/margin`` of
 ``"none"``'s predicted time; otherwise ``"none"`` is timed after all and step 3's review decides. On a slow wire
 the ``"none"`` launches are most of what choosing costs.
@@ -252,7 +253,8 @@ class AutoCompression:
         #: measurement against ``"none"``'s predicted time, ``"none"`` never timed (:func:`wide_margin`,
         #: :func:`trust_margin`). :data:`MARGIN` (a cast never qualifies) where nothing else would time the choices
         #: against ``"none"``; the optimizer lowers it to :data:`TRY_GAIN` where its check against DDP's buckets
-        #: sent uncompressed follows, whole steps that catch a trusted codec losing
+        #: sent uncompressed follows (whole steps that catch a trusted codec losing) and its partition search put the
+        #: codec that far ahead for the whole step
         self.margin = MARGIN
         self.clock = clock
         self.signature = signature

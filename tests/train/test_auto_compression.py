@@ -1014,6 +1014,24 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
         assert scaled[-2:] == [groups, groups], scaled  # settled, lean, scaled while copied in
 
 
+def _charged_sides(monkeypatch: pytest.MonkeyPatch, chosen_cost: float) -> tuple[list[float], list[str]]:
+    """A fake clock (``now[0]``) charged 1 per launch of one of DDP's buckets (plain groups) and ``chosen_cost`` / 4
+    per launch of a chosen group (four layer-wise groups), and the side of every launch, in order."""
+    from gradsync.train.grouped import MergedGroups
+
+    now = [0.0]
+    sides: list[str] = []
+    real = MergedGroups._launch
+
+    def launch(self, g):
+        sides.append("buckets" if self.plain else "chosen")
+        now[0] += 1.0 if self.plain else chosen_cost / 4
+        real(self, g)
+
+    monkeypatch.setattr(MergedGroups, "_launch", launch)
+    return now, sides
+
+
 @pytest.mark.parametrize("chosen_cost, kept, pairs", [(4.0, False, 2), (1.0, False, 3), (0.9, True, 3),
                                                        (0.1, True, 2)])
 def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
@@ -1026,25 +1044,15 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
     bucket)."""
     from gradsync.compress.auto import JointChoice
     from gradsync.compress.merge_model import Partition
-    from gradsync.train.grouped import MergedGroups
     from gradsync.train.optimizer import BUCKET_APART_STEPS, BUCKET_CHECK_STEPS
 
     assert (BUCKET_APART_STEPS, BUCKET_CHECK_STEPS) == (2, 3)
 
-    now = [0.0]
+    now, sides = _charged_sides(monkeypatch, chosen_cost)
     auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
                            clock=lambda: now[0], cache=False)
     monkeypatch.setattr(auto, "plan_partition", lambda sizes, *a, **k: JointChoice(
         "none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0}))
-    sides: list[str] = []
-    real = MergedGroups._launch
-
-    def launch(self, g):
-        sides.append("buckets" if self.plain else "chosen")
-        now[0] += 1.0 if self.plain else chosen_cost / 4
-        real(self, g)
-
-    monkeypatch.setattr(MergedGroups, "_launch", launch)
     model, plain = _model(), _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto)
@@ -1095,7 +1103,6 @@ def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
     from gradsync.compress.auto import JointChoice
     from gradsync.compress.merge_model import Partition
     from gradsync.train import auto_compression
-    from gradsync.train.grouped import MergedGroups
 
     monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
     searched: list[int] = []
@@ -1105,16 +1112,7 @@ def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
         return JointChoice("none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0})
 
     monkeypatch.setattr(auto_compression, "choose_joint", joint)
-    now = [0.0]
-    sides: list[str] = []
-    real = MergedGroups._launch
-
-    def launch(self, g):
-        sides.append("buckets" if self.plain else "chosen")
-        now[0] += 1.0 if self.plain else chosen_cost / 4
-        real(self, g)
-
-    monkeypatch.setattr(MergedGroups, "_launch", launch)
+    now, sides = _charged_sides(monkeypatch, chosen_cost)
 
     def job(wide: int = 16) -> tuple[AutoCompression, list[set[str]], list[bool]]:
         model = _model(wide)
