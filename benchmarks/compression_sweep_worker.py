@@ -146,11 +146,9 @@ def _auto_stats(comp: Any) -> dict[str, Any]:
     if not isinstance(comp, AutoCompression):
         return {}
     rows = comp.table()
-    joint = comp.joint
     return {"settled": comp.settled, "choices": rows, "native_launches": comp.native_launches,
             "step_check": comp.step_check, "buckets": comp.buckets, "trials": comp.trials,
-            "joint": None if joint is None else {"codec": joint.codec, "counts": list(joint.partition.counts),
-                                                 "per_codec_s": dict(joint.per_codec_s)},
+            "joint": None if comp.joint is None else comp.joint.to_dict(),
             "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})}}
 
 

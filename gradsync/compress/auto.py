@@ -391,6 +391,20 @@ class JointChoice:
     #: seconds each group costs beyond its codec and its collective, fitted to a timed step (``observed``)
     group_overhead_s: float = 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec, "counts": list(self.partition.counts), "predicted_s": self.predicted_s,
+                "per_codec_s": dict(self.per_codec_s), "group_overhead_s": self.group_overhead_s}
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> JointChoice:
+        """:meth:`to_dict` read back (rank 0's decision, or a cache file)."""
+        try:
+            return cls(str(doc["codec"]), Partition.from_counts([int(c) for c in doc["counts"]]),
+                       float(doc["predicted_s"]), {str(k): float(v) for k, v in dict(doc["per_codec_s"]).items()},
+                       float(doc["group_overhead_s"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CompressionError(f"the joint choice is malformed ({exc}): {doc!r}") from None
+
 
 class _GroupCost:
     """A group's seconds as a function of its element count, vectorised as the merge search needs (elements are

@@ -136,19 +136,6 @@ def param_signature(named: Iterable[tuple[str, Tensor]]) -> list[list[Any]]:
     return [[n, list(p.shape), str(p.dtype)] for n, p in named]
 
 
-def _joint_doc(joint: JointChoice) -> dict[str, Any]:
-    return {"codec": joint.codec, "counts": list(joint.partition.counts), "predicted_s": joint.predicted_s,
-            "per_codec_s": dict(joint.per_codec_s), "group_overhead_s": joint.group_overhead_s}
-
-
-def _joint_from(doc: Any) -> JointChoice:
-    """:func:`_joint_doc` read back (rank 0's decision, or a cache file: TypeError/KeyError/ValueError if it is not
-    one)."""
-    return JointChoice(str(doc["codec"]), Partition.from_counts([int(c) for c in doc["counts"]]),
-                       float(doc["predicted_s"]), {str(k): float(v) for k, v in dict(doc["per_codec_s"]).items()},
-                       float(doc["group_overhead_s"]))
-
-
 def _buckets_from(doc: Any) -> dict[str, Any]:
     """A cached bucket-check verdict (:meth:`AutoCompression.check_buckets`), checked, marked ``"cached"``."""
     if not isinstance(doc, dict) or not isinstance(doc.get("kept"), bool):
@@ -354,6 +341,12 @@ class AutoCompression:
         """Whether every group in use (those of the last complete step) has a final choice."""
         keys = self._current_groups()
         return bool(keys) and all(self._groups[k].final for k in keys)
+
+    @property
+    def runs_ddp_buckets(self) -> bool:
+        """Whether the optimizer's check (this job's, or an earlier one's on the same partition) put DDP's buckets,
+        sent uncompressed, in place of the choices."""
+        return self.buckets is not None and not self.buckets["kept"]
 
     @property
     def trials(self) -> dict[str, list[str]]:
@@ -949,9 +942,9 @@ class AutoCompression:
             self._profile(min(sizes), sum(sizes), dtype)
             joint = choose_joint(sizes, ready_s, backward_end_s, policy=self.allow, dtype=dtype, wire=self.wire,
                                  codec_cost=self.codec_cost, world=self.runtime.world_size, observed=observed)
-            return json.dumps(_joint_doc(joint)).encode()
+            return json.dumps(joint.to_dict()).encode()
 
-        self.joint = _joint_from(json.loads(self._decide(f"joint/{len(sizes)}", compute)))
+        self.joint = JointChoice.from_dict(json.loads(self._decide(f"joint/{len(sizes)}", compute)))
         return self.joint
 
     def _device(self) -> torch.device:
@@ -997,9 +990,9 @@ class AutoCompression:
             planned = doc.get("planned", [])
             if not isinstance(planned, list) or not all(isinstance(k, str) for k in planned):
                 raise CompressionError(f"'planned' must be a list of group names, got {planned!r}")
-            joint = None if doc.get("joint") is None else _joint_from(doc["joint"])
+            joint = None if doc.get("joint") is None else JointChoice.from_dict(doc["joint"])
             buckets = None if joint is None or doc.get("buckets") is None else _buckets_from(doc["buckets"])
-        except (ValueError, KeyError, TypeError, AttributeError, CompressionError) as exc:
+        except (ValueError, KeyError, TypeError, CompressionError) as exc:
             warnings.warn(f"ignoring the cached auto compression choices {path} ({exc}); measuring again", stacklevel=4)
             return
         dtype = getattr(torch, str(self.signature[0][2]).rsplit(".", 1)[-1]) if self.signature else torch.float32
@@ -1019,7 +1012,7 @@ class AutoCompression:
         doc = {"type": AUTO_TYPE, "key": self.cache_key(),
                "groups": {k: c.to_dict() for k, c in self.choices.items()},
                "planned": sorted(k for k in self.choices if self._groups[k].planned),
-               "joint": None if self.joint is None else _joint_doc(self.joint),
+               "joint": None if self.joint is None else self.joint.to_dict(),
                "buckets": self.buckets}
         write_cache(self.cache_path(), doc, "auto compression choices", stacklevel=4)
 
@@ -1030,7 +1023,7 @@ class AutoCompression:
         (None: not measured), why, and how many of its trials' launches were timed while the runtime settled their
         exchange (kept apart: :data:`SETTLING_LAUNCHES`). Where DDP's buckets measured quicker than the choices
         (:meth:`check_buckets`), one row per bucket instead: ``"none"``, reason ``"buckets"``."""
-        if self.buckets is not None and not self.buckets["kept"]:
+        if self.runs_ddp_buckets:
             return [{"group": f"bucket{i}", "bytes": b, "codec": "none", "planned": False, "slack_s": None,
                      "predicted_s": None, "measured_s": None, "reason": "buckets", "settling_launches": 0}
                     for i, b in enumerate(self.buckets["bytes"])]

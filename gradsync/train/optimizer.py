@@ -420,12 +420,13 @@ class DistributedOptimizer:
             joint = self.compression.plan_partition(sizes, ready, max(end - start - inside, last), self._dtype,
                                                     observed=(ran, synced - start))
             self.partition = joint.partition
-            verdict = self.compression.buckets  # an earlier job's on this partition (cached), or None
-            if verdict is not None and not verdict["kept"]:  # DDP's buckets measured quicker: they run
+            if self.compression.runs_ddp_buckets:  # an earlier job's check on this partition: DDP's buckets won
                 self.partition, self._groups = ran, self._merged(ran, plain=True)
                 return
             self._build_groups(self.partition)
-            if verdict is None:  # timed against DDP's buckets once the choices settle (unless they are those)
+            # timed against DDP's buckets once the choices settle (unless they are those, uncompressed); an earlier
+            # job's verdict that kept the choices needs no check
+            if self.compression.buckets is None:
                 self._buckets = self._merged(ran, plain=True)
                 if quicker_by(joint.per_codec_s[joint.codec], joint.per_codec_s.get("none", 0.0), TRY_GAIN):
                     # the partition's search, which prices overlap with backward from the timed step, put a codec
@@ -453,7 +454,7 @@ class DistributedOptimizer:
             return False
         if self._calibrating or self._buckets is not None:
             return True
-        if auto.buckets is not None and not auto.buckets["kept"]:
+        if auto.runs_ddp_buckets:
             return False  # DDP's buckets run, outside every choice
         return not (auto.settled and auto.verified)
 
