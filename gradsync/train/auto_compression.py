@@ -298,9 +298,10 @@ class AutoCompression:
         #: the optimizer's check of the choices against DDP's buckets (:meth:`check_buckets`, or an earlier job's
         #: verdict on the cached partition: ``"cached": True``); None before
         self.buckets: dict[str, Any] | None = None
-        #: an earlier job's partition (:meth:`plan_partition` takes it instead of searching: the cached choices
-        #: are its groups')
+        #: an earlier job's partition and its bucket verdict (:meth:`plan_partition` takes both instead of searching:
+        #: the cached choices are its groups')
         self._cached_joint: JointChoice | None = None
+        self._cached_buckets: dict[str, Any] | None = None
         # Which AutoCompression of this process this is: part of every job-wide decision's key, so a second one
         # with the same group names (a rebuilt model) never reads the first one's decisions. Every rank builds
         # them in the same order (SPMD), so the serials agree.
@@ -934,9 +935,8 @@ class AutoCompression:
         self._load_once()
         cached = self._cached_joint
         if cached is not None and cached.partition.n == len(sizes):  # an earlier job's: every rank read the same
-            self.joint = cached
+            self.joint, self.buckets = cached, self._cached_buckets
             return cached
-        self.buckets = None  # a cached bucket verdict was about the cached partition, not this one
 
         def compute() -> bytes:
             self._profile(min(sizes), sum(sizes), dtype)
@@ -1004,7 +1004,7 @@ class AutoCompression:
             spec = GroupSpec(c.group, ((max(1, c.nbytes),),), torch.float32)  # replaced by the real shapes at launch
             self._groups[c.group] = _Group(spec, choice=cached, final=True, planned=c.group in planned)
         self.cached = bool(choices)
-        self._cached_joint, self.buckets = joint, buckets
+        self._cached_joint, self._cached_buckets = joint, buckets
 
     def _write_cache(self) -> None:
         if not self.use_cache or self.runtime.rank != 0:

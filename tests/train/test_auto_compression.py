@@ -1144,6 +1144,12 @@ def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
     assert choosing[:2] == [True, kept] and not any(choosing[4:]), choosing
     if kept:
         assert again.cached and {r["reason"] for r in again.table()} == {"cached"}
+    # the same cache read where no partition is searched (a DDP hook's job): the verdict was about the optimizer's
+    # partition, so it is not this job's
+    hook_side = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")),
+                                codec_cost=lambda c, n: 0.0, signature=param_signature(_model().named_parameters()))
+    hook_side._load_once()
+    assert hook_side.cached and hook_side.buckets is None and not hook_side.runs_ddp_buckets
     other, steps, _ = job(wide=32)
     assert searched == [4, 4] and other.buckets is not None and "cached" not in other.buckets
     assert {"buckets"} in steps[2:] and {"chosen"} in steps[2:], steps
