@@ -399,16 +399,17 @@ def scenario_late_native(topology: str) -> dict:
     return out
 
 
-def scenario_tcp_rates(topology: str) -> dict:
-    """A planned ring watched on gloo: at its first watched allreduce every rank maps its TCP connections to the
-    ranks they lead to, and the pair rates of each watched allreduce come from the kernel's counters."""
+def scenario_tcp_rates(topology: str, calls: str = "4") -> dict:
+    """A planned ring watched on gloo, ``calls`` allreduces: at its first watched allreduce every rank maps its TCP
+    connections to the ranks they lead to, and the pair rates of each watched allreduce come from the kernel's
+    counters."""
     from gradsync.comm.adapt import AdaptOptions
 
     options = AdaptOptions(warmup=2, every=1, min_bytes=1 << 20)
     rt = gradsync.init(topology, "ring", timeout_s=60, adapt=options)
     numel = (2 << 20) // 4
     exact, tcp = True, []
-    for i in range(4):
+    for i in range(int(calls)):
         x = torch.full((numel,), float(RANK + i))
         gradsync.allreduce(x)
         exact &= bool((x == sum(r + i for r in range(WORLD))).all())
