@@ -35,7 +35,8 @@ the backend's allreduce ("none", or a cast the runtime sums natively) launches b
 the allreduce and the average, without the timing callbacks and step bookkeeping the choosing needs, which on a GPU
 cost more host time than the allreduce's launch (``gradsync bench gpu``'s hook step times, docs/mergecomp.md).
 
-Settled choices are cached (JSON) per model signature, wire model, device, world size and policy, so the next
+Settled choices are cached (JSON) per model signature, wire model, device, world size, policy and path (the
+optimizer's merged groups or a DDP hook's buckets), so the next
 job with the same ones starts decided; another wire or parameter signature misses the cache.
 :meth:`AutoCompression.report` prints one table: group, bytes, codec, predicted and measured time.
 A measured time is the group's local half (compensate, compress) plus its exchange's service time on the
@@ -249,6 +250,9 @@ class AutoCompression:
         self.margin = MARGIN
         self.clock = clock
         self.signature = signature
+        #: what launches its groups (:meth:`bind`): ``"optimizer"`` (merged groups), ``"hook"`` (DDP's buckets), None
+        #: (a caller of its own); part of the cache key
+        self.path: str | None = None
         self.use_cache = cache and signature is not None
         self._wire = wire
         self._codec_cost = codec_cost
@@ -319,6 +323,21 @@ class AutoCompression:
         # with the same group names (a rebuilt model) never reads the first one's decisions. Every rank builds
         # them in the same order (SPMD), so the serials agree.
         self._serial = next(_SERIALS)
+
+    def bind(self, path: str) -> None:
+        """Say what launches this instance's groups (``"optimizer"``, ``"hook"``), once, before its first launch.
+        The two cache different things for the same parameters (merged groups and their partition, DDP's buckets),
+        so the path is part of the cache key: a hook job on a model never overwrites what an optimizer job on it
+        cached, nor reads it."""
+        if self.path == path:
+            return
+        if self.path is not None:
+            raise CompressionError(f"this AutoCompression already chooses for the {self.path!r} path; give the {path!r} "
+                                   "path an AutoCompression of its own (their groups and caches differ)")
+        if self._loaded:
+            raise CompressionError(f"bind({path!r}) comes after this AutoCompression's first launch read its cache; "
+                                   "bind it before training")
+        self.path = path
 
     # ---- the runtime --------------------------------------------------------------------------------------
     @property
@@ -1043,11 +1062,11 @@ class AutoCompression:
 
     # ---- the cache -----------------------------------------------------------------------------------------
     def cache_key(self) -> dict[str, Any]:
-        """What cached choices are valid for: parameters, wire, device, world size, policy and codecs."""
+        """What cached choices are valid for: parameters, wire, device, world size, policy, codecs and path."""
         wire = self.wire
         wire_doc = wire.to_dict() if hasattr(wire, "to_dict") else repr(wire)
         return {"signature": self.signature, "wire": wire_doc, "device": self._device().type,
-                "world": self.runtime.world_size, "allow": self.allow, "codecs": CODECS.names()}
+                "world": self.runtime.world_size, "allow": self.allow, "codecs": CODECS.names(), "path": self.path}
 
     def cache_path(self) -> str:
         return cache_file("compression-auto", self.cache_key())

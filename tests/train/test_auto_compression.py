@@ -1098,8 +1098,9 @@ def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
     """``merge="auto"``: the first job searches its partition, settles and checks it against DDP's buckets (fake clock
     as above: the choices 4x slower or 10x quicker). The next job with the same parameters and wire takes the cached
     partition (no search) and the verdict: after its two calibration steps it runs DDP's buckets where they won, or
-    the cached choices without a bucket check where those did, and stops choosing within two steps. Another
-    parameter signature searches and checks again."""
+    the cached choices without a bucket check where those did, and stops choosing within two steps. A DDP hook's job
+    on the same parameters neither reads nor overwrites that cache. Another parameter signature searches and checks
+    again."""
     from gradsync.compress.auto import JointChoice
     from gradsync.compress.merge_model import Partition
     from gradsync.train import auto_compression
@@ -1144,12 +1145,25 @@ def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
     assert choosing[:2] == [True, kept] and not any(choosing[4:]), choosing
     if kept:
         assert again.cached and {r["reason"] for r in again.table()} == {"cached"}
-    # the same cache read where no partition is searched (a DDP hook's job): the verdict was about the optimizer's
-    # partition, so it is not this job's
+    # a DDP hook's job on the same parameters and wire has a cache of its own: it reads nothing of the optimizer's
+    # (its verdict is about the optimizer's partition), and what it writes leaves the optimizer's as it was
     hook_side = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")),
                                 codec_cost=lambda c, n: 0.0, signature=param_signature(_model().named_parameters()))
+    hook_side.bind("hook")
     hook_side._load_once()
-    assert hook_side.cached and hook_side.buckets is None and not hook_side.runs_ddp_buckets
+    assert not hook_side.cached and hook_side.buckets is None and hook_side.cache_path() != again.cache_path()
+    hook_side._write_cache()
+    third, _, _ = job()
+    assert searched == [4] and third.joint is not None and third.buckets is not None and third.buckets["cached"]
+    unbound = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), signature=[])
+    unbound.bind("optimizer")
+    unbound.bind("optimizer")  # the same path again is no change
+    with pytest.raises(CompressionError, match="already chooses for the 'optimizer' path"):
+        unbound.bind("hook")
+    late = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), signature=[])
+    late._load_once()
+    with pytest.raises(CompressionError, match="bind it before training"):
+        late.bind("hook")
     other, steps, _ = job(wide=32)
     assert searched == [4, 4] and other.buckets is not None and "cached" not in other.buckets
     assert {"buckets"} in steps[2:] and {"chosen"} in steps[2:], steps
