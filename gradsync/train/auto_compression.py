@@ -114,8 +114,12 @@ MAX_CODECS = 3
 #: The trial of a group's ``"none"`` on the runtime's planned exchange instead of the backend's allreduce.
 PLANNED = "none/planned"
 #: Whole steps a side in the near check (:meth:`AutoCompression._near_step`): with the near-miss casts, and without
-#: them, alternating after one more step with them that warms them up.
+#: them, alternating once steps with them have warmed them up.
 NEAR_STEPS = 3
+#: The most steps the near check runs the casts to warm them up: a payload size the runtime has not sent is priced,
+#: planned and (from ``EXPLORE_MIN_BYTES``) its pipeline depths explored on its first calls, up to an explorer's
+#: longest run.
+NEAR_WARM_STEPS = 1 + SETTLING_LAUNCHES
 _SERIALS = itertools.count()
 
 
@@ -275,11 +279,13 @@ class AutoCompression:
         #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
         self._baseline_turn = False
         #: the near check (:meth:`_near_step`): per group, the cast it was left off by a bar (None: not asked yet), the
-        #: steps timed with and without them, the near-check steps ended, whether the coming step runs them, the
-        #: runtime's settling count at the last step's end, and the verdict (None: none yet)
+        #: steps timed with and without them, the near-check steps ended and those that warmed the casts up (None:
+        #: still warming), whether the coming step runs them, the runtime's settling count at the last step's end,
+        #: and the verdict (None: none yet)
         self._near: dict[str, AutoChoice] | None = None
         self._near_steps: dict[str, list[float]] = {"with": [], "without": []}
         self._near_index = 0
+        self._near_warmed: int | None = None
         self._near_turn = False
         self._near_settling = 0
         self._near_kept: bool | None = None
@@ -633,7 +639,8 @@ class AutoCompression:
         return {"baseline_s": list(self._baseline_steps), "settled_s": list(self._settled_steps),
                 "early_none_s": list(self._early_none_steps), "verified": self.verified,
                 "near": {"codecs": {k: c.codec for k, c in near.items()}, "with_s": list(self._near_steps["with"]),
-                         "without_s": list(self._near_steps["without"]), "kept": self._near_kept}}
+                         "without_s": list(self._near_steps["without"]), "steps": self._near_index,
+                         "warm_steps": self._near_warmed, "kept": self._near_kept}}
 
     @property
     def nonfinite_steps(self) -> int:
@@ -733,10 +740,8 @@ class AutoCompression:
 
     def _agree_near(self) -> dict[str, AutoChoice]:
         """Per group settled on ``"none"`` by its own figures (not by whole steps, nor by an earlier job's, which
-        had its own near check), the cast
-        :func:`~gradsync.compress.auto.near_miss` finds from its timings and its price, decided for the job. A cast
-        never timed on the group is tried only where the backend sums its payload as it is: a size the runtime
-        plans would spend the check's steps planning and exploring it."""
+        had its own near check), the cast :func:`~gradsync.compress.auto.near_miss` finds from its timings and its
+        price, decided for the job."""
         def compute() -> bytes:
             self._wait_records()
             out = {}
@@ -746,8 +751,7 @@ class AutoCompression:
                     continue
                 measured = {c: group.mean_s(c) for c in group.trials if c != PLANNED}
                 miss = near_miss(group.now(), measured, policy=self.allow, wire=self.wire,
-                                 codec_cost=self.codec_cost, world=self.runtime.world_size,
-                                 untried_ok=lambda payload: self.runtime.runs_natively(payload))
+                                 codec_cost=self.codec_cost, world=self.runtime.world_size)
                 if miss is not None:
                     out[key] = miss.to_dict()
             return json.dumps(out).encode()
@@ -756,21 +760,26 @@ class AutoCompression:
         return {k: AutoChoice.from_dict(k, entry) for k, entry in doc.items()}
 
     def _near_step(self, seconds: float, launches: list[_Launch]) -> None:
-        """One step of the near check: whole steps with the near-miss casts (:attr:`_near`) on their groups, after
-        one that warms them up, alternate with steps without them, :data:`NEAR_STEPS` a side, the same turns on
-        every rank. Rank 0 leaves out a step across which the runtime settled something (a size's first call
-        priced or planned: not what the step costs from then on). The casts stay (reason ``"near"``) where the
+        """One step of the near check. Steps with the near-miss casts (:attr:`_near`) on their groups warm them up
+        until one runs across which the runtime settled nothing (their payload sizes priced, planned, explored), as
+        rank 0 reads it, or for :data:`NEAR_WARM_STEPS`; then steps without and with them alternate,
+        :data:`NEAR_STEPS` a side: the same turns on every rank. Rank 0 leaves out a step across which the runtime
+        settled something (not what the step costs from then on). The casts stay (reason ``"near"``) where the
         median of the steps with them is quicker than the steps' without; a tie, or a side with no step left,
         keeps ``"none"``, which rounds nothing."""
         near = self._near or {}
         index, self._near_index = self._near_index, self._near_index + 1
-        settling = self.runtime.settling
-        counted = index > 0 and all(launch.final for launch in launches) and settling == self._near_settling
-        self._near_settling = settling
-        if counted:
-            self._near_steps["with" if index % 2 == 0 else "without"].append(seconds)
-        if self._near_index < 2 * NEAR_STEPS + 1:
-            self._near_turn = self._near_index % 2 == 0
+        ran_with, settling = self._near_turn, self.runtime.settling
+        grew, self._near_settling = settling != self._near_settling, settling
+        if self._near_warmed is None:
+            if self._near_index < NEAR_WARM_STEPS and self._decide_flag(f"near-warm/{index}", lambda: grew):
+                return  # the coming step warms them up too
+            self._near_warmed, self._near_turn = self._near_index, False
+            return
+        if all(launch.final for launch in launches) and not grew:
+            self._near_steps["with" if ran_with else "without"].append(seconds)
+        if self._near_index - self._near_warmed < 2 * NEAR_STEPS:
+            self._near_turn = not ran_with
             return
         self._near_turn = False
         with_s, without_s = self._near_steps["with"], self._near_steps["without"]
