@@ -65,11 +65,9 @@ __all__ = [
     "review",
     "MARGIN",
     "TRY_GAIN",
-    "NEAR_GAIN",
     "STEP_TOLERANCE",
     "whole_steps_lose",
     "steps_apart",
-    "near_miss",
     "trust_margin",
     "wide_margin",
     "rival",
@@ -90,10 +88,6 @@ TRY_GAIN = 1.25
 #: own timings, which already put the choices ahead. The MLP's DDP hook on the two-tier file at 1 Gbit/s went back
 #: to ``"none"`` on 0.380 s against 0.377 s, and ran 0.77x the fixed fp16 hook.
 STEP_TOLERANCE = 0.05
-#: A cast never timed on a group is tried on whole steps (:func:`near_miss`) only where it is priced at least this
-#: many times quicker than ``"none"``: on any wire with a byte term a cast is priced a little ahead, and a lead that
-#: small is inside the model's error and a few whole steps' noise (the trial's steps would measure that noise).
-NEAR_GAIN = 1.1
 #: The ``type`` of a cached :class:`CodecProfile`.
 PROFILE_TYPE = "gradsync.codec_profile"
 
@@ -332,8 +326,7 @@ class AutoChoice:
     none_s: float
     #: why it is this codec: ``"model"`` (priced), ``"measured"`` (kept after measuring), ``"dropped"``
     #: (measured slower than none), ``"step"`` (its whole steps measured slower than those running none
-    #: everywhere), ``"near"`` (a cast left on none by a bar, :func:`near_miss`, whose whole steps ran quicker),
-    #: ``"cached"`` (an earlier job's)
+    #: everywhere), ``"cached"`` (an earlier job's)
     reason: str = "model"
 
     def to_dict(self) -> dict[str, Any]:
@@ -562,45 +555,3 @@ def rival(spec: GroupSpec, choice: AutoChoice, measured_s: float, *, tried: Sequ
     if best is None or not best[4] < (measured_s if beat_s is None else beat_s):
         return None
     return AutoChoice(spec.name, spec.nbytes, best[2].name, best[3], best[4], choice.none_s)
-
-
-def near_miss(spec: GroupSpec, measured_s: Mapping[str, float], *, policy: str, wire: WireModel,
-              codec_cost: Callable[[str, int], float], world: int, gain: float = NEAR_GAIN) -> AutoChoice | None:
-    """A cast that a group settled on ``"none"`` may still win by, for a whole-step trial; else None.
-
-    The per-group bars (:data:`TRY_GAIN` on a price, and on a measurement where the cast ran on gradsync's thread
-    while ``"none"`` ran on the backend's) keep a cast off where the group's own figures put it ahead by less: its
-    own time is too noisy to tell. Whole steps can, and a cast costs nothing to try or to drop (it keeps no state,
-    so steps may alternate). The candidates are the allowed casts sending fewer bytes than the group: one measured
-    on this group (``measured_s``, seconds per codec, ``"none"`` among them) counts where it measured quicker than
-    ``"none"`` at all (a bar dropped it), and one never measured where it is priced ``gain`` times quicker (exposed
-    seconds). A measured lead ranks before a priced one, then the larger lead, then the policy's order."""
-    if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not gain >= 1.0:
-        raise CompressionError(f"gain={gain!r} must be a number >= 1 (how many times quicker than 'none' to try it)")
-    none_exposed, none_s = math.inf, math.nan  # "none" is the policy's first codec
-    none_measured = measured_s.get("none", math.nan)
-    best: tuple[tuple[int, float, int], CodecOption, int, float] | None = None
-    options = allowed(policy, spec.dtype)
-    for i, option in enumerate(options):
-        payload, seconds = _price(option, spec, wire, codec_cost, world)
-        exposed = max(0.0, seconds - spec.slack_s)
-        if option.name == "none":
-            none_exposed, none_s = exposed, seconds
-            continue
-        if option.cast_to is None or payload >= spec.nbytes:
-            continue
-        measured = measured_s.get(option.name, math.nan)
-        if math.isfinite(measured) and math.isfinite(none_measured):
-            if not measured < none_measured:
-                continue
-            key = (0, measured / none_measured, i)
-        else:
-            if not (exposed < none_exposed and quicker_by(exposed, none_exposed, gain)):
-                continue
-            key = (1, exposed / none_exposed, i)
-        if best is None or key < best[0]:
-            best = (key, option, payload, seconds)
-    if best is None:
-        return None
-    _, option, payload, seconds = best
-    return AutoChoice(spec.name, spec.nbytes, option.name, payload, seconds, none_s, "near")

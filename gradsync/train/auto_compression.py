@@ -80,7 +80,6 @@ from gradsync.compress.auto import (
     choose,
     choose_joint,
     ladder_covers,
-    near_miss,
     profile_codecs,
     profile_ladder,
     quicker_by,
@@ -95,7 +94,7 @@ from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, 
 from gradsync.compress.merge_model import Partition
 from gradsync.train.communicator import CompressionStep, average_in_place, native_cast_sum_async
 
-__all__ = ["AUTO_TYPE", "NEAR_STEPS", "PLANNED", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
+__all__ = ["AUTO_TYPE", "PLANNED", "PROBE_STEPS", "AutoCompression", "param_signature", "wire_of"]
 
 #: The cache file's ``"type"``.
 AUTO_TYPE = "gradsync.compression_auto"
@@ -113,13 +112,6 @@ RECORD_WAIT_S = 5.0
 MAX_CODECS = 3
 #: The trial of a group's ``"none"`` on the runtime's planned exchange instead of the backend's allreduce.
 PLANNED = "none/planned"
-#: Whole steps a side in the near check (:meth:`AutoCompression._near_step`): with the near-miss casts, and without
-#: them, alternating once steps with them have warmed them up.
-NEAR_STEPS = 3
-#: The most steps the near check runs the casts to warm them up: a payload size the runtime has not sent is priced,
-#: planned and (from ``EXPLORE_MIN_BYTES``) its pipeline depths explored on its first calls, up to an explorer's
-#: longest run.
-NEAR_WARM_STEPS = 1 + SETTLING_LAUNCHES
 _SERIALS = itertools.count()
 
 
@@ -278,17 +270,6 @@ class AutoCompression:
         self._settled_steps: list[float] = []
         #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
         self._baseline_turn = False
-        #: the near check (:meth:`_near_step`): per group, the cast it was left off by a bar (None: not asked yet), the
-        #: steps timed with and without them, the near-check steps ended and those that warmed the casts up (None:
-        #: still warming), whether the coming step runs them, the runtime's settling count at the last step's end,
-        #: and the verdict (None: none yet)
-        self._near: dict[str, AutoChoice] | None = None
-        self._near_steps: dict[str, list[float]] = {"with": [], "without": []}
-        self._near_index = 0
-        self._near_warmed: int | None = None
-        self._near_turn = False
-        self._near_settling = 0
-        self._near_kept: bool | None = None
         #: steps ended so far; the clock when this step's last exchange ended, and when the step was closed
         self._ended = 0
         self._done_at = -math.inf
@@ -635,12 +616,8 @@ class AutoCompression:
     def step_check(self) -> dict[str, Any]:
         """The whole-step check's samples (seconds per step): the uncompressed baseline, the settled steps, and
         whether the check is over."""
-        near = self._near or {}
         return {"baseline_s": list(self._baseline_steps), "settled_s": list(self._settled_steps),
-                "early_none_s": list(self._early_none_steps), "verified": self.verified,
-                "near": {"codecs": {k: c.codec for k, c in near.items()}, "with_s": list(self._near_steps["with"]),
-                         "without_s": list(self._near_steps["without"]), "steps": self._near_index,
-                         "warm_steps": self._near_warmed, "kept": self._near_kept}}
+                "early_none_s": list(self._early_none_steps), "verified": self.verified}
 
     @property
     def nonfinite_steps(self) -> int:
@@ -702,104 +679,35 @@ class AutoCompression:
                 self._early_none_steps.append(seconds)
         if not self.settled:
             return
-        if self._near is not None:
-            self._near_step(seconds, launches)
-            return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
         if not chosen or not self._none_ran:
-            self._steps_checked()
+            self.verified = True
             return
         if all(launch.final for launch in launches):
             baseline = all(launch.codec == "none" for launch in launches)
             (self._baseline_steps if baseline else self._settled_steps).append(seconds)
             if not baseline and len(self._settled_steps) == 1 and self._decide_flag(
                     "step-apart", lambda: steps_apart(self._settled_steps, self._early_none_steps, least=1)):
-                self._baseline_turn = False  # no warm-up or noise explains that gap
-                self._steps_checked()
+                self.verified, self._baseline_turn = True, False  # no warm-up or noise explains that gap
                 return
         self._baseline_turn = len(self._baseline_steps) < len(self._settled_steps)
         if min(len(self._baseline_steps), len(self._settled_steps)) < self.probe_steps:
             return
+        self.verified = True
         self._baseline_turn = False
+
         if self._decide_flag("step-check", lambda: whole_steps_lose(self._settled_steps, self._baseline_steps)):
             for key, c in chosen.items():
                 self._groups[key].choice = AutoChoice(c.group, c.nbytes, "none", c.nbytes, c.none_s, c.none_s, "step")
                 self._groups[key].planned = False
             self._write_cache()
-        self._steps_checked()
-
-    def _steps_checked(self) -> None:
-        """The step check is over: the near check follows where some group on ``"none"`` has a near-miss cast
-        (:meth:`_agree_near`), else the choices are verified."""
-        if self._near is None:
-            self._near = self._agree_near()
-            if self._near:
-                self._near_turn, self._near_settling = True, self.runtime.settling
-                return
-        self.verified = True
-
-    def _agree_near(self) -> dict[str, AutoChoice]:
-        """Per group settled on ``"none"`` by its own figures (not by whole steps, nor by an earlier job's, which
-        had its own near check), the cast :func:`~gradsync.compress.auto.near_miss` finds from its timings and its
-        price, decided for the job."""
-        def compute() -> bytes:
-            self._wait_records()
-            out = {}
-            for key in self._current_groups():
-                group = self._groups[key]
-                if group.priced().codec != "none" or group.priced().reason in ("step", "cached"):
-                    continue
-                measured = {c: group.mean_s(c) for c in group.trials if c != PLANNED}
-                miss = near_miss(group.now(), measured, policy=self.allow, wire=self.wire,
-                                 codec_cost=self.codec_cost, world=self.runtime.world_size)
-                if miss is not None:
-                    out[key] = miss.to_dict()
-            return json.dumps(out).encode()
-
-        doc = json.loads(self._decide("near", compute))
-        return {k: AutoChoice.from_dict(k, entry) for k, entry in doc.items()}
-
-    def _near_step(self, seconds: float, launches: list[_Launch]) -> None:
-        """One step of the near check. Steps with the near-miss casts (:attr:`_near`) on their groups warm them up
-        until one runs across which the runtime settled nothing (their payload sizes priced, planned, explored), as
-        rank 0 reads it, or for :data:`NEAR_WARM_STEPS`; then steps without and with them alternate,
-        :data:`NEAR_STEPS` a side: the same turns on every rank. Rank 0 leaves out a step across which the runtime
-        settled something (not what the step costs from then on). The casts stay (reason ``"near"``) where the
-        median of the steps with them is quicker than the steps' without; a tie, or a side with no step left,
-        keeps ``"none"``, which rounds nothing."""
-        near = self._near or {}
-        index, self._near_index = self._near_index, self._near_index + 1
-        ran_with, settling = self._near_turn, self.runtime.settling
-        grew, self._near_settling = settling != self._near_settling, settling
-        if self._near_warmed is None:
-            if self._near_index < NEAR_WARM_STEPS and self._decide_flag(f"near-warm/{index}", lambda: grew):
-                return  # the coming step warms them up too
-            self._near_warmed, self._near_turn = self._near_index, False
-            return
-        if all(launch.final for launch in launches) and not grew:
-            self._near_steps["with" if ran_with else "without"].append(seconds)
-        if self._near_index - self._near_warmed < 2 * NEAR_STEPS:
-            self._near_turn = not ran_with
-            return
-        self._near_turn = False
-        with_s, without_s = self._near_steps["with"], self._near_steps["without"]
-        self._near_kept = self._decide_flag("near-check", lambda: bool(with_s) and bool(without_s) and float(
-            np.median(with_s)) < float(np.median(without_s)))
-        if self._near_kept:
-            for key, choice in near.items():
-                self._groups[key].choice = choice
-            self._write_cache()
-        self.verified = True
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""
         if not group.final and self._trial_over(group):
             self._next_trial(group)
         if group.final:
-            if self._baseline_turn:
-                return "none", None
-            near = self._near.get(group.spec.name) if self._near_turn and self._near else None
-            return (near or group.priced()).codec, None
+            return "none" if self._baseline_turn else group.choice.codec, None  # type: ignore[union-attr]
         group.left -= 1
         codec = group.trials[-1]
         return codec, group.times.setdefault(codec, [])

@@ -16,14 +16,7 @@ from gradsync.comm.runtime import Runtime
 from gradsync.compress.auto import TRY_GAIN, AlphaBeta
 from gradsync.compress.base import CompressionError
 from gradsync.errors import GradsyncError
-from gradsync.train.auto_compression import (
-    NEAR_STEPS,
-    NEAR_WARM_STEPS,
-    PLANNED,
-    PROBE_STEPS,
-    AutoCompression,
-    param_signature,
-)
+from gradsync.train.auto_compression import PLANNED, PROBE_STEPS, AutoCompression, param_signature
 from gradsync.train.optimizer import DistributedOptimizer
 
 
@@ -1228,71 +1221,3 @@ def test_the_hook_state_is_choosing_until_autos_choices_are_settled_and_checked(
     assert state.choosing is True  # settled, the whole-step check not over
     auto.verified = True
     assert state.choosing is False
-
-
-@dataclass(frozen=True)
-class NearWire:
-    """A wire whose seconds grow as the 0.24th power of the bytes: half the bytes are 2**0.24 = 1.18x quicker on every
-    group, between NEAR_GAIN and TRY_GAIN, so each group settles on "none" by the model with fp16 a near miss."""
-
-    def __call__(self, collective: str, nbytes: float, world: int) -> float:
-        return nbytes**0.24
-
-    def to_dict(self) -> dict:
-        return {"type": "test.near_wire"}
-
-
-@pytest.mark.parametrize("quicker, settles_at, warming", [(True, None, 0), (False, None, 0), (True, 2, 0),
-                                                         (True, 4, 0), (True, None, 2), (False, None, 2),
-                                                         (True, None, NEAR_WARM_STEPS + 2 * NEAR_STEPS)])
-def test_a_cast_left_on_none_by_a_bar_is_tried_on_whole_steps_and_kept_only_where_they_run_quicker(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, quicker: bool, settles_at: int | None,
-        warming: int) -> None:
-    """Both groups settle on "none" (NearWire), each with fp16 a near miss. The near check then runs the same turns
-    on every rank: steps with fp16 on both groups that warm it up until one runs across which the runtime settled
-    nothing (``warming``: steps that settled something, its new sizes planned or explored), then steps without and
-    with it by turns, NEAR_STEPS a side. Warming up ends after NEAR_WARM_STEPS all the same; where every step
-    after them settled something too, no sample is left, and "none" stays. Where the steps with fp16 are quicker (the fake clock), fp16 stays on both groups (reason
-    "near"); where slower, "none" stays. Either way the next job starts with the choices, unchecked. A near-check step across which
-    the runtime settled something (``settles_at``: its index) is left out of the samples, not out of the turns."""
-    monkeypatch.setenv("GRADSYNC_CACHE", str(tmp_path))
-    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: True)
-    settled = [0]
-    monkeypatch.setattr(Runtime, "settling", property(lambda self: settled[0]))
-    fast, slow = 1e-6, 1e-4
-    clock = FakeClock({"none": slow if quicker else fast, "other": fast if quicker else slow})
-    model = _model()
-    auto = _auto(rt, clock, wire=NearWire(), signature=param_signature(model.named_parameters()))
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                               compression=auto, merge=2)
-    ran: list[str] = []
-    for step in range(4 * PROBE_STEPS + 2 * NEAR_STEPS + warming + 4):
-        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
-        if auto._near is not None and not auto.verified:
-            ran.append(auto.current)
-            if len(ran) <= warming or (settles_at is not None and len(ran) == warming + settles_at + 1):
-                settled[0] += 1
-        opt.step()
-        opt.zero_grad()
-    assert auto.verified and auto.settled, auto.table()
-    warm = min(1 + warming, NEAR_WARM_STEPS)
-    assert ran == ["fp16"] * warm + ["none", "fp16"] * NEAR_STEPS, ran
-    near = auto.step_check["near"]
-    assert (near["warm_steps"], near["steps"]) == (warm, warm + 2 * NEAR_STEPS), near
-    if warming >= NEAR_WARM_STEPS:
-        assert near["with_s"] == near["without_s"] == [] and near["kept"] is False, near
-        return
-    assert near["codecs"] == {k: "fp16" for k in auto.choices} and len(near["codecs"]) == 2, near
-    left_out = {None: None, 2: "with", 4: "with"}[settles_at]
-    for side in ("with", "without"):
-        assert len(near[f"{side}_s"]) == NEAR_STEPS - (side == left_out), near
-    assert near["kept"] is quicker
-    rows = auto.table()
-    assert [(r["codec"], r["reason"]) for r in rows] == ([("fp16", "near")] if quicker else [("none", "measured")]) * 2
-    if settles_at is not None or warming:
-        return
-    again = _auto(rt, FakeClock({"none": fast, "other": slow}), wire=NearWire(),
-                  signature=param_signature(_model().named_parameters()))
-    _train(rt, again, 3)  # a cached "none" is not checked again either
-    assert [(r["codec"], r["reason"]) for r in again.table()] == [("fp16" if quicker else "none", "cached")] * 2
-    assert again.verified and again.step_check["near"]["codecs"] == {}

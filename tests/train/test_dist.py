@@ -45,8 +45,7 @@ def test_broadcast_makes_every_parameter_and_optimizer_state_rank_0s(tmp_path):
 def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and_the_hook(tmp_path, world):
     """Issue 40: on 2 and 4 ranks, every rank ends with the same bits through both paths, the codecs were decided
     once for the job, and a real codec ran on the way (a choice dropped after its trial ran too), so the
-    comparison is not that of plain allreduce. A third job's near check (a cast tried on whole steps) runs on every rank
-    alike."""
+    comparison is not that of plain allreduce."""
     reports = launch(WORKER, ["auto", str(tmp_path)], world, tmp_path, timeout_s=240)
     assert len(reports) == world and all(rep is not None for rep in reports)
     for path in ("optimizer", "hook"):
@@ -60,14 +59,6 @@ def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and
         # bucket or the group's buffer (the probing launches, at least)
         assert all(g["native"] > 0 for g in got), got
         assert all(g["record_timeouts"] == 0 for g in got), got  # no decision stalled on another group's exchange
-    # a DDP hook whose one bucket settled on "none" with fp16 a near miss: the near check's turns, its steps with fp16
-    # and its verdict are the job's, and the replicas stay identical through it
-    got = [rep["near"] for rep in reports]
-    assert all(g["settled"] and g["verified"] for g in got), got
-    assert got[0]["near"]["codecs"] and set(got[0]["near"]["codecs"].values()) == {"fp16"}, got[0]
-    assert all(g["near"]["codecs"] == got[0]["near"]["codecs"] and g["near"]["kept"] == got[0]["near"]["kept"]
-               and g["codecs"] == got[0]["codecs"] and g["hash"] == got[0]["hash"] for g in got), got
-    assert got[0]["tried"] == ["fp16", "none"] and got[0]["moved"] > 1e-3, got[0]
 
 
 def test_auto_none_on_a_ddp_bucket_is_ddps_allreduce_and_counts_a_bad_iteration_while_choosing(tmp_path):
