@@ -712,6 +712,12 @@ class AutoCompression:
         codec = group.trials[-1]
         return codec, group.times.setdefault(codec, [])
 
+    @property
+    def _trial_launches(self) -> int:
+        """The launches a trial may take: ``probe_steps``, and up to :data:`SETTLING_LAUNCHES` more while the runtime
+        settles the exchange it runs."""
+        return self.probe_steps + SETTLING_LAUNCHES
+
     def _trial_over(self, group: _Group) -> bool:
         """:meth:`_Group.trial_over`, the same on every rank. Whether a launch was timed while the runtime settled an
         exchange is each rank's own reading (its communication thread's progress against its record callbacks), so
@@ -720,7 +726,7 @@ class AutoCompression:
         trial has had ``probe_steps`` launches (fewer cannot end it) and has launches left, rank 0's timings decide."""
         if not group.trials or group.left == 0:
             return True
-        launched = self.probe_steps + SETTLING_LAUNCHES - group.left
+        launched = self._trial_launches - group.left
         if launched < self.probe_steps:
             return False
 
@@ -780,7 +786,7 @@ class AutoCompression:
                 raise CompressionError(f"group {group.spec.name!r}: codec {codec!r} is tried without its priced choice")
             group.candidates[codec] = group.choice = choice
         group.trials.append(codec)
-        group.left = self.probe_steps + SETTLING_LAUNCHES
+        group.left = self._trial_launches
 
     # ---- deciding once for the job -------------------------------------------------------------------------
     def _decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
