@@ -11,17 +11,19 @@ method trains from the same weights on the same batches in the same processes, a
 ``powersgd-r1``, ``topk-1%``, ``efsignsgd``, ``qsgd`` (those ``auto`` chooses from, same parameters) and ``auto``
 (``--allow``, default ``any``).
 
-Per configuration: each method's median step time (slowest rank per step, after ``--warmup`` steps by which
-``auto`` has settled), the test accuracy and loss after the same ``--steps``, and ``auto`` against the best fixed
-method its policy allows ("none" and DDP included) and against DDP, each as the median of the per-step paired
-ratios ``other / auto`` (> 1: auto is faster) with a 95 % interval: a percentile bootstrap of that median (2,000
-resamples, seeded) over the paired steps; also against ``none`` alone (the uncompressed exchange of the same
-path). Choosing's cost: the share of ``auto``'s first ``min(steps, 50)`` steps beyond its settled pace (the mean of
-its timed steps), less the same excess of ``ddp`` (``none`` where DDP was not run): the one-time costs of starting a
-job that are not choosing (first allocations and collectives, DDP's bucket rebuild), paid by the run a user would
-make without ``auto``. The issue's goals are checked: the interval's lower bound >= 0.97 everywhere; >= 1.3x DDP
-where the wire is the bottleneck (DDP's median at least :data:`WIRE_BOUND` x the fastest method's); accuracy within
-0.5 points of DDP's for ``allow="cast"`` (what ``"any"`` costs is reported); choosing <= 2 %.
+Per configuration: each method's median step time (slowest rank per step, after ``--warmup`` steps by which ``auto``
+has settled), the test accuracy and loss after the same steps, and ``auto`` against the best fixed method its policy
+allows ("none" and DDP included) and against DDP, each as the median of the per-step paired ratios ``other / auto``
+(> 1: auto is faster) with a 95 % interval: a percentile bootstrap of that median (2,000 resamples, seeded) over the
+paired steps (``--steps``, and more while the configuration stays inside ``--budget-s`` at its pace, up to
+``--max-steps``: quick configurations, whose steps are the noisiest, get the most pairs); also against ``none``
+alone (the uncompressed exchange of the same path). Choosing's cost: the share of ``auto``'s first ``min(steps,
+50)`` steps beyond its settled pace (the mean of its timed steps), less the same excess of ``ddp`` (``none`` where
+DDP was not run): the one-time costs of starting a job that are not choosing (first allocations and collectives,
+DDP's bucket rebuild), paid by the run a user would make without ``auto``. The issue's goals are checked: the
+interval's lower bound >= 0.97 everywhere; >= 1.3x DDP where the wire is the bottleneck (DDP's median at least
+:data:`WIRE_BOUND` x the fastest method's); accuracy within 0.5 points of DDP's for ``allow="cast"`` (what ``"any"``
+costs is reported); choosing <= 2 %.
 
 Writes ``compression_sweep.json`` (rewritten after every cell, so a stopped sweep keeps what it measured) and
 ``compression_sweep.png`` (heat maps: auto / best fixed and auto / DDP per configuration) to ``--out``.
@@ -36,7 +38,8 @@ gradient takes ~5.4 s a dense step on switch:4 (ring: 1.5 x 45 MB at 12.5 MB/s) 
 ~2.7 s for fp16, ~10 s a step of all methods with compute; the MLP's 25 MB about half that; so ~10 min per
 configuration there, ~45 min for the 100 Mbit/s cells of both fabrics, ~15 min for 1 Gbit/s, and the compute-bound
 10 Gbit/s cells (~2 s a step of all methods for ResNet-18 on 4-6 ranks sharing 2 cores) ~20 min: about 1.5-2.5 hours
-with testbed set-up and probes.
+with testbed set-up and probes. ``--budget-s`` (45 s a configuration by default) adds steps only where a
+configuration's ``--steps`` took less: LeNet-5's (tens of milliseconds a step) run to ``--max-steps``.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ UNCOMPRESSED = ("ddp", "none")
 INTERVAL = ("percentile bootstrap (2000 resamples, seed 0) of the median of the per-step paired ratios other / auto "
             "(> 1: auto is faster)")
 PROBE_PAIRS = ((0, 1), (0, 3))
-QUICK = {"models": "lenet5", "paths": "optimizer", "steps": 8, "warmup": 4, "probe_steps": 1}
+QUICK = {"models": "lenet5", "paths": "optimizer", "steps": 8, "warmup": 4, "probe_steps": 1, "budget_s": 0.0,
+         "max_steps": 0}
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -92,6 +96,10 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps per configuration (default 30; --quick 8)")
     p.add_argument("--warmup", type=int, default=None, help="leading steps not timed (default 8; --quick 4)")
     p.add_argument("--probe-steps", type=int, default=None, help="auto's timed launches per codec (default 2; --quick 1)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds a configuration may run: after --steps, more steps while it fits, for narrower "
+                        "intervals where steps are quick (default 45; --quick 0: exactly --steps)")
+    p.add_argument("--max-steps", type=int, default=None, help="the most steps --budget-s runs to (default 300)")
     p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     p.add_argument("--quick", action="store_true", help="one configuration, 8 steps, loopback: checks the machinery")
@@ -103,7 +111,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=_ROOT / "benchmarks" / "results" / "compression_sweep")
     args = p.parse_args(argv)
     quick = QUICK if args.quick else {"models": ",".join(MODEL_NAMES), "paths": ",".join(PATH_NAMES), "steps": 30,
-                                      "warmup": 8, "probe_steps": 2}
+                                      "warmup": 8, "probe_steps": 2, "budget_s": 45.0, "max_steps": 300}
     for key, value in quick.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -127,6 +135,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--rates: give at least one rate, e.g. 100mbit")
     if not 0 <= args.warmup < args.steps:
         p.error(f"need 0 <= --warmup ({args.warmup}) < --steps ({args.steps})")
+    if args.budget_s < 0 or (args.max_steps and args.max_steps < args.steps):
+        p.error(f"need --budget-s >= 0 (got {args.budget_s:g}) and --max-steps 0 or >= --steps ({args.steps}), "
+                f"got {args.max_steps}")
     if args.probe_steps < 1 or args.batch < max(2, args.procs) or args.lr <= 0 or args.timeout <= 0:
         p.error("need --probe-steps >= 1, --batch >= the number of ranks, --lr > 0 and --timeout > 0")
     if args.loopback and args.procs < 2:
@@ -269,7 +280,8 @@ def _worker_cmd(args: argparse.Namespace, out: Path, topology: str | None, label
     cmd = [sys.executable, "-m", "benchmarks.compression_sweep_worker", "--out", str(out), "--configs",
            ",".join(_configs(args)), "--methods", ",".join(args.method_list), "--allow", args.allow,
            "--probe-steps", str(args.probe_steps), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch", str(args.batch), "--lr", str(args.lr), "--label", label, "--index", str(index),
+           "--budget-s", str(args.budget_s), "--max-steps", str(args.max_steps), "--batch", str(args.batch),
+           "--lr", str(args.lr), "--label", label, "--index", str(index),
            "--total", str(total), "--timeout", "300"]
     cmd += ["--topology", topology] if topology else []
     return cmd + (["--calibrate"] if args.calibrate and topology else [])
@@ -402,7 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = [("loopback", None)] if args.loopback else [(f, r) for r in args.rate_list for f in args.fabric_list]
     total = per_cell * len(plan)
     print(f"compression-sweep: {total} configurations ({len(plan)} cells x {per_cell}), {len(args.method_list)} "
-          f"methods, {args.steps} steps ({args.warmup} untimed), allow={args.allow!r}", flush=True)
+          f"methods, {args.steps} steps ({args.warmup} untimed)"
+          + (f", more up to {args.max_steps or 'any number'} while a configuration takes under {args.budget_s:g} s"
+             if args.budget_s else "") + f", allow={args.allow!r}", flush=True)
     t0 = time.perf_counter()
     cells: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}

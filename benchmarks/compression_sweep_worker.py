@@ -7,7 +7,10 @@ exchange, no compression), each fixed codec of :data:`FIXED` (the same codecs, w
 ``compression="auto"`` chooses from: :data:`gradsync.compress.auto.CODECS`) and ``auto``. ``PATH`` is
 ``optimizer`` (``gradsync.DistributedOptimizer``, layer-wise groups) or ``hook`` (DDP with
 ``gradsync.compression_hook``, DDP's buckets). Every step each method takes its step in turn, the order rotating
-step by step; a sample is the slowest rank's time for zero_grad + forward + backward + ``step()``. The first
+step by step; a sample is the slowest rank's time for zero_grad + forward + backward + ``step()``. A configuration
+runs ``--steps`` steps, and with ``--budget-s`` more while it stays inside that time at the pace of its timed
+steps (up to ``--max-steps``; rank 0 decides, every rank runs the same count): a paired interval narrows with the
+square root of its pairs, and a configuration of quick steps buys many more pairs for the same time. The first
 ``--warmup`` steps are trained but not timed: by then ``auto`` has probed, chosen and reviewed every group (DDP
 rebuilds its buckets after step 0, so the hook's groups start a step late). ``auto`` keeps no cache: every
 configuration chooses from scratch, and ``first_steps_s`` (its first steps' times, and every method's) shows what
@@ -38,7 +41,7 @@ from benchmarks.compress_testbed_worker import Replica, _identical, _timed, _tra
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
-__all__ = ["FIXED", "MODELS", "PATHS", "Setup", "method_names", "main"]
+__all__ = ["FIXED", "MODELS", "PATHS", "Setup", "extra_steps", "method_names", "main"]
 
 #: The fixed codecs every configuration runs beside ``auto`` (names of :data:`gradsync.compress.auto.CODECS`).
 FIXED = ("fp16", "powersgd-r1", "topk-1%", "efsignsgd", "qsgd")
@@ -182,6 +185,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-steps", type=int, default=2, help="auto's timed launches per codec")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="after --steps, more steps while the configuration's time stays under this (0: none)")
+    p.add_argument("--max-steps", type=int, default=0, help="the most steps --budget-s may run to (0: no limit)")
     p.add_argument("--batch", type=int, default=64, help="global batch, split over the ranks")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--first", type=int, default=50, help="steps whose total time shows what choosing cost")
@@ -191,6 +197,24 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--calibrate", action="store_true", help="gradsync.init(calibrate=True)")
     return p.parse_args(argv)
+
+
+def extra_steps(elapsed_s: float, pace_s: float, budget_s: float, steps: int, max_steps: int) -> int:
+    """Steps to add to ``steps`` done in ``elapsed_s``, at ``pace_s`` a step (every method's), to fill ``budget_s``:
+    as many whole steps as fit, none past ``max_steps`` (0: no limit); 0 without a budget."""
+    if budget_s <= 0 or pace_s <= 0:
+        return 0
+    fit = max(0, int((budget_s - elapsed_s) / pace_s))
+    return min(fit, max(0, max_steps - steps)) if max_steps else fit
+
+
+def _agreed_extra(elapsed_s: float, pace_s: float, args: argparse.Namespace) -> int:
+    """:func:`extra_steps` on rank 0's clock, the same count on every rank (a broadcast): the replicas' collectives
+    must pair up step for step."""
+    extra = torch.tensor([extra_steps(elapsed_s, pace_s, args.budget_s, args.steps, args.max_steps)],
+                         dtype=torch.int64)
+    dist.broadcast(extra, 0)
+    return int(extra.item())
 
 
 def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args: argparse.Namespace,
@@ -212,7 +236,10 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
     losses: dict[str, list[float]] = {m: [] for m in methods}
     chose = dict.fromkeys(methods, 0)  # steps until each method stopped choosing (auto; 0: never chose)
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    total, t_warm, step = args.steps, t0, 0
+    while step < total:
+        if step == args.warmup:
+            t_warm = time.perf_counter()
         start = (step * args.batch) % (n_train - args.batch)
         x, y = shard(data.x_train[order[start:start + args.batch]], data.y_train[order[start:start + args.batch]],
                      rank, world)
@@ -226,15 +253,19 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
                 first[m].append(dt)
             if step >= args.warmup:
                 samples[m].append(dt)
-        if (step + 1) % 5 == 0 or step + 1 == args.steps:
-            progress(f"step {step + 1}/{args.steps} ({time.perf_counter() - t0:.0f} s)")
+        step += 1
+        if step == args.steps and args.budget_s > 0:
+            now = time.perf_counter()
+            total += _agreed_extra(now - t0, (now - t_warm) / (step - args.warmup), args)
+        if step % 5 == 0 or step == total:
+            progress(f"step {step}/{total} ({time.perf_counter() - t0:.0f} s)")
     rows = {}
     for m, rep in replicas.items():
         acc, loss = _evaluate(rep.model, data.x_test, data.y_test) if rank == 0 else (None, None)
         rows[m] = {"median_s": statistics.median(samples[m]), "samples_s": samples[m], "first_steps_s": first[m],
                    "losses": losses[m], "accuracy": acc, "test_loss": loss, "choosing_steps": chose[m],
                    "replicas_identical": _identical(rep.model), "stats": rep.stats()}
-    return {"model": model_name, "path": path, "parameters": sum(p.numel() for p in base.parameters()),
+    return {"model": model_name, "path": path, "steps": total, "parameters": sum(p.numel() for p in base.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "methods": rows,
             "run_s": time.perf_counter() - t0}
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 import benchmarks.compression_sweep as bench
-from benchmarks.compression_sweep_worker import FIXED, method_names
+from benchmarks.compression_sweep_worker import FIXED, extra_steps, method_names
 from gradsync.errors import GradsyncError
 from tests.bench.fake_testbed import fake_testbed
 
@@ -27,9 +27,12 @@ def _config(**methods: dict) -> dict:
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired_samples(tmp_path, capsys):
+    """With a budget no configuration can spend, the steps run to --max-steps on both ranks (rank 0's count,
+    broadcast: were the ranks to disagree, the replicas' collectives would hang or fail)."""
     pytest.importorskip("sklearn")  # the digits
     pytest.importorskip("matplotlib")
-    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0  # loopback: the goals are reported, not enforced
+    max_steps = bench.QUICK["steps"] + 2
+    assert bench.main(["--quick", "--budget-s", "3600", "--max-steps", str(max_steps), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "compression_sweep_quick.png").stat().st_size > 0
     doc = json.loads((tmp_path / "compression_sweep_quick.json").read_text())
     assert doc["type"] == bench.RESULT_TYPE and doc["complete"] and doc["allow"] == "any"
@@ -38,7 +41,8 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     assert cell["mode"] == "loopback" and cell["world_size"] == 2
     (config,) = cell["configs"]
     assert (config["model"], config["path"]) == ("lenet5", "optimizer")
-    steps, warmup = bench.QUICK["steps"], bench.QUICK["warmup"]
+    steps, warmup = max_steps, bench.QUICK["warmup"]
+    assert config["steps"] == steps
     rows = config["methods"]
     assert list(rows) == method_names() == ["ddp", "none", *FIXED, "auto"]
     for name, r in rows.items():
@@ -95,6 +99,14 @@ def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_a
     assert bench.fixed_pool(list(config["methods"]), "lossless") == ["ddp", "none"]
 
 
+def test_a_budget_adds_the_steps_that_fit_at_the_pace_and_no_more_than_the_limit():
+    assert extra_steps(elapsed_s=10.0, pace_s=0.5, budget_s=45.0, steps=30, max_steps=300) == 70  # (45 - 10) / 0.5
+    assert extra_steps(elapsed_s=10.0, pace_s=0.3, budget_s=45.0, steps=30, max_steps=0) == 116  # whole steps only
+    assert extra_steps(elapsed_s=10.0, pace_s=0.01, budget_s=45.0, steps=30, max_steps=300) == 270  # the limit
+    assert extra_steps(elapsed_s=50.0, pace_s=0.5, budget_s=45.0, steps=30, max_steps=300) == 0  # over already
+    assert extra_steps(elapsed_s=10.0, pace_s=0.5, budget_s=0.0, steps=30, max_steps=300) == 0  # no budget
+
+
 def test_equal_paired_ratios_give_an_interval_of_that_one_value():
     got = bench.compare([0.2, 0.4, 0.8, 1.0], [0.3, 0.6, 1.2, 1.5])
     assert got["median"] == pytest.approx(1.5) and got["ci95"] == pytest.approx([1.5, 1.5]) and got["pairs"] == 4
@@ -122,7 +134,8 @@ def test_goals_say_which_configuration_lost_and_where_the_wire_was_the_bottlenec
 
 def test_bad_arguments_are_refused_before_anything_runs():
     for argv in (["--models", "vgg"], ["--paths", "ps"], ["--fabrics", "ring:4"], ["--methods", "ddp,zstd"],
-                 ["--quick", "--steps", "4", "--warmup", "4"], ["--quick", "--procs", "1"], ["--allow", "lossy"]):
+                 ["--quick", "--steps", "4", "--warmup", "4"], ["--quick", "--procs", "1"], ["--allow", "lossy"],
+                 ["--quick", "--budget-s", "-1"], ["--quick", "--max-steps", "5"]):  # fewer than --steps (8)
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2, argv
