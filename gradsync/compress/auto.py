@@ -44,6 +44,7 @@ from gradsync.registry import Registry
 
 __all__ = [
     "ACCURACY",
+    "CAST_MARGIN",
     "PROFILE_TYPE",
     "profile_ladder",
     "ladder_covers",
@@ -68,6 +69,7 @@ __all__ = [
     "STEP_TOLERANCE",
     "whole_steps_lose",
     "steps_apart",
+    "margin_for",
     "trust_margin",
     "wide_margin",
     "rival",
@@ -78,6 +80,11 @@ ACCURACY = ("lossless", "cast", "any")
 #: A choice predicted more than this many times quicker than ``"none"`` is trusted without timing ``"none"``, as
 #: long as it measures at most ``1/MARGIN`` of ``"none"``'s predicted time (:func:`wide_margin`, :func:`trust_margin`).
 MARGIN = 2.0
+#: The same trust for a cast (:func:`margin_for`): it sends half the bytes, so it is never more than 2x ahead and
+#: never clears :data:`MARGIN`; on a wire-bound group it is priced near 2x, and timing ``"none"`` there costs a step
+#: of the slow wire per probe. Kept on its own measurement, it is at most ``1/CAST_MARGIN`` of ``"none"``'s predicted
+#: time: ``"none"`` would have to beat its model by that much, where the model (the probed wire) is at its surest.
+CAST_MARGIN = 1.6
 #: A codec is chosen over ``"none"`` only where it is priced this many times quicker (exposed seconds): below it the
 #: model's error on a loaded host (codec costs profiled alone, a wire shared with backward) is as large as the gain,
 #: and a trial would cost timed steps to measure noise. LeNet-5 on switch:4 at 10 Gbit/s priced fp16 1.15x quicker
@@ -516,11 +523,19 @@ def steps_apart(quick_s: Sequence[float], slow_s: Sequence[float], *, least: int
     return quicker_by(max(quick_s), min(slow_s), gain)
 
 
+def margin_for(codec: str, margin: float = MARGIN, cast_margin: float = CAST_MARGIN) -> float:
+    """The margin ``codec`` is trusted on (:func:`wide_margin`, :func:`trust_margin`): ``margin``, or ``cast_margin``
+    for a cast where that is lower (a cast never clears 2x: half the bytes at best)."""
+    option = CODECS.get(codec)
+    return min(margin, cast_margin) if option.cast_to is not None else margin
+
+
 def wide_margin(choice: AutoChoice, margin: float = MARGIN) -> bool:
     """Whether ``choice`` is predicted more than ``margin`` times quicker than ``"none"``: then the model alone
     decides the trial, and ``"none"`` is timed only if the codec's measurement breaks the margin
     (:func:`trust_margin`). On a slow wire timing ``"none"`` is the most expensive part of choosing (an MLP at
-    300 Mbit/s: 1.1 s a step against 0.15 s compressed); a cast never qualifies (at best half the bytes)."""
+    300 Mbit/s: 1.1 s a step against 0.15 s compressed); a cast clears :data:`MARGIN` never (at best half the
+    bytes), the margin :func:`margin_for` gives it where the wire is the cost."""
     return choice.codec != "none" and choice.none_s > margin * choice.predicted_s
 
 

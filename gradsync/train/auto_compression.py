@@ -18,8 +18,8 @@ explored) is timed apart, and its trial runs up to :data:`SETTLING_LAUNCHES` mor
 settled ones: a codec's payload is a size the runtime has never sent, and its first calls time that, not the codec.
 
 Where the model puts a codec more than :attr:`AutoCompression.margin` (:data:`~gradsync.compress.auto.MARGIN`, or
-``TRY_GAIN`` where the optimizer's bucket check follows a search that put the codec that far ahead) times ahead of
-``"none"`` at the group's first launch, step 1
+``TRY_GAIN`` where the optimizer's bucket check follows a search that put the codec that far ahead; a cast at most
+:data:`~gradsync.compress.auto.CAST_MARGIN`) times ahead of ``"none"`` at the group's first launch, step 1
 is skipped: the codec is timed first, and kept if it took at most ``1/margin`` of
 ``"none"``'s predicted time; otherwise ``"none"`` is timed after all and step 3's review decides. On a slow wire
 the ``"none"`` launches are most of what choosing costs.
@@ -64,6 +64,7 @@ from torch import Tensor
 from gradsync.comm.runtime import Runtime, Work
 from gradsync.comm.tuning import EXPLORE_MAX_CALLS, cache_file, write_cache
 from gradsync.compress.auto import (
+    CAST_MARGIN,
     CODECS,
     CPU_PROFILE_CAP,
     MARGIN,
@@ -80,6 +81,7 @@ from gradsync.compress.auto import (
     choose,
     choose_joint,
     ladder_covers,
+    margin_for,
     profile_codecs,
     profile_ladder,
     quicker_by,
@@ -141,9 +143,12 @@ def _buckets_from(doc: Any) -> dict[str, Any]:
     """A cached bucket-check verdict (:meth:`AutoCompression.check_buckets`), checked, marked ``"cached"``."""
     if not isinstance(doc, dict) or not isinstance(doc.get("kept"), bool):
         raise CompressionError(f"'buckets' must be an object with a boolean 'kept', got {doc!r}")
-    return {"kept": doc["kept"], "chosen_s": [float(x) for x in doc.get("chosen_s", [])],
-            "buckets_s": [float(x) for x in doc.get("buckets_s", [])], "bytes": [int(b) for b in doc.get("bytes", [])],
-            "cached": True}
+    out = {"kept": doc["kept"], "chosen_s": [float(x) for x in doc.get("chosen_s", [])],
+           "buckets_s": [float(x) for x in doc.get("buckets_s", [])], "bytes": [int(b) for b in doc.get("bytes", [])],
+           "cached": True}
+    if doc.get("calibration_s") is not None:  # the check that stood the calibration step for DDP's buckets
+        out["calibration_s"] = float(doc["calibration_s"])
+    return out
 
 
 class _Launch(NamedTuple):
@@ -244,6 +249,11 @@ class AutoCompression:
         #: sent uncompressed follows (whole steps that catch a trusted codec losing) and its partition search put the
         #: codec that far ahead for the whole step
         self.margin = MARGIN
+        #: the margin a cast is trusted on where :attr:`margin` is higher (:func:`~gradsync.compress.auto.margin_for`):
+        #: :data:`~gradsync.compress.auto.CAST_MARGIN`; the optimizer raises it to :data:`MARGIN` (never cleared)
+        #: where its partition search, which prices the overlap with backward a group's first price leaves out, put
+        #: no codec :data:`TRY_GAIN` ahead for the whole step
+        self.cast_margin = CAST_MARGIN
         self.clock = clock
         self.signature = signature
         #: what launches its groups (:meth:`bind`): ``"optimizer"`` (merged groups), ``"hook"`` (DDP's buckets), None
@@ -543,20 +553,28 @@ class AutoCompression:
             [flat], [info], reuse=True, verdict=verdict)
 
     def check_buckets(self, chosen_s: Sequence[float], buckets_s: Sequence[float], buckets: Sequence[int], *,
-                      final: bool = True) -> bool | None:
+                      final: bool = True, calibration_s: float | None = None) -> bool | None:
         """The optimizer's last check, once the choices are settled (``merge="auto"``): whole steps with the chosen
         partition and codecs (``chosen_s``) against steps with DDP's buckets (of ``buckets`` bytes) sent uncompressed
         on the backend's allreduce (``buckets_s``), what DDP itself runs. Whether the choice stays: on a clear gap
         either way (:func:`~gradsync.compress.auto.steps_apart`, as many steps as there are a side), the quicker
         side; else, at the ``final`` count, its median must be quicker than the buckets' (a tie goes to DDP's
         buckets, which cost no accuracy and no choosing), and before it None: time another pair. Rank 0's samples
-        decide for every rank; :attr:`buckets` keeps the verdict for :meth:`table` and :meth:`report`."""
-        if not chosen_s or not buckets_s:
+        decide for every rank; :attr:`buckets` keeps the verdict for :meth:`table` and :meth:`report`.
+
+        Before any step of DDP's buckets (``buckets_s`` empty), ``calibration_s`` stands for them: the optimizer's
+        timed calibration step, which ran those buckets uncompressed. The choices stay without timing the buckets
+        where each chosen step was more than :data:`~gradsync.compress.auto.MARGIN` times quicker than it (the
+        calibration step is warm but alone, so the bar is the model's trust margin, not a whole-step gap); else None:
+        time the buckets (on a slow wire each of their steps costs most of a step more)."""
+        if not chosen_s or not (buckets_s or calibration_s is not None):
             raise CompressionError(f"the bucket check needs steps on both sides, got {list(chosen_s)} and "
-                                   f"{list(buckets_s)}")
+                                   f"{list(buckets_s)} (calibration step: {calibration_s})")
         least = min(len(chosen_s), len(buckets_s))
 
         def verdict() -> bytes:
+            if not buckets_s:
+                return b"1" if steps_apart(chosen_s, [calibration_s], least=1, gain=MARGIN) else b""
             if steps_apart(chosen_s, buckets_s, least=least):
                 return b"1"
             if steps_apart(buckets_s, chosen_s, least=least):
@@ -571,6 +589,8 @@ class AutoCompression:
         keep = got == b"1"
         self.buckets = {"kept": keep, "chosen_s": list(chosen_s), "buckets_s": list(buckets_s),
                         "bytes": [int(b) for b in buckets]}
+        if not buckets_s:
+            self.buckets["calibration_s"] = float(calibration_s)  # type: ignore[arg-type]
         self._write_cache()  # the next job with this partition starts with the verdict
         return keep
 
@@ -751,7 +771,7 @@ class AutoCompression:
         trials = [t for t in group.trials if t != PLANNED]
         if not trials:
             first = self._agree_choice(group, "first")
-            if wide_margin(first, self.margin):
+            if wide_margin(first, margin_for(first.codec, self.margin, self.cast_margin)):
                 self._trial(group, first.codec, first)
             else:
                 self._trial(group, "none")
@@ -871,7 +891,9 @@ class AutoCompression:
     def _agree_margin(self, group: _Group) -> AutoChoice | None:
         """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
         choice = group.priced()
-        return self._agree(group, "margin", lambda: trust_margin(choice, group.mean_s(choice.codec), self.margin))
+        return self._agree(group, "margin", lambda: trust_margin(choice, group.mean_s(choice.codec),
+                                                                 margin_for(choice.codec, self.margin,
+                                                                            self.cast_margin)))
 
     def _agree_review(self, group: _Group) -> AutoChoice:
         """Keep the choice or drop it for "none", decided for the job. A codec whose exchange ran on gradsync's
@@ -1078,7 +1100,12 @@ class AutoCompression:
                          f"{us(r['measured_s']):>12}  {r['reason']}")
         if self.buckets is not None:
             b = self.buckets
-            lines.append(f"whole steps (median): chosen {np.median(b['chosen_s']) * 1e3:.2f} ms, DDP's buckets "
-                         f"uncompressed {np.median(b['buckets_s']) * 1e3:.2f} ms: "
+
+            def ms(xs: Sequence[float]) -> str:
+                return f"{np.median(xs) * 1e3:.2f} ms" if len(xs) else "not timed"
+
+            against = (ms(b["buckets_s"]) if b["buckets_s"] or "calibration_s" not in b
+                       else f"{b['calibration_s'] * 1e3:.2f} ms (the calibration step)")
+            lines.append(f"whole steps (median): chosen {ms(b['chosen_s'])}, DDP's buckets uncompressed {against}: "
                          + ("the choices stay" if b["kept"] else "DDP's buckets run"))
         return "\n".join(lines)

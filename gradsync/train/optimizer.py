@@ -285,6 +285,9 @@ class DistributedOptimizer:
         self._bucket_s: tuple[list[float], list[float]] = ([], [])  # whole steps: the choices', the buckets'
         self._bucket_turn: bool | None = None  # this step runs DDP's buckets (None: no check this step)
         self._step_t0 = 0.0
+        #: compression="auto": the timed calibration step's whole time on auto's clock (DDP's buckets uncompressed, the
+        #: bucket check's other side), which may spare that check timing the buckets (:meth:`_next_bucket_turn`)
+        self._calibration_s: float | None = None
         self._build_groups(self.partition if self.partition is not None else self._calibration)
 
     def _build_groups(self, partition: Partition) -> None:
@@ -316,6 +319,8 @@ class DistributedOptimizer:
             return
         # Backward's own progress: the time this hook spent compressing earlier gradients taken out (the
         # model adds compression to the ready times itself, so counting it here would count it twice).
+        if not self._arrivals and _is_auto(self.compression):  # the step's first gradient: its whole time from here
+            self._step_t0 = self.compression.clock()
         t = time.perf_counter()
         self._arrivals.append((index, t - self._inside))
         self._groups.add(index, grad)
@@ -331,7 +336,9 @@ class DistributedOptimizer:
 
     def _next_bucket_turn(self) -> bool | None:
         """Whether this step runs DDP's buckets (True), the choices (False), or no check (None): once auto's choices
-        have settled and passed its own checks, DDP's buckets first, then by turns, BUCKET_CHECK_STEPS each."""
+        have settled and passed its own checks, DDP's buckets first, then by turns, BUCKET_CHECK_STEPS each. Where
+        the calibration step was timed (it ran those buckets), the choices' BUCKET_APART_STEPS come first: more than
+        MARGIN times quicker than it, they stay without a step of the buckets (on a slow wire, the check's cost)."""
         auto = self.compression
         if not (auto.settled and auto.verified):
             return None
@@ -340,6 +347,8 @@ class DistributedOptimizer:
             return None
         self._step_t0 = auto.clock()
         chosen, buckets = self._bucket_s
+        if not buckets and self._calibration_s is not None and len(chosen) < BUCKET_APART_STEPS:
+            return False
         return len(buckets) <= len(chosen)
 
     def _end_bucket_turn(self) -> None:
@@ -351,12 +360,15 @@ class DistributedOptimizer:
             return
         chosen, buckets = self._bucket_s
         (buckets if turn else chosen).append(self.compression.clock() - self._step_t0)
+        sizes = [g.info.numel * self._dtype.itemsize for g in self._buckets.groups]
+        if not buckets and self._calibration_s is not None and len(chosen) == BUCKET_APART_STEPS:
+            if self.compression.check_buckets(chosen, [], sizes, calibration_s=self._calibration_s):
+                self._buckets = None  # far quicker than the calibration step: the choices stay
+            return
         pairs = len(chosen)
         if pairs != len(buckets) or pairs < BUCKET_APART_STEPS:
             return
-        keep = self.compression.check_buckets(chosen, buckets,
-                                              [g.info.numel * self._dtype.itemsize for g in self._buckets.groups],
-                                              final=pairs >= BUCKET_CHECK_STEPS)
+        keep = self.compression.check_buckets(chosen, buckets, sizes, final=pairs >= BUCKET_CHECK_STEPS)
         if keep is None:  # no clear gap yet: another pair
             return
         if not keep:
@@ -376,13 +388,15 @@ class DistributedOptimizer:
             self._untimed_steps -= 1
             self._arrivals, self._inside = [], 0.0
         elif self._calibrating:
+            if _is_auto(self.compression):
+                self._calibration_s = self.compression.clock() - self._step_t0
             self._calibrate(end, synced)
         else:
             self._end_bucket_turn()
 
     def _calibrate(self, end: float, synced: float) -> None:
         """After the timed calibration step: backward order and ready times -> profiled model -> partition."""
-        from gradsync.compress.auto import TRY_GAIN, quicker_by
+        from gradsync.compress.auto import MARGIN, TRY_GAIN, quicker_by
         from gradsync.compress.merge import search_optimal
         from gradsync.train.grouped import profile_cost_model
 
@@ -433,9 +447,10 @@ class DistributedOptimizer:
                     # the partition's search, which prices overlap with backward from the timed step, put a codec
                     # TRY_GAIN ahead of "none" for the whole step, and whole steps against DDP's uncompressed buckets
                     # follow: a codec the model puts TRY_GAIN ahead of "none" on a group is kept on its own
-                    # measurement, without timing "none" (the costly side on a slow wire). Where the search found
-                    # less, a group's first price (no slack measured yet) is not trusted so: "none" is timed first.
+                    # measurement, without timing "none" (the costly side on a slow wire).
                     self.compression.margin = TRY_GAIN
+                else:  # a group's first price (no slack measured yet) is not trusted on a cast's narrow margin
+                    self.compression.cast_margin = MARGIN  # the search priced the overlap and found less
             return
         device = self._params[0][1].device if self._params else torch.device("cpu")
         self.cost_model = profile_cost_model(self.compression, sizes, ready, max(end - start - inside, last),

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from gradsync.compress.auto import (
+    CAST_MARGIN,
     CODECS,
+    MARGIN,
     POLICIES,
     STEP_TOLERANCE,
     TRY_GAIN,
@@ -20,6 +22,7 @@ from gradsync.compress.auto import (
     allowed,
     choose,
     ladder_covers,
+    margin_for,
     profile_ladder,
     review,
     rival,
@@ -182,10 +185,27 @@ def test_a_wide_margin_is_trusted_only_while_the_measurement_keeps_it() -> None:
                          world=4)
         # (where latency is the wire's whole cost, halving the bytes gains under TRY_GAIN: "none")
         assert cast.codec == ("none" if wire.alpha_s == 1.0 else "fp16") and not wide_margin(cast), cast
+        # on its own margin it clears where the bytes are the cost (2x ahead: free codecs)
+        assert wide_margin(cast, margin_for(cast.codec)) == (cast.codec == "fp16"), cast
     pick = AutoChoice("g", 4000, "topk-1%", 80, 0.1, 1.0)
     kept = trust_margin(pick, 0.5)
     assert kept is not None and (kept.codec, kept.reason, kept.none_s) == ("topk-1%", "measured", 1.0)
     assert trust_margin(pick, 0.51) is None and trust_margin(pick, math.inf) is None
+
+
+def test_a_cast_is_trusted_on_its_own_margin_and_never_on_a_wider_one_than_asked() -> None:
+    """margin_for: a cast's margin is CAST_MARGIN (under 2x, which half the bytes can reach), unless the margin asked
+    for is lower still (TRY_GAIN, where a check follows); any other codec keeps the margin asked for; and a cast
+    margin of MARGIN (the optimizer's, where its search found no gain) is never cleared by a cast."""
+    assert 1.0 < CAST_MARGIN < 2.0 and margin_for("fp16") == margin_for("bf16") == CAST_MARGIN
+    assert margin_for("fp16", TRY_GAIN) == TRY_GAIN and margin_for("fp16", MARGIN, MARGIN) == MARGIN
+    assert margin_for("topk-1%") == MARGIN and margin_for("topk-1%", TRY_GAIN) == TRY_GAIN
+    cast = AutoChoice("g", 4000, "fp16", 2000, 0.55, 1.0)  # 1.8x ahead
+    assert wide_margin(cast, margin_for("fp16")) and not wide_margin(cast, margin_for("fp16", MARGIN, MARGIN))
+    assert trust_margin(cast, 0.6, margin_for("fp16")) is not None  # 1/0.6 = 1.67x measured
+    assert trust_margin(cast, 0.65, margin_for("fp16")) is None  # 1.54x: "none" is timed after all
+    with pytest.raises(CompressionError, match="zstd"):
+        margin_for("zstd")
 
 
 def test_wire_model_closed_forms_and_json() -> None:

@@ -40,6 +40,18 @@ def _slow_any_world(collective: str, nbytes: float, world: int) -> float:
     return nbytes * 1e-3  # one rank has no wire: price it as if it had a slow one
 
 
+@pytest.fixture(autouse=True)
+def _casts_time_none_first(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Most tests here follow a group through timing "none" and then its codec, on wires that price fp16 exactly 2x
+    ahead (free codecs): a cast's own trust (CAST_MARGIN, which would time fp16 alone) is off unless the test is
+    marked ``cast_trust``."""
+    if request.node.get_closest_marker("cast_trust") is None:
+        from gradsync.compress.auto import MARGIN
+        from gradsync.train import auto_compression
+
+        monkeypatch.setattr(auto_compression, "CAST_MARGIN", MARGIN)
+
+
 class FakeClock:
     """Advances on the training thread only, by ``cost[codec]`` per call, ``codec`` being the launch's."""
 
@@ -98,14 +110,26 @@ def _auto(rt: Runtime, clock: FakeClock, wire=_slow_any_world, signature=None) -
     return auto
 
 
-def test_a_choice_measured_slower_than_none_is_dropped(rt: Runtime) -> None:
-    clock = FakeClock({"none": 1e-6, "other": 1e-4})  # fp16 looks 100x slower on this clock (seconds far under the wire's)
+@pytest.mark.cast_trust
+@pytest.mark.parametrize("fp16_s, trusted", [(1e-4, False), (1.0, True)])
+def test_a_choice_measured_slower_than_none_is_dropped(rt: Runtime, fp16_s: float, trusted: bool) -> None:
+    """The slow wire prices fp16 2x ahead of "none"; on the clock it is slower. Not trusted on a cast's margin (the
+    optimizer's, where its search saw no gain), "none" is timed first and the review drops fp16 (100x slower, seconds
+    far under the wire's). Trusted (CAST_MARGIN), fp16 runs first; measured beyond 1/CAST_MARGIN of "none"'s price
+    (1 s a call against the wire's 0.2-0.5 s), it breaks the trust: "none" is timed after all, and the review drops
+    fp16 the same way."""
+    from gradsync.compress.auto import MARGIN
+
+    clock = FakeClock({"none": 1e-6, "other": fp16_s})
     auto = _auto(rt, clock)
-    _train(rt, auto, 2 * PROBE_STEPS + 1)
+    if not trusted:
+        auto.cast_margin = MARGIN
+    _train(rt, auto, 3 * PROBE_STEPS + 1)
     rows = auto.table()
     assert len(rows) == 2 and auto.settled
     for row in rows:  # the slow wire made the model pick fp16; measuring dropped it
         assert (row["codec"], row["reason"]) == ("none", "dropped"), rows
+        assert list(auto._groups[row["group"]].times) == (["fp16", "none"] if trusted else ["none", "fp16"])
     assert "dropped" in auto.report() and "predicted us" in auto.report()
 
 
@@ -537,18 +561,19 @@ def test_a_codec_far_ahead_of_none_is_kept_without_ever_timing_none(rt: Runtime)
     assert all("none" not in auto._groups[r["group"]].times for r in rows), rows
 
 
+@pytest.mark.cast_trust
 @pytest.mark.parametrize("merge, joint_gain", [("auto", None), ("auto", 1.0), ("auto", 1.2), ("auto", 1.3),
                                                (2, None)])
 def test_a_cast_well_ahead_is_kept_without_timing_none_where_the_bucket_check_follows(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, merge, joint_gain: float | None) -> None:
-    """A cast is at best 2x quicker than "none", never beyond MARGIN: with two fixed groups "none" is timed on each.
-    With merge="auto" the optimizer's check against DDP's buckets follows, so the margin is TRY_GAIN: fp16, priced
-    far more than that ahead on a slow wire and measured inside it, settles without one "none" launch, and the whole
-    steps against DDP's buckets uncompressed are the check. Unless the partition's search put no codec TRY_GAIN
-    ahead of "none" for the whole step (its answer faked, with ``joint_gain``: "none" itself, or fp16 1.2x ahead;
-    1.3x is trusted): a group's first price, with no slack measured, is then not trusted, and "none" is timed
-    first."""
-    from gradsync.compress.auto import MARGIN, JointChoice
+    """A cast is at best 2x quicker than "none", never beyond MARGIN, but it is trusted on CAST_MARGIN: with two
+    fixed groups fp16, priced 2x ahead on a slow wire (free codecs) and measured inside 1/CAST_MARGIN of "none"'s
+    price, settles without one "none" launch. With merge="auto" the optimizer's check against DDP's buckets follows,
+    so the margin is TRY_GAIN and the same holds, and the whole steps against DDP's buckets uncompressed are the
+    check. Unless the partition's search put no codec TRY_GAIN ahead of "none" for the whole step (its answer faked,
+    with ``joint_gain``: "none" itself, or fp16 1.2x ahead; 1.3x is trusted): a group's first price, with no slack
+    measured, is then not trusted on a cast's narrow margin, and "none" is timed first."""
+    from gradsync.compress.auto import CAST_MARGIN, MARGIN, JointChoice
     from gradsync.compress.merge_model import Partition
     from gradsync.train import auto_compression
 
@@ -559,14 +584,17 @@ def test_a_cast_well_ahead_is_kept_without_timing_none_where_the_bucket_check_fo
     clock = FakeClock({"none": 1e-4, "other": 1e-6})
     auto = _auto(rt, clock)
     opt, _ = _train(rt, auto, 2 + 2 * PROBE_STEPS + 8, merge=merge)
-    trusted = merge == "auto" and (joint_gain is None or joint_gain >= TRY_GAIN)
-    assert auto.settled and auto.margin == (TRY_GAIN if trusted else MARGIN)
+    searched = merge == "auto" and (joint_gain is None or joint_gain >= TRY_GAIN)
+    trusted = searched or merge != "auto"
+    assert auto.settled and auto.margin == (TRY_GAIN if searched else MARGIN)
+    assert auto.cast_margin == (CAST_MARGIN if trusted else MARGIN)
     fp16 = [g for g in auto._groups.values() if g.choice is not None and g.choice.codec == "fp16"]
     assert fp16, auto.table()
     if trusted:
         assert all("none" not in g.times for g in fp16), auto.table()
         assert all(g.choice.reason == "measured" for g in fp16)
-        assert auto.buckets is not None and opt._buckets is None, auto.buckets  # the bucket check ran
+        if merge == "auto":
+            assert auto.buckets is not None and opt._buckets is None, auto.buckets  # the bucket check ran
     else:
         assert all(g.times.get("none") for g in fp16), auto.table()
 
@@ -1032,16 +1060,19 @@ def _charged_sides(monkeypatch: pytest.MonkeyPatch, chosen_cost: float) -> tuple
     return now, sides
 
 
-@pytest.mark.parametrize("chosen_cost, kept, pairs", [(4.0, False, 2), (1.0, False, 3), (0.9, True, 3),
-                                                       (0.1, True, 2)])
+@pytest.mark.parametrize("chosen_cost, kept, turns", [(4.0, False, "CCBB"), (1.0, False, "CCBBBC"),
+                                                       (0.9, True, "CCBBBC"), (0.6, True, "CCBB"), (0.4, True, "CC")])
 def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, chosen_cost: float, kept: bool, pairs: int) -> None:
-    """``merge="auto"``: once the choices settle, whole steps with them and with DDP's buckets uncompressed alternate
-    (DDP's first). After BUCKET_APART_STEPS pairs a gap of TRY_GAIN either way decides (4x slower, 10x quicker);
-    else after BUCKET_CHECK_STEPS pairs the choices stay only where their median step is quicker (0.9x; a tie goes
-    to DDP's buckets). DDP's buckets run from then on where they won, and the table says so. A fake clock charges
-    each launch of a chosen group ``chosen_cost`` / 4 (four layer-wise groups) and each of DDP's buckets 1 (one
-    bucket)."""
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, chosen_cost: float, kept: bool, turns: str) -> None:
+    """``merge="auto"``: once the choices settle, whole steps with them (C) and with DDP's buckets uncompressed (B)
+    are timed. The timed calibration step ran those buckets (1 on the clock), so the choices go first, for
+    BUCKET_APART_STEPS steps: each at least MARGIN times quicker than it (0.4), they stay and DDP's buckets are
+    never timed. Else the buckets' turns follow until the pairs are even: after BUCKET_APART_STEPS pairs a gap of
+    TRY_GAIN either way decides (4x slower; 0.6x, inside MARGIN of the calibration step, past TRY_GAIN of the
+    buckets' own steps); else after BUCKET_CHECK_STEPS pairs the choices stay only where their median step is
+    quicker (0.9x; a tie goes to DDP's buckets). DDP's
+    buckets run from then on where they won, and the table says so. A fake clock charges each launch of a chosen
+    group ``chosen_cost`` / 4 (four layer-wise groups) and each of DDP's buckets 1 (one bucket)."""
     from gradsync.compress.auto import JointChoice
     from gradsync.compress.merge_model import Partition
     from gradsync.train.optimizer import BUCKET_APART_STEPS, BUCKET_CHECK_STEPS
@@ -1074,14 +1105,16 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
     assert per_step[:2] == [{"buckets"}, {"buckets"}]  # the calibration steps: DDP's buckets, uncompressed
     check = auto.buckets
     assert check is not None and check["kept"] is kept, (check, per_step)
-    assert check["buckets_s"] == [1.0] * pairs
-    assert check["chosen_s"] == pytest.approx([chosen_cost] * pairs)
-    first = next(i for i in range(2, len(per_step)) if per_step[i] == {"buckets"})  # the check's first step
-    turns = per_step[first : first + 2 * pairs]
-    assert turns == [{"buckets"}, {"chosen"}] * pairs, per_step
-    done = first + 2 * pairs - 1  # the check's last step: choosing is over after it
-    assert all(choosing[:done]) and not any(choosing[done:]), (choosing, done)
-    assert all(s == ({"chosen"} if kept else {"buckets"}) for s in per_step[first + 2 * pairs:]), per_step
+    assert check["buckets_s"] == [1.0] * turns.count("B")
+    assert check["chosen_s"] == pytest.approx([chosen_cost] * turns.count("C"))
+    assert check.get("calibration_s") == (1.0 if "B" not in turns else None), check
+    side = {"C": {"chosen"}, "B": {"buckets"}}
+    done = choosing.index(False)  # the check's last step: choosing is over after it
+    first = done + 1 - len(turns)
+    assert not any(choosing[done:]) and first > 2, (choosing, turns)
+    assert per_step[2:first] == [{"chosen"}] * (first - 2), per_step  # settling: the choices' own groups
+    assert per_step[first : done + 1] == [side[t] for t in turns], per_step
+    assert all(s == ({"chosen"} if kept else {"buckets"}) for s in per_step[done + 1:]), per_step
     rows = auto.table()
     if kept:
         assert opt.partition == Partition.layerwise(4) and len(rows) == 4
@@ -1096,7 +1129,7 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
 def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, chosen_cost: float, kept: bool) -> None:
     """``merge="auto"``: the first job searches its partition, settles and checks it against DDP's buckets (fake clock
-    as above: the choices 4x slower or 10x quicker). The next job with the same parameters and wire takes the cached
+    as above: the choices 4x slower, or 10x quicker than the calibration step, which stands for them). The next job with the same parameters and wire takes the cached
     partition (no search) and the verdict: after its two calibration steps it runs DDP's buckets where they won, or
     the cached choices without a bucket check where those did, and stops choosing within two steps. A DDP hook's job
     on the same parameters neither reads nor overwrites that cache. Another parameter signature searches and checks
@@ -1134,7 +1167,8 @@ def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
 
     first, steps, _ = job()
     assert first.buckets is not None and first.buckets["kept"] is kept and "cached" not in first.buckets
-    assert searched == [4] and {"buckets"} in steps[2:] and {"chosen"} in steps[2:], steps
+    # (10x quicker than the calibration step, which ran DDP's buckets: those are not timed again)
+    assert searched == [4] and ({"buckets"} in steps[2:]) is not kept and {"chosen"} in steps[2:], steps
     again, steps, choosing = job()
     assert searched == [4], searched  # the cached partition: no search
     assert again.buckets is not None and again.buckets["kept"] is kept and again.buckets["cached"], again.buckets
@@ -1166,7 +1200,7 @@ def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
         late.bind("hook")
     other, steps, _ = job(wide=32)
     assert searched == [4, 4] and other.buckets is not None and "cached" not in other.buckets
-    assert {"buckets"} in steps[2:] and {"chosen"} in steps[2:], steps
+    assert ({"buckets"} in steps[2:]) is not kept and {"chosen"} in steps[2:], steps
 
 
 @pytest.mark.parametrize("allow, wire, checked", [("lossless", AlphaBeta(0.0, float("inf")), False),
