@@ -12,18 +12,18 @@ method trains from the same weights on the same batches in the same processes, a
 (``--allow``, default ``any``).
 
 Per configuration: each method's median step time (slowest rank per step, after ``--warmup`` steps by which ``auto``
-has settled), the test accuracy and loss after the same steps, and ``auto`` against the best fixed method its policy
-allows ("none" and DDP included) and against DDP, each as the median of the per-step paired ratios ``other / auto``
-(> 1: auto is faster) with a 95 % interval: a percentile bootstrap of that median (2,000 resamples, seeded) over the
-paired steps (``--steps``, and more while the configuration stays inside ``--budget-s`` at its pace, up to
-``--max-steps``: quick configurations, whose steps are the noisiest, get the most pairs); also against ``none``
-alone (the uncompressed exchange of the same path). Choosing's cost: the share of ``auto``'s first ``min(steps,
-50)`` steps beyond its settled pace (the mean of its timed steps), less the same excess of ``ddp`` (``none`` where
-DDP was not run): the one-time costs of starting a job that are not choosing (first allocations and collectives,
-DDP's bucket rebuild), paid by the run a user would make without ``auto``. The issue's goals are checked: the
-interval's lower bound >= 0.97 everywhere; >= 1.3x DDP where the wire is the bottleneck (DDP's median at least
-:data:`WIRE_BOUND` x the fastest method's); accuracy within 0.5 points of DDP's for ``allow="cast"`` (what ``"any"``
-costs is reported); choosing <= 2 %.
+has settled), the test accuracy and loss after the same ``--steps`` (and after the last), and ``auto`` against the
+best fixed method its policy allows ("none" and DDP included) and against DDP, each as the median of the per-step
+paired ratios ``other / auto`` (> 1: auto is faster) with a 95 % interval: a percentile bootstrap of that median
+(2,000 resamples, seeded) over the paired steps (``--steps``, and more while the configuration stays inside
+``--budget-s`` at its pace, up to ``--max-steps``: quick configurations, whose steps are the noisiest, get the most
+pairs); also against ``none`` alone (the uncompressed exchange of the same path). Choosing's cost: the share of
+``auto``'s first ``min(steps, 50)`` steps beyond its settled pace (the mean of its timed steps), less the same
+excess of ``ddp`` (``none`` where DDP was not run): the one-time costs of starting a job that are not choosing
+(first allocations and collectives, DDP's bucket rebuild), paid by the run a user would make without ``auto``. The
+issue's goals are checked: the interval's lower bound >= 0.97 everywhere; >= 1.3x DDP where the wire is the
+bottleneck (DDP's median at least :data:`WIRE_BOUND` x the fastest method's); accuracy within 0.5 points of DDP's
+for ``allow="cast"`` (what ``"any"`` costs is reported); choosing <= 2 %.
 
 Writes ``compression_sweep.json`` (rewritten after every cell, so a stopped sweep keeps what it measured) and
 ``compression_sweep.png`` (heat maps: auto / best fixed and auto / DDP per configuration) to ``--out``.
@@ -195,6 +195,8 @@ def summarize_config(config: dict[str, Any], allow: str) -> dict[str, Any]:
         "model": config["model"], "path": config["path"], "parameters": config["parameters"],
         "medians_s": {m: r["median_s"] for m, r in rows.items()},
         "accuracy": {m: r.get("accuracy") for m, r in rows.items()},
+        "accuracy_steps": config.get("accuracy_steps"),
+        "accuracy_final": {m: r.get("accuracy_final") for m, r in rows.items()},
         "test_loss": {m: r.get("test_loss") for m, r in rows.items()},
         "replicas_identical": all(r["replicas_identical"] for r in rows.values()),
         "best_fixed": best, "auto_vs_best": compare(auto["samples_s"], rows[best]["samples_s"]),

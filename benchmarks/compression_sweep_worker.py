@@ -16,9 +16,11 @@ rebuilds its buckets after step 0, so the hook's groups start a step late). ``au
 configuration chooses from scratch, and ``first_steps_s`` (its first steps' times, and every method's) shows what
 choosing cost.
 
-After the steps, rank 0 evaluates every replica on the test digits (accuracy, loss) and every replica's parameters
-are compared across ranks (bit-identical, by min/max allreduce; no pickle). Rank 0 writes JSON to ``--out`` and
-prints a progress line every few steps.
+After ``--steps`` steps, and again after the last, rank 0 evaluates every replica on the test digits (accuracy,
+loss: ``accuracy`` at ``--steps``, the same count in every configuration whatever its budget added, and
+``accuracy_final``; uncompressed replicas whose sums differ only in order drift apart over hundreds of steps,
+see docs/mergecomp.md). Every replica's parameters are compared across ranks (bit-identical, by min/max allreduce; no
+pickle). Rank 0 writes JSON to ``--out`` and prints a progress line every few steps.
 """
 
 from __future__ import annotations
@@ -235,6 +237,7 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
     first: dict[str, list[float]] = {m: [] for m in methods}
     losses: dict[str, list[float]] = {m: [] for m in methods}
     chose = dict.fromkeys(methods, 0)  # steps until each method stopped choosing (auto; 0: never chose)
+    at_steps: dict[str, tuple[float | None, float | None]] = dict.fromkeys(methods, (None, None))
     t0 = time.perf_counter()
     total, t_warm, step = args.steps, t0, 0
     while step < total:
@@ -254,6 +257,10 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
             if step >= args.warmup:
                 samples[m].append(dt)
         step += 1
+        if step == args.steps:  # the accuracy every configuration reports at the same count
+            if rank == 0:
+                at_steps = {m: _evaluate(rep.model, data.x_test, data.y_test) for m, rep in replicas.items()}
+            dist.barrier()  # the others wait here, not inside the next step's timed collectives
         if step == args.steps and args.budget_s > 0:
             now = time.perf_counter()
             total += _agreed_extra(now - t0, (now - t_warm) / (step - args.warmup), args)
@@ -263,9 +270,10 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
     for m, rep in replicas.items():
         acc, loss = _evaluate(rep.model, data.x_test, data.y_test) if rank == 0 else (None, None)
         rows[m] = {"median_s": statistics.median(samples[m]), "samples_s": samples[m], "first_steps_s": first[m],
-                   "losses": losses[m], "accuracy": acc, "test_loss": loss, "choosing_steps": chose[m],
+                   "losses": losses[m], "accuracy": at_steps[m][0], "test_loss": at_steps[m][1],
+                   "accuracy_final": acc, "test_loss_final": loss, "choosing_steps": chose[m],
                    "replicas_identical": _identical(rep.model), "stats": rep.stats()}
-    return {"model": model_name, "path": path, "steps": total, "parameters": sum(p.numel() for p in base.parameters()),
+    return {"model": model_name, "path": path, "steps": total, "accuracy_steps": args.steps, "parameters": sum(p.numel() for p in base.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "methods": rows,
             "run_s": time.perf_counter() - t0}
 

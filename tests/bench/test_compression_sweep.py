@@ -42,14 +42,15 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     (config,) = cell["configs"]
     assert (config["model"], config["path"]) == ("lenet5", "optimizer")
     steps, warmup = max_steps, bench.QUICK["warmup"]
-    assert config["steps"] == steps
+    assert config["steps"] == steps and config["accuracy_steps"] == bench.QUICK["steps"]
     rows = config["methods"]
     assert list(rows) == method_names() == ["ddp", "none", *FIXED, "auto"]
     for name, r in rows.items():
         assert len(r["samples_s"]) == steps - warmup and all(s > 0 for s in r["samples_s"]), name
         assert r["median_s"] == statistics.median(r["samples_s"]), name
         assert len(r["losses"]) == steps and len(r["first_steps_s"]) == steps, name
-        assert 0.0 <= r["accuracy"] <= 1.0 and r["test_loss"] > 0, name
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["test_loss"] > 0, name  # at --steps
+        assert 0.0 <= r["accuracy_final"] <= 1.0 and r["test_loss_final"] > 0, name  # after the budget's steps
         assert r["replicas_identical"] is True, name
     groups = sum(rows["auto"]["stats"]["codecs"].values())  # the partition chosen with the codec (merge="auto")
     assert rows["auto"]["stats"]["settled"] and 1 <= groups <= 10, rows["auto"]["stats"]  # of LeNet-5's 10 tensors
