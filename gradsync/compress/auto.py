@@ -44,6 +44,7 @@ from gradsync.registry import Registry
 
 __all__ = [
     "ACCURACY",
+    "CALIBRATION_GAIN",
     "CAST_MARGIN",
     "PROFILE_TYPE",
     "profile_ladder",
@@ -90,6 +91,11 @@ CAST_MARGIN = 1.6
 #: and a trial would cost timed steps to measure noise. LeNet-5 on switch:4 at 10 Gbit/s priced fp16 1.15x quicker
 #: on its one bucket; the trial and the whole-step check cost more than the cast could win.
 TRY_GAIN = 1.25
+#: The optimizer's bucket check keeps the choices without timing DDP's buckets where each of its first steps took at
+#: most ``1/CALIBRATION_GAIN`` of the timed calibration step, which ran those buckets uncompressed (on its own clock,
+#: the partition search after it left out). Above ``TRY_GAIN``, the check's own early end, by what a step alone
+#: before the codecs may read apart from the same buckets' steps in the check; under 2x, which fp16 at best reaches.
+CALIBRATION_GAIN = 1.5
 #: The whole-step check sends settled choices back to ``"none"`` only where their steps' median is this much slower
 #: than the steps that ran ``"none"`` (:func:`whole_steps_lose`): it has a few noisy steps a side against the groups'
 #: own timings, which already put the choices ahead. The MLP's DDP hook on the two-tier file at 1 Gbit/s went back

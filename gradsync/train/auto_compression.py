@@ -64,6 +64,7 @@ from torch import Tensor
 from gradsync.comm.runtime import Runtime, Work
 from gradsync.comm.tuning import EXPLORE_MAX_CALLS, cache_file, write_cache
 from gradsync.compress.auto import (
+    CALIBRATION_GAIN,
     CAST_MARGIN,
     CODECS,
     CPU_PROFILE_CAP,
@@ -244,7 +245,7 @@ class AutoCompression:
         self.probe_steps = probe_steps
         #: how far ahead of ``"none"`` the model must put a group's codec for it to be timed first and kept on its own
         #: measurement against ``"none"``'s predicted time, ``"none"`` never timed (:func:`wide_margin`,
-        #: :func:`trust_margin`). :data:`MARGIN` (a cast never qualifies) where nothing else would time the choices
+        #: :func:`trust_margin`). :data:`MARGIN` (a cast: :attr:`cast_margin`) where nothing else would time the choices
         #: against ``"none"``; the optimizer lowers it to :data:`TRY_GAIN` where its check against DDP's buckets
         #: sent uncompressed follows (whole steps that catch a trusted codec losing) and its partition search put the
         #: codec that far ahead for the whole step
@@ -564,9 +565,10 @@ class AutoCompression:
 
         Before any step of DDP's buckets (``buckets_s`` empty), ``calibration_s`` stands for them: the optimizer's
         timed calibration step, which ran those buckets uncompressed. The choices stay without timing the buckets
-        where each chosen step was more than :data:`~gradsync.compress.auto.MARGIN` times quicker than it (the
-        calibration step is warm but alone, so the bar is the model's trust margin, not a whole-step gap); else None:
-        time the buckets (on a slow wire each of their steps costs most of a step more)."""
+        where each chosen step took at most ``1 / CALIBRATION_GAIN`` of it
+        (:data:`~gradsync.compress.auto.CALIBRATION_GAIN`: a step alone, before the codecs, is held to more than the
+        check's own ``TRY_GAIN``); else None: time the buckets (on a slow wire each of their steps costs most of a
+        step more). :attr:`buckets` keeps ``calibration_s`` whenever it is given."""
         if not chosen_s or not (buckets_s or calibration_s is not None):
             raise CompressionError(f"the bucket check needs steps on both sides, got {list(chosen_s)} and "
                                    f"{list(buckets_s)} (calibration step: {calibration_s})")
@@ -574,7 +576,7 @@ class AutoCompression:
 
         def verdict() -> bytes:
             if not buckets_s:
-                return b"1" if steps_apart(chosen_s, [calibration_s], least=1, gain=MARGIN) else b""
+                return b"1" if steps_apart(chosen_s, [calibration_s], least=1, gain=CALIBRATION_GAIN) else b""
             if steps_apart(chosen_s, buckets_s, least=least):
                 return b"1"
             if steps_apart(buckets_s, chosen_s, least=least):
@@ -589,8 +591,8 @@ class AutoCompression:
         keep = got == b"1"
         self.buckets = {"kept": keep, "chosen_s": list(chosen_s), "buckets_s": list(buckets_s),
                         "bytes": [int(b) for b in buckets]}
-        if not buckets_s:
-            self.buckets["calibration_s"] = float(calibration_s)  # type: ignore[arg-type]
+        if calibration_s is not None:
+            self.buckets["calibration_s"] = float(calibration_s)
         self._write_cache()  # the next job with this partition starts with the verdict
         return keep
 

@@ -337,8 +337,9 @@ class DistributedOptimizer:
     def _next_bucket_turn(self) -> bool | None:
         """Whether this step runs DDP's buckets (True), the choices (False), or no check (None): once auto's choices
         have settled and passed its own checks, DDP's buckets first, then by turns, BUCKET_CHECK_STEPS each. Where
-        the calibration step was timed (it ran those buckets), the choices' BUCKET_APART_STEPS come first: more than
-        MARGIN times quicker than it, they stay without a step of the buckets (on a slow wire, the check's cost)."""
+        the calibration step was timed (it ran those buckets), the choices' BUCKET_APART_STEPS come first: each at
+        least CALIBRATION_GAIN times quicker than it, they stay without a step of the buckets (on a slow wire, the
+        check's cost)."""
         auto = self.compression
         if not (auto.settled and auto.verified):
             return None
@@ -368,7 +369,8 @@ class DistributedOptimizer:
         pairs = len(chosen)
         if pairs != len(buckets) or pairs < BUCKET_APART_STEPS:
             return
-        keep = self.compression.check_buckets(chosen, buckets, sizes, final=pairs >= BUCKET_CHECK_STEPS)
+        keep = self.compression.check_buckets(chosen, buckets, sizes, final=pairs >= BUCKET_CHECK_STEPS,
+                                              calibration_s=self._calibration_s)
         if keep is None:  # no clear gap yet: another pair
             return
         if not keep:
