@@ -578,7 +578,9 @@ def _compression_sweep(rel: str, title: str) -> list[str]:
     a = j["args"]
     out = [f"## `compression=\"auto\"` {title} (`gradsync bench compression-sweep`, root)", "",
            f"{j['created']}" + (f" (code {j['code']})" if j.get("code") else "") + f", `--rates {a['rates']} --fabrics {a['fabrics']} --models {a['models']} --paths "
-           f"{a['paths']} --methods {a['methods']}`, {a['steps']} steps ({a['warmup']} not timed), `allow={j['allow']}`"
+           f"{a['paths']} --methods {a['methods']}`, {a['steps']} steps ({a['warmup']} not timed)"
+           + (f", more up to {a['max_steps']} while a configuration stayed under {a['budget_s']:g} s (`--budget-s`)"
+              if a.get("budget_s") else "") + f", `allow={j['allow']}`"
            + ("" if j.get("complete") else " (stopped before the last cell)") + ". Every method trains from the same "
            "weights on the same batches in the same processes, alternating step by step. `auto / best` and `auto / "
            f"DDP`: {j['interval']}, with its 95 % interval.", "", *sources(rel)]
@@ -587,11 +589,14 @@ def _compression_sweep(rel: str, title: str) -> list[str]:
         best, ddp = r["auto_vs_best"], r.get("auto_vs_ddp") or {}
         ci = best["ci95"]
         rows.append([r["where"], f"{r['model']}/{r['path']}", r["best_fixed"], num(r["medians_s"].get("auto")),
-                     num(r["medians_s"].get(r["best_fixed"])), f"{num(best['median'])} [{num(ci[0])}, {num(ci[1])}]",
+                     num(r["medians_s"].get(r["best_fixed"])), num(best.get("pairs")),
+                     f"{num(best['median'])} [{num(ci[0])}, {num(ci[1])}]",
                      num(ddp.get("median")), num(r["wire_bound"]), num(r["accuracy_points_vs_ddp"], 2),
                      num(r["choose_share"], 2), ", ".join(f"{k} {v}" for k, v in sorted((r.get("auto_codecs") or {}).items()))])
-    out += table(["where", "model/path", "best fixed", "auto s", "best s", "auto / best", "auto / DDP", "wire-bound",
-                  "acc. points vs DDP", "choosing share", "auto ran"], rows)
+    steps = {r.get("accuracy_steps") for r in j["configs"]} - {None}
+    acc = f"acc. points vs DDP at {steps.pop()} steps" if len(steps) == 1 else "acc. points vs DDP"
+    out += table(["where", "model/path", "best fixed", "auto s", "best s", "pairs", "auto / best", "auto / DDP",
+                  "wire-bound", acc, "choosing share", "auto ran"], rows)
     refs = {r.get("choose_reference") for r in j["configs"]}
     out += ["", "`choosing share`: " + ("auto's first steps beyond its mean pace, less DDP's own start-up excess "
                                          "(the estimator since 26a1bee)." if "ddp" in refs else
