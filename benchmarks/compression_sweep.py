@@ -16,8 +16,8 @@ has settled), the test accuracy and loss after the same ``--steps`` (and after t
 best fixed method its policy allows ("none" and DDP included) and against DDP, each as the median of the per-step
 paired ratios ``other / auto`` (> 1: auto is faster) with a 95 % interval: a percentile bootstrap of that median
 (2,000 resamples, seeded) over the paired steps (``--steps``, and more while the configuration stays inside
-``--budget-s`` at its pace, up to ``--max-steps``: quick configurations, whose steps are the noisiest, get the most
-pairs); also against ``none`` alone (the uncompressed exchange of the same path). Choosing's cost: the share of
+``--budget-s`` at its pace, up to ``--max-steps``: quick configurations, whose steps spread the most for their
+length, get the most pairs); also against ``none`` alone (the uncompressed exchange of the same path). Choosing's cost: the share of
 ``auto``'s first ``min(steps, 50)`` steps beyond its settled pace (the mean of its timed steps), less the same
 excess of ``ddp`` (``none`` where DDP was not run): the one-time costs of starting a job that are not choosing
 (first allocations and collectives, DDP's bucket rebuild), paid by the run a user would make without ``auto``. The

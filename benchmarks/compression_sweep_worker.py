@@ -257,13 +257,13 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
             if step >= args.warmup:
                 samples[m].append(dt)
         step += 1
-        if step == args.steps:  # the accuracy every configuration reports at the same count
-            if rank == 0:
+        if step == args.steps:
+            now = time.perf_counter()  # before the evaluation: the pace is the steps' own
+            if rank == 0:  # the accuracy every configuration reports at the same count
                 at_steps = {m: _evaluate(rep.model, data.x_test, data.y_test) for m, rep in replicas.items()}
             dist.barrier()  # the others wait here, not inside the next step's timed collectives
-        if step == args.steps and args.budget_s > 0:
-            now = time.perf_counter()
-            total += _agreed_extra(now - t0, (now - t_warm) / (step - args.warmup), args)
+            if args.budget_s > 0:
+                total += _agreed_extra(now - t0, (now - t_warm) / (step - args.warmup), args)
         if step % 5 == 0 or step == total:
             progress(f"step {step}/{total} ({time.perf_counter() - t0:.0f} s)")
     rows = {}
@@ -273,7 +273,8 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
                    "losses": losses[m], "accuracy": at_steps[m][0], "test_loss": at_steps[m][1],
                    "accuracy_final": acc, "test_loss_final": loss, "choosing_steps": chose[m],
                    "replicas_identical": _identical(rep.model), "stats": rep.stats()}
-    return {"model": model_name, "path": path, "steps": total, "accuracy_steps": args.steps, "parameters": sum(p.numel() for p in base.parameters()),
+    return {"model": model_name, "path": path, "steps": total, "accuracy_steps": args.steps,
+            "parameters": sum(p.numel() for p in base.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "methods": rows,
             "run_s": time.perf_counter() - t0}
 

@@ -540,8 +540,8 @@ def wide_margin(choice: AutoChoice, margin: float = MARGIN) -> bool:
     """Whether ``choice`` is predicted more than ``margin`` times quicker than ``"none"``: then the model alone
     decides the trial, and ``"none"`` is timed only if the codec's measurement breaks the margin
     (:func:`trust_margin`). On a slow wire timing ``"none"`` is the most expensive part of choosing (an MLP at
-    300 Mbit/s: 1.1 s a step against 0.15 s compressed); a cast clears :data:`MARGIN` never (at best half the
-    bytes), the margin :func:`margin_for` gives it where the wire is the cost."""
+    300 Mbit/s: 1.1 s a step against 0.15 s compressed). A cast never clears :data:`MARGIN` (at best half the
+    bytes): :func:`margin_for` gives it a margin of its own."""
     return choice.codec != "none" and choice.none_s > margin * choice.predicted_s
 
 
