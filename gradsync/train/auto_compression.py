@@ -773,7 +773,7 @@ class AutoCompression:
         trials = [t for t in group.trials if t != PLANNED]
         if not trials:
             first = self._agree_choice(group, "first")
-            if wide_margin(first, margin_for(first.codec, self.margin, self.cast_margin)):
+            if wide_margin(first, self._margin_for(first.codec)):
                 self._trial(group, first.codec, first)
             else:
                 self._trial(group, "none")
@@ -894,8 +894,11 @@ class AutoCompression:
         """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
         choice = group.priced()
         return self._agree(group, "margin", lambda: trust_margin(choice, group.mean_s(choice.codec),
-                                                                 margin_for(choice.codec, self.margin,
-                                                                            self.cast_margin)))
+                                                                 self._margin_for(choice.codec)))
+
+    def _margin_for(self, codec: str) -> float:
+        """The margin ``codec`` is trusted on here: :attr:`margin`, or :attr:`cast_margin` for a cast where lower."""
+        return margin_for(codec, self.margin, self.cast_margin)
 
     def _agree_review(self, group: _Group) -> AutoChoice:
         """Keep the choice or drop it for "none", decided for the job. A codec whose exchange ran on gradsync's
