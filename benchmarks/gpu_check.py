@@ -9,10 +9,13 @@ Three parts, each case in its own try so one failure never hides the rest:
 * ``engines``: in fresh processes, every compressor (and ``"auto"`` under each ``allow`` policy) through
   ``DistributedOptimizer`` and through the DDP ``compression_hook`` for a few steps of a small CNN, on NCCL with one rank and on gloo with CUDA tensors with
   two ranks sharing the GPU; and ``gradsync.allreduce`` of a CUDA tensor with every synthesizer on gloo
-  (exact sums). A case passes when it runs, its result is finite, and (allreduce) exact;
+  (exact sums). A case passes when it runs, its result is finite, the replicas are the same bits on every rank,
+  and (allreduce) exact;
 * ``hooks``: DDP step time on NCCL with one rank, methods interleaved: plain DDP, torch's
   ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1) against gradsync's fp16 and powersgd hooks, and
-  ``compression="auto"``'s hook against plain DDP (one rank: nothing to gain on the wire, so auto's own cost shows).
+  ``compression="auto"``'s hook against plain DDP (one rank: nothing to gain on the wire, so auto's own cost shows),
+  and ``DistributedOptimizer`` without a codec and with ``"auto"`` beside them (``paired_median_settled``: only the
+  steps after both autos stopped choosing).
   ``GRADSYNC_GPU_PROFILE=1`` profiles the four fp16/powersgd hooks; a comma-separated list of method names, those.
 
 Without a GPU it runs the same cases on the CPU with gloo (a dry run: NCCL cases are skipped and say so), which
@@ -284,7 +287,19 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             step()
-        return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        if not finite:
+            return False
+        # the replicas started alike (_cnn's seed): every rank's parameters must still be the same bits, which a
+        # device kernel that sums in a rank-dependent or racy order (atomics in a scatter) would break
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        low, high = flat.clone(), flat.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            raise RuntimeError(f"replicas differ across ranks after {len(batches)} steps: "
+                               f"max gap {float((high - low).abs().max()):.3g}")
+        return True
 
     # auto: compression chosen per group (issue 40), under each accuracy policy ("auto" alone: allow="cast")
     for name in [*COMPRESSORS.names(), "auto", "auto:lossless", "auto:any"]:
@@ -534,10 +549,21 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
             states[name] = gradsync.CompressionHookState("auto", model=base)
             model.register_comm_hook(states[name], gradsync.compression_hook)
         methods[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+    # DistributedOptimizer on the plain model (no DDP): its own exchange with no codec, and auto's choice
+    for name, compression in (("optimizer_none", None), ("optimizer_auto", "auto")):
+        base = net()
+        opt = gradsync.DistributedOptimizer(torch.optim.SGD(base.parameters(), lr=0.01), base.named_parameters(),
+                                            compression=compression)
+        methods[name] = (base, opt)
+        if compression == "auto":
+            states[name] = opt
     x, y = torch.randn(64, 3, 32, 32, device=device), torch.randint(0, 10, (64,), device=device)
     times: dict[str, list[float]] = {m: [] for m in methods}
+    settled: list[bool] = []  # per timed step: whether both autos had stopped choosing before it
     for step in range(steps + 5):
         order = list(methods) if step % 2 == 0 else list(reversed(methods))
+        if step >= 5:
+            settled.append(not any(st.choosing for st in states.values()))
         for name in order:
             model, opt = methods[name]
             torch.cuda.synchronize()
@@ -562,15 +588,21 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
             print(f"---- profile {name}", flush=True)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50),
                   flush=True)
-    auto = states["gradsync_auto"].auto  # what it chose, and how many buckets ran as the backend's own allreduce
-    print(f"  auto: {auto.native_launches} native launches, step check {auto.step_check}\n{auto.report()}", flush=True)
+    for name in ("gradsync_auto", "optimizer_auto"):  # what each chose; the hook's launches on the backend's allreduce
+        auto = states[name].auto if name == "gradsync_auto" else states[name].compression
+        print(f"  {name}: {auto.native_launches} native launches, step check {auto.step_check}\n{auto.report()}",
+              flush=True)
     med = {m: statistics.median(t) for m, t in times.items()}
-    rows = [{"method": m, "median_s": s} for m, s in med.items()]
+    rows: list[dict[str, Any]] = [{"method": m, "median_s": s} for m, s in med.items()]
+    rows.append({"settled_steps": sum(settled), "timed_steps": len(settled)})
     for ours, theirs in (("gradsync_fp16", "torch_fp16"), ("gradsync_powersgd", "torch_powersgd"),
-                         ("gradsync_auto", "ddp")):
+                         ("gradsync_auto", "ddp"), ("optimizer_none", "ddp"), ("optimizer_auto", "ddp"),
+                         ("optimizer_auto", "optimizer_none")):
         paired = [a / b for a, b in zip(times[ours], times[theirs])]  # the same step, the two in turn
-        rows.append({"ratio": f"{ours}/{theirs}", "value": med[ours] / med[theirs],
-                     "paired_median": statistics.median(paired)})
+        row = {"ratio": f"{ours}/{theirs}", "value": med[ours] / med[theirs], "paired_median": statistics.median(paired)}
+        if "auto" in ours and any(settled):  # what a settled auto costs, its choosing left out
+            row["paired_median_settled"] = statistics.median(r for r, ok in zip(paired, settled) if ok)
+        rows.append(row)
     gradsync.shutdown()
     dist.destroy_process_group()
     Path(out).write_text(json.dumps(rows))
