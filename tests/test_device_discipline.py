@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,3 +123,56 @@ def test_init_with_nccl_and_no_gpu_says_so_in_one_line(monkeypatch):
     with pytest.raises(GradsyncError, match=r"^backend='nccl' needs CUDA GPUs and NCCL, but .*; use backend='gloo'") as got:
         gradsync.init(backend="nccl")
     assert "\n" not in str(got.value)
+
+
+def test_the_default_backend_is_nccl_only_where_each_process_has_a_gpu_of_its_own():
+    from gradsync.comm.runtime import default_backend
+
+    assert default_backend(gpus=8, local_ranks=8) == "nccl"
+    assert default_backend(gpus=8, local_ranks=2) == "nccl"
+    assert default_backend(gpus=1, local_ranks=3) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert default_backend(gpus=0, local_ranks=1) == "gloo"
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, gpus: int, local_rank: int, local_ranks: int) -> list[Any]:
+    """torchrun's variables for a host with ``gpus`` GPUs, and a record of what init_process_group was asked."""
+    import torch.distributed as dist
+
+    from gradsync.comm import lifetime
+
+    for var, value in (("RANK", str(local_rank)), ("WORLD_SIZE", str(local_ranks)), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29999"), ("LOCAL_RANK", str(local_rank)),
+                       ("LOCAL_WORLD_SIZE", str(local_ranks))):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    asked: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: asked.append(("device", d)))
+    monkeypatch.setattr(lifetime, "init_process_group", lambda backend, timeout_s: asked.append(backend))
+    return asked
+
+
+def test_more_processes_than_gpus_start_gloo_with_a_warning_not_a_cuda_error(monkeypatch):
+    """Three ranks on a one-GPU host (the test suite's own jobs, on a GPU machine): set_device(2) used to fail with
+    CUDA's 'invalid device ordinal'."""
+    from gradsync.comm.runtime import _init_process_group
+
+    asked = _fake_gpus(monkeypatch, gpus=1, local_rank=2, local_ranks=3)
+    with pytest.warns(RuntimeWarning, match="3 processes on this host share 1 GPU"):
+        _init_process_group(None, 5.0)
+    assert asked == ["gloo"]
+    asked = _fake_gpus(monkeypatch, gpus=4, local_rank=2, local_ranks=3)
+    _init_process_group(None, 5.0)
+    assert asked == [("device", 2), "nccl"]
+
+
+def test_nccl_named_with_a_rank_past_the_last_gpu_names_the_fix(monkeypatch):
+    from gradsync.comm.runtime import _init_process_group
+    from gradsync.errors import GradsyncError
+
+    asked = _fake_gpus(monkeypatch, gpus=1, local_rank=2, local_ranks=3)
+    with pytest.raises(GradsyncError, match=r"LOCAL_RANK=2 on GPU 2, but this host shows 1 GPU\(s\); start at most 1 "
+                                            r"process\(es\) per host \(torchrun --nproc-per-node 1\), or use backend='gloo'"):
+        _init_process_group("nccl", 5.0)
+    assert asked == []

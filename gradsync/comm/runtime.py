@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ from gradsync.topology.model import Topology
 
 __all__ = [
     "Runtime",
+    "default_backend",
     "Work",
     "init",
     "allreduce",
@@ -690,14 +692,33 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
             f"environment variables {missing} are not set; launch with torchrun (or `gradsync run`), "
             f"or call torch.distributed.init_process_group() yourself and pass group=..."
         )
+    cuda = torch.cuda.is_available() and dist.is_nccl_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        backend = default_backend(gpus, local_ranks)
+        if backend == "gloo" and gpus:
+            warnings.warn(f"gradsync: {local_ranks} processes on this host share {gpus} GPU(s), and NCCL needs a GPU "
+                          "of its own for each, so torch.distributed runs on gloo; start one process per GPU for NCCL",
+                          RuntimeWarning, stacklevel=3)
+    if backend == "nccl" and not cuda:
         why = "no CUDA device is visible" if torch.backends.cuda.is_built() else "this torch is built without CUDA"
         raise GradsyncError(f"backend='nccl' needs CUDA GPUs and NCCL, but {why}; use backend='gloo' on CPUs")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= gpus:
+            raise GradsyncError(f"backend='nccl' puts LOCAL_RANK={local_rank} on GPU {local_rank}, but this host shows "
+                                f"{gpus} GPU(s); start at most {gpus} process(es) per host (torchrun --nproc-per-node "
+                                f"{gpus}), or use backend='gloo'")
+        torch.cuda.set_device(local_rank)
     lifetime.init_process_group(backend, timeout_s)  # ours, so destroyed cleanly at exit
+
+
+def default_backend(gpus: int, local_ranks: int) -> str:
+    """The backend ``gradsync.init`` starts when none is named: NCCL where every process on this host has a GPU of
+    its own (NCCL refuses two ranks on one GPU), else gloo. Every rank of a job sees the same host shape, so every
+    rank picks the same."""
+    return "nccl" if 0 < local_ranks <= gpus else "gloo"
 
 
 def init(
@@ -719,7 +740,8 @@ def init(
     """Start gradsync in this process and return the runtime (also kept as the default).
 
     ``transport="torch"`` initialises ``torch.distributed`` from the torchrun variables (RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) unless it already is, and uses ``group`` (default: the world).
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) unless it already is, and uses ``group`` (default: the world); ``backend``
+    defaults to NCCL where each process on the host has a GPU of its own, else gloo (:func:`default_backend`).
     ``transport="mpi"`` uses ``mpi4py``'s COMM_WORLD. ``topology`` defaults to ``$GRADSYNC_TOPOLOGY`` or
     ``switch:<world_size>``; ``mapping`` places topology ranks on process ranks (default: in order).
     ``cost_model`` (a :class:`~gradsync.sim.cost.CostModel`, a JSON file, or ``$GRADSYNC_COST_MODEL``)
