@@ -153,6 +153,7 @@ def _auto_stats(comp: Any) -> dict[str, Any]:
     rows = comp.table()
     return {"settled": comp.settled, "choices": rows, "native_launches": comp.native_launches,
             "step_check": comp.step_check, "buckets": comp.buckets, "trials": comp.trials,
+            "trial_times": comp.trial_times,
             "joint": None if comp.joint is None else comp.joint.to_dict(),
             "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})}}
 

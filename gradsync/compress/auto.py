@@ -28,6 +28,7 @@ Policies (``allow=``) say what accuracy a user gives up, as data (:data:`POLICIE
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -67,6 +68,7 @@ __all__ = [
     "review",
     "MARGIN",
     "TRY_GAIN",
+    "lower_median",
     "STEP_TOLERANCE",
     "whole_steps_lose",
     "steps_apart",
@@ -505,6 +507,15 @@ def review(choice: AutoChoice, measured_s: float, measured_none_s: float, gain: 
         return AutoChoice(choice.group, choice.nbytes, "none", choice.nbytes, choice.none_s, choice.none_s, "dropped")
     return AutoChoice(choice.group, choice.nbytes, choice.codec, choice.payload_bytes, choice.predicted_s,
                       choice.none_s, "measured")
+
+
+def lower_median(samples_s: Sequence[float]) -> float:
+    """The lower median of timings (the smaller middle one of an even count; the smaller of two): a time another
+    process's interruption only lengthens is read from its quicker half, so one late launch of two cannot flip a
+    comparison that the quicker launch of each side would settle."""
+    if not len(samples_s):
+        raise CompressionError("lower_median needs at least one timing")
+    return float(statistics.median_low(samples_s))
 
 
 def whole_steps_lose(settled_s: Sequence[float], baseline_s: Sequence[float],

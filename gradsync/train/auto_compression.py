@@ -82,6 +82,7 @@ from gradsync.compress.auto import (
     choose,
     choose_joint,
     ladder_covers,
+    lower_median,
     margin_for,
     profile_codecs,
     profile_ladder,
@@ -192,10 +193,10 @@ class _Group:
         """The group as the model prices it now: with the least slack its steps measured."""
         return GroupSpec(self.spec.name, self.spec.shapes, self.spec.dtype, self.slack_s or 0.0)
 
-    def mean_s(self, codec: str) -> float:
-        """The mean of ``codec``'s timed launches on this group; of those timed while the runtime settled their
-        exchange only where no other was (inf: none timed)."""
-        return float(np.mean(self.times.get(codec) or self.unsettled.get(codec) or [math.inf]))
+    def time_s(self, codec: str) -> float:
+        """``codec``'s time on this group: the lower median of its timed launches (:func:`lower_median`); of those
+        timed while the runtime settled their exchange only where no other was (inf: none timed)."""
+        return lower_median(self.times.get(codec) or self.unsettled.get(codec) or [math.inf])
 
     def trial_over(self, probe_steps: int) -> bool:
         """Whether the trial in progress has ``probe_steps`` settled timings, or no launch left to wait for them."""
@@ -383,6 +384,11 @@ class AutoCompression:
     def trials(self) -> dict[str, list[str]]:
         """The codecs each group timed, in order (:data:`PLANNED`: its "none" on the runtime's planned exchange)."""
         return {k: list(g.trials) for k, g in self._groups.items()}
+
+    @property
+    def trial_times(self) -> dict[str, dict[str, list[float]]]:
+        """Each group's timed launches per codec it tried, in seconds (what its choice was made on)."""
+        return {k: {c: list(t) for c, t in g.times.items()} for k, g in self._groups.items()}
 
     @property
     def runs_backend_none(self) -> bool:
@@ -860,7 +866,7 @@ class AutoCompression:
         measured a few percent quicker on its own and its steps ran 0.80-0.86x DDP's (docs/mergecomp.md)."""
         def quicker() -> bool:
             self._wait_records(group.spec.name)
-            return quicker_by(group.mean_s(PLANNED), group.mean_s("none"), TRY_GAIN)
+            return quicker_by(group.time_s(PLANNED), group.time_s("none"), TRY_GAIN)
 
         group.planned = self._decide_flag(f"planned/{group.spec.name}", quicker)
         if group.planned:
@@ -881,19 +887,19 @@ class AutoCompression:
         """The codec timed next after a choice that measured far above its prediction (:func:`rival`), or None."""
         choice = group.priced()
         return self._agree(group, f"rival{len(group.candidates)}", lambda: rival(
-            group.now(), choice, group.mean_s(choice.codec), tried=list(group.candidates), policy=self.allow,
+            group.now(), choice, group.time_s(choice.codec), tried=list(group.candidates), policy=self.allow,
             wire=self.wire, codec_cost=self.codec_cost, world=self.runtime.world_size,
-            beat_s=min(group.mean_s(c) for c in group.candidates)))
+            beat_s=min(group.time_s(c) for c in group.candidates)))
 
     def _agree_quickest(self, group: _Group) -> AutoChoice:
         """Of the codecs tried, the one that measured quickest (ties to the earlier), decided for the job."""
         return self._agreed(group, "quickest", lambda: min(
-            enumerate(group.candidates.values()), key=lambda ic: (group.mean_s(ic[1].codec), ic[0]))[1])
+            enumerate(group.candidates.values()), key=lambda ic: (group.time_s(ic[1].codec), ic[0]))[1])
 
     def _agree_margin(self, group: _Group) -> AutoChoice | None:
         """Whether a wide-margin choice measured inside its margin (:func:`trust_margin`), decided for the job."""
         choice = group.priced()
-        return self._agree(group, "margin", lambda: trust_margin(choice, group.mean_s(choice.codec),
+        return self._agree(group, "margin", lambda: trust_margin(choice, group.time_s(choice.codec),
                                                                  self._margin_for(choice.codec)))
 
     def _margin_for(self, codec: str) -> float:
@@ -908,7 +914,7 @@ class AutoCompression:
         smaller lead cost LeNet-5's steps: docs/mergecomp.md)."""
         choice = group.priced()
         gain = TRY_GAIN if choice.codec in group.threaded and group.native and not group.planned else 1.0
-        return self._agreed(group, "review", lambda: review(choice, group.mean_s(choice.codec), group.mean_s("none"),
+        return self._agreed(group, "review", lambda: review(choice, group.time_s(choice.codec), group.time_s("none"),
                                                             gain))
 
     def _agreed(self, group: _Group, stage: str, pick: Callable[[], AutoChoice]) -> AutoChoice:
@@ -1084,7 +1090,7 @@ class AutoCompression:
             g = self._groups[key]
             c = g.choice
             codec = c.codec if c is not None else "none"
-            measured = g.mean_s(codec)
+            measured = g.time_s(codec)
             rows.append({"group": key, "bytes": g.spec.nbytes if c is None else c.nbytes, "codec": codec,
                          "planned": codec == "none" and g.planned, "slack_s": g.slack_s,
                          "predicted_s": None if c is None else c.predicted_s,

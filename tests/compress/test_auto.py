@@ -361,3 +361,14 @@ def test_a_rival_is_timed_only_when_the_pick_measured_far_above_its_prediction()
     assert third is not None and third.codec not in (pick.codec, second.codec)
     assert rival(spec, second, 100 * second.predicted_s, tried=[pick.codec, second.codec], beat_s=third.predicted_s,
                  **kw) is None
+
+
+def test_lower_median_reads_the_quicker_half():
+    from gradsync.compress.auto import lower_median
+
+    assert lower_median([0.002, 0.0005]) == 0.0005  # of two, the quicker: one late launch cannot flip a comparison
+    assert lower_median([3.0, 1.0, 2.0]) == 2.0
+    assert lower_median([4.0, 1.0, 3.0, 2.0]) == 2.0
+    assert lower_median([float("inf")]) == float("inf")
+    with pytest.raises(CompressionError, match="at least one timing"):
+        lower_median([])
