@@ -176,3 +176,13 @@ def test_nccl_named_with_a_rank_past_the_last_gpu_names_the_fix(monkeypatch):
                                             r"process\(es\) per host \(torchrun --nproc-per-node 1\), or use backend='gloo'"):
         _init_process_group("nccl", 5.0)
     assert asked == []
+
+
+def test_a_launcher_count_that_is_not_an_integer_is_named(monkeypatch):
+    from gradsync.comm.runtime import _init_process_group
+    from gradsync.errors import GradsyncError
+
+    _fake_gpus(monkeypatch, gpus=1, local_rank=0, local_ranks=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(GradsyncError, match=r"^LOCAL_WORLD_SIZE='two' must be an integer"):
+        _init_process_group(None, 5.0)

@@ -694,7 +694,7 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
         )
     cuda = torch.cuda.is_available() and dist.is_nccl_available()
     gpus = torch.cuda.device_count() if cuda else 0
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    local_ranks = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
     if backend is None:
         backend = default_backend(gpus, local_ranks)
         if backend == "gloo" and gpus:
@@ -705,7 +705,7 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
         why = "no CUDA device is visible" if torch.backends.cuda.is_built() else "this torch is built without CUDA"
         raise GradsyncError(f"backend='nccl' needs CUDA GPUs and NCCL, but {why}; use backend='gloo' on CPUs")
     if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = _env_int("LOCAL_RANK", 0)
         if local_rank >= gpus:
             raise GradsyncError(f"backend='nccl' puts LOCAL_RANK={local_rank} on GPU {local_rank}, but this host shows "
                                 f"{gpus} GPU(s); start at most {gpus} process(es) per host (torchrun --nproc-per-node "
@@ -714,10 +714,22 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
     lifetime.init_process_group(backend, timeout_s)  # ours, so destroyed cleanly at exit
 
 
+def _env_int(name: str, default: int) -> int:
+    """A launcher's count from the environment (``default`` where unset); a value that is not one says which."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise GradsyncError(f"{name}={raw!r} must be an integer (torchrun and `gradsync run` set it); "
+                            f"unset it or give the count") from None
+
+
 def default_backend(gpus: int, local_ranks: int) -> str:
     """The backend ``gradsync.init`` starts when none is named: NCCL where every process on this host has a GPU of
-    its own (NCCL refuses two ranks on one GPU), else gloo. Every rank of a job sees the same host shape, so every
-    rank picks the same."""
+    its own (NCCL refuses two ranks on one GPU), else gloo. Hosts alike in GPUs and processes per host (what
+    torchrun starts) give every rank the same answer."""
     return "nccl" if 0 < local_ranks <= gpus else "gloo"
 
 
