@@ -28,7 +28,6 @@ Policies (``allow=``) say what accuracy a user gives up, as data (:data:`POLICIE
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -68,7 +67,9 @@ __all__ = [
     "review",
     "MARGIN",
     "TRY_GAIN",
-    "lower_median",
+    "LAUNCH_SPREAD",
+    "QUICK_LAUNCH_S",
+    "wants_another",
     "STEP_TOLERANCE",
     "whole_steps_lose",
     "steps_apart",
@@ -103,6 +104,10 @@ CALIBRATION_GAIN = 1.5
 #: own timings, which already put the choices ahead. The MLP's DDP hook on the two-tier file at 1 Gbit/s went back
 #: to ``"none"`` on 0.380 s against 0.377 s, and ran 0.77x the fixed fp16 hook.
 STEP_TOLERANCE = 0.05
+#: A trial's launches quicker than this (seconds) get a third where their two disagree (:func:`wants_another`)...
+QUICK_LAUNCH_S = 0.05
+#: ...by more than this factor.
+LAUNCH_SPREAD = 1.5
 #: The ``type`` of a cached :class:`CodecProfile`.
 PROFILE_TYPE = "gradsync.codec_profile"
 
@@ -509,13 +514,16 @@ def review(choice: AutoChoice, measured_s: float, measured_none_s: float, gain: 
                       choice.none_s, "measured")
 
 
-def lower_median(samples_s: Sequence[float]) -> float:
-    """The lower median of timings (the smaller middle one of an even count; the smaller of two): a time another
-    process's interruption only lengthens is read from its quicker half, so one late launch of two cannot flip a
-    comparison that the quicker launch of each side would settle."""
-    if not len(samples_s):
-        raise CompressionError("lower_median needs at least one timing")
-    return float(statistics.median_low(samples_s))
+def wants_another(times_s: Sequence[float], probe_steps: int) -> bool:
+    """Whether a trial's ``probe_steps`` timed launches should get one more before they are read: only where each is
+    quick (under :data:`QUICK_LAUNCH_S`, so the launch costs the job little) and they disagree by more than
+    :data:`LAUNCH_SPREAD` times. Two samples that far apart leave their mean to whichever is off, and the off one can
+    be slow (another process on the cores) or quick (a shaper's token bucket sending a burst at line rate): the median
+    of three is off only where two are."""
+    if len(times_s) != probe_steps or not times_s:
+        return False
+    low, high = min(times_s), max(times_s)
+    return high < QUICK_LAUNCH_S and high > LAUNCH_SPREAD * low
 
 
 def whole_steps_lose(settled_s: Sequence[float], baseline_s: Sequence[float],

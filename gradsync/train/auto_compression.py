@@ -82,7 +82,6 @@ from gradsync.compress.auto import (
     choose,
     choose_joint,
     ladder_covers,
-    lower_median,
     margin_for,
     profile_codecs,
     profile_ladder,
@@ -91,6 +90,7 @@ from gradsync.compress.auto import (
     rival,
     steps_apart,
     trust_margin,
+    wants_another,
     whole_steps_lose,
     wide_margin,
 )
@@ -194,13 +194,17 @@ class _Group:
         return GroupSpec(self.spec.name, self.spec.shapes, self.spec.dtype, self.slack_s or 0.0)
 
     def time_s(self, codec: str) -> float:
-        """``codec``'s time on this group: the lower median of its timed launches (:func:`lower_median`); of those
-        timed while the runtime settled their exchange only where no other was (inf: none timed)."""
-        return lower_median(self.times.get(codec) or self.unsettled.get(codec) or [math.inf])
+        """``codec``'s time on this group: the median of its timed launches; of those timed while the runtime settled
+        their exchange only where no other was (inf: none timed)."""
+        return float(np.median(self.times.get(codec) or self.unsettled.get(codec) or [math.inf]))
 
     def trial_over(self, probe_steps: int) -> bool:
-        """Whether the trial in progress has ``probe_steps`` settled timings, or no launch left to wait for them."""
-        return self.left == 0 or len(self.times.get(self.trials[-1], ())) >= probe_steps
+        """Whether the trial in progress has ``probe_steps`` settled timings (one more where they are quick and
+        disagree: :func:`~gradsync.compress.auto.wants_another`), or no launch left to wait for them."""
+        if self.left == 0:
+            return True
+        times = self.times.get(self.trials[-1], [])
+        return len(times) >= probe_steps and not wants_another(times, probe_steps)
 
     def priced(self) -> AutoChoice:
         """The choice a check is about; one before any was made is a bug in the caller."""

@@ -363,12 +363,13 @@ def test_a_rival_is_timed_only_when_the_pick_measured_far_above_its_prediction()
                  **kw) is None
 
 
-def test_lower_median_reads_the_quicker_half():
-    from gradsync.compress.auto import lower_median
+def test_a_quick_trial_whose_two_launches_disagree_takes_a_third():
+    from gradsync.compress.auto import LAUNCH_SPREAD, QUICK_LAUNCH_S, wants_another
 
-    assert lower_median([0.002, 0.0005]) == 0.0005  # of two, the quicker: one late launch cannot flip a comparison
-    assert lower_median([3.0, 1.0, 2.0]) == 2.0
-    assert lower_median([4.0, 1.0, 3.0, 2.0]) == 2.0
-    assert lower_median([float("inf")]) == float("inf")
-    with pytest.raises(CompressionError, match="at least one timing"):
-        lower_median([])
+    assert wants_another([0.0165, 0.0057], 2)  # LeNet-5's bucket, planned, on the two-tier file at 300 Mbit/s
+    assert not wants_another([0.0067, 0.0076], 2)  # they agree
+    assert not wants_another([0.14, 0.09], 2) and not wants_another([0.9, 0.3], 2)  # one launch costs too much
+    assert not wants_another([0.0165, 0.0057, 0.006], 2)  # the third came: read them
+    assert not wants_another([0.01], 2) and not wants_another([], 0)
+    edge = QUICK_LAUNCH_S * 0.99
+    assert wants_another([edge, edge / LAUNCH_SPREAD * 0.99], 2) and not wants_another([edge, edge / LAUNCH_SPREAD], 2)
