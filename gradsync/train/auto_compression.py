@@ -563,6 +563,14 @@ class AutoCompression:
         return self._native(flat, info.name, verdict, scaled=scaled) or self.base.step_async(
             [flat], [info], reuse=True, verdict=verdict)
 
+    def calibration_stands(self, settled: int) -> bool:
+        """Whether the optimizer's timed calibration step may stand for DDP's buckets in :meth:`check_buckets`: only
+        where the runtime settled nothing during it (``settled``: how much :attr:`Runtime.settling
+        <gradsync.comm.runtime.Runtime.settling>` grew; rank 0's count decides for every rank). A step in which the
+        buckets' sizes were priced or their pipeline depths explored ran slower than the buckets will, and chosen
+        steps held against it would be flattered (docs/mergecomp.md)."""
+        return self._decide_flag("calibration-stands", lambda: settled == 0)
+
     def check_buckets(self, chosen_s: Sequence[float], buckets_s: Sequence[float], buckets: Sequence[int], *,
                       final: bool = True, calibration_s: float | None = None) -> bool | None:
         """The optimizer's last check, once the choices are settled (``merge="auto"``): whole steps with the chosen

@@ -286,8 +286,10 @@ class DistributedOptimizer:
         self._bucket_turn: bool | None = None  # this step runs DDP's buckets (None: no check this step)
         self._step_t0 = 0.0
         #: compression="auto": the timed calibration step's whole time on auto's clock (DDP's buckets uncompressed, the
-        #: bucket check's other side), which may spare that check timing the buckets (:meth:`_next_bucket_turn`)
+        #: bucket check's other side), which may spare that check timing the buckets (:meth:`_next_bucket_turn`); None
+        #: where the runtime settled something in it (:meth:`AutoCompression.calibration_stands`)
         self._calibration_s: float | None = None
+        self._settling_t0 = 0  # the runtime's settling count when the calibration step began
         self._build_groups(self.partition if self.partition is not None else self._calibration)
 
     def _build_groups(self, partition: Partition) -> None:
@@ -321,6 +323,7 @@ class DistributedOptimizer:
         # model adds compression to the ready times itself, so counting it here would count it twice).
         if not self._arrivals and _is_auto(self.compression):  # the step's first gradient: its whole time from here
             self._step_t0 = self.compression.clock()
+            self._settling_t0 = self.runtime.settling
         t = time.perf_counter()
         self._arrivals.append((index, t - self._inside))
         self._groups.add(index, grad)
@@ -391,7 +394,9 @@ class DistributedOptimizer:
             self._arrivals, self._inside = [], 0.0
         elif self._calibrating:
             if _is_auto(self.compression):
-                self._calibration_s = self.compression.clock() - self._step_t0
+                took = self.compression.clock() - self._step_t0
+                settled = self.runtime.settling - self._settling_t0
+                self._calibration_s = took if self.compression.calibration_stands(settled) else None
             self._calibrate(end, synced)
         else:
             self._end_bucket_turn()

@@ -305,7 +305,8 @@ def test_merge_auto_chooses_the_partition_with_the_codec(rt: Runtime, wire, comp
 def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt: Runtime, monkeypatch, backend) -> None:
     """merge="auto"'s two calibration steps run groups that are thrown away after them: DDP's buckets (here one),
     each averaged uncompressed (the backend's allreduce where it takes it, else the "none" exchange), and auto
-    records, times and decides nothing for them -- the partition is its only decision -- while a NaN there still
+    records, times and decides nothing for them -- the partition, and whether the timed step may stand for DDP's
+    buckets, are its only decisions -- while a NaN there still
     skips the step. (Layer-wise, and priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors
     cost its first two steps 3-6x a settled one on switch:4.)"""
     if backend:
@@ -330,7 +331,7 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
     opt.zero_grad()
     model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
     opt.step()
-    assert keys == ["joint/4"] and not auto._groups and auto.joint is not None, (keys, list(auto._groups))
+    assert keys == ["calibration-stands", "joint/4"] and not auto._groups and auto.joint is not None, (keys, list(auto._groups))
     assert auto.native_launches == (2 if backend else 0)  # one bucket a step
     for step in range(2 * PROBE_STEPS + 2):  # then the partition's own groups are chosen for as usual
         opt.zero_grad()
@@ -1142,6 +1143,40 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
         assert rows[0]["bytes"] == sum(p.numel() * 4 for p in model.parameters())
     report = auto.report()
     assert "DDP's buckets" in report and ("(the calibration step)" in report) == ("B" not in turns), report
+
+
+@pytest.mark.parametrize("settles", [False, True])
+def test_a_calibration_step_in_which_the_runtime_settled_does_not_stand_for_ddps_buckets(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, settles: bool) -> None:
+    """As above with the choices 0.6 of the calibration step: they stay untimed against the buckets, unless the
+    runtime settled something during that step (its sizes priced, depths explored: a slower step than the buckets
+    will run), when the buckets are timed (turns CCBB) and the verdict keeps no calibration time."""
+    from gradsync.compress.auto import JointChoice
+    from gradsync.compress.merge_model import Partition
+
+    count = [0]
+    monkeypatch.setattr(Runtime, "settling", property(lambda self: count[0]))
+    now, sides = _charged_sides(monkeypatch, 0.6)
+    auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+                           clock=lambda: now[0], cache=False)
+    monkeypatch.setattr(auto, "plan_partition", lambda sizes, *a, **k: JointChoice(
+        "none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0}))
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto)
+    per_step = []
+    for step in range(24):
+        before = len(sides)
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        if step == 1 and settles:  # the timed calibration step: its size explored meanwhile
+            count[0] += 1
+        opt.step()
+        opt.zero_grad()
+        per_step.append(set(sides[before:]))
+    check = auto.buckets
+    assert check is not None and check["kept"] is True, (check, per_step)
+    assert len(check["buckets_s"]) == (2 if settles else 0), check
+    assert ("calibration_s" in check) is not settles, check
 
 
 @pytest.mark.parametrize("chosen_cost, kept", [(4.0, False), (0.1, True)])
