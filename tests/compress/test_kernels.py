@@ -28,8 +28,7 @@ def _interpreter_or_skip() -> None:
     the torch forms on the GPU by ``gradsync bench gpu``)."""
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("a CUDA GPU is here, so Triton compiles for it: these run the kernels' source on CPU tensors "
-                    "through Triton's interpreter (TRITON_INTERPRET=1 pytest tests/compress/test_kernels.py runs them "
-                    "here too); `gradsync bench gpu` checks the compiled kernels on the GPU")
+                    "through Triton's interpreter; `gradsync bench gpu` checks the compiled kernels on the GPU")
 
 
 @pytest.fixture
