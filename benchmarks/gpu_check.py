@@ -261,6 +261,7 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsync
+    from benchmarks.compress_testbed_worker import _identical
     from gradsync.compress import COMPRESSORS
     from gradsync.sim.choose import algorithms_for
 
@@ -287,18 +288,12 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             step()
-        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        if not finite:
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
             return False
         # the replicas started alike (_cnn's seed): every rank's parameters must still be the same bits, which a
         # device kernel that sums in a rank-dependent or racy order (atomics in a scatter) would break
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        low, high = flat.clone(), flat.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        if not torch.equal(low, high):
-            raise RuntimeError(f"replicas differ across ranks after {len(batches)} steps: "
-                               f"max gap {float((high - low).abs().max()):.3g}")
+        if not _identical(model):
+            raise RuntimeError(f"replicas differ across ranks after {len(batches)} steps")
         return True
 
     # auto: compression chosen per group (issue 40), under each accuracy policy ("auto" alone: allow="cast")
