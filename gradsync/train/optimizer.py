@@ -351,9 +351,15 @@ class DistributedOptimizer:
             return None
         self._step_t0 = auto.clock()
         chosen, buckets = self._bucket_s
-        if not buckets and self._calibration_s is not None and len(chosen) < BUCKET_APART_STEPS:
+        if self._against_calibration and len(chosen) < BUCKET_APART_STEPS:
             return False
         return len(buckets) <= len(chosen)
+
+    @property
+    def _against_calibration(self) -> bool:
+        """Whether the bucket check still holds the choices' steps against the timed calibration step: it stood for
+        DDP's buckets, and no step of the buckets has run yet."""
+        return self._calibration_s is not None and not self._bucket_s[1]
 
     def _end_bucket_turn(self) -> None:
         """After a step of the bucket check: its time goes to its side; after each pair from BUCKET_APART_STEPS on,
@@ -365,7 +371,7 @@ class DistributedOptimizer:
         chosen, buckets = self._bucket_s
         (buckets if turn else chosen).append(self.compression.clock() - self._step_t0)
         sizes = [g.info.numel * self._dtype.itemsize for g in self._buckets.groups]
-        if not buckets and self._calibration_s is not None and len(chosen) == BUCKET_APART_STEPS:
+        if self._against_calibration and len(chosen) == BUCKET_APART_STEPS:
             if self.compression.check_buckets(chosen, [], sizes, calibration_s=self._calibration_s):
                 self._buckets = None  # far quicker than the calibration step: the choices stay
             return
