@@ -104,7 +104,8 @@ CALIBRATION_GAIN = 1.5
 #: own timings, which already put the choices ahead. The MLP's DDP hook on the two-tier file at 1 Gbit/s went back
 #: to ``"none"`` on 0.380 s against 0.377 s, and ran 0.77x the fixed fp16 hook.
 STEP_TOLERANCE = 0.05
-#: A trial's launches quicker than this (seconds) get a third where their two disagree (:func:`wants_another`)...
+#: A trial's launches quicker than this (seconds), or a codec's at any speed, get a third where their two disagree
+#: (:func:`wants_another`)...
 QUICK_LAUNCH_S = 0.05
 #: ...by more than this factor.
 LAUNCH_SPREAD = 1.5
@@ -514,16 +515,19 @@ def review(choice: AutoChoice, measured_s: float, measured_none_s: float, gain: 
                       choice.none_s, "measured")
 
 
-def wants_another(times_s: Sequence[float], probe_steps: int) -> bool:
-    """Whether a trial's ``probe_steps`` timed launches should get one more before they are read: only where each is
-    quick (under :data:`QUICK_LAUNCH_S`, so the launch costs the job little) and they disagree by more than
-    :data:`LAUNCH_SPREAD` times. Two samples that far apart leave their mean to whichever is off, and the off one can
-    be slow (another process on the cores) or quick (a shaper's token bucket sending a burst at line rate): the median
-    of three is off only where two are."""
+def wants_another(times_s: Sequence[float], probe_steps: int, *, codec: bool = False) -> bool:
+    """Whether a trial's ``probe_steps`` timed launches should get one more before they are read: where they disagree
+    by more than :data:`LAUNCH_SPREAD` times and each is quick (under :data:`QUICK_LAUNCH_S`, so the launch costs the
+    job little), or whatever their speed on a codec's trial (``codec``: not ``"none"``). Two samples that far apart
+    leave their mean to whichever is off, and the off one can be slow (another process on the cores, a launch paying
+    the codec's first use on the group) or quick (a shaper's token bucket sending a burst at line rate): the median of
+    three is off only where two are. A codec's third launch costs the job at most what the codec loses to
+    ``"none"``, and a codec read by the mean of an off launch and a good one is dropped for the off one alone;
+    ``"none"`` on a wire-bound group is the slowest launch a trial has, so only its quick trials take a third."""
     if len(times_s) != probe_steps or not times_s:
         return False
     low, high = min(times_s), max(times_s)
-    return high < QUICK_LAUNCH_S and high > LAUNCH_SPREAD * low
+    return (codec or high < QUICK_LAUNCH_S) and high > LAUNCH_SPREAD * low
 
 
 def whole_steps_lose(settled_s: Sequence[float], baseline_s: Sequence[float],

@@ -199,12 +199,14 @@ class _Group:
         return float(np.median(self.times.get(codec) or self.unsettled.get(codec) or [math.inf]))
 
     def trial_over(self, probe_steps: int) -> bool:
-        """Whether the trial in progress has ``probe_steps`` settled timings (one more where they are quick and
-        disagree: :func:`~gradsync.compress.auto.wants_another`), or no launch left to wait for them."""
+        """Whether the trial in progress has ``probe_steps`` settled timings (one more where they disagree and are
+        quick or a codec's: :func:`~gradsync.compress.auto.wants_another`), or no launch left to wait for them."""
         if self.left == 0:
             return True
-        times = self.times.get(self.trials[-1], [])
-        return len(times) >= probe_steps and not wants_another(times, probe_steps)
+        trial = self.trials[-1]
+        times = self.times.get(trial, [])
+        return len(times) >= probe_steps and not wants_another(times, probe_steps,
+                                                                codec=trial not in ("none", PLANNED))
 
     def priced(self) -> AutoChoice:
         """The choice a check is about; one before any was made is a bug in the caller."""

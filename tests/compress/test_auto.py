@@ -363,12 +363,15 @@ def test_a_rival_is_timed_only_when_the_pick_measured_far_above_its_prediction()
                  **kw) is None
 
 
-def test_a_quick_trial_whose_two_launches_disagree_takes_a_third():
+def test_a_quick_or_codec_trial_whose_two_launches_disagree_takes_a_third():
     from gradsync.compress.auto import LAUNCH_SPREAD, QUICK_LAUNCH_S, wants_another
 
     assert wants_another([0.0165, 0.0057], 2)  # LeNet-5's bucket, planned, on the two-tier file at 300 Mbit/s
     assert not wants_another([0.0067, 0.0076], 2)  # they agree
     assert not wants_another([0.14, 0.09], 2) and not wants_another([0.9, 0.3], 2)  # one launch costs too much
+    # ... unless it is a codec's: fp16 on the MLP's 16.9 MB bucket (two-tier file, 1 Gbit/s), its first launch off
+    assert wants_another([0.2895, 0.1807], 2, codec=True) and wants_another([0.9, 0.3], 2, codec=True)
+    assert not wants_another([0.125, 0.110], 2, codec=True)  # they agree
     assert not wants_another([0.0165, 0.0057, 0.006], 2)  # the third came: read them
     assert not wants_another([0.01], 2) and not wants_another([], 0)
     edge = QUICK_LAUNCH_S * 0.99
