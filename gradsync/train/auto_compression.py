@@ -27,8 +27,10 @@ the ``"none"`` launches are most of what choosing costs.
 ``"none"`` of a group handed over as one buffer (``step_async(flat=...)``) is the backend's own allreduce of it,
 what DDP runs. Where the runtime plans that size itself (a tuned or planned schedule on gradsync's communication
 thread), that planned exchange is timed right after as a second way to send the group uncompressed
-(:data:`PLANNED`), and the quicker of the two is the group's ``"none"`` from then on: a plan measured alone may
-beat the backend's and still lose inside a training step, where it shares the cores with backward.
+(:data:`PLANNED`), and the group's ``"none"`` from then on is the planned one only where it measured
+:attr:`AutoCompression.threaded_gain` times quicker: a plan measured alone may beat the backend's and still lose
+inside a training step, where it shares the cores with backward (the bar is 1 where the optimizer's whole steps
+against DDP's buckets follow and decide that).
 
 Once every group has settled and the whole-step check is over, a group whose choice is stateless and runs on
 the backend's allreduce ("none", or a cast the runtime sums natively) launches by :meth:`AutoCompression.settled_launch`:
@@ -262,6 +264,12 @@ class AutoCompression:
         #: where its partition search, which prices the overlap with backward a group's first price leaves out, put
         #: no codec :data:`TRY_GAIN` ahead for the whole step
         self.cast_margin = CAST_MARGIN
+        #: how much quicker than the backend's allreduce a way of sending a group on gradsync's communication thread
+        #: (the runtime's planned exchange, a codec whose exchange runs there) must measure to be kept:
+        #: :data:`TRY_GAIN`, as its own time leaves out what that thread takes from backward; the optimizer lowers it
+        #: to 1 where its check against DDP's buckets sent uncompressed follows (whole steps that catch a threaded
+        #: way losing), so a lead the bar would refuse is decided on whole steps instead
+        self.threaded_gain = TRY_GAIN
         self.clock = clock
         self.signature = signature
         #: what launches its groups (:meth:`bind`): ``"optimizer"`` (merged groups), ``"hook"`` (DDP's buckets), None
@@ -874,13 +882,13 @@ class AutoCompression:
 
     def _agree_planned(self, group: _Group) -> None:
         """After both ways of sending the group uncompressed were timed: the planned exchange is its "none" from now
-        on where it measured :data:`~gradsync.compress.auto.TRY_GAIN` times quicker than the backend's allreduce
-        (the bar a codec's price must clear; DDP's own way otherwise), decided for the job. Later reviews compare
-        against the one kept. Kept on any lead, it lost whole steps on DDP hooks: a LeNet-5 bucket on switch:4
+        on where it measured :attr:`threaded_gain` times quicker than the backend's allreduce (DDP's own way
+        otherwise), decided for the job. Later reviews compare against the one kept. Kept on any lead where no
+        whole steps against DDP's buckets follow, it lost whole steps on DDP hooks: a LeNet-5 bucket on switch:4
         measured a few percent quicker on its own and its steps ran 0.80-0.86x DDP's (docs/mergecomp.md)."""
         def quicker() -> bool:
             self._wait_records(group.spec.name)
-            return quicker_by(group.time_s(PLANNED), group.time_s("none"), TRY_GAIN)
+            return quicker_by(group.time_s(PLANNED), group.time_s("none"), self.threaded_gain)
 
         group.planned = self._decide_flag(f"planned/{group.spec.name}", quicker)
         if group.planned:
@@ -922,12 +930,12 @@ class AutoCompression:
 
     def _agree_review(self, group: _Group) -> AutoChoice:
         """Keep the choice or drop it for "none", decided for the job. A codec whose exchange ran on gradsync's
-        communication thread while "none" ran on the backend's allreduce must measure
-        :data:`~gradsync.compress.auto.TRY_GAIN` times quicker, the bar the planned way of "none" clears
-        (:meth:`_agree_planned`): its own time leaves out what that thread takes from backward (what a codec kept on a
-        smaller lead cost LeNet-5's steps: docs/mergecomp.md)."""
+        communication thread while "none" ran on the backend's allreduce must measure :attr:`threaded_gain` times
+        quicker, the bar the planned way of "none" clears (:meth:`_agree_planned`): its own time leaves out what that
+        thread takes from backward (what a codec kept on a smaller lead cost LeNet-5's steps: docs/mergecomp.md)."""
         choice = group.priced()
-        gain = TRY_GAIN if choice.codec in group.threaded and group.native and not group.planned else 1.0
+        threaded = choice.codec in group.threaded and group.native and not group.planned
+        gain = self.threaded_gain if threaded else 1.0
         return self._agreed(group, "review", lambda: review(choice, group.time_s(choice.codec), group.time_s("none"),
                                                             gain))
 

@@ -456,6 +456,9 @@ class DistributedOptimizer:
             # job's verdict that kept the choices needs no check
             if self.compression.buckets is None:
                 self._buckets = self._merged(ran, plain=True)
+                # whole steps against DDP's own way follow: a way on gradsync's thread (the planned exchange, a
+                # threaded codec) is kept on any lead of its own and left to them, not refused short of TRY_GAIN
+                self.compression.threaded_gain = 1.0
                 if quicker_by(joint.per_codec_s[joint.codec], joint.per_codec_s.get("none", 0.0), TRY_GAIN):
                     # the partition's search, which prices overlap with backward from the timed step, put a codec
                     # TRY_GAIN ahead of "none" for the whole step, and whole steps against DDP's uncompressed buckets

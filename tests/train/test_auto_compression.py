@@ -1311,3 +1311,35 @@ def test_the_hook_state_is_choosing_until_autos_choices_are_settled_and_checked(
     assert state.choosing is True  # settled, the whole-step check not over
     auto.verified = True
     assert state.choosing is False
+
+
+@pytest.mark.parametrize("gain", [TRY_GAIN, 1.0])
+def test_a_way_on_gradsyncs_thread_is_kept_on_the_lead_threaded_gain_asks(rt: Runtime, gain: float) -> None:
+    """The planned exchange measured 1.11x quicker than the backend's allreduce, and a threaded fp16 1.11x quicker
+    than that allreduce: short of TRY_GAIN, both are refused (the backend's "none" stays); with ``threaded_gain`` 1
+    (the optimizer's whole steps against DDP's buckets follow), both are kept on their lead."""
+    from gradsync.compress.auto import AutoChoice, GroupSpec
+    from gradsync.train.auto_compression import _Group
+
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, cache=False)
+    auto.threaded_gain = gain
+    kept = gain == 1.0
+    planned = _Group(GroupSpec("planned", ((4,),), torch.float32), native=True,
+                     times={"none": [2.0e-3, 2.0e-3], PLANNED: [1.8e-3, 1.8e-3]})
+    auto._agree_planned(planned)
+    assert planned.planned is kept
+
+    codec = _Group(GroupSpec("fp16", ((4,),), torch.float32), native=True, threaded={"fp16"},
+                   times={"none": [2.0e-3, 2.0e-3], "fp16": [1.8e-3, 1.8e-3]})
+    codec.choice = AutoChoice("fp16", 16, "fp16", 8, 1.0e-3, 2.0e-3)
+    assert auto._agree_review(codec).codec == ("fp16" if kept else "none")
+
+
+@pytest.mark.parametrize("merge", ["auto", 2])
+def test_the_optimizer_lowers_threaded_gain_where_its_bucket_check_follows(rt: Runtime, merge: int | str) -> None:
+    """merge="auto": after calibrating, whole steps against DDP's buckets sent uncompressed are to come, and they
+    decide a threaded way's lead (threaded_gain 1); a partition of the caller's has no such check (TRY_GAIN)."""
+    auto = _auto(rt, FakeClock({"none": 1e-4, "other": 1e-6}))
+    opt, _ = _train(rt, auto, 3, merge=merge)
+    assert auto.threaded_gain == (1.0 if merge == "auto" else TRY_GAIN)
+    assert (opt._buckets is not None) is (merge == "auto")
