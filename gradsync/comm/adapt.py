@@ -776,8 +776,8 @@ class Adapter:
             # while every rank waits, on each such flip of the detector.
             if late_kept:
                 # With a rank late, its return must still be judged, which no collective is while a pair reads
-                # slower than the belief: the pairs learn their level on this plan again, as on a new plan (on the
-                # straggler plan's fan-out a healthy pair read 0.65x for three collectives in 2 of 3 testbed runs).
+                # slower than the belief: the pairs learn their level on this plan again, as on a new plan (a
+                # healthy pair on the straggler plan's fan-out can read slow for a few collectives: docs/runtime.md).
                 learned = self._learned(old)
                 for key, _ in switch.after.link_scale:
                     for table in (learned.samples, learned.factors, learned.floors):

@@ -91,8 +91,8 @@ MARGIN = 2.0
 CAST_MARGIN = 1.6
 #: A codec is chosen over ``"none"`` only where it is priced this many times quicker (exposed seconds): below it the
 #: model's error on a loaded host (codec costs profiled alone, a wire shared with backward) is as large as the gain,
-#: and a trial would cost timed steps to measure noise. LeNet-5 on switch:4 at 10 Gbit/s priced fp16 1.15x quicker
-#: on its one bucket; the trial and the whole-step check cost more than the cast could win.
+#: and a trial would cost timed steps to measure noise (docs/mergecomp.md: a cast priced a little ahead on LeNet-5's
+#: one bucket cost more in its trial and whole-step check than it could win).
 TRY_GAIN = 1.25
 #: The optimizer's bucket check keeps the choices without timing DDP's buckets where each of its first steps took at
 #: most ``1/CALIBRATION_GAIN`` of the timed calibration step, which ran those buckets uncompressed (on its own clock,
@@ -101,8 +101,8 @@ TRY_GAIN = 1.25
 CALIBRATION_GAIN = 1.5
 #: The whole-step check sends settled choices back to ``"none"`` only where their steps' median is this much slower
 #: than the steps that ran ``"none"`` (:func:`whole_steps_lose`): it has a few noisy steps a side against the groups'
-#: own timings, which already put the choices ahead. The MLP's DDP hook on the two-tier file at 1 Gbit/s went back
-#: to ``"none"`` on 0.380 s against 0.377 s, and ran 0.77x the fixed fp16 hook.
+#: own timings, which already put the choices ahead (docs/mergecomp.md: without it a cast went back to ``"none"`` on
+#: a difference of a percent between two noisy steps a side).
 STEP_TOLERANCE = 0.05
 #: A trial's launches quicker than this (seconds), or a codec's at any speed, get a third where their two disagree
 #: (:func:`wants_another`)...
