@@ -55,6 +55,7 @@ import platform
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -275,6 +276,8 @@ class AutoCompression:
         #: what launches its groups (:meth:`bind`): ``"optimizer"`` (merged groups), ``"hook"`` (DDP's buckets), None
         #: (a caller of its own); part of the cache key
         self.path: str | None = None
+        #: what launches the groups (:meth:`bind`), held weakly
+        self._owner: weakref.ref[Any] | None = None
         self.use_cache = cache and signature is not None
         self._wire = wire
         self._codec_cost = codec_cost
@@ -337,19 +340,31 @@ class AutoCompression:
         # them in the same order (SPMD), so the serials agree.
         self._serial = next(_SERIALS)
 
-    def bind(self, path: str) -> None:
+    def bind(self, path: str, owner: object | None = None) -> None:
         """Say what launches this instance's groups (``"optimizer"``, ``"hook"``), once, before its first launch.
         The two cache different things for the same parameters (merged groups and their partition, DDP's buckets),
         so the path is part of the cache key: a hook job on a model never overwrites what an optimizer job on it
-        cached, nor reads it."""
-        if self.path == path:
-            return
-        if self.path is not None:
-            raise CompressionError(f"this AutoCompression already chooses for the {self.path!r} path; give the {path!r} "
-                                   "path an AutoCompression of its own (their groups and caches differ)")
-        if self._loaded:
-            raise CompressionError(f"bind({path!r}) comes after this AutoCompression's first launch read its cache; "
-                                   "bind it before training")
+        cached, nor reads it.
+
+        ``owner``: the object that launches them (a :class:`DistributedOptimizer`, a hook's state). One instance
+        serves one: its groups, its step bookkeeping and its whole-step checks are one training loop's, and a
+        second owner's launches would be taken for the first's next step. A second owner is refused while the first
+        is alive."""
+        if self.path != path:
+            if self.path is not None:
+                raise CompressionError(f"this AutoCompression already chooses for the {self.path!r} path; give the "
+                                       f"{path!r} path an AutoCompression of its own (their groups and caches differ)")
+            if self._loaded:
+                raise CompressionError(f"bind({path!r}) comes after this AutoCompression's first launch read its "
+                                       "cache; bind it before training")
+        if owner is not None:
+            held = self._owner() if self._owner is not None else None
+            if held is not None and held is not owner:
+                raise CompressionError(
+                    f"this AutoCompression already chooses for a {type(held).__name__}; give this "
+                    f"{type(owner).__name__} an AutoCompression of its own (compression='auto', or a new "
+                    "AutoCompression(...)): one instance's groups, steps and checks are one training loop's")
+            self._owner = weakref.ref(owner)
         self.path = path
 
     # ---- the runtime --------------------------------------------------------------------------------------

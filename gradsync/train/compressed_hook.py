@@ -100,7 +100,7 @@ class CompressionHookState:
                                        f"leave out memory={memory!r} and communicator={communicator!r}")
             self.auto = compression if isinstance(compression, AutoCompression) else AutoCompression(
                 allow or "cast", runtime=runtime, signature=param_signature(named) if named else None)
-            self.auto.bind("hook")
+            self.auto.bind("hook", self)
             self.step = self.auto.base
         else:
             self.step = CompressionStep(compression, memory, communicator, runtime=runtime)  # type: ignore[arg-type]

@@ -259,7 +259,7 @@ class DistributedOptimizer:
                                     "(pass no memory/communicator)")
             self.compression = compression if isinstance(compression, AutoCompression) else AutoCompression(
                 allow or "cast", runtime=self.runtime, signature=param_signature(trainable))
-            self.compression.bind("optimizer")
+            self.compression.bind("optimizer", self)
         else:
             self.compression = CompressionStep(compression, memory, communicator, runtime=self.runtime)
         self._params = list(reversed(trainable))  # backward order: the reverse of registration (forward) order

@@ -1343,3 +1343,31 @@ def test_the_optimizer_lowers_threaded_gain_where_its_bucket_check_follows(rt: R
     opt, _ = _train(rt, auto, 3, merge=merge)
     assert auto.threaded_gain == (1.0 if merge == "auto" else TRY_GAIN)
     assert (opt._buckets is not None) is (merge == "auto")
+
+
+def test_one_auto_compression_serves_one_optimizer_or_hook(rt: Runtime) -> None:
+    """Shared by two DistributedOptimizers (or two hook states), one AutoCompression would take the second's launches
+    for the first's next step; the second is refused with the fix, and one whose first owner is gone is taken."""
+    import gc
+
+    from gradsync.train.compressed_hook import CompressionHookState
+
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, cache=False)
+    first, second = _model(), _model()
+    opt = DistributedOptimizer(torch.optim.SGD(first.parameters(), lr=0.1), first.named_parameters(), runtime=rt,
+                               compression=auto)
+    auto.bind("optimizer", opt)  # its own owner again: no change
+    with pytest.raises(CompressionError, match="already chooses for a DistributedOptimizer; give this "
+                                               "DistributedOptimizer an AutoCompression of its own"):
+        DistributedOptimizer(torch.optim.SGD(second.parameters(), lr=0.1), second.named_parameters(), runtime=rt,
+                             compression=auto)
+    del opt
+    gc.collect()
+    DistributedOptimizer(torch.optim.SGD(second.parameters(), lr=0.1), second.named_parameters(), runtime=rt,
+                         compression=auto)
+
+    hooked = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, cache=False)
+    state = CompressionHookState(hooked, runtime=rt, model=first)
+    with pytest.raises(CompressionError, match="already chooses for a CompressionHookState"):
+        CompressionHookState(hooked, runtime=rt, model=second)
+    assert state.auto is hooked
