@@ -1361,6 +1361,7 @@ def test_one_auto_compression_serves_one_optimizer_or_hook(rt: Runtime) -> None:
                                                "DistributedOptimizer an AutoCompression of its own"):
         DistributedOptimizer(torch.optim.SGD(second.parameters(), lr=0.1), second.named_parameters(), runtime=rt,
                              compression=auto)
+    opt.remove_hooks()  # its gradient hooks hold it alive as long as the model
     del opt
     gc.collect()
     DistributedOptimizer(torch.optim.SGD(second.parameters(), lr=0.1), second.named_parameters(), runtime=rt,
