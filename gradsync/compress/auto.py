@@ -96,8 +96,10 @@ CAST_MARGIN = 1.6
 TRY_GAIN = 1.25
 #: The optimizer's bucket check keeps the choices without timing DDP's buckets where each of its first steps took at
 #: most ``1/CALIBRATION_GAIN`` of the timed calibration step, which ran those buckets uncompressed (on its own clock,
-#: the partition search after it left out). Above ``TRY_GAIN``, the check's own early end, by what a step alone
-#: before the codecs may read apart from the same buckets' steps in the check; under 2x, which fp16 at best reaches.
+#: the partition search after it left out); the whole-step check skips its "none" steps where the first settled step
+#: took at most that share of every "none" step the groups' probes ran. Above ``TRY_GAIN``, the checks' own early
+#: end, by what a step before the codecs (still warming) may read apart from the same way's steps in the check; under
+#: 2x, which fp16 at best reaches.
 CALIBRATION_GAIN = 1.5
 #: The whole-step check sends settled choices back to ``"none"`` only where their steps' median is this much slower
 #: than the steps that ran ``"none"`` (:func:`whole_steps_lose`): it has a few noisy steps a side against the groups'

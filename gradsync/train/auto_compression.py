@@ -734,10 +734,12 @@ class AutoCompression:
         run warm and side by side: the job's first "none" steps were still warming up (new sizes planned, first
         calls) and would flatter any choice. Choices where no step ran that "none" everywhere (codecs trusted on a
         wide margin, an earlier job's cached choices) are kept without the check. Nor is "none" timed again where
-        the first settled step took less than ``1 / TRY_GAIN`` of every step that ran "none" everywhere while the
-        groups probed it, the job's first left out (:func:`~gradsync.compress.auto.steps_apart`): a warm step's
-        noise is smaller than that gap, the groups' own timings already put the choices ahead, and on a slow wire
-        those "none" steps are what the check costs."""
+        the first settled step took less than ``1 / CALIBRATION_GAIN`` of every step that ran "none" everywhere while
+        the groups probed it, the job's first left out (:func:`~gradsync.compress.auto.steps_apart`): the groups' own
+        timings already put the choices ahead, and on a slow wire those "none" steps are what the check costs. Those
+        steps ran before the codecs, still warming up, so they are held to the bar the optimizer's calibration step
+        is (:data:`~gradsync.compress.auto.CALIBRATION_GAIN`), not to the check's own ``TRY_GAIN``: a warming step
+        alone can read that much slower than the same "none" warm."""
         if all(launch.codec == "none" for launch in launches):
             self._none_ran = True
             if not self.settled:
@@ -752,7 +754,8 @@ class AutoCompression:
             baseline = all(launch.codec == "none" for launch in launches)
             (self._baseline_steps if baseline else self._settled_steps).append(seconds)
             if not baseline and len(self._settled_steps) == 1 and self._decide_flag(
-                    "step-apart", lambda: steps_apart(self._settled_steps, self._early_none_steps, least=1)):
+                    "step-apart", lambda: steps_apart(self._settled_steps, self._early_none_steps, least=1,
+                                                       gain=CALIBRATION_GAIN)):
                 self.verified, self._baseline_turn = True, False  # no warm-up or noise explains that gap
                 return
         self._baseline_turn = len(self._baseline_steps) < len(self._settled_steps)

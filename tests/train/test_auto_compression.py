@@ -1372,3 +1372,41 @@ def test_one_auto_compression_serves_one_optimizer_or_hook(rt: Runtime) -> None:
     with pytest.raises(CompressionError, match="already chooses for a CompressionHookState"):
         CompressionHookState(hooked, runtime=rt, model=second)
     assert state.auto is hooked
+
+
+@pytest.mark.parametrize("ratio", [1.4, 2.0])
+def test_a_settled_step_ends_the_whole_step_check_only_calibration_gain_ahead_of_the_probes(
+        rt: Runtime, ratio: float) -> None:
+    """The groups' probes ran "none" everywhere in a few steps before the codecs (still warming). A first settled
+    step ``ratio`` times quicker than all of them ends the whole-step check at once only from CALIBRATION_GAIN (1.5)
+    on, the bar the optimizer's calibration step is held to; at 1.4x (past TRY_GAIN) "none" is timed warm, alternating
+    with the settled steps, before fp16 is kept."""
+    from gradsync.compress.auto import CALIBRATION_GAIN
+
+    clock = FakeClock({"none": 1e-4, "other": 1e-6})
+    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock,
+                           cache=False)
+    clock.auto = auto
+    close_step = auto.close_step
+
+    def paced_close_step() -> None:
+        """A step running the settled codecs ends ``1 / ratio`` of the quickest probe step after its first launch."""
+        auto._wait_records()
+        launches = auto._this_step
+        if (auto.settled and auto._closed_at is None and launches and auto._early_none_steps
+                and any(launch.codec != "none" for launch in launches)):
+            start = min(launch.t0 for launch in launches)
+            clock.now = max(clock.now, start + min(auto._early_none_steps) / ratio)
+        close_step()
+
+    auto.close_step = paced_close_step  # type: ignore[method-assign]
+    _train(rt, auto, 5 * PROBE_STEPS + 3)
+    check = auto.step_check
+    assert auto.verified and check["early_none_s"] and check["settled_s"], check
+    assert {r["codec"] for r in auto.table()} == {"fp16"}, auto.table()
+    apart = min(check["early_none_s"]) / check["settled_s"][0]
+    assert apart == pytest.approx(ratio, rel=0.05), check  # the span the check reads, within a few % of the pace
+    if ratio >= CALIBRATION_GAIN:
+        assert not check["baseline_s"] and len(check["settled_s"]) == 1, check  # the gap ended the check
+    else:
+        assert len(check["baseline_s"]) == PROBE_STEPS, check  # "none" timed warm before fp16 stays
