@@ -902,8 +902,8 @@ class AutoCompression:
         """After both ways of sending the group uncompressed were timed: the planned exchange is its "none" from now
         on where it measured :attr:`threaded_gain` times quicker than the backend's allreduce (DDP's own way
         otherwise), decided for the job. Later reviews compare against the one kept. Kept on any lead where no
-        whole steps against DDP's buckets follow, it lost whole steps on DDP hooks: a LeNet-5 bucket on switch:4
-        measured a few percent quicker on its own and its steps ran 0.80-0.86x DDP's (docs/mergecomp.md)."""
+        whole steps against DDP's buckets follow, it lost whole steps on DDP hooks: a bucket that measured a few
+        percent quicker on its own ran slower steps than DDP's (docs/mergecomp.md)."""
         def quicker() -> bool:
             self._wait_records(group.spec.name)
             return quicker_by(group.time_s(PLANNED), group.time_s("none"), self.threaded_gain)
