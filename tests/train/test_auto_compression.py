@@ -4,7 +4,7 @@ codec slower than none, the choices are cached for the next job and ignored when
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +55,8 @@ def _casts_time_none_first(monkeypatch: pytest.MonkeyPatch, request: pytest.Fixt
 @pytest.fixture(autouse=True)
 def _two_launches_a_trial(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """The fake clocks here charge per clock call, so a trial's first launch (more calls) reads longer than its second:
-    the third launch quick, disagreeing launches get (``wants_another``) is off unless the test is marked
-    ``third_launch``, so the step counts below stay those of two launches a trial."""
+    the third launch disagreeing launches get (``wants_another``: a codec's, or quick ones) is off unless the test is
+    marked ``third_launch``, so the step counts below stay those of two launches a trial."""
     if request.node.get_closest_marker("third_launch") is None:
         from gradsync.train import auto_compression
 
@@ -96,6 +96,20 @@ def settling_rt() -> Iterator[Runtime]:
 def _model(wide: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, wide), torch.nn.ReLU(), torch.nn.Linear(wide, 2))
+
+
+def _before_close(auto: AutoCompression, rest: Callable[[list], None]) -> None:
+    """Make ``auto`` run ``rest(launches)`` as each step closes, once the step's groups' own times are in and before
+    the step is closed (once a step): what the rest of that step costs, outside the groups' own timings."""
+    close_step = auto.close_step
+
+    def closing() -> None:
+        auto._wait_records()
+        if auto._closed_at is None:
+            rest(auto._this_step)
+        close_step()
+
+    auto.close_step = closing  # type: ignore[method-assign]
 
 
 def _train(rt: Runtime, auto: AutoCompression, steps: int, wide: int = 16,
@@ -513,15 +527,12 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
         auto = AutoCompression("lossless", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock,
                                signature=sig)
         clock.auto = auto
-        close_step = auto.close_step
 
-        def costly_close_step(auto=auto, close_step=close_step, clock=clock) -> None:
-            auto._wait_records()  # the group's own time is in: the penalty is the rest of this step's
-            if auto._closed_at is None and any(launch.codec == PLANNED for launch in auto._this_step):
+        def costly(launches: list, clock: FakeClock = clock) -> None:  # the penalty is the rest of this step's
+            if any(launch.codec == PLANNED for launch in launches):
                 clock.now += penalty
-            close_step()
 
-        auto.close_step = costly_close_step  # type: ignore[method-assign]
+        _before_close(auto, costly)
         natives.clear()
         steps = 4 * PROBE_STEPS + 2 if job == "first" else 3
         _train(rt, auto, steps, merge=1)
@@ -723,15 +734,12 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
 
     auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock)
     clock.auto = auto
-    close_step = auto.close_step
 
-    def costly_close_step() -> None:
-        auto._wait_records()  # each group's own time is in: the penalty is the rest of this step's
-        if auto._closed_at is None and any(launch.codec not in ("none", PLANNED) for launch in auto._this_step):
+    def costly(launches: list) -> None:  # the penalty is the rest of this step's
+        if any(launch.codec not in ("none", PLANNED) for launch in launches):
             clock.now += penalty
-        close_step()
 
-    auto.close_step = costly_close_step  # type: ignore[method-assign]
+    _before_close(auto, costly)
     model = _model()
     # two fixed groups: with merge="auto" the check against DDP's buckets would follow (test_the_choices_are_timed_
     # against_ddps_buckets...), and a cast the model puts TRY_GAIN ahead would be kept without timing "none"
@@ -1387,19 +1395,15 @@ def test_a_settled_step_ends_the_whole_step_check_only_calibration_gain_ahead_of
     auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock,
                            cache=False)
     clock.auto = auto
-    close_step = auto.close_step
 
-    def paced_close_step() -> None:
+    def paced(launches: list) -> None:
         """A step running the settled codecs ends ``1 / ratio`` of the quickest probe step after its first launch."""
-        auto._wait_records()
-        launches = auto._this_step
-        if (auto.settled and auto._closed_at is None and launches and auto._early_none_steps
+        if (auto.settled and launches and auto._early_none_steps
                 and any(launch.codec != "none" for launch in launches)):
             start = min(launch.t0 for launch in launches)
             clock.now = max(clock.now, start + min(auto._early_none_steps) / ratio)
-        close_step()
 
-    auto.close_step = paced_close_step  # type: ignore[method-assign]
+    _before_close(auto, paced)
     _train(rt, auto, 5 * PROBE_STEPS + 3)
     check = auto.step_check
     assert auto.verified and check["early_none_s"] and check["settled_s"], check
