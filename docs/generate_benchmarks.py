@@ -558,18 +558,22 @@ def gpu() -> list[str]:
                     "its hooks, and `DistributedOptimizer` (`optimizer_*`) on the plain model:", ""]
             out += table(["method", "ms per step"], ([m, num(v * 1e3)] for m, v in hooks.items()))
             settled = next((r for r in j["hooks"] if "settled_steps" in r), None)
-            out += ["; ".join(f"{r['ratio']}: {num(r['value'])}"
-                              + (f" (median of the per-step ratios {num(r['paired_median'])}" if "paired_median" in r
-                                 else "")
-                              + (f"; over the settled steps {num(r['paired_median_settled'])}"
-                                 if "paired_median_settled" in r else "")
-                              + (")" if "paired_median" in r else "")
-                              for r in j["hooks"] if "ratio" in r) + "."
+            out += ["; ".join(_hook_ratio(r) for r in j["hooks"] if "ratio" in r) + "."
                     + (f" Both autos had stopped choosing before {settled['settled_steps']} of the "
                        f"{settled['timed_steps']} timed steps." if settled else "")
                     + (f" torch's own fp16 hook against DDP, from the medians: {num(hooks['torch_fp16'] / hooks['ddp'])}."
                        if {"torch_fp16", "ddp"} <= hooks.keys() else ""), ""]
     return out
+
+
+def _hook_ratio(r: dict) -> str:
+    """One ratio of the GPU hook timings, its paired medians (all steps, the settled ones) in parentheses."""
+    paired = []
+    if "paired_median" in r:
+        paired.append(f"median of the per-step ratios {num(r['paired_median'])}")
+    if "paired_median_settled" in r:
+        paired.append(f"over the settled steps {num(r['paired_median_settled'])}")
+    return f"{r['ratio']}: {num(r['value'])}" + (f" ({'; '.join(paired)})" if paired else "")
 
 
 def compression_sweep() -> list[str]:
