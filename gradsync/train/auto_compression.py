@@ -191,6 +191,9 @@ class _Group:
     #: the codecs whose launches ran on gradsync's communication thread (a cast the runtime plans the size of, or
     #: any codec with an exchange of its own), not on the backend's allreduce
     threaded: set[str] = field(default_factory=set)
+    #: the codec its review dropped on a close call (measured within TRY_GAIN of "none"): the whole-step check times
+    #: steps with it back against the drop (:meth:`AutoCompression._check_restore`)
+    close: str | None = None
 
     def now(self) -> GroupSpec:
         """The group as the model prices it now: with the least slack its steps measured."""
@@ -297,8 +300,16 @@ class AutoCompression:
         self._early_none_steps: list[float] = []
         self._baseline_steps: list[float] = []
         self._settled_steps: list[float] = []
-        #: whether the coming step runs "none" everywhere: the whole-step check's baseline turn
-        self._baseline_turn = False
+        #: the whole-step check's first part, where a review dropped a codec on a close call: the codecs put back
+        #: (group -> codec; None until the choices settle), whether that part is under way, and whole steps with the
+        #: drops and with them put back
+        self._restore: dict[str, str] | None = None
+        self._restoring = False
+        self._dropped_steps: list[float] = []
+        self._restored_steps: list[float] = []
+        #: what each group runs on the coming step in place of its choice (a turn of the whole-step check: "none"
+        #: everywhere, or the close drops' codecs put back; empty: the choices)
+        self._turn: dict[str, str] = {}
         #: steps ended so far; the clock when this step's last exchange ended, and when the step was closed
         self._ended = 0
         self._done_at = -math.inf
@@ -448,8 +459,6 @@ class AutoCompression:
         if group is None:
             group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype))
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
-        if codec == "none" and group.planned and not self._baseline_turn:
-            codec = PLANNED  # this group's "none" is the planned exchange (it measured quicker)
         # a launch timed while the runtime settles its exchange goes to the trial's rough times instead
         rough = group.unsettled.setdefault(group.trials[-1], []) if sink is not None else None
         settling = self.runtime.settling
@@ -656,7 +665,7 @@ class AutoCompression:
     def _lean_groups(self) -> frozenset[str] | None:
         """The groups :meth:`settled_launch` may take: all of them once the step check is over and every choice is
         stateless on the backend's allreduce ("none" not on a planned exchange, or a memoryless cast); else None."""
-        if not self.verified or not self.settled or self._baseline_turn:
+        if not self.verified or not self.settled or self._turn:
             return None
         keys = self._current_groups()
         for key in keys:
@@ -679,10 +688,13 @@ class AutoCompression:
 
     @property
     def step_check(self) -> dict[str, Any]:
-        """The whole-step check's samples (seconds per step): the uncompressed baseline, the settled steps, and
-        whether the check is over."""
+        """The whole-step check's samples (seconds per step): the uncompressed baseline, the settled steps, the probes'
+        "none" steps before the choices settled; the codecs put back where reviews dropped them on a close call, with
+        the steps that ran the drops and those that ran the codecs back; and whether the check is over."""
         return {"baseline_s": list(self._baseline_steps), "settled_s": list(self._settled_steps),
-                "early_none_s": list(self._early_none_steps), "verified": self.verified}
+                "early_none_s": list(self._early_none_steps), "restore": dict(self._restore or {}),
+                "dropped_s": list(self._dropped_steps), "restored_s": list(self._restored_steps),
+                "verified": self.verified}
 
     @property
     def nonfinite_steps(self) -> int:
@@ -739,30 +751,42 @@ class AutoCompression:
         timings already put the choices ahead, and on a slow wire those "none" steps are what the check costs. Those
         steps ran before the codecs, still warming up, so they are held to the bar the optimizer's calibration step
         is (:data:`~gradsync.compress.auto.CALIBRATION_GAIN`), not to the check's own ``TRY_GAIN``: a warming step
-        alone can read that much slower than the same "none" warm."""
+        alone can read that much slower than the same "none" warm.
+
+        Where reviews dropped codecs on a close call, the steps first time the drops against those codecs put back
+        (:meth:`_check_restore`), whether or not a step ran "none" everywhere; this check then runs on what that
+        part left."""
         if all(launch.codec == "none" for launch in launches):
             self._none_ran = True
             if not self.settled:
                 self._early_none_steps.append(seconds)
         if not self.settled:
             return
+        whole = all(launch.final for launch in launches)  # every group ran its settled choice or this turn's
+        if self._restore is None:
+            self._restore = {key: group.close for key in self._current_groups()
+                             if (group := self._groups[key]).close is not None and group.priced().reason == "dropped"}
+            self._restoring = bool(self._restore)
+        if self._restoring:
+            self._check_restore(seconds if whole else None)
+            return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
         if not chosen or not self._none_ran:
-            self.verified = True
+            self.verified, self._turn = True, {}
             return
-        if all(launch.final for launch in launches):
-            baseline = all(launch.codec == "none" for launch in launches)
+        if whole:
+            baseline = bool(self._turn)
             (self._baseline_steps if baseline else self._settled_steps).append(seconds)
             if not baseline and len(self._settled_steps) == 1 and self._decide_flag(
                     "step-apart", lambda: steps_apart(self._settled_steps, self._early_none_steps, least=1,
                                                        gain=CALIBRATION_GAIN)):
-                self.verified, self._baseline_turn = True, False  # no warm-up or noise explains that gap
+                self.verified, self._turn = True, {}  # no warm-up or noise explains that gap
                 return
-        self._baseline_turn = len(self._baseline_steps) < len(self._settled_steps)
+        baseline_turn = len(self._baseline_steps) < len(self._settled_steps)
+        self._turn = dict.fromkeys(self._current_groups(), "none") if baseline_turn else {}
         if min(len(self._baseline_steps), len(self._settled_steps)) < self.probe_steps:
             return
-        self.verified = True
-        self._baseline_turn = False
+        self.verified, self._turn = True, {}
 
         if self._decide_flag("step-check", lambda: whole_steps_lose(self._settled_steps, self._baseline_steps)):
             for key, c in chosen.items():
@@ -770,15 +794,47 @@ class AutoCompression:
                 self._groups[key].planned = False
             self._write_cache()
 
+    def _check_restore(self, seconds: float | None) -> None:
+        """The whole-step check's first part, where reviews dropped codecs on a close call (:attr:`_Group.close`):
+        ``probe_steps`` steps a side alternate between the settled choices and the same with those codecs put back,
+        timed whole (``seconds``: the step just ended, None where some group did not run a settled choice); where
+        the drops' median is more than :data:`~gradsync.compress.auto.STEP_TOLERANCE` slower
+        (:func:`~gradsync.compress.auto.whole_steps_lose`), the codecs come back (reason ``"step"``). A group's own
+        time reads what shares the cores with its exchange (backward's hold on them, the other groups' exchanges):
+        two ways within ``TRY_GAIN`` of each other there may tie while the whole steps are far apart. Then the part
+        is over and from the next step the check against "none" everywhere runs on the choices
+        it left."""
+        restore = self._restore or {}
+        if seconds is not None:
+            (self._restored_steps if self._turn else self._dropped_steps).append(seconds)
+        if min(len(self._restored_steps), len(self._dropped_steps)) < self.probe_steps:
+            self._turn = dict(restore) if len(self._restored_steps) < len(self._dropped_steps) else {}
+            return
+        self._turn, self._restoring = {}, False
+        if not self._decide_flag("restore-check", lambda: whole_steps_lose(self._dropped_steps, self._restored_steps)):
+            return
+        for key, codec in restore.items():
+            group = self._groups[key]
+            c = group.candidates[codec]
+            group.choice = AutoChoice(c.group, c.nbytes, codec, c.payload_bytes, c.predicted_s, c.none_s, "step")
+            group.planned = False
+        self._write_cache()
+
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""
         if not group.final and self._trial_over(group):
             self._next_trial(group)
         if group.final:
-            return "none" if self._baseline_turn else group.choice.codec, None  # type: ignore[union-attr]
-        group.left -= 1
-        codec = group.trials[-1]
-        return codec, group.times.setdefault(codec, [])
+            codec = group.priced().codec
+            if group.spec.name in self._turn:
+                return self._turn[group.spec.name], None
+        else:
+            group.left -= 1
+            codec = group.trials[-1]
+        sink = None if group.final else group.times.setdefault(codec, [])
+        if codec == "none" and group.planned:
+            codec = PLANNED  # this group's "none" is the planned exchange (it measured quicker)
+        return codec, sink
 
     @property
     def _trial_launches(self) -> int:
@@ -950,12 +1006,19 @@ class AutoCompression:
         """Keep the choice or drop it for "none", decided for the job. A codec whose exchange ran on gradsync's
         communication thread while "none" ran on the backend's allreduce must measure :attr:`threaded_gain` times
         quicker, the bar the planned way of "none" clears (:meth:`_agree_planned`): its own time leaves out what that
-        thread takes from backward (what a codec kept on a smaller lead cost LeNet-5's steps: docs/mergecomp.md)."""
+        thread takes from backward (what a codec kept on a smaller lead cost LeNet-5's steps: docs/mergecomp.md).
+        A codec dropped though "none" measured less than ``TRY_GAIN`` times quicker is a close call the group's own
+        times cannot settle: the whole-step check times it back (:attr:`_Group.close`, :meth:`_check_restore`)."""
         choice = group.priced()
         threaded = choice.codec in group.threaded and group.native and not group.planned
         gain = self.threaded_gain if threaded else 1.0
-        return self._agreed(group, "review", lambda: review(choice, group.time_s(choice.codec), group.time_s("none"),
+        kept = self._agreed(group, "review", lambda: review(choice, group.time_s(choice.codec), group.time_s("none"),
                                                             gain))
+        if kept.codec == "none" and choice.codec != "none" and self._decide_flag(
+                f"close/{group.spec.name}", lambda: not quicker_by(group.time_s("none"), group.time_s(choice.codec),
+                                                                   TRY_GAIN)):
+            group.close = choice.codec
+        return kept
 
     def _agreed(self, group: _Group, stage: str, pick: Callable[[], AutoChoice]) -> AutoChoice:
         """:meth:`_agree` where ``pick`` always chooses."""

@@ -1414,3 +1414,46 @@ def test_a_settled_step_ends_the_whole_step_check_only_calibration_gain_ahead_of
         assert not check["baseline_s"] and len(check["settled_s"]) == 1, check  # the gap ended the check
     else:
         assert len(check["baseline_s"]) == PROBE_STEPS, check  # "none" timed warm before fp16 stays
+
+
+@pytest.mark.parametrize("fp16_s, penalty, planned, restored",
+                         [(1.1e-4, 1e-3, False, True), (1.1e-4, 1e-3, True, True), (1.1e-4, 0.0, False, False),
+                          (2e-4, 1e-3, False, None)])
+def test_a_codec_dropped_on_a_close_call_comes_back_where_its_whole_steps_are_quicker(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, fp16_s: float, penalty: float, planned: bool,
+        restored: bool | None) -> None:
+    """Each group's fp16 measures ``fp16_s`` a clock reading against "none"'s 1e-4: 1.1x slower, a close call its review
+    drops, yet every settled step that runs "none" costs ``penalty`` more elsewhere (its exchange holding the cores
+    backward needs). The whole-step check first alternates steps with the drops and with fp16 put back: with the
+    penalty fp16 comes back (reason "step"; on a group whose "none" was the planned exchange too, fp16 then runs in
+    its place) and the check against "none" everywhere keeps it; without it the drops stand. A drop by more than
+    TRY_GAIN (2x slower) is no close call: no step puts it back."""
+    if planned:
+        _with_planned_none(rt, monkeypatch)
+    # with a planned way, "none" on the backend measures 1.3x slower than it: the planned way is the group's "none"
+    clock = LaunchClock({"none": 1.3e-4 if planned else 1e-4, "fp16": fp16_s, PLANNED: 1e-4, "other": 1e-6})
+    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock,
+                           cache=False)
+    clock.auto = auto
+
+    def costly(launches: list) -> None:
+        if auto.settled and any(launch.codec in ("none", PLANNED) for launch in launches):
+            clock.now += penalty
+
+    _before_close(auto, costly)
+    _train(rt, auto, 6 * PROBE_STEPS + 3, wide=8, merge=1)  # one group, timed at its codec's cost a launch
+    (row,) = auto.table()
+    check = auto.step_check
+    assert auto.settled and auto.verified, (row, check)
+    assert auto._groups[row["group"]].planned is (planned and not restored), row
+    if restored is None:
+        assert not check["restore"] and not check["dropped_s"] and not check["restored_s"], check
+        assert (row["codec"], row["reason"]) == ("none", "dropped"), row
+        return
+    assert check["restore"] == {row["group"]: "fp16"}, (check, auto.trial_times)
+    assert len(check["dropped_s"]) == len(check["restored_s"]) == PROBE_STEPS, check
+    if restored:
+        assert (row["codec"], row["reason"]) == ("fp16", "step"), row
+        assert len(check["baseline_s"]) == PROBE_STEPS, check  # then timed against "none" everywhere, and kept
+    else:
+        assert (row["codec"], row["reason"]) == ("none", "dropped"), row
