@@ -208,14 +208,17 @@ def test_a_launch_timed_while_the_runtime_settled_its_exchange_waits_for_a_settl
     finally:
         runtime.shutdown()
     assert auto.settled and len(rows) == 2, rows
+    # a settled fp16 launch reads the clock a few times (0.1 us each; how many depends on which thread runs its done
+    # callback), far under the slow launches' extra_s: its time is one of those, not a slow one's
+    QUICK = 1e-4
     if counted:
         assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("fp16", "measured", 2)] * 2, rows
-        assert all(r["measured_s"] < 1e-6 for r in rows), rows
+        assert all(r["measured_s"] < QUICK for r in rows), rows
     elif charged == 2:
         assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("none", "dropped", 0)] * 2, rows
     else:
         assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("fp16", "measured", 0)] * 2, rows
-        assert all(r["measured_s"] < 1e-6 for r in rows), rows
+        assert all(r["measured_s"] < QUICK for r in rows), rows
 
 
 def test_an_infinitely_fast_wire_runs_none_without_a_trial(rt: Runtime) -> None:
