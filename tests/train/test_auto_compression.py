@@ -203,22 +203,26 @@ def test_a_launch_timed_while_the_runtime_settled_its_exchange_waits_for_a_settl
     try:
         clock = SettlingClock({"none": 1e-6, "fp16": 1e-7, "other": 1e-7})
         auto = _auto(runtime, clock)
-        _train(runtime, auto, 2 * PROBE_STEPS + 6)
-        rows = auto.table()
+        # the groups' own choices only: whole steps here read however many clock calls land on this thread, which
+        # varies with the exchanges' threads, and the whole-step check would decide on that (test_settled_codecs...)
+        auto.verified = True
+        # one group: two groups' exchanges overlap, and one's slow launch could bump the counter across the other's
+        _train(runtime, auto, 2 * PROBE_STEPS + 6, wide=8, merge=1)
+        (row,) = auto.table()
     finally:
         runtime.shutdown()
-    assert auto.settled and len(rows) == 2, rows
+    assert auto.settled, row
     # a settled fp16 launch reads the clock a few times (0.1 us each; how many depends on which thread runs its done
     # callback), far under the slow launches' extra_s: its time is one of those, not a slow one's
-    QUICK = 1e-4
+    quick = 1e-4
     if counted:
-        assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("fp16", "measured", 2)] * 2, rows
-        assert all(r["measured_s"] < QUICK for r in rows), rows
+        assert (row["codec"], row["reason"], row["settling_launches"]) == ("fp16", "measured", 2), row
+        assert row["measured_s"] < quick, row
     elif charged == 2:
-        assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("none", "dropped", 0)] * 2, rows
+        assert (row["codec"], row["reason"], row["settling_launches"]) == ("none", "dropped", 0), row
     else:
-        assert [(r["codec"], r["reason"], r["settling_launches"]) for r in rows] == [("fp16", "measured", 0)] * 2, rows
-        assert all(r["measured_s"] < QUICK for r in rows), rows
+        assert (row["codec"], row["reason"], row["settling_launches"]) == ("fp16", "measured", 0), row
+        assert row["measured_s"] < quick, row
 
 
 def test_an_infinitely_fast_wire_runs_none_without_a_trial(rt: Runtime) -> None:
