@@ -191,9 +191,19 @@ class _Group:
     #: the codecs whose launches ran on gradsync's communication thread (a cast the runtime plans the size of, or
     #: any codec with an exchange of its own), not on the backend's allreduce
     threaded: set[str] = field(default_factory=set)
-    #: the codec its review dropped on a close call (measured within TRY_GAIN of "none"): the whole-step check times
-    #: steps with it back against the drop (:meth:`AutoCompression._check_restore`)
+    #: the way it lost on a close call, where "none" measured less than TRY_GAIN times quicker: a codec its review
+    #: dropped, or the planned exchange (:data:`PLANNED`) it did not keep; the whole-step check times steps with it
+    #: back where the group settled on "none" (:meth:`AutoCompression._check_restore`)
     close: str | None = None
+
+    def restorable(self) -> str | None:
+        """The way the whole-step check puts back (:attr:`close`), where the group settled on the "none" it lost to;
+        None otherwise (it settled on a codec; or on the planned way, which lost no close call then)."""
+        choice = self.choice
+        if self.close is None or choice is None or choice.codec != "none":
+            return None
+        lost = not self.planned if self.close == PLANNED else choice.reason == "dropped"
+        return self.close if lost else None
 
     def now(self) -> GroupSpec:
         """The group as the model prices it now: with the least slack its steps measured."""
@@ -764,8 +774,8 @@ class AutoCompression:
             return
         whole = all(launch.final for launch in launches)  # every group ran its settled choice or this turn's
         if self._restore is None:
-            self._restore = {key: group.close for key in self._current_groups()
-                             if (group := self._groups[key]).close is not None and group.priced().reason == "dropped"}
+            self._restore = {key: way for key in self._current_groups()
+                             if (way := self._groups[key].restorable()) is not None}
             self._restoring = bool(self._restore)
         if self._restoring:
             self._check_restore(seconds if whole else None)
@@ -813,11 +823,11 @@ class AutoCompression:
         self._turn, self._restoring = {}, False
         if not self._decide_flag("restore-check", lambda: whole_steps_lose(self._dropped_steps, self._restored_steps)):
             return
-        for key, codec in restore.items():
+        for key, way in restore.items():
             group = self._groups[key]
-            c = group.candidates[codec]
-            group.choice = AutoChoice(c.group, c.nbytes, codec, c.payload_bytes, c.predicted_s, c.none_s, "step")
-            group.planned = False
+            c = group.priced() if way == PLANNED else group.candidates[way]
+            group.choice = AutoChoice(c.group, c.nbytes, c.codec, c.payload_bytes, c.predicted_s, c.none_s, "step")
+            group.planned = way == PLANNED
         self._write_cache()
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
@@ -965,6 +975,9 @@ class AutoCompression:
             return quicker_by(group.time_s(PLANNED), group.time_s("none"), self.threaded_gain)
 
         group.planned = self._decide_flag(f"planned/{group.spec.name}", quicker)
+        if not group.planned and self._decide_flag(f"close/{group.spec.name}/planned", lambda: not quicker_by(
+                group.time_s("none"), group.time_s(PLANNED), TRY_GAIN)):
+            group.close = PLANNED
         if group.planned:
             group.times["none"] = list(group.times.get(PLANNED, []))
             group.unsettled["none"] = list(group.unsettled.get(PLANNED, []))

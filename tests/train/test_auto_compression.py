@@ -511,7 +511,8 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
     """Where the runtime plans a group's size itself, "none" is timed both ways (the backend's allreduce of the
     flat buffer, then the planned exchange) and the quicker one carries every later "none" launch; the next job
     reads it from the cache. Fake clock: one way 100x the other, or the planned way a little quicker (at most 1.11x:
-    under TRY_GAIN, the backend's is kept without a step check; at least 1.43x: over it). A backend launch reads the
+    under TRY_GAIN, the backend's is kept, a close call that whole steps then time both ways, and on this clock the
+    planned way's steps read slower; at least 1.43x: over it). A backend launch reads the
     clock twice on this thread, its launch and its done callback, so it measures 2 native_s; a planned one reads it
     once or twice (its callback runs here only if the exchange was done first). With ``penalty``, every whole step on the planned
     way costs that much more elsewhere (its thread taking backward's cores): the whole-step check sends the group
@@ -528,6 +529,7 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
     monkeypatch.setattr(rt, "native_allreduce_async", native)
     sig = param_signature(_model().named_parameters())
     clear = planned_s * TRY_GAIN <= 2 * native_s  # the planned way clears the bar
+    close = not clear and planned_s < TRY_GAIN * 2 * native_s  # the backend's way is not TRY_GAIN quicker either
     want_planned = clear and not penalty
     for job in ("first", "next"):
         clock = FakeClock({"none": native_s, PLANNED: planned_s, "other": 1.0})
@@ -541,7 +543,7 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
 
         _before_close(auto, costly)
         natives.clear()
-        steps = 4 * PROBE_STEPS + 2 if job == "first" else 3
+        steps = 6 * PROBE_STEPS + 3 if job == "first" else 3
         _train(rt, auto, steps, merge=1)
         (row,) = auto.table()
         assert auto.settled and row["codec"] == "none" and row["planned"] is want_planned, (job, row)
@@ -559,8 +561,12 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
                                                  for s in check["settled_s"][:1]) is not bool(penalty), check
             assert (row["reason"] == "step") is bool(penalty), row
             assert len(natives) == PROBE_STEPS + (steps - 3 * PROBE_STEPS if penalty else 0), natives
+        elif close:  # the restore check's steps on the planned way, PROBE_STEPS of them, then the backend's
+            assert check["restore"] == {row["group"]: PLANNED} and len(check["restored_s"]) == PROBE_STEPS, check
+            assert len(natives) == steps - 2 * PROBE_STEPS and not check["baseline_s"], (natives, check)
         else:
             assert len(natives) == steps - PROBE_STEPS and not check["baseline_s"], (natives, check)
+            assert not check["restore"], check
         assert check["verified"], check
 
 
@@ -1429,29 +1435,19 @@ def test_a_settled_step_ends_the_whole_step_check_only_calibration_gain_ahead_of
 def test_a_codec_dropped_on_a_close_call_comes_back_where_its_whole_steps_are_quicker(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, fp16_s: float, penalty: float, planned: bool,
         restored: bool | None) -> None:
-    """Each group's fp16 measures ``fp16_s`` a clock reading against "none"'s 1e-4: 1.1x slower, a close call its review
+    """One group's fp16 measures ``fp16_s`` a launch against "none"'s 1e-4: 1.1x slower, a close call its review
     drops, yet every settled step that runs "none" costs ``penalty`` more elsewhere (its exchange holding the cores
-    backward needs). The whole-step check first alternates steps with the drops and with fp16 put back: with the
-    penalty fp16 comes back (reason "step"; on a group whose "none" was the planned exchange too, fp16 then runs in
-    its place) and the check against "none" everywhere keeps it; without it the drops stand. A drop by more than
+    backward needs). The whole-step check first alternates steps with the drop and with fp16 put back: with the
+    penalty fp16 comes back (reason "step"; where the group's "none" was the planned exchange, fp16 then runs in its
+    place) and the check against "none" everywhere keeps it; without it the drop stands. A drop by more than
     TRY_GAIN (2x slower) is no close call: no step puts it back."""
     if planned:
         _with_planned_none(rt, monkeypatch)
     # with a planned way, "none" on the backend measures 1.3x slower than it: the planned way is the group's "none"
     clock = LaunchClock({"none": 1.3e-4 if planned else 1e-4, "fp16": fp16_s, PLANNED: 1e-4, "other": 1e-6})
-    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock,
-                           cache=False)
-    clock.auto = auto
-
-    def costly(launches: list) -> None:
-        if auto.settled and any(launch.codec in ("none", PLANNED) for launch in launches):
-            clock.now += penalty
-
-    _before_close(auto, costly)
-    _train(rt, auto, 6 * PROBE_STEPS + 3, wide=8, merge=1)  # one group, timed at its codec's cost a launch
+    auto = _close_call_auto(rt, clock, {"none", PLANNED}, penalty)
     (row,) = auto.table()
     check = auto.step_check
-    assert auto.settled and auto.verified, (row, check)
     assert auto._groups[row["group"]].planned is (planned and not restored), row
     if restored is None:
         assert not check["restore"] and not check["dropped_s"] and not check["restored_s"], check
@@ -1464,3 +1460,44 @@ def test_a_codec_dropped_on_a_close_call_comes_back_where_its_whole_steps_are_qu
         assert len(check["baseline_s"]) == PROBE_STEPS, check  # then timed against "none" everywhere, and kept
     else:
         assert (row["codec"], row["reason"]) == ("none", "dropped"), row
+
+
+def _close_call_auto(rt: Runtime, clock: LaunchClock, penalized: set[str], penalty: float) -> AutoCompression:
+    """An auto that trains one group through its choices and the whole-step checks on ``clock``, each settled step
+    that launched a codec of ``penalized`` costing ``penalty`` more at its close."""
+    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock,
+                           cache=False)
+    clock.auto = auto
+
+    def costly(launches: list) -> None:
+        if auto.settled and any(launch.codec in penalized for launch in launches):
+            clock.now += penalty
+
+    _before_close(auto, costly)
+    _train(rt, auto, 6 * PROBE_STEPS + 3, wide=8, merge=1)  # one group, timed at its codec's cost a launch
+    assert auto.settled and auto.verified, (auto.table(), auto.step_check)
+    return auto
+
+
+@pytest.mark.parametrize("planned_s, penalty, restored", [(1.1e-4, 1e-3, True), (1.1e-4, 0.0, False),
+                                                          (2e-4, 1e-3, None)])
+def test_a_planned_way_lost_on_a_close_call_comes_back_where_its_whole_steps_are_quicker(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, planned_s: float, penalty: float, restored: bool | None) -> None:
+    """The group's planned exchange measures ``planned_s`` a launch against the backend's 1e-4: 1.1x slower, a close
+    call, so the backend's "none" is kept; fp16 (3e-4) is then dropped far behind. Where every settled step on the
+    backend's "none" costs ``penalty`` more, the whole steps put the planned way back (reason "step"); without the
+    penalty the backend's way stays. 2x slower is no close call: no step puts it back."""
+    _with_planned_none(rt, monkeypatch)
+    clock = LaunchClock({"none": 1e-4, "fp16": 3e-4, PLANNED: planned_s, "other": 1e-6})
+    auto = _close_call_auto(rt, clock, {"none"}, penalty)
+    (row,) = auto.table()
+    check = auto.step_check
+    assert row["codec"] == "none" and auto._groups[row["group"]].planned is bool(restored), row
+    if restored is None:
+        assert not check["restore"] and not check["restored_s"], check
+        return
+    assert check["restore"] == {row["group"]: PLANNED}, check
+    assert len(check["dropped_s"]) == len(check["restored_s"]) == PROBE_STEPS, check
+    assert row["reason"] == ("step" if restored else "dropped"), row
+    if restored:  # then timed against "none" on the backend everywhere, and kept
+        assert len(check["baseline_s"]) == PROBE_STEPS, check
