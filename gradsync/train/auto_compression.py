@@ -310,15 +310,15 @@ class AutoCompression:
         self._early_none_steps: list[float] = []
         self._baseline_steps: list[float] = []
         self._settled_steps: list[float] = []
-        #: the whole-step check's first part, where a review dropped a codec on a close call: the codecs put back
-        #: (group -> codec; None until the choices settle), whether that part is under way, and whole steps with the
-        #: drops and with them put back
+        #: the whole-step check's first part, where groups lost a way on a close call (:attr:`_Group.close`): the
+        #: ways put back (group -> codec or PLANNED; None until the choices settle), whether that part is under way,
+        #: and whole steps with the settled choices and with those ways put back
         self._restore: dict[str, str] | None = None
         self._restoring = False
         self._dropped_steps: list[float] = []
         self._restored_steps: list[float] = []
         #: what each group runs on the coming step in place of its choice (a turn of the whole-step check: "none"
-        #: everywhere, or the close drops' codecs put back; empty: the choices)
+        #: everywhere, or the ways lost on close calls put back; empty: the choices)
         self._turn: dict[str, str] = {}
         #: steps ended so far; the clock when this step's last exchange ended, and when the step was closed
         self._ended = 0
@@ -699,8 +699,8 @@ class AutoCompression:
     @property
     def step_check(self) -> dict[str, Any]:
         """The whole-step check's samples (seconds per step): the uncompressed baseline, the settled steps, the probes'
-        "none" steps before the choices settled; the codecs put back where reviews dropped them on a close call, with
-        the steps that ran the drops and those that ran the codecs back; and whether the check is over."""
+        "none" steps before the choices settled; the ways put back where groups lost them on a close call, with the
+        steps that ran the settled choices and those that ran the ways back; and whether the check is over."""
         return {"baseline_s": list(self._baseline_steps), "settled_s": list(self._settled_steps),
                 "early_none_s": list(self._early_none_steps), "restore": dict(self._restore or {}),
                 "dropped_s": list(self._dropped_steps), "restored_s": list(self._restored_steps),
@@ -763,9 +763,9 @@ class AutoCompression:
         is (:data:`~gradsync.compress.auto.CALIBRATION_GAIN`), not to the check's own ``TRY_GAIN``: a warming step
         alone can read that much slower than the same "none" warm.
 
-        Where reviews dropped codecs on a close call, the steps first time the drops against those codecs put back
-        (:meth:`_check_restore`), whether or not a step ran "none" everywhere; this check then runs on what that
-        part left."""
+        Where groups lost a way on a close call (a codec, the planned exchange), the steps first time the settled
+        choices against those ways put back (:meth:`_check_restore`), whether or not a step ran "none" everywhere;
+        this check then runs on what that part left."""
         if all(launch.codec == "none" for launch in launches):
             self._none_ran = True
             if not self.settled:
@@ -805,11 +805,12 @@ class AutoCompression:
             self._write_cache()
 
     def _check_restore(self, seconds: float | None) -> None:
-        """The whole-step check's first part, where reviews dropped codecs on a close call (:attr:`_Group.close`):
-        ``probe_steps`` steps a side alternate between the settled choices and the same with those codecs put back,
-        timed whole (``seconds``: the step just ended, None where some group did not run a settled choice); where
-        the drops' median is more than :data:`~gradsync.compress.auto.STEP_TOLERANCE` slower
-        (:func:`~gradsync.compress.auto.whole_steps_lose`), the codecs come back (reason ``"step"``). A group's own
+        """The whole-step check's first part, where groups lost a way on a close call (:attr:`_Group.close`: a codec
+        its review dropped, the planned exchange not kept): ``probe_steps`` steps a side alternate between the
+        settled choices and the same with those ways put back, timed whole (``seconds``: the step just ended, None
+        where some group did not run a settled choice); where the settled steps' median is more than
+        :data:`~gradsync.compress.auto.STEP_TOLERANCE` slower (:func:`~gradsync.compress.auto.whole_steps_lose`),
+        the ways come back (reason ``"step"``). A group's own
         time reads what shares the cores with its exchange (backward's hold on them, the other groups' exchanges):
         two ways within ``TRY_GAIN`` of each other there may tie while the whole steps are far apart. Then the part
         is over and from the next step the check against "none" everywhere runs on the choices
