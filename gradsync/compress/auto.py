@@ -348,8 +348,9 @@ class AutoChoice:
     predicted_s: float
     none_s: float
     #: why it is this codec: ``"model"`` (priced), ``"measured"`` (kept after measuring), ``"dropped"``
-    #: (measured slower than none), ``"step"`` (its whole steps measured slower than those running none
-    #: everywhere), ``"cached"`` (an earlier job's)
+    #: (measured slower than none), ``"step"`` (whole steps decided it: back to none where they measured slower
+    #: than those running none everywhere, or a way lost on a close call put back where steps without it measured
+    #: slower), ``"cached"`` (an earlier job's)
     reason: str = "model"
 
     def to_dict(self) -> dict[str, Any]:
