@@ -13,7 +13,7 @@ import torch
 
 from gradsync.comm.local import LocalFabric
 from gradsync.comm.runtime import Runtime
-from gradsync.compress.auto import TRY_GAIN, AlphaBeta
+from gradsync.compress.auto import TRY_GAIN, AlphaBeta, quicker_by, whole_steps_lose
 from gradsync.compress.base import CompressionError
 from gradsync.errors import GradsyncError
 from gradsync.train.auto_compression import PLANNED, PROBE_STEPS, AutoCompression, param_signature
@@ -546,12 +546,19 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
         steps = 6 * PROBE_STEPS + 3 if job == "first" else 3
         _train(rt, auto, steps, merge=1)
         (row,) = auto.table()
+        check = auto.step_check
+        group = auto._groups[row["group"]]
+        if close and job == "first":
+            # a planned launch reads the clock once or twice (above), so the per-launch lead is 1.11x or a 1.8x loss,
+            # and its whole steps read either way too: where the times made it a close call, the whole steps decide
+            lost = not quicker_by(group.time_s("none"), group.time_s(PLANNED), TRY_GAIN)
+            assert (check["restore"] == {row["group"]: PLANNED}) is lost, (check, group.times)
+            want_planned = lost and whole_steps_lose(check["dropped_s"], check["restored_s"])
         assert auto.settled and row["codec"] == "none" and row["planned"] is want_planned, (job, row)
         assert all(natives)  # "none" on the backend is its allreduce whatever the plan (always=True)
         # first job: PROBE_STEPS launches each way, then the kept one; a kept planned way is checked against the
         # backend's in whole steps, alternating (PROBE_STEPS more of the backend's), unless its first settled step
         # took less than 1/TRY_GAIN of the probe's "none" step (no penalty here). The next job: the cached way.
-        check = auto.step_check
         if job == "next":
             assert len(natives) == (0 if want_planned else steps), natives
         elif clear:
@@ -561,9 +568,10 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
                                                  for s in check["settled_s"][:1]) is not bool(penalty), check
             assert (row["reason"] == "step") is bool(penalty), row
             assert len(natives) == PROBE_STEPS + (steps - 3 * PROBE_STEPS if penalty else 0), natives
-        elif close:  # the restore check's steps on the planned way, PROBE_STEPS of them, then the backend's
-            assert check["restore"] == {row["group"]: PLANNED} and len(check["restored_s"]) == PROBE_STEPS, check
-            assert len(natives) == steps - 2 * PROBE_STEPS and not check["baseline_s"], (natives, check)
+        elif close and check["restore"]:  # the restore part's PROBE_STEPS steps on the planned way
+            assert len(check["restored_s"]) == PROBE_STEPS and check["verified"], check
+            if not want_planned:  # then the backend's way everywhere
+                assert len(natives) == steps - 2 * PROBE_STEPS and not check["baseline_s"], (natives, check)
         else:
             assert len(natives) == steps - PROBE_STEPS and not check["baseline_s"], (natives, check)
             assert not check["restore"], check
