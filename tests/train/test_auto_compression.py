@@ -511,9 +511,9 @@ def test_none_is_the_quicker_of_the_backends_allreduce_and_the_runtimes_planned_
     """Where the runtime plans a group's size itself, "none" is timed both ways (the backend's allreduce of the
     flat buffer, then the planned exchange) and the quicker one carries every later "none" launch; the next job
     reads it from the cache. Fake clock: one way 100x the other, or the planned way a little quicker (at most 1.11x:
-    under TRY_GAIN, the backend's is kept, a close call that whole steps then time both ways, and on this clock the
-    planned way's steps read slower; at least 1.43x: over it). A backend launch reads the
-    clock twice on this thread, its launch and its done callback, so it measures 2 native_s; a planned one reads it
+    under TRY_GAIN, the backend's is kept, a close call whose whole steps then decide; at least 1.43x: over it). A
+    backend launch reads the clock twice on this thread, its launch and its done callback, so it measures 2
+    native_s; a planned one reads it
     once or twice (its callback runs here only if the exchange was done first). With ``penalty``, every whole step on the planned
     way costs that much more elsewhere (its thread taking backward's cores): the whole-step check sends the group
     back to the backend's allreduce (reason "step"), however quick its own exchange measured."""
