@@ -311,10 +311,9 @@ class AutoCompression:
         self._baseline_steps: list[float] = []
         self._settled_steps: list[float] = []
         #: the whole-step check's first part, where groups lost a way on a close call (:attr:`_Group.close`): the
-        #: ways put back (group -> codec or PLANNED; None until the choices settle), whether that part is under way,
-        #: and whole steps with the settled choices and with those ways put back
+        #: ways put back (group -> codec or PLANNED; None until the choices settle), and whole steps with the settled
+        #: choices and with those ways put back (the part is under way until each side has probe_steps)
         self._restore: dict[str, str] | None = None
-        self._restoring = False
         self._dropped_steps: list[float] = []
         self._restored_steps: list[float] = []
         #: what each group runs on the coming step in place of its choice (a turn of the whole-step check: "none"
@@ -776,9 +775,8 @@ class AutoCompression:
         if self._restore is None:
             self._restore = {key: way for key in self._current_groups()
                              if (way := self._groups[key].restorable()) is not None}
-            self._restoring = bool(self._restore)
-        if self._restoring:
-            self._check_restore(seconds if whole else None)
+        if self._restore and min(len(self._restored_steps), len(self._dropped_steps)) < self.probe_steps:
+            self._check_restore(seconds if whole else None)  # the first part is under way
             return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
         if not chosen or not self._none_ran:
@@ -792,11 +790,10 @@ class AutoCompression:
                                                        gain=CALIBRATION_GAIN)):
                 self.verified, self._turn = True, {}  # no warm-up or noise explains that gap
                 return
-        baseline_turn = len(self._baseline_steps) < len(self._settled_steps)
-        self._turn = dict.fromkeys(self._current_groups(), "none") if baseline_turn else {}
-        if min(len(self._baseline_steps), len(self._settled_steps)) < self.probe_steps:
+        if not self._take_turns(self._settled_steps, self._baseline_steps,
+                                dict.fromkeys(self._current_groups(), "none")):
             return
-        self.verified, self._turn = True, {}
+        self.verified = True
 
         if self._decide_flag("step-check", lambda: whole_steps_lose(self._settled_steps, self._baseline_steps)):
             for key, c in chosen.items():
@@ -818,10 +815,8 @@ class AutoCompression:
         restore = self._restore or {}
         if seconds is not None:
             (self._restored_steps if self._turn else self._dropped_steps).append(seconds)
-        if min(len(self._restored_steps), len(self._dropped_steps)) < self.probe_steps:
-            self._turn = dict(restore) if len(self._restored_steps) < len(self._dropped_steps) else {}
+        if not self._take_turns(self._dropped_steps, self._restored_steps, dict(restore)):
             return
-        self._turn, self._restoring = {}, False
         if not self._decide_flag("restore-check", lambda: whole_steps_lose(self._dropped_steps, self._restored_steps)):
             return
         for key, way in restore.items():
@@ -830,6 +825,16 @@ class AutoCompression:
             group.choice = AutoChoice(c.group, c.nbytes, c.codec, c.payload_bytes, c.predicted_s, c.none_s, "step")
             group.planned = way == PLANNED
         self._write_cache()
+
+    def _take_turns(self, settled_s: list[float], other_s: list[float], other: dict[str, str]) -> bool:
+        """One whole-step comparison's next turn, its steps alternating: ``other`` (what groups run in place of their
+        choices) where that side has fewer steps than the settled choices' side, else the choices. True once each
+        side has ``probe_steps``: the comparison is over and the choices run."""
+        if min(len(settled_s), len(other_s)) < self.probe_steps:
+            self._turn = other if len(other_s) < len(settled_s) else {}
+            return False
+        self._turn = {}
+        return True
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""
@@ -976,9 +981,8 @@ class AutoCompression:
             return quicker_by(group.time_s(PLANNED), group.time_s("none"), self.threaded_gain)
 
         group.planned = self._decide_flag(f"planned/{group.spec.name}", quicker)
-        if not group.planned and self._decide_flag(f"close/{group.spec.name}/planned", lambda: not quicker_by(
-                group.time_s("none"), group.time_s(PLANNED), TRY_GAIN)):
-            group.close = PLANNED
+        if not group.planned:
+            self._agree_close(group, PLANNED)
         if group.planned:
             group.times["none"] = list(group.times.get(PLANNED, []))
             group.unsettled["none"] = list(group.unsettled.get(PLANNED, []))
@@ -1028,11 +1032,16 @@ class AutoCompression:
         gain = self.threaded_gain if threaded else 1.0
         kept = self._agreed(group, "review", lambda: review(choice, group.time_s(choice.codec), group.time_s("none"),
                                                             gain))
-        if kept.codec == "none" and choice.codec != "none" and self._decide_flag(
-                f"close/{group.spec.name}", lambda: not quicker_by(group.time_s("none"), group.time_s(choice.codec),
-                                                                   TRY_GAIN)):
-            group.close = choice.codec
+        if kept.codec == "none" and choice.codec != "none":
+            self._agree_close(group, choice.codec)
         return kept
+
+    def _agree_close(self, group: _Group, way: str) -> None:
+        """After ``way`` (a codec, or :data:`PLANNED`) lost to the group's "none": it lost on a close call where "none"
+        measured less than ``TRY_GAIN`` times quicker (:attr:`_Group.close`), decided for the job."""
+        if self._decide_flag(f"close/{group.spec.name}/{way}",
+                             lambda: not quicker_by(group.time_s("none"), group.time_s(way), TRY_GAIN)):
+            group.close = way
 
     def _agreed(self, group: _Group, stage: str, pick: Callable[[], AutoChoice]) -> AutoChoice:
         """:meth:`_agree` where ``pick`` always chooses."""
