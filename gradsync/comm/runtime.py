@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,13 +77,25 @@ __all__ = [
 
 @dataclass
 class Work:
-    """A queued collective. ``wait()`` returns its tensors or raises the error the collective hit."""
+    """A queued collective. ``wait()`` returns its tensors or raises the error the collective hit.
+
+    ``finish``: applied to the collective's result by the first ``wait()``, on the waiting thread (later waits return
+    what it returned), for a caller that waits itself: a callback chained on ``future`` instead runs on the backend's
+    thread, which must take the GIL from the caller first. ``future`` is the collective's own (without ``finish``).
+    """
 
     future: torch.futures.Future
     name: str = ""
+    finish: Callable[[Any], Any] | None = None
+    _finished: list[Any] = field(default_factory=list, repr=False)  # finish's result, once it ran
 
     def wait(self) -> Any:
-        return self.future.wait()
+        value = self.future.wait()
+        if self.finish is None:
+            return value
+        if not self._finished:
+            self._finished.append(self.finish(value))
+        return self._finished[0]
 
     def done(self) -> bool:
         return self.future.done()

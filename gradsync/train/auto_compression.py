@@ -122,14 +122,6 @@ PLANNED = "none/planned"
 _SERIALS = itertools.count()
 
 
-def _checked_average(f: torch.futures.Future, flat: Tensor, world: int, verdict: StepVerdict, slot: int) -> Tensor:
-    """After the backend's sum of ``flat`` (``f``): whether it is finite joins the step's verdict at ``slot``, then
-    ``flat`` is averaged in place (the same bits on every rank, so the same verdict too)."""
-    f.value()
-    verdict.fill(slot, Verdicts(all_finite(flat)))
-    return average_in_place(flat, world) if world > 1 else flat
-
-
 def wire_of(runtime: Runtime) -> AlphaBeta:
     """The runtime's calibrated wire as α–β: α of one native ring step (or one executor message), β the
     slowest link's rate (measured per link class where calibrated) times the transport's goodput."""
@@ -517,7 +509,7 @@ class AutoCompression:
         return work
 
     def _native(self, flat: Tensor, key: str, verdict: StepVerdict, wire: torch.dtype | None = None,
-                scaled: bool = False) -> Work | None:
+                scaled: bool = False, deferred: bool = False) -> Work | None:
         """``flat`` averaged in place by the process group's own async allreduce, whatever the runtime plans for
         its size (None where the backend cannot take it: no process group, another device). The sum is the same
         bits on every rank, so whether it is finite is the job's verdict on this group: it joins the step's, as
@@ -526,7 +518,9 @@ class AutoCompression:
         ``wire``: a cast codec's dtype (fp16, bf16): ``flat`` is cast, summed in that dtype and cast back, as a
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
         own step then runs on the planned exchange, as the fixed codec would). ``scaled``: ``flat`` was scaled by
-        1/world already (:meth:`plain_scale`), the sum is the average."""
+        1/world already (:meth:`plain_scale`), the sum is the average. ``deferred``: the average and the verdict
+        are the work's ``finish``, done by its ``wait()`` on the caller's thread (:meth:`_finisher`), for a caller
+        that waits for the work itself; else chained on its future, for one that hands the future on (a DDP hook)."""
         fut = self._backend_sum(flat, wire)
         if fut is None:
             if scaled:
@@ -534,8 +528,16 @@ class AutoCompression:
                                        "after it said it takes it (a non-contiguous buffer, or the runtime failed "
                                        "meanwhile)")
             return None
-        return Work(self._averaged(fut, flat, verdict, world=1 if scaled else None).then(lambda f: [f.value()]),
-                    f"auto:{key}:native")
+        return self._work(fut, flat, verdict, f"auto:{key}:native", world=1 if scaled else None, deferred=deferred)
+
+    def _work(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None, name: str, *,
+              world: int | None, deferred: bool) -> Work:
+        """The work of the backend's sum of ``flat`` (``fut``), its result ``[flat]`` averaged (:meth:`_finisher`):
+        finished by its ``wait()`` where ``deferred``, else by callbacks chained on ``fut``."""
+        finish = self._finisher(flat, verdict, world)
+        if deferred:
+            return Work(fut, name, finish=lambda value: [finish(value)])
+        return Work(fut.then(lambda f: [finish(f.value())]), name)
 
     def _backend_sum(self, flat: Tensor, wire: torch.dtype | None) -> torch.futures.Future | None:
         """``flat`` summed in place by the process group's own allreduce (in ``wire`` and cast back, for a cast
@@ -570,6 +572,25 @@ class AutoCompression:
 
         ``scaled``: the caller already scaled ``flat`` by :meth:`lean_scale` (asked of this group, not None): the sum
         is the average, and only its verdict is taken."""
+        fut = self._settled_sum(flat, key, scaled)
+        if fut is None:
+            return None
+        return self._averaged(fut, flat, self.boundary.verdict_for([key]) if verdict else None, world=1 if scaled else None)
+
+    def settled_work(self, flat: Tensor, key: str, *, scaled: bool = False) -> Work | None:
+        """:meth:`settled_launch` (its verdict joining the step's) for a caller that waits for the work itself (the
+        optimizer's groups): the average and the verdict are done by the work's ``wait()`` on the caller's thread,
+        not by callbacks on the backend's thread, each of which first takes the GIL from the caller (two per launch
+        cost a small model's step more than its allreduce: docs/mergecomp.md). The result is ``[flat]``."""
+        fut = self._settled_sum(flat, key, scaled)
+        if fut is None:
+            return None
+        return self._work(fut, flat, self.boundary.verdict_for([key]), f"auto:{key}:settled",
+                          world=1 if scaled else None, deferred=True)
+
+    def _settled_sum(self, flat: Tensor, key: str, scaled: bool) -> torch.futures.Future | None:
+        """The backend's sum of a lean group's ``flat`` (:meth:`settled_launch`), or None where the group is not lean
+        or the backend refused the buffer."""
         lean = self._lean
         if lean is None or key not in lean:
             return None
@@ -585,7 +606,7 @@ class AutoCompression:
                                        "meanwhile)")
             return None
         self.settled_launches += 1
-        return self._averaged(fut, flat, self.boundary.verdict_for([key]) if verdict else None, world=1 if scaled else None)
+        return fut
 
     def plain_scale(self, device: torch.device) -> float | None:
         """:meth:`lean_scale` for :meth:`plain_launch`: ``1 / world`` where the backend's allreduce takes a buffer on
@@ -603,7 +624,7 @@ class AutoCompression:
         allreduce where it can take ``flat``, else the ``"none"`` step's exchange. ``scaled``: ``flat`` was scaled
         by :meth:`plain_scale` (not None) as it was copied in."""
         verdict = self.boundary.verdict_for([info.name])
-        return self._native(flat, info.name, verdict, scaled=scaled) or self.base.step_async(
+        return self._native(flat, info.name, verdict, scaled=scaled, deferred=True) or self.base.step_async(
             [flat], [info], reuse=True, verdict=verdict)
 
     def calibration_stands(self, settled: int) -> bool:
@@ -662,14 +683,23 @@ class AutoCompression:
         """After the backend's sum of ``flat`` (``fut``, :meth:`_backend_sum`): ``flat`` averaged in place, the
         future's value ``flat``; with ``verdict``, whether it is finite joins that step's. ``world``: what to divide
         by (default the runtime's world size; 1 where the terms were scaled before the sum)."""
+        finish = self._finisher(flat, verdict, world)
+        return fut.then(lambda f: finish(f.value()))
+
+    def _finisher(self, flat: Tensor, verdict: StepVerdict | None, world: int | None = None) -> Callable[[Any], Tensor]:
+        """What follows the backend's sum of ``flat``, given its result: with ``verdict`` (its slot reserved now, in
+        launch order), whether the sum is finite joins that step's -- the same bits on every rank, so the same
+        verdict --; then ``flat`` is averaged in place (``world``: :meth:`_averaged`) and returned."""
         self.native_launches += 1
         world = self.runtime.world_size if world is None else world
-        if verdict is not None:
-            slot = verdict.reserve()
-            return fut.then(lambda f: _checked_average(f, flat, world, verdict, slot))
-        if world == 1:
-            return fut.then(lambda f: flat)
-        return fut.then(lambda f: average_in_place(flat, world))
+        slot = verdict.reserve() if verdict is not None else -1
+
+        def finish(_: Any) -> Tensor:
+            if verdict is not None:
+                verdict.fill(slot, Verdicts(all_finite(flat)))
+            return average_in_place(flat, world) if world > 1 else flat
+
+        return finish
 
     def _lean_groups(self) -> frozenset[str] | None:
         """The groups :meth:`settled_launch` may take: all of them once the step check is over and every choice is

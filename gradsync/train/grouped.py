@@ -276,9 +276,9 @@ outside auto's choosing (the optimizer's calibration steps).
             return
         if self._auto and reuse:
             # a settled stateless choice: a plain allreduce
-            settled = self.step.settled_launch(buf, g.info.name, scaled=scale is not None)
+            settled = self.step.settled_work(buf, g.info.name, scaled=scale is not None)
             if settled is not None:
-                self._works.append((g, Work(settled.then(lambda f: [f.value()]), f"auto:{g.info.name}:settled")))
+                self._works.append((g, settled))
                 return
             # auto: its "none" is the backend's allreduce of buf, any codec sees the members' shapes (views of buf)
             tensors, infos = [buf], [g.info]

@@ -145,3 +145,34 @@ def test_auto_prices_nothing_at_init_and_each_size_class_at_its_first_call(monke
 
     for got in run_ranks(2, named):
         assert isinstance(got, str) and "no-such-plan" in got, got
+
+
+def test_a_works_finish_runs_once_on_the_thread_that_waits_and_not_after_a_failure():
+    """``Work(future, finish=f)``: the first ``wait()`` applies ``f`` to the collective's result on the waiting
+    thread, later waits return the same object without running it again; a collective that failed raises from
+    ``wait()`` and ``f`` never sees its result."""
+    import threading
+
+    from gradsync.comm.runtime import Work
+
+    seen: list[tuple[list[int], threading.Thread]] = []
+
+    def finish(value: list[int]) -> list[int]:
+        seen.append((value, threading.current_thread()))
+        return [2 * v for v in value]
+
+    fut: torch.futures.Future = torch.futures.Future()
+    work = Work(fut, "w", finish=finish)
+    done = threading.Thread(target=lambda: fut.set_result([1, 2]))
+    done.start()
+    done.join()
+    first = work.wait()
+    assert first == [2, 4] and work.wait() is first
+    assert seen == [([1, 2], threading.main_thread())]
+    assert Work(fut, "plain").wait() == [1, 2]  # no finish: the collective's own result
+
+    failed: torch.futures.Future = torch.futures.Future()
+    failed.set_exception(RuntimeError("peer lost"))
+    with pytest.raises(RuntimeError, match="peer lost"):
+        Work(failed, "bad", finish=finish).wait()
+    assert len(seen) == 1

@@ -849,6 +849,64 @@ def _with_native(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[torch.dty
     return sent
 
 
+def test_a_lean_optimizer_group_is_averaged_and_checked_on_the_thread_that_waits_for_it(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once settled, the optimizer's lean groups (:meth:`AutoCompression.settled_work`) take their finite verdict and
+    their average on the thread that waits for them (``step()``'s), not in callbacks on the thread where the
+    backend's sum completes: such a callback first takes the GIL from the training thread, twice a launch. The
+    backend's sums here complete on a thread of their own, as gloo's do; the optimizer still skips a NaN step and
+    otherwise steps as the plain one."""
+    from gradsync.train import auto_compression
+
+    _with_native(rt, monkeypatch)
+    auto = AutoCompression("cast", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+                           clock=FakeClock({"none": 1e-4, PLANNED: 1.0, "other": 1e-6}), cache=False)
+    auto.clock.auto = auto  # type: ignore[attr-defined]
+    model, plain = _model(), _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge=1)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    def train(step: int) -> None:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for net, o in ((model, opt), (plain, ref)):
+            net(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+
+    step = 0
+    while auto._lean is None:
+        assert step < 40, auto.table()
+        train(step)
+        step += 1
+
+    def later(tensor, algorithm=None, always=False):  # the sum completes on another thread, as the backend's does
+        fut: torch.futures.Future = torch.futures.Future()
+        threading.Timer(0.005, lambda: fut.set_result([tensor])).start()
+        return fut
+
+    checked: list[threading.Thread] = []
+    real = auto_compression.all_finite
+
+    def spy(tensor):
+        checked.append(threading.current_thread())
+        return real(tensor)
+
+    monkeypatch.setattr(rt, "native_allreduce_async", later)
+    monkeypatch.setattr(auto_compression, "all_finite", spy)
+    before = auto.settled_launches
+    for s in range(step, step + 3):
+        train(s)
+    assert auto.settled_launches - before == 3 and checked, auto.table()
+    assert all(t is threading.main_thread() for t in checked), [t.name for t in checked]
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    weights = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((4, 8), float("nan"))).square().sum().backward()
+    assert opt.step() is None and opt.nonfinite_steps == 1
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
 @pytest.mark.parametrize("allow, wire, natively, stateless", [("cast", AlphaBeta(0.0, float("inf")), True, True),
                                                               ("cast", SLOW, True, True), ("cast", SLOW, False, False),
                                                               ("any", SLOW, True, False)])
