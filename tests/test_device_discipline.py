@@ -178,7 +178,9 @@ def test_nccl_named_with_a_rank_past_the_last_gpu_names_the_fix(monkeypatch):
     assert asked == []
 
 
-def test_a_launcher_count_that_is_not_an_integer_is_named(monkeypatch):
+def test_a_launcher_count_that_is_not_an_integer_is_named_where_the_backend_is_chosen_by_it(monkeypatch):
+    """``LOCAL_WORLD_SIZE`` picks the backend when none is named, and a value that is not a count says so; with a
+    backend named the count is not read, so a stray value there does not stop the job."""
     from gradsync.comm.runtime import _init_process_group
     from gradsync.errors import GradsyncError
 
@@ -186,3 +188,7 @@ def test_a_launcher_count_that_is_not_an_integer_is_named(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     with pytest.raises(GradsyncError, match=r"^LOCAL_WORLD_SIZE='two' must be an integer"):
         _init_process_group(None, 5.0)
+    asked = _fake_gpus(monkeypatch, gpus=1, local_rank=0, local_ranks=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")  # a named backend needs no count of the host's processes
+    _init_process_group("gloo", 5.0)
+    assert asked == ["gloo"]

@@ -87,7 +87,7 @@ class Work:
     future: torch.futures.Future
     name: str = ""
     finish: Callable[[Any], Any] | None = None
-    _finished: list[Any] = field(default_factory=list, repr=False)  # finish's result, once it ran
+    _finished: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)  # finish's result, once run
 
     def wait(self) -> Any:
         value = self.future.wait()
@@ -706,8 +706,8 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
         )
     cuda = torch.cuda.is_available() and dist.is_nccl_available()
     gpus = torch.cuda.device_count() if cuda else 0
-    local_ranks = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
-    if backend is None:
+    if backend is None:  # the processes on this host decide; a named backend needs no count of them
+        local_ranks = _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
         backend = default_backend(gpus, local_ranks)
         if backend == "gloo" and gpus:
             warnings.warn(f"gradsync: {local_ranks} processes on this host share {gpus} GPU(s), and NCCL needs a GPU "
