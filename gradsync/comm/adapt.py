@@ -453,6 +453,7 @@ class Adapter:
         """This rank's rate to each peer it sent to in the collective ``ex`` ran: the executor's send timings,
         replaced by the kernel's counters where the pair's connection is known; nothing for the backend's own
         collective (it gives each rank's time alone)."""
+        self.tcp_pairs = 0  # of this collective's rates: none until the kernel's counters give some
         if not isinstance(ex, Executor):
             return {}
         me = self.rank
@@ -585,10 +586,14 @@ class Adapter:
         """Watched collectives behind a verdict: as many as the detector needs to switch (either side)."""
         return max(self.options.link.k, self.options.late.k)
 
-    def _messages(self, schedule: Schedule) -> dict[str, Any]:
-        """How ``schedule``'s messages cost (:meth:`CostModel.messages <gradsync.sim.cost.CostModel.messages>`): the
-        backend's α, overlapping the wire, for its own ring; else the executor's, in series."""
-        return self.plans.cost_model.messages(schedule.algorithm == NATIVE)
+    def _sim_args(self, schedule: Schedule) -> dict[str, Any]:
+        """:func:`~gradsync.sim.simulate`'s arguments for ``schedule`` besides its rates, as the cost model prices it
+        (:meth:`CostModel.run <gradsync.sim.cost.CostModel.run>`): the reverse direction's share, the token buckets,
+        and how its messages cost (:meth:`CostModel.messages <gradsync.sim.cost.CostModel.messages>`: the backend's
+        α, overlapping the wire, for its own ring; else the executor's, in series)."""
+        model = self.plans.cost_model
+        return {"streaming": False, "fifo": True, "reverse_share": model.reverse_share, "burst_s": model.burst_s,
+                "progress": False, **model.messages(schedule.algorithm == NATIVE)}
 
     def _late(self, conditions: Conditions) -> dict[int, float]:
         return {} if conditions.straggler is None else {conditions.straggler: conditions.straggler_delay_s}
@@ -612,10 +617,8 @@ class Adapter:
     def _on_wire(self, schedule: Schedule, topology: Topology, nbytes: float, late: dict[int, float]) -> SimResult:
         """The simulation :meth:`_predict` and :meth:`_ends_on_wire` read: the model's rates divided by the warm-up's
         slowdown, the plan's α (the backend's for its own ring), the ranks in ``late`` arriving late."""
-        model = self.plans.cost_model
-        return simulate(schedule, _slowed(model.rates(topology), self.slowdown), float(nbytes), streaming=False,
-                        fifo=True, reverse_share=model.reverse_share, progress=False, start_delay_s=late or None,
-                        **self._messages(schedule))
+        return simulate(schedule, _slowed(self.plans.cost_model.rates(topology), self.slowdown), float(nbytes),
+                        start_delay_s=late or None, **self._sim_args(schedule))
 
     def _rate_slowdown(self, schedule: Schedule, nbytes: float, measured_s: float, modelled_s: float) -> float:
         """The factor ``g >= 1`` by which the model's rates must be divided for ``schedule`` to take
@@ -624,10 +627,9 @@ class Adapter:
         key = (id(schedule), size_class(nbytes))
         got = self._fast.get(key)
         if got is None or got[0] is not schedule:  # the same every warm-up collective of the plan: once
-            model = self.plans.cost_model
             got = self._fast[key] = (schedule, simulate(
-                schedule, _slowed(model.rates(self.base_topology), 1e-6), float(nbytes), streaming=False, fifo=True,
-                reverse_share=model.reverse_share, progress=False, **self._messages(schedule)).time_s)
+                schedule, _slowed(self.plans.cost_model.rates(self.base_topology), 1e-6), float(nbytes),
+                **self._sim_args(schedule)).time_s)
         fast = got[1]
         wire = modelled_s - fast
         return max(1.0, (measured_s - fast) / wire) if wire > 0 else 1.0
@@ -679,9 +681,7 @@ class Adapter:
         key = (id(schedule), size_class(nbytes), id(topology))
         got = self._expected.get(key)
         if got is None or got[0] is not schedule or got[1] is not topology:
-            model = self.plans.cost_model
-            sim = simulate(schedule, model.rates(topology), float(nbytes), streaming=False, fifo=True,
-                           reverse_share=model.reverse_share, progress=False, **self._messages(schedule))
+            sim = simulate(schedule, self.plans.cost_model.rates(topology), float(nbytes), **self._sim_args(schedule))
             start, finish = sim.transfer_times()
             arr = schedule.arrays
             frac = np.array([c.size for c in schedule.chunks])[arr["chunk"]]

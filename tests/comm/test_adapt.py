@@ -784,3 +784,45 @@ def test_adapt_false_and_the_environment_turn_the_watch_off(monkeypatch):
     for got in run_ranks(2, body):
         assert not isinstance(got, BaseException), got
         assert got[0] is not None and got[0].watched == 1 and got[1] is None  # recorded, then let go
+
+
+def test_the_count_of_kernel_read_pairs_is_the_last_collectives_not_an_earlier_ones():
+    """``Adapter.tcp_pairs`` says how many of the last watched collective's pair rates came from the kernel's counters:
+    a collective without a counter reading (the backend's own, or one before the connections are mapped) counts 0,
+    not what an earlier collective counted."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from gradsync.comm.adapt import Adapter
+    from gradsync.comm.executor import Executor
+
+    ex = mock.Mock(spec=Executor)
+    ex.sent, ex.proc_of = [], [0, 1]
+    for collective in (ex, object()):
+        watch = SimpleNamespace(rank=0, options=SimpleNamespace(pair_min_bytes=1), _tcp_before=None,
+                                _tcp_reader=None, _tcp_peers=None, tcp_pairs=2)
+        assert Adapter._measure(watch, collective) == {}  # type: ignore[arg-type]
+        assert watch.tcp_pairs == 0
+
+
+@pytest.mark.parametrize("name", ["ring", "tree"])
+def test_the_watch_prices_a_plan_on_the_wire_as_the_cost_model_does_token_buckets_included(name):
+    """Where the model holds token buckets (``burst_s``, a shaper's), the watch's price of a plan on the warm-up's
+    wire (at a slowdown of 1, no rank late) is the cost model's own, not that of a wire without them."""
+    from types import SimpleNamespace
+
+    from gradsync.comm.adapt import Adapter
+    from gradsync.plan.synthesizers import PlanOptions, synthesize
+    from gradsync.sim.cost import CostModel
+    from gradsync.topology.builders import switch
+
+    topo = switch(4)
+    schedule = synthesize(name, topo, PlanOptions())
+    nbytes = float(1 << 20)
+    model = CostModel(burst_s=2e-3)
+    watch = SimpleNamespace(plans=SimpleNamespace(cost_model=model), slowdown=1.0)
+    watch._sim_args = lambda s: Adapter._sim_args(watch, s)  # type: ignore[arg-type]
+    priced = Adapter._on_wire(watch, schedule, topo, nbytes, {}).time_s  # type: ignore[arg-type]
+    assert priced == pytest.approx(model.run(schedule, topo, nbytes).time_s, rel=1e-12)
+    flat = dataclasses.replace(model, burst_s=0.0)
+    assert priced < flat.run(schedule, topo, nbytes).time_s  # the buckets are what the price took in
