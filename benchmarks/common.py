@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gradsync.topology import Topology
 
 #: The source checkout: the directory that holds ``benchmarks/`` (and ``gradsync/``).
@@ -77,6 +79,19 @@ def loopback_report(cmd: Sequence[str], procs: int, report: Path, *, timeout_s: 
         print(f"gradsync: error: {what}: worker exit codes {codes}", file=sys.stderr)
         return None
     return json.loads(report.read_text())
+
+
+def replicas_identical(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are the same bits on every rank of the default process group: the elementwise
+    minimum and maximum over ranks agree (two allreduces, no pickle). A collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(low, high))
 
 
 def random_regular(n: int, degree: int, seed: int = 0) -> Topology:

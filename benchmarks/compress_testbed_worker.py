@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.bml_testbed_worker import MODELS, CpuMeter, PaperLeNet5, _gather_float
+from benchmarks.common import replicas_identical
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
@@ -294,14 +295,6 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
     return float((logits.argmax(1) == y).float().mean()), float(nn.functional.cross_entropy(logits, y))
 
 
-def _identical(model: nn.Module) -> bool:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    low, high = flat.clone(), flat.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    return bool(torch.equal(low, high))
-
-
 def train(rt: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Every method's replica from the same weights, stepping in turn on the same batches."""
     from gradsync.models.data import load_digits, shard
@@ -351,7 +344,7 @@ def train(rt: Any, args: argparse.Namespace) -> dict[str, Any]:
             "median_s": statistics.median(samples[name]) if samples[name] else None, "samples_s": samples[name],
             "train_s": elapsed[name], "losses": losses[name], "evals": evals[name],
             "accuracy": final.get("accuracy"), "test_loss": final.get("loss"),
-            "replicas_identical": _identical(rep.model) if m.synchronised else None,
+            "replicas_identical": replicas_identical(rep.model) if m.synchronised else None,
             "stats": rep.stats(),
         }
     return {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "lr": args.lr, "momentum": MOMENTUM,

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.compress_testbed_worker import Replica, _identical, _timed, _train_step, leave
+from benchmarks.common import replicas_identical
+from benchmarks.compress_testbed_worker import Replica, _timed, _train_step, leave
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
@@ -273,7 +274,7 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
         rows[m] = {"median_s": statistics.median(samples[m]), "samples_s": samples[m], "first_steps_s": first[m],
                    "losses": losses[m], "accuracy": at_steps[m][0], "test_loss": at_steps[m][1],
                    "accuracy_final": acc, "test_loss_final": loss, "choosing_steps": chose[m],
-                   "replicas_identical": _identical(rep.model), "stats": rep.stats()}
+                   "replicas_identical": replicas_identical(rep.model), "stats": rep.stats()}
     return {"model": model_name, "path": path, "steps": total, "accuracy_steps": args.steps,
             "parameters": sum(p.numel() for p in base.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "methods": rows,

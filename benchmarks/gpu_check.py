@@ -261,7 +261,7 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsync
-    from benchmarks.compress_testbed_worker import _identical
+    from benchmarks.common import replicas_identical
     from gradsync.compress import COMPRESSORS
     from gradsync.sim.choose import algorithms_for
 
@@ -292,7 +292,7 @@ def _engine_rank(rank: int, world: int, backend: str, store: str, steps: int, ou
             return False
         # the replicas started alike (_cnn's seed): every rank's parameters must still be the same bits, which a
         # device kernel that sums in a rank-dependent or racy order (atomics in a scatter) would break
-        if not _identical(model):
+        if not replicas_identical(model):
             raise RuntimeError(f"replicas differ across ranks after {len(batches)} steps")
         return True
 
