@@ -70,7 +70,9 @@ __all__ = [
     "LAUNCH_SPREAD",
     "QUICK_LAUNCH_S",
     "wants_another",
+    "STEP_CHECK_ROUNDS",
     "STEP_TOLERANCE",
+    "turns_over",
     "whole_steps_lose",
     "steps_apart",
     "margin_for",
@@ -106,6 +108,10 @@ CALIBRATION_GAIN = 1.5
 #: own timings, which already put the choices ahead (docs/mergecomp.md: without it a cast went back to ``"none"`` on
 #: a difference of a percent between two noisy steps a side).
 STEP_TOLERANCE = 0.05
+#: The whole-step comparisons (the check against "none" everywhere, and the close calls' part before it) time
+#: ``probe_steps`` steps a side, and go on while their sides overlap, up to this many times that
+#: (:func:`turns_over`): two noisy steps a side that overlap say nothing either way.
+STEP_CHECK_ROUNDS = 3
 #: A trial's launches quicker than this (seconds), or a codec's at any speed, get a third where their two disagree
 #: (:func:`wants_another`)...
 QUICK_LAUNCH_S = 0.05
@@ -553,6 +559,23 @@ def steps_apart(quick_s: Sequence[float], slow_s: Sequence[float], *, least: int
     if min(len(quick_s), len(slow_s)) < least:
         return False
     return quicker_by(max(quick_s), min(slow_s), gain)
+
+
+def turns_over(settled_s: Sequence[float], other_s: Sequence[float], *, least: int,
+               rounds: int = STEP_CHECK_ROUNDS) -> bool:
+    """Whether a whole-step comparison has its steps: ``least`` a side, and then either its sides apart (every step of
+    one side quicker than every step of the other, :func:`steps_apart` at a gain of 1) or ``rounds * least`` a side.
+    Sides that overlap are noise as likely as a difference, and a median of two noisy steps picks the slower way
+    often enough to matter (docs/mergecomp.md, "The whole-step check goes on while its sides overlap")."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise CompressionError(f"rounds={rounds!r} must be an integer >= 1 (times least, the most steps a side)")
+    n = min(len(settled_s), len(other_s))
+    if n < least:
+        return False
+    if n >= rounds * least:
+        return True
+    return steps_apart(settled_s, other_s, least=least, gain=1.0) or steps_apart(other_s, settled_s, least=least,
+                                                                                 gain=1.0)
 
 
 def margin_for(codec: str, margin: float = MARGIN, cast_margin: float = CAST_MARGIN) -> float:

@@ -93,6 +93,7 @@ from gradsync.compress.auto import (
     rival,
     steps_apart,
     trust_margin,
+    turns_over,
     wants_another,
     whole_steps_lose,
     wide_margin,
@@ -119,6 +120,9 @@ RECORD_WAIT_S = 5.0
 MAX_CODECS = 3
 #: The trial of a group's ``"none"`` on the runtime's planned exchange instead of the backend's allreduce.
 PLANNED = "none/planned"
+#: The whole-step check's two comparisons (:meth:`AutoCompression._take_turns`): the ways lost on close calls put
+#: back, then "none" everywhere.
+RESTORE_PART, NONE_PART = "restore", "none"
 _SERIALS = itertools.count()
 
 
@@ -304,10 +308,14 @@ class AutoCompression:
         self._settled_steps: list[float] = []
         #: the whole-step check's first part, where groups lost a way on a close call (:attr:`_Group.close`): the
         #: ways put back (group -> codec or PLANNED; None until the choices settle), and whole steps with the settled
-        #: choices and with those ways put back (the part is under way until each side has probe_steps)
+        #: choices and with those ways put back (the part is under way until :meth:`_take_turns` ends it)
         self._restore: dict[str, str] | None = None
         self._dropped_steps: list[float] = []
         self._restored_steps: list[float] = []
+        #: the whole-step comparisons that are over (RESTORE_PART, NONE_PART), and the job's answer at each count
+        #: of steps a side whether that comparison was (``"<part>/<count>"``)
+        self._turns_over: set[str] = set()
+        self._turns_decided: dict[str, bool] = {}
         #: what each group runs on the coming step in place of its choice (a turn of the whole-step check: "none"
         #: everywhere, or the ways lost on close calls put back; empty: the choices)
         self._turn: dict[str, str] = {}
@@ -805,7 +813,7 @@ class AutoCompression:
         if self._restore is None:
             self._restore = {key: way for key in self._current_groups()
                              if (way := self._groups[key].restorable()) is not None}
-        if self._restore and min(len(self._restored_steps), len(self._dropped_steps)) < self.probe_steps:
+        if self._restore and RESTORE_PART not in self._turns_over:
             self._check_restore(seconds if whole else None)  # the first part is under way
             return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
@@ -820,7 +828,7 @@ class AutoCompression:
                                                        gain=CALIBRATION_GAIN)):
                 self.verified, self._turn = True, {}  # no warm-up or noise explains that gap
                 return
-        if not self._take_turns(self._settled_steps, self._baseline_steps,
+        if not self._take_turns(NONE_PART, self._settled_steps, self._baseline_steps,
                                 dict.fromkeys(self._current_groups(), "none")):
             return
         self.verified = True
@@ -845,7 +853,7 @@ class AutoCompression:
         restore = self._restore or {}
         if seconds is not None:
             (self._restored_steps if self._turn else self._dropped_steps).append(seconds)
-        if not self._take_turns(self._dropped_steps, self._restored_steps, dict(restore)):
+        if not self._take_turns(RESTORE_PART, self._dropped_steps, self._restored_steps, dict(restore)):
             return
         if not self._decide_flag("restore-check", lambda: whole_steps_lose(self._dropped_steps, self._restored_steps)):
             return
@@ -856,15 +864,26 @@ class AutoCompression:
             group.planned = way == PLANNED
         self._write_cache()
 
-    def _take_turns(self, settled_s: list[float], other_s: list[float], other: dict[str, str]) -> bool:
-        """One whole-step comparison's next turn, its steps alternating: ``other`` (what groups run in place of their
-        choices) where that side has fewer steps than the settled choices' side, else the choices. True once each
-        side has ``probe_steps``: the comparison is over and the choices run."""
-        if min(len(settled_s), len(other_s)) < self.probe_steps:
-            self._turn = other if len(other_s) < len(settled_s) else {}
-            return False
-        self._turn = {}
-        return True
+    def _take_turns(self, part: str, settled_s: list[float], other_s: list[float], other: dict[str, str]) -> bool:
+        """One whole-step comparison's next turn (``part``: which), its steps alternating: ``other`` (what groups run in
+        place of their choices) where that side has fewer steps than the settled choices' side, else the choices. True
+        once the comparison is over (:func:`~gradsync.compress.auto.turns_over` on rank 0's steps, decided for the
+        job each time both sides have as many from ``probe_steps`` on): from then on the choices run."""
+        over = part in self._turns_over
+        n = min(len(settled_s), len(other_s))
+        if not over and n >= self.probe_steps and len(settled_s) == len(other_s):
+            key = f"{part}/{n}"
+            if key not in self._turns_decided:  # once per count: a step without a sample asks no second time
+                self._turns_decided[key] = self._decide_flag(
+                    f"turns/{key}", lambda: turns_over(settled_s, other_s, least=self.probe_steps))
+            over = self._turns_decided[key]
+            if over:
+                self._turns_over.add(part)
+        if over:
+            self._turn = {}
+            return True
+        self._turn = other if len(other_s) < len(settled_s) else {}
+        return False
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""

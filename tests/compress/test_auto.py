@@ -13,6 +13,7 @@ from gradsync.compress.auto import (
     CODECS,
     MARGIN,
     POLICIES,
+    STEP_CHECK_ROUNDS,
     STEP_TOLERANCE,
     TRY_GAIN,
     AlphaBeta,
@@ -28,6 +29,7 @@ from gradsync.compress.auto import (
     rival,
     steps_apart,
     trust_margin,
+    turns_over,
     whole_steps_lose,
     wide_margin,
 )
@@ -156,6 +158,21 @@ def test_steps_apart_needs_every_quick_step_try_gain_under_every_slow_one() -> N
     assert steps_apart([0.9], [1.0], least=1, gain=1.1)
     with pytest.raises(CompressionError, match="least=0"):
         steps_apart([0.5], [1.0], least=0)
+
+
+def test_a_whole_step_comparison_goes_on_while_its_sides_overlap() -> None:
+    """Two steps a side (``least``) that overlap say nothing: the comparison goes on, one step a side at a time,
+    until every step of one side is quicker than every step of the other (either side), or ``rounds * least`` a side
+    (STEP_CHECK_ROUNDS = 3); sides apart end it at ``least``; fewer than ``least`` a side never does."""
+    assert STEP_CHECK_ROUNDS == 3
+    assert turns_over([1.0, 1.1], [1.2, 1.3], least=2) and turns_over([1.2, 1.3], [1.0, 1.1], least=2)
+    assert not turns_over([1.0, 1.3], [1.1, 1.2], least=2)  # overlapping: the medians would tie
+    assert not turns_over([1.0, 1.3, 1.3, 1.3, 1.3], [1.1, 1.2, 1.0, 1.0, 1.0], least=2)
+    assert turns_over([1.0, 1.3, 1.3, 1.3, 1.3, 1.3], [1.1, 1.2, 1.0, 1.0, 1.0, 1.0], least=2)  # 3 * 2 a side
+    assert not turns_over([1.0], [2.0], least=2)
+    assert turns_over([1.0], [2.0], least=1) and turns_over([1.0, 2.0, 1.5], [1.5, 1.0, 2.0], least=1)
+    with pytest.raises(CompressionError, match="rounds=0"):
+        turns_over([1.0], [2.0], least=1, rounds=0)
 
 
 def test_a_choice_measured_slower_than_none_is_dropped() -> None:

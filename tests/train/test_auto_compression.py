@@ -791,6 +791,48 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         assert ("none", "step") in reasons and all(r["codec"] == "none" for r in rows), rows
 
 
+@pytest.mark.parametrize("jitter", [0.0, 1.0])
+def test_the_whole_step_check_goes_on_while_its_sides_overlap_and_decides_on_all_its_steps(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, jitter: float) -> None:
+    """fp16 measures quicker than "none" on each group, but every step that runs it costs 1 s more elsewhere (every
+    step 1 s, 2 s with fp16): whole steps lose, and fp16 goes back to "none" (reason "step"). With ``jitter``, the check's first settled step is
+    that much quicker and its first "none" step that much slower, so its first two steps a side are the same two
+    times, each side a quick and a slow one: their medians tie, and a check that stopped there kept fp16. It goes on
+    while the sides overlap, to STEP_CHECK_ROUNDS times as many steps a side, and the medians of all of them send
+    fp16 back. Without the jitter the sides are apart at PROBE_STEPS, where the check ends."""
+    from gradsync.compress.auto import STEP_CHECK_ROUNDS
+
+    clock = FakeClock({"none": 1e-4, PLANNED: 0.0, "other": 1e-6})
+    auto = AutoCompression("cast", runtime=rt, wire=_slow_any_world, codec_cost=lambda c, n: 0.0, clock=clock)
+    clock.auto = auto
+
+    def costly(launches: list) -> None:  # every step 1 s more elsewhere, 2 s where it ran fp16
+        checking = auto.settled and not auto.verified and all(launch.final for launch in launches)
+        settled, baseline = len(auto._settled_steps), len(auto._baseline_steps)
+        clock.now += 1.0
+        if any(launch.codec not in ("none", PLANNED) for launch in launches):
+            clock.now += 1.0 - (jitter if checking and settled == 0 else 0.0)
+        elif checking and auto._turn and baseline == 0:
+            clock.now += jitter
+
+    _before_close(auto, costly)
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge=2)
+    for step in range(8 * PROBE_STEPS + 4):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    rows = auto.table()
+    check = auto.step_check
+    assert auto.verified and auto.settled, (rows, check)
+    assert ("none", "step") in {(r["codec"], r["reason"]) for r in rows} and all(r["codec"] == "none" for r in rows), (rows, check)
+    steps = STEP_CHECK_ROUNDS * PROBE_STEPS if jitter else PROBE_STEPS
+    assert len(check["baseline_s"]) == len(check["settled_s"]) == steps, check
+    if jitter:  # the first two a side alone: a tie
+        assert not whole_steps_lose(check["settled_s"][:PROBE_STEPS], check["baseline_s"][:PROBE_STEPS]), check
+
+
 def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_same_bits(rt, monkeypatch) -> None:
     """fp16 on a group handed over as one buffer (a DDP bucket): the buffer is cast whole, summed in fp16 by the
     backend's allreduce where the runtime runs that size natively (as the fixed fp16 hook asks),
