@@ -564,7 +564,7 @@ def steps_apart(quick_s: Sequence[float], slow_s: Sequence[float], *, least: int
 def turns_over(settled_s: Sequence[float], other_s: Sequence[float], *, least: int,
                rounds: int = STEP_CHECK_ROUNDS) -> bool:
     """Whether a whole-step comparison has its steps: ``least`` a side, and then either its sides apart (every step of
-    one side quicker than every step of the other, :func:`steps_apart` at a gain of 1) or ``rounds * least`` a side.
+    one side no slower than every step of the other, :func:`steps_apart` at a gain of 1) or ``rounds * least`` a side.
     Sides that overlap are noise as likely as a difference, and a median of two noisy steps picks the slower way
     often enough to matter (docs/mergecomp.md, "The whole-step check goes on while its sides overlap")."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:

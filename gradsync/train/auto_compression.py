@@ -780,6 +780,7 @@ class AutoCompression:
         if self._ended > 1 and not self.verified:  # the job's first step warms up
             span = max(done, closed if closed is not None else -math.inf) - min(launch.t0 for launch in launches)
             self._check_step(max(0.0, span - deciding), launches)
+            self._deciding_s = 0.0  # what the check decided here, between steps, is in no step's span
         self._lean = self._lean_groups()
 
     def _check_step(self, seconds: float, launches: list[_Launch]) -> None:

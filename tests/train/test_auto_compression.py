@@ -791,15 +791,17 @@ def test_settled_codecs_whose_whole_steps_run_slower_than_none_go_back_to_none(
         assert ("none", "step") in reasons and all(r["codec"] == "none" for r in rows), rows
 
 
-@pytest.mark.parametrize("jitter", [0.0, 1.0])
+@pytest.mark.parametrize("jitter, decide_s", [(0.0, 0.0), (1.0, 0.0), (1.0, 0.5)])
 def test_the_whole_step_check_goes_on_while_its_sides_overlap_and_decides_on_all_its_steps(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, jitter: float) -> None:
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, jitter: float, decide_s: float) -> None:
     """fp16 measures quicker than "none" on each group, but every step that runs it costs 1 s more elsewhere (every
     step 1 s, 2 s with fp16): whole steps lose, and fp16 goes back to "none" (reason "step"). With ``jitter``, the check's first settled step is
     that much quicker and its first "none" step that much slower, so its first two steps a side are the same two
     times, each side a quick and a slow one: their medians tie, and a check that stopped there kept fp16. It goes on
     while the sides overlap, to STEP_CHECK_ROUNDS times as many steps a side, and the medians of all of them send
-    fp16 back. Without the jitter the sides are apart at PROBE_STEPS, where the check ends."""
+    fp16 back. Without the jitter the sides are apart at PROBE_STEPS, where the check ends. Whether the check goes on
+    is decided for the job between steps (``decide_s``: what each such decision takes): that time is no step's, and
+    the next step's sample keeps its full length."""
     from gradsync.compress.auto import STEP_CHECK_ROUNDS
 
     clock = FakeClock({"none": 1e-4, PLANNED: 0.0, "other": 1e-6})
@@ -816,6 +818,17 @@ def test_the_whole_step_check_goes_on_while_its_sides_overlap_and_decides_on_all
             clock.now += jitter
 
     _before_close(auto, costly)
+    decide = auto._decide
+
+    def slow(key: str, compute: Callable[[], bytes]) -> bytes:
+        def timed() -> bytes:
+            if key.startswith("turns/"):
+                clock.now += decide_s
+            return compute()
+
+        return decide(key, timed)
+
+    auto._decide = slow  # type: ignore[method-assign]
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto, merge=2)
@@ -831,6 +844,9 @@ def test_the_whole_step_check_goes_on_while_its_sides_overlap_and_decides_on_all
     assert len(check["baseline_s"]) == len(check["settled_s"]) == steps, check
     if jitter:  # the first two a side alone: a tie
         assert not whole_steps_lose(check["settled_s"][:PROBE_STEPS], check["baseline_s"][:PROBE_STEPS]), check
+    # every step after the jittered first of each side: 2 s with fp16, 1 s without, whatever the decisions took
+    assert check["settled_s"][1:] == pytest.approx([2.0] * (steps - 1), abs=1e-2), check
+    assert check["baseline_s"][1:] == pytest.approx([1.0] * (steps - 1), abs=1e-2), check
 
 
 def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_same_bits(rt, monkeypatch) -> None:
