@@ -63,6 +63,7 @@ def worker(args: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsync
+    from benchmarks.common import replicas_identical
     from gradsync.sim.bench import balanced_orders, bootstrap_median_ci, paired_ratios
 
     torch.set_num_threads(1)
@@ -103,13 +104,7 @@ def worker(args: argparse.Namespace) -> int:
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     cpu_sum = torch.tensor([cpu[m] for m in METHODS], dtype=torch.float64)
     dist.all_reduce(cpu_sum)
-    identical = {}
-    for name in METHODS:
-        flat = torch.cat([p.detach().reshape(-1) for p in replicas[name][0].parameters()])
-        low, high = flat.clone(), flat.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        identical[name] = bool(torch.equal(low, high))
+    identical = {name: replicas_identical(replicas[name][0]) for name in METHODS}
     if rank == 0:
         rows = {}
         for i, name in enumerate(METHODS):

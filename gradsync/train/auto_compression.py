@@ -312,9 +312,8 @@ class AutoCompression:
         self._restore: dict[str, str] | None = None
         self._dropped_steps: list[float] = []
         self._restored_steps: list[float] = []
-        #: the whole-step comparisons that are over (RESTORE_PART, NONE_PART), and the job's answer at each count
-        #: of steps a side whether that comparison was (``"<part>/<count>"``)
-        self._turns_over: set[str] = set()
+        #: the job's answer, at each count of steps a side, whether a whole-step comparison (RESTORE_PART, NONE_PART)
+        #: was over (``"<part>/<count>"``): one that was takes no more steps, so its count stays where it ended
         self._turns_decided: dict[str, bool] = {}
         #: what each group runs on the coming step in place of its choice (a turn of the whole-step check: "none"
         #: everywhere, or the ways lost on close calls put back; empty: the choices)
@@ -787,8 +786,9 @@ class AutoCompression:
         """The whole step's check, after the per-group ones: a group's own time leaves out what its codec costs the
         rest of the step (encoding on backward's thread, cores shared with it), and a planned exchange's time on
         the communication thread leaves out what that thread takes from backward. Once every group has settled on
-        choices other than DDP's own (a codec, or "none" on the planned exchange), the next ``2 * probe_steps``
-        steps alternate between those choices and "none" on the backend's allreduce everywhere, timed whole; where
+        choices other than DDP's own (a codec, or "none" on the planned exchange), the next steps alternate between
+        those choices and "none" on the backend's allreduce everywhere, timed whole (``probe_steps`` a side, more while
+        the sides overlap: :meth:`_take_turns`); where
         the choices' median is more than :data:`~gradsync.compress.auto.STEP_TOLERANCE` slower
         (:func:`~gradsync.compress.auto.whole_steps_lose`), every group goes back to that "none" (reason ``"step"``). Both kinds
         run warm and side by side: the job's first "none" steps were still warming up (new sizes planned, first
@@ -814,7 +814,7 @@ class AutoCompression:
         if self._restore is None:
             self._restore = {key: way for key in self._current_groups()
                              if (way := self._groups[key].restorable()) is not None}
-        if self._restore and RESTORE_PART not in self._turns_over:
+        if self._restore and not self._turns_ended(RESTORE_PART, self._dropped_steps, self._restored_steps):
             self._check_restore(seconds if whole else None)  # the first part is under way
             return
         chosen = {k: c for k, c in self.choices.items() if c.codec != "none" or self._groups[k].planned}
@@ -842,9 +842,10 @@ class AutoCompression:
 
     def _check_restore(self, seconds: float | None) -> None:
         """The whole-step check's first part, where groups lost a way on a close call (:attr:`_Group.close`: a codec
-        its review dropped, the planned exchange not kept): ``probe_steps`` steps a side alternate between the
-        settled choices and the same with those ways put back, timed whole (``seconds``: the step just ended, None
-        where some group did not run a settled choice); where the settled steps' median is more than
+        its review dropped, the planned exchange not kept): steps alternate between the settled choices and the same
+        with those ways put back (``probe_steps`` a side, more while the sides overlap: :meth:`_take_turns`), timed
+        whole (``seconds``: the step just ended, None where some group did not run a settled choice); where the
+        settled steps' median is more than
         :data:`~gradsync.compress.auto.STEP_TOLERANCE` slower (:func:`~gradsync.compress.auto.whole_steps_lose`),
         the ways come back (reason ``"step"``). A group's own
         time reads what shares the cores with its exchange (backward's hold on them, the other groups' exchanges):
@@ -870,21 +871,20 @@ class AutoCompression:
         place of their choices) where that side has fewer steps than the settled choices' side, else the choices. True
         once the comparison is over (:func:`~gradsync.compress.auto.turns_over` on rank 0's steps, decided for the
         job each time both sides have as many from ``probe_steps`` on): from then on the choices run."""
-        over = part in self._turns_over
-        n = min(len(settled_s), len(other_s))
-        if not over and n >= self.probe_steps and len(settled_s) == len(other_s):
-            key = f"{part}/{n}"
-            if key not in self._turns_decided:  # once per count: a step without a sample asks no second time
-                self._turns_decided[key] = self._decide_flag(
-                    f"turns/{key}", lambda: turns_over(settled_s, other_s, least=self.probe_steps))
-            over = self._turns_decided[key]
-            if over:
-                self._turns_over.add(part)
-        if over:
+        key = f"{part}/{min(len(settled_s), len(other_s))}"
+        if key not in self._turns_decided and len(settled_s) == len(other_s) >= self.probe_steps:
+            # once per count: a step without a sample asks no second time
+            self._turns_decided[key] = self._decide_flag(
+                f"turns/{key}", lambda: turns_over(settled_s, other_s, least=self.probe_steps))
+        if self._turns_ended(part, settled_s, other_s):
             self._turn = {}
             return True
         self._turn = other if len(other_s) < len(settled_s) else {}
         return False
+
+    def _turns_ended(self, part: str, settled_s: list[float], other_s: list[float]) -> bool:
+        """Whether the job decided the comparison ``part`` over at the count of steps a side it holds."""
+        return self._turns_decided.get(f"{part}/{min(len(settled_s), len(other_s))}", False)
 
     def _codec_for(self, group: _Group) -> tuple[str, list[float] | None]:
         """The codec of this launch and the list its time goes to (None: not timed)."""
