@@ -39,7 +39,7 @@ from gradsync.sim.choose import PRUNE
 from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, size_class, stream_rate_of
 from gradsync.topology.model import Topology
 
-__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
+__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_DROP", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
            "TUNE_MARGIN", "TUNE_MAX_BYTES", "EXPLORE_MIN_BYTES", "EXPLORE_NATIVE", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
@@ -73,6 +73,12 @@ EXPLORE_REPS = 3
 #: ... and keeps the model's depth unless another is faster by more than this share. Large messages time
 #: steadily (the noise of a 4-64 KB call is in its fixed costs), so the margin is smaller than tuning's.
 EXPLORE_MARGIN = 0.03
+#: After each timed round but the last, a candidate whose quickest call so far (the slowest rank's) took this many
+#: times the quickest candidate's leaves the step, and a step left with one candidate picks it: every call runs
+#: the candidate it times, so a plan at twice the backend's time costs the job twice the backend's time on each
+#: call it is kept. One call's noise is mostly upward (a busy core), so a candidate's quickest call so far is a
+#: fair reading of its pace, and a ratio this large is not one a few percent apart reach by noise.
+EXPLORE_DROP = 1.5
 #: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
 #: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
 EXPLORE_STEPS = 2
@@ -600,12 +606,14 @@ class Explorer:
     warms up: plans, scratch, lane threads); after :data:`EXPLORE_REPS` timed rounds the slowest rank's median
     per candidate (one small all-reduce, at the same call on every rank: all ranks run a class's calls in the
     same order) picks with :func:`tuned_choice` and :data:`EXPLORE_MARGIN`, the step's first candidate being
-    the incumbent. When the pick is the double (the half), the optimum may lie further that way: up to
-    :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a fresh warm-up round;
-    when it is the other algorithm, against that algorithm's own double and half. A pick that a later step timed
-    again must still beat the model's choice by the margin on its latest time, or the model's choice runs (a step's
-    winner is the lowest of several noisy medians, biased low); a plan is then held against the backend's latest
-    time. Later calls run the last pick. It runs like an executor: every candidate computes the same sum, so the
+    the incumbent. After each timed round but the last, a candidate whose quickest call so far (the slowest
+    rank's) took :data:`EXPLORE_DROP` times the quickest candidate's leaves the step (one more small all-reduce),
+    and a step left with one candidate picks it. When the pick is the double (the half), the optimum may lie
+    further that way: up to :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a
+    fresh warm-up round; when it is the other algorithm, against that algorithm's own double and half. A pick that
+    a later step timed again must still beat the model's choice by the margin on its latest time, or the model's
+    choice runs (a step's winner is the lowest of several noisy medians, biased low); a plan is then held against
+    the backend's latest time. Later calls run the last pick. It runs like an executor: every candidate computes the same sum, so the
     calls that measure are real work, not extra collectives.
     """
 
@@ -623,9 +631,13 @@ class Explorer:
         self.first = self.plans.executor(*self.model, size)
 
     def _begin(self, candidates: Sequence[Pick]) -> None:
-        self.candidates = list(candidates)
-        self.step_calls = 0
+        self.candidates = list(candidates)  # those still timed in this step
+        self.incumbent = self.candidates[0]
+        self._entered = list(candidates)
+        self.step_calls = 0  # in this step's rounds, of the candidates still timed
+        self._step_start = self.calls
         self.times: dict[Pick, list[float]] = {c: [] for c in self.candidates}
+        self._pruned: dict[Pick, float] = {}  # left the step: the slowest rank's quickest call
 
     @property
     def schedule(self) -> Any:
@@ -647,7 +659,27 @@ class Explorer:
         self.calls += 1
         if self.step_calls == m * (1 + EXPLORE_REPS):
             self._settle()
+        elif self.step_calls > m and self.step_calls % m == 0:  # a timed round ended, and one is left
+            self._prune()
         return out
+
+    def _prune(self) -> None:
+        """Drop the candidates whose quickest call so far (the slowest rank's) took :data:`EXPLORE_DROP` times the
+        quickest one's; pick the one left, if only one is. The same on every rank: the values are agreed."""
+        rounds = self.step_calls // len(self.candidates)  # the warm-up included
+        quickest = max_over_ranks(self.group, [min(self.times[c]) for c in self.candidates],
+                                  self.plans.caps.collective_device())
+        fastest = min(quickest)
+        slow = {c: t for c, t in zip(self.candidates, quickest) if t >= EXPLORE_DROP * fastest}
+        if not slow:
+            return
+        self._pruned.update(slow)
+        self.candidates = [c for c in self.candidates if c not in slow]
+        self.step_calls = rounds * len(self.candidates)
+        in_use = self.tuning.in_use(besides=self)
+        self.plans.drop(c for c in slow if c not in self._had and c not in in_use)  # lanes and scratch go
+        if len(self.candidates) == 1:
+            self._settle()
 
     def _settle(self) -> None:
         """Agree on the step's timings (the slowest rank's) and pick; then step on, or record the pick and drop
@@ -655,11 +687,15 @@ class Explorer:
         medians = [statistics.median(self.times[c]) for c in self.candidates]
         slowest = max_over_ranks(self.group, medians, self.plans.caps.collective_device())
         measured = dict(zip(self.candidates, slowest))
-        self._latest.update(measured)
-        incumbent = self.candidates[0]
-        pick = tuned_choice(measured, incumbent, EXPLORE_MARGIN, fallback=(NATIVE, 1))
-        self.steps.append({"candidates": [list(c) for c in self.candidates], "pick": list(pick),
-                           "measured_s": {f"{a}/{p}": t for (a, p), t in measured.items()}})
+        timed = {**self._pruned, **measured}  # a candidate that left the step: its quickest call
+        self._latest.update(timed)
+        incumbent = self.incumbent
+        # the pick is one that stayed, unless none beats the incumbent by the margin
+        pool = {c: t for c, t in timed.items() if c in measured or c == incumbent}
+        pick = tuned_choice(pool, incumbent, EXPLORE_MARGIN, fallback=(NATIVE, 1))
+        self.steps.append({"candidates": [list(c) for c in self._entered], "pick": list(pick),
+                           "measured_s": {f"{a}/{p}": t for (a, p), t in timed.items()},
+                           "pruned": [f"{a}/{p}" for a, p in self._pruned], "calls": self.calls - self._step_start})
         beyond = self._beyond(pick, incumbent)
         keep = self.tuning.in_use(besides=self) | {pick}
         self.plans.drop(c for c in self.candidates if c not in self._had and c not in keep)  # lanes and scratch go
