@@ -32,10 +32,12 @@ thread), that planned exchange is timed right after as a second way to send the 
 inside a training step, where it shares the cores with backward (the bar is 1 where the optimizer's whole steps
 against DDP's buckets follow and decide that).
 
-Once every group has settled and the whole-step check is over, a group whose choice is stateless and runs on
-the backend's allreduce ("none", or a cast the runtime sums natively) launches by :meth:`AutoCompression.settled_launch`:
-the allreduce and the average, without the timing callbacks and step bookkeeping the choosing needs, which on a GPU
-cost more host time than the allreduce's launch (``gradsync bench gpu``'s hook step times, docs/mergecomp.md).
+Once every group has settled and the whole-step check is over, a group whose choice is stateless and sums its flat
+buffer as it is ("none", on the backend's allreduce or the planned exchange it measured quicker on; or a cast the
+runtime sums natively) launches by :meth:`AutoCompression.settled_launch`: the allreduce and the average, without the
+timing callbacks and step bookkeeping the choosing needs, which on a GPU cost more host time than the allreduce's
+launch (``gradsync bench gpu``'s hook step times, docs/mergecomp.md), and without the ``"none"`` step's per-tensor
+payloads, finite marks and copies back.
 
 Settled choices are cached (JSON) per model signature, wire model, device, world size, policy and path (the
 optimizer's merged groups or a DDP hook's buckets), so the next
@@ -336,7 +338,7 @@ class AutoCompression:
         self._events: list[tuple[str, threading.Event]] = []
         self._loaded = False
         #: the groups that launch lean (:meth:`settled_launch`): every group's choice settled and checked, each one
-        #: stateless and summed by the backend's allreduce; None until the step check is over (set at each end_step)
+        #: stateless and summing the flat buffer as it is; None until the step check is over (set at each end_step)
         self._lean: frozenset[str] | None = None
         #: whether the settled choices came from an earlier job's cache
         self.cached = False
@@ -535,6 +537,7 @@ class AutoCompression:
                                        "after it said it takes it (a non-contiguous buffer, or the runtime failed "
                                        "meanwhile)")
             return None
+        self.native_launches += 1
         return self._work(fut, flat, verdict, f"auto:{key}:native", world=1 if scaled else None, deferred=deferred)
 
     def _work(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None, name: str, *,
@@ -556,8 +559,8 @@ class AutoCompression:
     def lean_scale(self, key: str, device: torch.device) -> float | None:
         """The factor a caller may scale ``key``'s gradients (on ``device``) by while it copies them into the group's
         buffer, for :meth:`settled_launch` with ``scaled=True``: ``1 / world`` where the group launches lean on
-        ``"none"`` (the backend's float sum takes it), so the average costs no pass of its own -- DDP's fused
-        copy-and-divide into its bucket; None otherwise (a cast rounds the scaled values, and off the lean path the
+        ``"none"`` (a float sum, the backend's or the planned exchange's, takes it), so the average costs no pass of
+        its own -- DDP's fused copy-and-divide into its bucket; None otherwise (a cast rounds the scaled values, and off the lean path the
         codec averages; and on one rank, where the sum is the average)."""
         lean = self._lean
         if lean is None or key not in lean or self._groups[key].priced().codec != "none":
@@ -567,9 +570,10 @@ class AutoCompression:
     def settled_launch(self, flat: Tensor, key: str, *, verdict: bool = True,
                        scaled: bool = False) -> torch.futures.Future | None:
         """A settled group's launch at the cost of a plain allreduce hook: ``flat`` averaged in place by the backend's
-        own allreduce (cast to and from the wire dtype for a cast codec), the future's value ``flat``. Only once
-        every group's choice is settled, checked and stateless ("none" on the backend's allreduce, or a cast) and
-        nothing is measured any more; None otherwise (the caller takes :meth:`step_async`), the same on every rank.
+        own allreduce (cast to and from the wire dtype for a cast codec), or by the runtime's planned exchange where
+        the group's "none" measured quicker on it (:class:`~gradsync.train.hooks.GradsyncHookState`'s hook), the
+        future's value ``flat``. Only once every group's choice is settled, checked and stateless ("none", or a cast
+        the runtime sums natively) and nothing is measured any more; None otherwise (the caller takes :meth:`step_async`), the same on every rank.
 
         ``verdict``: whether the group's finite verdict joins the step's, as on the slow path (the optimizer skips
         a non-finite step). A DDP hook passes False: with no codec state in the job there is nothing to roll back,
@@ -596,15 +600,20 @@ class AutoCompression:
                           world=1 if scaled else None, deferred=True)
 
     def _settled_sum(self, flat: Tensor, key: str, scaled: bool) -> torch.futures.Future | None:
-        """The backend's sum of a lean group's ``flat`` (:meth:`settled_launch`), or None where the group is not lean
-        or the backend refused the buffer."""
+        """The sum of a lean group's ``flat`` (:meth:`settled_launch`): the backend's, or the runtime's planned
+        exchange's where the group's "none" measured quicker on it; None where the group is not lean or the backend
+        refused the buffer."""
         lean = self._lean
         if lean is None or key not in lean:
             return None
-        codec = self._groups[key].priced().codec
+        group = self._groups[key]
+        codec = group.priced().codec
         if scaled and codec != "none":
             raise CompressionError(f"group {key!r} runs {codec!r}: only a lean 'none' group is scaled before its sum "
                                    "(ask lean_scale first)")
+        if codec == "none" and group.planned:  # the flat buffer on the planned exchange: one job, no per-tensor step
+            self.settled_launches += 1
+            return self.runtime.allreduce_async(flat, "sum").future
         fut = self._backend_sum(flat, None if codec == "none" else self._step(codec).cast_dtype)
         if fut is None:  # nothing joined the step: the caller's step_async opens its verdict
             if scaled:  # lean_scale said the backend takes it
@@ -612,6 +621,7 @@ class AutoCompression:
                                        "after it said it takes it (a non-contiguous buffer, or the runtime failed "
                                        "meanwhile)")
             return None
+        self.native_launches += 1
         self.settled_launches += 1
         return fut
 
@@ -697,7 +707,6 @@ class AutoCompression:
         """What follows the backend's sum of ``flat``, given its result: with ``verdict`` (its slot reserved now, in
         launch order), whether the sum is finite joins that step's -- the same bits on every rank, so the same
         verdict --; then ``flat`` is averaged in place (``world``: :meth:`_averaged`) and returned."""
-        self.native_launches += 1
         world = self.runtime.world_size if world is None else world
         slot = verdict.reserve() if verdict is not None else -1
 
@@ -710,17 +719,15 @@ class AutoCompression:
 
     def _lean_groups(self) -> frozenset[str] | None:
         """The groups :meth:`settled_launch` may take: all of them once the step check is over and every choice is
-        stateless on the backend's allreduce ("none" not on a planned exchange, or a memoryless cast); else None."""
+        stateless and sums the group's flat buffer as it is ("none", on the backend's allreduce or the runtime's
+        planned exchange, or a memoryless cast on the backend's); else None."""
         if not self.verified or not self.settled or self._turn:
             return None
         keys = self._current_groups()
         for key in keys:
             group = self._groups[key]
             codec = group.priced().codec
-            if codec == "none":
-                if group.planned:  # its "none" is the runtime's planned exchange, not the backend's allreduce
-                    return None
-            else:  # a cast takes the backend's allreduce only where the runtime runs its size natively
+            if codec != "none":  # a cast takes the backend's allreduce only where the runtime runs its size natively
                 wire = self._step(codec).cast_dtype
                 if wire is None or not self.runtime.runs_natively(group.spec.numel * wire.itemsize):
                     return None

@@ -24,8 +24,9 @@ or, should it never come, the next iteration's first use of a parameter name. Wh
 on any rank, no bucket's error feedback or compressor state changes in that iteration (its NaN aggregate makes
 GradScaler skip the step); ``state.nonfinite_steps`` counts such iterations. A bucket on the native cast path
 (``fp16`` without memory) has neither state nor a count: its NaN reaches the aggregate by the sum itself. The same
-holds for ``compression="auto"`` once every bucket has settled on a stateless choice ("none", or a cast, on the
-backend's allreduce): each bucket is then a plain allreduce hook (:meth:`AutoCompression.settled_launch`).
+holds for ``compression="auto"`` once every bucket has settled on a stateless choice ("none" on the backend's
+allreduce or the planned exchange, or a cast on the backend's): each bucket is then a plain allreduce hook
+(:meth:`AutoCompression.settled_launch`).
 
 Why our PowerSGD runs on gloo with several buckets: both rounds of a bucket run inside that one job, and
 jobs run in submission order, so every rank sees the same sequence of collectives. (PyTorch's
@@ -169,7 +170,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
         if scale is not None:
             buffer.mul_(scale)
         settled = state.auto.settled_launch(buffer, layout.key, verdict=False, scaled=scale is not None)
-        if settled is not None:  # a settled, stateless choice on the backend's allreduce: a plain hook's cost
+        if settled is not None:  # a settled, stateless choice on one allreduce of the bucket: a plain hook's cost
             if bucket.is_last():
                 state.close_step()
             return settled

@@ -1024,6 +1024,63 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
 
 
+def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_planned_exchange(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose "none" measured quicker on the runtime's planned exchange than on the backend's allreduce launches
+    lean once settled and checked: its flat buffer goes to ``runtime.allreduce_async`` as it is (one job, what
+    GradsyncHookState's hook runs), not through the "none" step's per-tensor payloads and finite marks. The optimizer
+    steps as the plain one and still skips a NaN step."""
+    _with_native(rt, monkeypatch)
+    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)  # the runtime plans the size
+    planned: list[int] = []
+    real_allreduce = rt.allreduce_async
+
+    def allreduce_async(tensors, op="sum", algorithm=None):
+        planned.append(tensors.data_ptr() if isinstance(tensors, torch.Tensor) else -1)
+        return real_allreduce(tensors, op, algorithm)
+
+    monkeypatch.setattr(rt, "allreduce_async", allreduce_async)
+    clock = FakeClock({"none": 1e-3, PLANNED: 1e-5, "other": 1e-6})
+    auto = AutoCompression("cast", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+                           clock=clock, cache=False)
+    clock.auto = auto
+    slow: list[int] = []
+    real = auto.step_async
+
+    def spy(*args, **kwargs):
+        slow.append(1)
+        return real(*args, **kwargs)
+
+    auto.step_async = spy  # type: ignore[method-assign]
+    model, plain = _model(), _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge=1)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    per_step: list[tuple[int, int, int, int]] = []
+    for step in range(6 * PROBE_STEPS + 4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        before = (len(slow), auto.settled_launches, len(planned), auto.native_launches)
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append((len(slow) - before[0], auto.settled_launches - before[1], len(planned) - before[2],
+                         auto.native_launches - before[3]))
+        plain(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+    assert auto.settled and auto.verified, auto.table()
+    group = next(iter(auto._groups.values()))
+    assert group.planned and {c.codec for c in auto.choices.values()} == {"none"}, auto.table()
+    # one planned job of the flat buffer a step, lean; none on the backend's allreduce
+    assert per_step[-1] == (0, 1, 1, 0) and per_step[-2] == (0, 1, 1, 0), (per_step, auto.table())
+    for p, q in zip(model.parameters(), plain.parameters()):  # one rank: the plain optimizer's bits
+        assert torch.equal(p, q)
+    weights = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((4, 8), float("nan"))).square().sum().backward()
+    assert opt.step() is None and opt.nonfinite_steps == 1
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
 def test_a_groups_mean_prefers_settled_launches_and_its_trial_ends_on_enough_of_them_or_none_left() -> None:
     from gradsync.compress.auto import GroupSpec
     from gradsync.train.auto_compression import _Group
