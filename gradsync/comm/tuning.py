@@ -86,9 +86,10 @@ EXPLORE_STEPS = 2
 #: candidates (the model's depth, its double and half, a rival, the backend's collective), then of up to three
 #: per step on.
 EXPLORE_MAX_CALLS = (1 + EXPLORE_REPS) * (5 + 3 * EXPLORE_STEPS)
-#: ... and the backend's own collective, where the model prices it within this share of its choice (either way:
-#: beside a plan it priced a little slower, or, when it chose the backend, beside the best plan), so that ``auto``
-#: settles on a plan only where it measured no slower than the collective the user had without gradsync.
+#: ... and the backend's own collective beside every planned choice, so that ``auto`` settles on a plan only where it
+#: measured no slower than the collective the user had without gradsync (the model prices the backend's ring well on
+#: a wire, not on cores a plan's executor shares with training: :data:`EXPLORE_DROP` ends its calls where it is far
+#: slower). Where the model chose the backend, the best plan is timed beside it where priced within this share.
 EXPLORE_NATIVE = 0.25
 #: Size classes from this size up that tuning did not measure are explored (above :data:`TUNE_MAX_BYTES` always;
 #: the default ``init`` calibrates without tuning). Below it a call is a few messages' fixed costs, which
@@ -747,16 +748,16 @@ class Explorer:
 
 
 def native_rival_of(choice: Any, model: Pick) -> list[Pick]:
-    """What to time against the backend's own collective: for a planned ``model``, the backend's collective; for
-    the backend's, the best-priced plan; either only where the model prices the two within
-    :data:`EXPLORE_NATIVE` of each other (a near-tie, where α and the wire's short-transfer behaviour decide)."""
+    """What to time against the backend's own collective: for a planned ``model``, the backend's collective wherever
+    it was priced (there is a process group); for the backend's, the best-priced plan where the model prices it
+    within :data:`EXPLORE_NATIVE` of the backend (a near-tie, where α and the wire's short-transfer behaviour
+    decide)."""
     priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
     mine = priced.get(tuple(model))
     if mine is None:
         return []
     if model[0] != NATIVE:
-        other = priced.get((NATIVE, 1))
-        return [(NATIVE, 1)] if other is not None and other <= mine * (1 + EXPLORE_NATIVE) else []
+        return [(NATIVE, 1)] if (NATIVE, 1) in priced else []
     plans = [(t, pick) for pick, t in priced.items() if pick[0] != NATIVE]
     if not plans:
         return []

@@ -206,9 +206,9 @@ def test_the_explorer_times_a_rival_algorithm_and_its_depths_when_it_wins(monkey
 
 
 def test_candidates_at_half_the_pace_leave_the_step_after_one_timed_round(monkeypatch):
-    """The backend's allreduce beside three planned depths that each take twice as long (the 25 MB class on the
-    two-tier testbed at 10 Gbit/s read about so): after the warm-up and one timed round the plans leave, and the
-    backend is picked on the eighth call instead of the sixteenth; the record names what left and when."""
+    """The backend's allreduce beside three planned depths that each take twice as long: after the warm-up and one
+    timed round the plans leave, and the backend is picked on the eighth call instead of the sixteenth; the record
+    names what left and when."""
     from gradsync.comm import Runtime
     from gradsync.comm.tuning import EXPLORE_DROP, EXPLORE_REPS, Explorer
 
@@ -413,9 +413,10 @@ def test_the_natives_alpha_is_solved_on_its_overlapping_price():
     assert _solve_rising(lambda a: 1.0, 2.0, 7.0) == 7.0  # α does not move it: unchanged
 
 
-def test_native_rival_of_times_the_backend_beside_a_near_plan_either_way():
-    """Within EXPLORE_NATIVE of each other, the backend's collective is timed beside the model's plan, and the best
-    plan beside the backend's when the model chose it; further apart, nothing (what the model is sure of)."""
+def test_native_rival_of_times_the_backend_beside_every_plan_and_a_near_plan_beside_the_backend():
+    """The backend's collective is timed beside the model's plan however far the model prices it (a plan's executor
+    shares the cores with training, which the model does not see; docs/runtime.md); the best plan is timed beside the backend's, when the
+    model chose it, within EXPLORE_NATIVE only."""
     from gradsync.comm.tuning import EXPLORE_NATIVE, native_rival_of
     from gradsync.sim.choose import Candidate, Choice
 
@@ -425,7 +426,8 @@ def test_native_rival_of_times_the_backend_beside_a_near_plan_either_way():
     near = 1 + EXPLORE_NATIVE * 0.9
     far = 1 + EXPLORE_NATIVE * 1.1
     assert native_rival_of(choice(("lp", 2, 1.0), ("native", 1, near), ("tree", 1, 1.01)), ("lp", 2)) == [("native", 1)]
-    assert native_rival_of(choice(("lp", 2, 1.0), ("native", 1, far)), ("lp", 2)) == []
+    assert native_rival_of(choice(("lp", 2, 1.0), ("native", 1, far)), ("lp", 2)) == [("native", 1)]
+    assert native_rival_of(choice(("lp", 2, 1.0), ("native", 1, 10.0)), ("lp", 2)) == [("native", 1)]
     assert native_rival_of(choice(("native", 1, 1.0), ("hierarchical", 2, near), ("hierarchical", 1, near * 1.01)),
                            ("native", 1)) == [("hierarchical", 2)]
     assert native_rival_of(choice(("native", 1, 1.0), ("hierarchical", 2, far)), ("native", 1)) == []
