@@ -39,7 +39,7 @@ from gradsync.sim.choose import PRUNE
 from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, size_class, stream_rate_of
 from gradsync.topology.model import Topology
 
-__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_DROP", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
+__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_DROP", "EXPLORE_DROP_AFTER", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
            "TUNE_MARGIN", "TUNE_MAX_BYTES", "EXPLORE_MIN_BYTES", "EXPLORE_NATIVE", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
@@ -73,12 +73,14 @@ EXPLORE_REPS = 3
 #: ... and keeps the model's depth unless another is faster by more than this share. Large messages time
 #: steadily (the noise of a 4-64 KB call is in its fixed costs), so the margin is smaller than tuning's.
 EXPLORE_MARGIN = 0.03
-#: After each timed round but the last, a candidate whose quickest call so far (the slowest rank's) took this many
-#: times the quickest candidate's leaves the step, and a step left with one candidate picks it: every call runs
-#: the candidate it times, so a plan at twice the backend's time costs the job twice the backend's time on each
-#: call it is kept. One call's noise is mostly upward (a busy core), so a candidate's quickest call so far is a
-#: fair reading of its pace, and a ratio this large is not one a few percent apart reach by noise.
+#: After :data:`EXPLORE_DROP_AFTER` timed rounds and each later one but the last, a candidate whose quickest call so
+#: far (the slowest rank's) took this many times the quickest candidate's leaves the step, and a step left with one
+#: candidate picks it: every call runs the candidate it times, so a plan at twice the backend's time costs the job
+#: twice the backend's time on each call it is kept. A call's noise is mostly upward (a busy core: the calls
+#: overlap training's backward), so the quickest of two calls is a fair reading of a candidate's pace; one call is
+#: not (docs/runtime.md).
 EXPLORE_DROP = 1.5
+EXPLORE_DROP_AFTER = 2
 #: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
 #: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
 EXPLORE_STEPS = 2
@@ -607,9 +609,9 @@ class Explorer:
     warms up: plans, scratch, lane threads); after :data:`EXPLORE_REPS` timed rounds the slowest rank's median
     per candidate (one small all-reduce, at the same call on every rank: all ranks run a class's calls in the
     same order) picks with :func:`tuned_choice` and :data:`EXPLORE_MARGIN`, the step's first candidate being
-    the incumbent. After each timed round but the last, a candidate whose quickest call so far (the slowest
-    rank's) took :data:`EXPLORE_DROP` times the quickest candidate's leaves the step (one more small all-reduce),
-    and a step left with one candidate picks it. When the pick is the double (the half), the optimum may lie
+    the incumbent. After :data:`EXPLORE_DROP_AFTER` timed rounds and each later one but the last, a candidate whose
+    quickest call so far (the slowest rank's) took :data:`EXPLORE_DROP` times the quickest candidate's leaves the
+    step (one more small all-reduce), and a step left with one candidate picks it. When the pick is the double (the half), the optimum may lie
     further that way: up to :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a
     fresh warm-up round; when it is the other algorithm, against that algorithm's own double and half. A pick that
     a later step timed again must still beat the model's choice by the margin on its latest time, or the model's
@@ -660,7 +662,7 @@ class Explorer:
         self.calls += 1
         if self.step_calls == m * (1 + EXPLORE_REPS):
             self._settle()
-        elif self.step_calls > m and self.step_calls % m == 0:  # a timed round ended, and one is left
+        elif self.step_calls >= m * (1 + EXPLORE_DROP_AFTER) and self.step_calls % m == 0:  # and a round is left
             self._prune()
         return out
 

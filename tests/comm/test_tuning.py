@@ -205,22 +205,22 @@ def test_the_explorer_times_a_rival_algorithm_and_its_depths_when_it_wins(monkey
     assert "/".join(map(str, ex.pick)) == pick and rt.choice(4 << 20) == ex.pick
 
 
-def test_candidates_at_half_the_pace_leave_the_step_after_one_timed_round(monkeypatch):
-    """The backend's allreduce beside three planned depths that each take twice as long: after the warm-up and one
-    timed round the plans leave, and the backend is picked on the eighth call instead of the sixteenth; the record
-    names what left and when."""
+def test_candidates_at_half_the_pace_leave_the_step_after_two_timed_rounds(monkeypatch):
+    """The backend's allreduce beside three planned depths that each take twice as long: after the warm-up and two
+    timed rounds the plans leave, and the backend is picked on the twelfth call instead of the sixteenth; the record
+    names what left and how many calls the step took."""
     from gradsync.comm import Runtime
-    from gradsync.comm.tuning import EXPLORE_DROP, EXPLORE_REPS, Explorer
+    from gradsync.comm.tuning import EXPLORE_DROP, EXPLORE_DROP_AFTER, EXPLORE_REPS, Explorer
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     cands = [("forest", 8), ("forest", 16), ("forest", 4), ("native", 1)]
     picks = _fake_timing(monkeypatch, rt, {("forest", 8): 2.0, ("forest", 16): 2.1, ("forest", 4): 2.2, ("native", 1): 1.0})
-    assert 2.0 >= EXPLORE_DROP * 1.0 and EXPLORE_REPS > 1  # a round is left to save
+    assert 2.0 >= EXPLORE_DROP * 1.0 and EXPLORE_REPS == EXPLORE_DROP_AFTER + 1  # one round is left to save
     ex = Explorer(rt.tuning, object(), 4 << 20, cands)
-    assert _explore(ex) == 2 * len(cands)
-    assert picks == cands + cands and ex.pick == ("native", 1)
+    assert _explore(ex) == 3 * len(cands)
+    assert picks == cands * 3 and ex.pick == ("native", 1)
     step = rt.tuned[4 << 20]["steps"][0]
-    assert step["candidates"] == [list(c) for c in cands] and step["calls"] == 8
+    assert step["candidates"] == [list(c) for c in cands] and step["calls"] == 12
     assert step["pruned"] == ["forest/8", "forest/16", "forest/4"] and step["pick"] == ["native", 1]
     assert step["measured_s"] == pytest.approx({"forest/8": 2.0, "forest/16": 2.1, "forest/4": 2.2, "native/1": 1.0})
 
@@ -235,20 +235,20 @@ def test_a_candidate_that_left_stops_running_and_the_others_finish_their_rounds(
     picks = _fake_timing(monkeypatch, rt, {4: 1.0, 8: 0.99, 2: 1.6})
     ex = Explorer(rt.tuning, object(), 4 << 20, [("ring", 4), ("ring", 8), ("ring", 2)])
     calls = _explore(ex)
-    assert calls == 3 + 3 + 2 * (EXPLORE_REPS - 1)
-    assert [d for _, d in picks] == [4, 8, 2, 4, 8, 2] + [4, 8] * (EXPLORE_REPS - 1)
+    assert calls == 3 * 3 + 2 * (EXPLORE_REPS - 2)
+    assert [d for _, d in picks] == [4, 8, 2] * 3 + [4, 8] * (EXPLORE_REPS - 2)
     step = rt.tuned[4 << 20]["steps"][0]
     assert step["pruned"] == ["ring/2"] and step["calls"] == calls and ex.pick == ("ring", 4)
 
 
 def test_a_candidate_under_the_drop_ratio_is_timed_every_round(monkeypatch):
-    """A depth whose first timed call took 1.4x the model's (under EXPLORE_DROP) stays in the step: every call of
-    the full rounds runs, and nothing is recorded as having left."""
+    """A depth whose first two timed calls took 1.4x and 2x the model's (the quicker under EXPLORE_DROP) stays in the
+    step: every call of the full rounds runs, and nothing is recorded as having left."""
     from gradsync.comm import Runtime
     from gradsync.comm.tuning import EXPLORE_REPS, Explorer
 
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
-    slow = iter([1.0, 1.4] + [1.0] * 10)  # its warm-up, then 1.4x, then as quick as the model's
+    slow = iter([1.0, 1.4, 2.0] + [1.0] * 10)  # its warm-up, then 1.4x and 2x, then as quick as the model's
     _fake_timing(monkeypatch, rt, {4: 1.0, 8: lambda: next(slow)})
     ex = Explorer(rt.tuning, object(), 4 << 20, [("ring", 4), ("ring", 8)])
     assert _explore(ex) == 2 * (1 + EXPLORE_REPS)
