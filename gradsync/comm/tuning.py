@@ -611,13 +611,14 @@ class Explorer:
     same order) picks with :func:`tuned_choice` and :data:`EXPLORE_MARGIN`, the step's first candidate being
     the incumbent. After :data:`EXPLORE_DROP_AFTER` timed rounds and each later one but the last, a candidate whose
     quickest call so far (the slowest rank's) took :data:`EXPLORE_DROP` times the quickest candidate's leaves the
-    step (one more small all-reduce), and a step left with one candidate picks it. When the pick is the double (the half), the optimum may lie
-    further that way: up to :data:`EXPLORE_STEPS` more steps time the pick against its own double (half), with a
-    fresh warm-up round; when it is the other algorithm, against that algorithm's own double and half. A pick that
-    a later step timed again must still beat the model's choice by the margin on its latest time, or the model's
-    choice runs (a step's winner is the lowest of several noisy medians, biased low); a plan is then held against
-    the backend's latest time. Later calls run the last pick. It runs like an executor: every candidate computes the same sum, so the
-    calls that measure are real work, not extra collectives.
+    step (one more small all-reduce), and a step left with one candidate picks it. When the pick is the double
+    (the half), the optimum may lie further that way: up to :data:`EXPLORE_STEPS` more steps time the pick against
+    its own double (half), with a fresh warm-up round; when it is the other algorithm, against that algorithm's
+    own double and half. A pick that a later step timed again must still beat the model's choice by the margin on
+    its latest time, or the model's choice runs (a step's winner is the lowest of several noisy medians, biased
+    low); a plan is then held against the backend's latest time. Later calls run the last pick. It runs like an
+    executor: every candidate computes the same sum, so the calls that measure are real work, not extra
+    collectives.
     """
 
     def __init__(self, tuning: Tuning, group: Any, size: int, candidates: Sequence[Pick]) -> None:

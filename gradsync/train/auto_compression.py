@@ -343,9 +343,9 @@ class AutoCompression:
         #: whether the settled choices came from an earlier job's cache
         self.cached = False
         self.current = "none"
-        #: "none" launches summed by the backend's own allreduce of the whole group (``step_async(flat=...)``)
+        #: launches of a whole group summed by the backend's own allreduce ("none", or a cast the runtime sums natively)
         self.native_launches = 0
-        #: launches that took :meth:`settled_launch` (some of native_launches)
+        #: launches that took :meth:`settled_launch` (those on the backend's allreduce are among native_launches)
         self.settled_launches = 0
         #: the partition and codec chosen together (:meth:`plan_partition`, ``merge="auto"``); None before
         self.joint: JointChoice | None = None
@@ -560,8 +560,8 @@ class AutoCompression:
         """The factor a caller may scale ``key``'s gradients (on ``device``) by while it copies them into the group's
         buffer, for :meth:`settled_launch` with ``scaled=True``: ``1 / world`` where the group launches lean on
         ``"none"`` (a float sum, the backend's or the planned exchange's, takes it), so the average costs no pass of
-        its own -- DDP's fused copy-and-divide into its bucket; None otherwise (a cast rounds the scaled values, and off the lean path the
-        codec averages; and on one rank, where the sum is the average)."""
+        its own -- DDP's fused copy-and-divide into its bucket; None otherwise (a cast rounds the scaled values, and
+        off the lean path the codec averages; and on one rank, where the sum is the average)."""
         lean = self._lean
         if lean is None or key not in lean or self._groups[key].priced().codec != "none":
             return None
@@ -573,7 +573,8 @@ class AutoCompression:
         own allreduce (cast to and from the wire dtype for a cast codec), or by the runtime's planned exchange where
         the group's "none" measured quicker on it (:class:`~gradsync.train.hooks.GradsyncHookState`'s hook), the
         future's value ``flat``. Only once every group's choice is settled, checked and stateless ("none", or a cast
-        the runtime sums natively) and nothing is measured any more; None otherwise (the caller takes :meth:`step_async`), the same on every rank.
+        the runtime sums natively) and nothing is measured any more; None otherwise (the caller takes
+        :meth:`step_async`), the same on every rank.
 
         ``verdict``: whether the group's finite verdict joins the step's, as on the slow path (the optimizer skips
         a non-finite step). A DDP hook passes False: with no codec state in the job there is nothing to roll back,
