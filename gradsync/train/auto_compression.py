@@ -484,9 +484,11 @@ class AutoCompression:
             if scale is not None:
                 flat.mul_(scale)
             work = self._native(flat, key, verdict, scaled=scale is not None)
+        elif flat is not None and codec == PLANNED:
+            work = self._planned(flat, key, verdict)  # what the group runs lean if it keeps this way
         elif flat is not None and codec != PLANNED and (wire := self._step(codec).cast_dtype) is not None:
             work = self._native(flat, key, verdict, wire)  # a fixed fp16 hook's path: the same bits, less host time
-        native = work is not None
+        native = work is not None and codec != PLANNED
         if codec == "none":
             group.native = native
         elif codec != PLANNED and not native:
@@ -540,9 +542,18 @@ class AutoCompression:
         self.native_launches += 1
         return self._work(fut, flat, verdict, f"auto:{key}:native", world=1 if scaled else None, deferred=deferred)
 
+    def _planned(self, flat: Tensor, key: str, verdict: StepVerdict) -> Work:
+        """``flat`` averaged in place by the runtime's planned exchange as one job (what :meth:`settled_launch` runs
+        for a group kept on it), its finite verdict joining the step's: the ``"none/planned"`` trial times the way the
+        group would run, not the ``"none"`` step's per-tensor payloads around it. Queued on the communication thread
+        and timed as its other exchanges are."""
+        return self._work(self.runtime.allreduce_async(flat, "sum").future, flat, verdict, f"auto:{key}:planned",
+                          world=None, deferred=False)
+
     def _work(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None, name: str, *,
               world: int | None, deferred: bool) -> Work:
-        """The work of the backend's sum of ``flat`` (``fut``), its result ``[flat]`` averaged (:meth:`_finisher`):
+        """The work of the sum of ``flat`` (``fut``: the backend's, or the planned exchange's), its result ``[flat]``
+        averaged (:meth:`_finisher`):
         finished by its ``wait()`` where ``deferred``, else by callbacks chained on ``fut``."""
         finish = self._finisher(flat, verdict, world)
         if deferred:
@@ -705,7 +716,7 @@ class AutoCompression:
         return fut.then(lambda f: finish(f.value()))
 
     def _finisher(self, flat: Tensor, verdict: StepVerdict | None, world: int | None = None) -> Callable[[Any], Tensor]:
-        """What follows the backend's sum of ``flat``, given its result: with ``verdict`` (its slot reserved now, in
+        """What follows the sum of ``flat`` (the backend's or the planned exchange's), given its result: with ``verdict`` (its slot reserved now, in
         launch order), whether the sum is finite joins that step's -- the same bits on every rank, so the same
         verdict --; then ``flat`` is averaged in place (``world``: :meth:`_averaged`) and returned."""
         world = self.runtime.world_size if world is None else world

@@ -3,6 +3,7 @@ codec slower than none, the choices are cached for the next job and ignored when
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,13 +65,18 @@ def _two_launches_a_trial(monkeypatch: pytest.MonkeyPatch, request: pytest.Fixtu
 
 
 class FakeClock:
-    """Advances on the training thread only, by ``cost[codec]`` per call, ``codec`` being the launch's."""
+    """Advances on the training thread only, by ``cost[codec]`` per call, ``codec`` being the launch's.
+
+    A launch's timing callback (``record``) that runs at once on the training thread, because its exchange finished
+    before the callback was attached (a busy machine), reads the clock without advancing it, as it would on the
+    communication thread: else whether a launch cost one call more would depend on the machine's load."""
 
     def __init__(self, cost: dict[str, float]) -> None:
         self.cost, self.now, self.auto = cost, 0.0, None
 
     def __call__(self) -> float:
-        if threading.current_thread() is threading.main_thread() and self.auto is not None:
+        if (threading.current_thread() is threading.main_thread() and self.auto is not None
+                and sys._getframe(1).f_code.co_name != "record"):
             self.now += self.cost.get(self.auto.current, self.cost["other"])
         return self.now
 
@@ -1028,8 +1034,9 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
         rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """A group whose "none" measured quicker on the runtime's planned exchange than on the backend's allreduce launches
     lean once settled and checked: its flat buffer goes to ``runtime.allreduce_async`` as it is (one job, what
-    GradsyncHookState's hook runs), not through the "none" step's per-tensor payloads and finite marks. The optimizer
-    steps as the plain one and still skips a NaN step."""
+    GradsyncHookState's hook runs), not through the "none" step's per-tensor payloads and finite marks. Its
+    ``"none/planned"`` trial ran that same flat launch: the "none" step never ran. The optimizer steps as the plain
+    one and still skips a NaN step."""
     _with_native(rt, monkeypatch)
     monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)  # the runtime plans the size
     planned: list[int] = []
@@ -1052,6 +1059,8 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
         return real(*args, **kwargs)
 
     auto.step_async = spy  # type: ignore[method-assign]
+    per_tensor: list[int] = []
+    monkeypatch.setattr(auto.base, "step_async", lambda *a, **k: per_tensor.append(1))  # never: fails if it runs
     model, plain = _model(), _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto, merge=1)
@@ -1073,6 +1082,8 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     assert group.planned and {c.codec for c in auto.choices.values()} == {"none"}, auto.table()
     # one planned job of the flat buffer a step, lean; none on the backend's allreduce
     assert per_step[-1] == (0, 1, 1, 0) and per_step[-2] == (0, 1, 1, 0), (per_step, auto.table())
+    assert not per_tensor and auto.trials[next(iter(auto.trials))][:2] == ["none", PLANNED], auto.trials
+    assert len(planned) > sum(n for _, n, _, _ in per_step), per_step  # the trial's launches were planned jobs too
     for p, q in zip(model.parameters(), plain.parameters()):  # one rank: the plain optimizer's bits
         assert torch.equal(p, q)
     weights = [p.detach().clone() for p in model.parameters()]
