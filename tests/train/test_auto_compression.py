@@ -971,6 +971,45 @@ def test_a_lean_optimizer_group_is_averaged_and_checked_on_the_thread_that_waits
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
 
 
+def _lean_steps(auto: AutoCompression, rt: Runtime, *counts: Callable[[], int]
+                ) -> tuple[list[tuple[int, ...]], torch.nn.Module, torch.nn.Module, DistributedOptimizer]:
+    """``auto``'s optimizer (one merged group) and a plain one stepping on the same batches, 6 * PROBE_STEPS + 4
+    steps: per step, its ``step_async`` launches (the slow path) and how much each of ``counts`` grew; then both
+    models and ``auto``'s optimizer."""
+    slow: list[int] = []
+    real = auto.step_async
+
+    def spy(*args, **kwargs):
+        slow.append(1)
+        return real(*args, **kwargs)
+
+    auto.step_async = spy  # type: ignore[method-assign]
+    model, plain = _model(), _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge=1)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    per_step: list[tuple[int, ...]] = []
+    for step in range(6 * PROBE_STEPS + 4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        before = (len(slow), *(count() for count in counts))
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(tuple(b - a for a, b in zip(before, (len(slow), *(count() for count in counts)))))
+        plain(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+    return per_step, model, plain, opt
+
+
+def _skips_a_nan_step(model: torch.nn.Module, opt: DistributedOptimizer) -> None:
+    """A NaN gradient's step is skipped and counted, the weights left as they were."""
+    weights = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((4, 8), float("nan"))).square().sum().backward()
+    assert opt.step() is None and opt.nonfinite_steps == 1
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
 @pytest.mark.parametrize("allow, wire, natively, stateless", [("cast", AlphaBeta(0.0, float("inf")), True, True),
                                                               ("cast", SLOW, True, True), ("cast", SLOW, False, False),
                                                               ("any", SLOW, True, False)])
@@ -989,29 +1028,7 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     clock = FakeClock({"none": 1e-4, PLANNED: 1.0, "other": 1e-6})
     auto = AutoCompression(allow, runtime=rt, wire=wire, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
     clock.auto = auto
-    slow: list[int] = []
-    real = auto.step_async
-
-    def spy(*args, **kwargs):
-        slow.append(1)
-        return real(*args, **kwargs)
-
-    auto.step_async = spy  # type: ignore[method-assign]
-    model, plain = _model(), _model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                               compression=auto, merge=1)
-    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
-    per_step: list[tuple[int, int]] = []
-    for step in range(6 * PROBE_STEPS + 4):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        before = (len(slow), auto.settled_launches)
-        model(x).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-        per_step.append((len(slow) - before[0], auto.settled_launches - before[1]))
-        plain(x).square().sum().backward()
-        ref.step()
-        ref.zero_grad()
+    per_step, model, plain, opt = _lean_steps(auto, rt, lambda: auto.settled_launches)
     codecs = {c.codec for c in auto.choices.values()}
     assert auto.settled and auto.verified, auto.table()
     if not stateless:
@@ -1024,10 +1041,7 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     if codecs == {"none"}:  # one rank and no rounding: the plain optimizer's bits
         for p, q in zip(model.parameters(), plain.parameters()):
             assert torch.equal(p, q)
-    weights = [p.detach().clone() for p in model.parameters()]
-    model(torch.full((4, 8), float("nan"))).square().sum().backward()
-    assert opt.step() is None and opt.nonfinite_steps == 1  # the verdict joins the step on the lean path too
-    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    _skips_a_nan_step(model, opt)  # the verdict joins the step on the lean path too
 
 
 def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_planned_exchange(
@@ -1051,32 +1065,10 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     auto = AutoCompression("cast", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
                            clock=clock, cache=False)
     clock.auto = auto
-    slow: list[int] = []
-    real = auto.step_async
-
-    def spy(*args, **kwargs):
-        slow.append(1)
-        return real(*args, **kwargs)
-
-    auto.step_async = spy  # type: ignore[method-assign]
     per_tensor: list[int] = []
     monkeypatch.setattr(auto.base, "step_async", lambda *a, **k: per_tensor.append(1))  # never: fails if it runs
-    model, plain = _model(), _model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                               compression=auto, merge=1)
-    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
-    per_step: list[tuple[int, int, int, int]] = []
-    for step in range(6 * PROBE_STEPS + 4):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        before = (len(slow), auto.settled_launches, len(planned), auto.native_launches)
-        model(x).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-        per_step.append((len(slow) - before[0], auto.settled_launches - before[1], len(planned) - before[2],
-                         auto.native_launches - before[3]))
-        plain(x).square().sum().backward()
-        ref.step()
-        ref.zero_grad()
+    per_step, model, plain, opt = _lean_steps(auto, rt, lambda: auto.settled_launches, lambda: len(planned),
+                                              lambda: auto.native_launches)
     assert auto.settled and auto.verified, auto.table()
     group = next(iter(auto._groups.values()))
     assert group.planned and {c.codec for c in auto.choices.values()} == {"none"}, auto.table()
@@ -1086,10 +1078,7 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     assert len(planned) > sum(n for _, n, _, _ in per_step), per_step  # the trial's launches were planned jobs too
     for p, q in zip(model.parameters(), plain.parameters()):  # one rank: the plain optimizer's bits
         assert torch.equal(p, q)
-    weights = [p.detach().clone() for p in model.parameters()]
-    model(torch.full((4, 8), float("nan"))).square().sum().backward()
-    assert opt.step() is None and opt.nonfinite_steps == 1
-    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    _skips_a_nan_step(model, opt)
 
 
 def test_a_groups_mean_prefers_settled_launches_and_its_trial_ends_on_enough_of_them_or_none_left() -> None:
