@@ -86,6 +86,7 @@ from gradsync.compress.auto import (
     allowed,
     choose,
     choose_joint,
+    clearly_slower,
     ladder_covers,
     margin_for,
     profile_codecs,
@@ -115,6 +116,11 @@ PROBE_STEPS = 2
 #: <gradsync.comm.runtime.Runtime.settling>` grew timed that, not what the codec will cost from then on. Up to an
 #: explorer's longest run; then the trial's times are what they were.
 SETTLING_LAUNCHES = EXPLORE_MAX_CALLS
+#: ...unless, after this many launches, even the quickest is far slower than the group's "none"
+#: (:func:`~gradsync.compress.auto.clearly_slower`): an explorer runs one call a launch, and a group launches once a
+#: step, so waiting out its run would time a losing way for most of a short job. Past an explorer's first round (up
+#: to five candidates, each first call a warm-up), so one reading at least is a timed call.
+SETTLING_READINGS = 6
 #: How long a review waits for a timing callback of a job already finished (it runs on the comm thread).
 RECORD_WAIT_S = 5.0
 #: Codecs a group times at most: the model's pick and up to two rivals while each measures beyond its prediction
@@ -214,13 +220,17 @@ class _Group:
 
     def trial_over(self, probe_steps: int) -> bool:
         """Whether the trial in progress has ``probe_steps`` settled timings (one more where they disagree and are
-        quick or a codec's: :func:`~gradsync.compress.auto.wants_another`), or no launch left to wait for them."""
+        quick or a codec's: :func:`~gradsync.compress.auto.wants_another`), or no launch left to wait for them, or
+        (a way other than "none", its exchange still settling) :data:`SETTLING_READINGS` launches clearly slower
+        than "none" (:func:`~gradsync.compress.auto.clearly_slower`)."""
         if self.left == 0:
             return True
         trial = self.trials[-1]
         times = self.times.get(trial, [])
-        return len(times) >= probe_steps and not wants_another(times, probe_steps,
-                                                                codec=trial not in ("none", PLANNED))
+        if len(times) >= probe_steps and not wants_another(times, probe_steps, codec=trial not in ("none", PLANNED)):
+            return True
+        return trial != "none" and clearly_slower(times + self.unsettled.get(trial, []), self.time_s("none"),
+                                                  least=max(SETTLING_READINGS, probe_steps))
 
     def priced(self) -> AutoChoice:
         """The choice a check is about; one before any was made is a bug in the caller."""

@@ -380,6 +380,20 @@ def test_a_rival_is_timed_only_when_the_pick_measured_far_above_its_prediction()
                  **kw) is None
 
 
+def test_a_trial_ends_before_its_exchange_settled_only_where_even_its_quickest_launch_is_far_behind_none():
+    from gradsync.compress.auto import TRY_GAIN, clearly_slower
+
+    # fp16 on the MLP's 25 MB group (two-tier file, 10 Gbit/s): its 12.6 MB payload explored, "none" at 64 ms
+    assert clearly_slower([0.29, 0.15, 0.11, 0.17, 0.12, 0.14], 0.064, least=6)
+    assert not clearly_slower([0.29, 0.15, 0.11, 0.17, 0.12], 0.064, least=6)  # too few launches read
+    assert not clearly_slower([0.29, 0.15, 0.07, 0.17, 0.12, 0.14], 0.064, least=6)  # one within TRY_GAIN: wait
+    assert not clearly_slower([1.0] * 6, math.inf, least=6)  # "none" not timed
+    edge = 0.064 * TRY_GAIN
+    assert clearly_slower([edge] * 6, 0.064, least=6) and not clearly_slower([edge * 0.99] * 6, 0.064, least=6)
+    # a wire-bound group: fp16's explored launches, warm-ups among them, still well under "none"'s
+    assert not clearly_slower([0.52, 0.41, 0.39, 0.45, 0.6, 0.38], 0.7, least=6)
+
+
 def test_a_quick_or_codec_trial_whose_two_launches_disagree_takes_a_third():
     from gradsync.compress.auto import LAUNCH_SPREAD, QUICK_LAUNCH_S, wants_another
 

@@ -231,6 +231,41 @@ def test_a_launch_timed_while_the_runtime_settled_its_exchange_waits_for_a_settl
         assert row["measured_s"] < quick, row
 
 
+@pytest.mark.parametrize("fp16_s, kept", [(1e-5, False), (1e-7, True)])
+def test_a_trial_whose_exchange_never_settles_ends_early_only_where_it_clearly_loses(
+        monkeypatch: pytest.MonkeyPatch, fp16_s: float, kept: bool) -> None:
+    """Every fp16 launch is timed while the runtime settles (its counter moves across each, as while an explorer runs
+    one candidate a launch), "none" 1 us a clock call. At 10 us a call, fp16's trial ends after SETTLING_READINGS
+    launches, not the whole SETTLING_LAUNCHES (cut to 8 here) it may wait for a settled one, and the group drops it.
+    At 0.1 us, quicker than "none", it waits them out and is kept on those rough times."""
+    import itertools
+
+    from gradsync.train import auto_compression
+    from gradsync.train.auto_compression import SETTLING_READINGS
+
+    monkeypatch.setattr(auto_compression, "SETTLING_LAUNCHES", 8)
+    assert SETTLING_READINGS < PROBE_STEPS + 8
+    ticks, owner = itertools.count(1), []
+    monkeypatch.setattr(Runtime, "settling", property(
+        lambda self: next(ticks) if owner and owner[0].current == "fp16" else 0))
+    runtime = Runtime(LocalFabric(1).transport(0))
+    try:
+        clock = FakeClock({"none": 1e-6, "fp16": fp16_s, "other": fp16_s})
+        auto = _auto(runtime, clock)
+        owner.append(auto)
+        auto.verified = True  # the groups' own choices only (as in the test above)
+        _train(runtime, auto, 2 * PROBE_STEPS + 14, wide=8, merge=1)
+        (row,) = auto.table()
+    finally:
+        runtime.shutdown()
+    assert auto.settled and auto.trials[row["group"]] == ["none", "fp16"], (row, auto.trials)
+    assert len(auto.trial_times[row["group"]]["fp16"]) == 0, auto.trial_times  # no settled launch
+    if kept:
+        assert (row["codec"], row["reason"], row["settling_launches"]) == ("fp16", "measured", PROBE_STEPS + 8), row
+    else:
+        assert (row["codec"], row["reason"], row["settling_launches"]) == ("none", "dropped", SETTLING_READINGS), row
+
+
 def test_an_infinitely_fast_wire_runs_none_without_a_trial(rt: Runtime) -> None:
     clock = FakeClock({"none": 1e-6, "other": 1e-6})
     auto = _auto(rt, clock, wire=AlphaBeta(0.0, float("inf")))
