@@ -107,6 +107,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=2, help="loopback processes (default 2)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="testbed: skip gradsync.init(calibrate=True)")
+    p.add_argument("--share-runtime", action="store_true",
+                   help="every method and configuration of a cell on one runtime, as before: a size class one "
+                        "method's calls explored runs settled for the others (default: one runtime each)")
     p.add_argument("--timeout", type=float, default=14400.0, help="seconds one cell's workers may run (default 14400)")
     p.add_argument("--out", type=Path, default=_ROOT / "benchmarks" / "results" / "compression_sweep")
     args = p.parse_args(argv)
@@ -286,6 +289,7 @@ def _worker_cmd(args: argparse.Namespace, out: Path, topology: str | None, label
            "--lr", str(args.lr), "--label", label, "--index", str(index),
            "--total", str(total), "--timeout", "300"]
     cmd += ["--topology", topology] if topology else []
+    cmd += ["--share-runtime"] if args.share_runtime else []
     return cmd + (["--calibrate"] if args.calibrate and topology else [])
 
 

@@ -31,7 +31,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from benchmarks.compress_testbed_worker import Replica, _timed, _train_step, lea
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
-__all__ = ["FIXED", "MODELS", "PATHS", "Setup", "extra_steps", "method_names", "main"]
+__all__ = ["FIXED", "MODELS", "PATHS", "Setup", "extra_steps", "method_names", "main", "own_runtimes", "tuned_at_init"]
 
 #: The fixed codecs every configuration runs beside ``auto`` (names of :data:`gradsync.compress.auto.CODECS`).
 FIXED = ("fp16", "powersgd-r1", "topk-1%", "efsignsgd", "qsgd")
@@ -164,6 +164,41 @@ PATHS.add("optimizer", _optimizer_path)
 PATHS.add("hook", _hook_path)
 
 
+def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str]) -> dict[str, Any]:
+    """A runtime of its own for each gradsync method of one configuration (not ``ddp``): the job's calibrated cost
+    model and the small classes tuning measured at init (``start``: :func:`tuned_at_init`), nothing any method's
+    calls settled since. A user's job runs one method, so a size class one method's calls explored (the fixed
+    ``none`` optimizer's 25 MB payload, say) must not reach another's, least of all ``auto``, whose first steps
+    are what choosing costs; nor a configuration's the next one's. On the same transport: the methods take their
+    steps in turn, each waiting for its own exchanges, so no two runtimes' collectives are in flight together."""
+    from gradsync.comm.runtime import Runtime
+
+    out = {}
+    for m in methods:
+        if m == "ddp":
+            continue
+        own = Runtime(rt.transport, rt.topology, rt.algorithm, options=rt.options, mapping=rt.mapping,
+                      timeout_s=rt.timeout_s, cost_model=rt.cost_model, adapt=False)
+        if start is not None:
+            own.tuning.use_tuned(start)
+        own.explore = rt.explore
+        out[m] = own
+    return out
+
+
+def tuned_at_init(rt: Any) -> dict[str, Any] | None:
+    """The runtime's tuned classes right after ``gradsync.init`` (what calibration's tuning measured, or an earlier
+    job cached: a cell's cache directory is its own), as :meth:`~gradsync.comm.tuning.Tuning.use_tuned` takes them;
+    None where there are none."""
+    from gradsync.comm.tuning import TUNED_TYPE
+
+    tuned = rt.tuning.tuned
+    if not tuned:
+        return None
+    return {"type": TUNED_TYPE, "classes": {str(size): {k: v for k, v in record.items() if k != "cached"}
+                                            for size, record in tuned.items()}}
+
+
 def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """Test accuracy and loss of the module itself (not DDP's wrapper: its forward may sync buffers, a collective
     rank 0 would run alone), in eval mode (batch norm's running statistics)."""
@@ -200,6 +235,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--total", type=int, default=0, help="configurations in the whole sweep (progress lines)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--calibrate", action="store_true", help="gradsync.init(calibrate=True)")
+    p.add_argument("--share-runtime", action="store_true",
+                   help="every method and configuration on gradsync.init's one runtime (before: a size class one "
+                        "method explored ran settled for the others)")
     return p.parse_args(argv)
 
 
@@ -222,8 +260,19 @@ def _agreed_extra(elapsed_s: float, pace_s: float, args: argparse.Namespace) -> 
 
 
 def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args: argparse.Namespace,
-               progress: Callable[[str], None]) -> dict[str, Any]:
-    """One configuration: every method's replica from the same weights, stepping in turn on the same batches."""
+               progress: Callable[[str], None], start: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One configuration: every method's replica from the same weights, stepping in turn on the same batches, each
+    gradsync method on a runtime of its own (:func:`own_runtimes`, from ``start``) unless ``--share-runtime``."""
+    own = {} if args.share_runtime else own_runtimes(rt, start, methods)
+    try:
+        return _run_config(rt, own, model_name, path, methods, args, progress)
+    finally:
+        for runtime in own.values():
+            runtime.shutdown()
+
+
+def _run_config(rt: Any, own: dict[str, Any], model_name: str, path: str, methods: Sequence[str],
+                args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
     from gradsync.models.data import load_digits, shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -232,7 +281,7 @@ def run_config(rt: Any, model_name: str, path: str, methods: Sequence[str], args
     base = MODELS.get(model_name)()
     setup = Setup(rt, args.lr, args.allow, args.probe_steps)
     build = PATHS.get(path)
-    replicas = {m: build(m, copy.deepcopy(base), setup) for m in methods}
+    replicas = {m: build(m, copy.deepcopy(base), replace(setup, runtime=own.get(m, rt))) for m in methods}
     n_train = data.x_train.shape[0]
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(1))
     samples: dict[str, list[float]] = {m: [] for m in methods}
@@ -290,8 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     rt = gradsync.init(args.topology, timeout_s=args.timeout, calibrate=args.calibrate)
+    start = tuned_at_init(rt)
     out: dict[str, Any] = {"topology": rt.topology.name, "world_size": rt.world_size, "torch": torch.__version__,
                            "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate,
+                           "runtimes": "shared" if args.share_runtime else "one per method and configuration",
                            "init_s": time.perf_counter() - t0, "steps": args.steps, "warmup": args.warmup,
                            "batch": args.batch, "lr": args.lr, "allow": args.allow, "configs": []}
     total = args.total or len(configs)
@@ -302,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rt.rank == 0:
                 print(f"{tag}: {text}", flush=True)
 
-        result = run_config(rt, model_name, path, methods, args, progress)
+        result = run_config(rt, model_name, path, methods, args, progress, start)
         med = {m: r["median_s"] for m, r in result["methods"].items()}
         progress("done, median s/step " + ", ".join(f"{m} {v:.3f}" for m, v in med.items()))
         out["configs"].append(result)

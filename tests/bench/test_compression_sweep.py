@@ -39,6 +39,7 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     assert set(doc["goals"]) >= {"never_loses", "wire_bound_vs_ddp", "accuracy_points_vs_ddp", "choose_share", "met"}
     (cell,) = doc["cells"]
     assert cell["mode"] == "loopback" and cell["world_size"] == 2
+    assert cell["runtimes"] == "one per method and configuration"
     (config,) = cell["configs"]
     assert (config["model"], config["path"]) == ("lenet5", "optimizer")
     steps, warmup = max_steps, bench.QUICK["warmup"]
@@ -68,6 +69,35 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     out = capsys.readouterr().out
     assert "[1/1] lenet5/optimizer on loopback: step 5/8" in out and "cell 1/1 done" in out  # progress lines
     assert "auto/best fixed" in out and "goals met:" in out
+
+
+def test_each_gradsync_method_runs_on_a_runtime_of_its_own_with_inits_tuning_and_nothing_explored_since():
+    """A size class one method's calls settled (here: a 32 MB class picked after init) is not the others': each
+    gradsync method starts from what the job had at init (the tuned small classes, the cost model, exploring)."""
+    from benchmarks.compression_sweep_worker import own_runtimes, tuned_at_init
+    from gradsync.comm.local import LocalFabric
+    from gradsync.comm.runtime import Runtime
+    from gradsync.comm.tuning import TUNED_TYPE
+
+    rt = Runtime(LocalFabric(1).transport(0))
+    own: dict = {}
+    try:
+        assert tuned_at_init(rt) is None
+        rt.tuning.use_tuned({"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1], "measured_s": {}}}})
+        rt.explore = True
+        start = tuned_at_init(rt)
+        assert start == {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1], "measured_s": {}}}}
+        rt.plans.choose(1 << 25, ("ring", 2))  # settled by some method's calls after init
+        own = own_runtimes(rt, start, ["ddp", "none", "fp16", "auto"])
+        assert sorted(own) == ["auto", "fp16", "none"] and len({id(r) for r in own.values()}) == 3
+        for runtime in own.values():
+            assert runtime is not rt and runtime.transport is rt.transport and runtime.cost_model is rt.cost_model
+            assert runtime.plans.chosen() == {4096: ("tree", 1)} and runtime.explore
+        assert rt.plans.chosen()[1 << 25] == ("ring", 2)
+    finally:
+        for runtime in own.values():
+            runtime.shutdown()
+        rt.shutdown()
 
 
 def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_allows():
