@@ -164,20 +164,25 @@ PATHS.add("optimizer", _optimizer_path)
 PATHS.add("hook", _hook_path)
 
 
-def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str]) -> dict[str, Any]:
+def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str],
+                 transport: Callable[[], Any] | None = None) -> dict[str, Any]:
     """A runtime of its own for each gradsync method of one configuration (not ``ddp``): the job's calibrated cost
     model and the small classes tuning measured at init (``start``: :func:`tuned_at_init`), nothing any method's
     calls settled since. A user's job runs one method, so a size class one method's calls explored (the fixed
     ``none`` optimizer's 25 MB payload, say) must not reach another's, least of all ``auto``, whose first steps
-    are what choosing costs; nor a configuration's the next one's. On the same transport: the methods take their
-    steps in turn, each waiting for its own exchanges, so no two runtimes' collectives are in flight together."""
+    are what choosing costs; nor a configuration's the next one's. Each on a transport of its own (a dedicated
+    process group, as ``gradsync.init`` makes, over the same processes; ``transport`` makes one): a job-wide
+    decision is keyed by its group (decided once per group), and one runtime's communication thread must never meet
+    another's on a group."""
     from gradsync.comm.runtime import Runtime
+    from gradsync.comm.transport import create_transport
 
     out = {}
     for m in methods:
         if m == "ddp":
             continue
-        own = Runtime(rt.transport, rt.topology, rt.algorithm, options=rt.options, mapping=rt.mapping,
+        own = Runtime(transport() if transport is not None else create_transport("torch", timeout_s=rt.timeout_s),
+                      rt.topology, rt.algorithm, options=rt.options, mapping=rt.mapping,
                       timeout_s=rt.timeout_s, cost_model=rt.cost_model, adapt=False)
         if start is not None:
             own.tuning.use_tuned(start)

@@ -73,7 +73,8 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
 
 def test_each_gradsync_method_runs_on_a_runtime_of_its_own_with_inits_tuning_and_nothing_explored_since():
     """A size class one method's calls settled (here: a 32 MB class picked after init) is not the others': each
-    gradsync method starts from what the job had at init (the tuned small classes, the cost model, exploring)."""
+    gradsync method starts from what the job had at init (the tuned small classes, the cost model, exploring), on a
+    transport of its own (the sweep's made a rank read another runtime's decision: a collective mismatch)."""
     from benchmarks.compression_sweep_worker import own_runtimes, tuned_at_init
     from gradsync.comm.local import LocalFabric
     from gradsync.comm.runtime import Runtime
@@ -88,10 +89,11 @@ def test_each_gradsync_method_runs_on_a_runtime_of_its_own_with_inits_tuning_and
         start = tuned_at_init(rt)
         assert start == {"type": TUNED_TYPE, "classes": {"4096": {"choice": ["tree", 1], "measured_s": {}}}}
         rt.plans.choose(1 << 25, ("ring", 2))  # settled by some method's calls after init
-        own = own_runtimes(rt, start, ["ddp", "none", "fp16", "auto"])
+        own = own_runtimes(rt, start, ["ddp", "none", "fp16", "auto"], lambda: LocalFabric(1).transport(0))
         assert sorted(own) == ["auto", "fp16", "none"] and len({id(r) for r in own.values()}) == 3
+        assert len({id(r.transport) for r in [rt, *own.values()]}) == 4  # a decision is keyed by its transport's group
         for runtime in own.values():
-            assert runtime is not rt and runtime.transport is rt.transport and runtime.cost_model is rt.cost_model
+            assert runtime is not rt and runtime.cost_model is rt.cost_model
             assert runtime.plans.chosen() == {4096: ("tree", 1)} and runtime.explore
         assert rt.plans.chosen()[1 << 25] == ("ring", 2)
     finally:
