@@ -595,7 +595,8 @@ def _compression_sweep(rel: str, title: str) -> list[str]:
            + (f", more up to {a['max_steps']} while a configuration stayed under {a['budget_s']:g} s (`--budget-s`)"
               if a.get("budget_s") else "") + f", `allow={j['allow']}`"
            + ("" if j.get("complete") else " (stopped before the last cell)") + ". Every method trains from the same "
-           "weights on the same batches in the same processes, alternating step by step. `auto / best` and `auto / "
+           "weights on the same batches in the same processes, alternating step by step, "
+           + _sweep_runtimes(j) + ". `auto / best` and `auto / "
            f"DDP`: {j['interval']}, with its 95 % interval.", "", *sources(rel)]
     rows = []
     for r in j["configs"]:
@@ -616,6 +617,15 @@ def _compression_sweep(rel: str, title: str) -> list[str]:
                                          "auto's first steps beyond its median, less `none`'s excess (the estimator "
                                          "before 26a1bee, which charged the steps' skew to auto: DDP alone read 2-7 %).")]
     return out + ["", *block(j["summary"])]
+
+
+def _sweep_runtimes(j: dict) -> str:
+    """How the sweep's gradsync methods shared runtimes (older runs predate the field: one runtime for all)."""
+    kinds = {c.get("runtimes") for c in j.get("cells", [])}
+    if kinds == {"one per method and configuration"}:
+        return "each gradsync method on a runtime (and process group) of its own"
+    return ("every gradsync method on the cell's one runtime (before 0954c68: a size class one method's calls "
+            "explored ran settled for the others, which flattered `auto`'s choosing)")
 
 
 def cast_accuracy() -> list[str]:
