@@ -177,17 +177,22 @@ def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str],
     from gradsync.comm.runtime import Runtime
     from gradsync.comm.transport import create_transport
 
-    out = {}
-    for m in methods:
-        if m == "ddp":
-            continue
-        own = Runtime(transport() if transport is not None else create_transport("torch", timeout_s=rt.timeout_s),
-                      rt.topology, rt.algorithm, options=rt.options, mapping=rt.mapping,
-                      timeout_s=rt.timeout_s, cost_model=rt.cost_model, adapt=False)
-        if start is not None:
-            own.tuning.use_tuned(start)
-        own.explore = rt.explore
-        out[m] = own
+    out: dict[str, Any] = {}
+    try:
+        for m in methods:
+            if m == "ddp":
+                continue
+            out[m] = own = Runtime(
+                transport() if transport is not None else create_transport("torch", timeout_s=rt.timeout_s),
+                rt.topology, rt.algorithm, options=rt.options, mapping=rt.mapping, timeout_s=rt.timeout_s,
+                cost_model=rt.cost_model, adapt=False)
+            if start is not None:
+                own.tuning.use_tuned(start)
+            own.explore = rt.explore
+    except BaseException:
+        for made in out.values():  # every thread we start, we also end
+            made.shutdown()
+        raise
     return out
 
 

@@ -543,7 +543,7 @@ def wants_another(times_s: Sequence[float], probe_steps: int, *, codec: bool = F
 def clearly_slower(readings_s: Sequence[float], none_s: float, *, least: int, gain: float = TRY_GAIN) -> bool:
     """Whether a way's trial may end before the runtime settled the exchange it runs: ``least`` launches read (settled
     or not) and even the quickest of them ``gain`` times slower than the group's ``"none"`` (``none_s``; inf, not
-    timed: never). While the runtime explores a size, each launch runs one of its candidates, the one it will settle
+    timed: never). While the runtime explores a size, the launches run its candidates in turn, the one it will settle
     on among them, so the quickest reading past the explorer's warm-up round is about what the way costs settled; a
     way that far behind "none" would be dropped on it, and each launch it waits costs the job that much more."""
     return len(readings_s) >= least and math.isfinite(none_s) and quicker_by(none_s, min(readings_s), gain)

@@ -102,6 +102,34 @@ def test_each_gradsync_method_runs_on_a_runtime_of_its_own_with_inits_tuning_and
         rt.shutdown()
 
 
+def test_a_runtime_that_cannot_start_ends_the_ones_started_before_it():
+    import threading
+
+    from benchmarks.compression_sweep_worker import own_runtimes
+    from gradsync.comm.local import LocalFabric
+    from gradsync.comm.runtime import Runtime
+
+    def comm_threads() -> int:
+        return sum(t.name == "gradsync-comm" and t.is_alive() for t in threading.enumerate())
+
+    made: list = []
+
+    def transport():
+        if made:
+            raise GradsyncError("no second group")
+        made.append(LocalFabric(1).transport(0))
+        return made[-1]
+
+    rt = Runtime(LocalFabric(1).transport(0))
+    try:
+        before = comm_threads()
+        with pytest.raises(GradsyncError, match="no second group"):
+            own_runtimes(rt, None, ["none", "auto"], transport)
+        assert len(made) == 1 and comm_threads() == before  # the first one's thread ended
+    finally:
+        rt.shutdown()
+
+
 def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_allows():
     """By hand: auto 0.4/0.45/0.8 s (median 0.45). With allow="any" the best fixed is topk-1% (median 0.6):
     ratios 0.6/0.4, 0.9/0.45, 0.4/0.8 = 1.5, 2.0, 0.5 -> median 1.5; ratio of medians 0.6/0.45 = 1.333.
