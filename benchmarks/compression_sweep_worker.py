@@ -200,13 +200,7 @@ def tuned_at_init(rt: Any) -> dict[str, Any] | None:
     """The runtime's tuned classes right after ``gradsync.init`` (what calibration's tuning measured, or an earlier
     job cached: a cell's cache directory is its own), as :meth:`~gradsync.comm.tuning.Tuning.use_tuned` takes them;
     None where there are none."""
-    from gradsync.comm.tuning import TUNED_TYPE
-
-    tuned = rt.tuning.tuned
-    if not tuned:
-        return None
-    return {"type": TUNED_TYPE, "classes": {str(size): {k: v for k, v in record.items() if k != "cached"}
-                                            for size, record in tuned.items()}}
+    return rt.tuning.tuned_doc() if rt.tuning.tuned else None
 
 
 def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:

@@ -278,9 +278,13 @@ class Tuning:
         path, generation = self.tuned_cache
         if generation != self.plans.generation:
             return  # a different cost model now: these picks are not that file's
-        doc = {"type": TUNED_TYPE, "classes": {str(size): {k: v for k, v in record.items() if k != "cached"}
+        write_cache(path, self.tuned_doc(), "measured choices", stacklevel=3)
+
+    def tuned_doc(self) -> dict[str, Any]:
+        """:attr:`tuned` as the cache file holds it, what :meth:`use_tuned` takes back (a runtime of its own starts
+        from another's measurements with it: the compression sweep's methods)."""
+        return {"type": TUNED_TYPE, "classes": {str(size): {k: v for k, v in record.items() if k != "cached"}
                                                 for size, record in sorted(self.tuned.items())}}
-        write_cache(path, doc, "measured choices", stacklevel=3)
 
     def use_tuned(self, doc: Any) -> None:
         """Adopt :meth:`tune`'s choices from its cached JSON (``{"type": "gradsync.tuned", "classes": {bytes:

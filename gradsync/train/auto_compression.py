@@ -496,7 +496,7 @@ class AutoCompression:
             work = self._native(flat, key, verdict, scaled=scale is not None)
         elif flat is not None and codec == PLANNED:
             work = self._planned(flat, key, verdict)  # what the group runs lean if it keeps this way
-        elif flat is not None and codec != PLANNED and (wire := self._step(codec).cast_dtype) is not None:
+        elif flat is not None and (wire := self._step(codec).cast_dtype) is not None:
             work = self._native(flat, key, verdict, wire)  # a fixed fp16 hook's path: the same bits, less host time
         native = work is not None and codec != PLANNED
         if codec == "none":
@@ -563,8 +563,8 @@ class AutoCompression:
     def _work(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None, name: str, *,
               world: int | None, deferred: bool) -> Work:
         """The work of the sum of ``flat`` (``fut``: the backend's, or the planned exchange's), its result ``[flat]``
-        averaged (:meth:`_finisher`):
-        finished by its ``wait()`` where ``deferred``, else by callbacks chained on ``fut``."""
+        averaged (:meth:`_finisher`): finished by its ``wait()`` where ``deferred``, else by callbacks chained on
+        ``fut``."""
         finish = self._finisher(flat, verdict, world)
         if deferred:
             return Work(fut, name, finish=lambda value: [finish(value)])
@@ -726,9 +726,10 @@ class AutoCompression:
         return fut.then(lambda f: finish(f.value()))
 
     def _finisher(self, flat: Tensor, verdict: StepVerdict | None, world: int | None = None) -> Callable[[Any], Tensor]:
-        """What follows the sum of ``flat`` (the backend's or the planned exchange's), given its result: with ``verdict`` (its slot reserved now, in
-        launch order), whether the sum is finite joins that step's -- the same bits on every rank, so the same
-        verdict --; then ``flat`` is averaged in place (``world``: :meth:`_averaged`) and returned."""
+        """What follows the sum of ``flat`` (the backend's or the planned exchange's), given its result: with
+        ``verdict`` (its slot reserved now, in launch order), whether the sum is finite joins that step's -- the same
+        bits on every rank, so the same verdict --; then ``flat`` is averaged in place (``world``: :meth:`_averaged`)
+        and returned."""
         world = self.runtime.world_size if world is None else world
         slot = verdict.reserve() if verdict is not None else -1
 
