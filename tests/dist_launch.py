@@ -98,8 +98,8 @@ def counting_native(rt: Any) -> tuple[Callable[..., Any], list[bool]]:
     native = rt.native_allreduce_async
     taken: list[bool] = []
 
-    def counting(tensor: Any, algorithm: str | None = None) -> Any:
-        fut = native(tensor, algorithm)
+    def counting(tensor: Any, algorithm: str | None = None, *, always: bool = False) -> Any:
+        fut = native(tensor, algorithm, always=always)
         taken.append(fut is not None)
         return fut
 

@@ -30,7 +30,8 @@ thread), that planned exchange is timed right after as a second way to send the 
 (:data:`PLANNED`), and the group's ``"none"`` from then on is the planned one only where it measured
 :attr:`AutoCompression.threaded_gain` times quicker: a plan measured alone may beat the backend's and still lose
 inside a training step, where it shares the cores with backward (the bar is 1 where the optimizer's whole steps
-against DDP's buckets follow and decide that).
+against DDP's buckets follow and decide that). A cast codec's payload (fp16, bf16) goes the way the group's ``"none"``
+runs: the backend's allreduce, whatever the runtime plans for the smaller size, unless the group kept the planned way.
 
 Once every group has settled and the whole-step check is over, a group whose choice is stateless and sums its flat
 buffer as it is ("none", on the backend's allreduce or the planned exchange it measured quicker on; or a cast the
@@ -497,7 +498,8 @@ class AutoCompression:
         elif flat is not None and codec == PLANNED:
             work = self._planned(flat, key, verdict)  # what the group runs lean if it keeps this way
         elif flat is not None and (wire := self._step(codec).cast_dtype) is not None:
-            work = self._native(flat, key, verdict, wire)  # a fixed fp16 hook's path: the same bits, less host time
+            # a fixed fp16 hook's path: the same bits, less host time
+            work = self._native(flat, key, verdict, wire, always=self._casts_natively(group))
         native = work is not None and codec != PLANNED
         if codec == "none":
             group.native = native
@@ -530,7 +532,7 @@ class AutoCompression:
         return work
 
     def _native(self, flat: Tensor, key: str, verdict: StepVerdict, wire: torch.dtype | None = None,
-                scaled: bool = False, deferred: bool = False) -> Work | None:
+                scaled: bool = False, deferred: bool = False, always: bool = False) -> Work | None:
         """``flat`` averaged in place by the process group's own async allreduce, whatever the runtime plans for
         its size (None where the backend cannot take it: no process group, another device). The sum is the same
         bits on every rank, so whether it is finite is the job's verdict on this group: it joins the step's, as
@@ -538,11 +540,12 @@ class AutoCompression:
 
         ``wire``: a cast codec's dtype (fp16, bf16): ``flat`` is cast, summed in that dtype and cast back, as a
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
-        own step then runs on the planned exchange, as the fixed codec would). ``scaled``: ``flat`` was scaled by
+        own step then runs on the planned exchange, as the fixed codec would; ``always``: on the backend's whatever the
+        runtime plans, :meth:`_casts_natively`). ``scaled``: ``flat`` was scaled by
         1/world already (:meth:`plain_scale`), the sum is the average. ``deferred``: the average and the verdict
         are the work's ``finish``, done by its ``wait()`` on the caller's thread (:meth:`_finisher`), for a caller
         that waits for the work itself; else chained on its future, for one that hands the future on (a DDP hook)."""
-        fut = self._backend_sum(flat, wire)
+        fut = self._backend_sum(flat, wire, always=always)
         if fut is None:
             if scaled:
                 raise CompressionError(f"group {key!r} was scaled for the backend's allreduce, which refused it "
@@ -570,12 +573,22 @@ class AutoCompression:
             return Work(fut, name, finish=lambda value: [finish(value)])
         return Work(fut.then(lambda f: [finish(f.value())]), name)
 
-    def _backend_sum(self, flat: Tensor, wire: torch.dtype | None) -> torch.futures.Future | None:
+    def _backend_sum(self, flat: Tensor, wire: torch.dtype | None, *, always: bool = False) -> torch.futures.Future | None:
         """``flat`` summed in place by the process group's own allreduce (in ``wire`` and cast back, for a cast
-        codec, where the runtime runs that size natively); None where the backend cannot take it."""
+        codec, where the runtime runs that size natively or ``always``); None where the backend cannot take it."""
         if wire is None:
             return self.runtime.native_allreduce_async(flat, always=True)
-        return native_cast_sum_async(self.runtime, flat, wire)
+        return native_cast_sum_async(self.runtime, flat, wire, always=always)
+
+    def _casts_natively(self, group: _Group) -> bool:
+        """Whether a cast of ``group`` goes to the backend's allreduce whatever the runtime plans for the cast's
+        payload size: where the group's "none" runs there (it measured no planned exchange quicker, or the runtime
+        runs the group's size natively). The cast's trial then times the codec on the way the group sends, not a
+        payload size the runtime has never sent, whose plan it would price and explore for a few dozen launches
+        first; and a plan's edge over the backend's ring is in bandwidth, which a cast halves. Where the group's
+        "none" is the planned exchange, the cast goes where the runtime plans its size, as a fixed cast would. The
+        same on every rank: both flags are."""
+        return group.native and not group.planned
 
     def lean_scale(self, key: str, device: torch.device) -> float | None:
         """The factor a caller may scale ``key``'s gradients (on ``device``) by while it copies them into the group's
@@ -636,7 +649,8 @@ class AutoCompression:
         if codec == "none" and group.planned:  # the flat buffer on the planned exchange: one job, no per-tensor step
             self.settled_launches += 1
             return self.runtime.allreduce_async(flat, "sum").future
-        fut = self._backend_sum(flat, None if codec == "none" else self._step(codec).cast_dtype)
+        fut = self._backend_sum(flat, None if codec == "none" else self._step(codec).cast_dtype,
+                                always=self._casts_natively(group))
         if fut is None:  # nothing joined the step: the caller's step_async opens its verdict
             if scaled:  # lean_scale said the backend takes it
                 raise CompressionError(f"group {key!r} was scaled for the backend's allreduce, which refused it "
@@ -750,9 +764,10 @@ class AutoCompression:
         for key in keys:
             group = self._groups[key]
             codec = group.priced().codec
-            if codec != "none":  # a cast takes the backend's allreduce only where the runtime runs its size natively
+            if codec != "none":  # a cast takes the backend's allreduce where it was timed there
                 wire = self._step(codec).cast_dtype
-                if wire is None or not self.runtime.runs_natively(group.spec.numel * wire.itemsize):
+                if wire is None or not (self._casts_natively(group)
+                                        or self.runtime.runs_natively(group.spec.numel * wire.itemsize)):
                     return None
         return frozenset(keys)
 

@@ -3,6 +3,7 @@ codec slower than none, the choices are cached for the next job and ignored when
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -926,7 +927,8 @@ def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_sam
             if auto.current == "fp16":
                 break
         assert auto.current == "fp16", auto.table()
-        assert calls == ([] if planned else [(torch.float16, False)])  # a planned size is not cast for nothing
+        # a planned size is not cast for nothing; where "none" ran on the backend, the cast goes there too
+        assert calls == ([] if planned else [(torch.float16, True)])
         assert torch.equal(out, expected)
         if not planned:
             assert out is flat  # averaged in its own buffer, as the hook's bucket is
@@ -1046,7 +1048,7 @@ def _skips_a_nan_step(model: torch.nn.Module, opt: DistributedOptimizer) -> None
 
 
 @pytest.mark.parametrize("allow, wire, natively, stateless", [("cast", AlphaBeta(0.0, float("inf")), True, True),
-                                                              ("cast", SLOW, True, True), ("cast", SLOW, False, False),
+                                                              ("cast", SLOW, True, True), ("cast", SLOW, False, True),
                                                               ("any", SLOW, True, False)])
 def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_state_never_does(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, allow: str, wire, natively: bool, stateless: bool) -> None:
@@ -1054,8 +1056,9 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     on a slow one) launches by :meth:`AutoCompression.settled_launch`: the backend's allreduce of the group's buffer
     and nothing else (no per-launch timing, no step_async), the same bits as before it settled; the optimizer still
     skips a step whose gradient is NaN. A codec with state (error feedback under allow="any") keeps step_async: its
-    step's finite verdict is what rolls the state back. So does fp16 where the runtime plans the size itself
-    (``natively`` False): it runs on the planned exchange, as the fixed codec does."""
+    step's finite verdict is what rolls the state back. fp16 where the runtime plans the size itself (``natively``
+    False) still launches lean: the group's "none" measured quicker on the backend's allreduce, and so its cast runs
+    there (a cast of a group kept on the planned way takes that way and step_async: the test after the next)."""
     sent = _with_native(rt, monkeypatch)
     if not natively:
         monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
@@ -1149,31 +1152,54 @@ class LaunchClock(FakeClock):
         return self.now
 
 
-@pytest.mark.parametrize("fp16_s, on_backend, kept", [(0.9e-3, False, False), (0.5e-3, False, True),
-                                                      (0.9e-3, True, True)])
-def test_a_codec_on_gradsyncs_thread_must_beat_none_on_the_backend_by_try_gain(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, fp16_s: float, on_backend: bool, kept: bool) -> None:
-    """"none" on the backend's allreduce takes 1 ms a launch; fp16 0.9 ms (1.11x quicker) or 0.5 ms (2x). Where fp16's
-    payload runs on the runtime's planned exchange (gradsync's thread), it is kept only 1.25x quicker (TRY_GAIN):
-    dropped at 1.11x, kept at 2x. Where the backend sums fp16 too (a size the runtime runs natively), any lead keeps
-    it."""
+@pytest.mark.parametrize("planned_kept", [False, True])
+def test_a_cast_is_sent_the_way_its_groups_none_measured_quicker(rt: Runtime, monkeypatch: pytest.MonkeyPatch,
+                                                                 planned_kept: bool) -> None:
+    """The runtime plans every size (the cast's payload too); the group's "none" measured quicker on the backend's
+    allreduce (the planned way 1 s a launch) or on the planned exchange (10 us against 1 ms). fp16 then runs the same
+    way: cast whole and summed by the backend (``always``, whatever the runtime plans for its size), or its own
+    step on the planned exchange, as a fixed cast would."""
     _with_planned_none(rt, monkeypatch)
-    if on_backend:
-        def native(tensor, algorithm=None, always=False):
-            fut = torch.futures.Future()
-            fut.set_result([tensor])
-            return fut
+    planned_native = rt.native_allreduce_async
+    sent: list[tuple[torch.dtype, bool]] = []
 
-        monkeypatch.setattr(rt, "native_allreduce_async", native)
-        monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: nbytes < 2 * 100)  # fp16 of 100 floats
-    clock = LaunchClock({"none": 1e-3, "fp16": fp16_s, PLANNED: 1.0, "other": 1.0})
+    def native(tensor, algorithm=None, always=False):
+        sent.append((tensor.dtype, always))
+        return planned_native(tensor, algorithm, always=always)
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    clock = LaunchClock({"none": 1e-3, PLANNED: 1e-5 if planned_kept else 1.0, "other": 1e-6})
     auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
+    auto.margin = math.inf  # "none" is timed first
+    clock.auto = auto
+    _train(rt, auto, 4 * PROBE_STEPS + 2, wide=8, merge=1)
+    group = next(iter(auto._groups.values()))
+    assert group.trials[:3] == ["none", PLANNED, "fp16"] and group.planned is planned_kept, group
+    casts = [s for s in sent if s[0] == torch.float16]
+    assert casts == ([] if planned_kept else [(torch.float16, True)] * len(casts)) and (casts or planned_kept), sent
+    assert ("fp16" in group.threaded) is planned_kept, group
+
+
+@pytest.mark.parametrize("allow, codec_s, kept", [("any", 0.9e-3, False), ("any", 0.5e-3, True), ("cast", 0.9e-3, True)])
+def test_a_codec_on_gradsyncs_thread_must_beat_none_on_the_backend_by_try_gain(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, allow: str, codec_s: float, kept: bool) -> None:
+    """"none" on the backend's allreduce takes 1 ms a launch (the runtime's planned exchange of the group, far
+    slower, is not kept); the codec 0.9 ms (1.11x quicker) or 0.5 ms (2x). A codec with an exchange of its own
+    (allow="any": the model's pick on a slow wire) runs on gradsync's thread, and is kept only 1.25x quicker
+    (TRY_GAIN): dropped at 1.11x, kept at 2x. A cast (allow="cast": fp16) goes to the backend's allreduce beside
+    "none" though the runtime plans its payload's size, and any lead keeps it."""
+    _with_planned_none(rt, monkeypatch)
+    clock = LaunchClock({"none": 1e-3, PLANNED: 1.0, "other": codec_s})
+    auto = AutoCompression(allow, runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
+    auto.margin = math.inf  # "none" is timed first, however far ahead the model puts the codec
     clock.auto = auto
     _train(rt, auto, 3 * PROBE_STEPS + 2, wide=8, merge=1)  # 8*8+8+8*2+2 = 90 floats in one group
     (row,) = auto.table()
     group = auto._groups[row["group"]]
-    assert group.native and not group.planned and ("fp16" in group.threaded) is not on_backend, (row, group)
-    assert (row["codec"], row["reason"]) == (("fp16", "measured") if kept else ("none", "dropped")), row
+    (codec,) = group.candidates
+    assert (codec == "fp16") is (allow == "cast"), group.candidates
+    assert group.native and not group.planned and (codec in group.threaded) is (allow == "any"), (row, group)
+    assert (row["codec"], row["reason"]) == ((codec, "measured") if kept else ("none", "dropped")), row
 
 
 def test_every_rank_ends_a_trial_when_rank_0_does_whatever_its_own_timings_read(
