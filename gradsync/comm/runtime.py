@@ -266,6 +266,15 @@ class Runtime:
         """Whether an allreduce of ``nbytes`` runs on the backend's own collective now (no planned schedule)."""
         return isinstance(self.executor(algorithm, nbytes), NativeAllreduce)
 
+    def picks_native(self, nbytes: float) -> bool:
+        """Whether the size's pick is the backend's own collective (the runtime's named algorithm, or ``auto``'s
+        choice by the model or a measurement), even while an explorer times a plan against it (:meth:`runs_natively`
+        is False then): a caller that sends a few launches of a size the job does not otherwise send may skip the
+        near-tie a class's exploration settles."""
+        if self.algorithm != AUTO:
+            return self.algorithm == NATIVE
+        return self.plans.choice(size_class(nbytes))[0] == NATIVE
+
     def choice(self, nbytes: float) -> tuple[str, int]:
         """The (algorithm, pipeline) ``auto`` runs for ``nbytes`` now: the model's, or what :meth:`tune` or
         the first calls' measurements (:attr:`explore`) replaced it with."""

@@ -31,7 +31,8 @@ thread), that planned exchange is timed right after as a second way to send the 
 :attr:`AutoCompression.threaded_gain` times quicker: a plan measured alone may beat the backend's and still lose
 inside a training step, where it shares the cores with backward (the bar is 1 where the optimizer's whole steps
 against DDP's buckets follow and decide that). A cast codec's payload (fp16, bf16) goes the way the group's ``"none"``
-runs: the backend's allreduce, whatever the runtime plans for the smaller size, unless the group kept the planned way.
+runs: the backend's allreduce, whatever the runtime explores for the smaller size, unless the group kept the planned
+way (or, before ``"none"`` was timed, the runtime's pick for the payload's size is a plan).
 
 Once every group has settled and the whole-step check is over, a group whose choice is stateless and sums its flat
 buffer as it is ("none", on the backend's allreduce or the planned exchange it measured quicker on; or a cast the
@@ -499,7 +500,7 @@ class AutoCompression:
             work = self._planned(flat, key, verdict)  # what the group runs lean if it keeps this way
         elif flat is not None and (wire := self._step(codec).cast_dtype) is not None:
             # a fixed fp16 hook's path: the same bits, less host time
-            work = self._native(flat, key, verdict, wire, always=self._casts_natively(group))
+            work = self._native(flat, key, verdict, wire, always=self._casts_natively(group, wire))
         native = work is not None and codec != PLANNED
         if codec == "none":
             group.native = native
@@ -580,15 +581,19 @@ class AutoCompression:
             return self.runtime.native_allreduce_async(flat, always=True)
         return native_cast_sum_async(self.runtime, flat, wire, always=always)
 
-    def _casts_natively(self, group: _Group) -> bool:
-        """Whether a cast of ``group`` goes to the backend's allreduce whatever the runtime plans for the cast's
-        payload size: where the group's "none" runs there (it measured no planned exchange quicker, or the runtime
-        runs the group's size natively). The cast's trial then times the codec on the way the group sends, not a
-        payload size the runtime has never sent, whose plan it would price and explore for a few dozen launches
-        first; and a plan's edge over the backend's ring is in bandwidth, which a cast halves. Where the group's
-        "none" is the planned exchange, the cast goes where the runtime plans its size, as a fixed cast would. The
-        same on every rank: both flags are."""
-        return group.native and not group.planned
+    def _casts_natively(self, group: _Group, wire: torch.dtype) -> bool:
+        """Whether a cast of ``group`` to ``wire`` goes to the backend's allreduce whatever the runtime runs for the
+        cast's payload size now: where the group's "none" runs there (it measured no planned exchange quicker, or the
+        runtime runs the group's size natively), or, before "none" was timed (a cast far ahead on the model), where
+        the runtime's pick for the payload is the backend's (:meth:`Runtime.picks_native
+        <gradsync.comm.runtime.Runtime.picks_native>`, while an explorer may still time a plan against it). The
+        cast's trial then times the codec, not a payload size the runtime has never sent, whose plans it would
+        explore one call a launch for a few dozen launches first; and a plan's edge over the backend's ring is in
+        bandwidth, which a cast halves. Where the group's "none" is the planned exchange, the cast goes where the
+        runtime plans its size, as a fixed cast would. The same on every rank: the flags and the pick are."""
+        if group.planned:
+            return False
+        return group.native or self.runtime.picks_native(group.spec.numel * wire.itemsize)
 
     def lean_scale(self, key: str, device: torch.device) -> float | None:
         """The factor a caller may scale ``key``'s gradients (on ``device``) by while it copies them into the group's
@@ -649,8 +654,8 @@ class AutoCompression:
         if codec == "none" and group.planned:  # the flat buffer on the planned exchange: one job, no per-tensor step
             self.settled_launches += 1
             return self.runtime.allreduce_async(flat, "sum").future
-        fut = self._backend_sum(flat, None if codec == "none" else self._step(codec).cast_dtype,
-                                always=self._casts_natively(group))
+        wire = None if codec == "none" else self._step(codec).cast_dtype
+        fut = self._backend_sum(flat, wire, always=wire is not None and self._casts_natively(group, wire))
         if fut is None:  # nothing joined the step: the caller's step_async opens its verdict
             if scaled:  # lean_scale said the backend takes it
                 raise CompressionError(f"group {key!r} was scaled for the backend's allreduce, which refused it "
@@ -766,7 +771,7 @@ class AutoCompression:
             codec = group.priced().codec
             if codec != "none":  # a cast takes the backend's allreduce where it was timed there
                 wire = self._step(codec).cast_dtype
-                if wire is None or not (self._casts_natively(group)
+                if wire is None or not (self._casts_natively(group, wire)
                                         or self.runtime.runs_natively(group.spec.numel * wire.itemsize)):
                     return None
         return frozenset(keys)

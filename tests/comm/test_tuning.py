@@ -502,3 +502,22 @@ def test_a_pick_timed_again_must_still_beat_the_models_choice_by_the_margin(monk
     assert ex.pick == pick and rt.choice(4 << 20) == pick and record["choice"] == list(pick)
     assert record["measured_s"]["lp/32"] == pytest.approx(again)  # the latest time of each candidate is what the record keeps
     assert (("lp", 32) in dropped) == (pick == ("lp", 16))  # a pick given up releases its executor
+
+
+def test_picks_native_reads_the_sizes_pick_not_the_explorer_in_front_of_it(monkeypatch):
+    """``picks_native``: whether the size's pick is the backend's collective, even while an explorer (which
+    ``runs_natively`` sees instead) times a plan against it; a named algorithm's pick is itself."""
+    from gradsync.comm import Runtime
+    from gradsync.sim.cost import NATIVE
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    assert not rt.picks_native(4 << 20)  # no process group: the chooser prices plans only
+    monkeypatch.setattr(rt.plans, "choice", lambda size, collective="allreduce": (NATIVE, 1))
+    exploring = SimpleNamespace(schedule=None)
+    monkeypatch.setattr(rt.tuning, "explorer", lambda size, pick: exploring)
+    assert rt.executor("auto", 4 << 20) is exploring and not rt.runs_natively(4 << 20)
+    assert rt.picks_native(4 << 20)
+    named = Runtime(LocalFabric(2).transport(0), "switch:2", "ring", timeout_s=5)
+    assert not named.picks_native(4 << 20)
+    rt.shutdown()
+    named.shutdown()

@@ -1180,6 +1180,35 @@ def test_a_cast_is_sent_the_way_its_groups_none_measured_quicker(rt: Runtime, mo
     assert ("fp16" in group.threaded) is planned_kept, group
 
 
+@pytest.mark.parametrize("picks_native", [False, True])
+def test_a_cast_timed_before_none_goes_to_the_backend_where_the_runtime_picks_it_for_the_payload(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, picks_native: bool) -> None:
+    """fp16 priced far ahead runs first, before any "none" launch. The runtime does not run its payload's size
+    natively now (an explorer, say, times a plan against the backend's collective): where its pick for the size is
+    the backend's, the cast goes there (``always``), not into that exploration; where the pick is a plan, fp16's own
+    step runs on the planned exchange, as a fixed cast would."""
+    _with_planned_none(rt, monkeypatch)
+    planned_native = rt.native_allreduce_async
+    sent: list[tuple[torch.dtype, bool]] = []
+
+    def native(tensor, algorithm=None, always=False):
+        sent.append((tensor.dtype, always))
+        return planned_native(tensor, algorithm, always=always)
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    asked: list[float] = []
+    monkeypatch.setattr(rt, "picks_native", lambda nbytes: asked.append(nbytes) or picks_native)
+    clock = LaunchClock({"none": 1e-3, PLANNED: 1.0, "other": 1e-6})
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
+    auto.margin = auto.cast_margin = 1.0  # any lead is wide: the codec is timed first
+    clock.auto = auto
+    _train(rt, auto, 2, wide=8, merge=1)  # 90 floats in one group: fp16's payload is 180 bytes
+    group = next(iter(auto._groups.values()))
+    assert group.trials == ["fp16"] and not group.native, group
+    assert asked and set(asked) == {180}, asked
+    assert sent == ([(torch.float16, True)] * 2 if picks_native else []), sent
+
+
 @pytest.mark.parametrize("allow, codec_s, kept", [("any", 0.9e-3, False), ("any", 0.5e-3, True), ("cast", 0.9e-3, True)])
 def test_a_codec_on_gradsyncs_thread_must_beat_none_on_the_backend_by_try_gain(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, allow: str, codec_s: float, kept: bool) -> None:
