@@ -68,6 +68,9 @@ class PlanCache:
         self.cost_model = cost_model
         #: bumped by :meth:`reset`: decisions are per cost model
         self.generation = 0
+        #: what this cache's decisions are keyed under besides the generation: a runtime that is not its transport's
+        #: first sets it (:mod:`gradsync.comm.claims`), so it never reads an earlier runtime's answer to a key
+        self.namespace = ""
         #: bumped whenever a call settles something before or while it runs: a size class's choice priced, an
         #: executor built, an exploring call (:class:`~gradsync.comm.tuning.Explorer`). A call that bumped it
         #: took longer than the exchange it will run from then on, so a timing that spans a bump is not that
@@ -120,7 +123,8 @@ class PlanCache:
         here when the transport cannot share."""
         if self.caps.decide is None:
             return compute()
-        return bytes(self.caps.decide(f"g{self.generation}/{key}", compute, max(self.timeout_s, PLAN_TIMEOUT_S)))
+        return bytes(self.caps.decide(f"{self.namespace}g{self.generation}/{key}", compute,
+                                      max(self.timeout_s, PLAN_TIMEOUT_S)))
 
     # ---- choices ----------------------------------------------------------------------------------------
     def adopt(self, chooser: Chooser) -> None:

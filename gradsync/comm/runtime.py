@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.comm import lifetime
+from gradsync.comm import claims, lifetime
 from gradsync.comm.adapt import Adapter, AdaptOptions, adapt_from_env
 from gradsync.comm.collectives import (
     NativeAllreduce,
@@ -178,15 +178,24 @@ class Runtime:
             self.adapt = Adapter(self.plans, self.tuning, adapt_options, share=self._share_sum,
                                  build=lambda nbytes: self.executor(None, nbytes), label=self._plan_label, clock=clock,
                                  auto=algorithm == AUTO)
+        # one live runtime a transport; the ones after the first decide under keys of their own (gradsync.comm.claims)
+        served = claims.claim(transport, self)
+        self.plans.namespace = f"r{served}/" if served else ""
         self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
         self._thread.start()
-        if algorithm == AUTO:
-            # Candidates are known now (a topology nothing plans fails here); each size class is priced when first
-            # used, after any calibration: pricing the default class here (options.size_bytes) ran every candidate's
-            # simulation on a model that calibration then replaced, most of init on a large fabric.
-            self.plans.chooser()
-        else:
-            self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
+        try:
+            if algorithm == AUTO:
+                # Candidates are known now (a topology nothing plans fails here); each size class is priced when
+                # first used, after any calibration: pricing the default class here (options.size_bytes) ran every
+                # candidate's simulation on a model that calibration then replaced, most of init on a large fabric.
+                self.plans.chooser()
+            else:
+                self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
+        except BaseException:
+            self._queue.put(_STOP)  # a runtime that failed to start leaves no thread behind, and frees its transport
+            self._thread.join(self.timeout_s)
+            claims.release(transport, self)
+            raise
 
     @property
     def topology(self) -> Topology:
@@ -697,6 +706,7 @@ class Runtime:
             if self._failed is None:  # a peer still inside a collective can then name what this rank did
                 self.caps.failures.share(self.rank, self.ledger.encode("finished"))
         self.plans.close()
+        claims.release(self.transport, self)
         if self.trace is not None:
             self.trace.write()
 
