@@ -28,7 +28,7 @@ __all__ = ["claim", "release"]
 class _Claim:
     transport: Callable[[], Any] | None  # a weak reference where the transport takes one: its id may be reused later
     served: int = 0
-    runtime: Any = None  # a weak reference to the runtime serving it now, or None
+    runtime: Callable[[], Any] | None = None  # a weak reference to the runtime serving it now
 
 
 _lock = threading.Lock()
