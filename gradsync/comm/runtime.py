@@ -250,20 +250,22 @@ class Runtime:
     def tuned_cache(self, value: tuple[str, int] | None) -> None:
         self.tuning.tuned_cache = value
 
-    def executor(self, algorithm: str | None = None, nbytes: float | None = None) -> Runnable | Explorer:
+    def executor(self, algorithm: str | None = None, nbytes: float | None = None, *,
+                 explore: bool = True) -> Runnable | Explorer:
         """The executor for ``algorithm`` (default: the runtime's), planned once and cached.
 
         ``auto`` chooses per size class of ``nbytes`` (default ``options.size_bytes``) with :attr:`chooser`
         (while :attr:`explore` times a large class's depths, the class's :class:`~gradsync.comm.tuning.Explorer`,
         which runs like an executor); a named algorithm runs at ``options.pipeline``. Every schedule comes from
         the plan cache (one planning path, self-checked before it runs) and waits for its messages in the cost
-        model's predicted arrival order (:meth:`~gradsync.sim.cost.CostModel.wait_order`).
+        model's predicted arrival order (:meth:`~gradsync.sim.cost.CostModel.wait_order`). ``explore=False``: the
+        size's pick as it stands, not an explorer timing its neighbours.
         """
         name = algorithm or self.algorithm
         size = size_class(self.options.size_bytes if nbytes is None else nbytes)
         if name == AUTO:
             pick = self.plans.choice(size)
-            explorer = self.tuning.explorer(size, pick)
+            explorer = self.tuning.explorer(size, pick) if explore else None
             if explorer is not None:
                 return explorer
             name, pipeline = pick
@@ -386,9 +388,13 @@ class Runtime:
         return self.plans.executor(name, pipeline, size, collective)  # type: ignore[return-value]
 
     # ---- collectives ---------------------------------------------------------------------------------------
-    def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Work:
-        """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once."""
-        ex = self._executor_for(tensors, op, algorithm)
+    def allreduce_async(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None, *,
+                        explore: bool = True) -> Work:
+        """Queue an in-place allreduce of ``tensors`` (one tensor collective); returns at once. ``explore=False``:
+        on the size's pick as it stands (the model's, or a measured one), not on the explorer that may be timing its
+        pipeline depths, for a caller that times this exchange against another way in a few calls (they would
+        time the exploration instead)."""
+        ex = self._executor_for(tensors, op, algorithm, explore)
         return Work(self._enqueue(ex, tensors, op, _label(ex), algorithm), ex.schedule.algorithm)
 
     def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
@@ -492,11 +498,12 @@ class Runtime:
             self.trace.record("gradsync::allreduce::native", "allreduce", "native",
                               tensor.numel() * tensor.element_size(), start_us, TraceRecorder.now_us(), caller)
 
-    def _executor_for(self, tensors: Tensors, op: str, algorithm: str | None) -> Runnable | Explorer:
+    def _executor_for(self, tensors: Tensors, op: str, algorithm: str | None,
+                      explore: bool = True) -> Runnable | Explorer:
         """The executor an allreduce of ``tensors`` runs on, after checking ``op``."""
         if op not in OPS:
             raise GradsyncError(f"op={op!r} is not one of {OPS}")
-        return self.executor(algorithm, nbytes_of(tensors))
+        return self.executor(algorithm, nbytes_of(tensors), explore=explore)
 
     def _enqueue(self, ex: Any, payload: Any, op: str | None, label: str,
                  algorithm: str | None = None) -> torch.futures.Future:

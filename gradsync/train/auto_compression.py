@@ -560,9 +560,12 @@ class AutoCompression:
         """``flat`` averaged in place by the runtime's planned exchange as one job (what :meth:`settled_launch` runs
         for a group kept on it), its finite verdict joining the step's: the ``"none/planned"`` trial times the way the
         group would run, not the ``"none"`` step's per-tensor payloads around it. Queued on the communication thread
-        and timed as its other exchanges are."""
-        return self._work(self.runtime.allreduce_async(flat, "sum").future, flat, verdict, f"auto:{key}:planned",
-                          world=None, deferred=False)
+        and timed as its other exchanges are. It runs the runtime's pick for the size as it stands (``explore=False``),
+        not the explorer of its pipeline depths: exploring takes a few dozen launches, one candidate a launch, and the
+        trial would time that, not the plan; a group kept on the planned way lets the runtime explore on its later
+        launches, as any job's planned allreduce does."""
+        return self._work(self.runtime.allreduce_async(flat, "sum", explore=False).future, flat, verdict,
+                          f"auto:{key}:planned", world=None, deferred=False)
 
     def _work(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None, name: str, *,
               world: int | None, deferred: bool) -> Work:
@@ -1062,13 +1065,14 @@ class AutoCompression:
         return None if doc is None else AutoChoice.from_dict(group.spec.name, doc)
 
     def _agree_has_plan(self, group: _Group) -> bool:
-        """Whether the group's "none" has a second way to go, the runtime's planned exchange (rank 0 reads the
-        runtime's plan for the size, which may still be settling on its communication thread; every rank takes its
-        answer)."""
+        """Whether the group's "none" has a second way to go, the runtime's planned exchange: where the runtime's
+        pick for the size is a plan (rank 0 reads it; every rank takes its answer). A pick of the backend's own
+        collective that an explorer times a plan against is not: the explorer's calls would time its candidates,
+        the backend's among them, for a few dozen launches, and "none" has timed the backend already."""
         if not group.native:
             return False
         nbytes = group.spec.nbytes
-        return self._decide_flag(f"has-plan/{group.spec.name}", lambda: not self.runtime.runs_natively(nbytes))
+        return self._decide_flag(f"has-plan/{group.spec.name}", lambda: not self.runtime.picks_native(nbytes))
 
     def _agree_planned(self, group: _Group) -> None:
         """After both ways of sending the group uncompressed were timed: the planned exchange is its "none" from now

@@ -506,7 +506,8 @@ def test_a_pick_timed_again_must_still_beat_the_models_choice_by_the_margin(monk
 
 def test_picks_native_reads_the_sizes_pick_not_the_explorer_in_front_of_it(monkeypatch):
     """``picks_native``: whether the size's pick is the backend's collective, even while an explorer (which
-    ``runs_natively`` sees instead) times a plan against it; a named algorithm's pick is itself."""
+    ``runs_natively`` sees instead) times a plan against it; a named algorithm's pick is itself. ``explore=False``
+    gives the pick's executor, not the explorer."""
     from gradsync.comm import Runtime
     from gradsync.sim.cost import NATIVE
 
@@ -517,6 +518,9 @@ def test_picks_native_reads_the_sizes_pick_not_the_explorer_in_front_of_it(monke
     monkeypatch.setattr(rt.tuning, "explorer", lambda size, pick: exploring)
     assert rt.executor("auto", 4 << 20) is exploring and not rt.runs_natively(4 << 20)
     assert rt.picks_native(4 << 20)
+    picked = SimpleNamespace(schedule=None)
+    monkeypatch.setattr(rt.plans, "executor", lambda name, depth, size, collective="allreduce": picked)
+    assert rt.executor("auto", 4 << 20, explore=False) is picked  # the pick itself, as it stands
     named = Runtime(LocalFabric(2).transport(0), "switch:2", "ring", timeout_s=5)
     assert not named.picks_native(4 << 20)
     rt.shutdown()

@@ -764,6 +764,7 @@ def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
     monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
+    monkeypatch.setattr(rt, "picks_native", lambda nbytes: False)
 
 
 @pytest.mark.parametrize("penalty, profile_s, kept, planned_s, warm_s, between_s",
@@ -912,6 +913,7 @@ def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_sam
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
     monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: natively[0])
+    monkeypatch.setattr(rt, "picks_native", lambda nbytes: natively[0])
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) / 3
     info = TensorInfo("w", (1000,), torch.float32)
     expected = CompressionStep("fp16", runtime=rt).step_async([x.clone()], [info]).wait()[0]
@@ -947,6 +949,7 @@ def _with_native(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[torch.dty
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
     monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: True)
+    monkeypatch.setattr(rt, "picks_native", lambda nbytes: True)
     return sent
 
 
@@ -1062,6 +1065,7 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     sent = _with_native(rt, monkeypatch)
     if not natively:
         monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
+        monkeypatch.setattr(rt, "picks_native", lambda nbytes: False)
     # a codec measures quicker than "none" (it is kept), the planned way far slower (the backend's is kept)
     clock = FakeClock({"none": 1e-4, PLANNED: 1.0, "other": 1e-6})
     auto = AutoCompression(allow, runtime=rt, wire=wire, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
@@ -1091,12 +1095,15 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     one and still skips a NaN step."""
     _with_native(rt, monkeypatch)
     monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)  # the runtime plans the size
+    monkeypatch.setattr(rt, "picks_native", lambda nbytes: False)
     planned: list[int] = []
+    explored: list[bool] = []
     real_allreduce = rt.allreduce_async
 
-    def allreduce_async(tensors, op="sum", algorithm=None):
+    def allreduce_async(tensors, op="sum", algorithm=None, explore=True):
         planned.append(tensors.data_ptr() if isinstance(tensors, torch.Tensor) else -1)
-        return real_allreduce(tensors, op, algorithm)
+        explored.append(explore)
+        return real_allreduce(tensors, op, algorithm, explore=explore)
 
     monkeypatch.setattr(rt, "allreduce_async", allreduce_async)
     clock = FakeClock({"none": 1e-3, PLANNED: 1e-5, "other": 1e-6})
@@ -1114,6 +1121,9 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     assert per_step[-1] == (0, 1, 1, 0) and per_step[-2] == (0, 1, 1, 0), (per_step, auto.table())
     assert not per_tensor and auto.trials[next(iter(auto.trials))][:2] == ["none", PLANNED], auto.trials
     assert len(planned) > sum(n for _, n, _, _ in per_step), per_step  # the trial's launches were planned jobs too
+    # the trial ran the runtime's pick as it stands; the lean launches let the runtime explore its depths
+    trial = len(planned) - sum(n for _, n, _, _ in per_step)
+    assert not any(explored[:trial]) and all(explored[-2:]), (trial, explored)
     for p, q in zip(model.parameters(), plain.parameters()):  # one rank: the plain optimizer's bits
         assert torch.equal(p, q)
     _skips_a_nan_step(model, opt)
@@ -1178,6 +1188,24 @@ def test_a_cast_is_sent_the_way_its_groups_none_measured_quicker(rt: Runtime, mo
     casts = [s for s in sent if s[0] == torch.float16]
     assert casts == ([] if planned_kept else [(torch.float16, True)] * len(casts)) and (casts or planned_kept), sent
     assert ("fp16" in group.threaded) is planned_kept, group
+
+
+@pytest.mark.parametrize("picks_native", [False, True])
+def test_a_planned_way_is_timed_only_where_the_runtimes_pick_for_the_size_is_a_plan(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, picks_native: bool) -> None:
+    """The runtime does not run the group's size natively now (an explorer, say): where its pick for the size is a
+    plan, "none" on the planned exchange is timed after "none" on the backend's; where the pick is the backend's own
+    collective (the explorer would time a plan against it), it is not: "none" has timed the backend already."""
+    _with_native(rt, monkeypatch)
+    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
+    monkeypatch.setattr(rt, "picks_native", lambda nbytes: picks_native)
+    clock = LaunchClock({"none": 1e-3, PLANNED: 1e-3, "other": 1e-3})
+    auto = AutoCompression("cast", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+                           clock=clock, cache=False)
+    clock.auto = auto
+    _train(rt, auto, 2 * PROBE_STEPS + 2, wide=8, merge=1)
+    group = next(iter(auto._groups.values()))
+    assert group.native and (PLANNED in group.trials) is not picks_native, group.trials
 
 
 @pytest.mark.parametrize("picks_native", [False, True])
@@ -1303,6 +1331,7 @@ def test_a_lean_none_group_is_averaged_while_copied_in_and_every_rank_gets_the_m
         rt.native_allreduce_async = native  # type: ignore[method-assign]
         rt.takes_native = lambda device: True  # type: ignore[method-assign]
         rt.runs_natively = lambda nbytes, algorithm=None: True  # type: ignore[method-assign]
+        rt.picks_native = lambda nbytes: True  # type: ignore[method-assign]
         auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")),
                                codec_cost=lambda codec, numel: 0.0, cache=False)
         auto._serial = -1  # the ranks are threads of one process: one serial, as one process per rank would have
