@@ -280,8 +280,8 @@ class Runtime:
     def picks_native(self, nbytes: float) -> bool:
         """Whether the size's pick is the backend's own collective (the runtime's named algorithm, or ``auto``'s
         choice by the model or a measurement), even while an explorer times a plan against it (:meth:`runs_natively`
-        is False then): a caller that sends a few launches of a size the job does not otherwise send may skip the
-        near-tie a class's exploration settles."""
+        is False then): a caller that times another way against the backend's in a few launches (``compression="auto"``'s
+        trials) reads it to skip the near-tie a class's exploration settles over a few dozen."""
         if self.algorithm != AUTO:
             return self.algorithm == NATIVE
         return self.plans.choice(size_class(nbytes))[0] == NATIVE
