@@ -713,7 +713,8 @@ class Runtime:
             if self._failed is None:  # a peer still inside a collective can then name what this rank did
                 self.caps.failures.share(self.rank, self.ledger.encode("finished"))
         self.plans.close()
-        claims.release(self.transport, self)
+        if not self._thread.is_alive():  # a thread still inside a collective keeps its transport
+            claims.release(self.transport, self)
         if self.trace is not None:
             self.trace.write()
 

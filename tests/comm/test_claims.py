@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,3 +66,18 @@ def test_a_later_runtime_on_the_transports_never_reads_an_earlier_ones_decision(
     assert got == [b"third"]
     for rt in third:
         rt.shutdown()
+
+
+def test_a_runtime_whose_thread_outlives_shutdown_keeps_its_transport() -> None:
+    """shutdown() waits ``timeout_s`` for the communication thread; one still running then (stuck in a collective)
+    would meet a new runtime's messages on the transport, so the transport stays claimed."""
+    transport = LocalFabric(1).transport(0)
+    first = Runtime(transport, "switch:1")
+    thread = first._thread
+    first._thread = SimpleNamespace(is_alive=lambda: True, join=lambda timeout=None: None)  # stuck
+    first.shutdown()
+    with pytest.raises(GradsyncError, match="already serves a runtime"):
+        Runtime(transport, "switch:1")
+    first._thread = thread
+    first.shutdown()  # the thread ends: the transport is free
+    Runtime(transport, "switch:1").shutdown()
