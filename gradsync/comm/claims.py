@@ -7,7 +7,8 @@ each other's messages: a rank takes another runtime's answer to the same key and
 its peers, which surfaces later as a size mismatch or a hang, far from its cause. So a transport serves one live
 runtime at a time (:func:`claim` refuses a second with the fix), and each runtime a transport serves after the first
 decides under keys of its own (:func:`claim` returns its serial), as every rank builds its runtimes in the same
-order. A runtime gives its transport back at :meth:`Runtime.shutdown <gradsync.comm.runtime.Runtime.shutdown>`.
+order. A runtime gives its transport back at :meth:`Runtime.shutdown <gradsync.comm.runtime.Runtime.shutdown>`, once its
+communication thread has ended (one still inside a collective keeps it).
 """
 
 from __future__ import annotations
