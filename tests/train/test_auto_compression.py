@@ -1162,6 +1162,20 @@ class LaunchClock(FakeClock):
         return self.now
 
 
+def _recording_sends(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, bool]]:
+    """Record each buffer ``rt``'s backend is handed (its dtype, and whether ``always`` was asked), then hand it on
+    to the ``native_allreduce_async`` already installed."""
+    installed = rt.native_allreduce_async
+    sent: list[tuple[torch.dtype, bool]] = []
+
+    def native(tensor, algorithm=None, always=False):
+        sent.append((tensor.dtype, always))
+        return installed(tensor, algorithm, always=always)
+
+    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    return sent
+
+
 @pytest.mark.parametrize("planned_kept", [False, True])
 def test_a_cast_is_sent_the_way_its_groups_none_measured_quicker(rt: Runtime, monkeypatch: pytest.MonkeyPatch,
                                                                  planned_kept: bool) -> None:
@@ -1170,14 +1184,7 @@ def test_a_cast_is_sent_the_way_its_groups_none_measured_quicker(rt: Runtime, mo
     way: cast whole and summed by the backend (``always``, whatever the runtime plans for its size), or its own
     step on the planned exchange, as a fixed cast would."""
     _with_planned_none(rt, monkeypatch)
-    planned_native = rt.native_allreduce_async
-    sent: list[tuple[torch.dtype, bool]] = []
-
-    def native(tensor, algorithm=None, always=False):
-        sent.append((tensor.dtype, always))
-        return planned_native(tensor, algorithm, always=always)
-
-    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    sent = _recording_sends(rt, monkeypatch)
     clock = LaunchClock({"none": 1e-3, PLANNED: 1e-5 if planned_kept else 1.0, "other": 1e-6})
     auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
     auto.margin = math.inf  # "none" is timed first
@@ -1216,14 +1223,7 @@ def test_a_cast_timed_before_none_goes_to_the_backend_where_the_runtime_picks_it
     the backend's, the cast goes there (``always``), not into that exploration; where the pick is a plan, fp16's own
     step runs on the planned exchange, as a fixed cast would."""
     _with_planned_none(rt, monkeypatch)
-    planned_native = rt.native_allreduce_async
-    sent: list[tuple[torch.dtype, bool]] = []
-
-    def native(tensor, algorithm=None, always=False):
-        sent.append((tensor.dtype, always))
-        return planned_native(tensor, algorithm, always=always)
-
-    monkeypatch.setattr(rt, "native_allreduce_async", native)
+    sent = _recording_sends(rt, monkeypatch)
     asked: list[float] = []
     monkeypatch.setattr(rt, "picks_native", lambda nbytes: asked.append(nbytes) or picks_native)
     clock = LaunchClock({"none": 1e-3, PLANNED: 1.0, "other": 1e-6})
