@@ -532,12 +532,13 @@ class AutoCompression:
         work.future.add_done_callback(record)
         return work
 
-    def _native(self, flat: Tensor, key: str, verdict: StepVerdict, wire: torch.dtype | None = None,
+    def _native(self, flat: Tensor, key: str, verdict: StepVerdict | None, wire: torch.dtype | None = None,
                 scaled: bool = False, deferred: bool = False, always: bool = False) -> Work | None:
         """``flat`` averaged in place by the process group's own async allreduce, whatever the runtime plans for
         its size (None where the backend cannot take it: no process group, another device). The sum is the same
-        bits on every rank, so whether it is finite is the job's verdict on this group: it joins the step's, as
-        every codec's exchange does (:func:`~gradsync.compress.base.all_finite`).
+        bits on every rank, so whether it is finite is the job's verdict on this group: with ``verdict``, it joins the
+        step's, as every codec's exchange does (:func:`~gradsync.compress.base.all_finite`); None: not checked (a
+        plain launch, :meth:`plain_launch`).
 
         ``wire``: a cast codec's dtype (fp16, bf16): ``flat`` is cast, summed in that dtype and cast back, as a
         fixed fp16 hook does -- where the runtime runs that size natively (None where it plans it: the codec's
@@ -618,8 +619,8 @@ class AutoCompression:
         the runtime sums natively) and nothing is measured any more; None otherwise (the caller takes
         :meth:`step_async`), the same on every rank.
 
-        ``verdict``: whether the group's finite verdict joins the step's, as on the slow path (the optimizer skips
-        a non-finite step). A DDP hook passes False: with no codec state in the job there is nothing to roll back,
+        ``verdict``: whether a cast's finite verdict joins the step's, as on the slow path (the optimizer skips a
+        non-finite step; a group on "none" is not checked: :meth:`_lean_verdict`). A DDP hook passes False: with no codec state in the job there is nothing to roll back,
         and a NaN reaches the aggregate by the sum itself, as on the fixed fp16 hook's native path. The timing
         callbacks, the job-wide decisions and the step bookkeeping of :meth:`step_async` are skipped: on a GPU
         their host time is most of a bucket's (``gradsync bench gpu``'s hook step times, docs/mergecomp.md).
@@ -629,18 +630,26 @@ class AutoCompression:
         fut = self._settled_sum(flat, key, scaled)
         if fut is None:
             return None
-        return self._averaged(fut, flat, self.boundary.verdict_for([key]) if verdict else None, world=1 if scaled else None)
+        return self._averaged(fut, flat, self._lean_verdict(key) if verdict else None, world=1 if scaled else None)
 
     def settled_work(self, flat: Tensor, key: str, *, scaled: bool = False) -> Work | None:
-        """:meth:`settled_launch` (its verdict joining the step's) for a caller that waits for the work itself (the
+        """:meth:`settled_launch` (a cast's verdict joining the step's) for a caller that waits for the work itself (the
         optimizer's groups): the average and the verdict are done by the work's ``wait()`` on the caller's thread,
         not by callbacks on the backend's thread, each of which first takes the GIL from the caller (two per launch
         cost a small model's step more than its allreduce: docs/mergecomp.md). The result is ``[flat]``."""
         fut = self._settled_sum(flat, key, scaled)
         if fut is None:
             return None
-        return self._work(fut, flat, self.boundary.verdict_for([key]), f"auto:{key}:settled",
-                          world=1 if scaled else None, deferred=True)
+        return self._work(fut, flat, self._lean_verdict(key), f"auto:{key}:settled", world=1 if scaled else None,
+                          deferred=True)
+
+    def _lean_verdict(self, key: str) -> StepVerdict | None:
+        """The step's verdict for a lean launch of ``key`` where its choice is a cast (fp16's range ends where the
+        gradient's does not: an overflow on the wire is compression's to catch); None where it is "none". A group sent
+        as it is keeps no state to roll back and can turn nothing finite into a NaN, so its step is not checked, as
+        ``compression=None``'s and DDP's are not: the check is a pass over the group's sum on the step's critical
+        path, what would keep a settled "none" slower than not compressing (docs/mergecomp.md)."""
+        return None if self._groups[key].priced().codec == "none" else self.boundary.verdict_for([key])
 
     def _settled_sum(self, flat: Tensor, key: str, scaled: bool) -> torch.futures.Future | None:
         """The sum of a lean group's ``flat`` (:meth:`settled_launch`): the backend's, or the runtime's planned
@@ -681,12 +690,12 @@ class AutoCompression:
         not the job's, as the optimizer's calibration steps run a partition that is thrown away after them (and
         DDP's buckets, where they measured quicker than the job's: :meth:`check_buckets`). Nothing is recorded,
         timed or decided for it (a group seen there and priced, timed and profiled for like the job's own cost
-        each of those steps several times a plain one); its finite verdict joins the step's. The backend's own
-        allreduce where it can take ``flat``, else the ``"none"`` step's exchange. ``scaled``: ``flat`` was scaled
-        by :meth:`plain_scale` (not None) as it was copied in."""
-        verdict = self.boundary.verdict_for([info.name])
-        return self._native(flat, info.name, verdict, scaled=scaled, deferred=True) or self.base.step_async(
-            [flat], [info], reuse=True, verdict=verdict)
+        each of those steps several times a plain one). The backend's own allreduce where it can take ``flat``, its
+        sum not checked for a NaN or inf (uncompressed, as ``compression=None`` and DDP send it: :meth:`_lean_verdict`);
+        else the ``"none"`` step's exchange, whose marks join the step's verdict as every codec's do. ``scaled``:
+        ``flat`` was scaled by :meth:`plain_scale` (not None) as it was copied in."""
+        return self._native(flat, info.name, None, scaled=scaled, deferred=True) or self.base.step_async(
+            [flat], [info], reuse=True, verdict=self.boundary.verdict_for([info.name]))
 
     def calibration_stands(self, settled: int) -> bool:
         """Whether the optimizer's timed calibration step may stand for DDP's buckets in :meth:`check_buckets`: only

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -371,8 +372,8 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
     """merge="auto"'s two calibration steps run groups that are thrown away after them: DDP's buckets (here one),
     each averaged uncompressed (the backend's allreduce where it takes it, else the "none" exchange), and auto
     records, times and decides nothing for them -- the partition, and whether the timed step may stand for DDP's
-    buckets, are its only decisions -- while a NaN there still
-    skips the step. (Layer-wise, and priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors
+    buckets, are its only decisions. A NaN there skips the step where the "none" step's exchange ran it (its marks);
+    on the backend's allreduce the sum is not checked, as without compression: the step is taken, NaN and all. (Layer-wise, and priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors
     cost its first two steps 3-6x a settled one on switch:4.)"""
     if backend:
         _with_planned_none(rt, monkeypatch)
@@ -391,8 +392,15 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
                                compression=auto, merge="auto")
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.full((4, 8), float("nan"))).square().sum().backward()
-    assert opt.step() is None and opt.nonfinite_steps == 1
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.step()
+    if backend:
+        assert opt.nonfinite_steps == 0 and all(p.isnan().any() for p in model.parameters())
+        with torch.no_grad():
+            for a, p in zip(before, model.parameters()):
+                p.copy_(a)
+    else:
+        assert opt.nonfinite_steps == 1
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     opt.zero_grad()
     model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
     opt.step()
@@ -953,17 +961,19 @@ def _with_native(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[torch.dty
     return sent
 
 
+@pytest.mark.parametrize("wire, codec", [(AlphaBeta(0.0, float("inf")), "none"), (SLOW, "fp16")])
 def test_a_lean_optimizer_group_is_averaged_and_checked_on_the_thread_that_waits_for_it(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, wire: Any, codec: str) -> None:
     """Once settled, the optimizer's lean groups (:meth:`AutoCompression.settled_work`) take their finite verdict and
     their average on the thread that waits for them (``step()``'s), not in callbacks on the thread where the
     backend's sum completes: such a callback first takes the GIL from the training thread, twice a launch. The
-    backend's sums here complete on a thread of their own, as gloo's do; the optimizer still skips a NaN step and
-    otherwise steps as the plain one."""
+    backend's sums here complete on a thread of their own, as gloo's do. A cast (fp16, on a slow wire) is checked
+    there and its NaN step skipped; a group on "none" is not checked at all, as without compression (a pass over the
+    sum on the step's critical path): its NaN step is taken and not counted, and its steps are the plain one's."""
     from gradsync.train import auto_compression
 
     _with_native(rt, monkeypatch)
-    auto = AutoCompression("cast", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+    auto = AutoCompression("cast", runtime=rt, wire=wire, codec_cost=lambda c, n: 0.0,
                            clock=FakeClock({"none": 1e-4, PLANNED: 1.0, "other": 1e-6}), cache=False)
     auto.clock.auto = auto  # type: ignore[attr-defined]
     model, plain = _model(), _model()
@@ -1001,14 +1011,15 @@ def test_a_lean_optimizer_group_is_averaged_and_checked_on_the_thread_that_waits
     before = auto.settled_launches
     for s in range(step, step + 3):
         train(s)
-    assert auto.settled_launches - before == 3 and checked, auto.table()
-    assert all(t is threading.main_thread() for t in checked), [t.name for t in checked]
-    for p, q in zip(model.parameters(), plain.parameters()):
-        assert torch.equal(p, q)
-    weights = [p.detach().clone() for p in model.parameters()]
-    model(torch.full((4, 8), float("nan"))).square().sum().backward()
-    assert opt.step() is None and opt.nonfinite_steps == 1
-    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert auto.settled_launches - before == 3 and {c.codec for c in auto.choices.values()} == {codec}, auto.table()
+    if codec == "none":
+        assert not checked
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(p, q)
+        _takes_a_nan_step(model, opt)
+        return
+    assert checked and all(t is threading.main_thread() for t in checked), [t.name for t in checked]
+    _skips_a_nan_step(model, opt)
 
 
 def _lean_steps(auto: AutoCompression, rt: Runtime, *counts: Callable[[], int]
@@ -1042,6 +1053,13 @@ def _lean_steps(auto: AutoCompression, rt: Runtime, *counts: Callable[[], int]
     return per_step, model, plain, opt
 
 
+def _takes_a_nan_step(model: torch.nn.Module, opt: DistributedOptimizer) -> None:
+    """A NaN gradient's step sent uncompressed is taken, as without compression: not checked, not counted."""
+    model(torch.full((4, 8), float("nan"))).square().sum().backward()
+    opt.step()
+    assert opt.nonfinite_steps == 0 and all(p.isnan().all() for p in model.parameters())
+
+
 def _skips_a_nan_step(model: torch.nn.Module, opt: DistributedOptimizer) -> None:
     """A NaN gradient's step is skipped and counted, the weights left as they were."""
     weights = [p.detach().clone() for p in model.parameters()]
@@ -1058,7 +1076,8 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     """Once every group's choice is settled and checked, a stateless one ("none" on an infinitely fast wire, fp16
     on a slow one) launches by :meth:`AutoCompression.settled_launch`: the backend's allreduce of the group's buffer
     and nothing else (no per-launch timing, no step_async), the same bits as before it settled; the optimizer still
-    skips a step whose gradient is NaN. A codec with state (error feedback under allow="any") keeps step_async: its
+    skips a step whose gradient is NaN after a cast, and takes it after "none" (not checked, as without
+    compression). A codec with state (error feedback under allow="any") keeps step_async: its
     step's finite verdict is what rolls the state back. fp16 where the runtime plans the size itself (``natively``
     False) still launches lean: the group's "none" measured quicker on the backend's allreduce, and so its cast runs
     there (a cast of a group kept on the planned way takes that way and step_async: the test after the next)."""
@@ -1083,7 +1102,10 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     if codecs == {"none"}:  # one rank and no rounding: the plain optimizer's bits
         for p, q in zip(model.parameters(), plain.parameters()):
             assert torch.equal(p, q)
-    _skips_a_nan_step(model, opt)  # the verdict joins the step on the lean path too
+    if codecs == {"none"}:  # sent as it is: not checked, as without compression
+        _takes_a_nan_step(model, opt)
+    else:  # a cast's verdict joins the step on the lean path too
+        _skips_a_nan_step(model, opt)
 
 
 def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_planned_exchange(
@@ -1092,7 +1114,7 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     lean once settled and checked: its flat buffer goes to ``runtime.allreduce_async`` as it is (one job, what
     GradsyncHookState's hook runs), not through the "none" step's per-tensor payloads and finite marks. Its
     ``"none/planned"`` trial ran that same flat launch: the "none" step never ran. The optimizer steps as the plain
-    one and still skips a NaN step."""
+    one, a NaN step included (a group sent as it is is not checked, as without compression)."""
     _with_native(rt, monkeypatch)
     monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)  # the runtime plans the size
     monkeypatch.setattr(rt, "picks_native", lambda nbytes: False)
@@ -1126,7 +1148,7 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     assert not any(explored[:trial]) and all(explored[-2:]), (trial, explored)
     for p, q in zip(model.parameters(), plain.parameters()):  # one rank: the plain optimizer's bits
         assert torch.equal(p, q)
-    _skips_a_nan_step(model, opt)
+    _takes_a_nan_step(model, opt)  # sent as it is: not checked, as without compression
 
 
 def test_a_groups_mean_prefers_settled_launches_and_its_trial_ends_on_enough_of_them_or_none_left() -> None:
