@@ -620,8 +620,9 @@ class AutoCompression:
         :meth:`step_async`), the same on every rank.
 
         ``verdict``: whether a cast's finite verdict joins the step's, as on the slow path (the optimizer skips a
-        non-finite step; a group on "none" is not checked: :meth:`_lean_verdict`). A DDP hook passes False: with no codec state in the job there is nothing to roll back,
-        and a NaN reaches the aggregate by the sum itself, as on the fixed fp16 hook's native path. The timing
+        non-finite step; a group on "none" is not checked: :meth:`_lean_verdict`). A DDP hook passes False: with no
+        codec state in the job there is nothing to roll back, and a NaN reaches the aggregate by the sum itself, as
+        on the fixed fp16 hook's native path. The timing
         callbacks, the job-wide decisions and the step bookkeeping of :meth:`step_async` are skipped: on a GPU
         their host time is most of a bucket's (``gradsync bench gpu``'s hook step times, docs/mergecomp.md).
 

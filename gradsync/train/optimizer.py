@@ -521,8 +521,9 @@ class DistributedOptimizer:
         """Synchronize, then the wrapped optimizer's step -- skipped (``None``) when the compressed step held a NaN or
         an inf on some rank: GradScaler's contract, kept without a GradScaler too, and on every rank at once (the
         verdict travels with the payloads). :attr:`nonfinite_steps` counts it. With ``compression="auto"``, a group
-        sent uncompressed on the backend's allreduce (its calibration steps, DDP's buckets, a settled "none") is not
-        checked, as without compression: nothing of compression's to roll back, and the check would cost a pass."""
+        sent uncompressed (its calibration steps and DDP's buckets on the backend's allreduce, a settled "none" on
+        either exchange) is not checked, as without compression: nothing of compression's to roll back, and the
+        check would cost a pass over the group."""
         before = self.nonfinite_steps
         self.synchronize()
         if self.nonfinite_steps > before:
