@@ -1359,4 +1359,8 @@ class AutoCompression:
                        else f"{b['calibration_s'] * 1e3:.2f} ms (the calibration step)")
             lines.append(f"whole steps (median): chosen {ms(b['chosen_s'])}, DDP's buckets uncompressed {against}: "
                          + ("the choices stay" if b["kept"] else "DDP's buckets run"))
+        if self.path == "hook" and self.settled and self.verified and self.runs_backend_none:
+            lines.append("every bucket settled on 'none' on the backend's allreduce: DDP without a comm hook runs that "
+                         "exchange with one pass less per bucket (a hook averages in a pass of its own; "
+                         "docs/mergecomp.md)")
         return "\n".join(lines)

@@ -1656,6 +1656,26 @@ def test_the_hook_state_is_choosing_until_autos_choices_are_settled_and_checked(
     assert state.choosing is False
 
 
+@pytest.mark.parametrize("path, codec, planned, says", [("hook", "none", False, True), ("hook", "fp16", False, False),
+                                                     ("hook", "none", True, False), ("optimizer", "none", False, False)])
+def test_the_report_says_when_a_hook_that_compresses_nothing_costs_a_pass_ddp_does_not(
+        rt: Runtime, path: str, codec: str, planned: bool, says: bool) -> None:
+    """Once every DDP bucket settled on "none" on the backend's allreduce, the hook runs DDP's own exchange plus the
+    average's pass (DDP fuses it into its copy into the bucket only without a hook): the report says so. Not where a
+    bucket compresses or runs the planned exchange (DDP has neither), nor on the optimizer's path."""
+    from gradsync.compress.auto import AutoChoice, GroupSpec
+    from gradsync.train.auto_compression import _Group
+
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0, cache=False)
+    auto.bind(path)
+    group = _Group(GroupSpec("bucket0", ((4,),), torch.float32), native=not planned, planned=planned, final=True)
+    group.choice = AutoChoice("bucket0", 16, codec, 16 if codec == "none" else 8, 1e-3, 1e-3, "measured")
+    auto._groups["bucket0"] = group
+    assert ("without a comm hook" in auto.report()) is False  # the whole-step check is not over
+    auto.verified = True
+    assert ("without a comm hook" in auto.report()) is says, auto.report()
+
+
 @pytest.mark.parametrize("gain", [TRY_GAIN, 1.0])
 def test_a_way_on_gradsyncs_thread_is_kept_on_the_lead_threaded_gain_asks(rt: Runtime, gain: float) -> None:
     """The planned exchange measured 1.11x quicker than the backend's allreduce, and a threaded fp16 1.11x quicker
