@@ -373,8 +373,9 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
     each averaged uncompressed (the backend's allreduce where it takes it, else the "none" exchange), and auto
     records, times and decides nothing for them -- the partition, and whether the timed step may stand for DDP's
     buckets, are its only decisions. A NaN there skips the step where the "none" step's exchange ran it (its marks);
-    on the backend's allreduce the sum is not checked, as without compression: the step is taken, NaN and all. (Layer-wise, and priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors
-    cost its first two steps 3-6x a settled one on switch:4.)"""
+    on the backend's allreduce the sum is not checked, as without compression: the step is taken, NaN and all.
+    (Layer-wise, and priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors cost its first
+    two steps 3-6x a settled one on switch:4.)"""
     if backend:
         _with_planned_none(rt, monkeypatch)
     auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0 if c == "none" else 1e-6,
@@ -391,16 +392,13 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto, merge="auto")
     before = [p.detach().clone() for p in model.parameters()]
-    model(torch.full((4, 8), float("nan"))).square().sum().backward()
-    opt.step()
     if backend:
-        assert opt.nonfinite_steps == 0 and all(p.isnan().any() for p in model.parameters())
-        with torch.no_grad():
+        _takes_a_nan_step(model, opt)
+        with torch.no_grad():  # the weights back, for the step that follows
             for a, p in zip(before, model.parameters()):
                 p.copy_(a)
     else:
-        assert opt.nonfinite_steps == 1
-        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        _skips_a_nan_step(model, opt)
     opt.zero_grad()
     model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
     opt.step()
@@ -760,6 +758,13 @@ def test_the_optimizers_merged_groups_reach_auto_with_their_members_shapes_and_o
     assert group.spec.shapes == ((2,), (2, 16), (16,), (16, 8))
 
 
+def _sums_natively(rt: Runtime, monkeypatch: pytest.MonkeyPatch, natively: Callable[[], bool]) -> None:
+    """Make ``rt``'s pick for every size the backend's own allreduce (``natively()`` True) or a plan of its own, with
+    no explorer in front: ``runs_natively`` and ``picks_native`` agree."""
+    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: natively())
+    monkeypatch.setattr(rt, "picks_native", lambda nbytes: natively())
+
+
 def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make ``rt`` look like a runtime whose backend takes every buffer (a native allreduce done at once) and that
     plans every size itself: "none" has two ways (and a cast codec, like a fixed one, takes the planned one)."""
@@ -771,8 +776,7 @@ def _with_planned_none(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
         return fut
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
-    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
-    monkeypatch.setattr(rt, "picks_native", lambda nbytes: False)
+    _sums_natively(rt, monkeypatch, lambda: False)
 
 
 @pytest.mark.parametrize("penalty, profile_s, kept, planned_s, warm_s, between_s",
@@ -920,8 +924,7 @@ def test_a_cast_codec_on_one_buffer_takes_the_fixed_fp16_hooks_path_with_the_sam
         return fut
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
-    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: natively[0])
-    monkeypatch.setattr(rt, "picks_native", lambda nbytes: natively[0])
+    _sums_natively(rt, monkeypatch, lambda: natively[0])
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) / 3
     info = TensorInfo("w", (1000,), torch.float32)
     expected = CompressionStep("fp16", runtime=rt).step_async([x.clone()], [info]).wait()[0]
@@ -956,8 +959,7 @@ def _with_native(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[torch.dty
         return fut
 
     monkeypatch.setattr(rt, "native_allreduce_async", native)
-    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: True)
-    monkeypatch.setattr(rt, "picks_native", lambda nbytes: True)
+    _sums_natively(rt, monkeypatch, lambda: True)
     return sent
 
 
@@ -1083,8 +1085,7 @@ def test_settled_stateless_choices_launch_as_a_plain_allreduce_and_a_codec_with_
     there (a cast of a group kept on the planned way takes that way and step_async: the test after the next)."""
     sent = _with_native(rt, monkeypatch)
     if not natively:
-        monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)
-        monkeypatch.setattr(rt, "picks_native", lambda nbytes: False)
+        _sums_natively(rt, monkeypatch, lambda: False)
     # a codec measures quicker than "none" (it is kept), the planned way far slower (the backend's is kept)
     clock = FakeClock({"none": 1e-4, PLANNED: 1.0, "other": 1e-6})
     auto = AutoCompression(allow, runtime=rt, wire=wire, codec_cost=lambda c, n: 0.0, clock=clock, cache=False)
@@ -1116,8 +1117,7 @@ def test_a_group_settled_on_the_planned_none_launches_its_flat_buffer_on_the_pla
     ``"none/planned"`` trial ran that same flat launch: the "none" step never ran. The optimizer steps as the plain
     one, a NaN step included (a group sent as it is is not checked, as without compression)."""
     _with_native(rt, monkeypatch)
-    monkeypatch.setattr(rt, "runs_natively", lambda nbytes, algorithm=None: False)  # the runtime plans the size
-    monkeypatch.setattr(rt, "picks_native", lambda nbytes: False)
+    _sums_natively(rt, monkeypatch, lambda: False)  # the runtime plans the size
     planned: list[int] = []
     explored: list[bool] = []
     real_allreduce = rt.allreduce_async
