@@ -11,9 +11,10 @@ Three parts, each case in its own try so one failure never hides the rest:
   two ranks sharing the GPU; and ``gradsync.allreduce`` of a CUDA tensor with every synthesizer on gloo
   (exact sums). A case passes when it runs, its result is finite, the replicas are the same bits on every rank,
   and (allreduce) exact;
-* ``hooks``: DDP step time on NCCL with one rank, methods interleaved: plain DDP, torch's
-  ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1) against gradsync's fp16 and powersgd hooks, and
-  ``compression="auto"``'s hook against plain DDP (one rank: nothing to gain on the wire, so auto's own cost shows),
+* ``hooks``: DDP step time on NCCL with one rank, methods interleaved: plain DDP; torch's ``allreduce_hook`` (what
+  any Python comm hook costs); torch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1) against gradsync's
+  fp16 and powersgd hooks; ``compression="auto"``'s hook against plain DDP and ``allreduce_hook`` (one rank:
+  nothing to gain on the wire, so auto's own cost shows);
   and ``DistributedOptimizer`` without a codec and with ``"auto"`` beside them (``paired_median_settled``: only the
   steps after both autos stopped choosing).
   ``GRADSYNC_GPU_PROFILE=1`` profiles the four fp16/powersgd hooks; a comma-separated list of method names, those.
@@ -528,10 +529,13 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
 
     methods: dict[str, Any] = {}
     states: dict[str, Any] = {}
-    for name in ("ddp", "torch_fp16", "gradsync_fp16", "torch_powersgd", "gradsync_powersgd", "gradsync_auto"):
+    for name in ("ddp", "torch_allreduce", "torch_fp16", "gradsync_fp16", "torch_powersgd", "gradsync_powersgd",
+                 "gradsync_auto"):
         base = net()
         model = DDP(base, device_ids=[0])
-        if name == "torch_fp16":
+        if name == "torch_allreduce":  # any Python hook's own cost: what auto's settled 'none' should match
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif name == "torch_fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif name == "gradsync_fp16":
             model.register_comm_hook(gradsync.CompressionHookState("fp16", model=base), gradsync.compression_hook)
@@ -591,7 +595,8 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
     rows: list[dict[str, Any]] = [{"method": m, "median_s": s} for m, s in med.items()]
     rows.append({"settled_steps": sum(settled), "timed_steps": len(settled)})
     for ours, theirs in (("gradsync_fp16", "torch_fp16"), ("gradsync_powersgd", "torch_powersgd"),
-                         ("gradsync_auto", "ddp"), ("optimizer_none", "ddp"), ("optimizer_auto", "ddp"),
+                         ("gradsync_auto", "ddp"), ("gradsync_auto", "torch_allreduce"), ("torch_allreduce", "ddp"),
+                         ("optimizer_none", "ddp"), ("optimizer_auto", "ddp"),
                          ("optimizer_auto", "optimizer_none")):
         paired = [a / b for a, b in zip(times[ours], times[theirs])]  # the same step, the two in turn
         row = {"ratio": f"{ours}/{theirs}", "value": med[ours] / med[theirs], "paired_median": statistics.median(paired)}
