@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -502,6 +503,21 @@ def hooks_part(steps: int) -> list[dict[str, Any]]:
         return json.loads(Path(out).read_text())
 
 
+def _timed_hook(fn: Callable[..., Any], sink: list[float]) -> Callable[..., Any]:
+    """``fn`` with the host time of each call appended to ``sink``: what the hook costs the training thread in
+    backward (the launch; its callbacks run later), apart from the step time around it. ``functools.wraps`` keeps
+    ``fn``'s signature, which DDP checks when the hook is registered."""
+
+    @functools.wraps(fn)
+    def hook(state: Any, bucket: Any) -> Any:
+        t0 = time.perf_counter()
+        fut = fn(state, bucket)
+        sink.append(time.perf_counter() - t0)
+        return fut
+
+    return hook
+
+
 def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -529,24 +545,29 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
 
     methods: dict[str, Any] = {}
     states: dict[str, Any] = {}
-    for name in ("ddp", "torch_allreduce", "torch_fp16", "gradsync_fp16", "torch_powersgd", "gradsync_powersgd",
-                 "gradsync_auto"):
+    # name -> (the hook's state, made from the plain model; the hook); plain DDP has none
+    hooks: dict[str, tuple[Callable[[Any], Any], Callable[..., Any]]] = {
+        # any Python hook's own cost: what auto's settled 'none' should match
+        "torch_allreduce": (lambda base: None, default_hooks.allreduce_hook),
+        "torch_fp16": (lambda base: None, default_hooks.fp16_compress_hook),
+        "gradsync_fp16": (lambda base: gradsync.CompressionHookState("fp16", model=base), gradsync.compression_hook),
+        "torch_powersgd": (lambda base: powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                                    start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook),
+        "gradsync_powersgd": (lambda base: gradsync.CompressionHookState("powersgd", model=base),
+                              gradsync.compression_hook),
+        # one rank: nothing to save on the wire, so auto must cost about nothing
+        "gradsync_auto": (lambda base: gradsync.CompressionHookState("auto", model=base), gradsync.compression_hook),
+    }
+    calls: dict[str, list[float]] = {name: [] for name in hooks}  # host seconds per hook call, the timed steps'
+    for name in ("ddp", *hooks):
         base = net()
         model = DDP(base, device_ids=[0])
-        if name == "torch_allreduce":  # any Python hook's own cost: what auto's settled 'none' should match
-            model.register_comm_hook(None, default_hooks.allreduce_hook)
-        elif name == "torch_fp16":
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif name == "gradsync_fp16":
-            model.register_comm_hook(gradsync.CompressionHookState("fp16", model=base), gradsync.compression_hook)
-        elif name == "torch_powersgd":
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        elif name == "gradsync_powersgd":
-            model.register_comm_hook(gradsync.CompressionHookState("powersgd", model=base), gradsync.compression_hook)
-        elif name == "gradsync_auto":  # one rank: nothing to save on the wire, so auto must cost about nothing
-            states[name] = gradsync.CompressionHookState("auto", model=base)
-            model.register_comm_hook(states[name], gradsync.compression_hook)
+        if name in hooks:
+            make, fn = hooks[name]
+            state = make(base)
+            if name == "gradsync_auto":
+                states[name] = state
+            model.register_comm_hook(state, _timed_hook(fn, calls[name]))
         methods[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
     # DistributedOptimizer on the plain model (no DDP): its own exchange with no codec, and auto's choice
     for name, compression in (("optimizer_none", None), ("optimizer_auto", "auto")):
@@ -561,6 +582,9 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
     settled: list[bool] = []  # per timed step: whether both autos had stopped choosing before it
     for step in range(steps + 5):
         order = list(methods) if step % 2 == 0 else list(reversed(methods))
+        if step == 5:  # the hook calls of the timed steps only
+            for sink in calls.values():
+                sink.clear()
         if step >= 5:
             settled.append(not any(st.choosing for st in states.values()))
         for name in order:
@@ -594,6 +618,8 @@ def _hooks_rank(rank: int, store: str, steps: int, out: str) -> None:
     med = {m: statistics.median(t) for m, t in times.items()}
     rows: list[dict[str, Any]] = [{"method": m, "median_s": s} for m, s in med.items()]
     rows.append({"settled_steps": sum(settled), "timed_steps": len(settled)})
+    rows.append({"hook_call_us": {m: statistics.median(c) * 1e6 for m, c in calls.items() if c},
+                 "hook_calls_per_step": {m: len(c) / max(1, len(settled)) for m, c in calls.items()}})
     for ours, theirs in (("gradsync_fp16", "torch_fp16"), ("gradsync_powersgd", "torch_powersgd"),
                          ("gradsync_auto", "ddp"), ("gradsync_auto", "torch_allreduce"), ("torch_allreduce", "ddp"),
                          ("optimizer_none", "ddp"), ("optimizer_auto", "ddp"),

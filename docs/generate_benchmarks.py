@@ -563,6 +563,12 @@ def gpu() -> list[str]:
                        f"{settled['timed_steps']} timed steps." if settled else "")
                     + (f" torch's own fp16 hook against DDP, from the medians: {num(hooks['torch_fp16'] / hooks['ddp'])}."
                        if {"torch_fp16", "ddp"} <= hooks.keys() else ""), ""]
+            calls = next((r for r in j["hooks"] if "hook_call_us" in r), None)
+            if calls:  # runs since the check timed the hook calls themselves
+                out += ["Host time per hook call (median over the timed steps, µs: the launch on the training thread, "
+                        "its callbacks apart): " + "; ".join(
+                            f"{m} {num(us)} ({num(calls['hook_calls_per_step'].get(m, 0))} a step)"
+                            for m, us in calls["hook_call_us"].items()) + ".", ""]
     return out
 
 
