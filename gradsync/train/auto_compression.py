@@ -578,12 +578,16 @@ class AutoCompression:
             return Work(fut, name, finish=lambda value: [finish(value)])
         return Work(fut.then(lambda f: [finish(f.value())]), name)
 
-    def _backend_sum(self, flat: Tensor, wire: torch.dtype | None, *, always: bool = False) -> torch.futures.Future | None:
+    def _backend_sum(self, flat: Tensor, wire: torch.dtype | None, *, always: bool = False,
+                     finish: Callable[[Any], Tensor] | None = None) -> torch.futures.Future | None:
         """``flat`` summed in place by the process group's own allreduce (in ``wire`` and cast back, for a cast
-        codec, where the runtime runs that size natively or ``always``); None where the backend cannot take it."""
+        codec, where the runtime runs that size natively or ``always``); None where the backend cannot take it.
+        ``finish``: what follows the sum (:meth:`_finisher`), the future's value then its result: for a cast, in
+        the callback that casts back (one future, not two)."""
         if wire is None:
-            return self.runtime.native_allreduce_async(flat, always=True)
-        return native_cast_sum_async(self.runtime, flat, wire, always=always)
+            fut = self.runtime.native_allreduce_async(flat, always=True)
+            return fut if fut is None or finish is None else fut.then(lambda f: finish(f.value()))
+        return native_cast_sum_async(self.runtime, flat, wire, always=always, finish=finish)
 
     def _casts_natively(self, group: _Group, wire: torch.dtype) -> bool:
         """Whether a cast of ``group`` to ``wire`` goes to the backend's allreduce whatever the runtime runs for the
@@ -628,10 +632,12 @@ class AutoCompression:
 
         ``scaled``: the caller already scaled ``flat`` by :meth:`lean_scale` (asked of this group, not None): the sum
         is the average, and only its verdict is taken."""
+        if not verdict:  # the average follows the sum in one callback (nothing to reserve before the launch)
+            return self._settled_sum(flat, key, scaled, finish=self._finisher(flat, None, 1 if scaled else None))
         fut = self._settled_sum(flat, key, scaled)
         if fut is None:
             return None
-        return self._averaged(fut, flat, self._lean_verdict(key) if verdict else None, world=1 if scaled else None)
+        return self._averaged(fut, flat, self._lean_verdict(key), world=1 if scaled else None)
 
     def settled_work(self, flat: Tensor, key: str, *, scaled: bool = False) -> Work | None:
         """:meth:`settled_launch` (a cast's verdict joining the step's) for a caller that waits for the work itself (the
@@ -652,10 +658,11 @@ class AutoCompression:
         path, what would keep a settled "none" slower than not compressing (docs/mergecomp.md)."""
         return None if self._groups[key].priced().codec == "none" else self.boundary.verdict_for([key])
 
-    def _settled_sum(self, flat: Tensor, key: str, scaled: bool) -> torch.futures.Future | None:
+    def _settled_sum(self, flat: Tensor, key: str, scaled: bool,
+                     finish: Callable[[Any], Tensor] | None = None) -> torch.futures.Future | None:
         """The sum of a lean group's ``flat`` (:meth:`settled_launch`): the backend's, or the runtime's planned
         exchange's where the group's "none" measured quicker on it; None where the group is not lean or the backend
-        refused the buffer."""
+        refused the buffer. ``finish``: what follows the sum, in the same callback (:meth:`_backend_sum`)."""
         lean = self._lean
         if lean is None or key not in lean:
             return None
@@ -666,9 +673,11 @@ class AutoCompression:
                                    "(ask lean_scale first)")
         if codec == "none" and group.planned:  # the flat buffer on the planned exchange: one job, no per-tensor step
             self.settled_launches += 1
-            return self.runtime.allreduce_async(flat, "sum").future
+            fut = self.runtime.allreduce_async(flat, "sum").future
+            return fut if finish is None else fut.then(lambda f: finish(f.value()))
         wire = None if codec == "none" else self._step(codec).cast_dtype
-        fut = self._backend_sum(flat, wire, always=wire is not None and self._casts_natively(group, wire))
+        fut = self._backend_sum(flat, wire, always=wire is not None and self._casts_natively(group, wire),
+                                finish=finish)
         if fut is None:  # nothing joined the step: the caller's step_async opens its verdict
             if scaled:  # lean_scale said the backend takes it
                 raise CompressionError(f"group {key!r} was scaled for the backend's allreduce, which refused it "

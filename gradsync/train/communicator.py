@@ -507,13 +507,15 @@ def _in_place(dest: Tensor, result: Tensor) -> bool:
     return result.data_ptr() == dest.data_ptr() and result.shape == dest.shape and result.stride() == dest.stride()
 
 
-def native_cast_sum_async(runtime: Runtime, flat: Tensor, wire: torch.dtype, *,
-                          always: bool = False) -> torch.futures.Future | None:
+def native_cast_sum_async(runtime: Runtime, flat: Tensor, wire: torch.dtype, *, always: bool = False,
+                          finish: Callable[[Tensor], Tensor] | None = None) -> torch.futures.Future | None:
     """``flat`` summed over ranks in ``wire`` (a cast codec's dtype: fp16, bf16) by the process group's own async
     allreduce and cast back into ``flat`` -- the fixed fp16 hook's path, and auto's for a cast -- where the runtime
     runs that size natively (``always``: whatever it plans for the size, for a caller that measured the ways to send
-    the buffer); None where it plans it. The future's value is ``flat``, summed, not yet averaged. The runtime is
-    asked before casting: a planned size costs no copy."""
+    the buffer); None where it plans it. The future's value is ``flat``, summed, not yet averaged; with ``finish``,
+    ``finish(flat)`` (the average), run in the same callback as the cast back: a second chained callback costs a
+    hook a future of its own (on CUDA, with its stream events). The runtime is asked before casting: a planned size
+    costs no copy."""
     if not always and not runtime.runs_natively(flat.numel() * wire.itemsize):
         return None
     sent = cast(flat, wire)
@@ -525,7 +527,7 @@ def native_cast_sum_async(runtime: Runtime, flat: Tensor, wire: torch.dtype, *,
         f.value()
         if sent is not flat:
             flat.copy_(sent)
-        return flat
+        return flat if finish is None else finish(flat)
 
     return fut.then(back)
 

@@ -254,7 +254,9 @@ def _native_cast(
     the general path); the same on every rank, as the plan is.
     """
     runtime = state.step.communicator.runtime
-    fut = native_cast_sum_async(runtime, buffer, wire)
+    world = runtime.world_size
+    fut = native_cast_sum_async(runtime, buffer, wire,
+                                finish=None if world == 1 else lambda flat: average_in_place(flat, world))
     if fut is None:
         return None
     state.buckets += 1
@@ -263,6 +265,4 @@ def _native_cast(
     state.dense_bytes += buffer.numel() * buffer.element_size()
     if state.merge == "bucket":
         _layout(state, bucket, buffer)  # records the bucket's members
-    world = runtime.world_size
-
-    return fut.then(lambda f: average_in_place(f.value(), world))
+    return fut

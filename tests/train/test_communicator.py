@@ -12,7 +12,7 @@ import torch
 from gradsync.comm.runtime import Runtime
 from gradsync.compress import COMPRESSORS
 from gradsync.compress.base import TensorInfo
-from gradsync.train.communicator import CompressionStep
+from gradsync.train.communicator import CompressionStep, average_in_place, native_cast_sum_async
 from tests.compress.seeded import seeded
 from tests.train.local_ranks import on_ranks
 
@@ -99,3 +99,45 @@ def test_a_name_sent_again_begins_the_next_step() -> None:
 
     # the bad step counts once the next one began (it may still have been open before)
     assert on_ranks(WORLD, rank) == [[0, 0, 1, 1]] * WORLD
+
+
+class _SumsNatively:
+    """A runtime whose backend sums every size natively, on two ranks that hold the same tensor: the sum doubles."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.sent: list[torch.dtype] = []
+
+    def runs_natively(self, nbytes: int) -> bool:
+        return True
+
+    def native_allreduce_async(self, tensor: torch.Tensor, always: bool = False) -> torch.futures.Future:
+        self.sent.append(tensor.dtype)
+        tensor.mul_(2)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([tensor])
+        return fut
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_native_cast_sum_is_cast_back_then_finished_in_one_future(finished: bool) -> None:
+    """The fp16 hook's native path: the sum in fp16, cast back into the buffer, then ``finish`` (the average) on
+    the cast-back sum; the future's value is ``finish``'s result, or the buffer summed without one."""
+    rt = _SumsNatively()
+    x = torch.tensor([1.0, 1 / 3, 1000.1, -2.5e-3])
+    summed = (x.half() * 2).float()  # what two ranks' fp16 sum casts back to
+    seen: list[torch.Tensor] = []
+
+    def finish(flat: torch.Tensor) -> torch.Tensor:
+        seen.append(flat.clone())
+        return average_in_place(flat, 2)
+
+    fut = native_cast_sum_async(rt, x, torch.float16, finish=finish if finished else None)  # type: ignore[arg-type]
+    assert fut is not None and rt.sent == [torch.float16]
+    assert fut.wait() is x
+    if finished:
+        assert len(seen) == 1 and torch.equal(seen[0], summed)
+        assert torch.equal(x, summed / 2)
+    else:
+        assert torch.equal(x, summed)
