@@ -505,8 +505,9 @@ def hooks_part(steps: int) -> list[dict[str, Any]]:
 
 def _timed_hook(fn: Callable[..., Any], sink: list[float]) -> Callable[..., Any]:
     """``fn`` with the host time of each call appended to ``sink``: what the hook costs the training thread in
-    backward (the launch; its callbacks run later), apart from the step time around it. ``functools.wraps`` keeps
-    ``fn``'s signature, which DDP checks when the hook is registered."""
+    backward (the launch, and any callback that runs at once: NCCL's futures are complete when the work is queued),
+    apart from the step time around it. ``functools.wraps`` keeps ``fn``'s signature, which DDP checks when the
+    hook is registered."""
 
     @functools.wraps(fn)
     def hook(state: Any, bucket: Any) -> Any:

@@ -565,8 +565,8 @@ def gpu() -> list[str]:
                        if {"torch_fp16", "ddp"} <= hooks.keys() else ""), ""]
             calls = next((r for r in j["hooks"] if "hook_call_us" in r), None)
             if calls:  # runs since the check timed the hook calls themselves
-                out += ["Host time per hook call (median over the timed steps, µs: the launch on the training thread, "
-                        "its callbacks apart): " + "; ".join(
+                out += ["Host time per hook call (median over the timed steps, µs, on the training thread: the launch, "
+                        "and the callbacks that run there): " + "; ".join(
                             f"{m} {num(us)} ({num(calls['hook_calls_per_step'].get(m, 0))} a step)"
                             for m, us in calls["hook_call_us"].items()) + ".", ""]
     return out
