@@ -11,6 +11,8 @@ Tuning (:mod:`gradsync.comm.tuning`) works only through the public methods here.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -26,13 +28,16 @@ from gradsync.sim.choose import Chooser
 from gradsync.sim.cost import NATIVE, CostModel, native_schedule
 from gradsync.topology.model import Topology
 
-__all__ = ["ALLREDUCE", "EXPLORE_RIVAL", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
+__all__ = ["ALLREDUCE", "ANNOUNCE_PRICING_S", "EXPLORE_RIVAL", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
 
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
 #: keep step order rather than spend a simulation at plan time.
 MAX_ORDERED_TRANSFERS = 200_000
 #: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
 PLAN_TIMEOUT_S = 600.0
+#: A size class whose pricing took at least this many seconds is announced on rank 0's stderr: the stall it puts in
+#: a job's first steps (every rank waits for rank 0's simulations), said once, with its cause.
+ANNOUNCE_PRICING_S = 1.0
 #: The collective every synthesizer plans, and the only one the backend's native collective is priced for.
 ALLREDUCE = "allreduce"
 #: Backends on which ``auto`` chooses among the planned schedules too. Elsewhere (NCCL) it runs the backend's
@@ -145,7 +150,14 @@ class PlanCache:
             chooser = self.chooser(collective)
 
             def compute() -> bytes:
+                t0 = time.perf_counter()
                 c = chooser.choose(size)
+                took = time.perf_counter() - t0
+                if took >= ANNOUNCE_PRICING_S and self.transport.rank == 0:
+                    who = "every rank prices it" if self.caps.decide is None else "the other ranks wait for rank 0"
+                    print(f"gradsync: priced {collective} plans for the {_mib(size)} size class on "
+                          f"{self.topology.name!r} in {took:.1f} s ({len(c.candidates)} candidates; a size's first call "
+                          f"pays it, and {who}): {c.algorithm} at depth {c.pipeline}", file=sys.stderr, flush=True)
                 return json.dumps([c.algorithm, c.pipeline]).encode()
 
             where = "" if collective == ALLREDUCE else f"{collective}/"
@@ -223,3 +235,7 @@ class PlanCache:
                 ex.close()
         self._executors.clear()
 
+
+def _mib(nbytes: int) -> str:
+    """``nbytes`` for a person: KiB below a MiB, MiB from there."""
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"

@@ -82,3 +82,28 @@ def test_an_executor_waits_in_the_order_of_the_simulation_that_priced_its_plan(m
                               for c in others)
     finally:
         rt.shutdown()
+
+
+@pytest.mark.parametrize("rank,threshold,said", [(0, 0.0, True), (0, 1e9, False), (1, 0.0, False)])
+def test_a_long_pricing_is_said_once_on_rank_0(monkeypatch, capsys, rank, threshold, said):
+    """A size class priced for longer than ANNOUNCE_PRICING_S gets one line on rank 0's stderr (every rank stalls
+    for it in a job's first steps): the class, the time, the pick. A class already priced, a short pricing and
+    another rank say nothing."""
+    import gradsync.comm.plans as plans
+    from gradsync.comm import Runtime
+
+    monkeypatch.setattr(plans, "ANNOUNCE_PRICING_S", threshold)
+    rt = Runtime(LocalFabric(2).transport(rank), "switch:2", "auto", timeout_s=5)
+    try:
+        pick = rt.plans.choice(1 << 20)
+        assert rt.plans.choice(1 << 20) == pick  # priced once
+    finally:
+        rt.shutdown()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "priced allreduce plans" in line]
+    if said:
+        assert len(lines) == 1, err
+        assert "1 MiB size class on 'switch:2'" in lines[0] and "every rank prices it" in lines[0]
+        assert lines[0].endswith(f"{pick[0]} at depth {pick[1]}"), lines[0]
+    else:
+        assert not lines, err
