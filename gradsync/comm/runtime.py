@@ -57,6 +57,7 @@ from gradsync.topology.io import get_topology
 from gradsync.topology.model import Topology
 
 __all__ = [
+    "COMM_THREAD",
     "Runtime",
     "default_backend",
     "Work",
@@ -102,6 +103,8 @@ class Work:
 
 
 #: :meth:`Runtime._native_issue`'s executor for ``native_allreduce_async(always=True)``: whatever the size's plan.
+#: The name of each live runtime's communication thread (what a debugger's or a test's thread list shows).
+COMM_THREAD = "gradsync-comm"
 NATIVE_ANY = object()
 #: The watch's agreement round on gloo (:meth:`Runtime._share_sum`): a tree reduces and broadcasts in two latency
 #: steps per level where gloo's ring takes ``2 (n - 1)``.
@@ -181,7 +184,7 @@ class Runtime:
         # one live runtime a transport; the ones after the first decide under keys of their own (gradsync.comm.claims)
         served = claims.claim(transport, self)
         self.plans.namespace = f"r{served}/" if served else ""
-        self._thread = threading.Thread(target=self._loop, name="gradsync-comm", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=COMM_THREAD, daemon=True)
         self._thread.start()
         try:
             if algorithm == AUTO:

@@ -103,14 +103,10 @@ def test_each_gradsync_method_runs_on_a_runtime_of_its_own_with_inits_tuning_and
 
 
 def test_a_runtime_that_cannot_start_ends_the_ones_started_before_it():
-    import threading
-
     from benchmarks.compression_sweep_worker import own_runtimes
     from gradsync.comm.local import LocalFabric
     from gradsync.comm.runtime import Runtime
-
-    def comm_threads() -> int:
-        return sum(t.name == "gradsync-comm" and t.is_alive() for t in threading.enumerate())
+    from tests.threads import comm_threads
 
     made: list = []
 
@@ -122,10 +118,10 @@ def test_a_runtime_that_cannot_start_ends_the_ones_started_before_it():
 
     rt = Runtime(LocalFabric(1).transport(0))
     try:
-        before = comm_threads()
+        before = len(comm_threads())
         with pytest.raises(GradsyncError, match="no second group"):
             own_runtimes(rt, None, ["none", "auto"], transport)
-        assert len(made) == 1 and comm_threads() == before  # the first one's thread ended
+        assert len(made) == 1 and len(comm_threads()) == before  # the first one's thread ended
     finally:
         rt.shutdown()
 

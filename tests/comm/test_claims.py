@@ -12,14 +12,11 @@ import pytest
 from gradsync.comm.local import LocalFabric
 from gradsync.comm.runtime import Runtime
 from gradsync.errors import GradsyncError, PlanError
+from tests.threads import comm_threads
 
 
 def _pair(fabric: LocalFabric) -> list[Runtime]:
     return [Runtime(fabric.transport(r), "switch:2") for r in range(2)]
-
-
-def _comm_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "gradsync-comm" and t.is_alive()]
 
 
 def test_a_transport_serves_one_runtime_until_it_is_shut_down() -> None:
@@ -38,10 +35,10 @@ def test_a_transport_serves_one_runtime_until_it_is_shut_down() -> None:
 
 def test_a_runtime_that_fails_to_start_frees_its_transport_and_ends_its_thread() -> None:
     transport = LocalFabric(1).transport(0)
-    before = set(_comm_threads())
+    before = set(comm_threads())
     with pytest.raises(PlanError):
         Runtime(transport, "switch:1", "no-such-algorithm")
-    assert set(_comm_threads()) <= before
+    assert set(comm_threads()) <= before
     Runtime(transport, "switch:1").shutdown()
 
 
