@@ -102,9 +102,9 @@ class Work:
         return self.future.done()
 
 
-#: :meth:`Runtime._native_issue`'s executor for ``native_allreduce_async(always=True)``: whatever the size's plan.
 #: The name of each live runtime's communication thread (what a debugger's or a test's thread list shows).
 COMM_THREAD = "gradsync-comm"
+#: :meth:`Runtime._native_issue`'s executor for ``native_allreduce_async(always=True)``: whatever the size's plan.
 NATIVE_ANY = object()
 #: The watch's agreement round on gloo (:meth:`Runtime._share_sum`): a tree reduces and broadcasts in two latency
 #: steps per level where gloo's ring takes ``2 (n - 1)``.

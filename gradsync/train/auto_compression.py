@@ -241,6 +241,12 @@ class _Group:
         return self.choice
 
 
+def _chained(fut: torch.futures.Future, finish: Callable[[Any], Tensor] | None) -> torch.futures.Future:
+    """``fut`` with ``finish`` (:meth:`AutoCompression._finisher`) chained on it, given its value; ``fut`` itself
+    without one."""
+    return fut if finish is None else fut.then(lambda f: finish(f.value()))
+
+
 class AutoCompression:
     """Per-group codec choice for ``compression="auto"``; duck-types :class:`CompressionStep`'s ``step_async``.
 
@@ -586,7 +592,7 @@ class AutoCompression:
         the callback that casts back (one future, not two)."""
         if wire is None:
             fut = self.runtime.native_allreduce_async(flat, always=True)
-            return fut if fut is None or finish is None else fut.then(lambda f: finish(f.value()))
+            return None if fut is None else _chained(fut, finish)
         return native_cast_sum_async(self.runtime, flat, wire, always=always, finish=finish)
 
     def _casts_natively(self, group: _Group, wire: torch.dtype) -> bool:
@@ -637,7 +643,7 @@ class AutoCompression:
         fut = self._settled_sum(flat, key, scaled)
         if fut is None:
             return None
-        return self._averaged(fut, flat, self._lean_verdict(key), world=1 if scaled else None)
+        return _chained(fut, self._finisher(flat, self._lean_verdict(key), 1 if scaled else None))
 
     def settled_work(self, flat: Tensor, key: str, *, scaled: bool = False) -> Work | None:
         """:meth:`settled_launch` (a cast's verdict joining the step's) for a caller that waits for the work itself (the
@@ -673,8 +679,7 @@ class AutoCompression:
                                    "(ask lean_scale first)")
         if codec == "none" and group.planned:  # the flat buffer on the planned exchange: one job, no per-tensor step
             self.settled_launches += 1
-            fut = self.runtime.allreduce_async(flat, "sum").future
-            return fut if finish is None else fut.then(lambda f: finish(f.value()))
+            return _chained(self.runtime.allreduce_async(flat, "sum").future, finish)
         wire = None if codec == "none" else self._step(codec).cast_dtype
         fut = self._backend_sum(flat, wire, always=wire is not None and self._casts_natively(group, wire),
                                 finish=finish)
@@ -758,19 +763,11 @@ class AutoCompression:
         self._write_cache()  # the next job with this partition starts with the verdict
         return keep
 
-    def _averaged(self, fut: torch.futures.Future, flat: Tensor, verdict: StepVerdict | None,
-                  world: int | None = None) -> torch.futures.Future:
-        """After the backend's sum of ``flat`` (``fut``, :meth:`_backend_sum`): ``flat`` averaged in place, the
-        future's value ``flat``; with ``verdict``, whether it is finite joins that step's. ``world``: what to divide
-        by (default the runtime's world size; 1 where the terms were scaled before the sum)."""
-        finish = self._finisher(flat, verdict, world)
-        return fut.then(lambda f: finish(f.value()))
-
     def _finisher(self, flat: Tensor, verdict: StepVerdict | None, world: int | None = None) -> Callable[[Any], Tensor]:
         """What follows the sum of ``flat`` (the backend's or the planned exchange's), given its result: with
         ``verdict`` (its slot reserved now, in launch order), whether the sum is finite joins that step's -- the same
-        bits on every rank, so the same verdict --; then ``flat`` is averaged in place (``world``: :meth:`_averaged`)
-        and returned."""
+        bits on every rank, so the same verdict --; then ``flat`` is averaged in place and returned. ``world``: what
+        to divide by (default the runtime's world size; 1 where the terms were scaled before the sum)."""
         world = self.runtime.world_size if world is None else world
         slot = verdict.reserve() if verdict is not None else -1
 
