@@ -78,38 +78,42 @@ def test_the_watch_reads_each_pairs_rate_from_the_kernels_counters_of_its_gloo_c
     assert 1e-6 <= reports[0]["message_s"] < 0.5 and reports[0]["message_s"] != CostModel().message_s, reports[0]
 
 
+# rank 3 is on time from allreduce 10; a loaded host's scheduling can hold the switch back by several collectives
+LATE_CALLS = 24
+
+
 def test_a_late_rank_on_the_backends_own_ring_moves_every_rank_to_the_straggler_plan_and_back(tmp_path):
     """Issue 39 (b) where ``auto`` runs the backend's ring (a flat switch): those allreduces are watched too (each
     rank's time in the collective shows the late one; the ring has no pair rates to give), every rank switches at
     the same collective to the plan the simulator prices fastest for the late arrival, and back when it is on
-    time; every sum exact. All 16 are watched: the native fast path would have hidden them."""
+    time; every sum exact. All are watched: the native fast path would have hidden them."""
     from dataclasses import replace
 
     from gradsync.plan import PlanOptions, synthesize
     from gradsync.sim import simulate
     from gradsync.sim.cost import native_schedule
 
-    reports = launch(WORKER, ["late_native", str(tmp_path), "switch:4"], 4, tmp_path, timeout_s=180)
+    reports = launch(WORKER, ["late_native", str(tmp_path), "switch:4", str(LATE_CALLS)], 4, tmp_path, timeout_s=180)
     first = reports[0]
     new = first["switches"][0]["new"]
     # On trial for k = 3 collectives (6-8): kept if its median is no slower than the ring's before the switch,
     # else every rank goes back to the ring at collective 8 (loopback's per-message cost is not in α = 1 µs).
     back = len(first["switches"]) == 3
     for rank, rep in enumerate(reports):
-        assert rep is not None and rep["exact"] and rep["watched"] == 16, (rank, rep)
+        assert rep is not None and rep["exact"] and rep["watched"] == LATE_CALLS, (rank, rep)
         got = [(s["generation"], s["collective"], s["straggler"], s["old"], s["new"]) for s in rep["switches"]]
         assert got[0] == (1, 5, 3, "native/1", new), (rank, rep)
         if back:
             assert got[1] == (1, 8, 3, new, "native/1") and "back to native/1" in rep["switches"][1]["message"]
         # on time from allreduce 10: k = 3 collectives below half of one (11 without jitter; a loaded host's
-        # scheduling can push a few-ms collective over that for a round or two)
-        assert len(got) == 2 + back and got[-1][0] == 2 and got[-1][2] is None and 11 <= got[-1][1] <= 14, got
+        # scheduling can push a few-ms collective over that for several rounds: one CI run's came after 15)
+        assert len(got) == 2 + back and got[-1][0] == 2 and got[-1][2] is None and 11 <= got[-1][1] < LATE_CALLS, got
         assert got[-1][3:] == ("native/1" if back else new, "native/1"), got
         assert rep["switches"][0]["delay_s"] == pytest.approx(rep["late_s"], rel=0.2)
         assert rep["plans"] == first["plans"], (rank, rep)
     on_time = first["switches"][-1]["collective"]  # collective c's switch shows from allreduce c + 1 on
     trial = [new] * (3 if back else on_time - 5)  # allreduces 6-8 on trial, or until rank 3 is on time again
-    assert first["plans"] == ["native/1"] * 6 + trial + ["native/1"] * (10 - len(trial)), first["plans"]
+    assert first["plans"] == ["native/1"] * 6 + trial + ["native/1"] * (LATE_CALLS - 6 - len(trial)), first["plans"]
     # the pick is the simulator's fastest for rank 3 late by the measured delay (the worker's α = 1 µs), on the
     # model's rates divided by the warm-up's fitted slowdown (loopback is not the model's switch)
     topo, model = get_topology("switch:4"), replace(CostModel(), message_s=1e-6, native_message_s=1e-6)

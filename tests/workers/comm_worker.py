@@ -362,8 +362,8 @@ def scenario_explore(topology: str) -> dict:
     return out
 
 
-def scenario_late_native(topology: str) -> dict:
-    """The last rank arrives ``late_s`` late at allreduces 4-9 of 16 of a size ``auto`` runs on the backend's own
+def scenario_late_native(topology: str, calls: str = "16") -> dict:
+    """The last rank arrives ``late_s`` late at allreduces 4-9 of ``calls`` of a size ``auto`` runs on the backend's own
     ring: the watch sees it in each rank's time in the collective (that ring gives no pair rates), every rank
     switches at the same collective to the plan the model prices fastest for that late arrival, and back once it
     is on time; every sum exact (integers in float32). α = 1 µs: bandwidth decides, so the straggler schedule
@@ -382,7 +382,7 @@ def scenario_late_native(topology: str) -> dict:
     rt = gradsync.init(topology, timeout_s=60, adapt=options, cost_model=model)
     numel = (1 << 20) // 4
     late_s, exact, plans = 0.25, True, []
-    for i in range(16):
+    for i in range(int(calls)):
         if RANK == WORLD - 1 and 4 <= i < 10:
             time.sleep(late_s)
         x = torch.arange(numel, dtype=torch.float32) % 97 + RANK + i
