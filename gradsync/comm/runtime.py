@@ -398,7 +398,7 @@ class Runtime:
         pipeline depths, for a caller that times this exchange against another way in a few calls (they would
         time the exploration instead)."""
         ex = self._executor_for(tensors, op, algorithm, explore)
-        return Work(self._enqueue(ex, tensors, op, _label(ex), algorithm), ex.schedule.algorithm)
+        return Work(self._enqueue(ex, tensors, op, _label(ex), algorithm, explore), ex.schedule.algorithm)
 
     def allreduce(self, tensors: Tensors, op: str = "sum", algorithm: str | None = None) -> Tensors:
         """All-reduce in place and return ``tensors``; raises :class:`~gradsync.errors.PeerError` on a lost peer.
@@ -509,20 +509,24 @@ class Runtime:
         return self.executor(algorithm, nbytes_of(tensors), explore=explore)
 
     def _enqueue(self, ex: Any, payload: Any, op: str | None, label: str,
-                 algorithm: str | None = None) -> torch.futures.Future:
-        """Queue one item for the communication thread; its future, failed at once if the runtime has."""
+                 algorithm: str | None = None, explore: bool = True) -> torch.futures.Future:
+        """Queue one item for the communication thread; its future, failed at once if the runtime has. ``algorithm``
+        and ``explore`` are how ``ex`` was resolved, for a collective whose executor is dropped before it runs."""
         fut: torch.futures.Future = torch.futures.Future()
         if self._failed is not None:
             fut.set_exception(CommError(f"the gradsync runtime failed earlier and cannot run more collectives: {self._failed}"))
             return fut
         with self._mutex:
             self._pending += 1
-        self._queue.put((ex, payload, op, label, fut, algorithm))
+        self._queue.put((ex, payload, op, label, fut, algorithm, explore))
         return fut
 
-    def _run(self, ex: Any, payload: Any, op: str | None, label: str, algorithm: str | None = None) -> Any:
+    def _run(self, ex: Any, payload: Any, op: str | None, label: str, algorithm: str | None = None,
+             explore: bool = True) -> Any:
         """Run one item (a collective or a submitted callable) now, as the profiler range ``label``; a failure fails
-        the runtime. A collective whose executor a replan dropped since it was queued runs on the current plan."""
+        the runtime. A collective whose executor a replan dropped since it was queued runs on the current plan,
+        resolved as it was (``algorithm``, ``explore``): a call that asked for the size's pick as it stands is not
+        handed to an explorer."""
         t0 = time.perf_counter()
         start = TraceRecorder.now_us() if self.trace is not None else 0.0
         try:
@@ -530,7 +534,7 @@ class Runtime:
                 if ex is _CALL:
                     return payload()
                 if not isinstance(ex, Explorer) and not self.plans.owns(ex):
-                    ex = self._executor_for(payload, op or "sum", algorithm)
+                    ex = self._executor_for(payload, op or "sum", algorithm, explore)
                 self._record("allreduce", payload)
                 adapt = self.adapt
                 nbytes = nbytes_of(payload) if adapt is not None else 0
@@ -694,12 +698,12 @@ class Runtime:
             item = self._queue.get()
             if item is _STOP:
                 return
-            ex, payload, op, label, fut, algorithm = item
+            ex, payload, op, label, fut, algorithm, explore = item
             try:
                 with self._running:
                     if self._failed is not None:
                         raise CommError(f"the gradsync runtime failed earlier: {self._failed}")
-                    result = self._run(ex, payload, op, label, algorithm)
+                    result = self._run(ex, payload, op, label, algorithm, explore)
             except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits
                 fut.set_exception(exc)
                 continue

@@ -768,6 +768,38 @@ def test_a_collective_queued_before_a_replan_runs_on_the_new_plan():
         assert got == ([], 3.0, False, None)
 
 
+def test_a_queued_collective_that_asked_for_the_pick_as_it_stands_is_resolved_again_the_same_way():
+    """``allreduce_async(..., explore=False)`` (compression="auto" timing the size's settled exchange) whose executor
+    a replan closed before it ran picks its executor again with ``explore=False``: an explorer would time its
+    candidates on that call instead, and the caller's timing would be the exploration's."""
+    from gradsync.sim.cost import CostModel
+
+    def body(tr):
+        rt = Runtime(tr, "switch:2", "ring", timeout_s=20, adapt=False)
+        gate, asked = threading.Event(), []
+        real = rt._executor_for
+
+        def spy(tensors, op, algorithm, explore=True):
+            asked.append(explore)
+            return real(tensors, op, algorithm, explore)
+
+        rt._executor_for = spy
+        try:
+            rt.submit(lambda: gate.wait(10))
+            x = torch.full((1000,), float(tr.rank + 1))
+            work = rt.allreduce_async(x, explore=False)
+            rt.set_cost_model(CostModel())  # closes the executor the call was queued with
+            gate.set()
+            work.wait()
+            return asked, float(x[0])
+        finally:
+            rt.shutdown()
+
+    for got in run_ranks(2, body):
+        assert not isinstance(got, BaseException), got
+        assert got == ([False, False], 3.0)  # resolved when queued, and again when it ran
+
+
 def test_adapt_false_and_the_environment_turn_the_watch_off(monkeypatch):
     def body(tr):
         rt = Runtime(tr, "switch:2", "ring", timeout_s=20)
