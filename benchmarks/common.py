@@ -27,14 +27,19 @@ BANDWIDTHS_GBPS: tuple[float, ...] = (10.0, 20.0, 25.0, 50.0)
 MAX_SEED_TRIES = 1000
 
 
+#: What a measurement runs (pathspecs from the checkout's root): an uncommitted change elsewhere (docs, results
+#: written by an earlier run, tests) does not make a result's code ``+dirty``.
+CODE_PATHS = ("gradsync", "benchmarks", ":(exclude)benchmarks/results", "pyproject.toml")
+
+
 def code_revision() -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files; ``"unknown"`` outside git): what
-    code a result was measured with."""
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files of :data:`CODE_PATHS`;
+    ``"unknown"`` outside git): what code a result was measured with."""
     try:
         rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--",
+                                *CODE_PATHS], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return rev + ("+dirty" if dirty else "")

@@ -31,3 +31,31 @@ def test_a_worker_past_the_timeout_is_killed_with_the_others_and_said_so(tmp_pat
                 assert f.read().split()[2] == "Z", f"worker {pid} still runs"  # reaped, or at most a zombie
         except FileNotFoundError:
             pass  # gone
+
+
+def test_the_code_revision_is_dirty_for_uncommitted_code_only(tmp_path, monkeypatch) -> None:
+    """A result's ``code`` says ``+dirty`` where the code it ran differs from the commit, not where a doc, a test or
+    an earlier run's result does."""
+    import subprocess
+
+    import benchmarks.common as common
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    files = ["gradsync/a.py", "benchmarks/b.py", "benchmarks/results/r.json", "docs/d.md", "tests/t.py",
+             "pyproject.toml"]
+    git("init", "-q")
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "0")
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    clean = common.code_revision()
+    assert len(clean) == 12 and not clean.endswith("+dirty"), clean
+    for name in files:
+        (tmp_path / name).write_text("1\n")
+        assert common.code_revision() == clean + ("+dirty" if name.split("/")[0] in ("gradsync", "pyproject.toml")
+                                                  or name == "benchmarks/b.py" else ""), name
+        git("checkout", "--", name)
