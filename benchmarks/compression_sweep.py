@@ -75,6 +75,10 @@ GOAL_CHOOSE_SHARE = 0.02
 WIRE_BOUND = 2.0
 #: Methods that are neither ``auto`` nor a codec of the policy, always in the "best fixed" pool.
 UNCOMPRESSED = ("ddp", "none")
+#: DDP with torch's own ``allreduce_hook`` (``--methods``): what any Python comm hook costs against DDP without one,
+#: measured beside ``auto`` (whose settled "none" on the hook path should match it, not DDP). An anchor, not a fixed
+#: choice ``auto`` is judged against: never in the "best fixed" pool.
+ANCHOR = "torch-hook"
 INTERVAL = ("percentile bootstrap (2000 resamples, seed 0) of the median of the per-step paired ratios other / auto "
             "(> 1: auto is faster)")
 PROBE_PAIRS = ((0, 1), (0, 3))
@@ -205,6 +209,8 @@ def summarize_config(config: dict[str, Any], allow: str) -> dict[str, Any]:
         "best_fixed": best, "auto_vs_best": compare(auto["samples_s"], rows[best]["samples_s"]),
         "auto_vs_ddp": compare(auto["samples_s"], ddp["samples_s"]) if ddp else None,
         "auto_vs_none": compare(auto["samples_s"], none["samples_s"]) if none else None,
+        "auto_vs_anchor": compare(auto["samples_s"], rows[ANCHOR]["samples_s"]) if ANCHOR in rows else None,
+        "anchor_vs_ddp": compare(rows[ANCHOR]["samples_s"], ddp["samples_s"]) if ANCHOR in rows and ddp else None,
         "wire_bound": bool(ddp) and ddp["median_s"] >= WIRE_BOUND * fastest,
         "accuracy_points_vs_ddp": 100 * (acc - ddp["accuracy"]) if ddp and acc is not None
         and ddp.get("accuracy") is not None else None,
@@ -248,6 +254,9 @@ def summary_lines(rows: Sequence[dict[str, Any]], g: dict[str, Any], allow: str)
                      f"x{b['median']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]"
                      + (f", vs DDP x{d['median']:.2f}" if d else "")
                      + (f", vs none x{r['auto_vs_none']['median']:.2f}" if r["auto_vs_none"] else "")
+                     + (f", vs DDP with torch's allreduce_hook x{a_['median']:.3f} [{a_['ci95'][0]:.3f}, "
+                        f"{a_['ci95'][1]:.3f}] (that hook vs DDP x{r['anchor_vs_ddp']['median']:.3f})"
+                        if (a_ := r.get("auto_vs_anchor")) and r.get("anchor_vs_ddp") else "")
                      + (f", accuracy {acc:+.1f} points vs DDP" if acc is not None else "")
                      + (" (wire-bound)" if r["wire_bound"] else "")
                      + (f" (auto chose until step {r['auto_choosing_steps']}, after the {r['warmup']} untimed)"

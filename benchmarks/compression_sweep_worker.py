@@ -2,7 +2,8 @@
 ``testbed.run`` (or as a local process on loopback).
 
 For each configuration ``MODEL/PATH`` of ``--configs``, in turn, it trains one replica per method from the same
-weights on the same batches, in the same processes: ``ddp`` (torch's DDP, no compression), ``none`` (the path's own
+weights on the same batches, in the same processes: ``ddp`` (torch's DDP, no compression), :data:`ANCHOR` (DDP with
+torch's own ``allreduce_hook``, where asked: what any Python hook costs), ``none`` (the path's own
 exchange, no compression), each fixed codec of :data:`FIXED` (the same codecs, with the same parameters, that
 ``compression="auto"`` chooses from: :data:`gradsync.compress.auto.CODECS`) and ``auto``. ``PATH`` is
 ``optimizer`` (``gradsync.DistributedOptimizer``, layer-wise groups) or ``hook`` (DDP with
@@ -41,6 +42,7 @@ from torch import nn
 
 from benchmarks.common import replicas_identical
 from benchmarks.compress_testbed_worker import Replica, _timed, _train_step, leave
+from benchmarks.compression_sweep import ANCHOR
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
@@ -55,7 +57,7 @@ IMAGE = 32
 
 def method_names() -> list[str]:
     """Every method of a configuration, in the order they are reported."""
-    return ["ddp", "none", *FIXED, "auto"]
+    return ["ddp", ANCHOR, "none", *FIXED, "auto"]
 
 
 # -- models ------------------------------------------------------------------------------------------------------
@@ -111,10 +113,14 @@ def _compression(method: str, setup: Setup) -> Any:
     return CODECS.get(method).create()
 
 
-def _ddp(net: nn.Module, setup: Setup) -> Replica:
+def _ddp(net: nn.Module, setup: Setup, hooked: bool = False) -> Replica:
+    """DDP as it comes (``ddp``), or with torch's ``allreduce_hook`` registered (``hooked``: :data:`ANCHOR`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(net)
+    if hooked:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = _sgd(model.parameters(), setup)
     return Replica(model, opt, opt)
 
@@ -122,8 +128,8 @@ def _ddp(net: nn.Module, setup: Setup) -> Replica:
 def _optimizer_path(method: str, net: nn.Module, setup: Setup) -> Replica:
     import gradsync
 
-    if method == "ddp":
-        return _ddp(net, setup)
+    if method in ("ddp", ANCHOR):
+        return _ddp(net, setup, hooked=method == ANCHOR)
     base = _sgd(net.parameters(), setup)
     comp = _compression(method, setup)
     opt = gradsync.DistributedOptimizer(base, net.named_parameters(), runtime=setup.runtime, compression=comp)
@@ -135,8 +141,8 @@ def _hook_path(method: str, net: nn.Module, setup: Setup) -> Replica:
 
     import gradsync
 
-    if method == "ddp":
-        return _ddp(net, setup)
+    if method in ("ddp", ANCHOR):
+        return _ddp(net, setup, hooked=method == ANCHOR)
     comp = _compression(method, setup)
     model = DDP(net)
     state = gradsync.CompressionHookState(comp, runtime=setup.runtime, model=net)
@@ -166,7 +172,7 @@ PATHS.add("hook", _hook_path)
 
 def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str],
                  transport: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """A runtime of its own for each gradsync method of one configuration (not ``ddp``): the job's calibrated cost
+    """A runtime of its own for each gradsync method of one configuration (not ``ddp`` nor the anchor): the job's calibrated cost
     model and the small classes tuning measured at init (``start``: :func:`tuned_at_init`), nothing any method's
     calls settled since. A user's job runs one method, so a size class one method's calls explored (the fixed
     ``none`` optimizer's 25 MB payload, say) must not reach another's, least of all ``auto``, whose first steps
@@ -180,7 +186,7 @@ def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str],
     out: dict[str, Any] = {}
     try:
         for m in methods:
-            if m == "ddp":
+            if m in ("ddp", ANCHOR):
                 continue
             out[m] = own = Runtime(
                 transport() if transport is not None else create_transport("torch", timeout_s=rt.timeout_s),
