@@ -75,7 +75,7 @@ GOAL_CHOOSE_SHARE = 0.02
 WIRE_BOUND = 2.0
 #: Methods that are neither ``auto`` nor a codec of the policy, always in the "best fixed" pool.
 UNCOMPRESSED = ("ddp", "none")
-#: DDP with torch's own ``allreduce_hook`` (``--methods``): what any Python comm hook costs against DDP without one,
+#: DDP with torch's own ``allreduce_hook`` (a method of the default ``--methods``): what any Python comm hook costs against DDP without one,
 #: measured beside ``auto`` (whose settled "none" on the hook path should match it, not DDP). An anchor, not a fixed
 #: choice ``auto`` is judged against: never in the "best fixed" pool.
 ANCHOR = "torch-hook"

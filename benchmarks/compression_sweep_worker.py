@@ -3,7 +3,7 @@
 
 For each configuration ``MODEL/PATH`` of ``--configs``, in turn, it trains one replica per method from the same
 weights on the same batches, in the same processes: ``ddp`` (torch's DDP, no compression), :data:`ANCHOR` (DDP with
-torch's own ``allreduce_hook``, where asked: what any Python hook costs), ``none`` (the path's own
+torch's own ``allreduce_hook``: what any Python hook costs), ``none`` (the path's own
 exchange, no compression), each fixed codec of :data:`FIXED` (the same codecs, with the same parameters, that
 ``compression="auto"`` chooses from: :data:`gradsync.compress.auto.CODECS`) and ``auto``. ``PATH`` is
 ``optimizer`` (``gradsync.DistributedOptimizer``, layer-wise groups) or ``hook`` (DDP with
@@ -53,6 +53,10 @@ FIXED = ("fp16", "powersgd-r1", "topk-1%", "efsignsgd", "qsgd")
 MOMENTUM = 0.9
 #: The digits' side for every model (LeNet-5 and ResNet-18 at 32x32; the MLP reads the same 1,024 pixels).
 IMAGE = 32
+
+
+#: The methods that are DDP itself (no gradsync runtime), on either path.
+DDP_WAYS = ("ddp", ANCHOR)
 
 
 def method_names() -> list[str]:
@@ -128,7 +132,7 @@ def _ddp(net: nn.Module, setup: Setup, hooked: bool = False) -> Replica:
 def _optimizer_path(method: str, net: nn.Module, setup: Setup) -> Replica:
     import gradsync
 
-    if method in ("ddp", ANCHOR):
+    if method in DDP_WAYS:
         return _ddp(net, setup, hooked=method == ANCHOR)
     base = _sgd(net.parameters(), setup)
     comp = _compression(method, setup)
@@ -141,7 +145,7 @@ def _hook_path(method: str, net: nn.Module, setup: Setup) -> Replica:
 
     import gradsync
 
-    if method in ("ddp", ANCHOR):
+    if method in DDP_WAYS:
         return _ddp(net, setup, hooked=method == ANCHOR)
     comp = _compression(method, setup)
     model = DDP(net)
@@ -172,7 +176,7 @@ PATHS.add("hook", _hook_path)
 
 def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str],
                  transport: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """A runtime of its own for each gradsync method of one configuration (not ``ddp`` nor the anchor): the job's calibrated cost
+    """A runtime of its own for each gradsync method of one configuration (not :data:`DDP_WAYS`): the job's calibrated cost
     model and the small classes tuning measured at init (``start``: :func:`tuned_at_init`), nothing any method's
     calls settled since. A user's job runs one method, so a size class one method's calls explored (the fixed
     ``none`` optimizer's 25 MB payload, say) must not reach another's, least of all ``auto``, whose first steps
@@ -186,7 +190,7 @@ def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str],
     out: dict[str, Any] = {}
     try:
         for m in methods:
-            if m in ("ddp", ANCHOR):
+            if m in DDP_WAYS:
                 continue
             out[m] = own = Runtime(
                 transport() if transport is not None else create_transport("torch", timeout_s=rt.timeout_s),
