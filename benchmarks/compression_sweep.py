@@ -75,10 +75,6 @@ GOAL_CHOOSE_SHARE = 0.02
 WIRE_BOUND = 2.0
 #: Methods that are neither ``auto`` nor a codec of the policy, always in the "best fixed" pool.
 UNCOMPRESSED = ("ddp", "none")
-#: DDP with torch's own ``allreduce_hook`` (a method of the default ``--methods``): what any Python comm hook costs against DDP without one,
-#: measured beside ``auto`` (whose settled "none" on the hook path should match it, not DDP). An anchor, not a fixed
-#: choice ``auto`` is judged against: never in the "best fixed" pool.
-ANCHOR = "torch-hook"
 INTERVAL = ("percentile bootstrap (2000 resamples, seed 0) of the median of the per-step paired ratios other / auto "
             "(> 1: auto is faster)")
 PROBE_PAIRS = ((0, 1), (0, 3))
@@ -182,7 +178,10 @@ def _excess(row: dict[str, Any], n: int) -> float:
 
 
 def summarize_config(config: dict[str, Any], allow: str) -> dict[str, Any]:
-    """One configuration's verdict: the best fixed method, auto against it and against DDP, accuracy, choosing."""
+    """One configuration's verdict: the best fixed method, auto against it and against DDP (and against DDP with torch's
+    own hook, the worker's ``ANCHOR``, where it ran), accuracy, choosing."""
+    from benchmarks.compression_sweep_worker import ANCHOR
+
     rows = config["methods"]
     auto = rows["auto"]
     pool = fixed_pool(list(rows), allow)

@@ -42,11 +42,10 @@ from torch import nn
 
 from benchmarks.common import replicas_identical
 from benchmarks.compress_testbed_worker import Replica, _timed, _train_step, leave
-from benchmarks.compression_sweep import ANCHOR
 from gradsync.errors import GradsyncError
 from gradsync.registry import Registry
 
-__all__ = ["FIXED", "MODELS", "PATHS", "Setup", "extra_steps", "method_names", "main", "own_runtimes", "tuned_at_init"]
+__all__ = ["ANCHOR", "DDP_WAYS", "FIXED", "MODELS", "PATHS", "Setup", "extra_steps", "method_names", "main", "own_runtimes", "tuned_at_init"]
 
 #: The fixed codecs every configuration runs beside ``auto`` (names of :data:`gradsync.compress.auto.CODECS`).
 FIXED = ("fp16", "powersgd-r1", "topk-1%", "efsignsgd", "qsgd")
@@ -55,6 +54,10 @@ MOMENTUM = 0.9
 IMAGE = 32
 
 
+#: DDP with torch's own ``allreduce_hook`` (a method of the default ``--methods``): what any Python comm hook costs
+#: against DDP without one, measured beside ``auto`` (whose settled "none" on the hook path should match it, not DDP).
+#: An anchor, not a fixed choice ``auto`` is judged against: never in the sweep's "best fixed" pool.
+ANCHOR = "torch-hook"
 #: The methods that are DDP itself (no gradsync runtime), on either path.
 DDP_WAYS = ("ddp", ANCHOR)
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 import benchmarks.compression_sweep as bench
-from benchmarks.compression_sweep_worker import FIXED, extra_steps, method_names
+from benchmarks.compression_sweep_worker import ANCHOR, FIXED, extra_steps, method_names
 from gradsync.errors import GradsyncError
 from tests.bench.fake_testbed import fake_testbed
 
@@ -45,7 +45,7 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     steps, warmup = max_steps, bench.QUICK["warmup"]
     assert config["steps"] == steps and config["accuracy_steps"] == bench.QUICK["steps"]
     rows = config["methods"]
-    assert list(rows) == method_names() == ["ddp", bench.ANCHOR, "none", *FIXED, "auto"]
+    assert list(rows) == method_names() == ["ddp", ANCHOR, "none", *FIXED, "auto"]
     for name, r in rows.items():
         assert len(r["samples_s"]) == steps - warmup and all(s > 0 for s in r["samples_s"]), name
         assert r["median_s"] == statistics.median(r["samples_s"]), name
@@ -59,11 +59,11 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     best = summary["best_fixed"]
     assert best in bench.fixed_pool(list(rows), "any") and best != "auto"
     # torch's allreduce_hook on DDP is measured beside auto as an anchor (any Python hook's cost), never a fixed choice
-    assert bench.ANCHOR not in bench.fixed_pool(list(rows), "any")
-    anchor = rows[bench.ANCHOR]["samples_s"]
+    assert ANCHOR not in bench.fixed_pool(list(rows), "any")
+    anchor = rows[ANCHOR]["samples_s"]
     assert summary["auto_vs_anchor"] == bench.compare(rows["auto"]["samples_s"], anchor)
     assert summary["anchor_vs_ddp"] == bench.compare(anchor, rows["ddp"]["samples_s"])
-    assert rows[best]["median_s"] == min(rows[m]["median_s"] for m in rows if m not in ("auto", bench.ANCHOR))
+    assert rows[best]["median_s"] == min(rows[m]["median_s"] for m in rows if m not in ("auto", ANCHOR))
     # the ratios are recomputed here from the raw paired samples: best[i] / auto[i], DDP's likewise
     for key, other in (("auto_vs_best", best), ("auto_vs_ddp", "ddp"), ("auto_vs_none", "none")):
         ratios = [o / a for o, a in zip(rows[other]["samples_s"], rows["auto"]["samples_s"])]
