@@ -739,27 +739,35 @@ def test_a_pair_no_link_explains_is_held_while_the_same_rank_stays_late_and_its_
     assert len({tuple((s.generation, s.collective) for s in r[0]) + tuple(r[2]) for r in results}) == 1
 
 
+def _allreduce_across_a_replan(rt: Runtime, rank: int, **kwargs) -> float:
+    """Queue an allreduce of ``rank + 1`` (``kwargs``: ``allreduce_async``'s) while the communication thread is held,
+    replan (a new cost model: the executor it was queued with is closed), then let it run; its sum's first value."""
+    from gradsync.sim.cost import CostModel
+
+    gate = threading.Event()
+    rt.submit(lambda: gate.wait(10))
+    x = torch.full((1000,), float(rank + 1))
+    work = rt.allreduce_async(x, **kwargs)
+    rt.set_cost_model(CostModel())
+    gate.set()
+    work.wait()
+    return float(x[0])
+
+
 def test_a_collective_queued_before_a_replan_runs_on_the_new_plan():
     """An allreduce queued with an executor that a replan closed since (here a new cost model while the queue is
     held) picks its executor again when it runs: the old one is never run after it was closed, and the sum is
     exact."""
-    from gradsync.sim.cost import CostModel
 
     def body(tr):
         rt = Runtime(tr, "switch:2", "ring", timeout_s=20, adapt=False)
-        gate = threading.Event()
         old = rt.executor()
         ran = []
         real = old.run
         old.run = lambda *a, **k: ran.append("old") or real(*a, **k)
         try:
-            rt.submit(lambda: gate.wait(10))
-            x = torch.full((1000,), float(tr.rank + 1))
-            work = rt.allreduce_async(x)
-            rt.set_cost_model(CostModel())
-            gate.set()
-            work.wait()
-            return ran, float(x[0]), rt.plans.owns(old), rt.adapt
+            total = _allreduce_across_a_replan(rt, tr.rank)
+            return ran, total, rt.plans.owns(old), rt.adapt
         finally:
             rt.shutdown()
 
@@ -772,11 +780,10 @@ def test_a_queued_collective_that_asked_for_the_pick_as_it_stands_is_resolved_ag
     """``allreduce_async(..., explore=False)`` (compression="auto" timing the size's settled exchange) whose executor
     a replan closed before it ran picks its executor again with ``explore=False``: an explorer would time its
     candidates on that call instead, and the caller's timing would be the exploration's."""
-    from gradsync.sim.cost import CostModel
 
     def body(tr):
         rt = Runtime(tr, "switch:2", "ring", timeout_s=20, adapt=False)
-        gate, asked = threading.Event(), []
+        asked = []
         real = rt._executor_for
 
         def spy(tensors, op, algorithm, explore=True):
@@ -785,13 +792,7 @@ def test_a_queued_collective_that_asked_for_the_pick_as_it_stands_is_resolved_ag
 
         rt._executor_for = spy
         try:
-            rt.submit(lambda: gate.wait(10))
-            x = torch.full((1000,), float(tr.rank + 1))
-            work = rt.allreduce_async(x, explore=False)
-            rt.set_cost_model(CostModel())  # closes the executor the call was queued with
-            gate.set()
-            work.wait()
-            return asked, float(x[0])
+            return asked, _allreduce_across_a_replan(rt, tr.rank, explore=False)
         finally:
             rt.shutdown()
 
