@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.launch import free_port, torchrun_env
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +26,9 @@ def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: f
            allow_exit: dict[int, int] | None = None) -> list[dict | None]:
     """Run ``python script *args`` on ``world`` ranks; return each rank's ``rank{r}.json`` (None if absent).
 
+    Each rank is forked from a zygote that has imported torch and gradsync already (tests/zygote.py), or started
+    as a fresh interpreter where the zygotes are off.
+
     ``allow_exit`` maps ranks to the exit code they are expected to end with (a killed rank); every other
     rank must exit 0.
     """
@@ -32,10 +36,13 @@ def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: f
     base = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = []
     logs = []
-    for r in range(world):
+    envs = [torchrun_env(r, world, "127.0.0.1", port, base) for r in range(world)]
+    zygote.prepare(envs)
+    for r, env in enumerate(envs):
         log = open(out_dir / f"rank{r}.log", "w+")
-        env = torchrun_env(r, world, "127.0.0.1", port, base)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        argv = [str(ROOT / script), *args]
+        proc = zygote.spawn(r, argv, env, ROOT, out_dir / f"rank{r}.log")
+        procs.append(proc or subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         logs.append(log)
     deadline = time.monotonic() + timeout_s
     try:
