@@ -16,10 +16,12 @@ WORKER = r'''
 import sys
 preloaded = "torch" in sys.modules
 import json, os, signal
+import torch
 out, ending = sys.argv[1], sys.argv[2]
 report = {"rank": os.environ["RANK"], "argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
           "hash": hash("gradsync"), "preloaded": preloaded, "name": __name__, "pid": os.getpid(),
-          "ppid": os.getppid()}
+          "ppid": os.getppid(), "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+          "draws": [torch.rand(1).item(), float(__import__("numpy").random.rand())]}
 with open(os.path.join(out, "rank%s.json" % os.environ["RANK"]), "w") as f:
     json.dump(report, f)
 print("printed by rank", os.environ["RANK"])
@@ -48,17 +50,24 @@ def test_a_forked_rank_sees_its_own_rank_argv_and_paths_and_hashes_strings_as_a_
         assert rep["ppid"] != os.getpid(), rep  # a zygote's child, not this process's
         assert rep["rank"] == str(r) and rep["argv"] == [str(tmp_path), "ok"] and rep["name"] == "__main__", rep
         assert rep["cwd"] == str(zygote.ROOT) and rep["path0"] == str(worker.parent), rep
+        # torch's intra-op threads as OMP_NUM_THREADS says (the launch sets 1), read where OpenMP loaded
+        assert rep["omp"] is not None and rep["threads"] == int(rep["omp"]), rep
         log = (tmp_path / f"rank{r}.log").read_text()
         assert f"printed by rank {r}" in log and "to stderr" in log, log
     # each rank index has its own zygote, so its own hash seed, as two fresh interpreters have
     same_seed = "PYTHONHASHSEED" in os.environ
     assert (reports[0]["hash"] == reports[1]["hash"]) == same_seed, reports
+    # unseeded draws differ between two launches of the same rank, as between two fresh interpreters
+    again = launch(str(worker), [str(tmp_path), "ok"], 2, tmp_path)
+    for before, after in zip(reports, again):
+        assert before["draws"][0] != after["draws"][0] and before["draws"][1] != after["draws"][1], (before, after)
 
 
 def test_with_zygotes_off_each_rank_is_a_fresh_interpreter(worker, tmp_path, monkeypatch):
     monkeypatch.setenv("GRADSYNC_TEST_ZYGOTE", "0")
     reports = launch(str(worker), [str(tmp_path), "ok"], 2, tmp_path)
     assert [rep["preloaded"] for rep in reports] == [False, False]
+    assert all(rep["threads"] == int(rep["omp"]) for rep in reports), reports
     assert {rep["ppid"] for rep in reports} == {os.getpid()}
 
 

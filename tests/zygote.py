@@ -12,7 +12,8 @@ What a child keeps from a fresh interpreter:
   two fresh processes do, and a set iterated in a different order on two ranks still shows;
 - its environment at import time: a zygote serves only requests whose environment, less the per-rank variables
   a launcher sets, is the one it imported under; any other request gets a fresh interpreter;
-- no threads of the zygote but the one that forks (the zygote runs no thread of its own and no parallel kernel).
+- no threads of the zygote but the one that forks (the zygote runs no thread of its own and no parallel kernel);
+- unseeded random draws of its own: torch's and numpy's generators are seeded from the OS after the fork.
 
 The zygote is test infrastructure only: gradsync's own launchers (``gradsync run``, ``gradsync launch``) start
 fresh interpreters, and the tests of those launchers go through them. ``GRADSYNC_TEST_ZYGOTE=0`` turns it off.
@@ -38,9 +39,11 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "
            "gradsync", "gradsync.comm", "gradsync.compress", "gradsync.train", "gradsync.models",
            "gradsync.models.data", "sklearn.datasets", "tests.dist_launch")
 #: The variables a launcher sets per rank (gradsync.launch.torchrun_env), and pytest's name of the running test: the
-#: rest of a request's environment must equal the zygote's.
+#: rest of a request's environment must equal the zygote's. ``OMP_NUM_THREADS`` is not among them: OpenMP reads it
+#: when torch loads it, in the zygote (a child would keep the zygote's thread count), so a zygote imports under the
+#: value its children run with. ``PYTHONUNBUFFERED`` is: a child sets its streams up as it says (:func:`_fresh_stdio`).
 PER_RANK = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "PYTEST_CURRENT_TEST"})
+                      "MASTER_PORT", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"})
 #: Bounds on each wait for a zygote: its imports (a loaded two-core host), and one reply.
 START_TIMEOUT_S, REPLY_TIMEOUT_S = 180.0, 30.0
 #: How often a wait on a forked child asks its zygote.
@@ -190,6 +193,16 @@ def _fresh_stdio(env: dict[str, str]) -> None:
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
 
 
+def _fresh_random_state() -> None:
+    """Seed torch's and numpy's global generators from the OS, as a fresh interpreter's are seeded: each fork would
+    otherwise replay the zygote's streams (Python's ``random`` reseeds itself after a fork)."""
+    import numpy as np
+    import torch
+
+    torch.seed()
+    np.random.seed()
+
+
 def _run_child(request: dict[str, Any]) -> None:
     """In the forked child: become ``python argv...`` and never return."""
     code = 1
@@ -207,6 +220,7 @@ def _run_child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        _fresh_random_state()
         script = request["argv"][0]
         sys.argv = list(request["argv"])
         sys.path[0] = os.path.dirname(os.path.abspath(script))
