@@ -37,15 +37,16 @@ def launch(script: str, args: list[str], world: int, out_dir: Path, timeout_s: f
     procs = []
     logs = []
     envs = [torchrun_env(r, world, "127.0.0.1", port, base) for r in range(world)]
-    zygote.prepare(envs)
-    for r, env in enumerate(envs):
-        log = open(out_dir / f"rank{r}.log", "w+")
-        argv = [str(ROOT / script), *args]
-        proc = zygote.spawn(r, argv, env, ROOT, out_dir / f"rank{r}.log")
-        procs.append(proc or subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-        logs.append(log)
+    argv = [str(ROOT / script), *args]
     deadline = time.monotonic() + timeout_s
-    try:
+    try:  # the ranks started so far end with the launch, whatever stops it (a zygote that fails to fork included)
+        zygote.prepare(envs)
+        for r, env in enumerate(envs):
+            log = open(out_dir / f"rank{r}.log", "w+")
+            logs.append(log)
+            proc = zygote.spawn(r, argv, env, ROOT, out_dir / f"rank{r}.log")
+            procs.append(proc or subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                  cwd=ROOT))
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:

@@ -32,6 +32,8 @@ if ending == "raise" and os.environ["RANK"] == "1":
     raise RuntimeError("the worker's own error")
 if ending == "killed" and os.environ["RANK"] == "1":
     os.kill(os.getpid(), signal.SIGKILL)
+if ending == "sleep":
+    __import__("time").sleep(120)
 '''
 
 
@@ -95,3 +97,24 @@ def test_a_request_under_another_environment_gets_a_zygote_that_imported_under_i
     assert after.shared["GRADSYNC_SOMETHING_READ_AT_IMPORT"] == "1"
     # the per-rank variables and pytest's name of the running test do not count
     assert "RANK" not in after.shared and "PYTEST_CURRENT_TEST" not in after.shared
+
+
+def test_a_launch_that_fails_to_start_a_rank_ends_the_ranks_it_started(worker, tmp_path, monkeypatch):
+    """A zygote that cannot fork rank 1 (it died, or gave no reply) fails the launch, and rank 0, already running,
+    ends with it rather than outliving the test."""
+    started = []
+    spawn = zygote.spawn
+
+    def failing(rank, *args, **kwargs):
+        if rank == 1:
+            raise RuntimeError("a test zygote gave no reply")
+        proc = spawn(rank, *args, **kwargs)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(zygote, "spawn", failing)
+    with pytest.raises(RuntimeError, match="gave no reply"):
+        launch(str(worker), [str(tmp_path), "sleep"], 2, tmp_path, timeout_s=60)
+    assert len(started) == 1
+    if started[0] is not None:  # forked (None: zygotes off, and dist_launch started it with Popen itself)
+        assert started[0].poll() == -9
