@@ -7,23 +7,32 @@ Choices come from the registries, so ``--help`` lists them. Bad input prints one
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from gradsync.commands import bench, compress, demo, launch, models, order, plan, run, simulate, testbed, topo
 from gradsync.commands._sizes import parse_size, parse_sizes
-from gradsync.commands.demo import DEMO_TOPOLOGIES
 from gradsync.errors import GradsyncError
 from gradsync.launch import Terminated
 
-__all__ = ["COMMANDS", "DEMO_TOPOLOGIES", "EXAMPLES", "HelpFormatter", "build_parser", "main", "parse_size", "parse_sizes"]
+__all__ = ["COMMAND_NAMES", "EXAMPLES", "HelpFormatter", "build_parser", "command_module", "main", "parse_size",
+           "parse_sizes"]
 
-#: One module per subcommand, in the order ``gradsync --help`` lists them; each has ``add_parser(subparsers)``,
-#: which adds its subcommand with the handler as ``func``.
-COMMANDS: tuple[ModuleType, ...] = (topo, plan, simulate, bench, testbed, launch, order, run, compress, models, demo)
+#: The subcommands, in the order ``gradsync --help`` lists them: each is the module ``gradsync.commands.<name>``,
+#: whose ``add_parser(subparsers)`` adds it with the handler as ``func``. A command line that names one builds that
+#: one's parser alone (:func:`main`): ``gradsync run`` does not import the planner that ``plan``'s choices list.
+COMMAND_NAMES: tuple[str, ...] = ("topo", "plan", "simulate", "bench", "testbed", "launch", "order", "run",
+                                  "compress", "models", "demo")
+
+
+def command_module(name: str) -> ModuleType:
+    """The module of subcommand ``name`` (one of :data:`COMMAND_NAMES`), imported now if it was not."""
+    if name not in COMMAND_NAMES:
+        raise ValueError(f"unknown gradsync command {name!r}; the commands are {', '.join(COMMAND_NAMES)}")
+    return importlib.import_module(f"gradsync.commands.{name}")
 
 
 #: Two examples per subcommand, shown at the end of its ``--help``.
@@ -68,11 +77,13 @@ def _with_help(parser: argparse.ArgumentParser, examples: tuple[str, ...] = ()) 
                 _with_help(child)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``gradsync`` parser with every subcommand, or with subcommand ``only`` alone (what parsing a command line
+    that names it needs: its ``--help`` and its errors read the same)."""
     p = argparse.ArgumentParser(prog="gradsync", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        _with_help(command.add_parser(sub), EXAMPLES.get(command.__name__.rsplit(".", 1)[-1], ()))
+    for name in COMMAND_NAMES if only is None else (only,):
+        _with_help(command_module(name).add_parser(sub), EXAMPLES.get(name, ()))
     return p
 
 
@@ -90,7 +101,8 @@ def _stdout_closed() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and argv[0] in COMMAND_NAMES else None)
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -253,10 +253,10 @@ def test_every_command_module_is_registered_and_answers_help(capsys):
     import pkgutil
 
     import gradsync.commands
-    from gradsync.cli import COMMANDS, build_parser, main
+    from gradsync.cli import COMMAND_NAMES, build_parser, main
 
     modules = sorted(m.name for m in pkgutil.iter_modules(gradsync.commands.__path__) if not m.name.startswith("_"))
-    registered = [m.__name__.removeprefix("gradsync.commands.") for m in COMMANDS]
+    registered = list(COMMAND_NAMES)
     assert sorted(registered) == modules
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == registered
@@ -278,15 +278,40 @@ def test_help_lists_every_command_and_loads_no_heavy_package():
         assert f"    {name} " in p.stdout, name
 
 
+def test_a_command_line_builds_its_own_subcommand_alone_with_the_same_help_and_imports_no_planner():
+    """``gradsync run`` (or ``launch``) starts jobs: it need not import the planner, networkx or SciPy that ``plan``'s
+    and ``simulate``'s choices come from, and its help is the one the full parser shows."""
+    import argparse
+
+    from gradsync.cli import COMMAND_NAMES, build_parser
+
+    def helps(parser: argparse.ArgumentParser) -> dict[str, str]:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return {name: child.format_help() for name, child in sub.choices.items()}
+
+    full = helps(build_parser())
+    for name in COMMAND_NAMES:
+        assert helps(build_parser(name)) == {name: full[name]}, name
+    code = ("import json, sys\nfrom gradsync.cli import main\nfor argv in (['run', '--help'], ['launch', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
+            "print(json.dumps([m for m in ('gradsync.plan', 'networkx', 'scipy', 'torch') if m in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.splitlines()[-1]) == []
+    assert "usage: gradsync run [-h]" in p.stdout and "usage: gradsync launch [-h]" in p.stdout
+    with pytest.raises(ValueError, match="unknown gradsync command 'nope'; the commands are topo, plan"):
+        build_parser("nope")
+
+
 def test_every_subcommand_help_shows_defaults_and_two_examples_that_parse(capsys, monkeypatch):
     """Each subcommand's help in process (``main([name, "--help"])``: the same parser a command builds, without
     a fresh interpreter per subcommand); one real ``gradsync plan --help`` checks the command path itself."""
     import shlex
 
-    from gradsync.cli import COMMANDS, EXAMPLES, build_parser, main
+    from gradsync.cli import COMMAND_NAMES, EXAMPLES, build_parser, main
 
     monkeypatch.setenv("COLUMNS", "80")  # argparse wraps to the terminal's width; a captured subprocess gets 80
-    names = {c.__name__.rsplit(".", 1)[-1] for c in COMMANDS}
+    names = set(COMMAND_NAMES)
     assert set(EXAMPLES) == names
     helps = {}
     for name in sorted(names):

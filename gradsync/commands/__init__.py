@@ -2,7 +2,8 @@
 
 Each module has ``add_parser(subparsers)``, which adds its subcommand with its handler as ``func`` (the
 handler takes the parsed arguments and returns the exit code), and nothing else of the command line.
-:mod:`gradsync.cli` builds the parser from its list of these modules and runs the handler. What a command
+:mod:`gradsync.cli` builds the parser from its list of their names (importing only the one a command line
+names) and runs the handler. What a command
 does belongs to its package (``testbed``, ``ps.launch``, ``order``, ``sim``); here are only its arguments,
 its printing and the imports that bind packages which may not know each other (``order`` + ``sim``). A
 command's heavy imports (torch, ZeroMQ, matplotlib) happen in its handler, so ``gradsync --help`` stays
