@@ -267,15 +267,23 @@ def test_every_command_module_is_registered_and_answers_help(capsys):
         assert capsys.readouterr().out.startswith(f"usage: gradsync {' '.join(argv)} [-h]"), argv
 
 
-def test_help_lists_every_command_and_loads_no_heavy_package():
-    code = ("import json, sys\nfrom gradsync.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
-            "    assert e.code == 0, e.code\n"
-            "print(json.dumps([m for m in ('torch', 'zmq', 'mpi4py', 'matplotlib') if m in sys.modules]))")
+def _help_in_a_fresh_interpreter(argvs: list[list[str]], modules: tuple[str, ...]) -> tuple[str, list[str]]:
+    """What ``main(argv + ["--help"])`` prints for each of ``argvs`` in one fresh interpreter, and which of ``modules``
+    it had imported by then."""
+    code = ("import json, sys\nfrom gradsync.cli import main\n"
+            f"for argv in {argvs!r}:\n    try:\n        main(argv + ['--help'])\n    except SystemExit as e:\n"
+            "        assert e.code == 0, e.code\n"
+            f"print(json.dumps([m for m in {modules!r} if m in sys.modules]))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout.splitlines()[-1]) == []
+    return p.stdout, json.loads(p.stdout.splitlines()[-1])
+
+
+def test_help_lists_every_command_and_loads_no_heavy_package():
+    out, loaded = _help_in_a_fresh_interpreter([[]], ("torch", "zmq", "mpi4py", "matplotlib"))
+    assert loaded == []
     for name in ("topo", "plan", "simulate", "bench", "testbed", "launch", "order", "run", "compress", "models", "demo"):
-        assert f"    {name} " in p.stdout, name
+        assert f"    {name} " in out, name
 
 
 def test_a_command_line_builds_its_own_subcommand_alone_with_the_same_help_and_imports_no_planner():
@@ -292,13 +300,9 @@ def test_a_command_line_builds_its_own_subcommand_alone_with_the_same_help_and_i
     full = helps(build_parser())
     for name in COMMAND_NAMES:
         assert helps(build_parser(name)) == {name: full[name]}, name
-    code = ("import json, sys\nfrom gradsync.cli import main\nfor argv in (['run', '--help'], ['launch', '--help']):\n"
-            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
-            "print(json.dumps([m for m in ('gradsync.plan', 'networkx', 'scipy', 'torch') if m in sys.modules]))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout.splitlines()[-1]) == []
-    assert "usage: gradsync run [-h]" in p.stdout and "usage: gradsync launch [-h]" in p.stdout
+    out, loaded = _help_in_a_fresh_interpreter([["run"], ["launch"]], ("gradsync.plan", "networkx", "scipy", "torch"))
+    assert loaded == []
+    assert "usage: gradsync run [-h]" in out and "usage: gradsync launch [-h]" in out
     with pytest.raises(ValueError, match="unknown gradsync command 'nope'; the commands are topo, plan"):
         build_parser("nope")
 
