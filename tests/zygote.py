@@ -35,9 +35,8 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parent.parent
 #: What a zygote imports before it serves: torch and its parts every worker would import anyway, the library, and
 #: the dataset loader the training workers use. Only imports: a zygote runs no kernel and starts no thread.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "torch.optim", "numpy",
-           "gradsync", "gradsync.comm", "gradsync.compress", "gradsync.train", "gradsync.models",
-           "gradsync.models.data", "sklearn.datasets", "tests.dist_launch")
+PRELOAD = ("torch", "torch._dynamo", "gradsync", "gradsync.comm", "gradsync.compress", "gradsync.train",
+           "gradsync.models", "gradsync.models.data", "sklearn.datasets", "tests.dist_launch")
 #: The variables a launcher sets per rank (gradsync.launch.torchrun_env), and pytest's name of the running test: the
 #: rest of a request's environment must equal the zygote's. ``OMP_NUM_THREADS`` is not among them: OpenMP reads it
 #: when torch loads it, in the zygote (a child would keep the zygote's thread count), so a zygote imports under the
@@ -89,9 +88,10 @@ class ForkedProcess:
 class Zygote:
     """A preloaded interpreter, talked to over its stdin and stdout, one JSON line a request and a reply."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.shared = _shared(env)
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], env=env, cwd=ROOT, stdin=subprocess.PIPE,
+    def __init__(self, shared: dict[str, str]) -> None:
+        """Start one under ``shared``, the environment less the per-rank variables (:func:`_shared`)."""
+        self.shared = shared
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], env=shared, cwd=ROOT, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         self._ready = False  # read at the first request, so that several zygotes import side by side
 
