@@ -509,6 +509,17 @@ class Memory(ABC):
     ) -> None:
         """Record what ``payload`` failed to carry of ``tensor`` (the compensated tensor)."""
 
+    def owed(self, name: str) -> Tensor | None:
+        """What ``name``'s committed state still owes the aggregate: gradient that earlier steps did not send, which
+        whoever sends ``name`` another way must carry for none of it to be lost (None: nothing is owed)."""
+        return None
+
+    def release(self, name: str) -> None:
+        """Propose forgetting ``name``'s state, its :meth:`owed` part sent another way this step. Decided by the
+        step's verdict as an update is (:meth:`commit` it): a non-finite step keeps the state."""
+        self._committed(name)  # decide the name's last step first: a proposal replaces any pending one
+        self._propose(name, None)
+
     def commit(self, info: TensorInfo, verdict: AnyVerdict) -> None:
         """Attach the step's verdict to ``info.name``'s proposed update (decided at the name's next use)."""
         entry = self._pending.get(info.name)

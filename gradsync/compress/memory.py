@@ -73,6 +73,10 @@ class ResidualMemory(Memory):
         """What ``name`` still owes (None before its first update)."""
         return self._committed(name)
 
+    def owed(self, name: str) -> Tensor | None:
+        """:meth:`residual`: the part of ``name``'s gradients not sent yet."""
+        return self.residual(name)
+
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
         """``e + tensor``, written into the spare buffer a previous step left (no new d-element tensor per step);
         :meth:`update` turns it into the proposed residual in place, and ``e`` stays for a non-finite step."""
@@ -146,6 +150,11 @@ class DGCMemory(Memory):
         """The accumulated ``v`` still owed for ``name`` (None before its first update)."""
         state = self._committed(name)
         return None if state is None else state[1]
+
+    def owed(self, name: str) -> Tensor | None:
+        """:meth:`velocity`: the accumulated ``v`` not sent yet (the momentum ``u`` is the optimizer's part, not a
+        debt)."""
+        return self.velocity(name)
 
     def momentum_buffer(self, name: str) -> Tensor | None:
         """The corrected momentum ``u`` for ``name``, zero where it was last sent (None before its first update)."""

@@ -41,6 +41,12 @@ timing callbacks and step bookkeeping the choosing needs, which on a GPU cost mo
 launch (``gradsync bench gpu``'s hook step times, docs/mergecomp.md), and without the ``"none"`` step's per-tensor
 payloads, finite marks and copies back.
 
+A codec with error feedback (top-k, DGC, EF-signSGD, PowerSGD) keeps what it has not sent yet per tensor name. When
+the group's next launch runs another way (the next trial, "none" after a dropped codec, a turn of the whole-step
+check, the optimizer's DDP buckets), that debt (:meth:`Memory.owed <gradsync.compress.base.Memory.owed>`) is added to
+the launch's gradients and the codec forgets it, committed with the step's verdict as any update is: a codec tried and
+dropped loses none of the gradient its launches held back, and a codec put back starts from nothing stale.
+
 Settled choices are cached (JSON) per model signature, wire model, device, world size, policy and path (the
 optimizer's merged groups or a DDP hook's buckets), so the next
 job with the same ones starts decided; another wire or parameter signature misses the cache.
@@ -103,7 +109,15 @@ from gradsync.compress.auto import (
     whole_steps_lose,
     wide_margin,
 )
-from gradsync.compress.base import CompressionError, StepBoundary, StepVerdict, TensorInfo, Verdicts, all_finite
+from gradsync.compress.base import (
+    CompressionError,
+    Memory,
+    StepBoundary,
+    StepVerdict,
+    TensorInfo,
+    Verdicts,
+    all_finite,
+)
 from gradsync.compress.merge_model import Partition
 from gradsync.train.communicator import CompressionStep, average_in_place, native_cast_sum_async
 
@@ -176,6 +190,8 @@ class _Launch(NamedTuple):
 @dataclass
 class _Group:
     spec: GroupSpec
+    #: its tensors' names, what every codec's error feedback is keyed by
+    names: tuple[str, ...] = ()
     launches: int = 0
     choice: AutoChoice | None = None
     final: bool = False
@@ -313,6 +329,8 @@ class AutoCompression:
         #: the points the codec profile was measured at (None: given by the caller, or not profiled yet)
         self._ladder: tuple[int, ...] | None = None
         self._steps: dict[str, CompressionStep] = {"none": CompressionStep("none", runtime=runtime)}
+        #: the codecs whose error feedback may owe a tensor part of its gradient (:meth:`_repay`)
+        self._lenders: dict[str, CompressionStep] = {}
         #: one training step spans every codec's step: its verdict rolls back all of their states together
         self.boundary = StepBoundary()
         self._groups: dict[str, _Group] = {}
@@ -426,7 +444,37 @@ class AutoCompression:
         step = self._steps.get(codec)
         if step is None:
             step = self._steps[codec] = CompressionStep(CODECS.get(codec).create(), runtime=self.runtime)
+            if type(step.memory).owed is not Memory.owed:
+                self._lenders[codec] = step
         return step
+
+    def _owes(self, names: Iterable[str]) -> bool:
+        """Whether some codec's error feedback owes one of ``names`` a part of its gradient."""
+        return bool(self._lenders) and any(
+            step.memory.owed(name) is not None for step in self._lenders.values() for name in names)
+
+    def _repay(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], way: str, verdict: StepVerdict, *,
+               in_place: bool, scale: float = 1.0) -> list[Tensor]:
+        """``tensors`` plus what the error feedback of codecs other than ``way`` (this launch's) still owes them (times
+        ``scale``, where the caller scaled them already), each such codec forgetting its debt with ``verdict``: the
+        part a codec held back of a group's gradients is sent by whichever way the group's launch runs, none of it lost
+        when auto drops the codec, and none of it stale when auto puts the codec back. ``in_place``: the tensors are
+        the caller's to overwrite (views of the buffer the group is averaged in)."""
+        out = list(tensors)
+        own = "none" if way == PLANNED else way
+        for codec, step in self._lenders.items():
+            if codec == own:
+                continue
+            memory = step.memory
+            for j, info in enumerate(infos):
+                debt = memory.owed(info.name)
+                if debt is None or debt.shape != out[j].shape:
+                    continue  # nothing owed; or another layout of the name (no place to put it)
+                debt = debt.to(out[j].dtype)
+                out[j] = out[j].add_(debt, alpha=scale) if in_place else torch.add(out[j], debt, alpha=scale)
+                memory.release(info.name)
+                memory.commit(info, verdict)
+        return out
 
     def _current_groups(self) -> list[str]:
         return [k for k in self._live if k in self._groups] or list(self._groups)
@@ -485,7 +533,8 @@ class AutoCompression:
             self.end_step()
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype))
+            group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype),
+                                               tuple(i.name for i in infos))
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         # a launch timed while the runtime settles its exchange goes to the trial's rough times instead
         rough = group.unsettled.setdefault(group.trials[-1], []) if sink is not None else None
@@ -495,6 +544,8 @@ class AutoCompression:
         group.launches += 1
         self.current = codec
         verdict = self.boundary.verdict_for([key])
+        if self._lenders:
+            tensors = self._repay(tensors, infos, codec, verdict, in_place=flat is not None or reuse)
         work = None
         if flat is not None and codec == "none":
             # scaled before the sum, as DDP scales its bucket: the same bits as DDP's step on any number of ranks
@@ -700,7 +751,8 @@ class AutoCompression:
         world = self.runtime.world_size
         return 1.0 / world if world > 1 and self.runtime.takes_native(device) else None
 
-    def plain_launch(self, flat: Tensor, info: TensorInfo, *, scaled: bool = False) -> Work:
+    def plain_launch(self, flat: Tensor, info: TensorInfo, *, scaled: bool = False,
+                     parts: Sequence[TensorInfo] = ()) -> Work:
         """``flat`` (one group, named by ``info``) averaged uncompressed, outside every choice: for groups that are
         not the job's, as the optimizer's calibration steps run a partition that is thrown away after them (and
         DDP's buckets, where they measured quicker than the job's: :meth:`check_buckets`). Nothing is recorded,
@@ -708,9 +760,23 @@ class AutoCompression:
         each of those steps several times a plain one). The backend's own allreduce where it can take ``flat``, its
         sum not checked for a NaN or inf (uncompressed, as ``compression=None`` and DDP send it: :meth:`_lean_verdict`);
         else the ``"none"`` step's exchange, whose marks join the step's verdict as every codec's do. ``scaled``:
-        ``flat`` was scaled by :meth:`plain_scale` (not None) as it was copied in."""
-        return self._native(flat, info.name, None, scaled=scaled, deferred=True) or self.base.step_async(
-            [flat], [info], reuse=True, verdict=self.boundary.verdict_for([info.name]))
+        ``flat`` was scaled by :meth:`plain_scale` (not None) as it was copied in. ``parts``: the tensors ``flat``
+        holds, in order (none: ``flat`` is ``info``'s tensor itself), whose codecs' error feedback may still owe them
+        (:meth:`_repay`: the job's groups' codecs, where DDP's buckets took their place)."""
+        verdict = None
+        members = tuple(parts) or (info,)
+        if self._owes(m.name for m in members):
+            verdict = self.boundary.verdict_for([info.name])
+            views = [flat.view(info.shape)] if not parts else [
+                v.view(m.shape) for v, m in zip(flat.split([m.numel for m in members]), members)]
+            self._repay(views, members, "none", verdict, in_place=True,
+                        scale=1.0 / self.runtime.world_size if scaled else 1.0)
+        native = self._native(flat, info.name, None, scaled=scaled, deferred=True)
+        if native is not None:
+            return native
+        if verdict is None:
+            verdict = self.boundary.verdict_for([info.name])
+        return self.base.step_async([flat], [info], reuse=True, verdict=verdict)
 
     def calibration_stands(self, settled: int) -> bool:
         """Whether the optimizer's timed calibration step may stand for DDP's buckets in :meth:`check_buckets`: only
@@ -781,7 +847,8 @@ class AutoCompression:
     def _lean_groups(self) -> frozenset[str] | None:
         """The groups :meth:`settled_launch` may take: all of them once the step check is over and every choice is
         stateless and sums the group's flat buffer as it is ("none", on the backend's allreduce or the runtime's
-        planned exchange, or a memoryless cast on the backend's); else None."""
+        planned exchange, or a memoryless cast on the backend's) and no codec's error feedback still owes them (their
+        launches through :meth:`step_async` send it); else None."""
         if not self.verified or not self.settled or self._turn:
             return None
         keys = self._current_groups()
@@ -793,6 +860,8 @@ class AutoCompression:
                 if wire is None or not (self._casts_natively(group, wire)
                                         or self.runtime.runs_natively(group.spec.numel * wire.itemsize)):
                     return None
+        if self._owes(n for key in keys for n in self._groups[key].names):
+            return None  # a codec's debt goes out with a launch of step_async (a step that repaid it was rolled back)
         return frozenset(keys)
 
     def close_step(self) -> None:

@@ -272,7 +272,7 @@ outside auto's choosing (the optimizer's calibration steps).
             scale = self.step.lean_scale(g.info.name, self._device)
         buf = self._buffer(g, parts, scale)
         if self.plain:
-            self._works.append((g, self.step.plain_launch(buf, g.info, scaled=scale is not None)))
+            self._works.append((g, self.step.plain_launch(buf, g.info, scaled=scale is not None, parts=g.parts)))
             return
         if self._auto and reuse:
             # a settled stateless choice: a plain allreduce

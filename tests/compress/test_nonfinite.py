@@ -96,6 +96,47 @@ def test_dgc_memory_keeps_momentum_and_velocity_from_before_the_bad_step() -> No
         assert m.nonfinite_steps == 1
 
 
+def _step_verdict(finite: bool) -> StepVerdict:
+    step = StepVerdict()
+    step.fill(step.reserve(), Verdicts(torch.tensor([finite])))
+    step.close()
+    return step
+
+
+@pytest.mark.parametrize("memory", ["residual", "dgc", "none"])
+def test_a_debt_released_is_forgotten_by_a_finite_step_and_kept_by_a_bad_one(memory: str) -> None:
+    """What a memory owes (the residual; DGC's velocity) is released by a step that sends it another way: forgotten
+    where that step was finite everywhere, kept as it was where it was not, as an update would be."""
+    c = create("topk", ratio=0.1)
+    info = TensorInfo("w", (100,), torch.float32)
+    owes = {"residual": "residual", "dgc": "velocity"}.get(memory)
+    for finite in (True, False):
+        m = create_memory(memory)
+        assert m.owed("w") is None
+        g = torch.randn(100, generator=torch.Generator().manual_seed(0))
+        x = m.compensate(g, info)
+        payload, ctx = c.compress(x, info)
+        m.update(x, info, c, payload, ctx)
+        m.commit(info, _step_verdict(True))
+        if owes is None:  # nothing is ever owed: nothing to release
+            assert m.owed("w") is None
+            continue
+        debt = m.owed("w")
+        torch.testing.assert_close(debt, getattr(m, owes)("w"), rtol=0, atol=0)
+        assert float(debt.abs().sum()) > 0
+        kept = debt.clone()
+        m.release("w")
+        m.commit(info, _step_verdict(finite))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            after = m.owed("w")
+        if finite:
+            assert after is None
+            assert torch.equal(m.compensate(g, info), g)  # the next step starts from nothing owed
+        else:
+            assert torch.equal(after, kept) and m.nonfinite_steps == 1
+
+
 def test_a_step_without_a_verdict_keeps_its_update() -> None:
     """Callers that run compensate and update alone (no communicator, no commit) keep the old behaviour."""
     memory, c = create_memory("residual"), create("topk", ratio=0.1)

@@ -17,7 +17,7 @@ import torch
 from gradsync.comm.local import LocalFabric
 from gradsync.comm.runtime import Runtime
 from gradsync.compress.auto import TRY_GAIN, AlphaBeta, quicker_by, whole_steps_lose
-from gradsync.compress.base import CompressionError
+from gradsync.compress.base import CompressionError, TensorInfo
 from gradsync.errors import GradsyncError
 from gradsync.train.auto_compression import PLANNED, PROBE_STEPS, AutoCompression, param_signature
 from gradsync.train.optimizer import DistributedOptimizer
@@ -735,6 +735,91 @@ def test_a_codec_far_above_its_prediction_loses_to_a_rival_that_measures_quicker
     assert auto.settled and all(r["codec"] not in ("none", first["codec"]) and r["reason"] == "measured"
                                 for r in rows), (first, rows)
     assert all("none" not in auto._groups[r["group"]].times for r in rows)
+
+
+def _owed(auto: AutoCompression, names: list[str]) -> dict[tuple[str, str], float]:
+    """What each codec's error feedback still owes each name (the largest magnitude), where it owes something."""
+    out = {}
+    for codec, step in auto._steps.items():
+        for name in names:
+            debt = step.memory.owed(name)
+            if debt is not None:
+                out[(codec, name)] = float(debt.abs().max())
+    return out
+
+
+def test_a_codec_dropped_after_its_trial_loses_none_of_the_gradient_it_held_back(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """allow="any" on a slow wire: each group tries a codec with error feedback (top-k keeps 1 element of 128), which
+    measures 10^6x slower than "none" and is dropped. The gradients do not depend on the weights (loss = sum(w * c_t)),
+    so plain SGD at lr 1 on one rank must end at w_0 - sum_t c_t whatever auto did, if every part of every gradient was
+    sent: what a codec held back during its trial goes out with the group's next launch on "none", and no codec owes
+    anything after. (One codec a group, MAX_CODECS = 1: DGC's momentum, which a rival could be, sends more than the
+    gradients by design.)"""
+    from gradsync.train import auto_compression
+
+    monkeypatch.setattr(auto_compression, "MAX_CODECS", 1)
+    clock = FakeClock({"none": 1e-6, "other": 1.0})
+    auto = AutoCompression("any", runtime=rt, wire=_slow_any_world, codec_cost=lambda codec, numel: 0.0, clock=clock,
+                           cache=False)
+    clock.auto = auto
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16)),
+               torch.nn.Parameter(torch.randn(2, 16))]
+    start = [w.detach().clone() for w in weights]
+    names = [f"w{i}" for i in range(len(weights))]
+    opt = DistributedOptimizer(torch.optim.SGD(weights, lr=1.0), list(zip(names, weights)), runtime=rt,
+                               compression=auto, merge=2)
+    sent = [torch.zeros_like(w) for w in weights]
+    for step in range(3 * PROBE_STEPS + 4):
+        gen = torch.Generator().manual_seed(step)
+        cs = [torch.randn(w.shape, generator=gen) for w in weights]
+        sum((w * c).sum() for w, c in zip(weights, cs)).backward()
+        opt.step()
+        opt.zero_grad()
+        for total, c in zip(sent, cs):
+            total += c
+    trials = auto.trials
+    assert auto.settled and {c.codec for c in auto.choices.values()} == {"none"}, auto.table()
+    lenders = {"topk-1%", "dgc-0.1%", "efsignsgd", "powersgd-r1", "powersgd-r4"}
+    assert all(t[0] in lenders and t[-1] == "none" for t in trials.values()), trials  # a codec with a debt, dropped
+    assert _owed(auto, names) == {}
+    for w, w0, total in zip(weights, start, sent):
+        torch.testing.assert_close(w0 - w.detach(), total, rtol=0, atol=1e-4)
+
+    # A debt still held (the step that repaid it rolled back) keeps the groups off the lean path, which would never
+    # send it: their next launch goes through step_async, which does.
+    assert auto._lean_groups() is not None
+    key, group = next(iter(auto._groups.items()))
+    memory = auto._steps[trials[key][0]].memory
+    memory._propose(group.names[0], torch.ones(group.spec.shapes[0]))
+    memory.commit(TensorInfo(group.names[0], group.spec.shapes[0], torch.float32), True)
+    assert auto._lean_groups() is None
+    for _ in range(2):  # one lean step more (the groups went lean before the debt came), then step_async's
+        sum((w * w).sum() for w in weights).backward()
+        opt.step()
+        opt.zero_grad()
+    assert _owed(auto, names) == {} and auto._lean is not None
+    opt.remove_hooks()
+
+
+def test_a_plain_launch_sends_what_the_codecs_still_owe_its_members(rt: Runtime) -> None:
+    """The optimizer's DDP buckets (plain launches) take the job's groups' place: what a codec's error feedback still
+    owes a member is added to the bucket's sum, and the codec forgets it."""
+    auto = AutoCompression("any", runtime=rt, wire=SLOW, codec_cost=lambda codec, numel: 0.0, cache=False)
+    a, b = TensorInfo("a", (3, 4), torch.float32), TensorInfo("b", (5,), torch.float32)
+    topk = auto._step("topk-1%")
+    grads = [torch.arange(12.0).view(3, 4), torch.arange(5.0) - 2]
+    topk.step_async([g.clone() for g in grads], [a, b], verdict=auto.boundary.verdict_for(["a", "b"])).wait()
+    auto.boundary.close()
+    debts = [topk.memory.owed("a").clone(), topk.memory.owed("b").clone()]
+    assert all(float(d.abs().sum()) > 0 for d in debts)
+    flat = torch.cat([torch.ones(12), torch.full((5,), 2.0)])
+    bucket = TensorInfo("bucket0", (17,), torch.float32)
+    (out,) = auto.plain_launch(flat, bucket, parts=(a, b)).wait()
+    torch.testing.assert_close(out, torch.cat([1 + debts[0].reshape(-1), 2 + debts[1]]), rtol=0, atol=0)
+    auto.boundary.close()
+    assert _owed(auto, ["a", "b"]) == {}
 
 
 def test_the_optimizers_merged_groups_reach_auto_with_their_members_shapes_and_one_buffer(rt: Runtime) -> None:
