@@ -86,6 +86,11 @@ FAIRNESS = ("size", "flow")
 #: A link direction with tokens moves this many times its rate (``simulate(burst_s=...)``).
 BURST_PEAK = 100.0
 
+#: Up to this many active flows without caps, the rates are filled in plain Python (:meth:`_Engine._few_rates`):
+#: numpy's cost per call is most of a fill round over a handful of flows. Above it, vectorised. Both run the same
+#: floating-point operations in the same order, so the choice changes no bit of a result.
+FEW_ACTIVE = 48
+
 #: Tests set this to assert the model's invariants after every event (link capacity, x_t <= min_d x_d).
 _DEBUG = False
 _PROGRESS_EVERY_S = 2.0  # seconds between progress lines
@@ -309,6 +314,8 @@ class _Engine:
         self.max_active = 0
         self.changed = True
         self.any_latency = bool(np.any(fs.latency_s > 0))
+        self._rows: dict[int, tuple[tuple[int, float], ...]] = {}  # a flow's incidence row, for _few_rates
+        self.active_rows: Any = None
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     def _dedupe(self, ids: np.ndarray) -> np.ndarray:
@@ -471,6 +478,7 @@ class _Engine:
             self.R = sp.csr_matrix((self.R_val, self.R_idx, self.R_ptr), shape=(w, self.n_dirs))
             self.RT = self.R.T
         self.w = np.where(self.act, self.weight[lo:hi], 0.0)
+        self.active_rows = None  # the active flows' rows alone, made when rates without caps need them
         self.tol = self.tol_all[lo:hi]
         self.size_w = fs.size[lo:hi]
         self.has_caps = False
@@ -534,6 +542,20 @@ class _Engine:
         _csr_matvec(out.shape[0], self.n_dirs, self.R_ptr, self.R_idx, self.R_val, v, out)
         return out
 
+    def _active_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The active flows' window positions, their rows of the incidence (CSR) and their weights: a window spans
+        every flow from the oldest undrained one to the newest started one, most of them waiting or drained (with
+        FIFO connections, a thousand flows around a handful active), and the rates need the active ones only."""
+        if self.active_rows is None:
+            at = np.flatnonzero(self.act)
+            first = self.R_ptr[at]
+            count = self.R_ptr[at + 1] - first
+            ptr = np.zeros(at.size + 1, np.int64)
+            np.cumsum(count, out=ptr[1:])
+            rows = _ranges(first, count)
+            self.active_rows = (at, ptr, self.R_idx[rows], self.R_val[rows], self.w[at])
+        return self.active_rows
+
     def _rates(self, xw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Weighted max-min fair rates with the streaming caps (progressive filling), and link usage.
 
@@ -584,6 +606,113 @@ class _Engine:
             free &= ~newly
             left -= k
         return rate, used
+
+    def _uncapped_rates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_rates` where no flow is capped by a dependency, on the active flows' rows alone: their window
+        positions, their rates and the link usage. The same operations in the same order as on the whole window
+        (its other rows only add zeros), so the same bits."""
+        if self.nact <= FEW_ACTIVE:
+            return self._few_rates()
+        at, ptr, idx, val, w = self._active_rows()
+        cap_e = self.link_cap
+        n_dirs = self.n_dirs
+
+        def to_dirs(v: np.ndarray) -> np.ndarray:
+            out = np.zeros(n_dirs)
+            if _csc_matvec is None:  # pragma: no cover
+                return sp.csr_matrix((val, idx, ptr), shape=(at.size, n_dirs)).T @ v
+            _csc_matvec(n_dirs, at.size, ptr, idx, val, v, out)
+            return out
+
+        def to_flows(v: np.ndarray) -> np.ndarray:
+            out = np.zeros(at.size)
+            if _csr_matvec is None:  # pragma: no cover
+                return sp.csr_matrix((val, idx, ptr), shape=(at.size, n_dirs)) @ v
+            _csr_matvec(at.size, n_dirs, ptr, idx, val, v, out)
+            return out
+
+        rate = np.zeros(at.size)
+        free = np.ones(at.size, bool)
+        used = np.zeros(cap_e.shape[0])
+        level = 0.0
+        left = at.size
+        while left:
+            self.fill_rounds += 1
+            weight_e = to_dirs(np.where(free, w, 0.0))
+            on = weight_e > 0
+            lam_e = np.full(cap_e.shape[0], np.inf)
+            lam_e[on] = (cap_e[on] - used[on]) / weight_e[on]
+            level = max(level, float(lam_e.min()))
+            sat = on & (lam_e <= level * (1 + 1e-12))
+            newly = free & (to_flows(sat.astype(float)) > 0)
+            k = int(np.count_nonzero(newly))
+            if k == 0:  # pragma: no cover - a saturated link always has an unfrozen flow
+                raise SimulationError(f"simulation of {self.label}: progressive filling made no progress")
+            rate[newly] = level * w[newly]
+            used += to_dirs(np.where(newly, rate, 0.0))
+            free &= ~newly
+            left -= k
+        return at, rate, used
+
+    def _row(self, flow: int) -> tuple[tuple[int, float], ...]:
+        """Flow ``flow``'s row of the incidence as (link direction, share) pairs, in the row's order (made once)."""
+        got = self._rows.get(flow)
+        if got is None:
+            a, b = int(self.inc_ptr[flow]), int(self.inc_ptr[flow + 1])
+            got = self._rows[flow] = tuple(zip(self.inc_idx[a:b].tolist(), self.inc_val[a:b].tolist()))
+        return got
+
+    def _few_rates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_uncapped_rates` for a few active flows, in plain Python floats (IEEE doubles, as numpy's): each
+        sum over a link direction adds the same products in the same order as SciPy's kernels do over the rows
+        (a row that is not summed would add 0.0, which changes no sum), so the results are the same bits."""
+        if self.active_rows is None:
+            at = np.flatnonzero(self.act)
+            flows = (self.lo + at).tolist()
+            self.active_rows = (at, [self._row(f) for f in flows], self.weight[self.lo + at].tolist())
+        at, rows, w = self.active_rows
+        cap = self.link_cap.tolist()
+        n_dirs = len(cap)
+        n = len(rows)
+        rate = [0.0] * n
+        free = [True] * n
+        used = [0.0] * n_dirs
+        level = 0.0
+        left = n
+        inf = math.inf
+        while left:
+            self.fill_rounds += 1
+            weight_e = [0.0] * n_dirs
+            for i in range(n):
+                if free[i]:
+                    wi = w[i]
+                    for d, v in rows[i]:
+                        weight_e[d] += v * wi
+            lam = [(cap[d] - used[d]) / weight_e[d] if weight_e[d] > 0 else inf for d in range(n_dirs)]
+            level = max(level, min(lam))
+            bar = level * (1 + 1e-12)
+            sat = [weight_e[d] > 0 and lam[d] <= bar for d in range(n_dirs)]
+            newly = []
+            for i in range(n):
+                if free[i]:
+                    hit = 0.0
+                    for d, v in rows[i]:
+                        if sat[d]:
+                            hit += v
+                    if hit > 0:
+                        newly.append(i)
+            if not newly:  # pragma: no cover - a saturated link always has an unfrozen flow
+                raise SimulationError(f"simulation of {self.label}: progressive filling made no progress")
+            add = [0.0] * n_dirs
+            for i in newly:
+                r = rate[i] = level * w[i]
+                free[i] = False
+                for d, v in rows[i]:
+                    add[d] += v * r
+            for d in range(n_dirs):
+                used[d] += add[d]
+            left -= len(newly)
+        return at, np.array(rate), np.array(used)
 
     def _catch_up_dt(self, xw: np.ndarray, rate: np.ndarray) -> float:
         """Time until a capped flow reaches its group's envelope ``min_d x_d(τ)``, or the envelope bends."""
@@ -651,10 +780,18 @@ class _Engine:
             if max_events is not None and self.events > max_events:
                 raise SimulationError(f"simulation of {self.label} passed max_events={max_events} at t={self.now:.6g} s")
             xw = self.x[self.lo:self.hi]  # a view: advancing it advances the flows
-            rate, used = self._rates(xw)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                t_drain = np.where(rate > 0, (self.size_w - xw) / rate, np.inf)
-            dt = min(float(t_drain.min()), self._catch_up_dt(xw, rate), self._empty_dt(used))
+            if self.has_caps:
+                at = None
+                rate, used = self._rates(xw)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    t_drain = np.where(rate > 0, (self.size_w - xw) / rate, np.inf)
+                dt = min(float(t_drain.min()), self._catch_up_dt(xw, rate), self._empty_dt(used))
+            else:  # the active flows alone (the window's others have no rate: they neither move nor drain)
+                at, rate, used = self._uncapped_rates()
+                xa, size_a = xw[at], self.size_w[at]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    t_drain = np.where(rate > 0, (size_a - xa) / rate, np.inf)
+                dt = min(float(t_drain.min()), self._empty_dt(used))
             if self.pending.size:
                 dt = min(dt, float(self.ready_at[self.pending].min()) - self.now)
             if not math.isfinite(dt):
@@ -662,15 +799,22 @@ class _Engine:
                     f"simulation of {self.label} is stuck at t={self.now:.6g} s: {self.nact} active flows have no rate"
                 )
             dt = max(dt, 0.0)
-            xw += rate * dt
+            if at is None:
+                xw += rate * dt
+            else:
+                xa += rate * dt
+                xw[at] = xa
             self.busy += used * dt
             self.now += dt
             if _DEBUG:
                 self._check(xw, used)
             self._spend(used, dt)
-            done = self.act & ((t_drain <= dt * (1 + _REL)) | (self.size_w - xw <= self.tol))
-            if done.any():
-                self._drain(self.lo + np.flatnonzero(done))
+            if at is None:
+                done = self.lo + np.flatnonzero(self.act & ((t_drain <= dt * (1 + _REL)) | (self.size_w - xw <= self.tol)))
+            else:
+                done = self.lo + at[(t_drain <= dt * (1 + _REL)) | (size_a - xa <= self.tol[at])]
+            if done.size:
+                self._drain(done)
             if self.progress is not None and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
                 last_report = time.monotonic()
                 print(

@@ -111,6 +111,44 @@ def test_any_schedule_respects_links_dependencies_and_conservation(seed, debug_i
                 assert r.time_s == pytest.approx(r.finish_s.max())
 
 
+def _window_rates(self):
+    """The rates as the engine computed them before it kept to the active flows: progressive filling over every
+    flow of the window (:meth:`_Engine._rates`, which still serves the capped case), read at the active ones."""
+    rate, used = engine._Engine._rates(self, self.x[self.lo:self.hi])
+    at = np.flatnonzero(self.act)
+    return at, rate[at], used
+
+
+@pytest.mark.parametrize("spec, algorithm, pipeline", [("racks:2,3,4", "forest", 8), ("racks:2,3,4", "hierarchical", 4),
+                                                       ("switch:5", "ring", 2), ("random", "lp", 3)])
+def test_uncapped_rates_are_the_same_bits_over_the_window_the_active_flows_and_in_python(
+        monkeypatch, spec, algorithm, pipeline):
+    """Without dependency caps (store-and-forward, what the runtime's cost model prices) the rates are filled over
+    the active flows alone, and for a few of them in plain Python (FEW_ACTIVE): every way gives the same bits as
+    filling over the whole window, the FIFO connections, receiver costs, token buckets and reverse share included."""
+    topo = random_topology(6, 3, 1) if spec == "random" else get_topology(spec)
+    schedule = synthesize(algorithm, topo, PlanOptions(pipeline=pipeline))
+    runs = {}
+    for way in ("window", "vectorised", "python"):
+        with monkeypatch.context() as m:
+            m.setattr(engine, "FEW_ACTIVE", 0 if way == "vectorised" else 10**9)
+            if way == "window":
+                m.setattr(engine._Engine, "_uncapped_rates", _window_rates)
+            calls = []
+            real = engine._Engine._few_rates
+            m.setattr(engine._Engine, "_few_rates", lambda self, calls=calls, real=real: calls.append(1) or real(self))
+            for size in (3e5, 2e7):
+                for kw in ({"fifo": True, "message_s": 1e-3, "burst_s": 4e-3, "reverse_share": 0.05}, {}):
+                    r = simulate(schedule, topo, size, streaming=False, **kw)
+                    runs.setdefault(way, []).append((r.time_s, r.start_s, r.sent_s, r.finish_s, r.events, r.fill_rounds))
+        assert bool(calls) == (way == "python"), way  # each way ran as named
+    for way in ("vectorised", "python"):
+        for got, want in zip(runs[way], runs["window"]):
+            assert got[0] == want[0] and got[4:] == want[4:], (way, got[0], want[0])
+            for a, b in zip(got[1:4], want[1:4]):
+                np.testing.assert_array_equal(a, b)
+
+
 def test_dependencies_match_the_schedule():
     for spec, algorithm in [("p3.16xlarge", "lp"), ("switch:5", "ps"), ("ring:5", "ring")]:
         schedule = synthesize(algorithm, get_topology(spec), PlanOptions(pipeline=2))
