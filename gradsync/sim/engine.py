@@ -90,6 +90,8 @@ BURST_PEAK = 100.0
 #: numpy's cost per call is most of a fill round over a handful of flows. Above it, vectorised. Both run the same
 #: floating-point operations in the same order, so the choice changes no bit of a result.
 FEW_ACTIVE = 48
+#: ...over every link direction up to this many, beyond it over those the active flows' routes touch.
+FEW_DIRECTIONS = 256
 
 #: Tests set this to assert the model's invariants after every event (link capacity, x_t <= min_d x_d).
 _DEBUG = False
@@ -663,35 +665,46 @@ class _Engine:
         return got
 
     def _few_rates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`_uncapped_rates` for a few active flows, in plain Python floats (IEEE doubles, as numpy's): each
-        sum over a link direction adds the same products in the same order as SciPy's kernels do over the rows
-        (a row that is not summed would add 0.0, which changes no sum), so the results are the same bits."""
+        """:meth:`_uncapped_rates` for a few active flows, in plain Python floats (IEEE doubles, as numpy's): each sum
+        over a link direction adds the same products in the same order as SciPy's kernels do over the rows (a row
+        that is not summed would add 0.0, which changes no sum), so the results are the same bits. On a fabric of more
+        than :data:`FEW_DIRECTIONS` link directions, over those the active routes touch alone (numbered in the order
+        first met; the others carry no weight and stay unused): a pass over every direction would cost more than
+        the flows."""
         if self.active_rows is None:
             at = np.flatnonzero(self.act)
-            flows = (self.lo + at).tolist()
-            self.active_rows = (at, [self._row(f) for f in flows], self.weight[self.lo + at].tolist())
-        at, rows, w = self.active_rows
-        cap = self.link_cap.tolist()
-        n_dirs = len(cap)
+            rows = [self._row(f) for f in (self.lo + at).tolist()]
+            touched = None
+            if self.n_dirs > FEW_DIRECTIONS:
+                local: dict[int, int] = {}
+                for row in rows:
+                    for d, _ in row:
+                        local.setdefault(d, len(local))
+                rows = [tuple((local[d], v) for d, v in row) for row in rows]
+                touched = list(local)
+            self.active_rows = (at, rows, self.weight[self.lo + at].tolist(), touched)
+        at, rows, w, touched = self.active_rows
+        cap = (self.link_cap if touched is None else self.link_cap[touched]).tolist()
+        m = len(cap)
         n = len(rows)
         rate = [0.0] * n
         free = [True] * n
-        used = [0.0] * n_dirs
+        used = [0.0] * m
         level = 0.0
         left = n
         inf = math.inf
         while left:
             self.fill_rounds += 1
-            weight_e = [0.0] * n_dirs
+            weight_e = [0.0] * m
             for i in range(n):
                 if free[i]:
                     wi = w[i]
                     for d, v in rows[i]:
                         weight_e[d] += v * wi
-            lam = [(cap[d] - used[d]) / weight_e[d] if weight_e[d] > 0 else inf for d in range(n_dirs)]
+            lam = [(cap[d] - used[d]) / weight_e[d] if weight_e[d] > 0 else inf for d in range(m)]
             level = max(level, min(lam))
             bar = level * (1 + 1e-12)
-            sat = [weight_e[d] > 0 and lam[d] <= bar for d in range(n_dirs)]
+            sat = [weight_e[d] > 0 and lam[d] <= bar for d in range(m)]
             newly = []
             for i in range(n):
                 if free[i]:
@@ -703,16 +716,20 @@ class _Engine:
                         newly.append(i)
             if not newly:  # pragma: no cover - a saturated link always has an unfrozen flow
                 raise SimulationError(f"simulation of {self.label}: progressive filling made no progress")
-            add = [0.0] * n_dirs
+            add = [0.0] * m
             for i in newly:
                 r = rate[i] = level * w[i]
                 free[i] = False
                 for d, v in rows[i]:
                     add[d] += v * r
-            for d in range(n_dirs):
+            for d in range(m):
                 used[d] += add[d]
             left -= len(newly)
-        return at, np.array(rate), np.array(used)
+        if touched is None:
+            return at, np.array(rate), np.array(used)
+        out = np.zeros(self.n_dirs)
+        out[touched] = used
+        return at, np.array(rate), out
 
     def _catch_up_dt(self, xw: np.ndarray, rate: np.ndarray) -> float:
         """Time until a capped flow reaches its group's envelope ``min_d x_d(τ)``, or the envelope bends."""
