@@ -329,8 +329,11 @@ class AutoCompression:
         #: the points the codec profile was measured at (None: given by the caller, or not profiled yet)
         self._ladder: tuple[int, ...] | None = None
         self._steps: dict[str, CompressionStep] = {"none": CompressionStep("none", runtime=runtime)}
-        #: the codecs whose error feedback may owe a tensor part of its gradient (:meth:`_repay`)
+        #: the codecs with error feedback, which may owe a tensor part of its gradient (:meth:`_repay`)
         self._lenders: dict[str, CompressionStep] = {}
+        #: tensor name -> the codecs with error feedback that sent it and may still owe it (confirmed lazily:
+        #: :meth:`_owed_by`), so a launch looks up its own names, not every codec's state
+        self._owing: dict[str, set[str]] = {}
         #: one training step spans every codec's step: its verdict rolls back all of their states together
         self.boundary = StepBoundary()
         self._groups: dict[str, _Group] = {}
@@ -448,10 +451,27 @@ class AutoCompression:
                 self._lenders[codec] = step
         return step
 
+    def _owed_by(self, name: str, besides: str | None = None) -> list[str]:
+        """The codecs other than ``besides`` whose error feedback owes ``name`` a part of its gradient; a codec found
+        owing nothing (its debt repaid, the step finite) is forgotten."""
+        codecs = self._owing.get(name)
+        if not codecs:
+            return []
+        owing = []
+        for codec in sorted(codecs):
+            if codec == besides:
+                continue
+            if self._lenders[codec].memory.owed(name) is None:
+                codecs.discard(codec)
+            else:
+                owing.append(codec)
+        if not codecs:
+            del self._owing[name]
+        return owing
+
     def _owes(self, names: Iterable[str]) -> bool:
         """Whether some codec's error feedback owes one of ``names`` a part of its gradient."""
-        return bool(self._lenders) and any(
-            step.memory.owed(name) is not None for step in self._lenders.values() for name in names)
+        return bool(self._owing) and any(self._owed_by(name) for name in names)
 
     def _repay(self, tensors: Sequence[Tensor], infos: Sequence[TensorInfo], way: str, verdict: StepVerdict, *,
                in_place: bool, scale: float = 1.0) -> list[Tensor]:
@@ -462,14 +482,12 @@ class AutoCompression:
         the caller's to overwrite (views of the buffer the group is averaged in)."""
         out = list(tensors)
         own = "none" if way == PLANNED else way
-        for codec, step in self._lenders.items():
-            if codec == own:
-                continue
-            memory = step.memory
-            for j, info in enumerate(infos):
+        for j, info in enumerate(infos):
+            for codec in self._owed_by(info.name, besides=own):
+                memory = self._lenders[codec].memory
                 debt = memory.owed(info.name)
                 if debt is None or debt.shape != out[j].shape:
-                    continue  # nothing owed; or another layout of the name (no place to put it)
+                    continue  # another layout of the name (no place to put it)
                 debt = debt.to(out[j].dtype)
                 out[j] = out[j].add_(debt, alpha=scale) if in_place else torch.add(out[j], debt, alpha=scale)
                 memory.release(info.name)
@@ -544,7 +562,7 @@ class AutoCompression:
         group.launches += 1
         self.current = codec
         verdict = self.boundary.verdict_for([key])
-        if self._lenders:
+        if self._owing:
             tensors = self._repay(tensors, infos, codec, verdict, in_place=flat is not None or reuse)
         work = None
         if flat is not None and codec == "none":
@@ -566,6 +584,9 @@ class AutoCompression:
         if work is None:
             step = self._step("none" if codec == PLANNED else codec)
             work = step.step_async(tensors, infos, reuse=reuse, verdict=verdict)
+            if codec in self._lenders:  # what it did not send, it owes: the next launch of another way repays it
+                for info in infos:
+                    self._owing.setdefault(info.name, set()).add(codec)
         t1 = self.clock()
         event = threading.Event()
 

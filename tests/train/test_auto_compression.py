@@ -787,19 +787,60 @@ def test_a_codec_dropped_after_its_trial_loses_none_of_the_gradient_it_held_back
     for w, w0, total in zip(weights, start, sent):
         torch.testing.assert_close(w0 - w.detach(), total, rtol=0, atol=1e-4)
 
-    # A debt still held (the step that repaid it rolled back) keeps the groups off the lean path, which would never
-    # send it: their next launch goes through step_async, which does.
-    assert auto._lean_groups() is not None
+    opt.remove_hooks()
+
+
+@pytest.mark.filterwarnings("ignore:gradsync. a gradient:RuntimeWarning")
+def test_a_debt_repaid_on_a_step_that_is_skipped_stays_owed_and_goes_out_with_the_next(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the first step after the codec trials (the first on "none", which repays the codecs' debts)
+    has a NaN in one gradient: the optimizer skips it and every codec keeps its debt, so no group launches lean
+    (which would never send it); the next step repays it, and SGD ends at w_0 - sum of the finite steps' c_t."""
+    from gradsync.train import auto_compression
+
+    monkeypatch.setattr(auto_compression, "MAX_CODECS", 1)
+    clock = FakeClock({"none": 1e-6, "other": 1.0})
+    auto = AutoCompression("any", runtime=rt, wire=_slow_any_world, codec_cost=lambda codec, numel: 0.0, clock=clock,
+                           cache=False)
+    clock.auto = auto
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(2, 16))]
+    start = [w.detach().clone() for w in weights]
+    names = ["w0", "w1"]
+    opt = DistributedOptimizer(torch.optim.SGD(weights, lr=1.0), list(zip(names, weights)), runtime=rt,
+                               compression=auto, merge=1)
+    sent = [torch.zeros_like(w) for w in weights]
+    bad = None
+    for step in range(3 * PROBE_STEPS + 4):
+        gen = torch.Generator().manual_seed(step)
+        cs = [torch.randn(w.shape, generator=gen) for w in weights]
+        trials = {k: list(v) for k, v in auto.trials.items()}
+        if bad is None and trials and all(t[-1] != "none" and auto._groups[k].trial_over(PROBE_STEPS)
+                                          for k, t in trials.items()):
+            bad = step  # every group's codec trial is over: this step's launches are the first on "none"
+            cs[0][0, 0] = float("nan")
+        sum((w * c).sum() for w, c in zip(weights, cs)).backward()
+        skipped = opt.step() is None
+        opt.zero_grad()
+        if step == bad:
+            assert skipped and opt.nonfinite_steps == 1
+            assert _owed(auto, names) and auto._lean is None  # the debts stayed, so no group went lean
+            assert all(auto.trials[k][-1] == "none" for k in trials), auto.trials
+            continue
+        for total, c in zip(sent, cs):
+            total += c
+    assert bad is not None and auto.settled and {c.codec for c in auto.choices.values()} == {"none"}, auto.table()
+    assert _owed(auto, names) == {} and auto._lean is not None
+    for w, w0, total in zip(weights, start, sent):
+        torch.testing.assert_close(w0 - w.detach(), total, rtol=0, atol=1e-4)
+    # a debt still owed once the groups settled keeps them off the lean path too
     key, group = next(iter(auto._groups.items()))
-    memory = auto._steps[trials[key][0]].memory
+    codec = auto.trials[key][0]
+    memory = auto._lenders[codec].memory
     memory._propose(group.names[0], torch.ones(group.spec.shapes[0]))
     memory.commit(TensorInfo(group.names[0], group.spec.shapes[0], torch.float32), True)
+    auto._owing.setdefault(group.names[0], set()).add(codec)
     assert auto._lean_groups() is None
-    for _ in range(2):  # one lean step more (the groups went lean before the debt came), then step_async's
-        sum((w * w).sum() for w in weights).backward()
-        opt.step()
-        opt.zero_grad()
-    assert _owed(auto, names) == {} and auto._lean is not None
     opt.remove_hooks()
 
 
@@ -812,6 +853,8 @@ def test_a_plain_launch_sends_what_the_codecs_still_owe_its_members(rt: Runtime)
     grads = [torch.arange(12.0).view(3, 4), torch.arange(5.0) - 2]
     topk.step_async([g.clone() for g in grads], [a, b], verdict=auto.boundary.verdict_for(["a", "b"])).wait()
     auto.boundary.close()
+    for name in ("a", "b"):  # what step_async records of a codec's launch
+        auto._owing.setdefault(name, set()).add("topk-1%")
     debts = [topk.memory.owed("a").clone(), topk.memory.owed("b").clone()]
     assert all(float(d.abs().sum()) > 0 for d in debts)
     flat = torch.cat([torch.ones(12), torch.full((5,), 2.0)])
