@@ -317,7 +317,9 @@ class _Engine:
         self.changed = True
         self.any_latency = bool(np.any(fs.latency_s > 0))
         self._rows: dict[int, tuple[tuple[int, float], ...]] = {}  # a flow's incidence row, for _few_rates
-        self.active_rows: Any = None
+        # the active flows' rows, made once per window for the vectorised filling and for the plain-Python one
+        self._compact: tuple[np.ndarray, ...] | None = None
+        self._few: tuple[np.ndarray, list[Any], list[float], list[int] | None] | None = None
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     def _dedupe(self, ids: np.ndarray) -> np.ndarray:
@@ -480,7 +482,7 @@ class _Engine:
             self.R = sp.csr_matrix((self.R_val, self.R_idx, self.R_ptr), shape=(w, self.n_dirs))
             self.RT = self.R.T
         self.w = np.where(self.act, self.weight[lo:hi], 0.0)
-        self.active_rows = None  # the active flows' rows alone, made when rates without caps need them
+        self._compact = self._few = None  # the active flows' rows alone, made when rates without caps need them
         self.tol = self.tol_all[lo:hi]
         self.size_w = fs.size[lo:hi]
         self.has_caps = False
@@ -544,19 +546,19 @@ class _Engine:
         _csr_matvec(out.shape[0], self.n_dirs, self.R_ptr, self.R_idx, self.R_val, v, out)
         return out
 
-    def _active_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _active_rows(self) -> tuple[np.ndarray, ...]:
         """The active flows' window positions, their rows of the incidence (CSR) and their weights: a window spans
         every flow from the oldest undrained one to the newest started one, most of them waiting or drained (with
         FIFO connections, a thousand flows around a handful active), and the rates need the active ones only."""
-        if self.active_rows is None:
+        if self._compact is None:
             at = np.flatnonzero(self.act)
             first = self.R_ptr[at]
             count = self.R_ptr[at + 1] - first
             ptr = np.zeros(at.size + 1, np.int64)
             np.cumsum(count, out=ptr[1:])
             rows = _ranges(first, count)
-            self.active_rows = (at, ptr, self.R_idx[rows], self.R_val[rows], self.w[at])
-        return self.active_rows
+            self._compact = (at, ptr, self.R_idx[rows], self.R_val[rows], self.w[at])
+        return self._compact
 
     def _rates(self, xw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Weighted max-min fair rates with the streaming caps (progressive filling), and link usage.
@@ -671,7 +673,7 @@ class _Engine:
         than :data:`FEW_DIRECTIONS` link directions, over those the active routes touch alone (numbered in the order
         first met; the others carry no weight and stay unused): a pass over every direction would cost more than
         the flows."""
-        if self.active_rows is None:
+        if self._few is None:
             at = np.flatnonzero(self.act)
             rows = [self._row(f) for f in (self.lo + at).tolist()]
             touched = None
@@ -682,8 +684,8 @@ class _Engine:
                         local.setdefault(d, len(local))
                 rows = [tuple((local[d], v) for d, v in row) for row in rows]
                 touched = list(local)
-            self.active_rows = (at, rows, self.weight[self.lo + at].tolist(), touched)
-        at, rows, w, touched = self.active_rows
+            self._few = (at, rows, self.weight[self.lo + at].tolist(), touched)
+        at, rows, w, touched = self._few
         cap = (self.link_cap if touched is None else self.link_cap[touched]).tolist()
         m = len(cap)
         n = len(rows)

@@ -486,9 +486,12 @@ class AutoCompression:
             for codec in self._owed_by(info.name, besides=own):
                 memory = self._lenders[codec].memory
                 debt = memory.owed(info.name)
-                if debt is None or debt.shape != out[j].shape:
-                    continue  # another layout of the name (no place to put it)
-                debt = debt.to(out[j].dtype)
+                if debt is None:
+                    continue
+                if debt.numel() != out[j].numel():  # another layout under the name: no place to put it, so the
+                    self._owing[info.name].discard(codec)  # codec keeps it for its own next launch of the name
+                    continue
+                debt = debt.reshape(out[j].shape).to(out[j].dtype)
                 out[j] = out[j].add_(debt, alpha=scale) if in_place else torch.add(out[j], debt, alpha=scale)
                 memory.release(info.name)
                 memory.commit(info, verdict)
