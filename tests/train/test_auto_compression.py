@@ -844,6 +844,69 @@ def test_a_debt_repaid_on_a_step_that_is_skipped_stays_owed_and_goes_out_with_th
     opt.remove_hooks()
 
 
+HOOK_DEBT_SCRIPT = r"""
+import sys, threading
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import gradsync
+from gradsync.train import auto_compression
+from gradsync.train.auto_compression import AutoCompression
+
+auto_compression.MAX_CODECS = 1  # one codec a bucket, then "none" (DGC's momentum would send more by design)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+now = [0.0]
+
+def clock():  # a codec's launch 1 s, "none" 1 us: every codec measures slower than "none" and is dropped
+    if threading.current_thread() is threading.main_thread() and sys._getframe(1).f_code.co_name != "record":
+        now[0] += 1e-6 if auto.current == "none" else 1.0
+    return now[0]
+
+auto = AutoCompression("any", wire=lambda collective, nbytes, world: nbytes * 1e-3, codec_cost=lambda c, n: 0.0,
+                       clock=clock, cache=False)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 2, bias=False))
+weights = list(net.parameters())
+start = [w.detach().clone() for w in weights]
+model = DDP(net, bucket_cap_mb=0.0001)  # a bucket per weight
+model.register_comm_hook(gradsync.CompressionHookState(auto, model=net), gradsync.compression_hook)
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
+sent = [torch.zeros_like(w) for w in weights]
+x = torch.ones(1, 8)
+for step in range(12):
+    gen = torch.Generator().manual_seed(step)
+    cs = [torch.randn(w.shape, generator=gen) for w in weights]
+    # gradients that do not depend on the weights: sum(w * c) through the model's own parameters
+    loss = sum((w * c).sum() for w, c in zip(model.module.parameters(), cs)) + 0.0 * model(x).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    for total, c in zip(sent, cs):
+        total += c
+trials = {k: t for k, t in auto.trials.items() if k in auto._current_groups()}  # DDP's buckets after its rebuild
+lenders = {"topk-1%", "dgc-0.1%", "efsignsgd", "powersgd-r1", "powersgd-r4"}
+assert len(trials) == 2 and all(t[0] in lenders and t[-1] == "none" for t in trials.values()), auto.trials
+assert auto.settled and {c.codec for c in auto.choices.values()} == {"none"}, auto.table()
+for step in auto._steps.values():
+    for name in auto._owing:
+        assert step.memory.owed(name) is None, name
+for w, w0, total in zip(weights, start, sent):
+    torch.testing.assert_close(w0 - w.detach(), total, rtol=0, atol=1e-4)
+print("ok")
+gradsync.shutdown()
+dist.destroy_process_group()
+"""
+
+
+def test_the_hooks_buckets_send_what_a_dropped_codec_held_back(tmp_path: Path) -> None:
+    """The DDP hook's way: each bucket tries a codec with error feedback, which measures slower than "none" and is
+    dropped; the bucket's next launch on "none" (the backend's allreduce of the bucket, its gradients views of it)
+    carries what the codec held back, so SGD at lr 1 on one rank ends at w_0 - sum_t c_t."""
+    from tests.dist_launch import run_outside_a_launcher
+
+    p = run_outside_a_launcher(HOOK_DEBT_SCRIPT, str(tmp_path / "store"))
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+
+
 def test_a_plain_launch_sends_what_the_codecs_still_owe_its_members(rt: Runtime) -> None:
     """The optimizer's DDP buckets (plain launches) take the job's groups' place: what a codec's error feedback still
     owes a member is added to the bucket's sum, and the codec forgets it."""
