@@ -748,6 +748,19 @@ def _owed(auto: AutoCompression, names: list[str]) -> dict[tuple[str, str], floa
     return out
 
 
+def _dropping_its_codecs(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> AutoCompression:
+    """allow="any" on a slow wire, where every codec measures 10^6x slower than "none": each group tries one codec
+    (MAX_CODECS = 1), one with error feedback, and drops it."""
+    from gradsync.train import auto_compression
+
+    monkeypatch.setattr(auto_compression, "MAX_CODECS", 1)
+    clock = FakeClock({"none": 1e-6, "other": 1.0})
+    auto = AutoCompression("any", runtime=rt, wire=_slow_any_world, codec_cost=lambda codec, numel: 0.0, clock=clock,
+                           cache=False)
+    clock.auto = auto
+    return auto
+
+
 def test_a_codec_dropped_after_its_trial_loses_none_of_the_gradient_it_held_back(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """allow="any" on a slow wire: each group tries a codec with error feedback (top-k keeps 1 element of 128), which
@@ -756,13 +769,7 @@ def test_a_codec_dropped_after_its_trial_loses_none_of_the_gradient_it_held_back
     sent: what a codec held back during its trial goes out with the group's next launch on "none", and no codec owes
     anything after. (One codec a group, MAX_CODECS = 1: DGC's momentum, which a rival could be, sends more than the
     gradients by design.)"""
-    from gradsync.train import auto_compression
-
-    monkeypatch.setattr(auto_compression, "MAX_CODECS", 1)
-    clock = FakeClock({"none": 1e-6, "other": 1.0})
-    auto = AutoCompression("any", runtime=rt, wire=_slow_any_world, codec_cost=lambda codec, numel: 0.0, clock=clock,
-                           cache=False)
-    clock.auto = auto
+    auto = _dropping_its_codecs(rt, monkeypatch)
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16)),
                torch.nn.Parameter(torch.randn(2, 16))]
@@ -796,13 +803,7 @@ def test_a_debt_repaid_on_a_step_that_is_skipped_stays_owed_and_goes_out_with_th
     """As above, but the first step after the codec trials (the first on "none", which repays the codecs' debts)
     has a NaN in one gradient: the optimizer skips it and every codec keeps its debt, so no group launches lean
     (which would never send it); the next step repays it, and SGD ends at w_0 - sum of the finite steps' c_t."""
-    from gradsync.train import auto_compression
-
-    monkeypatch.setattr(auto_compression, "MAX_CODECS", 1)
-    clock = FakeClock({"none": 1e-6, "other": 1.0})
-    auto = AutoCompression("any", runtime=rt, wire=_slow_any_world, codec_cost=lambda codec, numel: 0.0, clock=clock,
-                           cache=False)
-    clock.auto = auto
+    auto = _dropping_its_codecs(rt, monkeypatch)
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(2, 16))]
     start = [w.detach().clone() for w in weights]
