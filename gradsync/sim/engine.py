@@ -245,6 +245,31 @@ def with_reverse_share(incidence: sp.csr_matrix, share: float) -> sp.csr_matrix:
     return out
 
 
+#: Rows of the flows x link-directions incidence as CSR arrays (indptr, indices, data).
+Rows = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _flows_to_dirs(rows: Rows, n_dirs: int, v: np.ndarray) -> np.ndarray:
+    """Per link direction, the sum over ``rows``' flows on it of incidence x ``v`` (``R.T @ v``), by SciPy's own
+    kernel: what ``csr_matrix(...).T @ v`` runs, bit for bit, without building and checking a matrix per call."""
+    ptr, idx, val = rows
+    if _csc_matvec is None:  # pragma: no cover
+        return sp.csr_matrix((val, idx, ptr), shape=(ptr.shape[0] - 1, n_dirs)).T @ v
+    out = np.zeros(n_dirs)
+    _csc_matvec(n_dirs, ptr.shape[0] - 1, ptr, idx, val, v, out)
+    return out
+
+
+def _dirs_to_flows(rows: Rows, n_dirs: int, v: np.ndarray) -> np.ndarray:
+    """Per flow of ``rows``, the sum over the link directions it uses of incidence x ``v`` (``R @ v``)."""
+    ptr, idx, val = rows
+    if _csr_matvec is None:  # pragma: no cover
+        return sp.csr_matrix((val, idx, ptr), shape=(ptr.shape[0] - 1, n_dirs)) @ v
+    out = np.zeros(ptr.shape[0] - 1)
+    _csr_matvec(out.shape[0], n_dirs, ptr, idx, val, v, out)
+    return out
+
+
 class _Engine:
     """The event loop over one :class:`FlowSet` in step order (:func:`by_step`); see the module docstring.
 
@@ -478,9 +503,6 @@ class _Engine:
         self.R_ptr = self.inc_ptr[lo:hi + 1] - p0
         self.R_idx = self.inc_idx[p0:p1]
         self.R_val = self.inc_val[p0:p1]
-        if _csr_matvec is None:  # pragma: no cover
-            self.R = sp.csr_matrix((self.R_val, self.R_idx, self.R_ptr), shape=(w, self.n_dirs))
-            self.RT = self.R.T
         self.w = np.where(self.act, self.weight[lo:hi], 0.0)
         self._compact = self._few = None  # the active flows' rows alone, made when rates without caps need them
         self.tol = self.tol_all[lo:hi]
@@ -530,22 +552,6 @@ class _Engine:
             out[more] = np.minimum(out[more], values[kth])
         return out
 
-    def _flows_to_dirs(self, v: np.ndarray) -> np.ndarray:
-        """Per link direction, the sum over the window's flows on it of incidence x ``v`` (``R.T @ v``)."""
-        if _csc_matvec is None:  # pragma: no cover
-            return self.RT @ v
-        out = np.zeros(self.n_dirs)
-        _csc_matvec(self.n_dirs, self.R_ptr.shape[0] - 1, self.R_ptr, self.R_idx, self.R_val, v, out)
-        return out
-
-    def _dirs_to_flows(self, v: np.ndarray) -> np.ndarray:
-        """Per flow of the window, the sum over the link directions it uses of incidence x ``v`` (``R @ v``)."""
-        if _csr_matvec is None:  # pragma: no cover
-            return self.R @ v
-        out = np.zeros(self.R_ptr.shape[0] - 1)
-        _csr_matvec(out.shape[0], self.n_dirs, self.R_ptr, self.R_idx, self.R_val, v, out)
-        return out
-
     def _active_rows(self) -> tuple[np.ndarray, ...]:
         """The active flows' window positions, their rows of the incidence (CSR) and their weights: a window spans
         every flow from the oldest undrained one to the newest started one, most of them waiting or drained (with
@@ -568,7 +574,6 @@ class _Engine:
         (``x_t == X_g = min_d x_d``) freezes when one of those *tight* dependencies freezes, at its rate
         (same size and weight): so ``r_t <= min`` over tight dependencies and ``x_t <= X_g`` holds.
         """
-        cap_e = self.link_cap
         caught_any = False
         if self.has_caps:
             xd = xw[self.e_d]
@@ -578,20 +583,25 @@ class _Engine:
             self.caught = self.capped & (xw >= self.Xt - self.tol)
             self.tight = self.live & (xd <= self.X[self.e_g] + self.tol[self.e_d])
             caught_any = bool(self.caught.any())
-        rate = np.zeros(xw.shape[0])
-        free = self.act.copy()
+        return self._fill((self.R_ptr, self.R_idx, self.R_val), self.w, self.act.copy(), caught_any)
+
+    def _fill(self, rows: Rows, w: np.ndarray, free: np.ndarray, caught_any: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Progressive filling of the flows of ``rows`` (weights ``w``) that are ``free``: their rates, and link
+        usage. ``caught_any``: some flow is caught up with its dependencies (:meth:`_rates`; on the window's rows)."""
+        cap_e = self.link_cap
+        rate = np.zeros(w.shape[0])
         used = np.zeros(cap_e.shape[0])
         level = 0.0
-        left = self.nact
+        left = int(np.count_nonzero(free))
         while left:
             self.fill_rounds += 1
-            weight_e = self._flows_to_dirs(np.where(free, self.w, 0.0))
+            weight_e = _flows_to_dirs(rows, self.n_dirs, np.where(free, w, 0.0))
             on = weight_e > 0
             lam_e = np.full(cap_e.shape[0], np.inf)
             lam_e[on] = (cap_e[on] - used[on]) / weight_e[on]
             level = max(level, float(lam_e.min()))
             sat = on & (lam_e <= level * (1 + 1e-12))
-            newly = free & (self._dirs_to_flows(sat.astype(float)) > 0)
+            newly = free & (_dirs_to_flows(rows, self.n_dirs, sat.astype(float)) > 0)
             if caught_any:
                 frontier = newly
                 while True:
@@ -605,8 +615,8 @@ class _Engine:
             k = int(np.count_nonzero(newly))
             if k == 0:  # pragma: no cover - a saturated link always has an unfrozen flow
                 raise SimulationError(f"simulation of {self.label}: progressive filling made no progress")
-            rate[newly] = level * self.w[newly]
-            used += self._flows_to_dirs(np.where(newly, rate, 0.0))
+            rate[newly] = level * w[newly]
+            used += _flows_to_dirs(rows, self.n_dirs, np.where(newly, rate, 0.0))
             free &= ~newly
             left -= k
         return rate, used
@@ -618,44 +628,7 @@ class _Engine:
         if self.nact <= FEW_ACTIVE:
             return self._few_rates()
         at, ptr, idx, val, w = self._active_rows()
-        cap_e = self.link_cap
-        n_dirs = self.n_dirs
-
-        def to_dirs(v: np.ndarray) -> np.ndarray:
-            out = np.zeros(n_dirs)
-            if _csc_matvec is None:  # pragma: no cover
-                return sp.csr_matrix((val, idx, ptr), shape=(at.size, n_dirs)).T @ v
-            _csc_matvec(n_dirs, at.size, ptr, idx, val, v, out)
-            return out
-
-        def to_flows(v: np.ndarray) -> np.ndarray:
-            out = np.zeros(at.size)
-            if _csr_matvec is None:  # pragma: no cover
-                return sp.csr_matrix((val, idx, ptr), shape=(at.size, n_dirs)) @ v
-            _csr_matvec(at.size, n_dirs, ptr, idx, val, v, out)
-            return out
-
-        rate = np.zeros(at.size)
-        free = np.ones(at.size, bool)
-        used = np.zeros(cap_e.shape[0])
-        level = 0.0
-        left = at.size
-        while left:
-            self.fill_rounds += 1
-            weight_e = to_dirs(np.where(free, w, 0.0))
-            on = weight_e > 0
-            lam_e = np.full(cap_e.shape[0], np.inf)
-            lam_e[on] = (cap_e[on] - used[on]) / weight_e[on]
-            level = max(level, float(lam_e.min()))
-            sat = on & (lam_e <= level * (1 + 1e-12))
-            newly = free & (to_flows(sat.astype(float)) > 0)
-            k = int(np.count_nonzero(newly))
-            if k == 0:  # pragma: no cover - a saturated link always has an unfrozen flow
-                raise SimulationError(f"simulation of {self.label}: progressive filling made no progress")
-            rate[newly] = level * w[newly]
-            used += to_dirs(np.where(newly, rate, 0.0))
-            free &= ~newly
-            left -= k
+        rate, used = self._fill((ptr, idx, val), w, np.ones(at.size, bool), False)
         return at, rate, used
 
     def _row(self, flow: int) -> tuple[tuple[int, float], ...]:
