@@ -329,8 +329,6 @@ class AutoCompression:
         #: the points the codec profile was measured at (None: given by the caller, or not profiled yet)
         self._ladder: tuple[int, ...] | None = None
         self._steps: dict[str, CompressionStep] = {"none": CompressionStep("none", runtime=runtime)}
-        #: the codecs with error feedback, which may owe a tensor part of its gradient (:meth:`_repay`)
-        self._lenders: dict[str, CompressionStep] = {}
         #: tensor name -> the codecs with error feedback that sent it and may still owe it (confirmed lazily:
         #: :meth:`_owed_by`), so a launch looks up its own names, not every codec's state
         self._owing: dict[str, set[str]] = {}
@@ -447,8 +445,6 @@ class AutoCompression:
         step = self._steps.get(codec)
         if step is None:
             step = self._steps[codec] = CompressionStep(CODECS.get(codec).create(), runtime=self.runtime)
-            if type(step.memory).owed is not Memory.owed:
-                self._lenders[codec] = step
         return step
 
     def _owed_by(self, name: str, besides: str | None = None) -> list[str]:
@@ -461,7 +457,7 @@ class AutoCompression:
         for codec in sorted(codecs):
             if codec == besides:
                 continue
-            if self._lenders[codec].memory.owed(name) is None:
+            if self._steps[codec].memory.owed(name) is None:
                 codecs.discard(codec)
             else:
                 owing.append(codec)
@@ -484,7 +480,7 @@ class AutoCompression:
         own = "none" if way == PLANNED else way
         for j, info in enumerate(infos):
             for codec in self._owed_by(info.name, besides=own):
-                memory = self._lenders[codec].memory
+                memory = self._steps[codec].memory
                 debt = memory.owed(info.name)
                 if debt is None:
                     continue
@@ -587,7 +583,8 @@ class AutoCompression:
         if work is None:
             step = self._step("none" if codec == PLANNED else codec)
             work = step.step_async(tensors, infos, reuse=reuse, verdict=verdict)
-            if codec in self._lenders:  # what it did not send, it owes: the next launch of another way repays it
+            if type(step.memory).owed is not Memory.owed:
+                # error feedback: what it did not send it owes, and the group's next launch of another way repays it
                 for info in infos:
                     self._owing.setdefault(info.name, set()).add(codec)
         t1 = self.clock()
@@ -775,8 +772,8 @@ class AutoCompression:
         world = self.runtime.world_size
         return 1.0 / world if world > 1 and self.runtime.takes_native(device) else None
 
-    def plain_launch(self, flat: Tensor, info: TensorInfo, *, scaled: bool = False,
-                     parts: Sequence[TensorInfo] = ()) -> Work:
+    def plain_launch(self, flat: Tensor, info: TensorInfo, *, scaled: bool = False, tensors: Sequence[Tensor] = (),
+                     infos: Sequence[TensorInfo] = ()) -> Work:
         """``flat`` (one group, named by ``info``) averaged uncompressed, outside every choice: for groups that are
         not the job's, as the optimizer's calibration steps run a partition that is thrown away after them (and
         DDP's buckets, where they measured quicker than the job's: :meth:`check_buckets`). Nothing is recorded,
@@ -784,16 +781,15 @@ class AutoCompression:
         each of those steps several times a plain one). The backend's own allreduce where it can take ``flat``, its
         sum not checked for a NaN or inf (uncompressed, as ``compression=None`` and DDP send it: :meth:`_lean_verdict`);
         else the ``"none"`` step's exchange, whose marks join the step's verdict as every codec's do. ``scaled``:
-        ``flat`` was scaled by :meth:`plain_scale` (not None) as it was copied in. ``parts``: the tensors ``flat``
-        holds, in order (none: ``flat`` is ``info``'s tensor itself), whose codecs' error feedback may still owe them
-        (:meth:`_repay`: the job's groups' codecs, where DDP's buckets took their place)."""
+        ``flat`` was scaled by :meth:`plain_scale` (not None) as it was copied in. ``tensors``, ``infos``: the
+        tensors ``flat`` holds, as views of it, and their records (none: ``flat`` is ``info``'s tensor itself), which
+        codecs' error feedback may still owe (:meth:`_repay`: the job's groups' codecs, where DDP's buckets took their
+        place)."""
         verdict = None
-        members = tuple(parts) or (info,)
-        if self._owes(m.name for m in members):
+        infos = tuple(infos) or (info,)
+        if self._owes(i.name for i in infos):
             verdict = self.boundary.verdict_for([info.name])
-            views = [flat.view(info.shape)] if not parts else [
-                v.view(m.shape) for v, m in zip(flat.split([m.numel for m in members]), members)]
-            self._repay(views, members, "none", verdict, in_place=True,
+            self._repay(list(tensors) or [flat], infos, "none", verdict, in_place=True,
                         scale=1.0 / self.runtime.world_size if scaled else 1.0)
         native = self._native(flat, info.name, None, scaled=scaled, deferred=True)
         if native is not None:

@@ -272,7 +272,9 @@ outside auto's choosing (the optimizer's calibration steps).
             scale = self.step.lean_scale(g.info.name, self._device)
         buf = self._buffer(g, parts, scale)
         if self.plain:
-            self._works.append((g, self.step.plain_launch(buf, g.info, scaled=scale is not None, parts=g.parts)))
+            tensors, infos = self._members(buf, g)
+            self._works.append((g, self.step.plain_launch(buf, g.info, scaled=scale is not None, tensors=tensors,
+                                                          infos=infos)))
             return
         if self._auto and reuse:
             # a settled stateless choice: a plain allreduce
@@ -281,9 +283,7 @@ outside auto's choosing (the optimizer's calibration steps).
                 self._works.append((g, settled))
                 return
             # auto: its "none" is the backend's allreduce of buf, any codec sees the members' shapes (views of buf)
-            tensors, infos = [buf], [g.info]
-            if g.parts:
-                tensors, infos = self._views(buf, g), list(g.parts)
+            tensors, infos = self._members(buf, g)
             work = self.step.step_async(tensors, infos, reuse=True, flat=buf, key=g.info.name)
         else:
             work = self.step.step_async([buf], [g.info], reuse=reuse)
@@ -308,6 +308,11 @@ outside auto's choosing (the optimizer's calibration steps).
             torch.mul(p.detach().reshape(-1), scale, out=buf[at : at + n])
             at += n
         return buf
+
+    def _members(self, buf: Tensor, g: _Group) -> tuple[list[Tensor], list[TensorInfo]]:
+        """``g``'s tensors in ``buf`` and their records: its members as views of it, or ``buf`` itself where the group
+        is one flat tensor."""
+        return (self._views(buf, g), list(g.parts)) if g.parts else ([buf], [g.info])
 
     def _views(self, buf: Tensor, g: _Group) -> list[Tensor]:
         """The members of ``g`` as views of ``buf`` in their own shapes; made once for the group's own reused buffer."""

@@ -837,7 +837,7 @@ def test_a_debt_repaid_on_a_step_that_is_skipped_stays_owed_and_goes_out_with_th
     # a debt still owed once the groups settled keeps them off the lean path too
     key, group = next(iter(auto._groups.items()))
     codec = auto.trials[key][0]
-    memory = auto._lenders[codec].memory
+    memory = auto._steps[codec].memory
     memory._propose(group.names[0], torch.ones(group.spec.shapes[0]))
     memory.commit(TensorInfo(group.names[0], group.spec.shapes[0], torch.float32), True)
     auto._owing.setdefault(group.names[0], set()).add(codec)
@@ -923,7 +923,8 @@ def test_a_plain_launch_sends_what_the_codecs_still_owe_its_members(rt: Runtime)
     assert all(float(d.abs().sum()) > 0 for d in debts)
     flat = torch.cat([torch.ones(12), torch.full((5,), 2.0)])
     bucket = TensorInfo("bucket0", (17,), torch.float32)
-    (out,) = auto.plain_launch(flat, bucket, parts=(a, b)).wait()
+    views = [flat[:12].view(3, 4), flat[12:]]
+    (out,) = auto.plain_launch(flat, bucket, tensors=views, infos=(a, b)).wait()
     torch.testing.assert_close(out, torch.cat([1 + debts[0].reshape(-1), 2 + debts[1]]), rtol=0, atol=0)
     auto.boundary.close()
     assert _owed(auto, ["a", "b"]) == {}
