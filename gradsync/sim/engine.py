@@ -503,8 +503,8 @@ class _Engine:
         self.R_ptr = self.inc_ptr[lo:hi + 1] - p0
         self.R_idx = self.inc_idx[p0:p1]
         self.R_val = self.inc_val[p0:p1]
-        self.w = np.where(self.act, self.weight[lo:hi], 0.0)
         self._compact = self._few = None  # the active flows' rows alone, made when rates without caps need them
+        self.w: np.ndarray | None = None  # made when the window's filling needs it (:meth:`_rates`)
         self.tol = self.tol_all[lo:hi]
         self.size_w = fs.size[lo:hi]
         self.has_caps = False
@@ -563,7 +563,7 @@ class _Engine:
             ptr = np.zeros(at.size + 1, np.int64)
             np.cumsum(count, out=ptr[1:])
             rows = _ranges(first, count)
-            self._compact = (at, ptr, self.R_idx[rows], self.R_val[rows], self.w[at])
+            self._compact = (at, ptr, self.R_idx[rows], self.R_val[rows], self.weight[self.lo + at])
         return self._compact
 
     def _rates(self, xw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -583,6 +583,8 @@ class _Engine:
             self.caught = self.capped & (xw >= self.Xt - self.tol)
             self.tight = self.live & (xd <= self.X[self.e_g] + self.tol[self.e_d])
             caught_any = bool(self.caught.any())
+        if self.w is None:  # the window's weights, zero where a flow is not active: once per window
+            self.w = np.where(self.act, self.weight[self.lo:self.hi], 0.0)
         return self._fill((self.R_ptr, self.R_idx, self.R_val), self.w, self.act.copy(), caught_any)
 
     def _fill(self, rows: Rows, w: np.ndarray, free: np.ndarray, caught_any: bool) -> tuple[np.ndarray, np.ndarray]:
