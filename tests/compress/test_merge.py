@@ -32,6 +32,7 @@ from gradsync.compress.profile import (
     prediction_error,
     refit_if_drifted,
 )
+from gradsync.compress.sparsify import TopK
 from gradsync.errors import GradsyncError
 
 pytestmark = pytest.mark.usefixtures("single_intraop_thread")
@@ -411,13 +412,11 @@ def test_algorithm2_needs_two_tensors() -> None:
 # -- profiling -------------------------------------------------------------------------------------------------
 
 
-def test_measure_codec_is_quick_and_fits() -> None:
-    start = time.perf_counter()
+def test_measure_codec_samples_every_size_and_fits() -> None:
     sizes = (2**10, 2**12, 2**14)
     samples = measure_codec(create("topk", ratio=0.01), sizes, repeats=3)
     encode = measure_codec(create("qsgd"), sizes, repeats=2, part="encode")
     decode = measure_codec(create("qsgd"), sizes, repeats=2, part="decode")
-    assert time.perf_counter() - start < 3.0
     for s in (samples, encode, decode):
         assert s.sizes == sizes and all(t > 0 for t in s.seconds)
     fit = fit_linear(samples)
@@ -425,19 +424,60 @@ def test_measure_codec_is_quick_and_fits() -> None:
     assert DEFAULT_SIZES[0] == 2**10 and DEFAULT_SIZES[-1] == 2**22
 
 
-def test_measure_codec_times_what_the_step_runs_feedback_and_combine() -> None:
-    """Error feedback of a sparse payload is O(k) and a top-k receiver sums W payloads into one buffer: both
-    cost far less than W dense decodes at 2**20 elements (the old model's d)."""
-    size = (2**20,)
+class _LoggedTopK(TopK):
+    """Top-k that logs its codec calls, so a fake timer can say what :func:`measure_codec` timed."""
+
+    log: list[str] = []
+
+    def compress(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.log.append("compress")
+        return super().compress(*a, **kw)
+
+    def decompress(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.log.append("decompress")
+        return super().decompress(*a, **kw)
+
+    def subtract_decoded(self, *a, **kw):  # type: ignore[no-untyped-def]
+        self.log.append("subtract_decoded")
+        return super().subtract_decoded(*a, **kw)
+
+    def combine(self, payloads, *a, **kw):  # type: ignore[no-untyped-def]
+        self.log.append(f"combine x{len(payloads)}")
+        return super().combine(payloads, *a, **kw)
+
+
+@pytest.mark.parametrize(
+    ("part", "timed"),
+    [
+        ("feedback", ["subtract_decoded"]),
+        ("combine", ["combine x4"]),
+        ("decode", ["decompress"]),
+        ("encode", ["compress"]),
+        ("both", ["compress", "decompress"]),
+    ],
+)
+def test_measure_codec_times_what_the_step_runs_feedback_and_combine(part: str, timed: list[str]) -> None:
+    """Error feedback of a sparse payload is its O(k) ``subtract_decoded`` and a top-k receiver sums W payloads
+    with one ``combine``: neither decodes a dense tensor, and nothing else falls between the timer's readings
+    (a fake clock that marks the log; real timings belong in benchmarks)."""
+    log = _LoggedTopK.log
+    log.clear()
+
+    def timer() -> float:
+        log.append("t")
+        return float(len(log))
+
+    samples = measure_codec(_LoggedTopK(ratio=0.01), (4096,), repeats=2, part=part, world=4, timer=timer)  # type: ignore[arg-type]
+    marks = [i for i, e in enumerate(log) if e == "t"]
+    assert len(marks) == 2 * 3  # a warm-up and two timed runs, each between two readings
+    for start, stop in zip(marks[::2], marks[1::2]):
+        assert log[start + 1 : stop] == timed
+    assert samples.seconds == (len(timed) + 1.0,)
     c = create("topk", ratio=0.01)
-    decode = measure_codec(c, size, repeats=3, part="decode").seconds[0]
-    feedback = measure_codec(c, size, repeats=3, part="feedback").seconds[0]
-    combine = measure_codec(c, size, repeats=3, part="combine", world=4).seconds[0]
-    assert 0 < feedback < decode and 0 < combine < 4 * decode
     with pytest.raises(MergeError, match="world=0 must be an integer >= 1"):
-        measure_codec(c, size, part="combine", world=0)
+        measure_codec(c, (4096,), part="combine", world=0)
     with pytest.raises(MergeError, match="'feedback' or 'combine'"):
-        measure_codec(c, size, part="both-ways")  # type: ignore[arg-type]
+        measure_codec(c, (4096,), part="both-ways")  # type: ignore[arg-type]
 
 
 def test_measure_codec_leaves_the_callers_state_alone() -> None:
@@ -561,8 +601,9 @@ def test_fit_group_overhead_by_hand() -> None:
     assert search_optimal(m) == Partition(3, (1, 2))
     assert search_optimal(fitted) == Partition(3, (2,))
     # every other partition pays δ once per group on the compute stream: brute force on the shifted costs
-    shifted = MergeCostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
-                        h=(0.5 + delta, 0.01), g=(1.0, 0.02))
+    shifted = MergeCostModel(
+        sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s, h=(0.5 + delta, 0.01), g=(1.0, 0.02)
+    )
     for cuts in [(), (1,), (2,), (1, 2)]:
         p = Partition(3, cuts)
         assert fitted.iteration_time(p) == pytest.approx(shifted.iteration_time(p), abs=1e-9)
@@ -581,15 +622,25 @@ def test_fit_group_overhead_hits_the_observation_on_random_models(seed: int) -> 
     rng = random.Random(seed)
     n = rng.randint(2, 9)
     sizes = [rng.randint(1, 1000) for _ in range(n)]
-    m = MergeCostModel.from_backward_times(sizes, [rng.uniform(0, 2) for _ in range(n)],
-                                      h=(rng.uniform(0, 1), rng.uniform(0, 0.01)), g=(rng.uniform(0, 1), rng.uniform(0, 0.02)),
-                                      overlap_compression=bool(seed % 2))
+    m = MergeCostModel.from_backward_times(
+        sizes,
+        [rng.uniform(0, 2) for _ in range(n)],
+        h=(rng.uniform(0, 1), rng.uniform(0, 0.01)),
+        g=(rng.uniform(0, 1), rng.uniform(0, 0.02)),
+        overlap_compression=bool(seed % 2),
+    )
     part = Partition(n, tuple(sorted(rng.sample(range(1, n), rng.randint(0, n - 1)))))
     observed = m.iteration_time(part) + rng.uniform(0.1, 20.0)
     fitted, delta = fit_group_overhead(m, part, observed)
     assert fitted.iteration_time(part) == pytest.approx(observed, abs=1e-5)
-    lower = MergeCostModel(sizes=m.sizes, ready_s=m.ready_s, backward_end_s=m.backward_end_s,
-                      h=(m.h.base_s + delta * 0.99, m.h.per_element_s), g=m.g, overlap_compression=m.overlap_compression)
+    lower = MergeCostModel(
+        sizes=m.sizes,
+        ready_s=m.ready_s,
+        backward_end_s=m.backward_end_s,
+        h=(m.h.base_s + delta * 0.99, m.h.per_element_s),
+        g=m.g,
+        overlap_compression=m.overlap_compression,
+    )
     assert lower.iteration_time(part) < observed
 
 
