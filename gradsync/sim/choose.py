@@ -197,6 +197,29 @@ class Chooser:
                 del self._finish[key]
         return got
 
+    def priced(self, size: float) -> tuple[dict[str, float], tuple[str, np.ndarray] | None]:
+        """What pricing ``size``'s class left behind: each simulated schedule's predicted time (by
+        :attr:`Schedule.digest <gradsync.plan.schedule.Schedule.digest>`), and the pick's digest and finish times
+        (None for the backend's own collective): what :meth:`adopt` records in an identical chooser elsewhere."""
+        size = float(size)
+        predicted = {digest: t for (digest, s), t in self._predicted.items() if s == size}
+        finish = next(((digest, f) for (digest, s), f in self._finish.items() if s == size), None)
+        return predicted, finish
+
+    def adopt(self, choice: Choice, predicted: dict[str, float],
+              finish: tuple[str, np.ndarray] | None) -> None:
+        """Record ``choice`` as this chooser's for its size class, with :meth:`priced`'s leftovers, as priced by an
+        identical chooser in another process (:mod:`gradsync.sim.pricing`): the chooser is deterministic, so these are
+        the bits :meth:`choose` would compute. A class chosen here already keeps its own."""
+        size = size_class(choice.size_bytes)
+        if size in self._choices:
+            return
+        for digest, t in predicted.items():
+            self._predicted.setdefault((digest, float(size)), t)
+        if finish is not None:
+            self._finish[(finish[0], float(size))] = finish[1]
+        self._choices[size] = choice
+
     def _choose(self, size: float) -> Choice:
         """Least predicted time over the candidates, with exact prunings by two lower bounds of a
         schedule's prediction: its fluid time ``cost * size / unit_bw`` (which pipelining approaches from
