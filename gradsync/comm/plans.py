@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -21,14 +22,17 @@ import numpy as np
 from gradsync.comm.collectives import NativeAllreduce
 from gradsync.comm.executor import Executor
 from gradsync.comm.transport import Transport
+from gradsync.env import env_number
 from gradsync.errors import GradsyncError, PlanError
 from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import PlanOptions
-from gradsync.sim.choose import Chooser
-from gradsync.sim.cost import NATIVE, CostModel, native_schedule
+from gradsync.sim.choose import PRUNE, Chooser
+from gradsync.sim.cost import NATIVE, CostModel, native_schedule, size_class
+from gradsync.sim.pricing import Pricer
 from gradsync.topology.model import Topology
 
-__all__ = ["ALLREDUCE", "ANNOUNCE_PRICING_S", "EXPLORE_RIVAL", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S", "Pick", "PlanCache"]
+__all__ = ["ALLREDUCE", "ANNOUNCE_PRICING_S", "EXPLORE_RIVAL", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S",
+           "PRICE_AHEAD_ENV", "Pick", "PlanCache", "price_ahead"]
 
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
 #: keep step order rather than spend a simulation at plan time.
@@ -38,6 +42,8 @@ PLAN_TIMEOUT_S = 600.0
 #: A size class whose pricing took at least this many seconds is announced on rank 0's stderr: the stall it puts in
 #: a job's first steps (every rank waits for rank 0's simulations), said once, with its cause.
 ANNOUNCE_PRICING_S = 1.0
+#: The environment variable that turns pricing ahead off (``0``; :meth:`PlanCache.anticipate`).
+PRICE_AHEAD_ENV = "GRADSYNC_PRICE_AHEAD"
 #: The collective every synthesizer plans, and the only one the backend's native collective is priced for.
 ALLREDUCE = "allreduce"
 #: Backends on which ``auto`` chooses among the planned schedules too. Elsewhere (NCCL) it runs the backend's
@@ -85,6 +91,11 @@ class PlanCache:
         self._planner: Chooser | None = None  # named allreduce plans, without pricing any candidate
         self._choices: dict[tuple[str, int], Pick] = {}
         self._executors: dict[tuple[str, str, int], Runnable] = {}
+        #: the child pricing allreduce classes ahead (:meth:`anticipate`), for this generation
+        self.pricer: Pricer | None = None
+        #: why this generation prices nothing ahead (None: not asked yet, or it does)
+        self.ahead_refused: str | None = None
+        self._ahead_lock = threading.Lock()
 
     # ---- planning ---------------------------------------------------------------------------------------
     def chooser(self, collective: str = ALLREDUCE) -> Chooser:
@@ -140,6 +151,10 @@ class PlanCache:
                 or chooser.options != self.options):
             raise GradsyncError("adopt() takes a chooser made for this plan cache's topology, cost model and "
                                 "options; build one with PlanCache.chooser() instead")
+        with self._ahead_lock:
+            if self.pricer is not None and self.pricer.chooser is not chooser:
+                self.pricer.close()  # it prices for the chooser replaced
+                self.pricer, self.ahead_refused = None, None
         self._choosers[ALLREDUCE] = chooser
 
     def choice(self, size: int, collective: str = ALLREDUCE) -> Pick:
@@ -151,6 +166,10 @@ class PlanCache:
 
             def compute() -> bytes:
                 t0 = time.perf_counter()
+                pricer = self.pricer
+                if pricer is not None and collective == ALLREDUCE and not pricer.take(size, max(self.timeout_s,
+                                                                                                PLAN_TIMEOUT_S)):
+                    pricer.skip(size)  # not priced ahead (yet): priced here, and the child goes on to the next
                 c = chooser.choose(size)
                 took = time.perf_counter() - t0
                 if took >= ANNOUNCE_PRICING_S and self.transport.rank == 0:
@@ -165,6 +184,40 @@ class PlanCache:
             got = self._choices[(collective, size)] = (str(name), int(pipeline))
             self.settling += 1
         return got
+
+    def anticipate(self, sizes: Iterable[float], *, first: bool = False) -> None:
+        """Have the allreduce size classes of ``sizes`` priced ahead of their first calls, in this order (before those
+        asked for earlier with ``first``: a caller about to need them), by a child
+        process (:class:`~gradsync.sim.pricing.Pricer`): their first calls then adopt the choice instead of every
+        rank waiting while rank 0 simulates. Only where it pays: on the rank that prices for the job (rank 0, or each
+        rank where the transport cannot share), where ``auto`` has plans to price and the fabric gives a plan a
+        bandwidth advantage over the backend's ring (elsewhere the pricing prunes at once). A child that cannot start or
+        fails leaves the pricing here, as without it."""
+        todo = [n for n in sizes if (ALLREDUCE, size_class(n)) not in self._choices]
+        with self._ahead_lock:  # callers' threads (a hook's, the optimizer's) and a replan's close
+            if not todo or self.ahead_refused is not None:
+                return
+            if self.pricer is None:
+                self.ahead_refused = self._ahead_refusal()
+                if self.ahead_refused is not None:
+                    return
+                try:
+                    self.pricer = Pricer(self.chooser())
+                except (PlanError, OSError) as exc:
+                    self.ahead_refused = f"the pricer did not start: {exc}"
+                    return
+            self.pricer.ask(todo, first=first)
+
+    def _ahead_refusal(self) -> str | None:
+        """Why this generation does not price ahead (None: it does)."""
+        if self.caps.decide is not None and self.transport.rank != 0:
+            return "rank 0 prices for the job"
+        chooser = self.chooser()
+        if not chooser.algorithms:
+            return "no plan is priced here (the backend's own collective only)"
+        if chooser.bandwidth_advantage() <= 1 / (1 - PRUNE):
+            return "no plan moves fewer bytes than the backend's ring here: pricing prunes at once"
+        return None
 
     def choose(self, size: int, pick: Pick, collective: str = ALLREDUCE) -> None:
         """Run ``pick`` for the size class from now on (a measurement replaced the model's choice)."""
@@ -226,14 +279,30 @@ class PlanCache:
         self._choosers.clear()
         self._planner = None
         self._choices.clear()
+        self.ahead_refused = None
         self.generation += 1
 
     def close(self) -> None:
-        """Stop every executor's waiting threads and forget the executors (the native one has none)."""
+        """Stop every executor's waiting threads and forget the executors (the native one has none); end the child
+        pricing ahead."""
+        with self._ahead_lock:
+            if self.pricer is not None:
+                self.pricer.close()
+                self.pricer = None
         for ex in self._executors.values():
             if isinstance(ex, Executor):
                 ex.close()
         self._executors.clear()
+
+
+def price_ahead() -> bool:
+    """Whether a runtime prices sizes ahead when asked (:meth:`PlanCache.anticipate`): ``GRADSYNC_PRICE_AHEAD``, 1 (the
+    default) or 0."""
+    on = env_number(PRICE_AHEAD_ENV, 1, int)
+    if on not in (0, 1):
+        raise GradsyncError(f"{PRICE_AHEAD_ENV}={on} must be 0 (off) or 1 (price sizes ahead in a child process); "
+                            f"unset it for 1")
+    return bool(on)
 
 
 def _mib(nbytes: int) -> str:

@@ -44,7 +44,7 @@ from gradsync.comm.collectives import (
 )
 from gradsync.comm.executor import OPS, Executor
 from gradsync.comm.ledger import Ledger, describe_mismatch
-from gradsync.comm.plans import PlanCache, Runnable
+from gradsync.comm.plans import PlanCache, Runnable, price_ahead
 from gradsync.comm.trace import TraceRecorder, profiled
 from gradsync.comm.transport import Transport, create_transport
 from gradsync.comm.tuning import TUNE_MAX_BYTES, Explorer, Tuning, load_cost_model
@@ -288,6 +288,18 @@ class Runtime:
         if self.algorithm != AUTO:
             return self.algorithm == NATIVE
         return self.plans.choice(size_class(nbytes))[0] == NATIVE
+
+    def anticipate(self, sizes: Sequence[float], *, first: bool = False) -> None:
+        """Allreduce sizes (bytes) this job will send later, soonest first (``first``: before sizes anticipated earlier,
+        about to be sent): ``auto`` prices their classes ahead in a child process, so that their first calls need not
+        wait for rank 0's simulations (:meth:`PlanCache.anticipate <gradsync.comm.plans.PlanCache.anticipate>`).
+        Nothing for a named algorithm, or with ``GRADSYNC_PRICE_AHEAD=0``; a rank that does not price for the job
+        returns at once."""
+        todo = [float(n) for n in sizes]
+        if any(not (n > 0) for n in todo):
+            raise GradsyncError(f"sizes={list(sizes)!r} must be positive byte counts")
+        if price_ahead() and self.algorithm == AUTO:
+            self.plans.anticipate(todo, first=first)
 
     def choice(self, nbytes: float) -> tuple[str, int]:
         """The (algorithm, pipeline) ``auto`` runs for ``nbytes`` now: the model's, or what :meth:`tune` or

@@ -107,3 +107,83 @@ def test_a_long_pricing_is_said_once_on_rank_0(monkeypatch, capsys, rank, thresh
         assert lines[0].endswith(f"{pick[0]} at depth {pick[1]}"), lines[0]
     else:
         assert not lines, err
+
+
+def _declared(world: int, rank: int, topology: str, algorithm: str = "auto"):
+    """A runtime on a local transport that shares decisions (rank 0 computes them), as torch.distributed's does."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.transport import Capabilities
+
+    transport = LocalFabric(world).transport(rank)
+    transport.capabilities = replace(transport.capabilities, decide=lambda key, compute, timeout_s: compute())
+    assert isinstance(transport.capabilities, Capabilities)
+    return Runtime(transport, topology, algorithm, timeout_s=5)
+
+
+def test_rank_0_prices_anticipated_sizes_in_a_child_and_the_first_call_adopts_them(monkeypatch):
+    """On a rack fabric the first call of an anticipated size adopts the child's pricing (no simulation on the
+    caller's thread), with the pick and wait order a chooser here makes; a replan's new cost model ends the child."""
+    import time
+
+    import gradsync.sim.cost as cost
+    from gradsync.sim.choose import Chooser
+
+    rt = _declared(6, 0, "racks:2,3,4")
+    try:
+        size = 4 << 20
+        rt.anticipate([size])
+        pricer = rt.plans.pricer
+        assert pricer is not None and rt.plans.ahead_refused is None
+        deadline = time.monotonic() + 120
+        while size not in pricer.finished and pricer.failed is None and time.monotonic() < deadline:
+            pricer.poll()
+            time.sleep(0.02)
+        assert size in pricer.finished, pricer.failed
+
+        def no_simulation(*a, **kw):
+            raise AssertionError("an anticipated size is not simulated on the caller's thread")
+
+        monkeypatch.setattr(cost.CostModel, "run", no_simulation)
+        pick = rt.choice(size)
+        monkeypatch.undo()
+        assert pricer.adopted == [4 << 20]
+        fresh = Chooser(rt.topology, rt.cost_model, native=rt.plans.chooser().native,
+                        keep_within=rt.plans.chooser().keep_within).choose(size)
+        assert pick == (fresh.algorithm, fresh.pipeline) and rt.chooser.chosen(size) == fresh
+        rt.set_cost_model(rt.cost_model)  # a new generation: the child priced for the old one
+        assert rt.plans.pricer is None and pricer._proc.poll() is not None
+    finally:
+        rt.shutdown()
+
+
+@pytest.mark.parametrize(("world", "rank", "topology", "algorithm", "why"), [
+    (6, 1, "racks:2,3,4", "auto", "rank 0 prices for the job"),
+    (4, 0, "switch:4", "auto", "no plan moves fewer bytes than the backend's ring"),
+    (6, 0, "racks:2,3,4", "ring", None),
+])
+def test_no_child_where_pricing_ahead_would_not_pay(world, rank, topology, algorithm, why):
+    rt = _declared(world, rank, topology, algorithm)
+    try:
+        rt.anticipate([4 << 20])
+        assert rt.plans.pricer is None
+        if why is None:
+            assert rt.plans.ahead_refused is None  # a named algorithm has nothing to price
+        else:
+            assert why in (rt.plans.ahead_refused or "")
+    finally:
+        rt.shutdown()
+
+
+def test_price_ahead_is_switched_by_the_environment(monkeypatch):
+    rt = _declared(6, 0, "racks:2,3,4")
+    try:
+        monkeypatch.setenv("GRADSYNC_PRICE_AHEAD", "2")
+        with pytest.raises(GradsyncError, match="GRADSYNC_PRICE_AHEAD=2 must be 0 .off. or 1"):
+            rt.anticipate([4 << 20])
+        monkeypatch.setenv("GRADSYNC_PRICE_AHEAD", "0")
+        rt.anticipate([4 << 20])
+        assert rt.plans.pricer is None and rt.plans.ahead_refused is None
+        with pytest.raises(GradsyncError, match="must be positive byte counts"):
+            rt.anticipate([0])
+    finally:
+        rt.shutdown()
