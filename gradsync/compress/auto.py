@@ -49,6 +49,8 @@ __all__ = [
     "PROFILE_TYPE",
     "profile_ladder",
     "ladder_covers",
+    "dense_payloads",
+    "run_classes",
     "CPU_PROFILE_CAP",
     "CODECS",
     "POLICIES",
@@ -319,6 +321,32 @@ def profile_ladder(low: int, high: int, cap: int | None = None) -> tuple[int, ..
     while out[-1] < high and (cap is None or out[-1] < cap):
         out.append(out[-1] * 8)
     return tuple(out)
+
+
+def dense_payloads(nbytes: Sequence[int], dtype: torch.dtype, options: Sequence[CodecOption]) -> list[int]:
+    """The one-allreduce payloads groups of ``nbytes`` send under ``options``: each cast's for every group, then
+    ``"none"``'s (a cast is usually tried first where the wire is slow, where its first call's pricing costs most).
+    Codecs with other exchanges (two rounds, an allgather) are left out."""
+    casts = [o.cast_to for o in options if o.cast_to is not None and o.cast_to != dtype]
+    out = [n * wire.itemsize // dtype.itemsize for wire in casts for n in nbytes]
+    if any(o.name == "none" for o in options):
+        out += list(nbytes)
+    return [n for n in out if n > 0]
+
+
+def run_classes(nbytes: Sequence[int], floor: int) -> list[int]:
+    """The powers of two, largest first, from the one at or above the sum of ``nbytes`` down to the larger of ``floor``
+    and the one at or above the smallest entry: the size classes a group of consecutive tensors of ``nbytes`` can fall
+    in (every one between, where sums step by less than their size), before a partition is chosen."""
+    if not nbytes:
+        return []
+    top = 1 << max(0, math.ceil(math.log2(max(1, sum(nbytes)))))
+    low = max(floor, 1 << max(0, math.ceil(math.log2(max(1, min(nbytes))))))
+    out = []
+    while top >= low:
+        out.append(top)
+        top //= 2
+    return out
 
 
 def ladder_covers(ladder: Sequence[int], low: int, high: int, cap: int | None = None) -> bool:

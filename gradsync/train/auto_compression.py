@@ -95,6 +95,7 @@ from gradsync.compress.auto import (
     choose,
     choose_joint,
     clearly_slower,
+    dense_payloads,
     ladder_covers,
     margin_for,
     profile_codecs,
@@ -102,6 +103,7 @@ from gradsync.compress.auto import (
     quicker_by,
     review,
     rival,
+    run_classes,
     steps_apart,
     trust_margin,
     turns_over,
@@ -127,6 +129,9 @@ __all__ = ["AUTO_TYPE", "PLANNED", "PROBE_STEPS", "AutoCompression", "param_sign
 AUTO_TYPE = "gradsync.compression_auto"
 #: Launches per group timed with ``"none"``, then with the choice.
 PROBE_STEPS = 2
+#: The smallest size class priced ahead before the partition is known (:meth:`AutoCompression.anticipate_model`):
+#: smaller classes price in well under a second, and there are many.
+AHEAD_FLOOR_BYTES = 1 << 20
 #: Launches a trial may add to its ``probe_steps`` while the runtime settles the exchange it runs (a new payload
 #: size priced and planned, its pipeline depths explored): a launch across which :attr:`Runtime.settling
 #: <gradsync.comm.runtime.Runtime.settling>` grew timed that, not what the codec will cost from then on. Up to an
@@ -493,6 +498,21 @@ class AutoCompression:
                 memory.commit(info, verdict)
         return out
 
+    def anticipate(self, nbytes: Sequence[int], dtype: torch.dtype, *, first: bool = False) -> None:
+        """Have the runtime price ahead the allreduce payloads groups of ``nbytes`` may send under the policy (each
+        allowed cast's, then ``"none"``'s: :func:`~gradsync.compress.auto.dense_payloads`), so that a trial's first
+        launch finds its size priced (:meth:`Runtime.anticipate <gradsync.comm.runtime.Runtime.anticipate>`);
+        ``first``: before those anticipated earlier (a group about to launch)."""
+        sizes = dense_payloads(nbytes, dtype, allowed(self.allow, dtype))
+        if sizes:
+            self.runtime.anticipate(sizes, first=first)
+
+    def anticipate_model(self, param_bytes: Sequence[int], dtype: torch.dtype) -> None:
+        """:meth:`anticipate` for the groups a partition of tensors of ``param_bytes`` may make, before it is chosen:
+        every size class of a run of them down to :data:`AHEAD_FLOOR_BYTES`, largest first
+        (:func:`~gradsync.compress.auto.run_classes`)."""
+        self.anticipate(run_classes(param_bytes, AHEAD_FLOOR_BYTES), dtype)
+
     def _current_groups(self) -> list[str]:
         return [k for k in self._live if k in self._groups] or list(self._groups)
 
@@ -552,6 +572,7 @@ class AutoCompression:
         if group is None:
             group = self._groups[key] = _Group(GroupSpec(key, tuple(i.shape for i in infos), infos[0].dtype),
                                                tuple(i.name for i in infos))
+            self.anticipate([group.spec.nbytes], group.spec.dtype, first=True)
         codec, sink = self._codec_for(group)  # choosing (rank 0 profiles, every rank waits) is not the codec's time
         # a launch timed while the runtime settles its exchange goes to the trial's rough times instead
         rough = group.unsettled.setdefault(group.trials[-1], []) if sink is not None else None

@@ -22,11 +22,13 @@ from gradsync.compress.auto import (
     GroupSpec,
     allowed,
     choose,
+    dense_payloads,
     ladder_covers,
     margin_for,
     profile_ladder,
     review,
     rival,
+    run_classes,
     steps_apart,
     trust_margin,
     turns_over,
@@ -407,3 +409,33 @@ def test_a_quick_or_codec_trial_whose_two_launches_disagree_takes_a_third():
     assert not wants_another([0.01], 2) and not wants_another([], 0)
     edge = QUICK_LAUNCH_S * 0.99
     assert wants_another([edge, edge / LAUNCH_SPREAD * 0.99], 2) and not wants_another([edge, edge / LAUNCH_SPREAD], 2)
+
+
+def test_dense_payloads_are_each_cast_then_none() -> None:
+    """What a group's one-allreduce codecs send (what the runtime prices ahead): a float32 group of 1,000 bytes sends
+    500 as fp16 and 1,000 as it is; a cast to the model's own dtype sends what "none" does and is not listed twice;
+    codecs with other exchanges (PowerSGD's two rounds, top-k's allgather) are not listed."""
+    assert dense_payloads([1000, 64], torch.float32, allowed("cast", torch.float32)) == [500, 32, 1000, 64]
+    assert dense_payloads([1000], torch.float32, allowed("any", torch.float32)) == [500, 1000]
+    assert dense_payloads([1000], torch.float32, allowed("lossless", torch.float32)) == [1000]
+    assert dense_payloads([1000], torch.float16, allowed("cast", torch.float16)) == [1000, 1000]  # bf16: 2 bytes too
+    assert dense_payloads([1000], torch.float16, allowed("lossless", torch.float16)) == [1000]
+
+
+def test_run_classes_hold_every_class_a_run_of_consecutive_tensors_falls_in() -> None:
+    """Brute force over every run of consecutive tensors: its size class is listed wherever it is at least the floor,
+    and the list is the powers of two between, largest first."""
+    mib = 1 << 20
+    assert run_classes([3 * mib, 1024, 5 * mib], mib) == [16 * mib, 8 * mib, 4 * mib, 2 * mib, mib]
+    assert run_classes([], mib) == [] and run_classes([100], mib) == []
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        nbytes = [int(x) for x in rng.integers(1, 4 * mib, size=int(rng.integers(1, 12)))]
+        floor = int(2 ** rng.integers(10, 22))
+        got = run_classes(nbytes, floor)
+        assert got == sorted(set(got), reverse=True) and all(c >= floor for c in got)
+        for i in range(len(nbytes)):
+            for j in range(i + 1, len(nbytes) + 1):
+                cls = 1 << math.ceil(math.log2(sum(nbytes[i:j])))
+                if cls >= floor:
+                    assert cls in got, (nbytes, i, j, cls)

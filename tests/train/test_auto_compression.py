@@ -2036,3 +2036,20 @@ def test_a_planned_way_lost_on_a_close_call_comes_back_where_its_whole_steps_are
     assert row["reason"] == ("step" if restored else "dropped"), row
     if restored:  # then timed against "none" on the backend everywhere, and kept
         assert len(check["baseline_s"]) == PROBE_STEPS, check
+
+
+def test_auto_has_the_runtime_price_ahead_the_groups_it_may_send(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optimizer, before its calibration steps: every run class of the model's tensors, each cast's payload then
+    "none"'s (the partition is not chosen yet). Each group, at its first launch: its own payloads, first."""
+    from gradsync.compress.auto import run_classes
+
+    asked: list[tuple[list[float], bool]] = []
+    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append((list(sizes), first)))
+    monkeypatch.setattr("gradsync.train.auto_compression.AHEAD_FLOOR_BYTES", 64)  # the tiny model's classes too
+    auto = _auto(rt, FakeClock({"none": 1e-6, "other": 1e-6}))
+    opt, _ = _train(rt, auto, 3, wide=64)
+    params = [p.numel() * 4 for p in _model(64).parameters()]
+    classes = run_classes(params, 64)
+    assert asked[0] == ([c // 2 for c in classes] + classes, False)
+    groups = [(name, g.spec.nbytes) for name, g in auto._groups.items()]
+    assert len(groups) >= 2 and asked[1:] == [([n // 2, n], True) for _, n in groups]
