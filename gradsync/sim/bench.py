@@ -234,6 +234,10 @@ register_benchmark("adapt-testbed", "benchmarks.adapt_testbed:main",
                    "issue 39 (a): one server's NIC cut to 1/4 mid-job on the emulated cluster (root): static gradsync, "
                    "gradsync with the watch, and gloo's all_reduce side by side, per round; writes "
                    "adapt_testbed.{json,png}", checkout=True)
+register_benchmark("price-ahead", "benchmarks.price_ahead:main",
+                   "issue 40: a job's first calls of the 8 and 16 MiB classes on the two-tier file, priced when first "
+                   "needed or adopted from a child that priced them during the steps before, alternating in one "
+                   "process; writes price_ahead.{json,png}", checkout=True)
 register_benchmark("ps-loopback", "benchmarks.ps_loopback:main",
                    "PS pushpull round trip on loopback (authenticated, without a secret, and push + pull) vs a gloo send/recv round "
                    "trip of the same size, in one run; writes ps_loopback.{json,png}", checkout=True)

@@ -1,0 +1,150 @@
+"""What pricing ahead saves a job's first calls: ``gradsync bench price-ahead``.
+
+A size class's first call waits while rank 0 prices it (:meth:`gradsync.sim.choose.Chooser.choose`), and every rank
+waits with it. :class:`gradsync.sim.pricing.Pricer` prices classes a caller anticipates in a child process meanwhile
+(``compression="auto"``'s optimizer anticipates every class its groups may fall in before its two calibration steps).
+Here, in one process, each round times the stall of a job's first calls of ``--sizes`` two ways, in ABBA order:
+
+* ``inline``: each class priced when it is first needed, as without a child;
+* ``ahead``: a child started and asked for the classes, ``--lead-s`` seconds of other work (the steps before the first
+  call; a sleep here), then the same first calls, which adopt what the child priced.
+
+Both price on the two-tier file (``benchmarks/fabrics/two-tier-4to1.yaml``) with the cost model the testbed calibrated
+at 300 Mbit/s (embedded; ``--cost-model FILE`` for another). Each ``ahead`` choice is checked equal, bit for bit, to
+the ``inline`` one. Reported per lead: medians of the stall, and the median of the per-round ratios ahead / inline with
+a bootstrap 95 % interval. ``--lead-s 0`` is a call that needs its class at once (a DDP hook's first bucket): the child
+can only cost there. Writes ``price_ahead.{json,png}`` to ``--out``::
+
+    gradsync bench price-ahead                       # about 3 minutes on 2 cores
+    .venv/bin/python -m benchmarks.price_ahead --rounds 2 --leads 0,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_TYPE = "gradsync.bench.price_ahead"
+METHODS = ("inline", "ahead")
+_ROOT = Path(__file__).resolve().parents[1]
+FABRIC = _ROOT / "benchmarks" / "fabrics" / "two-tier-4to1.yaml"
+#: The testbed's calibration of the two-tier file at 300 Mbit/s (compression sweep of 2026-12-01).
+COST_MODEL = {"type": "gradsync.cost_model", "message_s": 0.0018415025426150068,
+              "native_message_s": 0.0017036132812500002, "goodput": 0.9588416666666666,
+              "reverse_share": 0.06361802925181803, "burst_s": 0.004263517038312239, "link_GBps": {"link": 0.0375},
+              "pipelines": [1, 2, 4, 8, 16, 32, 64], "source": "two-tier-4to1 testbed at 300 Mbit/s, 6 ranks"}
+
+
+def _chooser(topology: Any, model: Any) -> Any:
+    from gradsync.comm.plans import EXPLORE_RIVAL
+    from gradsync.sim.choose import Chooser
+
+    return Chooser(topology, model, native=True, keep_within=EXPLORE_RIVAL)  # the runtime's allreduce chooser
+
+
+def one_round(method: str, topology: Any, model: Any, sizes: list[int], lead_s: float) -> tuple[float, list[Any]]:
+    """The stall of the first calls of ``sizes`` (seconds) and the choices they made."""
+    from gradsync.sim.pricing import Pricer
+
+    chooser = _chooser(topology, model)
+    pricer = None
+    if method == "ahead":
+        pricer = Pricer(chooser)
+        pricer.ask(sizes)
+        time.sleep(lead_s)
+    try:
+        t0 = time.perf_counter()
+        choices = []
+        for size in sizes:
+            if pricer is not None and not pricer.take(size):
+                pricer.skip(size)
+            choices.append(chooser.choose(size))
+        return time.perf_counter() - t0, choices
+    finally:
+        if pricer is not None:
+            pricer.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from gradsync.sim.bench import balanced_orders, bootstrap_median_ci, paired_ratios
+    from gradsync.sim.cost import CostModel
+    from gradsync.topology.io import get_topology
+
+    topology = get_topology(str(args.topology))
+    model = CostModel.from_dict(json.loads(args.cost_model.read_text()) if args.cost_model else COST_MODEL)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    leads = [float(x) for x in args.leads.split(",")]
+    out: dict[str, Any] = {"type": RESULT_TYPE, "config": {"topology": str(args.topology), "cost_model": model.to_dict(),
+                                                            "sizes": sizes, "rounds": args.rounds}, "leads": {}}
+    orders = balanced_orders(METHODS)
+    for lead in leads:
+        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        same = True
+        for r in range(args.rounds):
+            got = {}
+            for method in orders[r % len(orders)]:
+                took, choices = one_round(method, topology, model, sizes, lead)
+                times[method].append(took)
+                got[method] = choices
+            same = same and got["ahead"] == got["inline"]
+            print(f"lead {lead:g} s, round {r + 1}/{args.rounds}: inline {times['inline'][-1]:.2f} s, "
+                  f"ahead {times['ahead'][-1]:.2f} s", flush=True)
+        ratios = paired_ratios(times["ahead"], times["inline"])
+        out["leads"][f"{lead:g}"] = {
+            "lead_s": lead, "samples_s": times, "medians_s": {m: statistics.median(v) for m, v in times.items()},
+            "ratio_median": statistics.median(ratios), "ratio_ci95": list(bootstrap_median_ci(ratios)),
+            "same_choices": same}
+    return out
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    leads = list(out["leads"].values())
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.38
+    for i, method in enumerate(METHODS):
+        xs = [j + (i - 0.5) * width for j in range(len(leads))]
+        ax.bar(xs, [row["medians_s"][method] for row in leads], width, label=method)
+    ax.set_xticks(range(len(leads)), [f"lead {row['lead_s']:g} s" for row in leads])
+    ax.set_ylabel("first calls' stall, median (s)")
+    sizes = ", ".join(f"{s / 2**20:g}" for s in out["config"]["sizes"])
+    ax.set_title(f"pricing {sizes} MiB on {Path(out['config']['topology']).stem}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gradsync bench price-ahead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", type=Path, default=FABRIC, help="topology file or name (default the two-tier file)")
+    p.add_argument("--cost-model", type=Path, default=None, help="cost model JSON (default the testbed's, embedded)")
+    p.add_argument("--sizes", default=f"{16 << 20},{8 << 20}", help="bytes, comma-separated (default 16 and 8 MiB)")
+    p.add_argument("--leads", default="3,0", help="seconds before the first call, comma-separated (default 3,0)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds per lead (default 6)")
+    p.add_argument("--out", type=Path, default=_ROOT / "benchmarks" / "results" / "price_ahead")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds} must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = run(args)
+    (args.out / "price_ahead.json").write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, args.out / "price_ahead.png")
+    for lead, row in out["leads"].items():
+        lo, hi = row["ratio_ci95"]
+        print(f"lead {lead} s: inline {row['medians_s']['inline']:.2f} s, ahead {row['medians_s']['ahead']:.2f} s, "
+              f"ahead/inline x{row['ratio_median']:.2f} [{lo:.2f}, {hi:.2f}], same choices: {row['same_choices']}")
+    print(f"wrote {args.out / 'price_ahead.json'} and {args.out / 'price_ahead.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
