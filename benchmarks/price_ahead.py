@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = CostModel.from_dict(json.loads(args.cost_model.read_text()) if args.cost_model else COST_MODEL)
     sizes = [int(s) for s in args.sizes.split(",")]
     leads = [float(x) for x in args.leads.split(",")]
-    out: dict[str, Any] = {"type": RESULT_TYPE, "config": {"topology": str(args.topology), "cost_model": model.to_dict(),
+    where = args.topology.resolve()
+    label = where.relative_to(_ROOT).as_posix() if where.is_file() and where.is_relative_to(_ROOT) else str(args.topology)
+    out: dict[str, Any] = {"type": RESULT_TYPE, "config": {"topology": label, "cost_model": model.to_dict(),
                                                             "sizes": sizes, "rounds": args.rounds}, "leads": {}}
     orders = balanced_orders(METHODS)
     for lead in leads:

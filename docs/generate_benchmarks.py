@@ -398,6 +398,25 @@ def adapt() -> list[str]:
     return out
 
 
+def price_ahead() -> list[str]:
+    rel = "price_ahead/price_ahead.json"
+    if not (RESULTS / rel).is_file():
+        return []
+    j = load(rel)
+    cfg = j["config"]
+    out = ["## A job's first calls, priced when needed or ahead (`gradsync bench price-ahead`)", "",
+           *sources(rel),
+           f"The first calls of the {', '.join(size(s) for s in cfg['sizes'])} classes on "
+           f"`{Path(cfg['topology']).name}` with the testbed's calibrated model: priced when first needed (`inline`), "
+           f"or adopted from a child asked for them that long before (`ahead`), alternating (ABBA) in one process, "
+           f"{cfg['rounds']} rounds per lead.", ""]
+    out += table(["lead (s)", "inline median s", "ahead median s", "ahead / inline", "95 %", "same choices"],
+                 ([num(r["lead_s"]), num(r["medians_s"]["inline"]), num(r["medians_s"]["ahead"]), num(r["ratio_median"]),
+                   f"{num(r['ratio_ci95'][0])}–{num(r['ratio_ci95'][1])}", "yes" if r["same_choices"] else "NO"]
+                  for r in j["leads"].values()))
+    return out + [""]
+
+
 def adapt_testbed() -> list[str]:
     out: list[str] = []
     for name, title in (("adapt_testbed.json", "A NIC cut mid-job on the testbed (`gradsync bench adapt-testbed`)"),
@@ -681,7 +700,7 @@ CAST_ACCURACY_TEXT: list[str] = [
 
 SECTIONS: list[Callable[[], list[str]]] = [
     plan_scaling, plan_fabrics, sim_scaling, bml, allreduce_loopback, vs_native, vs_native_fabrics, tictac, mxnet_mpi,
-    adapt, adapt_testbed, ps_loopback, codecs, hooks, mergecomp, compress_testbed, compression_sweep, cast_accuracy,
+    adapt, adapt_testbed, price_ahead, ps_loopback, codecs, hooks, mergecomp, compress_testbed, compression_sweep, cast_accuracy,
     gpu,
 ]
 
