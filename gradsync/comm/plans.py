@@ -189,9 +189,9 @@ class PlanCache:
         """Have the allreduce size classes of ``sizes`` priced ahead of their first calls, in this order (before those
         asked for earlier with ``first``: a caller about to need them), by a child
         process (:class:`~gradsync.sim.pricing.Pricer`): their first calls then adopt the choice instead of every
-        rank waiting while rank 0 simulates. Only where it pays: on the rank that prices for the job (rank 0, or each
-        rank where the transport cannot share), where ``auto`` has plans to price and the fabric gives a plan a
-        bandwidth advantage over the backend's ring (elsewhere the pricing prunes at once). A child that cannot start or
+        rank waiting while rank 0 simulates. Only where it pays: on rank 0 of a transport that shares its decisions,
+        where ``auto`` has plans to price and the fabric gives a plan a bandwidth advantage over the backend's ring
+        (elsewhere the pricing prunes at once). A child that cannot start or
         fails leaves the pricing here, as without it."""
         todo = [n for n in sizes if (ALLREDUCE, size_class(n)) not in self._choices]
         with self._ahead_lock:  # callers' threads (a hook's, the optimizer's) and a replan's close
@@ -210,7 +210,9 @@ class PlanCache:
 
     def _ahead_refusal(self) -> str | None:
         """Why this generation does not price ahead (None: it does)."""
-        if self.caps.decide is not None and self.transport.rank != 0:
+        if self.caps.decide is None:
+            return "every rank prices its own choices on this transport (a child each would cost a core per rank)"
+        if self.transport.rank != 0:
             return "rank 0 prices for the job"
         chooser = self.chooser()
         if not chooser.algorithms:

@@ -156,6 +156,17 @@ def test_rank_0_prices_anticipated_sizes_in_a_child_and_the_first_call_adopts_th
         rt.shutdown()
 
 
+def test_no_child_where_every_rank_prices_its_own():
+    from gradsync.comm import Runtime
+
+    rt = Runtime(LocalFabric(6).transport(0), "racks:2,3,4", "auto", timeout_s=5)
+    try:
+        rt.anticipate([4 << 20])
+        assert rt.plans.pricer is None and "every rank prices its own" in (rt.plans.ahead_refused or "")
+    finally:
+        rt.shutdown()
+
+
 @pytest.mark.parametrize(("world", "rank", "topology", "algorithm", "why"), [
     (6, 1, "racks:2,3,4", "auto", "rank 0 prices for the job"),
     (4, 0, "switch:4", "auto", "no plan moves fewer bytes than the backend's ring"),

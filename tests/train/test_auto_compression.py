@@ -2053,3 +2053,20 @@ def test_auto_has_the_runtime_price_ahead_the_groups_it_may_send(rt: Runtime, mo
     assert asked[0] == ([c // 2 for c in classes] + classes, False)
     groups = [(name, g.spec.nbytes) for name, g in auto._groups.items()]
     assert len(groups) >= 2 and asked[1:] == [([n // 2, n], True) for _, n in groups]
+
+
+def test_the_auto_hook_given_the_model_prices_its_buckets_classes_ahead(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP's buckets are runs of the model's tensors: a hook state given the model and a runtime anticipates their
+    classes as the optimizer does; without the model it knows nothing before the first bucket."""
+    from gradsync.compress.auto import run_classes
+    from gradsync.train.compressed_hook import CompressionHookState
+
+    asked: list[tuple[list[float], bool]] = []
+    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append((list(sizes), first)))
+    monkeypatch.setattr("gradsync.train.auto_compression.AHEAD_FLOOR_BYTES", 64)
+    model = _model(64)
+    CompressionHookState("auto", runtime=rt, model=model)
+    classes = run_classes([p.numel() * 4 for p in model.parameters()], 64)
+    assert asked == [([c // 2 for c in classes] + classes, False)]
+    CompressionHookState("auto", runtime=rt)
+    assert len(asked) == 1
