@@ -82,10 +82,11 @@ class PlanCache:
         #: what this cache's decisions are keyed under besides the generation: a runtime that is not its transport's
         #: first sets it (:mod:`gradsync.comm.claims`), so it never reads an earlier runtime's answer to a key
         self.namespace = ""
-        #: bumped whenever a call settles something before or while it runs: a size class's choice priced, an
-        #: executor built, an exploring call (:class:`~gradsync.comm.tuning.Explorer`). A call that bumped it
-        #: took longer than the exchange it will run from then on, so a timing that spans a bump is not that
-        #: exchange's (:attr:`Runtime.settling <gradsync.comm.runtime.Runtime.settling>`)
+        #: bumped whenever a call settles something before or while it runs: a size class's choice priced, a planned
+        #: executor built (not the backend's own collective's, which costs nothing to make), an exploring call
+        #: (:class:`~gradsync.comm.tuning.Explorer`). A call that bumped it took longer than the exchange it will run
+        #: from then on, so a timing that spans a bump is not that exchange's (:attr:`Runtime.settling
+        #: <gradsync.comm.runtime.Runtime.settling>`)
         self.settling = 0
         self._choosers: dict[str, Chooser] = {}
         self._planner: Chooser | None = None  # named allreduce plans, without pricing any candidate
@@ -251,8 +252,8 @@ class PlanCache:
                         schedule, self.topology, size, known).astype("<f8").tobytes())
                     order = np.frombuffer(raw, "<f8")
                 ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
+                self.settling += 1  # planned, checked and ordered: the backend's own collective costs nothing to make
             self._executors[key] = ex
-            self.settling += 1
         return ex
 
     def owns(self, ex: object) -> bool:

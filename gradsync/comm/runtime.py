@@ -187,13 +187,7 @@ class Runtime:
         self._thread = threading.Thread(target=self._loop, name=COMM_THREAD, daemon=True)
         self._thread.start()
         try:
-            if algorithm == AUTO:
-                # Candidates are known now (a topology nothing plans fails here); each size class is priced when
-                # first used, after any calibration: pricing the default class here (options.size_bytes) ran every
-                # candidate's simulation on a model that calibration then replaced, most of init on a large fabric.
-                self.plans.chooser()
-            else:
-                self.executor(algorithm)  # plan now: a bad algorithm fails at init, not in the first backward
+            self.prepare(algorithm)
         except BaseException:
             self._queue.put(_STOP)  # a runtime that failed to start leaves no thread behind, and frees its transport
             self._thread.join(self.timeout_s)
@@ -275,6 +269,16 @@ class Runtime:
         else:
             pipeline = self.options.pipeline
         return self.plans.executor(name, pipeline, size)
+
+    def prepare(self, algorithm: str | None = None) -> None:
+        """Plan ``algorithm`` (default: the runtime's) now, so that a bad one fails here and not in the first backward:
+        a named algorithm's schedule and executor; ``auto``'s candidates, each size class priced only at its first
+        call. Pricing the default class (``options.size_bytes``) here cost rank 0 every candidate's simulation of a
+        size the job may never send, while every rank waited (docs/runtime.md)."""
+        if (algorithm or self.algorithm) == AUTO:
+            self.plans.chooser()  # a topology nothing plans fails here
+        else:
+            self.executor(algorithm)
 
     def runs_natively(self, nbytes: float, algorithm: str | None = None) -> bool:
         """Whether an allreduce of ``nbytes`` runs on the backend's own collective now (no planned schedule)."""

@@ -12,10 +12,11 @@ chooser is deterministic); :func:`chooser_spec` refuses inputs that do not survi
 a class the child finished (:meth:`Pricer.take`), waits for the one it is pricing, and prices any other itself: a
 class asked for too late costs what it did without a child, plus the core the child uses.
 
-The wire protocol, one JSON object a line: the parent writes ``{"sizes": [...], "first": bool}`` lines (or
-``{"sizes": [...], "skip": true}``) to the child's stdin (the spec is in a file named on the command line); the child answers ``{"start": size}`` when it begins a class and
-:func:`priced_doc` when it ends one, or ``{"error": why}`` before it exits. A class's finish times (what the
-executor's wait order is computed from) travel as little-endian float64 bytes in base64, with their length.
+The wire protocol, one JSON object a line. The spec is in a file named on the child's command line; the parent
+writes ``{"sizes": [...], "first": bool}`` (or ``{"sizes": [...], "skip": true}``) lines to its stdin. The child
+answers ``{"start": size}`` when it begins a class and :func:`priced_doc` when it ends one, or ``{"error": why}``
+before it exits. A class's finish times (what the executor's wait order is computed from) travel as little-endian
+float64 bytes in base64, with their count.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ __all__ = ["SPEC_TYPE", "Pricer", "adopt_priced", "chooser_from_spec", "chooser_
 
 #: The ``type`` tag of a chooser spec file.
 SPEC_TYPE = "gradsync.chooser"
-#: Seconds :meth:`Pricer.close` waits for the child to exit after its stdin closes, before it kills it.
+#: Seconds :meth:`Pricer.close` waits for the terminated child to exit before it kills it.
 CLOSE_WAIT_S = 2.0
 
 

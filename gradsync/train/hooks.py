@@ -57,7 +57,7 @@ class GradsyncHookState:
             self.runtime = get_runtime()
         if not isinstance(self.runtime, Runtime):
             raise TypeError(f"runtime must be a gradsync Runtime (from gradsync.init()), got {type(self.runtime).__name__}")
-        self.runtime.executor(self.algorithm)
+        self.runtime.prepare(self.algorithm)
         return self.runtime
 
 

@@ -162,7 +162,7 @@ class DistributedOptimizer:
             )
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in self._trainable]
-        self.runtime.executor(algorithm)  # plan now
+        self.runtime.prepare(algorithm)  # a bad algorithm fails here, not in the first backward
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found on self: delegate to the wrapped optimizer. (LR schedulers

@@ -28,7 +28,7 @@ class _Recorder:
         self.groups: list[list[int]] = []
         self.ready_then: list[int] = []
 
-    def executor(self, algorithm: str | None = None, nbytes: int | None = None) -> None:
+    def prepare(self, algorithm: str | None = None) -> None:
         return None
 
     def allreduce_async(self, group: list[torch.Tensor], op: str, algorithm: str | None) -> _Done:
@@ -291,3 +291,30 @@ def test_a_non_finite_step_is_skipped_on_every_rank_without_a_grad_scaler(name: 
         for n in _SHAPES:
             assert torch.isfinite(params[1][n]).all() and torch.equal(params[1][n], params[0][n]), (name, r, n)
         assert any(not torch.equal(params[2][n], params[1][n]) for n in _SHAPES), (name, r)
+
+
+def test_an_auto_runtime_prices_nothing_when_an_optimizer_or_hook_starts_on_it() -> None:
+    """Each size class is priced at its first call: starting an optimizer (or a DDP hook state) on ``auto`` plans its
+    candidates but prices no class (the default ``options.size_bytes`` class it used to price, 128 MiB, cost rank 0
+    7-8 s on the testbed's two-tier file while every rank waited, for a size the MLP never sent); a named algorithm is
+    still planned there, and a bad one fails there."""
+    from gradsync.comm.local import LocalFabric
+    from gradsync.train.hooks import GradsyncHookState
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+
+    def start(**kw):  # type: ignore[no-untyped-def]
+        model = _model()
+        return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                                    **kw)
+
+    try:
+        start()
+        GradsyncHookState(runtime=rt)
+        assert rt.plans.chosen() == {} and rt.plans.built() == set()
+        start(algorithm="ring")
+        assert rt.plans.built() == {("ring", rt.options.pipeline)}
+        with pytest.raises(GradsyncError, match="unknown algorithm 'nope'"):
+            start(algorithm="nope")
+    finally:
+        rt.shutdown()
