@@ -43,10 +43,13 @@ from gradsync.sim.cost import CostModel, size_class
 from gradsync.topology.io import from_dict as topology_from_dict
 from gradsync.topology.model import Topology
 
-__all__ = ["SPEC_TYPE", "Pricer", "adopt_priced", "chooser_from_spec", "chooser_spec", "priced_doc"]
+__all__ = ["NICE", "SPEC_TYPE", "Pricer", "adopt_priced", "chooser_from_spec", "chooser_spec", "priced_doc"]
 
 #: The ``type`` tag of a chooser spec file.
 SPEC_TYPE = "gradsync.chooser"
+#: The child's niceness increment: it takes the cores training leaves idle (waiting on the wire, or on rank 0 at a
+#: class's first call, which is when the class it prices is needed), not the ones training computes on.
+NICE = 10
 #: Seconds :meth:`Pricer.close` waits for the terminated child to exit before it kills it.
 CLOSE_WAIT_S = 2.0
 
@@ -173,6 +176,7 @@ def _serve(spec_path: str) -> int:
         sys.stdout.flush()
 
     try:
+        os.nice(NICE)  # training's processes first; this one runs when they wait (at a class's first call, they all do)
         with open(spec_path, encoding="utf-8") as fh:
             chooser = chooser_from_spec(json.load(fh))
         fd = sys.stdin.fileno()
@@ -222,10 +226,10 @@ def _class_of(nbytes: Any) -> int:
 class Pricer:
     """A child process that prices ``chooser``'s size classes ahead of the parent; :meth:`take` adopts them.
 
-    Its methods may be called from several threads (the runtime asks on its communication thread; a query of a size's
-    pick takes on the caller's); one runs at a time. The child ends when
-    :meth:`close` closes its stdin (killed after :data:`CLOSE_WAIT_S`), or when it fails (it says why, and
-    :attr:`failed` keeps it; the parent then prices every class itself).
+    Its methods may be called from several threads (a hook's or optimizer's asks, the thread whose call needs a class
+    takes); one runs at a time, and :meth:`take` holds the others while it waits. The child ends at :meth:`close`
+    (terminated; killed after :data:`CLOSE_WAIT_S`), at the end of its stdin (the parent gone: after the class it is
+    on), or when it fails (it says why, :attr:`failed` keeps it, and the parent prices every class itself).
     """
 
     def __init__(self, chooser: Chooser, *, python: str = sys.executable) -> None:

@@ -508,10 +508,16 @@ class AutoCompression:
             self.runtime.anticipate(sizes, first=first)
 
     def anticipate_model(self, param_bytes: Sequence[int], dtype: torch.dtype) -> None:
-        """:meth:`anticipate` for the groups a partition of tensors of ``param_bytes`` may make, before it is chosen:
-        every size class of a run of them down to :data:`AHEAD_FLOOR_BYTES`, largest first
-        (:func:`~gradsync.compress.auto.run_classes`)."""
-        self.anticipate(run_classes(param_bytes, AHEAD_FLOOR_BYTES), dtype)
+        """Have the runtime price ahead what the groups a partition of tensors of ``param_bytes`` may send, before it
+        is chosen: every size class of a run of them down to :data:`AHEAD_FLOOR_BYTES`, largest first
+        (:func:`~gradsync.compress.auto.run_classes`), as each allowed cast's payload. The uncompressed classes only
+        where no cast is allowed: a cast is what a slow wire tries first, and the speculative classes cost the child's
+        core for seconds each (on the two-tier testbed, 32 MiB took 2.5-4 s)."""
+        options = allowed(self.allow, dtype)
+        casts = [o for o in options if o.cast_to is not None and o.cast_to != dtype]
+        sizes = dense_payloads(run_classes(param_bytes, AHEAD_FLOOR_BYTES), dtype, casts or options)
+        if sizes:
+            self.runtime.anticipate(sizes)
 
     def _current_groups(self) -> list[str]:
         return [k for k in self._live if k in self._groups] or list(self._groups)

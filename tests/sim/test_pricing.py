@@ -14,7 +14,7 @@ import pytest
 from gradsync.errors import PlanError
 from gradsync.sim.choose import Chooser
 from gradsync.sim.cost import CostModel
-from gradsync.sim.pricing import Pricer, adopt_priced, chooser_from_spec, chooser_spec, priced_doc
+from gradsync.sim.pricing import NICE, Pricer, adopt_priced, chooser_from_spec, chooser_spec, priced_doc
 from gradsync.topology.io import get_topology
 from gradsync.topology.model import LINK_SCALE
 
@@ -130,6 +130,8 @@ def test_the_child_prices_what_it_is_asked_first_before_the_rest_and_the_parent_
         for size in sizes:
             assert _until(pricer, size), pricer.failed
         assert pricer.finished == [8 * MIB, 1 * MIB, 2 * MIB] and pricer.adopted == sizes
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, pricer._proc.pid) == min(19, mine + NICE)  # training's cores first
         fresh = _chooser()
         for size in sizes:
             assert c.choose(size) == fresh.choose(size)

@@ -2039,8 +2039,9 @@ def test_a_planned_way_lost_on_a_close_call_comes_back_where_its_whole_steps_are
 
 
 def test_auto_has_the_runtime_price_ahead_the_groups_it_may_send(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The optimizer, before its calibration steps: every run class of the model's tensors, each cast's payload then
-    "none"'s (the partition is not chosen yet). Each group, at its first launch: its own payloads, first."""
+    """The optimizer, before its calibration steps: every run class of the model's tensors as fp16's payload (the
+    partition is not chosen yet; "lossless" would anticipate them uncompressed). Each group, at its first launch: its
+    own payloads, fp16's then "none"'s, first."""
     from gradsync.compress.auto import run_classes
 
     asked: list[tuple[list[float], bool]] = []
@@ -2050,9 +2051,12 @@ def test_auto_has_the_runtime_price_ahead_the_groups_it_may_send(rt: Runtime, mo
     opt, _ = _train(rt, auto, 3, wide=64)
     params = [p.numel() * 4 for p in _model(64).parameters()]
     classes = run_classes(params, 64)
-    assert asked[0] == ([c // 2 for c in classes] + classes, False)
+    assert asked[0] == ([c // 2 for c in classes], False)  # fp16's: "none"'s first call comes with no lead
     groups = [(name, g.spec.nbytes) for name, g in auto._groups.items()]
     assert len(groups) >= 2 and asked[1:] == [([n // 2, n], True) for _, n in groups]
+    asked.clear()
+    AutoCompression("lossless", runtime=rt).anticipate_model(params, torch.float32)
+    assert asked == [(classes, False)]  # no cast allowed: the classes as they are
 
 
 def test_the_auto_hook_given_the_model_prices_its_buckets_classes_ahead(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -2067,6 +2071,6 @@ def test_the_auto_hook_given_the_model_prices_its_buckets_classes_ahead(rt: Runt
     model = _model(64)
     CompressionHookState("auto", runtime=rt, model=model)
     classes = run_classes([p.numel() * 4 for p in model.parameters()], 64)
-    assert asked == [([c // 2 for c in classes] + classes, False)]
+    assert asked == [([c // 2 for c in classes], False)]
     CompressionHookState("auto", runtime=rt)
     assert len(asked) == 1
