@@ -323,13 +323,14 @@ def profile_ladder(low: int, high: int, cap: int | None = None) -> tuple[int, ..
     return tuple(out)
 
 
-def dense_payloads(nbytes: Sequence[int], dtype: torch.dtype, options: Sequence[CodecOption]) -> list[int]:
+def dense_payloads(nbytes: Sequence[int], dtype: torch.dtype, options: Sequence[CodecOption], *,
+                   none: bool = True) -> list[int]:
     """The one-allreduce payloads groups of ``nbytes`` send under ``options``: each cast's for every group, then
-    ``"none"``'s (a cast is usually tried first where the wire is slow, where its first call's pricing costs most).
-    Codecs with other exchanges (two rounds, an allgather) are left out."""
+    ``"none"``'s (a cast is usually tried first where the wire is slow, where its first call's pricing costs most;
+    ``none=False``: the casts' alone). Codecs with other exchanges (two rounds, an allgather) are left out."""
     casts = [o.cast_to for o in options if o.cast_to is not None and o.cast_to != dtype]
     out = [n * wire.itemsize // dtype.itemsize for wire in casts for n in nbytes]
-    if any(o.name == "none" for o in options):
+    if none and any(o.name == "none" for o in options):
         out += list(nbytes)
     return [n for n in out if n > 0]
 

@@ -74,6 +74,17 @@ class Choice:
                 "candidates": [{"algorithm": c.algorithm, "pipeline": c.pipeline, "predicted_s": c.predicted_s}
                                for c in self.candidates]}
 
+    @classmethod
+    def from_dict(cls, data: Any) -> Choice:
+        """The choice :meth:`to_dict` wrote (another process's: :mod:`gradsync.sim.pricing`), its fields checked."""
+        try:
+            cands = tuple(Candidate(str(x["algorithm"]), int(x["pipeline"]), float(x["predicted_s"]))
+                          for x in data["candidates"])
+            return cls(str(data["algorithm"]), int(data["pipeline"]), float(data["predicted_s"]),
+                       float(data["size_bytes"]), cands)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"a choice is malformed ({type(exc).__name__}: {exc}): {data!r:.200}") from None
+
 
 class Chooser:
     """Plans every applicable algorithm at every pipeline depth once, and picks per size class.

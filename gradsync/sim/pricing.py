@@ -38,7 +38,7 @@ import numpy as np
 
 from gradsync.errors import PlanError
 from gradsync.plan.synthesizers import PlanOptions
-from gradsync.sim.choose import Candidate, Choice, Chooser
+from gradsync.sim.choose import Choice, Chooser
 from gradsync.sim.cost import CostModel, size_class
 from gradsync.topology.io import from_dict as topology_from_dict
 from gradsync.topology.model import Topology
@@ -141,14 +141,11 @@ def adopt_priced(chooser: Chooser, doc: Any) -> Choice:
     wire carries data, not trust)."""
     if not isinstance(doc, dict) or not {"size", "choice", "predicted", "finish"} <= set(doc):
         raise PlanError(f"a priced class needs size, choice, predicted and finish; got {doc!r:.200}")
-    c = doc["choice"]
+    choice = Choice.from_dict(doc["choice"])
     try:
-        cands = tuple(Candidate(str(x["algorithm"]), int(x["pipeline"]), float(x["predicted_s"]))
-                      for x in c["candidates"])
-        choice = Choice(str(c["algorithm"]), int(c["pipeline"]), float(c["predicted_s"]), float(c["size_bytes"]), cands)
         predicted = {str(d): float(t) for d, t in doc["predicted"]}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PlanError(f"a priced class's choice or predictions are malformed ({exc}): {doc!r:.200}") from None
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"a priced class's predictions are malformed ({exc}): {doc['predicted']!r:.200}") from None
     if choice.size_bytes != size_class(choice.size_bytes) or int(doc["size"]) != choice.size_bytes:
         raise PlanError(f"a priced class of {doc['size']!r} bytes must be a size class; got {choice.size_bytes}")
     finish = None
@@ -284,7 +281,7 @@ class Pricer:
         """Take ``nbytes``'s class off the child's queue (the caller prices it: the child's core goes to the next)."""
         with self._lock:
             size = size_class(nbytes)
-            if size in self._asked and size not in self._done and size not in self.finished:
+            if size in self._asked and size not in self.finished:
                 self._send({"sizes": [size], "skip": True})
 
     def _send(self, doc: dict[str, Any]) -> None:

@@ -507,15 +507,18 @@ class AutoCompression:
         if sizes:
             self.runtime.anticipate(sizes, first=first)
 
-    def anticipate_model(self, param_bytes: Sequence[int], dtype: torch.dtype) -> None:
-        """Have the runtime price ahead what the groups a partition of tensors of ``param_bytes`` may send, before it
-        is chosen: every size class of a run of them down to :data:`AHEAD_FLOOR_BYTES`, largest first
+    def anticipate_model(self, params: Sequence[Tensor]) -> None:
+        """Have the runtime price ahead what the groups a partition of ``params`` (the trainable ones, one dtype) may
+        send, before it is chosen: every size class of a run of them down to :data:`AHEAD_FLOOR_BYTES`, largest first
         (:func:`~gradsync.compress.auto.run_classes`), as each allowed cast's payload. The uncompressed classes only
         where no cast is allowed: a cast is what a slow wire tries first, and the speculative classes cost the child's
         core for seconds each (on the two-tier testbed, 32 MiB took 2.5-4 s)."""
+        if not params:
+            return
+        dtype = params[0].dtype
+        classes = run_classes([p.numel() * p.element_size() for p in params], AHEAD_FLOOR_BYTES)
         options = allowed(self.allow, dtype)
-        casts = [o for o in options if o.cast_to is not None and o.cast_to != dtype]
-        sizes = dense_payloads(run_classes(param_bytes, AHEAD_FLOOR_BYTES), dtype, casts or options)
+        sizes = dense_payloads(classes, dtype, options, none=False) or dense_payloads(classes, dtype, options)
         if sizes:
             self.runtime.anticipate(sizes)
 

@@ -120,9 +120,8 @@ class CompressionHookState:
         self.cast_dtype: torch.dtype | None = self.step.cast_dtype if self.auto is None else None
         if runtime is not None or is_initialized() or (dist.is_available() and dist.is_initialized()):
             self.resolve()  # something to run on already: look it up now, as GradsyncHookState does
-            trainable = [p for _, p in named if p.requires_grad]
-            if self.auto is not None and trainable:  # DDP's buckets are runs of them: their classes priced meanwhile
-                self.auto.anticipate_model([p.numel() * p.element_size() for p in trainable], trainable[0].dtype)
+            if self.auto is not None:  # DDP's buckets are runs of the parameters: their classes priced meanwhile
+                self.auto.anticipate_model([p for _, p in named if p.requires_grad])
 
     @property
     def resolved(self) -> bool:

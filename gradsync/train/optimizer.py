@@ -260,9 +260,8 @@ class DistributedOptimizer:
             self.compression = compression if isinstance(compression, AutoCompression) else AutoCompression(
                 allow or "cast", runtime=self.runtime, signature=param_signature(trainable))
             self.compression.bind("optimizer", self)
-            if trainable:  # the groups' sizes are known after the calibration steps: their classes are priced meanwhile
-                self.compression.anticipate_model([p.numel() * p.element_size() for _, p in trainable],
-                                                  trainable[0][1].dtype)
+            # the groups' sizes are known after the calibration steps: their classes are priced meanwhile
+            self.compression.anticipate_model([p for _, p in trainable])
         else:
             self.compression = CompressionStep(compression, memory, communicator, runtime=self.runtime)
         self._params = list(reversed(trainable))  # backward order: the reverse of registration (forward) order

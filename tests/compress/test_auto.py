@@ -418,6 +418,8 @@ def test_dense_payloads_are_each_cast_then_none() -> None:
     assert dense_payloads([1000, 64], torch.float32, allowed("cast", torch.float32)) == [500, 32, 1000, 64]
     assert dense_payloads([1000], torch.float32, allowed("any", torch.float32)) == [500, 1000]
     assert dense_payloads([1000], torch.float32, allowed("lossless", torch.float32)) == [1000]
+    assert dense_payloads([1000, 64], torch.float32, allowed("cast", torch.float32), none=False) == [500, 32]
+    assert dense_payloads([1000], torch.float32, allowed("lossless", torch.float32), none=False) == []
     assert dense_payloads([1000], torch.float16, allowed("cast", torch.float16)) == [1000, 1000]  # bf16: 2 bytes too
     assert dense_payloads([1000], torch.float16, allowed("lossless", torch.float16)) == [1000]
 

@@ -2055,7 +2055,7 @@ def test_auto_has_the_runtime_price_ahead_the_groups_it_may_send(rt: Runtime, mo
     groups = [(name, g.spec.nbytes) for name, g in auto._groups.items()]
     assert len(groups) >= 2 and asked[1:] == [([n // 2, n], True) for _, n in groups]
     asked.clear()
-    AutoCompression("lossless", runtime=rt).anticipate_model(params, torch.float32)
+    AutoCompression("lossless", runtime=rt).anticipate_model(list(_model(64).parameters()))
     assert asked == [(classes, False)]  # no cast allowed: the classes as they are
 
 
