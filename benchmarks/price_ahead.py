@@ -40,8 +40,7 @@ COST_MODEL = {"type": "gradsync.cost_model", "message_s": 0.0018415025426150068,
 
 
 def _chooser(topology: Any, model: Any) -> Any:
-    from gradsync.comm.plans import EXPLORE_RIVAL
-    from gradsync.sim.choose import Chooser
+    from gradsync.sim.choose import EXPLORE_RIVAL, Chooser
 
     return Chooser(topology, model, native=True, keep_within=EXPLORE_RIVAL)  # the runtime's allreduce chooser
 

@@ -26,12 +26,12 @@ from gradsync.env import env_number
 from gradsync.errors import GradsyncError, PlanError
 from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import PlanOptions
-from gradsync.sim.choose import PRUNE, Chooser
+from gradsync.sim.choose import EXPLORE_RIVAL, PRUNE, Chooser, Pick
 from gradsync.sim.cost import NATIVE, CostModel, native_schedule, size_class
 from gradsync.sim.pricing import Pricer
 from gradsync.topology.model import Topology
 
-__all__ = ["ALLREDUCE", "ANNOUNCE_PRICING_S", "EXPLORE_RIVAL", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S",
+__all__ = ["ALLREDUCE", "ANNOUNCE_PRICING_S", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S",
            "PRICE_AHEAD_ENV", "Pick", "PlanCache", "price_ahead"]
 
 #: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
@@ -50,13 +50,7 @@ ALLREDUCE = "allreduce"
 #: own collective: no planned schedule has been measured there yet, and ``auto`` never picks a path that has
 #: not run on its engine. A named algorithm still runs, over the backend's point-to-point messages.
 PLANNED_BACKENDS = frozenset({"gloo", ""})
-#: The explorer's first step also times the best plan of another algorithm that the model prices within this
-#: share of its choice: near-equal algorithms are where the model's ranking is least sure (docs/runtime.md). The
-#: allreduce chooser prices each algorithm's deeper pipelines until it cannot come this close (``keep_within``).
-EXPLORE_RIVAL = 0.1
 
-#: An (algorithm, pipeline depth) pair: what a choice picks and what an executor runs.
-Pick = tuple[str, int]
 Runnable = Executor | NativeAllreduce
 
 
@@ -127,13 +121,7 @@ class PlanCache:
     def plannable(self, name: str, pipeline: int) -> bool:
         """Whether allreduce by ``name`` at depth ``pipeline`` may be measured: a depth the cost model prices,
         and one that plans here."""
-        if pipeline not in self.cost_model.pipelines:
-            return False
-        try:
-            self.chooser().schedule(name, pipeline)
-        except PlanError:
-            return False  # too large to plan here: not a candidate
-        return True
+        return self.chooser().plannable(name, pipeline)
 
     def decide(self, key: str, compute: Callable[[], bytes]) -> bytes:
         """``compute()`` once for the job (rank 0, shared through the transport) under this cost model, or
@@ -186,14 +174,16 @@ class PlanCache:
             self.settling += 1
         return got
 
-    def anticipate(self, sizes: Iterable[float], *, first: bool = False) -> None:
+    def anticipate(self, sizes: Iterable[float], *, first: bool = False, orders_from: int | None = None) -> None:
         """Have the allreduce size classes of ``sizes`` priced ahead of their first calls, in this order (before those
         asked for earlier with ``first``: a caller about to need them), by a child
         process (:class:`~gradsync.sim.pricing.Pricer`): their first calls then adopt the choice instead of every
         rank waiting while rank 0 simulates. Only where it pays: on rank 0 of a transport that shares its decisions,
         where ``auto`` has plans to price and the fabric gives a plan a bandwidth advantage over the backend's ring
         (elsewhere the pricing prunes at once). A child that cannot start or
-        fails leaves the pricing here, as without it."""
+        fails leaves the pricing here, as without it. ``orders_from``: the child also prepares the wait orders of
+        the neighbours an explorer times (:meth:`prepare_orders`) for each class of at least that many bytes it priced,
+        once nothing else is asked (None: only those asked for; set when the child starts)."""
         todo = [n for n in sizes if (ALLREDUCE, size_class(n)) not in self._choices]
         with self._ahead_lock:  # callers' threads (a hook's, the optimizer's) and a replan's close
             if not todo or self.ahead_refused is not None:
@@ -203,11 +193,19 @@ class PlanCache:
                 if self.ahead_refused is not None:
                     return
                 try:
-                    self.pricer = Pricer(self.chooser())
+                    self.pricer = Pricer(self.chooser(), orders_from=orders_from)
                 except (PlanError, OSError) as exc:
                     self.ahead_refused = f"the pricer did not start: {exc}"
                     return
             self.pricer.ask(todo, first=first)
+
+    def prepare_orders(self, size: int) -> None:
+        """A size class's explorer starts: have the child pricing ahead (if there is one) prepare the finish times of
+        the neighbours it will build executors of on its next calls, so that their wait orders need no simulation
+        while every rank waits (:meth:`executor`)."""
+        with self._ahead_lock:
+            if self.pricer is not None and self.pricer.alive:
+                self.pricer.want_orders(size)
 
     def _ahead_refusal(self) -> str | None:
         """Why this generation does not price ahead (None: it does)."""
@@ -247,9 +245,15 @@ class PlanCache:
                 schedule = self.schedule(name, pipeline, collective, check=True)
                 order = None
                 if schedule.num_transfers <= MAX_ORDERED_TRANSFERS:
-                    known = self.chooser(collective).finish_times(schedule, size)  # priced when it was chosen
-                    raw = self.decide(f"order/{collective}/{name}/{pipeline}/{size}", lambda: self.cost_model.wait_order(
-                        schedule, self.topology, size, known).astype("<f8").tobytes())
+                    def ordered() -> bytes:
+                        # priced when it was chosen, or prepared by the child pricing ahead (an explorer's neighbour)
+                        known = self.chooser(collective).finish_times(schedule, size)
+                        pricer = self.pricer
+                        if known is None and pricer is not None and collective == ALLREDUCE:
+                            known = pricer.order(size, schedule.digest, max(self.timeout_s, PLAN_TIMEOUT_S))
+                        return self.cost_model.wait_order(schedule, self.topology, size, known).astype("<f8").tobytes()
+
+                    raw = self.decide(f"order/{collective}/{name}/{pipeline}/{size}", ordered)
                     order = np.frombuffer(raw, "<f8")
                 ex = Executor(schedule, self.transport, mapping=self.mapping, timeout_s=self.timeout_s, order=order)
                 self.settling += 1  # planned, checked and ordered: the backend's own collective costs nothing to make

@@ -47,7 +47,7 @@ from gradsync.comm.ledger import Ledger, describe_mismatch
 from gradsync.comm.plans import PlanCache, Runnable, price_ahead
 from gradsync.comm.trace import TraceRecorder, profiled
 from gradsync.comm.transport import Transport, create_transport
-from gradsync.comm.tuning import TUNE_MAX_BYTES, Explorer, Tuning, load_cost_model
+from gradsync.comm.tuning import EXPLORE_MIN_BYTES, TUNE_MAX_BYTES, Explorer, Tuning, load_cost_model
 from gradsync.errors import CommError, GradsyncError, PeerError
 from gradsync.plan.schedule import SHARDED, Schedule
 from gradsync.plan.synthesizers import PlanOptions
@@ -303,7 +303,8 @@ class Runtime:
         if any(not (n > 0) for n in todo):
             raise GradsyncError(f"sizes={list(sizes)!r} must be positive byte counts")
         if price_ahead() and self.algorithm == AUTO:
-            self.plans.anticipate(todo, first=first)
+            # where this runtime explores, the child also orders the neighbours its explorers will time
+            self.plans.anticipate(todo, first=first, orders_from=EXPLORE_MIN_BYTES if self.tuning.explore else None)
 
     def choice(self, nbytes: float) -> tuple[str, int]:
         """The (algorithm, pipeline) ``auto`` runs for ``nbytes`` now: the model's, or what :meth:`tune` or

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gradsync.comm.executor import Executor
-from gradsync.comm.plans import ALLREDUCE, EXPLORE_RIVAL, PLANNED_BACKENDS, Pick, PlanCache
+from gradsync.comm.plans import ALLREDUCE, PLANNED_BACKENDS, Pick, PlanCache
 from gradsync.errors import GradsyncError
 from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import SYNTHESIZERS
@@ -40,7 +40,7 @@ from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, siz
 from gradsync.topology.model import Topology
 
 __all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_DROP", "EXPLORE_DROP_AFTER", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
-           "TUNE_MARGIN", "TUNE_MAX_BYTES", "EXPLORE_MIN_BYTES", "EXPLORE_NATIVE", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
+           "TUNE_MARGIN", "TUNE_MAX_BYTES", "EXPLORE_MIN_BYTES", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
 #: Bytes ranks 0 and 1 send one way and both ways when calibrating ``reverse_share`` (and half as many).
@@ -88,11 +88,6 @@ EXPLORE_STEPS = 2
 #: candidates (the model's depth, its double and half, a rival, the backend's collective), then of up to three
 #: per step on.
 EXPLORE_MAX_CALLS = (1 + EXPLORE_REPS) * (5 + 3 * EXPLORE_STEPS)
-#: ... and the backend's own collective beside every planned choice, so that ``auto`` settles on a plan only where it
-#: measured no slower than the collective the user had without gradsync (the model prices the backend's ring well on
-#: a wire, not on cores a plan's executor shares with training: :data:`EXPLORE_DROP` ends its calls where it is far
-#: slower). Where the model chose the backend, the best plan is timed beside it where priced within this share.
-EXPLORE_NATIVE = 0.25
 #: Size classes from this size up that tuning did not measure are explored (above :data:`TUNE_MAX_BYTES` always;
 #: the default ``init`` calibrates without tuning). Below it a call is a few messages' fixed costs, which
 #: calibration measures.
@@ -549,11 +544,11 @@ class Tuning:
             return None
 
         def candidates() -> bytes:  # priced by rank 0, like every choice
-            choice = plans.chooser().choose(size)
-            if model[0] == NATIVE:
-                return json.dumps([model] + native_rival_of(choice, model)).encode()
-            depths = [(model[0], q) for q in (2 * model[1], model[1] // 2) if plans.plannable(model[0], q)]
-            return json.dumps([model] + depths + rival_of(choice, model) + native_rival_of(choice, model)).encode()
+            chooser = plans.chooser()
+            tried = chooser.explore_candidates(chooser.choose(size), model)
+            if len(tried) > 1:
+                plans.prepare_orders(size)  # the child pricing ahead, if any, orders the candidates built next
+            return json.dumps(tried).encode()
 
         tried = [(str(a), int(p)) for a, p in json.loads(plans.decide(f"explore/{size}", candidates))]
         return Explorer(self, plans.caps.group, size, tried) if len(tried) > 1 else None
@@ -582,29 +577,9 @@ class Tuning:
         self.keep_tuned()
 
 
-def rival_of(choice: Any, model: Pick) -> list[Pick]:
-    """The best-priced plan of an algorithm other than ``model``'s (the backend's own excluded) among ``choice``'s
-    candidates, when the model prices it within :data:`EXPLORE_RIVAL` of ``model``; else nothing.
-
-    An algorithm whose plans are priced exactly as ``model``'s family is the same plan under another name (``lp``
-    where one tree meets the cut bound is ``tree``: on the hand-written 4:1 file the rival timed at 1 MiB was
-    ``lp``/32 beside ``tree``/32, where ``forest`` was the one to time), so it is passed over."""
-    priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
-    mine = priced.get(tuple(model))
-    families: dict[str, dict[int, float]] = {}
-    for (a, p), t in priced.items():
-        families.setdefault(a, {})[p] = t
-    same = {a for a, family in families.items() if family == families.get(model[0])}  # model's own included
-    others = [(t, pick) for pick, t in priced.items() if pick[0] != NATIVE and pick[0] not in same]
-    if mine is None or not others:
-        return []
-    t, pick = min(others)
-    return [pick] if t <= mine * (1 + EXPLORE_RIVAL) else []
-
-
 class Explorer:
     """``auto``'s first calls of one large size class: the model's pipeline depth against its half and its
-    double (and the best plan of another algorithm the model prices close to it, :data:`EXPLORE_RIVAL`),
+    double (and the best plan of another algorithm the model prices close to it, :data:`~gradsync.sim.choose.EXPLORE_RIVAL`),
     measured on the job's own allreduces, stepping on while the edge wins.
 
     Above :data:`TUNE_MAX_BYTES` the α-β model ranks algorithms well but not always depths: it charges each
@@ -752,24 +727,6 @@ class Explorer:
                            lambda: json.dumps([q for q in depths if q >= 1 and (name, q) not in measured
                                                and plans.plannable(name, q)]).encode())
         return [(name, int(q)) for q in json.loads(raw)]
-
-
-def native_rival_of(choice: Any, model: Pick) -> list[Pick]:
-    """What to time against the backend's own collective: for a planned ``model``, the backend's collective wherever
-    it was priced (there is a process group); for the backend's, the best-priced plan where the model prices it
-    within :data:`EXPLORE_NATIVE` of the backend (a near-tie, where α and the wire's short-transfer behaviour
-    decide)."""
-    priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
-    mine = priced.get(tuple(model))
-    if mine is None:
-        return []
-    if model[0] != NATIVE:
-        return [(NATIVE, 1)] if (NATIVE, 1) in priced else []
-    plans = [(t, pick) for pick, t in priced.items() if pick[0] != NATIVE]
-    if not plans:
-        return []
-    t, pick = min(plans)
-    return [pick] if t <= mine * (1 + EXPLORE_NATIVE) else []
 
 
 def _solve_rising(predict: Callable[[float], float], measured: float, unchanged: float, rounds: int = 40) -> float:

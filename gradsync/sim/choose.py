@@ -23,7 +23,8 @@ from gradsync.plan.synthesizers import SYNTHESIZERS, PlanOptions
 from gradsync.sim.cost import NATIVE, CostModel, native_schedule, size_class
 from gradsync.topology.model import Topology
 
-__all__ = ["AUTO", "DEPTH_GAIN_FACTOR", "DEPTH_PATIENCE", "Candidate", "Choice", "Chooser", "algorithm_names", "algorithms_for", "plan_auto", "synthesize"]
+__all__ = ["AUTO", "DEPTH_GAIN_FACTOR", "DEPTH_PATIENCE", "EXPLORE_NATIVE", "EXPLORE_RIVAL", "Candidate", "Choice", "Chooser",
+           "Pick", "algorithm_names", "algorithms_for", "native_rival_of", "plan_auto", "rival_of", "synthesize"]
 
 #: The name that asks for the chooser's pick instead of one synthesizer.
 AUTO = "auto"
@@ -38,6 +39,19 @@ DEPTH_PATIENCE = 2
 #: as many messages again), so the gains at least halve and sum to no more than the last one; twice that leaves
 #: room for a planner's different forest at the next depth.
 DEPTH_GAIN_FACTOR = 2.0
+#: A runtime's explorer (:class:`~gradsync.comm.tuning.Explorer`) also times the best plan of another algorithm that
+#: the model prices within this share of its choice: near-equal algorithms are where the model's ranking is least sure
+#: (docs/runtime.md). The runtime's allreduce chooser prices each algorithm's deeper pipelines until it cannot come
+#: this close (``keep_within``).
+EXPLORE_RIVAL = 0.1
+#: ... and the backend's own collective beside every planned choice, so that ``auto`` settles on a plan only where it
+#: measured no slower than the collective the user had without gradsync (the model prices the backend's ring well on
+#: a wire, not on cores a plan's executor shares with training). Where the model chose the backend, the best plan is
+#: timed beside it where priced within this share.
+EXPLORE_NATIVE = 0.25
+
+#: An (algorithm, pipeline depth) pair: what a choice picks and what an executor runs.
+Pick = tuple[str, int]
 
 
 def algorithm_names() -> list[str]:
@@ -84,6 +98,44 @@ class Choice:
                        float(data["size_bytes"]), cands)
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"a choice is malformed ({type(exc).__name__}: {exc}): {data!r:.200}") from None
+
+
+def rival_of(choice: Choice, model: Pick) -> list[Pick]:
+    """The best-priced plan of an algorithm other than ``model``'s (the backend's own excluded) among ``choice``'s
+    candidates, when the model prices it within :data:`EXPLORE_RIVAL` of ``model``; else nothing.
+
+    An algorithm whose plans are priced exactly as ``model``'s family is the same plan under another name (``lp``
+    where one tree meets the cut bound is ``tree``: on the hand-written 4:1 file the rival timed at 1 MiB was
+    ``lp``/32 beside ``tree``/32, where ``forest`` was the one to time), so it is passed over."""
+    priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
+    mine = priced.get(tuple(model))
+    families: dict[str, dict[int, float]] = {}
+    for (a, p), t in priced.items():
+        families.setdefault(a, {})[p] = t
+    same = {a for a, family in families.items() if family == families.get(model[0])}  # model's own included
+    others = [(t, pick) for pick, t in priced.items() if pick[0] != NATIVE and pick[0] not in same]
+    if mine is None or not others:
+        return []
+    t, pick = min(others)
+    return [pick] if t <= mine * (1 + EXPLORE_RIVAL) else []
+
+
+def native_rival_of(choice: Choice, model: Pick) -> list[Pick]:
+    """What to time against the backend's own collective: for a planned ``model``, the backend's collective wherever
+    it was priced (there is a process group); for the backend's, the best-priced plan where the model prices it
+    within :data:`EXPLORE_NATIVE` of the backend (a near-tie, where α and the wire's short-transfer behaviour
+    decide)."""
+    priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
+    mine = priced.get(tuple(model))
+    if mine is None:
+        return []
+    if model[0] != NATIVE:
+        return [(NATIVE, 1)] if (NATIVE, 1) in priced else []
+    plans = [(t, pick) for pick, t in priced.items() if pick[0] != NATIVE]
+    if not plans:
+        return []
+    t, pick = min(plans)
+    return [pick] if t <= mine * (1 + EXPLORE_NATIVE) else []
 
 
 class Chooser:
@@ -160,6 +212,39 @@ class Chooser:
         orders an executor's waits by, without simulating the plan a second time."""
         return self._finish.get((schedule.digest, float(size)))
 
+    def finish_of(self, schedule: Schedule, size: float) -> np.ndarray:
+        """:meth:`finish_times`, simulated here where they are not kept (and kept from then on): the finish times of
+        a plan the choice did not pick, which a runtime's explorer builds an executor of (:meth:`explore_candidates`)."""
+        key = (schedule.digest, float(size))
+        got = self._finish.get(key)
+        if got is None:
+            run = self.model.run(schedule, self.topology, size)
+            self._predicted.setdefault(key, run.time_s)
+            got = self._finish[key] = run.transfer_times()[1]
+        return got
+
+    def plannable(self, algorithm: str, pipeline: int) -> bool:
+        """Whether ``algorithm`` at depth ``pipeline`` may be measured: a depth the cost model prices, and one that
+        plans here."""
+        if pipeline not in self.model.pipelines:
+            return False
+        try:
+            self.schedule(algorithm, pipeline)
+        except PlanError:
+            return False  # too large to plan here: not a candidate
+        return True
+
+    def explore_candidates(self, choice: Choice, model: Pick | None = None) -> list[Pick]:
+        """What a runtime's explorer times on ``choice``'s class, ``model`` (the choice's pick unless a measurement
+        replaced it) first: for a plan, its double and half depth, the best rival algorithm (:func:`rival_of`) and the
+        backend's collective (:func:`native_rival_of`); for the backend's, a plan priced close to it. Pure in the
+        choice, so whoever prices the class can prepare these candidates' wait orders ahead."""
+        model = (choice.algorithm, choice.pipeline) if model is None else (str(model[0]), int(model[1]))
+        if model[0] == NATIVE:
+            return [model, *native_rival_of(choice, model)]
+        depths = [(model[0], q) for q in (2 * model[1], model[1] // 2) if self.plannable(model[0], q)]
+        return [model, *depths, *rival_of(choice, model), *native_rival_of(choice, model)]
+
     def fluid_s(self, algorithm: str, size: float) -> float:
         """``algorithm``'s fluid time for ``size`` bytes on the model's rates (at the first pipeline depth):
         its busiest link's load over that link's rate, the P → ∞, α → 0 limit of :meth:`CostModel.predict`."""
@@ -214,8 +299,18 @@ class Chooser:
         (None for the backend's own collective): what :meth:`adopt` records in an identical chooser elsewhere."""
         size = float(size)
         predicted = {digest: t for (digest, s), t in self._predicted.items() if s == size}
-        finish = next(((digest, f) for (digest, s), f in self._finish.items() if s == size), None)
+        choice = self._choices.get(size_class(size))
+        finish = None
+        if choice is not None and choice.algorithm != NATIVE:
+            digest = self.schedule(choice.algorithm, choice.pipeline).digest
+            times = self._finish.get((digest, size))
+            finish = None if times is None else (digest, times)
         return predicted, finish
+
+    def keep_finish(self, digest: str, size: float, times: np.ndarray) -> None:
+        """Keep ``times`` as the finish times of the schedule with ``digest`` for ``size`` bytes, as :meth:`finish_of`
+        computed them in an identical chooser elsewhere (:mod:`gradsync.sim.pricing`); any kept already stay."""
+        self._finish.setdefault((str(digest), float(size)), times)
 
     def adopt(self, choice: Choice, predicted: dict[str, float],
               finish: tuple[str, np.ndarray] | None) -> None:

@@ -12,11 +12,20 @@ chooser is deterministic); :func:`chooser_spec` refuses inputs that do not survi
 a class the child finished (:meth:`Pricer.take`), waits for the one it is pricing, and prices any other itself: a
 class asked for too late costs what it did without a child, plus the core the child uses.
 
+A class's runtime may then time its pick's neighbours (:class:`~gradsync.comm.tuning.Explorer`: the double and half
+depth, a rival algorithm, the backend's collective; :meth:`Chooser.explore_candidates
+<gradsync.sim.choose.Chooser.explore_candidates>`), and each planned neighbour's executor is ordered by a simulation
+of its own, on rank 0 while every rank waits, at the call that first runs it. The child prepares those too
+(:func:`order_doc`): for a class the parent asks (``orders``, before anything else: its explorer has started), and,
+started with ``--orders-from N``, for each class of at least N bytes it priced, once nothing else is asked.
+:meth:`Pricer.order` hands them over (waiting for the one the child is on).
+
 The wire protocol, one JSON object a line. The spec is in a file named on the child's command line; the parent
-writes ``{"sizes": [...], "first": bool}`` (or ``{"sizes": [...], "skip": true}``) lines to its stdin. The child
-answers ``{"start": size}`` when it begins a class and :func:`priced_doc` when it ends one, or ``{"error": why}``
-before it exits. A class's finish times (what the executor's wait order is computed from) travel as little-endian
-float64 bytes in base64, with their count.
+writes ``{"sizes": [...], "first": bool}``, ``{"sizes": [...], "skip": true}`` or ``{"orders": [...]}`` lines to its
+stdin. The child answers ``{"start": size}`` when it begins a class and :func:`priced_doc` when it ends one;
+``{"ordering": size, "digest": d}`` when it begins a neighbour's finish times and :func:`order_doc` when it ends them;
+or ``{"error": why}`` before it exits. Finish times (what an executor's wait order is computed from) travel as
+little-endian float64 bytes in base64, with their count.
 """
 
 from __future__ import annotations
@@ -39,11 +48,12 @@ import numpy as np
 from gradsync.errors import PlanError
 from gradsync.plan.synthesizers import PlanOptions
 from gradsync.sim.choose import Choice, Chooser
-from gradsync.sim.cost import CostModel, size_class
+from gradsync.sim.cost import NATIVE, CostModel, size_class
 from gradsync.topology.io import from_dict as topology_from_dict
 from gradsync.topology.model import Topology
 
-__all__ = ["NICE", "SPEC_TYPE", "Pricer", "adopt_priced", "chooser_from_spec", "chooser_spec", "priced_doc"]
+__all__ = ["NICE", "SPEC_TYPE", "Pricer", "adopt_priced", "chooser_from_spec", "chooser_spec", "order_doc", "priced_doc",
+           "read_order"]
 
 #: The ``type`` tag of a chooser spec file.
 SPEC_TYPE = "gradsync.chooser"
@@ -130,10 +140,52 @@ def priced_doc(chooser: Chooser, size: int) -> dict[str, Any]:
                            "predicted": [[digest, t] for digest, t in predicted.items()], "finish": None}
     if finish is not None:
         digest, times = finish
-        raw = np.ascontiguousarray(times, dtype="<f8").tobytes()
-        doc["finish"] = {"digest": digest, "dtype": "<f8", "count": int(times.size),
-                         "data": base64.b64encode(raw).decode("ascii")}
+        doc["finish"] = {"digest": digest, **_times_doc(times)}
     return doc
+
+
+def _times_doc(times: np.ndarray) -> dict[str, Any]:
+    raw = np.ascontiguousarray(times, dtype="<f8").tobytes()
+    return {"dtype": "<f8", "count": int(times.size), "data": base64.b64encode(raw).decode("ascii")}
+
+
+def _times_from(doc: Any, what: str) -> np.ndarray:
+    """:func:`_times_doc` read back, checked: finite <f8 values, as many as it says."""
+    if not isinstance(doc, dict) or doc.get("dtype") != "<f8" or not isinstance(doc.get("count"), int):
+        raise PlanError(f"{what} must be <f8 with a count, got {doc!r:.200}")
+    try:
+        times = np.frombuffer(base64.b64decode(str(doc["data"]), validate=True), "<f8")
+    except (KeyError, ValueError) as exc:
+        raise PlanError(f"{what} are not base64 float64 bytes ({exc})") from None
+    if times.size != doc["count"] or not np.all(np.isfinite(times)):
+        raise PlanError(f"{what} hold {times.size} finite values, not {doc['count']}")
+    return times.astype(np.float64)
+
+
+def order_candidates(chooser: Chooser, size: int) -> list[tuple[str, int]]:
+    """The planned neighbours of ``size``'s pick that a runtime's explorer builds executors of (the pick itself, whose
+    finish times pricing keeps, and the backend's collective, which has no wait order, left out)."""
+    choice = chooser.choose(size)
+    pick = (choice.algorithm, choice.pipeline)
+    return [c for c in chooser.explore_candidates(choice) if c != pick and c[0] != NATIVE]
+
+
+def order_doc(chooser: Chooser, size: int, candidate: tuple[str, int]) -> dict[str, Any]:
+    """``candidate``'s finish times for ``size``'s class (:meth:`Chooser.finish_of
+    <gradsync.sim.choose.Chooser.finish_of>`), by its schedule's digest: what :func:`read_order` takes back."""
+    schedule = chooser.schedule(*candidate)
+    times = chooser.finish_of(schedule, size_class(size))
+    return {"order": int(size_class(size)), "digest": schedule.digest, "finish": _times_doc(times)}
+
+
+def read_order(doc: Any) -> tuple[int, str, np.ndarray]:
+    """:func:`order_doc` read back, checked: (size class, schedule digest, finish times)."""
+    if not isinstance(doc, dict) or not {"order", "digest", "finish"} <= set(doc):
+        raise PlanError(f"a neighbour's finish times need order, digest and finish; got {doc!r:.200}")
+    size = doc["order"]
+    if isinstance(size, bool) or not isinstance(size, int) or size != size_class(size):
+        raise PlanError(f"a neighbour's finish times are for {size!r} bytes, which is not a size class")
+    return size, str(doc["digest"]), _times_from(doc["finish"], "a neighbour's finish times")
 
 
 def adopt_priced(chooser: Chooser, doc: Any) -> Choice:
@@ -151,23 +203,21 @@ def adopt_priced(chooser: Chooser, doc: Any) -> Choice:
     finish = None
     if doc["finish"] is not None:
         f = doc["finish"]
-        if not isinstance(f, dict) or f.get("dtype") != "<f8" or not isinstance(f.get("count"), int):
-            raise PlanError(f"a priced class's finish times must be <f8 with a count, got {f!r:.200}")
-        times = np.frombuffer(base64.b64decode(f["data"]), "<f8")
-        if times.size != f["count"] or not np.all(np.isfinite(times)):
-            raise PlanError(f"a priced class's finish times hold {times.size} finite values, not {f['count']}")
-        finish = (str(f["digest"]), times.astype(np.float64))
+        times = _times_from(f, "a priced class's finish times")
+        finish = (str(f["digest"]), times)
     chooser.adopt(choice, predicted, finish)
     return choice
 
 
 # ---- the child ---------------------------------------------------------------------------------------------------
 
-def _serve(spec_path: str) -> int:
+def _serve(spec_path: str, orders_from: int | None = None) -> int:
     """The child's loop: build the chooser, then price the sizes asked for on stdin, each once: a batch marked
     ``"first"`` goes before those still queued (a caller that needs them now), others after; one marked ``"skip"``
-    leaves the queue (the parent priced them itself). It reads stdin between
-    classes and ends at its end (the parent closed: nothing waits for the rest)."""
+    leaves the queue (the parent priced them itself). Neighbours' finish times (:func:`order_doc`) asked for with
+    ``"orders"`` come before any pricing; with ``orders_from``, those of each class of at least that many bytes
+    priced here come once nothing else is asked. It reads stdin between units of work (a class, a neighbour) and
+    ends at its end (the parent closed: nothing waits for the rest)."""
     def say(doc: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(doc) + "\n")
         sys.stdout.flush()
@@ -177,11 +227,33 @@ def _serve(spec_path: str) -> int:
         with open(spec_path, encoding="utf-8") as fh:
             chooser = chooser_from_spec(json.load(fh))
         fd = sys.stdin.fileno()
-        queue: list[int] = []
+        queue: list[int] = []  # classes to price
+        asked: list[int] = []  # classes whose neighbours the parent asked for
+        idle: list[int] = []  # classes priced here whose neighbours come when nothing else waits
+        sent: set[tuple[int, tuple[str, int]]] = set()
         buffer = b""
+
+        def price(size: int) -> None:
+            if chooser.chosen(size) is None:
+                say({"start": size})
+                say(priced_doc(chooser, size))
+                if orders_from is not None and size >= orders_from:
+                    idle.append(size)
+
+        def next_order(sizes: list[int]) -> tuple[int, tuple[str, int]] | None:
+            """The first neighbour of ``sizes``' classes not sent yet (classes with none left leave the list); a class
+            not priced yet is priced first (and said: the parent may not have priced it either)."""
+            while sizes:
+                price(sizes[0])
+                left = [c for c in order_candidates(chooser, sizes[0]) if (sizes[0], c) not in sent]
+                if left:
+                    return sizes[0], left[0]
+                sizes.pop(0)
+            return None
+
         while True:
             while True:  # take in what was asked; wait only with nothing to do
-                ready, _, _ = select.select([fd], [], [], 0 if queue else None)
+                ready, _, _ = select.select([fd], [], [], 0 if queue or asked or idle else None)
                 if not ready:
                     break
                 chunk = os.read(fd, 1 << 16)
@@ -191,6 +263,10 @@ def _serve(spec_path: str) -> int:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     doc = json.loads(line)
+                    if "orders" in doc:
+                        sizes = [_class_of(n) for n in doc["orders"]]
+                        asked = sizes + [n for n in asked if n not in sizes]
+                        continue
                     sizes = [_class_of(n) for n in doc["sizes"]]
                     if doc.get("skip"):
                         queue = [n for n in queue if n not in sizes]
@@ -198,10 +274,16 @@ def _serve(spec_path: str) -> int:
                         queue = sizes + [n for n in queue if n not in sizes]
                     else:
                         queue += [n for n in sizes if n not in queue]
-            size = queue.pop(0)
-            if chooser.chosen(size) is None:
-                say({"start": size})
-                say(priced_doc(chooser, size))
+            unit = next_order(asked)
+            if unit is None and queue:
+                price(queue.pop(0))
+                continue
+            unit = unit or next_order(idle)
+            if unit is not None:
+                size, candidate = unit
+                sent.add(unit)
+                say({"ordering": size, "digest": chooser.schedule(*candidate).digest})
+                say(order_doc(chooser, size, candidate))
     except BrokenPipeError:
         return 0  # the parent closed: nothing is waiting for what this would say
     except Exception as exc:  # every failure is reported to the parent, which prices on its own instead
@@ -229,8 +311,13 @@ class Pricer:
     on), or when it fails (it says why, :attr:`failed` keeps it, and the parent prices every class itself).
     """
 
-    def __init__(self, chooser: Chooser, *, python: str = sys.executable) -> None:
+    def __init__(self, chooser: Chooser, *, python: str = sys.executable, orders_from: int | None = None) -> None:
+        if orders_from is not None and (isinstance(orders_from, bool) or not isinstance(orders_from, int)
+                                        or orders_from < 0):
+            raise PlanError(f"orders_from={orders_from!r} must be None or a byte count >= 0 (the smallest class whose "
+                            f"neighbours' finish times the child prepares unasked)")
         self.chooser = chooser
+        self.orders_from = orders_from
         spec = chooser_spec(chooser)
         fd, self._spec_path = tempfile.mkstemp(prefix="gradsync-pricer-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -254,6 +341,11 @@ class Pricer:
         #: classes the child priced, in the order it finished them; those adopted from it, in order
         self.finished: list[int] = []
         self.adopted: list[int] = []
+        #: the neighbour's finish times the child is computing now, as (class, schedule digest), or None
+        self.ordering: tuple[int, str] | None = None
+        self._orders: dict[tuple[int, str], np.ndarray] = {}
+        #: neighbours' finish times handed over (:meth:`order`), as (class, digest), in order
+        self.ordered: list[tuple[int, str]] = []
         self._lock = threading.Lock()
 
     def _spawn(self, python: str) -> subprocess.Popen[bytes]:
@@ -262,7 +354,8 @@ class Pricer:
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = "1"  # one core: the rest are training's
-        return subprocess.Popen([python, "-m", "gradsync.sim.pricing", self._spec_path], stdin=subprocess.PIPE,
+        extra = [] if self.orders_from is None else ["--orders-from", str(self.orders_from)]
+        return subprocess.Popen([python, "-m", "gradsync.sim.pricing", self._spec_path, *extra], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
 
     def ask(self, sizes: Iterable[float], *, first: bool = False) -> None:
@@ -284,8 +377,32 @@ class Pricer:
             if size in self._asked and size not in self.finished:
                 self._send({"sizes": [size], "skip": True})
 
+    def want_orders(self, nbytes: float) -> None:
+        """Have the child prepare the finish times of ``nbytes``'s class's planned neighbours (its explorer started:
+        they are built on its next calls) before anything else; it prices the class first where it has not."""
+        with self._lock:
+            self._send({"orders": [size_class(nbytes)]})
+
+    def order(self, nbytes: float, digest: str, timeout_s: float = 600.0) -> np.ndarray | None:
+        """The finish times of the schedule with ``digest`` for ``nbytes``'s class, if the child prepared them,
+        waiting (up to ``timeout_s``) if it is on them now; None where the caller simulates them itself."""
+        with self._lock:
+            if self._closed:
+                return None
+            key = (size_class(nbytes), str(digest))
+            self._read(0.0)
+            deadline = time.monotonic() + timeout_s
+            while key not in self._orders and self.ordering == key and self.failed is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._read(left):
+                    break
+            times = self._orders.pop(key, None)
+            if times is not None:
+                self.ordered.append(key)
+            return times
+
     def _send(self, doc: dict[str, Any]) -> None:
-        if not doc["sizes"] or not self.alive:
+        if not doc.get("sizes", doc.get("orders")) or not self.alive:
             return
         try:
             self._stdin.write((json.dumps(doc) + "\n").encode())  # type: ignore[union-attr]
@@ -345,7 +462,7 @@ class Pricer:
             if not chunk:
                 if self.failed is None and self._proc.poll() not in (0, None):
                     self.failed = f"it exited with status {self._proc.returncode}"
-                self.current = None
+                self.current = self.ordering = None
                 return False
             self._buffer += chunk
             *lines, self._buffer = self._buffer.split(b"\n")
@@ -364,6 +481,16 @@ class Pricer:
             self.failed = str(doc["error"])
         elif "start" in doc:
             self.current = int(doc["start"])
+        elif "ordering" in doc:
+            self.ordering = (int(doc["ordering"]), str(doc["digest"]))
+        elif "order" in doc:
+            try:
+                size, digest, times = read_order(doc)
+            except PlanError as exc:
+                self.failed = str(exc)
+                return
+            self._orders[(size, digest)] = times
+            self.ordering = None
         elif "size" in doc:
             self._done[int(doc["size"])] = doc
             self.finished.append(int(doc["size"]))
@@ -400,8 +527,15 @@ class Pricer:
             pass
 
 
+def _main(argv: list[str]) -> int:
+    usage = "usage: python -m gradsync.sim.pricing SPEC.json [--orders-from BYTES]  (sizes as JSON lines on stdin)\n"
+    if len(argv) == 1:
+        return _serve(argv[0])
+    if len(argv) == 3 and argv[1] == "--orders-from" and argv[2].isdigit():
+        return _serve(argv[0], int(argv[2]))
+    sys.stderr.write(usage)
+    return 2
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.stderr.write("usage: python -m gradsync.sim.pricing SPEC.json  (sizes as JSON lines on stdin)\n")
-        raise SystemExit(2)
-    raise SystemExit(_serve(sys.argv[1]))
+    raise SystemExit(_main(sys.argv[1:]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,5 +197,65 @@ def test_price_ahead_is_switched_by_the_environment(monkeypatch):
         assert rt.plans.pricer is None and rt.plans.ahead_refused is None
         with pytest.raises(GradsyncError, match="must be positive byte counts"):
             rt.anticipate([0])
+    finally:
+        rt.shutdown()
+
+
+def test_an_explorers_neighbours_are_ordered_from_the_child_without_simulating_while_ranks_wait(monkeypatch):
+    """A priced-ahead class's explorer asks the child for its neighbours' finish times as it starts; the executors it
+    builds of them then take their wait orders from the child (no simulation on the caller's thread), the orders a
+    simulation here gives. Without a child, nothing is asked and the order is simulated here as before."""
+    import time
+
+    import gradsync.sim.cost as cost
+    from gradsync.sim.pricing import order_candidates
+
+    rt = _declared(6, 0, "racks:2,3,4")
+    orders: dict[str, bytes] = {}
+    decide = rt.plans.caps.decide
+
+    def recording(key, compute, timeout_s):
+        got = decide(key, compute, timeout_s)
+        if key.split("/")[1] == "order":
+            orders[key] = got
+        return got
+
+    # a process group's capabilities (the explorer times on one), with the recording decide
+    rt.plans.caps = replace(rt.plans.caps, group=object(), backend="gloo", decide=recording)
+    rt.explore = True
+    try:
+        size = 8 << 20
+        rt.anticipate([size])
+        pricer = rt.plans.pricer
+        assert pricer is not None and pricer.orders_from is not None  # an exploring runtime's child orders unasked
+        deadline = time.monotonic() + 120
+        while size not in pricer.finished and pricer.failed is None and time.monotonic() < deadline:
+            pricer.poll()
+            time.sleep(0.02)
+        asked = []
+        monkeypatch.setattr(pricer, "want_orders", lambda n, real=pricer.want_orders: (asked.append(n), real(n)))
+        explorer = rt.tuning.explorer(size, rt.choice(size))
+        assert explorer is not None and asked == [size]
+        chooser = rt.plans.chooser()
+        neighbours = order_candidates(chooser, size)
+        assert neighbours and set(neighbours) <= set(explorer.candidates)
+        digests = {(size, chooser.schedule(*n).digest) for n in neighbours}
+        while not digests <= set(pricer._orders) and pricer.failed is None and time.monotonic() < deadline:
+            pricer.poll()
+            time.sleep(0.02)
+        assert digests <= set(pricer._orders), pricer.failed
+
+        def no_simulation(*a, **kw):
+            raise AssertionError("a neighbour the child ordered is not simulated on the caller's thread")
+
+        monkeypatch.setattr(cost.CostModel, "run", no_simulation)
+        for name, depth in neighbours:
+            rt.plans.executor(name, depth, size)
+        monkeypatch.undo()
+        assert set(pricer.ordered) == digests
+        for name, depth in neighbours:
+            schedule = chooser.schedule(name, depth)
+            fresh = rt.cost_model.wait_order(schedule, rt.topology, size)
+            assert np.array_equal(np.frombuffer(orders[f"g0/order/allreduce/{name}/{depth}/{size}"], "<f8"), fresh)
     finally:
         rt.shutdown()

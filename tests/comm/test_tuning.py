@@ -257,8 +257,7 @@ def test_a_candidate_under_the_drop_ratio_is_timed_every_round(monkeypatch):
 
 def test_rival_of_takes_another_algorithm_the_model_prices_close():
     """Within EXPLORE_RIVAL of the model's choice: the best-priced plan of another algorithm (never native)."""
-    from gradsync.comm.tuning import EXPLORE_RIVAL, rival_of
-    from gradsync.sim.choose import Candidate, Choice
+    from gradsync.sim.choose import EXPLORE_RIVAL, Candidate, Choice, rival_of
 
     def choice(*cands):
         return Choice("forest", 8, 1.0, 4 << 20, tuple(Candidate(a, p, t) for a, p, t in cands))
@@ -417,8 +416,7 @@ def test_native_rival_of_times_the_backend_beside_every_plan_and_a_near_plan_bes
     """The backend's collective is timed beside the model's plan however far the model prices it (a plan's executor
     shares the cores with training, which the model does not see; docs/runtime.md); the best plan is timed beside the backend's, when the
     model chose it, within EXPLORE_NATIVE only."""
-    from gradsync.comm.tuning import EXPLORE_NATIVE, native_rival_of
-    from gradsync.sim.choose import Candidate, Choice
+    from gradsync.sim.choose import EXPLORE_NATIVE, Candidate, Choice, native_rival_of
 
     def choice(*cands):
         return Choice(cands[0][0], cands[0][1], cands[0][2], 256 << 10, tuple(Candidate(a, p, t) for a, p, t in cands))

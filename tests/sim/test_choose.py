@@ -247,3 +247,47 @@ def test_keep_within_out_of_range_is_a_clear_error():
 
     with pytest.raises(PlanError, match=r"keep_within=1\.5 must lie in \[0, 1\)"):
         Chooser(get_topology("racks:2,2,2"), keep_within=1.5)
+
+
+def test_explore_candidates_are_the_pick_its_depths_a_close_rival_and_the_backend():
+    """What a runtime's explorer times, from the choice alone: a plan's double and half depth where the model prices
+    and plans them, the best other algorithm within EXPLORE_RIVAL, the backend's collective where it was priced; for
+    the backend's pick, a plan within EXPLORE_NATIVE."""
+    from gradsync.sim.choose import EXPLORE_NATIVE, EXPLORE_RIVAL, Candidate, Choice
+
+    c = Chooser(get_topology("racks:2,3,4"), CostModel(pipelines=(1, 2, 4, 8)), native=True)
+
+    def choice(pick, *cands):
+        return Choice(pick[0], pick[1], 1.0, 1 << 20, tuple(Candidate(a, p, t) for a, p, t in cands))
+
+    near, far = 1 + EXPLORE_RIVAL * 0.9, 1 + EXPLORE_RIVAL * 1.1
+    got = c.explore_candidates(choice(("forest", 8), ("native", 1, 2.0), ("forest", 8, 1.0), ("hierarchical", 2, near)))
+    assert got == [("forest", 8), ("forest", 4), ("hierarchical", 2), ("native", 1)]  # 16 is not a priced depth
+    got = c.explore_candidates(choice(("forest", 1), ("forest", 1, 1.0), ("hierarchical", 2, far)))
+    assert got == [("forest", 1), ("forest", 2)]  # no depth 0, no rival that far, the backend not priced
+    got = c.explore_candidates(choice(("forest", 2), ("forest", 2, 1.0), ("forest", 4, 1.0)), model=("forest", 4))
+    assert got == [("forest", 4), ("forest", 8), ("forest", 2)]  # a measured pick replaced the model's
+    native = choice(("native", 1), ("native", 1, 1.0), ("tree", 4, 1 + EXPLORE_NATIVE * 0.9))
+    assert c.explore_candidates(native) == [("native", 1), ("tree", 4)]
+
+
+def test_priced_gives_the_picks_finish_times_beside_a_neighbours():
+    """A neighbour's finish times kept for the class (finish_of: an explorer's candidate) do not stand in for the
+    pick's in what priced() hands on; finish_of simulates once and keeps."""
+    import numpy as np
+
+    c = Chooser(get_topology("racks:2,3,4"), CostModel(), native=True, keep_within=0.1)
+    size = 8 << 20
+    got = c.choose(size)
+    pick = c.schedule(got.algorithm, got.pipeline)
+    other = next(s for a, p in [(n, q) for n in c.algorithms for q in c.model.pipelines]
+                 if (s := c.schedule(a, p)).digest != pick.digest)
+    times = c.finish_of(other, size)
+    assert c.finish_of(other, size) is times
+    assert np.array_equal(times, c.model.run(other, c.topology, size).transfer_times()[1])
+    digest, finish = c.priced(size)[1]
+    assert digest == pick.digest and np.array_equal(finish, c.finish_times(pick, size))
+    flat = Chooser(get_topology("switch:4"), CostModel(), native=True, keep_within=0.1)
+    assert flat.choose(size).algorithm == NATIVE  # no wait order to hand on, whatever else is kept
+    flat.finish_of(flat.schedule(flat.algorithms[0], 1), size)
+    assert flat.priced(size)[1] is None

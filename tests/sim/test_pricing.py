@@ -168,3 +168,95 @@ def test_a_class_the_parent_prices_itself_leaves_the_childs_queue():
         assert pricer.finished == [2 * MIB, 4 * MIB]
     finally:
         pricer.close()
+
+
+def _orders_of(pricer: Pricer, size: int, candidates, timeout_s: float = 120.0) -> dict:
+    """Each candidate's finish times from the child, polled until it has sent them all."""
+    c = pricer.chooser
+    got: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(candidates):
+        assert pricer.failed is None, pricer.failed
+        assert time.monotonic() < deadline, f"the child did not order {candidates} in {timeout_s} s"
+        for cand in candidates:
+            if cand not in got:
+                times = pricer.order(size, c.schedule(*cand).digest, timeout_s)
+                if times is not None:
+                    got[cand] = times
+        time.sleep(0.02)
+    return got
+
+
+def test_the_child_orders_an_explorers_neighbours_first_when_asked_with_the_bits_simulated_here():
+    """A class's neighbours asked for (its explorer started) come before the queued classes: the child prices the
+    class (and says so: the parent adopts it), then sends each planned neighbour's finish times, the arrays a
+    simulation here gives, before it prices the first class queued earlier."""
+    from gradsync.sim.pricing import order_candidates
+
+    size = 8 * MIB
+    c = _chooser()
+    pricer = Pricer(c)
+    try:
+        pricer.ask([1 * MIB, 2 * MIB])
+        pricer.want_orders(size)  # read with the asks, while the child still imports
+        fresh = _chooser()
+        neighbours = order_candidates(fresh, size)
+        assert len(neighbours) >= 2 and all(a != "native" for a, _ in neighbours)
+        assert (fresh.choose(size).algorithm, fresh.choose(size).pipeline) not in neighbours
+        assert _until(pricer, 1 * MIB)  # priced after the neighbours: every one of them was heard before it
+        assert pricer.finished[:2] == [size, 1 * MIB]
+        assert {(size, fresh.schedule(*n).digest) for n in neighbours} <= set(pricer._orders)
+        got = _orders_of(pricer, size, neighbours)
+        for cand, times in got.items():
+            schedule = fresh.schedule(*cand)
+            assert np.array_equal(times, fresh.model.run(schedule, fresh.topology, size).transfer_times()[1])
+        assert pricer.ordered == [(size, fresh.schedule(*n).digest) for n in neighbours]
+        assert _until(pricer, size) and c.choose(size) == fresh.choose(size)  # the class itself is adopted
+        assert pricer.order(size, "no-such-digest", 1.0) is None  # not prepared: the caller simulates
+    finally:
+        pricer.close()
+    assert pricer.order(size, fresh.schedule(*neighbours[0]).digest) is None  # closed
+
+
+@pytest.mark.parametrize("orders_from", [None, 4 * MIB])
+def test_the_child_orders_unasked_only_from_orders_from_up_once_idle(orders_from):
+    """Started with ``orders_from``, the child orders the neighbours of every class it priced of at least that size
+    once nothing else is asked; without it, only those asked for (here: another class's, asked after the first is
+    priced and taken), and a class under ``orders_from`` is never ordered unasked."""
+    from gradsync.sim.pricing import order_candidates
+
+    big, small = 8 * MIB, 2 * MIB
+    fresh = _chooser()
+    pricer = Pricer(_chooser(), orders_from=orders_from)
+    try:
+        pricer.ask([small, big])
+        assert _until(pricer, big)
+        if orders_from is not None:
+            _orders_of(pricer, big, order_candidates(fresh, big))
+        pricer.want_orders(16 * MIB)
+        _orders_of(pricer, 16 * MIB, order_candidates(fresh, 16 * MIB))
+        pricer.poll()
+        assert not any(size == small for size, _ in pricer._orders) and small not in {s for s, _ in pricer.ordered}
+        if orders_from is None:
+            assert not any(size == big for size, _ in [*pricer._orders, *pricer.ordered])
+    finally:
+        pricer.close()
+    with pytest.raises(PlanError, match="orders_from"):
+        Pricer(_chooser(), orders_from=-1)
+
+
+def test_a_damaged_neighbour_order_is_refused():
+    from gradsync.sim.pricing import order_candidates, order_doc, read_order
+
+    c = _chooser()
+    doc = json.loads(json.dumps(order_doc(c, 4 * MIB, order_candidates(c, 4 * MIB)[0])))
+    size, digest, times = read_order(doc)
+    assert size == 4 * MIB and digest == c.schedule(*order_candidates(c, 4 * MIB)[0]).digest and times.size
+    with pytest.raises(PlanError, match="need order, digest and finish"):
+        read_order({"order": size})
+    with pytest.raises(PlanError, match="not a size class"):
+        read_order({**doc, "order": size + 1})
+    with pytest.raises(PlanError, match="finite values, not"):
+        read_order({**doc, "finish": {**doc["finish"], "count": times.size + 1}})
+    with pytest.raises(PlanError, match="base64"):
+        read_order({**doc, "finish": {**doc["finish"], "data": "not base64!"}})
