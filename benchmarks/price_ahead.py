@@ -9,13 +9,19 @@ Here, in one process, each round times the stall of a job's first calls of ``--s
 * ``ahead``: a child started and asked for the classes, ``--lead-s`` seconds of other work (the steps before the first
   call; a sleep here), then the same first calls, which adopt what the child priced.
 
+Then, as a class's explorer does (:class:`gradsync.comm.tuning.Explorer`), each class's planned neighbours (the pick's
+double and half depth, a close rival) are ordered one a call, ``--gap-s`` apart (a training step between two calls):
+``inline`` simulates each as its executor is built, ``ahead`` asks the child as the class's explorer starts and takes
+what it prepared (the child started with ``orders_from``, as on an exploring runtime). That stall is reported apart,
+and each order is checked equal to the inline one.
+
 Both price on the two-tier file (``benchmarks/fabrics/two-tier-4to1.yaml``) with the cost model the testbed calibrated
 at 300 Mbit/s (embedded; ``--cost-model FILE`` for another). Each ``ahead`` choice is checked equal, bit for bit, to
 the ``inline`` one. Reported per lead: medians of the stall, and the median of the per-round ratios ahead / inline with
 a bootstrap 95 % interval. ``--lead-s 0`` is a call that needs its class at once (a DDP hook's first bucket): the child
 can only cost there. Writes ``price_ahead.{json,png}`` to ``--out``::
 
-    gradsync bench price-ahead                       # about 3 minutes on 2 cores
+    gradsync bench price-ahead                       # about 5 minutes on 2 cores
     .venv/bin/python -m benchmarks.price_ahead --rounds 2 --leads 0,1
 """
 
@@ -45,14 +51,16 @@ def _chooser(topology: Any, model: Any) -> Any:
     return Chooser(topology, model, native=True, keep_within=EXPLORE_RIVAL)  # the runtime's allreduce chooser
 
 
-def one_round(method: str, topology: Any, model: Any, sizes: list[int], lead_s: float) -> tuple[float, list[Any]]:
-    """The stall of the first calls of ``sizes`` (seconds) and the choices they made."""
-    from gradsync.sim.pricing import Pricer
+def one_round(method: str, topology: Any, model: Any, sizes: list[int], lead_s: float,
+              gap_s: float = 0.0) -> tuple[float, float, list[Any], list[bytes]]:
+    """The stall of the first calls of ``sizes`` (seconds), that of ordering their explorers' neighbours, the choices
+    made and the wait orders (as bytes)."""
+    from gradsync.sim.pricing import Pricer, order_candidates
 
     chooser = _chooser(topology, model)
     pricer = None
     if method == "ahead":
-        pricer = Pricer(chooser)
+        pricer = Pricer(chooser, orders_from=min(sizes))
         pricer.ask(sizes)
         time.sleep(lead_s)
     try:
@@ -62,7 +70,19 @@ def one_round(method: str, topology: Any, model: Any, sizes: list[int], lead_s: 
             if pricer is not None and not pricer.take(size):
                 pricer.skip(size)
             choices.append(chooser.choose(size))
-        return time.perf_counter() - t0, choices
+        first = time.perf_counter() - t0
+        neighbours, orders = 0.0, []
+        for size in sizes:
+            if pricer is not None:
+                pricer.want_orders(size)  # the class's explorer starts at its first call
+            for candidate in order_candidates(chooser, size):
+                time.sleep(gap_s)  # the call before: a training step
+                t0 = time.perf_counter()
+                schedule = chooser.schedule(*candidate)
+                known = None if pricer is None else pricer.order(size, schedule.digest)
+                orders.append(model.wait_order(schedule, topology, size, known).astype("<f8").tobytes())
+                neighbours += time.perf_counter() - t0
+        return first, neighbours, choices, orders
     finally:
         if pricer is not None:
             pricer.close()
@@ -82,23 +102,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"type": RESULT_TYPE, "config": {"topology": label, "cost_model": model.to_dict(),
                                                             "sizes": sizes, "rounds": args.rounds}, "leads": {}}
     orders = balanced_orders(METHODS)
+    out["config"]["gap_s"] = args.gap_s
     for lead in leads:
         times: dict[str, list[float]] = {m: [] for m in METHODS}
-        same = True
+        near: dict[str, list[float]] = {m: [] for m in METHODS}
+        same = same_orders = True
         for r in range(args.rounds):
             got = {}
             for method in orders[r % len(orders)]:
-                took, choices = one_round(method, topology, model, sizes, lead)
+                took, ordering, choices, waits = one_round(method, topology, model, sizes, lead, args.gap_s)
                 times[method].append(took)
-                got[method] = choices
-            same = same and got["ahead"] == got["inline"]
-            print(f"lead {lead:g} s, round {r + 1}/{args.rounds}: inline {times['inline'][-1]:.2f} s, "
-                  f"ahead {times['ahead'][-1]:.2f} s", flush=True)
+                near[method].append(ordering)
+                got[method] = (choices, waits)
+            same = same and got["ahead"][0] == got["inline"][0]
+            same_orders = same_orders and got["ahead"][1] == got["inline"][1]
+            print(f"lead {lead:g} s, round {r + 1}/{args.rounds}: inline {times['inline'][-1]:.2f} + "
+                  f"{near['inline'][-1]:.2f} s, ahead {times['ahead'][-1]:.2f} + {near['ahead'][-1]:.2f} s", flush=True)
         ratios = paired_ratios(times["ahead"], times["inline"])
-        out["leads"][f"{lead:g}"] = {
+        row: dict[str, Any] = {
             "lead_s": lead, "samples_s": times, "medians_s": {m: statistics.median(v) for m, v in times.items()},
             "ratio_median": statistics.median(ratios), "ratio_ci95": list(bootstrap_median_ci(ratios)),
-            "same_choices": same}
+            "same_choices": same, "neighbours_samples_s": near, "same_orders": same_orders,
+            "neighbours_medians_s": {m: statistics.median(v) for m, v in near.items()}}
+        if min(near["inline"]) > 0:
+            ratios = paired_ratios(near["ahead"], near["inline"])
+            row["neighbours_ratio_median"] = statistics.median(ratios)
+            row["neighbours_ratio_ci95"] = list(bootstrap_median_ci(ratios))
+        out["leads"][f"{lead:g}"] = row
     return out
 
 
@@ -113,9 +143,12 @@ def plot(out: dict[str, Any], path: Path) -> None:
     width = 0.38
     for i, method in enumerate(METHODS):
         xs = [j + (i - 0.5) * width for j in range(len(leads))]
-        ax.bar(xs, [row["medians_s"][method] for row in leads], width, label=method)
+        first = [row["medians_s"][method] for row in leads]
+        ax.bar(xs, first, width, label=f"{method}: first calls", color=f"C{i}")
+        ax.bar(xs, [row.get("neighbours_medians_s", {}).get(method, 0.0) for row in leads], width, bottom=first,
+               label=f"{method}: explorer's neighbours", color=f"C{i}", alpha=0.45)
     ax.set_xticks(range(len(leads)), [f"lead {row['lead_s']:g} s" for row in leads])
-    ax.set_ylabel("first calls' stall, median (s)")
+    ax.set_ylabel("stall, median (s)")
     sizes = ", ".join(f"{s / 2**20:g}" for s in out["config"]["sizes"])
     ax.set_title(f"pricing {sizes} MiB on {Path(out['config']['topology']).stem}")
     ax.legend()
@@ -131,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=f"{16 << 20},{8 << 20}", help="bytes, comma-separated (default 16 and 8 MiB)")
     p.add_argument("--leads", default="3,0", help="seconds before the first call, comma-separated (default 3,0)")
     p.add_argument("--rounds", type=int, default=6, help="rounds per lead (default 6)")
+    p.add_argument("--gap-s", type=float, default=0.5,
+                   help="seconds between an explorer's calls, one neighbour built a call (default 0.5: a training step)")
     p.add_argument("--out", type=Path, default=_ROOT / "benchmarks" / "results" / "price_ahead")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds} must be >= 1")
+    if not args.gap_s >= 0:
+        p.error(f"--gap-s {args.gap_s} must be >= 0")
     args.out.mkdir(parents=True, exist_ok=True)
     out = run(args)
     (args.out / "price_ahead.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -142,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     for lead, row in out["leads"].items():
         lo, hi = row["ratio_ci95"]
         print(f"lead {lead} s: inline {row['medians_s']['inline']:.2f} s, ahead {row['medians_s']['ahead']:.2f} s, "
-              f"ahead/inline x{row['ratio_median']:.2f} [{lo:.2f}, {hi:.2f}], same choices: {row['same_choices']}")
+              f"ahead/inline x{row['ratio_median']:.2f} [{lo:.2f}, {hi:.2f}], same choices: {row['same_choices']}; "
+              f"neighbours' orders: inline {row['neighbours_medians_s']['inline']:.2f} s, ahead "
+              f"{row['neighbours_medians_s']['ahead']:.2f} s, same orders: {row['same_orders']}")
     print(f"wrote {args.out / 'price_ahead.json'} and {args.out / 'price_ahead.png'}")
     return 0
 

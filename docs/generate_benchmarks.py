@@ -414,6 +414,17 @@ def price_ahead() -> list[str]:
                  ([num(r["lead_s"]), num(r["medians_s"]["inline"]), num(r["medians_s"]["ahead"]), num(r["ratio_median"]),
                    f"{num(r['ratio_ci95'][0])}–{num(r['ratio_ci95'][1])}", "yes" if r["same_choices"] else "NO"]
                   for r in j["leads"].values()))
+    rows = [r for r in j["leads"].values() if "neighbours_ratio_median" in r]
+    if rows:
+        out += ["", f"Then each class's explorer's planned neighbours (the pick's double and half depth, a close rival), "
+                    f"one a call, {num(cfg['gap_s'])} s apart: their wait orders simulated as each executor is built "
+                    f"(`inline`), or prepared by the child, asked as the explorer starts (`ahead`), in the same rounds.",
+                ""]
+        out += table(["lead (s)", "inline median s", "ahead median s", "ahead / inline", "95 %", "same orders"],
+                     ([num(r["lead_s"]), num(r["neighbours_medians_s"]["inline"]),
+                       num(r["neighbours_medians_s"]["ahead"]), num(r["neighbours_ratio_median"]),
+                       f"{num(r['neighbours_ratio_ci95'][0])}–{num(r['neighbours_ratio_ci95'][1])}",
+                       "yes" if r["same_orders"] else "NO"] for r in rows))
     return out + [""]
 
 
