@@ -46,6 +46,7 @@ __all__ = [
     "ACCURACY",
     "CALIBRATION_GAIN",
     "CAST_MARGIN",
+    "calibration_cast",
     "PROFILE_TYPE",
     "profile_ladder",
     "ladder_covers",
@@ -333,6 +334,24 @@ def dense_payloads(nbytes: Sequence[int], dtype: torch.dtype, options: Sequence[
     if none and any(o.name == "none" for o in options):
         out += list(nbytes)
     return [n for n in out if n > 0]
+
+
+def calibration_cast(nbytes: Sequence[int], dtype: torch.dtype, options: Sequence[CodecOption], wire: WireModel,
+                     world: int, margin: float = CAST_MARGIN) -> CodecOption | None:
+    """The cast the optimizer's first calibration step may send DDP's buckets (``nbytes``) in: the first of
+    ``options`` that casts (to another dtype than ``dtype``) whose exchange of them ``wire`` prices ``margin`` times
+    quicker than the uncompressed one; None where none does (no cast allowed, or a wire on which halving the bytes
+    saves little: a fast one, or buckets small enough that each message's fixed cost decides). That step is not
+    timed and its partition is thrown away, so the one thing it decides is how long the job waits for it."""
+    plain = CODECS.get("none").create()
+    none_s = sum(_wire_seconds(plain, n, wire, world) for n in nbytes)
+    for option in options:
+        if option.cast_to is None or option.cast_to == dtype:
+            continue
+        comp = option.create()
+        cast_s = sum(_wire_seconds(comp, n * option.cast_to.itemsize // dtype.itemsize, wire, world) for n in nbytes)
+        return option if none_s > 0 and quicker_by(cast_s, none_s, margin) else None  # a free wire saves nothing
+    return None
 
 
 def run_classes(nbytes: Sequence[int], floor: int) -> list[int]:

@@ -92,6 +92,7 @@ from gradsync.compress.auto import (
     JointChoice,
     WireModel,
     allowed,
+    calibration_cast,
     choose,
     choose_joint,
     clearly_slower,
@@ -507,6 +508,18 @@ class AutoCompression:
         if sizes:
             self.runtime.anticipate(sizes, first=first)
 
+    def calibration_wire(self, nbytes: Sequence[int], dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype the optimizer's first calibration step sends DDP's buckets (of ``nbytes``) in, the same on every
+        rank: a cast the policy allows where the wire model puts it :data:`~gradsync.compress.auto.CAST_MARGIN` times
+        ahead of sending them uncompressed (:func:`~gradsync.compress.auto.calibration_cast`), else None (as they
+        are). That step is not timed; on a slow wire sent uncompressed it took DDP's pace, all of it choosing's cost."""
+        def compute() -> bytes:
+            got = calibration_cast(nbytes, dtype, allowed(self.allow, dtype), self.wire, self.runtime.world_size)
+            return b"" if got is None else got.name.encode()
+
+        name = self._decide(f"calibration-wire/{len(nbytes)}", compute).decode()
+        return None if not name else CODECS.get(name).cast_to
+
     def anticipate_model(self, params: Sequence[Tensor]) -> None:
         """Have the runtime price ahead what the groups a partition of ``params`` (the trainable ones, one dtype) may
         send, before it is chosen: every size class of a run of them down to :data:`AHEAD_FLOOR_BYTES`, largest first
@@ -803,7 +816,7 @@ class AutoCompression:
         return 1.0 / world if world > 1 and self.runtime.takes_native(device) else None
 
     def plain_launch(self, flat: Tensor, info: TensorInfo, *, scaled: bool = False, tensors: Sequence[Tensor] = (),
-                     infos: Sequence[TensorInfo] = ()) -> Work:
+                     infos: Sequence[TensorInfo] = (), wire: torch.dtype | None = None) -> Work:
         """``flat`` (one group, named by ``info``) averaged uncompressed, outside every choice: for groups that are
         not the job's, as the optimizer's calibration steps run a partition that is thrown away after them (and
         DDP's buckets, where they measured quicker than the job's: :meth:`check_buckets`). Nothing is recorded,
@@ -814,14 +827,19 @@ class AutoCompression:
         ``flat`` was scaled by :meth:`plain_scale` (not None) as it was copied in. ``tensors``, ``infos``: the
         tensors ``flat`` holds, as views of it, and their records (none: ``flat`` is ``info``'s tensor itself), which
         codecs' error feedback may still owe (:meth:`_repay`: the job's groups' codecs, where DDP's buckets took their
-        place)."""
+        place). ``wire``: a cast dtype (:meth:`calibration_wire`): summed in it on the backend's allreduce, its sum
+        checked for a NaN or inf as a cast codec's is (a cast may overflow where the float sum would not)."""
         verdict = None
         infos = tuple(infos) or (info,)
         if self._owes(i.name for i in infos):
             verdict = self.boundary.verdict_for([info.name])
             self._repay(list(tensors) or [flat], infos, "none", verdict, in_place=True,
                         scale=1.0 / self.runtime.world_size if scaled else 1.0)
-        native = self._native(flat, info.name, None, scaled=scaled, deferred=True)
+        if wire is not None:
+            verdict = verdict or self.boundary.verdict_for([info.name])
+            native = self._native(flat, info.name, verdict, wire=wire, scaled=scaled, deferred=True, always=True)
+        else:
+            native = self._native(flat, info.name, None, scaled=scaled, deferred=True)
         if native is not None:
             return native
         if verdict is None:

@@ -193,6 +193,9 @@ outside auto's choosing (the optimizer's calibration steps).
         #: auto's groups sent uncompressed, outside its choosing (:meth:`AutoCompression.plain_launch`): the
         #: optimizer's calibration steps, whose partition is not the job's
         self.plain = plain and self._auto
+        #: the dtype plain groups are summed in (a cast, :meth:`AutoCompression.calibration_wire
+        #: <gradsync.train.auto_compression.AutoCompression.calibration_wire>`); None: as they are
+        self.plain_wire: torch.dtype | None = None
         batched = (compressor is not None and not compressor.merges_flat) or self._auto
         for j, (a, b) in enumerate(partition.bounds):
             members = tuple(range(a, b))
@@ -274,7 +277,7 @@ outside auto's choosing (the optimizer's calibration steps).
         if self.plain:
             tensors, infos = self._members(buf, g)
             self._works.append((g, self.step.plain_launch(buf, g.info, scaled=scale is not None, tensors=tensors,
-                                                          infos=infos)))
+                                                          infos=infos, wire=self.plain_wire)))
             return
         if self._auto and reuse:
             # a settled stateless choice: a plain allreduce

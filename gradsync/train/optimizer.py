@@ -293,6 +293,12 @@ class DistributedOptimizer:
         self._calibration_s: float | None = None
         self._settling_t0 = 0  # the runtime's settling count when the calibration step began
         self._build_groups(self.partition if self.partition is not None else self._calibration)
+        if self._calibrating and self._untimed_steps:
+            # the untimed first step sends DDP's buckets in a cast where the policy allows one and the wire puts it
+            # well ahead: its partition is thrown away and its time not read, so only its pace matters
+            sizes = [p.numel() * p.element_size() for _, p in self._params]
+            self._groups.plain_wire = self.compression.calibration_wire(
+                [sum(sizes[a:b]) for a, b in self._calibration.bounds], self._dtype)
 
     def _build_groups(self, partition: Partition) -> None:
         self._index = {id(p): i for i, (_, p) in enumerate(self._params)}
@@ -400,6 +406,7 @@ class DistributedOptimizer:
         if self._calibrating and self._untimed_steps:
             self._untimed_steps -= 1
             self._arrivals, self._inside = [], 0.0
+            self._groups.plain_wire = None  # the timed step sends DDP's buckets as DDP does: the buckets' anchor
         elif self._calibrating:
             if _is_auto(self.compression):
                 took = self.compression.clock() - self._step_t0

@@ -441,3 +441,23 @@ def test_run_classes_hold_every_class_a_run_of_consecutive_tensors_falls_in() ->
                 cls = 1 << math.ceil(math.log2(sum(nbytes[i:j])))
                 if cls >= floor:
                     assert cls in got, (nbytes, i, j, cls)
+
+
+def test_calibration_cast_is_the_first_allowed_cast_the_wire_puts_the_margin_ahead_closed_form():
+    """The α-β ring over k buckets of S bytes in all: uncompressed kα + S/(Wβ) per step pair, the cast kα + S/(2Wβ);
+    the cast is taken where that ratio reaches the margin, exactly at α = (1 - m/2) / (m - 1) * S/(Wβ) / k. None where
+    no cast is allowed, the wire is infinitely fast, or the cast sends as many bytes (fp16 on a bf16 model)."""
+    from gradsync.compress.auto import CAST_MARGIN, allowed, calibration_cast
+
+    world, rate, buckets = 4, 1e6, [4_000_000, 2_000_000]
+    f32 = torch.float32
+    edge = (1 - CAST_MARGIN / 2) / (CAST_MARGIN - 1) * sum(buckets) / (world * rate) / len(buckets)
+    got = calibration_cast(buckets, f32, allowed("cast", f32), AlphaBeta(edge * 0.99, rate), world)
+    assert got is not None and got.name == "fp16"
+    assert calibration_cast(buckets, f32, allowed("cast", f32), AlphaBeta(edge * 1.01, rate), world) is None
+    assert calibration_cast(buckets, f32, allowed("any", f32), SLOW, world).name == "fp16"
+    assert calibration_cast(buckets, f32, allowed("lossless", f32), SLOW, world) is None
+    assert calibration_cast(buckets, f32, allowed("cast", f32), FAST, world) is None
+    assert calibration_cast(buckets, torch.bfloat16, allowed("any", torch.bfloat16), SLOW, world) is None
+    assert calibration_cast(buckets, f32, allowed("cast", f32), SLOW, 1) is None  # one rank: no wire
+    assert calibration_cast(buckets, f32, allowed("cast", f32), SLOW, world, margin=2.01) is None  # at most 2x

@@ -370,14 +370,28 @@ def test_merge_auto_chooses_the_partition_with_the_codec(rt: Runtime, wire, comp
 @pytest.mark.parametrize("backend", [False, True])
 def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt: Runtime, monkeypatch, backend) -> None:
     """merge="auto"'s two calibration steps run groups that are thrown away after them: DDP's buckets (here one),
-    each averaged uncompressed (the backend's allreduce where it takes it, else the "none" exchange), and auto
-    records, times and decides nothing for them -- the partition, and whether the timed step may stand for DDP's
-    buckets, are its only decisions. A NaN there skips the step where the "none" step's exchange ran it (its marks);
-    on the backend's allreduce the sum is not checked, as without compression: the step is taken, NaN and all.
-    (Layer-wise, and priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors cost its first
-    two steps 3-6x a settled one on switch:4.)"""
+    each averaged outside every choice (the backend's allreduce where it takes it, else the "none" exchange), and auto
+    records, times and decides nothing for them -- the first step's dtype (on this slow wire, fp16), the partition,
+    and whether the timed step may stand for DDP's buckets, are its only decisions. The untimed first step sums its
+    buckets in fp16 on the backend (checked: a NaN skips the step), or, where the backend takes nothing, on the "none"
+    step's exchange (its marks: skipped too). The timed step sends them uncompressed, DDP's own way: on the backend's
+    allreduce the sum is not checked, as without compression, and a NaN step is taken, NaN and all. (Layer-wise, and
+    priced, timed and profiled for like the job's own groups, LeNet-5's ten tensors cost its first two steps 3-6x a
+    settled one on switch:4.)"""
+    import gradsync.train.auto_compression as ac
+
     if backend:
         _with_planned_none(rt, monkeypatch)
+    casts: list[torch.dtype] = []  # the casts the backend summed
+    real_cast = ac.native_cast_sum_async
+
+    def cast_sum(runtime, flat, wire, **kw):
+        fut = real_cast(runtime, flat, wire, **kw)
+        if fut is not None:
+            casts.append(wire)
+        return fut
+
+    monkeypatch.setattr(ac, "native_cast_sum_async", cast_sum)
     auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0 if c == "none" else 1e-6,
                            cache=False)
     keys: list[str] = []
@@ -392,17 +406,19 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto, merge="auto")
     before = [p.detach().clone() for p in model.parameters()]
+    _skips_a_nan_step(model, opt)
+    assert casts == ([torch.float16] if backend else [])  # where the backend takes nothing, the "none" exchange
+    opt.zero_grad()
     if backend:
         _takes_a_nan_step(model, opt)
-        with torch.no_grad():  # the weights back, for the step that follows
+        with torch.no_grad():  # the weights back, for the steps that follow
             for a, p in zip(before, model.parameters()):
                 p.copy_(a)
     else:
-        _skips_a_nan_step(model, opt)
-    opt.zero_grad()
-    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
-    opt.step()
-    assert keys == ["calibration-stands", "joint/4"] and not auto._groups and auto.joint is not None, (keys, list(auto._groups))
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+        opt.step()
+    assert casts == ([torch.float16] if backend else [])  # the timed step uncompressed
+    assert keys == ["calibration-wire/1", "calibration-stands", "joint/4"] and not auto._groups and auto.joint is not None, (keys, list(auto._groups))
     assert auto.native_launches == (2 if backend else 0)  # one bucket a step
     for step in range(2 * PROBE_STEPS + 2):  # then the partition's own groups are chosen for as usual
         opt.zero_grad()
@@ -1250,16 +1266,18 @@ def _lean_steps(auto: AutoCompression, rt: Runtime, *counts: Callable[[], int]
 
 def _takes_a_nan_step(model: torch.nn.Module, opt: DistributedOptimizer) -> None:
     """A NaN gradient's step sent uncompressed is taken, as without compression: not checked, not counted."""
+    counted = opt.nonfinite_steps
     model(torch.full((4, 8), float("nan"))).square().sum().backward()
     opt.step()
-    assert opt.nonfinite_steps == 0 and all(p.isnan().all() for p in model.parameters())
+    assert opt.nonfinite_steps == counted and all(p.isnan().all() for p in model.parameters())
 
 
 def _skips_a_nan_step(model: torch.nn.Module, opt: DistributedOptimizer) -> None:
     """A NaN gradient's step is skipped and counted, the weights left as they were."""
     weights = [p.detach().clone() for p in model.parameters()]
+    counted = opt.nonfinite_steps
     model(torch.full((4, 8), float("nan"))).square().sum().backward()
-    assert opt.step() is None and opt.nonfinite_steps == 1
+    assert opt.step() is None and opt.nonfinite_steps == counted + 1
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
 
 
