@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -390,12 +390,7 @@ class Pricer:
             if self._closed:
                 return None
             key = (size_class(nbytes), str(digest))
-            self._read(0.0)
-            deadline = time.monotonic() + timeout_s
-            while key not in self._orders and self.ordering == key and self.failed is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._read(left):
-                    break
+            self._wait_while(lambda: key not in self._orders and self.ordering == key, timeout_s)
             times = self._orders.pop(key, None)
             if times is not None:
                 self.ordered.append(key)
@@ -425,12 +420,7 @@ class Pricer:
     def _take(self, size: int, timeout_s: float) -> bool:
         if self._closed:
             return False
-        self._read(0.0)
-        deadline = time.monotonic() + timeout_s
-        while size not in self._done and self.current == size and self.failed is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._read(left):
-                break
+        self._wait_while(lambda: size not in self._done and self.current == size, timeout_s)
         doc = self._done.pop(size, None)
         if doc is None or self.chooser.chosen(size) is not None:
             return False
@@ -441,6 +431,16 @@ class Pricer:
             return False
         self.adopted.append(size)
         return True
+
+    def _wait_while(self, busy: Callable[[], bool], timeout_s: float) -> None:
+        """Read what the child says, and while ``busy()`` (it is on what the caller waits for) go on reading, up to
+        ``timeout_s``, until it fails or ends."""
+        self._read(0.0)
+        deadline = time.monotonic() + timeout_s
+        while busy() and self.failed is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._read(left):
+                break
 
     def poll(self) -> None:
         """Read what the child has said so far (:attr:`current`, :attr:`finished`, :attr:`failed`), without waiting."""
