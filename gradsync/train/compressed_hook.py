@@ -45,6 +45,7 @@ from gradsync.comm.runtime import Runtime, is_initialized
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
 from gradsync.train.auto_compression import AutoCompression, param_signature
 from gradsync.train.communicator import CompressionStep, average_in_place, native_cast_sum_async, write_aggregate
+from gradsync.train.grouped import ddp_partition
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
@@ -121,7 +122,12 @@ class CompressionHookState:
         if runtime is not None or is_initialized() or (dist.is_available() and dist.is_initialized()):
             self.resolve()  # something to run on already: look it up now, as GradsyncHookState does
             if self.auto is not None:  # DDP's buckets are runs of the parameters: their classes priced meanwhile
-                self.auto.anticipate_model([p for _, p in named if p.requires_grad])
+                params = [p for _, p in named if p.requires_grad]
+                self.auto.anticipate_model(params)
+                if params:  # the buckets of DDP's first backward (its defaults, in backward order) before the rest
+                    nbytes = [p.numel() * p.element_size() for p in reversed(params)]
+                    self.auto.anticipate([sum(nbytes[a:b]) for a, b in ddp_partition(nbytes).bounds], params[0].dtype,
+                                         first=True)
 
     @property
     def resolved(self) -> bool:

@@ -35,7 +35,10 @@ from gradsync.compress.profile import MeasuredCost, Samples, measure_codec, meas
 from gradsync.train.communicator import CompressionStep
 
 __all__ = [
+    "DDP_BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
     "MergedGroups",
+    "ddp_partition",
     "profile_cost_model",
 ]
 
@@ -128,6 +131,31 @@ def profile_cost_model(
     if observed is not None:
         model, _ = fit_group_overhead(model, observed[0], max(seen, 0.0))
     return model
+
+
+#: The first group's default size limit (``torch.distributed``'s ``_DEFAULT_FIRST_BUCKET_BYTES``, DDP's).
+FIRST_BUCKET_BYTES = 1 << 20
+#: DDP's default bucket size limit (``bucket_cap_mb=25``): ``compression="auto"``'s calibration steps bucket so.
+DDP_BUCKET_BYTES = 25 << 20
+
+
+def ddp_partition(nbytes: Sequence[int]) -> Partition:
+    """DDP's default buckets over tensors of ``nbytes`` (backward order): the first closes at ``FIRST_BUCKET_BYTES``,
+    the others at ``DDP_BUCKET_BYTES``, as ``_on_grad`` groups.
+
+    ``compression="auto"``'s calibration steps send them: those steps time backward's ready times and fit each
+    group's own cost, and sent as DDP's buckets they cost about what DDP's steps do. Layer-wise, LeNet-5's ten
+    tensors made them several times a settled step (docs/mergecomp.md). Its DDP hook has their payloads priced ahead
+    first: they are the buckets of DDP's first backward."""
+    counts, count, size = [], 0, 0
+    for b in nbytes:
+        count, size = count + 1, size + b
+        if size >= (DDP_BUCKET_BYTES if counts else FIRST_BUCKET_BYTES):
+            counts.append(count)
+            count, size = 0, 0
+    if count:
+        counts.append(count)
+    return Partition.from_counts(counts)
 
 
 #: A lean group at least this large is scaled member by member as it is copied into its buffer (one pass); a smaller

@@ -39,6 +39,7 @@ import torch
 from gradsync.comm.executor import OPS
 from gradsync.comm.runtime import Runtime, Work, get_runtime
 from gradsync.errors import GradsyncError
+from gradsync.train.grouped import DDP_BUCKET_BYTES, FIRST_BUCKET_BYTES, ddp_partition
 
 if TYPE_CHECKING:
     from gradsync.compress import Compressor, Memory, Partition
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BUCKET_CHECK_STEPS", "DDP_BUCKET_BYTES", "DistributedOptimizer", "FIRST_BUCKET_BYTES"]
 
-#: The first group's default size limit (``torch.distributed``'s ``_DEFAULT_FIRST_BUCKET_BYTES``, DDP's).
-FIRST_BUCKET_BYTES = 1 << 20
-#: DDP's default bucket size limit (``bucket_cap_mb=25``): ``compression="auto"``'s calibration steps bucket so.
-DDP_BUCKET_BYTES = 25 << 20
 #: Whole steps timed on each side of ``compression="auto"``'s last check, its choices against DDP's buckets sent
 #: uncompressed (:meth:`AutoCompression.check_buckets <gradsync.train.AutoCompression.check_buckets>`).
 BUCKET_CHECK_STEPS = 3
@@ -277,8 +274,8 @@ class DistributedOptimizer:
         self._arrivals: list[tuple[int, float]] = []
         self._inside = 0.0  # seconds the calibration step spent inside the groups' add()
         #: the calibration steps' groups: layer-wise (the compressor's per-tensor cost is measured there), or, with
-        #: compression="auto", DDP's buckets sent uncompressed (:func:`_ddp_partition`)
-        self._calibration = (_ddp_partition([p.numel() * p.element_size() for _, p in self._params])
+        #: compression="auto", DDP's buckets sent uncompressed (:func:`~gradsync.train.grouped.ddp_partition`)
+        self._calibration = (ddp_partition([p.numel() * p.element_size() for _, p in self._params])
                              if _is_auto(compression) else _layerwise(len(self._params)))
         #: compression="auto" with merge="auto": DDP's buckets sent uncompressed, timed against the choices once they
         #: settle (BUCKET_CHECK_STEPS whole steps each, alternating), and run instead where they are quicker; None
@@ -452,7 +449,7 @@ class DistributedOptimizer:
         inside, self._inside = self._inside, 0.0
         if _is_auto(self.compression):  # the partition and the codec chosen together, on auto's own wire model
             # the groups that ran; where backward's order was another, DDP's buckets in that order (near enough)
-            ran = self._calibration if order == list(range(n)) else _ddp_partition(
+            ran = self._calibration if order == list(range(n)) else ddp_partition(
                 [p.numel() * p.element_size() for _, p in self._params])
             joint = self.compression.plan_partition(sizes, ready, max(end - start - inside, last), self._dtype,
                                                     observed=(ran, synced - start))
@@ -592,26 +589,6 @@ def _layerwise(n: int) -> Partition:
     from gradsync.compress.merge import Partition
 
     return Partition.layerwise(n)
-
-
-def _ddp_partition(nbytes: list[int]) -> Partition:
-    """DDP's default buckets over tensors of ``nbytes`` (backward order): the first closes at ``FIRST_BUCKET_BYTES``,
-    the others at ``DDP_BUCKET_BYTES``, as ``_on_grad`` groups.
-
-    ``compression="auto"``'s calibration steps send them: those steps time backward's ready times and fit each
-    group's own cost, and sent as DDP's buckets they cost about what DDP's steps do. Layer-wise, LeNet-5's ten
-    tensors made them several times a settled step (docs/mergecomp.md)."""
-    from gradsync.compress.merge import Partition
-
-    counts, count, size = [], 0, 0
-    for b in nbytes:
-        count, size = count + 1, size + b
-        if size >= (DDP_BUCKET_BYTES if counts else FIRST_BUCKET_BYTES):
-            counts.append(count)
-            count, size = 0, 0
-    if count:
-        counts.append(count)
-    return Partition.from_counts(counts)
 
 
 def _byte_count(name: str, value: object, hint: str) -> int:

@@ -2079,16 +2079,25 @@ def test_auto_has_the_runtime_price_ahead_the_groups_it_may_send(rt: Runtime, mo
 
 def test_the_auto_hook_given_the_model_prices_its_buckets_classes_ahead(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """DDP's buckets are runs of the model's tensors: a hook state given the model and a runtime anticipates their
-    classes as the optimizer does; without the model it knows nothing before the first bucket."""
+    classes as the optimizer does, then, first, the payloads of the buckets DDP's first backward sends (its default
+    limits, the parameters in reverse: torch's own bucket assignment, here with limits small enough for several);
+    without the model it knows nothing before the first bucket."""
+    import torch.distributed as dist
+
     from gradsync.compress.auto import run_classes
     from gradsync.train.compressed_hook import CompressionHookState
 
     asked: list[tuple[list[float], bool]] = []
     monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append((list(sizes), first)))
     monkeypatch.setattr("gradsync.train.auto_compression.AHEAD_FLOOR_BYTES", 64)
+    monkeypatch.setattr("gradsync.train.grouped.FIRST_BUCKET_BYTES", 256)
+    monkeypatch.setattr("gradsync.train.grouped.DDP_BUCKET_BYTES", 1024)
     model = _model(64)
     CompressionHookState("auto", runtime=rt, model=model)
     classes = run_classes([p.numel() * 4 for p in model.parameters()], 64)
-    assert asked == [([c // 2 for c in classes], False)]
+    params = list(reversed(list(model.parameters())))
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, [256, 1024])
+    nbytes = [sum(params[i].numel() * 4 for i in bucket) for bucket in buckets]
+    assert len(nbytes) > 1 and asked == [([c // 2 for c in classes], False), ([n // 2 for n in nbytes] + nbytes, True)]
     CompressionHookState("auto", runtime=rt)
-    assert len(asked) == 1
+    assert len(asked) == 2  # nothing more

@@ -9,7 +9,8 @@ import torch
 from gradsync.comm.runtime import Runtime
 from gradsync.compress import COMPRESSORS
 from gradsync.errors import GradsyncError
-from gradsync.train.optimizer import DDP_BUCKET_BYTES, FIRST_BUCKET_BYTES, DistributedOptimizer, _ddp_partition
+from gradsync.train.grouped import ddp_partition
+from gradsync.train.optimizer import DDP_BUCKET_BYTES, FIRST_BUCKET_BYTES, DistributedOptimizer
 from tests.compress.seeded import seeded, step_tensors
 from tests.train.local_ranks import on_ranks
 
@@ -83,7 +84,7 @@ def test_auto_calibration_buckets_are_ddps_own(seed: int) -> None:
               for _ in range(int(torch.randint(1, 30, (1,), generator=g)))]
     tensors = [torch.empty(n) for n in numels]
     buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES])
-    assert [list(range(a, b)) for a, b in _ddp_partition([4 * n for n in numels]).bounds] == buckets
+    assert [list(range(a, b)) for a, b in ddp_partition([4 * n for n in numels]).bounds] == buckets
 
 
 def test_the_first_group_travels_while_backward_goes_on():
