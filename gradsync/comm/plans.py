@@ -27,16 +27,13 @@ from gradsync.errors import GradsyncError, PlanError
 from gradsync.plan.schedule import Schedule
 from gradsync.plan.synthesizers import PlanOptions
 from gradsync.sim.choose import EXPLORE_RIVAL, PRUNE, Chooser, Pick
-from gradsync.sim.cost import NATIVE, CostModel, native_schedule, size_class
+from gradsync.sim.cost import MAX_ORDERED_TRANSFERS, NATIVE, CostModel, native_schedule, size_class
 from gradsync.sim.pricing import Pricer
 from gradsync.topology.model import Topology
 
-__all__ = ["ALLREDUCE", "ANNOUNCE_PRICING_S", "MAX_ORDERED_TRANSFERS", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S",
+__all__ = ["ALLREDUCE", "ANNOUNCE_PRICING_S", "PLANNED_BACKENDS", "PLAN_TIMEOUT_S",
            "PRICE_AHEAD_ENV", "Pick", "PlanCache", "price_ahead"]
 
-#: Schedules up to this many transfers wait in predicted arrival order; larger ones (thousands of ranks)
-#: keep step order rather than spend a simulation at plan time.
-MAX_ORDERED_TRANSFERS = 200_000
 #: How long ranks wait for rank 0 to price and publish a plan decision (it may simulate for a while).
 PLAN_TIMEOUT_S = 600.0
 #: A size class whose pricing took at least this many seconds is announced on rank 0's stderr: the stall it puts in

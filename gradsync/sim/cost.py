@@ -44,11 +44,14 @@ from gradsync.plan.synthesizers import ring_blocks, split_chunks
 from gradsync.sim.engine import SimResult, simulate
 from gradsync.topology.model import Topology, recorded_link_scales
 
-__all__ = ["BURST_NOISE", "DEFAULT_SOURCE", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
+__all__ = ["BURST_NOISE", "DEFAULT_SOURCE", "MAX_ORDERED_TRANSFERS", "NATIVE", "RATE_TOLERANCE", "CostModel", "burst_of", "native_schedule", "phase_order", "reverse_share_of", "size_class",
            "stream_rate_of"]
 
 #: The pseudo-algorithm name for the backend's own allreduce.
 NATIVE = "native"
+#: Schedules up to this many transfers wait in predicted arrival order (:meth:`CostModel.wait_order`); larger ones
+#: (thousands of ranks) keep step order rather than spend a simulation at plan time.
+MAX_ORDERED_TRANSFERS = 200_000
 
 #: A calibration stream slower than its path's modelled rate by more than this factor rescales the links
 #: (:meth:`CostModel.refined`): the topology's rates are wrong, not merely TCP's goodput.

@@ -48,7 +48,7 @@ import numpy as np
 from gradsync.errors import PlanError
 from gradsync.plan.synthesizers import PlanOptions
 from gradsync.sim.choose import Choice, Chooser
-from gradsync.sim.cost import NATIVE, CostModel, size_class
+from gradsync.sim.cost import MAX_ORDERED_TRANSFERS, NATIVE, CostModel, size_class
 from gradsync.topology.io import from_dict as topology_from_dict
 from gradsync.topology.model import Topology
 
@@ -163,11 +163,13 @@ def _times_from(doc: Any, what: str) -> np.ndarray:
 
 
 def order_candidates(chooser: Chooser, size: int) -> list[tuple[str, int]]:
-    """The planned neighbours of ``size``'s pick that a runtime's explorer builds executors of (the pick itself, whose
-    finish times pricing keeps, and the backend's collective, which has no wait order, left out)."""
+    """The planned neighbours of ``size``'s pick that a runtime's explorer builds executors of and orders (left out:
+    the pick itself, whose finish times pricing keeps; the backend's collective, which has no wait order; and a
+    schedule over :data:`~gradsync.sim.cost.MAX_ORDERED_TRANSFERS`, which runs in step order)."""
     choice = chooser.choose(size)
     pick = (choice.algorithm, choice.pipeline)
-    return [c for c in chooser.explore_candidates(choice) if c != pick and c[0] != NATIVE]
+    return [c for c in chooser.explore_candidates(choice) if c != pick and c[0] != NATIVE
+            and chooser.schedule(*c).num_transfers <= MAX_ORDERED_TRANSFERS]
 
 
 def order_doc(chooser: Chooser, size: int, candidate: tuple[str, int]) -> dict[str, Any]:

@@ -260,3 +260,17 @@ def test_a_damaged_neighbour_order_is_refused():
         read_order({**doc, "finish": {**doc["finish"], "count": times.size + 1}})
     with pytest.raises(PlanError, match="base64"):
         read_order({**doc, "finish": {**doc["finish"], "data": "not base64!"}})
+
+
+def test_neighbours_that_would_run_in_step_order_are_not_ordered(monkeypatch):
+    """A neighbour over MAX_ORDERED_TRANSFERS runs in step order (the plan cache orders none that large): the child
+    prepares nothing for it."""
+    import gradsync.sim.pricing as pricing
+
+    c = _chooser()
+    every = pricing.order_candidates(c, 8 * MIB)
+    counts = {n: c.schedule(*n).num_transfers for n in every}
+    assert len(set(counts.values())) > 1
+    bound = min(counts.values())
+    monkeypatch.setattr(pricing, "MAX_ORDERED_TRANSFERS", bound)
+    assert pricing.order_candidates(c, 8 * MIB) == [n for n in every if counts[n] <= bound] != every
