@@ -274,7 +274,8 @@ class DistributedOptimizer:
         self._arrivals: list[tuple[int, float]] = []
         self._inside = 0.0  # seconds the calibration step spent inside the groups' add()
         #: the calibration steps' groups: layer-wise (the compressor's per-tensor cost is measured there), or, with
-        #: compression="auto", DDP's buckets sent uncompressed (:func:`~gradsync.train.grouped.ddp_partition`)
+        #: compression="auto", DDP's buckets (:func:`~gradsync.train.grouped.ddp_partition`), sent uncompressed (the
+        #: untimed first step in a cast where :meth:`AutoCompression.calibration_wire` gives one)
         self._calibration = (ddp_partition([p.numel() * p.element_size() for _, p in self._params])
                              if _is_auto(compression) else _layerwise(len(self._params)))
         #: compression="auto" with merge="auto": DDP's buckets sent uncompressed, timed against the choices once they
@@ -299,8 +300,8 @@ class DistributedOptimizer:
 
     def _build_groups(self, partition: Partition) -> None:
         self._index = {id(p): i for i, (_, p) in enumerate(self._params)}
-        # compression="auto"'s calibration steps send DDP's buckets uncompressed, outside auto's choosing: they are
-        # thrown away after them
+        # compression="auto"'s calibration steps send DDP's buckets outside auto's choosing (uncompressed, or the
+        # untimed first in a cast): they are thrown away after them
         self._groups = self._merged(partition, plain=self._calibrating and _is_auto(self.compression))
 
     def _merged(self, partition: Partition, *, plain: bool) -> MergedGroups:
@@ -527,8 +528,8 @@ class DistributedOptimizer:
         """Synchronize, then the wrapped optimizer's step -- skipped (``None``) when the compressed step held a NaN or
         an inf on some rank: GradScaler's contract, kept without a GradScaler too, and on every rank at once (the
         verdict travels with the payloads). :attr:`nonfinite_steps` counts it. With ``compression="auto"``, a group
-        sent uncompressed (its calibration steps and DDP's buckets on the backend's allreduce, a settled "none" on
-        either exchange) is not checked, as without compression: nothing of compression's to roll back, and the
+        sent uncompressed (its timed calibration step and DDP's buckets on the backend's allreduce, a settled "none" on
+        either exchange) is not checked, as without compression (the untimed first calibration step sent in a cast is): nothing of compression's to roll back, and the
         check would cost a pass over the group."""
         before = self.nonfinite_steps
         self.synchronize()
