@@ -201,7 +201,7 @@ class PlanCache:
         the neighbours it will build executors of on its next calls, so that their wait orders need no simulation
         while every rank waits (:meth:`executor`)."""
         with self._ahead_lock:
-            if self.pricer is not None and self.pricer.alive:
+            if self.pricer is not None:  # one that stopped says nothing more (Pricer._send)
                 self.pricer.want_orders(size)
 
     def _ahead_refusal(self) -> str | None:

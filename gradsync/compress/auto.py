@@ -343,15 +343,13 @@ def calibration_cast(nbytes: Sequence[int], dtype: torch.dtype, options: Sequenc
     quicker than the uncompressed one; None where none does (no cast allowed, or a wire on which halving the bytes
     saves little: a fast one, or buckets small enough that each message's fixed cost decides). That step is not
     timed and its partition is thrown away, so the one thing it decides is how long the job waits for it."""
-    plain = CODECS.get("none").create()
+    cast = next((o for o in options if o.cast_to is not None and o.cast_to != dtype), None)
+    if cast is None or cast.cast_to is None:
+        return None
+    plain, comp = CODECS.get("none").create(), cast.create()
     none_s = sum(_wire_seconds(plain, n, wire, world) for n in nbytes)
-    for option in options:
-        if option.cast_to is None or option.cast_to == dtype:
-            continue
-        comp = option.create()
-        cast_s = sum(_wire_seconds(comp, n * option.cast_to.itemsize // dtype.itemsize, wire, world) for n in nbytes)
-        return option if none_s > 0 and quicker_by(cast_s, none_s, margin) else None  # a free wire saves nothing
-    return None
+    cast_s = sum(_wire_seconds(comp, n * cast.cast_to.itemsize // dtype.itemsize, wire, world) for n in nbytes)
+    return cast if none_s > 0 and quicker_by(cast_s, none_s, margin) else None  # a free wire saves nothing
 
 
 def run_classes(nbytes: Sequence[int], floor: int) -> list[int]:

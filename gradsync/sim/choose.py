@@ -199,12 +199,16 @@ class Chooser:
         (:attr:`Schedule.digest`): where ``lp``'s optimum is one tree it plans what ``tree`` plans, and a second
         simulation of the same transfers would only repeat the first."""
         key = (schedule.digest, float(size))
-        got = self._predicted.get(key)
-        if got is None:
-            run = self.model.run(schedule, self.topology, size)
-            got = self._predicted[key] = run.time_s
-            self._finish[key] = run.transfer_times()[1]
-        return got
+        if key not in self._predicted:
+            self._simulate(schedule, size)
+        return self._predicted[key]
+
+    def _simulate(self, schedule: Schedule, size: float) -> None:
+        """One simulation of ``schedule`` for ``size`` bytes: its predicted time and per-transfer finish times kept."""
+        key = (schedule.digest, float(size))
+        run = self.model.run(schedule, self.topology, size)
+        self._predicted[key] = run.time_s
+        self._finish[key] = run.transfer_times()[1]
 
     def finish_times(self, schedule: Schedule, size: float) -> np.ndarray | None:
         """Per transfer, when :meth:`predict` simulated it finishing for ``size`` bytes (None if it did not price
@@ -216,12 +220,9 @@ class Chooser:
         """:meth:`finish_times`, simulated here where they are not kept (and kept from then on): the finish times of
         a plan the choice did not pick, which a runtime's explorer builds an executor of (:meth:`explore_candidates`)."""
         key = (schedule.digest, float(size))
-        got = self._finish.get(key)
-        if got is None:
-            run = self.model.run(schedule, self.topology, size)
-            self._predicted.setdefault(key, run.time_s)
-            got = self._finish[key] = run.transfer_times()[1]
-        return got
+        if key not in self._finish:
+            self._simulate(schedule, size)  # deterministic: a prediction kept already is the same
+        return self._finish[key]
 
     def plannable(self, algorithm: str, pipeline: int) -> bool:
         """Whether ``algorithm`` at depth ``pipeline`` may be measured: a depth the cost model prices, and one that
@@ -306,11 +307,6 @@ class Chooser:
             times = self._finish.get((digest, size))
             finish = None if times is None else (digest, times)
         return predicted, finish
-
-    def keep_finish(self, digest: str, size: float, times: np.ndarray) -> None:
-        """Keep ``times`` as the finish times of the schedule with ``digest`` for ``size`` bytes, as :meth:`finish_of`
-        computed them in an identical chooser elsewhere (:mod:`gradsync.sim.pricing`); any kept already stay."""
-        self._finish.setdefault((str(digest), float(size)), times)
 
     def adopt(self, choice: Choice, predicted: dict[str, float],
               finish: tuple[str, np.ndarray] | None) -> None:

@@ -126,7 +126,7 @@ class CompressionHookState:
                 self.auto.anticipate_model(params)
                 if params:  # the buckets of DDP's first backward (its defaults, in backward order) before the rest
                     nbytes = [p.numel() * p.element_size() for p in reversed(params)]
-                    self.auto.anticipate([sum(nbytes[a:b]) for a, b in ddp_partition(nbytes).bounds], params[0].dtype,
+                    self.auto.anticipate(list(ddp_partition(nbytes).group_sizes(nbytes)), params[0].dtype,
                                          first=True)
 
     @property

@@ -276,8 +276,8 @@ class DistributedOptimizer:
         #: the calibration steps' groups: layer-wise (the compressor's per-tensor cost is measured there), or, with
         #: compression="auto", DDP's buckets (:func:`~gradsync.train.grouped.ddp_partition`), sent uncompressed (the
         #: untimed first step in a cast where :meth:`AutoCompression.calibration_wire` gives one)
-        self._calibration = (ddp_partition([p.numel() * p.element_size() for _, p in self._params])
-                             if _is_auto(compression) else _layerwise(len(self._params)))
+        nbytes = [p.numel() * p.element_size() for _, p in self._params]
+        self._calibration = ddp_partition(nbytes) if _is_auto(compression) else _layerwise(len(self._params))
         #: compression="auto" with merge="auto": DDP's buckets sent uncompressed, timed against the choices once they
         #: settle (BUCKET_CHECK_STEPS whole steps each, alternating), and run instead where they are quicker; None
         #: when there is nothing (more) to check
@@ -294,9 +294,8 @@ class DistributedOptimizer:
         if self._calibrating and self._untimed_steps:
             # the untimed first step sends DDP's buckets in a cast where the policy allows one and the wire puts it
             # well ahead: its partition is thrown away and its time not read, so only its pace matters
-            sizes = [p.numel() * p.element_size() for _, p in self._params]
             self._groups.plain_wire = self.compression.calibration_wire(
-                [sum(sizes[a:b]) for a, b in self._calibration.bounds], self._dtype)
+                list(self._calibration.group_sizes(nbytes)), self._dtype)
 
     def _build_groups(self, partition: Partition) -> None:
         self._index = {id(p): i for i, (_, p) in enumerate(self._params)}
