@@ -39,7 +39,7 @@ from gradsync.sim.choose import PRUNE
 from gradsync.sim.cost import NATIVE, CostModel, burst_of, reverse_share_of, size_class, stream_rate_of
 from gradsync.topology.model import Topology
 
-__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_DROP", "EXPLORE_DROP_AFTER", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
+__all__ = ["BURST_PROBE_S", "BURST_TINY_BYTES", "DUPLEX_BYTES", "EXPLORE_DROP", "EXPLORE_DROP_AFTER", "EXPLORE_DROP_WARM", "EXPLORE_MARGIN", "EXPLORE_MAX_CALLS", "EXPLORE_REPS", "EXPLORE_STEPS", "MAX_REVERSE_SHARE", "QUICK_REPS", "TUNED_TYPE",
            "TUNE_MARGIN", "TUNE_MAX_BYTES", "EXPLORE_MIN_BYTES", "Explorer", "Tuning", "cache_file", "load_cost_model", "max_over_ranks", "tuned_choice",
            "write_cache"]
 
@@ -81,6 +81,13 @@ EXPLORE_MARGIN = 0.03
 #: not (docs/runtime.md).
 EXPLORE_DROP = 1.5
 EXPLORE_DROP_AFTER = 2
+#: Sooner, after a step's warm-up round, a candidate leaves where two readings agree that it is slow: the model priced
+#: it at :data:`EXPLORE_DROP` times the incumbent's price or more, and its warm-up call (the slowest rank's) took this
+#: many times the quickest warm-up call or more. A warm-up call carries a plan's first-call costs, so one reading alone
+#: would not do; with the price beside it, a candidate dropped in error leaves the model's own ranking, which is what
+#: ``auto`` runs without exploring. On the two-tier file at 300 Mbit/s the backend's ring, priced at 1.57-1.63x the
+#: pick, measured 1.49-1.56x, and its two timed calls cost the job about 0.35 s each (docs/runtime.md).
+EXPLORE_DROP_WARM = 1.25
 #: When the double (or the half) wins, the explorer steps once more that way, the winner against the next
 #: depth, at most this many times: the optimum is bracketed instead of assumed to lie one step away.
 EXPLORE_STEPS = 2
@@ -543,15 +550,19 @@ class Tuning:
         if not plans.caps.native or self.world_size == 1:
             return None
 
-        def candidates() -> bytes:  # priced by rank 0, like every choice
+        def candidates() -> bytes:  # priced by rank 0, like every choice: each candidate with its price (or null)
             chooser = plans.chooser()
-            tried = chooser.explore_candidates(chooser.choose(size), model)
+            choice = chooser.choose(size)
+            tried = chooser.explore_candidates(choice, model)
             if len(tried) > 1:
                 plans.prepare_orders(size)  # the child pricing ahead, if any, orders the candidates built next
-            return json.dumps(tried).encode()
+            priced = {(c.algorithm, c.pipeline): c.predicted_s for c in choice.candidates}
+            return json.dumps([[a, p, priced.get((a, p))] for a, p in tried]).encode()
 
-        tried = [(str(a), int(p)) for a, p in json.loads(plans.decide(f"explore/{size}", candidates))]
-        return Explorer(self, plans.caps.group, size, tried) if len(tried) > 1 else None
+        rows = json.loads(plans.decide(f"explore/{size}", candidates))
+        tried = [(str(a), int(p)) for a, p, _ in rows]
+        priced = {(str(a), int(p)): float(t) for a, p, t in rows if t is not None}
+        return Explorer(self, plans.caps.group, size, tried, priced) if len(tried) > 1 else None
 
     def explored(self) -> dict[int, Explorer | None]:
         """Each large size class met while exploring, and its explorer (None: nothing was timed)."""
@@ -600,9 +611,11 @@ class Explorer:
     collectives.
     """
 
-    def __init__(self, tuning: Tuning, group: Any, size: int, candidates: Sequence[Pick]) -> None:
+    def __init__(self, tuning: Tuning, group: Any, size: int, candidates: Sequence[Pick],
+                 priced: Mapping[Pick, float] | None = None) -> None:
         self.tuning, self.plans, self.group, self.size = tuning, tuning.plans, group, size
         self.model = candidates[0]
+        self.priced = dict(priced or {})  # the model's price of each candidate it priced
         self.calls = 0  # in this job, all steps
         self.pick: Pick | None = None
         #: each step's candidates (incumbent first), measured times and pick: the record ``tuning.tuned`` keeps
@@ -620,6 +633,7 @@ class Explorer:
         self.step_calls = 0  # in this step's rounds, of the candidates still timed
         self._step_start = self.calls
         self.times: dict[Pick, list[float]] = {c: [] for c in self.candidates}
+        self._warm: dict[Pick, float] = {}  # this rank's warm-up call of each candidate
         self._pruned: dict[Pick, float] = {}  # left the step: the slowest rank's quickest call
 
     @property
@@ -638,13 +652,49 @@ class Explorer:
         out = ex.run(tensors, op)
         if self.step_calls >= m:  # the first round warmed up
             self.times[cand].append(time.perf_counter() - t0)
+        else:
+            self._warm[cand] = time.perf_counter() - t0
         self.step_calls += 1
         self.calls += 1
-        if self.step_calls == m * (1 + EXPLORE_REPS):
+        if self.step_calls == m and self._priced_slow():
+            self._prune_warm()
+        elif self.step_calls == m * (1 + EXPLORE_REPS):
             self._settle()
         elif self.step_calls >= m * (1 + EXPLORE_DROP_AFTER) and self.step_calls % m == 0:  # and a round is left
             self._prune()
         return out
+
+    def _priced_slow(self) -> list[Pick]:
+        """The step's candidates the model priced at :data:`EXPLORE_DROP` times the incumbent's price or more (none
+        where the incumbent was not priced): the same on every rank."""
+        mine = self.priced.get(self.incumbent)
+        if mine is None:
+            return []
+        return [c for c in self.candidates if c != self.incumbent and self.priced.get(c, 0.0) >= EXPLORE_DROP * mine]
+
+    def _prune_warm(self) -> None:
+        """After the warm-up round: a candidate priced slow (:meth:`_priced_slow`) whose warm-up call (the slowest
+        rank's) took :data:`EXPLORE_DROP_WARM` times the quickest warm-up call leaves the step; where one candidate is
+        left, it is picked, its warm-up call standing as its time. The same on every rank: the values are agreed."""
+        warm = dict(zip(self.candidates, max_over_ranks(self.group, [self._warm[c] for c in self.candidates],
+                                                        self.plans.caps.collective_device())))
+        fastest = min(warm.values())
+        slow = {c: warm[c] for c in self._priced_slow() if warm[c] >= EXPLORE_DROP_WARM * fastest}
+        if not slow:
+            return
+        self._leave(slow, rounds=1)
+        if len(self.candidates) == 1:
+            self.times[self.candidates[0]] = [warm[self.candidates[0]]]
+            self._settle()
+
+    def _leave(self, slow: Mapping[Pick, float], rounds: int) -> None:
+        """``slow`` (each with the time it leaves with) leaves the step after ``rounds`` rounds (the warm-up
+        included); its executors go unless they existed before or some class runs or measures them."""
+        self._pruned.update(slow)
+        self.candidates = [c for c in self.candidates if c not in slow]
+        self.step_calls = rounds * len(self.candidates)
+        in_use = self.tuning.in_use(besides=self)
+        self.plans.drop(c for c in slow if c not in self._had and c not in in_use)  # lanes and scratch go
 
     def _prune(self) -> None:
         """Drop the candidates whose quickest call so far (the slowest rank's) took :data:`EXPLORE_DROP` times the
@@ -656,11 +706,7 @@ class Explorer:
         slow = {c: t for c, t in zip(self.candidates, quickest) if t >= EXPLORE_DROP * fastest}
         if not slow:
             return
-        self._pruned.update(slow)
-        self.candidates = [c for c in self.candidates if c not in slow]
-        self.step_calls = rounds * len(self.candidates)
-        in_use = self.tuning.in_use(besides=self)
-        self.plans.drop(c for c in slow if c not in self._had and c not in in_use)  # lanes and scratch go
+        self._leave(slow, rounds)
         if len(self.candidates) == 1:
             self._settle()
 

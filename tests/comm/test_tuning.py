@@ -255,6 +255,62 @@ def test_a_candidate_under_the_drop_ratio_is_timed_every_round(monkeypatch):
     assert rt.tuned[4 << 20]["steps"][0]["pruned"] == []
 
 
+@pytest.mark.parametrize("priced_native, warm_native, leaves", [
+    # priced at 1.6x the model's depth and its warm-up call 1.3x the quickest: it leaves after the warm-up round
+    (1.6, 1.3, True),
+    # priced slow, but its warm-up call near the quickest: the readings disagree, it is timed
+    (1.6, 1.2, False),
+    # its warm-up call slow, but priced under EXPLORE_DROP: timed too (one call alone is not a reading)
+    (1.4, 1.3, False),
+])
+def test_a_candidate_priced_and_warmed_up_slow_leaves_after_the_warm_up_round(monkeypatch, priced_native, warm_native,
+                                                                             leaves):
+    """The backend's collective beside three planned depths: where the model priced it at EXPLORE_DROP times the
+    incumbent and its warm-up call took EXPLORE_DROP_WARM times the quickest warm-up call, it leaves before any timed
+    call (one small all-reduce agrees on the warm-up calls) and the plans finish their rounds; the record names it,
+    with its warm-up call as its time. Otherwise it is timed with the rest (its timed calls, 1.3x, stay under the
+    later drop)."""
+    import gradsync.comm.tuning as tuning
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import EXPLORE_DROP, EXPLORE_DROP_WARM, EXPLORE_REPS, Explorer
+
+    assert 1.2 < EXPLORE_DROP_WARM <= 1.3 and 1.4 < EXPLORE_DROP <= 1.6  # the cases sit either side of both bars
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    native = iter([warm_native] + [1.3] * 10)  # its warm-up call, then its timed calls
+    cands = [("forest", 8), ("forest", 16), ("forest", 4), ("native", 1)]
+    picks = _fake_timing(monkeypatch, rt, {("forest", 8): 1.0, ("forest", 16): 1.01, ("forest", 4): 1.02,
+                                           ("native", 1): lambda: next(native)})
+    agreed: list = []
+    monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: agreed.append(values) or list(values))
+    priced = {("forest", 8): 2.0, ("forest", 16): 2.0, ("forest", 4): 2.1, ("native", 1): 2.0 * priced_native}
+    ex = Explorer(rt.tuning, object(), 4 << 20, cands, priced)
+    calls = _explore(ex)
+    step = rt.tuned[4 << 20]["steps"][0]
+    assert ex.pick == ("forest", 8)
+    if leaves:
+        assert calls == 4 + 3 * EXPLORE_REPS and picks == cands + cands[:3] * EXPLORE_REPS
+        assert step["pruned"] == ["native/1"] and step["measured_s"]["native/1"] == pytest.approx(warm_native)
+        assert agreed[0] == pytest.approx([1.0, 1.01, 1.02, warm_native])  # the warm-up calls, agreed first
+    else:
+        assert calls == 4 * (1 + EXPLORE_REPS) and step["pruned"] == []
+        assert step["measured_s"]["native/1"] == pytest.approx(1.3)
+
+
+def test_a_step_whose_other_candidates_all_leave_after_the_warm_up_round_picks_the_incumbent(monkeypatch):
+    """The model's depth against the backend alone, both readings saying the backend is slow: the explorer picks the
+    model's depth after the warm-up round, its warm-up call standing as its time."""
+    from gradsync.comm import Runtime
+    from gradsync.comm.tuning import Explorer
+
+    rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
+    _fake_timing(monkeypatch, rt, {("forest", 8): 1.0, ("native", 1): 2.0})
+    ex = Explorer(rt.tuning, object(), 4 << 20, [("forest", 8), ("native", 1)], {("forest", 8): 1.0, ("native", 1): 1.7})
+    assert _explore(ex) == 2
+    record = rt.tuned[4 << 20]
+    assert ex.pick == ("forest", 8) and record["measured_s"] == {"forest/8": 1.0, "native/1": 2.0}
+    assert record["steps"][0]["pruned"] == ["native/1"]
+
+
 def test_rival_of_takes_another_algorithm_the_model_prices_close():
     """Within EXPLORE_RIVAL of the model's choice: the best-priced plan of another algorithm (never native)."""
     from gradsync.sim.choose import EXPLORE_RIVAL, Candidate, Choice, rival_of
