@@ -140,7 +140,8 @@ def _optimizer_path(method: str, net: nn.Module, setup: Setup) -> Replica:
     base = _sgd(net.parameters(), setup)
     comp = _compression(method, setup)
     opt = gradsync.DistributedOptimizer(base, net.named_parameters(), runtime=setup.runtime, compression=comp)
-    return Replica(net, opt, base, lambda: _auto_stats(comp), lambda: opt.choosing)
+    return Replica(net, opt, base, lambda: {**_runtime_stats(setup.runtime, opt.partition), **_auto_stats(comp)},
+                   lambda: opt.choosing)
 
 
 def _hook_path(method: str, net: nn.Module, setup: Setup) -> Replica:
@@ -155,8 +156,17 @@ def _hook_path(method: str, net: nn.Module, setup: Setup) -> Replica:
     state = gradsync.CompressionHookState(comp, runtime=setup.runtime, model=net)
     model.register_comm_hook(state, gradsync.compression_hook)
     opt = _sgd(model.parameters(), setup)
-    return Replica(model, opt, opt, lambda: {**_auto_stats(comp), "payload_bytes": state.payload_bytes,
+    return Replica(model, opt, opt, lambda: {**_runtime_stats(setup.runtime), **_auto_stats(comp),
+                                             "payload_bytes": state.payload_bytes,
                                              "dense_bytes": state.dense_bytes}, lambda: state.choosing)
+
+
+def _runtime_stats(runtime: Any, partition: Any = None) -> dict[str, Any]:
+    """What any gradsync method settled besides its codec: the optimizer's partition (tensors per group, backward
+    order) and what its runtime measured of its size classes (the explorers' candidates, calls and times), so that a
+    fixed codec and ``auto`` on the same codec can be told apart where their paces differ."""
+    return {"partition": None if partition is None else [int(g) for g in partition.counts],
+            "runtime_tuned": {str(size): record for size, record in runtime.tuned.items()}}
 
 
 def _auto_stats(comp: Any) -> dict[str, Any]:
@@ -170,8 +180,7 @@ def _auto_stats(comp: Any) -> dict[str, Any]:
             "trial_times": comp.trial_times,
             "joint": None if comp.joint is None else comp.joint.to_dict(),
             "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})},
-            # what auto's runtime measured of its size classes (the explorers' candidates, calls and times): where
-            # the first steps' excess went, besides choosing
+            # what auto's runtime measured of its size classes: where the first steps' excess went, besides choosing
             "runtime_tuned": {str(size): record for size, record in comp.runtime.tuned.items()}}
 
 
