@@ -11,8 +11,9 @@ method trains from the same weights on the same batches in the same processes, a
 ``powersgd-r1``, ``topk-1%``, ``efsignsgd``, ``qsgd`` (those ``auto`` chooses from, same parameters) and ``auto``
 (``--allow``, default ``any``).
 
-Per configuration: each method's median step time (slowest rank per step, after ``--warmup`` steps by which ``auto``
-has settled), the test accuracy and loss after the same ``--steps`` (and after the last), and ``auto`` against the
+Per configuration: each method's median step time (slowest rank per step, after ``--warmup`` untimed steps and any
+more while ``auto`` is still choosing, up to 50: its settled pace; as many steps are then timed as ``--steps`` less
+``--warmup``), the test accuracy and loss after the same ``--steps`` (and after the last), and ``auto`` against the
 best fixed method its policy allows ("none" and DDP included) and against DDP, each as the median of the per-step
 paired ratios ``other / auto`` (> 1: auto is faster) with a 95 % interval: a percentile bootstrap of that median
 (2,000 resamples, seeded) over the paired steps (``--steps``, and more while the configuration stays inside
@@ -40,6 +41,9 @@ configuration there, ~45 min for the 100 Mbit/s cells of both fabrics, ~15 min f
 10 Gbit/s cells (~2 s a step of all methods for ResNet-18 on 4-6 ranks sharing 2 cores) ~20 min: about 1.5-2.5 hours
 with testbed set-up and probes. ``--budget-s`` (45 s a configuration by default) adds steps only where a
 configuration's ``--steps`` took less: LeNet-5's (tens of milliseconds a step) run to ``--max-steps``.
+A configuration where ``auto`` chooses past ``--warmup`` runs that many steps more before it is timed (up to 50 in
+all), and then its ``--steps`` less ``--warmup``: on the two-tier file at 300 Mbit/s the MLP's optimizer chose until
+step 25-50 in single runs, most of it its runtime's explorers.
 """
 
 from __future__ import annotations
@@ -213,6 +217,7 @@ def summarize_config(config: dict[str, Any], allow: str) -> dict[str, Any]:
         "wire_bound": bool(ddp) and ddp["median_s"] >= WIRE_BOUND * fastest,
         "accuracy_points_vs_ddp": 100 * (acc - ddp["accuracy"]) if ddp and acc is not None
         and ddp.get("accuracy") is not None else None,
+        "timed_from": config.get("timed_from"),
         "choose_share": choose, "choose_steps": len(first), "choose_reference": ref_name,
         "auto_codecs": auto.get("stats", {}).get("codecs"),
         "auto_choosing_steps": auto.get("choosing_steps"),
@@ -258,8 +263,7 @@ def summary_lines(rows: Sequence[dict[str, Any]], g: dict[str, Any], allow: str)
                         if (a_ := r.get("auto_vs_anchor")) and r.get("anchor_vs_ddp") else "")
                      + (f", accuracy {acc:+.1f} points vs DDP" if acc is not None else "")
                      + (" (wire-bound)" if r["wire_bound"] else "")
-                     + (f" (auto chose until step {r['auto_choosing_steps']}, after the {r['warmup']} untimed)"
-                        if (r.get("auto_choosing_steps") or 0) > (r.get("warmup") or 0) else ""))
+                     + _timing_note(r))
 
     def val(v: float | None, fmt: str) -> str:
         return "not measured" if v is None else format(v, fmt)
@@ -347,6 +351,19 @@ def run_cell(args: argparse.Namespace, fabric: str, rate: str, index: int, total
         testbed.down()
     data.update(fabric=fabric, rate=rate, mode="testbed", probe=rows)
     return data
+
+
+def _timing_note(r: dict[str, Any]) -> str:
+    """When timing started, where it was not after ``--warmup``: auto still chose then (and, past ``--first``,
+    even after the timed steps began)."""
+    chose, warmup, start = r.get("auto_choosing_steps") or 0, r.get("warmup") or 0, r.get("timed_from")
+    if chose <= warmup:
+        return ""
+    if start is None:  # a result written before timing waited for the choices
+        return f" (auto chose until step {chose}, after the {warmup} untimed)"
+    if chose <= start:
+        return f" (timed from step {start}, once auto had chosen)"
+    return f" (timed from step {start}; auto chose until step {chose})"
 
 
 def _rows(cells: Sequence[dict[str, Any]], allow: str) -> list[dict[str, Any]]:

@@ -12,8 +12,11 @@ step by step; a sample is the slowest rank's time for zero_grad + forward + back
 runs ``--steps`` steps, and with ``--budget-s`` more while it stays inside that time at the pace of its timed
 steps (up to ``--max-steps``; rank 0 decides, every rank runs the same count): a paired interval narrows with the
 square root of its pairs, and a configuration of quick steps buys many more pairs for the same time. The first
-``--warmup`` steps are trained but not timed: by then ``auto`` has probed, chosen and reviewed every group (DDP
-rebuilds its buckets after step 0, so the hook's groups start a step late). ``auto`` keeps no cache: every
+``--warmup`` steps are trained but not timed, and then the steps while a method is still choosing (``auto``: probing,
+reviewing, checking DDP's buckets, or waiting on its runtime's explorers; the replicas agree on it), up to
+``--first``: the timed steps are the pace each method settled on, which is what the paired ratios compare, and what
+choosing cost before shows in ``first_steps_s``. A configuration whose timing starts later runs that many steps more,
+so that ``--steps`` less ``--warmup`` steps are timed whenever it starts (``timed_from``). ``auto`` keeps no cache: every
 configuration chooses from scratch, and ``first_steps_s`` (its first steps' times, and every method's) shows what
 choosing cost.
 
@@ -31,7 +34,7 @@ import copy
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -279,10 +282,18 @@ def extra_steps(elapsed_s: float, pace_s: float, budget_s: float, steps: int, ma
     return min(fit, max(0, max_steps - steps)) if max_steps else fit
 
 
-def _agreed_extra(elapsed_s: float, pace_s: float, args: argparse.Namespace) -> int:
-    """:func:`extra_steps` on rank 0's clock, the same count on every rank (a broadcast): the replicas' collectives
-    must pair up step for step."""
-    extra = torch.tensor([extra_steps(elapsed_s, pace_s, args.budget_s, args.steps, args.max_steps)],
+def _choosing(replicas: Mapping[str, Replica]) -> bool:
+    """Whether some replica is still choosing on some rank (a MAX all-reduce: every rank starts timing at the same
+    step)."""
+    flag = torch.tensor([float(any(rep.choosing() for rep in replicas.values()))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _agreed_extra(elapsed_s: float, pace_s: float, steps: int, args: argparse.Namespace) -> int:
+    """:func:`extra_steps` to ``steps`` on rank 0's clock, the same count on every rank (a broadcast): the replicas'
+    collectives must pair up step for step."""
+    extra = torch.tensor([extra_steps(elapsed_s, pace_s, args.budget_s, steps, args.max_steps)],
                          dtype=torch.int64)
     dist.broadcast(extra, 0)
     return int(extra.item())
@@ -320,9 +331,12 @@ def _run_config(rt: Any, own: dict[str, Any], model_name: str, path: str, method
     at_steps: dict[str, tuple[float | None, float | None]] = dict.fromkeys(methods, (None, None))
     t0 = time.perf_counter()
     total, t_warm, step = args.steps, t0, 0
-    while step < total:
-        if step == args.warmup:
-            t_warm = time.perf_counter()
+    timed_from: int | None = None  # the first timed step: --warmup on, once no method is choosing (at --first at most)
+    budgeted = False  # whether --budget-s has added its steps
+    while step < total or timed_from is None:
+        if timed_from is None and step >= args.warmup and (step >= args.first or not _choosing(replicas)):
+            timed_from, t_warm = step, time.perf_counter()
+            total = max(total, step + args.steps - args.warmup)
         start = (step * args.batch) % (n_train - args.batch)
         x, y = shard(data.x_train[order[start:start + args.batch]], data.y_train[order[start:start + args.batch]],
                      rank, world)
@@ -334,18 +348,21 @@ def _run_config(rt: Any, own: dict[str, Any], model_name: str, path: str, method
                 chose[m] = step + 1
             if step < args.first:
                 first[m].append(dt)
-            if step >= args.warmup:
+            if timed_from is not None:
                 samples[m].append(dt)
         step += 1
+        now = time.perf_counter()  # before the evaluation: the pace is the steps' own
         if step == args.steps:
-            now = time.perf_counter()  # before the evaluation: the pace is the steps' own
             if rank == 0:  # the accuracy every configuration reports at the same count
                 at_steps = {m: _evaluate(rep.model, data.x_test, data.y_test) for m, rep in replicas.items()}
             dist.barrier()  # the others wait here, not inside the next step's timed collectives
+        if not budgeted and step >= args.steps and timed_from is not None and step > timed_from:
+            budgeted = True  # once, at --steps or at the first timed step after it: the pace is the timed steps'
             if args.budget_s > 0:
-                total += _agreed_extra(now - t0, (now - t_warm) / (step - args.warmup), args)
+                total += _agreed_extra(now - t0, (now - t_warm) / (step - timed_from), total, args)
         if step % 5 == 0 or step == total:
-            progress(f"step {step}/{total} ({time.perf_counter() - t0:.0f} s)")
+            progress(f"step {step}/{total}{'' if timed_from is not None else '+, untimed while choosing'} "
+                     f"({time.perf_counter() - t0:.0f} s)")
     rows = {}
     for m, rep in replicas.items():
         acc, loss = _evaluate(rep.model, data.x_test, data.y_test) if rank == 0 else (None, None)
@@ -353,7 +370,7 @@ def _run_config(rt: Any, own: dict[str, Any], model_name: str, path: str, method
                    "losses": losses[m], "accuracy": at_steps[m][0], "test_loss": at_steps[m][1],
                    "accuracy_final": acc, "test_loss_final": loss, "choosing_steps": chose[m],
                    "replicas_identical": replicas_identical(rep.model), "stats": rep.stats()}
-    return {"model": model_name, "path": path, "steps": total, "accuracy_steps": args.steps,
+    return {"model": model_name, "path": path, "steps": total, "accuracy_steps": args.steps, "timed_from": timed_from,
             "parameters": sum(p.numel() for p in base.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in base.parameters()), "methods": rows,
             "run_s": time.perf_counter() - t0}

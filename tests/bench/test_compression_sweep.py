@@ -31,7 +31,7 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     broadcast: were the ranks to disagree, the replicas' collectives would hang or fail)."""
     pytest.importorskip("sklearn")  # the digits
     pytest.importorskip("matplotlib")
-    max_steps = bench.QUICK["steps"] + 2
+    max_steps = bench.QUICK["steps"] + 14  # beyond where timing starts (auto chose until step 13-14 on 2 cores)
     assert bench.main(["--quick", "--budget-s", "3600", "--max-steps", str(max_steps), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "compression_sweep_quick.png").stat().st_size > 0
     doc = json.loads((tmp_path / "compression_sweep_quick.json").read_text())
@@ -42,12 +42,15 @@ def test_quick_mode_writes_the_json_and_the_heat_map_with_ratios_from_the_paired
     assert cell["runtimes"] == "one per method and configuration"
     (config,) = cell["configs"]
     assert (config["model"], config["path"]) == ("lenet5", "optimizer")
-    steps, warmup = max_steps, bench.QUICK["warmup"]
-    assert config["steps"] == steps and config["accuracy_steps"] == bench.QUICK["steps"]
+    # timed from --warmup on, once auto stopped choosing; then --steps less --warmup steps at least, and to --max-steps
+    start, warmup = config["timed_from"], bench.QUICK["warmup"]
     rows = config["methods"]
+    assert start >= warmup and rows["auto"]["choosing_steps"] <= start
+    steps = max(max_steps, start + bench.QUICK["steps"] - warmup)
+    assert config["steps"] == steps and config["accuracy_steps"] == bench.QUICK["steps"]
     assert list(rows) == method_names() == ["ddp", ANCHOR, "none", *FIXED, "auto"]
     for name, r in rows.items():
-        assert len(r["samples_s"]) == steps - warmup and all(s > 0 for s in r["samples_s"]), name
+        assert len(r["samples_s"]) == steps - start and all(s > 0 for s in r["samples_s"]), name
         assert r["median_s"] == statistics.median(r["samples_s"]), name
         assert len(r["losses"]) == steps and len(r["first_steps_s"]) == steps, name
         assert 0.0 <= r["accuracy"] <= 1.0 and r["test_loss"] > 0, name  # at --steps
