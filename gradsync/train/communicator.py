@@ -367,6 +367,19 @@ class CompressionStep:
     def __repr__(self) -> str:
         return f"CompressionStep({self.compressor!r}, {self.memory!r}, {self.communicator.name!r})"
 
+    def allreduce_bytes(self, exchanges: Sequence[Sequence[Sequence[int]]], dtype: torch.dtype) -> list[int]:
+        """Bytes per rank of the one allreduce each exchange of :meth:`step_async` sends, given each exchange's item
+        shapes (of ``dtype``): the items' payloads and their non-finite marks, which join the payload's collective.
+        A runtime prices these ahead (:meth:`Runtime.anticipate <gradsync.comm.runtime.Runtime.anticipate>`), so that a
+        fixed codec's first step need not wait for the plans of its sizes. Empty where the step sends no single
+        allreduce (an allgather, two rounds)."""
+        if self.two_rounds or not isinstance(self.communicator, AllreduceCommunicator):
+            return []
+        mark = (self.compressor.cast_dtype or dtype).itemsize  # one mark per item, in the payload's dtype
+        out = [sum(self.compressor.payload_bytes(tuple(shape), dtype) for shape in shapes) + mark * len(shapes)
+               for shapes in exchanges]
+        return [n for n in out if n > 0]
+
     def step(self, tensor: Tensor, info: TensorInfo) -> Tensor:
         """The aggregate of ``tensor`` over workers (blocks until it has travelled)."""
         return self.step_async([tensor], [info]).wait()[0]

@@ -35,6 +35,7 @@ the callbacks can interleave the rounds differently on different ranks.)
 """
 
 # No ``from __future__ import annotations``: DDP inspects the hook's annotations and wants real objects.
+import math
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -128,6 +129,22 @@ class CompressionHookState:
                     nbytes = [p.numel() * p.element_size() for p in reversed(params)]
                     self.auto.anticipate(list(ddp_partition(nbytes).group_sizes(nbytes)), params[0].dtype,
                                          first=True)
+            elif self.cast_dtype is None:  # a fixed codec on gradsync's thread: DDP's first buckets priced meanwhile
+                self._anticipate_buckets([p for _, p in named if p.requires_grad])
+
+    def _anticipate_buckets(self, params: list[torch.nn.Parameter]) -> None:
+        """Have the runtime price ahead what a fixed codec sends for the buckets of DDP's first backward (its default
+        limits over ``params`` in reverse), each one exchange of its gradients (``merge="layerwise"``) or of its flat
+        buffer (``"bucket"``)."""
+        if not params:
+            return
+        shapes = [tuple(p.shape) for p in reversed(params)]
+        nbytes = [p.numel() * p.element_size() for p in reversed(params)]
+        exchanges = [shapes[a:b] if self.merge == "layerwise" else [(sum(math.prod(s) for s in shapes[a:b]),)]
+                     for a, b in ddp_partition(nbytes).bounds]
+        sizes = self.step.allreduce_bytes(exchanges, params[0].dtype)
+        if sizes:
+            self.resolve().anticipate(sizes)
 
     @property
     def resolved(self) -> bool:

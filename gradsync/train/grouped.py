@@ -252,6 +252,12 @@ outside auto's choosing (the optimizer's calibration steps).
     def num_groups(self) -> int:
         return len(self.groups)
 
+    def exchange_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Each group's item shapes as a fixed step exchanges them, in launch order: its members' own (a batch) or
+        its flat buffer's (:meth:`CompressionStep.allreduce_bytes
+        <gradsync.train.communicator.CompressionStep.allreduce_bytes>` prices them)."""
+        return [[p.shape for p in g.parts] if g.parts else [g.info.shape] for g in self.groups]
+
     @property
     def started(self) -> bool:
         """Whether this step has gradients added or groups sent (:meth:`wait` ends the step)."""

@@ -291,6 +291,10 @@ class DistributedOptimizer:
         self._calibration_s: float | None = None
         self._settling_t0 = 0  # the runtime's settling count when the calibration step began
         self._build_groups(self.partition if self.partition is not None else self._calibration)
+        if not _is_auto(compression):  # a fixed codec's first groups are known: their sizes priced meanwhile
+            sizes = self.compression.allreduce_bytes(self._groups.exchange_shapes(), self._dtype)
+            if sizes:
+                self.runtime.anticipate(sizes)
         if self._calibrating and self._untimed_steps:
             # the untimed first step sends DDP's buckets in a cast where the policy allows one and the wire puts it
             # well ahead: its partition is thrown away and its time not read, so only its pace matters

@@ -319,3 +319,53 @@ def test_an_auto_runtime_prices_nothing_when_an_optimizer_or_hook_starts_on_it()
             start(algorithm="nope")
     finally:
         rt.shutdown()
+
+
+@pytest.mark.parametrize("merge", ["layerwise", 2])
+@pytest.mark.parametrize("name", ["fp16", "none", "randk"])
+def test_a_fixed_codec_has_its_first_steps_allreduce_sizes_priced_ahead(name: str, merge: object,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As it starts, an optimizer with a fixed codec that sums by one allreduce asks its runtime to price ahead what
+    its groups send: the sizes its first step then hands the runtime's allreduce, each group's payloads and marks."""
+    from gradsync.comm.local import LocalFabric
+
+    asked: list[list[float]] = []
+    sent: list[int] = []
+    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
+    run = Runtime.run_allreduce
+
+    def recorded(self: Runtime, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sent.append(sum(t.numel() * t.element_size() for t in ([tensors] if torch.is_tensor(tensors) else tensors)))
+        return run(self, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "run_allreduce", recorded)
+    rt = Runtime(LocalFabric(1).transport(0))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                                   compression=name, merge=merge)
+        assert len(asked) == 1 and not sent
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        assert sorted(asked[0]) == sorted(sent) and len(sent) == (4 if merge == "layerwise" else 2), (asked, sent)
+    finally:
+        rt.shutdown()
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd"])
+def test_a_codec_with_another_exchange_prices_nothing_ahead(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allgather (top-k) or two rounds (PowerSGD) is no single allreduce of a size known before the step: nothing
+    is anticipated."""
+    from gradsync.comm.local import LocalFabric
+
+    asked: list[list[float]] = []
+    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
+    rt = Runtime(LocalFabric(1).transport(0))
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                             compression=name)
+        assert asked == []
+    finally:
+        rt.shutdown()
