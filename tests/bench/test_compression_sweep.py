@@ -141,10 +141,12 @@ def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_a
     2.222. DDP: 2/0.4, 2/0.45, 2/0.8 -> 4.444; its 2 s >= 2 x 0.45: wire-bound. Accuracy 95.5 % vs 96 %: -0.5
     points. Choosing: auto's first steps 2.65 s, 0.45 s beyond 4 x its mean pace 0.55 (not its median: 0.85 s);
     DDP's 0.3 s beyond 4 x 2.0 are a job's own start-up: (0.45 - 0.3) / 2.65. Without DDP's first steps, none's
-    (0.5 s beyond 4 x 1.5) stand in: (0.45 - 0.5) / 2.65."""
+    (0.5 s beyond 4 x 1.5) stand in: (0.45 - 0.5) / 2.65. Against the quickest fixed gradsync codec with first steps
+    (top-k's: 3.8 s, 3.8 - 4 x 0.6333 = 1.2667 s beyond its pace; fp16 has none recorded) instead of DDP:
+    (0.45 - 1.2667) / 2.65."""
     config = _config(ddp=_method([2.0, 2.0, 2.0], 0.96, first=[2.3, 2.0, 2.0, 2.0]),
                      none=_method([1.5, 1.5, 1.5], first=[2.0, 1.5, 1.5, 1.5]),
-                     fp16=_method([1.2, 1.0, 1.1]), **{"topk-1%": _method([0.6, 0.9, 0.4])},
+                     fp16=_method([1.2, 1.0, 1.1]), **{"topk-1%": _method([0.6, 0.9, 0.4], first=[1.9, 0.6, 0.9, 0.4])},
                      auto=_method([0.4, 0.45, 0.8], 0.955, first=[1.0, 0.4, 0.45, 0.8]))
     got = bench.summarize_config(config, "any")
     assert got["best_fixed"] == "topk-1%"
@@ -155,11 +157,15 @@ def test_a_configuration_is_judged_against_the_fastest_fixed_method_the_policy_a
     assert got["auto_vs_none"]["median"] == pytest.approx(1.5 / 0.45)
     assert got["accuracy_points_vs_ddp"] == pytest.approx(-0.5)
     assert got["choose_share"] == pytest.approx((0.45 - 0.3) / 2.65) and got["choose_reference"] == "ddp"
+    assert got["choose_share_vs_fixed"] == pytest.approx((0.45 - (3.8 - 4 * 1.9 / 3)) / 2.65)
+    assert got["choose_fixed_reference"] == "topk-1%"
     config["methods"]["ddp"]["first_steps_s"] = []
     alone = bench.summarize_config(config, "any")
     assert alone["choose_share"] == pytest.approx((0.45 - 0.5) / 2.65) and alone["choose_reference"] == "none"
     cast = bench.summarize_config(config, "cast")
     assert cast["best_fixed"] == "fp16" and cast["auto_vs_best"]["median"] == pytest.approx(1.0 / 0.45)
+    assert cast["choose_fixed_reference"] == "none"  # top-k is out, fp16 recorded no first steps
+    assert cast["choose_share_vs_fixed"] == pytest.approx((0.45 - 0.5) / 2.65)
     assert bench.fixed_pool(list(config["methods"]), "cast") == ["ddp", "none", "fp16"]
     assert bench.fixed_pool(list(config["methods"]), "lossless") == ["ddp", "none"]
 
