@@ -182,9 +182,7 @@ def _auto_stats(comp: Any) -> dict[str, Any]:
             "step_check": comp.step_check, "buckets": comp.buckets, "trials": comp.trials,
             "trial_times": comp.trial_times,
             "joint": None if comp.joint is None else comp.joint.to_dict(),
-            "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})},
-            # what auto's runtime measured of its size classes: where the first steps' excess went, besides choosing
-            "runtime_tuned": {str(size): record for size, record in comp.runtime.tuned.items()}}
+            "codecs": {c: sum(r["codec"] == c for r in rows) for c in sorted({r["codec"] for r in rows})}}
 
 
 PATHS: Registry[Callable[[str, nn.Module, Setup], Replica]] = Registry("compression-sweep path", GradsyncError)

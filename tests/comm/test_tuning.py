@@ -284,7 +284,10 @@ def test_a_candidate_priced_and_warmed_up_slow_leaves_after_the_warm_up_round(mo
     monkeypatch.setattr(tuning, "max_over_ranks", lambda group, values, device: agreed.append(values) or list(values))
     priced = {("forest", 8): 2.0, ("forest", 16): 2.0, ("forest", 4): 2.1, ("native", 1): 2.0 * priced_native}
     ex = Explorer(rt.tuning, object(), 4 << 20, cands, priced)
-    calls = _explore(ex)
+    try:
+        calls = _explore(ex)
+    finally:
+        rt.shutdown()
     step = rt.tuned[4 << 20]["steps"][0]
     assert ex.pick == ("forest", 8)
     if leaves:
@@ -305,7 +308,10 @@ def test_a_step_whose_other_candidates_all_leave_after_the_warm_up_round_picks_t
     rt = Runtime(LocalFabric(2).transport(0), "switch:2", "auto", timeout_s=5)
     _fake_timing(monkeypatch, rt, {("forest", 8): 1.0, ("native", 1): 2.0})
     ex = Explorer(rt.tuning, object(), 4 << 20, [("forest", 8), ("native", 1)], {("forest", 8): 1.0, ("native", 1): 1.7})
-    assert _explore(ex) == 2
+    try:
+        assert _explore(ex) == 2
+    finally:
+        rt.shutdown()
     record = rt.tuned[4 << 20]
     assert ex.pick == ("forest", 8) and record["measured_s"] == {"forest/8": 1.0, "native/1": 2.0}
     assert record["steps"][0]["pruned"] == ["native/1"]
