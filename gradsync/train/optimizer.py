@@ -39,6 +39,7 @@ import torch
 from gradsync.comm.executor import OPS
 from gradsync.comm.runtime import Runtime, Work, get_runtime
 from gradsync.errors import GradsyncError
+from gradsync.sim.choose import AUTO
 from gradsync.train.grouped import DDP_BUCKET_BYTES, FIRST_BUCKET_BYTES, ddp_partition
 
 if TYPE_CHECKING:
@@ -160,6 +161,10 @@ class DistributedOptimizer:
         self._trainable = [(n, p) for n, p in named if p.requires_grad]
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for _, p in self._trainable]
         self.runtime.prepare(algorithm)  # a bad algorithm fails here, not in the first backward
+        if self.compression is None and algorithm in (None, AUTO):  # the groups' sizes priced before they are sent
+            sizes = self._plain_group_bytes()
+            if sizes:
+                self.runtime.anticipate(sizes)
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found on self: delegate to the wrapped optimizer. (LR schedulers
@@ -522,6 +527,21 @@ class DistributedOptimizer:
         for w, _ in works:
             w.wait()
         self.wait_seconds += time.perf_counter() - t0
+
+    def _plain_group_bytes(self) -> list[int]:
+        """The bytes of the groups an iteration sends without compression, in the order :meth:`_on_grad` queues them
+        where backward produces the gradients in reverse registration order (DDP's assumption for its buckets); the
+        groups still open at the end follow, as :meth:`synchronize` sends them."""
+        out: list[int] = []
+        open_: dict[torch.dtype, int] = {}
+        for _, p in reversed(self._trainable):
+            size = open_.get(p.dtype, 0) + p.numel() * p.element_size()
+            if size >= (self.bucket_bytes if out else self.first_bucket_bytes):
+                out.append(size)
+                open_.pop(p.dtype, None)
+            else:
+                open_[p.dtype] = size
+        return [n for n in [*out, *open_.values()] if n > 0]  # an empty parameter's group sends nothing to price
 
     def _queue(self, group: list[torch.Tensor], size: int) -> None:
         """One fused allreduce of ``group`` (``size`` bytes) on the communication thread."""

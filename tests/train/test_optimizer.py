@@ -28,9 +28,13 @@ class _Recorder:
         self.model = model
         self.groups: list[list[int]] = []
         self.ready_then: list[int] = []
+        self.anticipated: list[list[float]] = []
 
     def prepare(self, algorithm: str | None = None) -> None:
         return None
+
+    def anticipate(self, sizes: list[float], *, first: bool = False) -> None:
+        self.anticipated.append(list(sizes))
 
     def allreduce_async(self, group: list[torch.Tensor], op: str, algorithm: str | None) -> _Done:
         self.groups.append([g.numel() * g.element_size() for g in group])
@@ -65,6 +69,7 @@ def test_the_first_group_closes_at_first_bucket_bytes(first, expect):
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                bucket_bytes=25 << 20, first_bucket_bytes=first)
     assert opt.first_bucket_bytes == (min(25 << 20, FIRST_BUCKET_BYTES) if first is None else first)
+    assert rt.anticipated == [[sum(g) for g in expect]]  # priced ahead as it starts: the groups' sizes, in order
     for _ in range(2):  # every iteration starts a first group again
         rt.groups.clear()
         _step(opt, model)
@@ -367,5 +372,46 @@ def test_a_codec_with_another_exchange_prices_nothing_ahead(name: str, monkeypat
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                              compression=name)
         assert asked == []
+    finally:
+        rt.shutdown()
+
+
+@pytest.mark.parametrize("bucket_bytes, first_bucket_bytes, expect", [
+    (0, None, [12, 3600, 1200, 9600]),  # every gradient alone, in backward order
+    (4000, None, [12 + 3600 + 1200, 9600]),  # fused until a group holds 4,000 bytes
+    (4000, 100, [12 + 3600, 1200 + 9600]),  # the first group closes at 100
+    (1 << 20, None, [12 + 3600 + 1200 + 9600]),  # all open at the end, sent by step()
+])
+def test_an_uncompressed_optimizer_has_its_groups_sizes_priced_ahead(bucket_bytes: int, first_bucket_bytes: int | None,
+                                                                      expect: list[int],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without compression, as it starts, the optimizer asks its runtime to price ahead the sizes of the groups its
+    first step then hands the runtime's allreduce, in that order (the model's float32 bytes in backward order: 12, 3,600,
+    1,200, 9,600); a named algorithm is not ``auto``'s to price: nothing is asked."""
+    from gradsync.comm.local import LocalFabric
+
+    asked: list[list[float]] = []
+    sent: list[int] = []
+    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
+    run = Runtime.allreduce_async
+
+    def recorded(self: Runtime, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sent.append(sum(t.numel() * t.element_size() for t in ([tensors] if torch.is_tensor(tensors) else tensors)))
+        return run(self, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "allreduce_async", recorded)
+    rt = Runtime(LocalFabric(1).transport(0))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                                   bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes)
+        assert len(asked) == 1 and not sent
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        assert asked[0] == sent == expect
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                             algorithm="ring", bucket_bytes=bucket_bytes)
+        assert len(asked) == 1
     finally:
         rt.shutdown()
