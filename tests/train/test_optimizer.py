@@ -326,6 +326,35 @@ def test_an_auto_runtime_prices_nothing_when_an_optimizer_or_hook_starts_on_it()
         rt.shutdown()
 
 
+def _priced_and_sent(monkeypatch: pytest.MonkeyPatch, send: str) -> tuple[list[list[float]], list[int]]:
+    """Record what a runtime is asked to price ahead, and the bytes of each call of its ``send`` method (which still
+    runs)."""
+    asked: list[list[float]] = []
+    sent: list[int] = []
+    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
+    run = getattr(Runtime, send)
+
+    def recorded(self: Runtime, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sent.append(sum(t.numel() * t.element_size() for t in ([tensors] if torch.is_tensor(tensors) else tensors)))
+        return run(self, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, send, recorded)
+    return asked, sent
+
+
+def _start_and_step(rt: Runtime, asked: list, sent: list, **kw: object) -> torch.nn.Module:
+    """An optimizer (``kw``) over a small model on ``rt``: it asks for pricing once as it starts, sends nothing before
+    its first step, which runs here; the model is returned."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               **kw)  # type: ignore[arg-type]
+    assert len(asked) == 1 and not sent
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model
+
+
 @pytest.mark.parametrize("merge", ["layerwise", 2])
 @pytest.mark.parametrize("name", ["fp16", "none", "randk"])
 def test_a_fixed_codec_has_its_first_steps_allreduce_sizes_priced_ahead(name: str, merge: object,
@@ -334,25 +363,10 @@ def test_a_fixed_codec_has_its_first_steps_allreduce_sizes_priced_ahead(name: st
     its groups send: the sizes its first step then hands the runtime's allreduce, each group's payloads and marks."""
     from gradsync.comm.local import LocalFabric
 
-    asked: list[list[float]] = []
-    sent: list[int] = []
-    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
-    run = Runtime.run_allreduce
-
-    def recorded(self: Runtime, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
-        sent.append(sum(t.numel() * t.element_size() for t in ([tensors] if torch.is_tensor(tensors) else tensors)))
-        return run(self, tensors, *args, **kwargs)
-
-    monkeypatch.setattr(Runtime, "run_allreduce", recorded)
+    asked, sent = _priced_and_sent(monkeypatch, "run_allreduce")
     rt = Runtime(LocalFabric(1).transport(0))
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                                   compression=name, merge=merge)
-        assert len(asked) == 1 and not sent
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
+        _start_and_step(rt, asked, sent, compression=name, merge=merge)
         assert sorted(asked[0]) == sorted(sent) and len(sent) == (4 if merge == "layerwise" else 2), (asked, sent)
     finally:
         rt.shutdown()
@@ -390,25 +404,10 @@ def test_an_uncompressed_optimizer_has_its_groups_sizes_priced_ahead(bucket_byte
     1,200, 9,600); a named algorithm is not ``auto``'s to price: nothing is asked."""
     from gradsync.comm.local import LocalFabric
 
-    asked: list[list[float]] = []
-    sent: list[int] = []
-    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
-    run = Runtime.allreduce_async
-
-    def recorded(self: Runtime, tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
-        sent.append(sum(t.numel() * t.element_size() for t in ([tensors] if torch.is_tensor(tensors) else tensors)))
-        return run(self, tensors, *args, **kwargs)
-
-    monkeypatch.setattr(Runtime, "allreduce_async", recorded)
+    asked, sent = _priced_and_sent(monkeypatch, "allreduce_async")
     rt = Runtime(LocalFabric(1).transport(0))
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                                   bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes)
-        assert len(asked) == 1 and not sent
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
+        model = _start_and_step(rt, asked, sent, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes)
         assert asked[0] == sent == expect
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                              algorithm="ring", bucket_bytes=bucket_bytes)
