@@ -43,7 +43,9 @@ def hook_for(state: Any) -> Callable[..., Any]:
 def register_comm_hook(model: Any, state: Any = None, hook: Callable[..., Any] | None = None) -> bool:
     """Register ``hook`` (default: ``state``'s, :func:`hook_for`) with ``state`` (default: a new
     :class:`GradsyncHookState`, the planned allreduce) on ``model``. Returns False, registering nothing, when
-    ``model`` is not wrapped in DDP (one process: nothing to synchronise), True otherwise."""
+    ``model`` is not wrapped in DDP (one process: nothing to synchronise), True otherwise. A gradsync state that has
+    its runtime already is given the wrapped module, so that what DDP's first buckets send is priced ahead
+    (``anticipate_model``; once, and nothing where the state was made with the model)."""
     if state is None:
         state = GradsyncHookState()
     hook = hook if hook is not None else hook_for(state)
@@ -58,4 +60,6 @@ def register_comm_hook(model: Any, state: Any = None, hook: Callable[..., Any] |
             "this DDP model already has a communication hook (the trainer registered one, e.g. Lightning's "
             "DDPStrategy(ddp_comm_hook=...) on GPUs); register gradsync's in one place only"
         ) from exc
+    if isinstance(state, tuple(HOOKS)) and state.resolved:
+        state.anticipate_model(model.module.parameters())
     return True

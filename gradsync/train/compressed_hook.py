@@ -46,7 +46,7 @@ from gradsync.comm.runtime import Runtime, is_initialized
 from gradsync.compress.base import CompressionError, Compressor, Memory, TensorInfo
 from gradsync.train.auto_compression import AutoCompression, param_signature
 from gradsync.train.communicator import CompressionStep, average_in_place, native_cast_sum_async, write_aggregate
-from gradsync.train.grouped import ddp_partition
+from gradsync.train.grouped import ddp_bucket_bytes, ddp_partition
 
 __all__ = ["HOOK_MERGE_MODES", "CompressionHookState", "compression_hook"]
 
@@ -120,24 +120,32 @@ class CompressionHookState:
         #: The wire dtype when the step is a plain cast (fp16) with no memory, summed by allreduce: the hook
         #: then casts the whole bucket and sums it with the process group's own future where it can.
         self.cast_dtype: torch.dtype | None = self.step.cast_dtype if self.auto is None else None
+        self._anticipated = False
         if runtime is not None or is_initialized() or (dist.is_available() and dist.is_initialized()):
             self.resolve()  # something to run on already: look it up now, as GradsyncHookState does
-            if self.auto is not None:  # DDP's buckets are runs of the parameters: their classes priced meanwhile
-                params = [p for _, p in named if p.requires_grad]
-                self.auto.anticipate_model(params)
-                if params:  # the buckets of DDP's first backward (its defaults, in backward order) before the rest
-                    nbytes = [p.numel() * p.element_size() for p in reversed(params)]
-                    self.auto.anticipate(list(ddp_partition(nbytes).group_sizes(nbytes)), params[0].dtype,
-                                         first=True)
-            elif self.cast_dtype is None:  # a fixed codec on gradsync's thread: DDP's first buckets priced meanwhile
-                self._anticipate_buckets([p for _, p in named if p.requires_grad])
+            self.anticipate_model(p for _, p in named)
+
+    def anticipate_model(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Have the runtime price ahead what DDP's first backward over ``params`` (a model's, in registration order;
+        DDP's default limits) sends, once. ``"auto"``: every class a bucket may fall in, and first the buckets' own
+        payloads (DDP's buckets are runs of the parameters). A fixed codec on gradsync's thread: each bucket's
+        exchange (a cast on the process group's own allreduce prices nothing). Called as the state is made with the
+        model, and by :func:`gradsync.integrations.register_comm_hook` with the DDP model's module once the runtime is
+        found."""
+        trainable = [p for p in params if p.requires_grad]
+        if self._anticipated or not trainable:
+            return
+        self._anticipated = True
+        if self.auto is not None:
+            self.auto.anticipate_model(trainable)
+            self.auto.anticipate(ddp_bucket_bytes(trainable), trainable[0].dtype, first=True)
+        elif self.cast_dtype is None:
+            self._anticipate_buckets(trainable)
 
     def _anticipate_buckets(self, params: list[torch.nn.Parameter]) -> None:
         """Have the runtime price ahead what a fixed codec sends for the buckets of DDP's first backward (its default
         limits over ``params`` in reverse), each one exchange of its gradients (``merge="layerwise"``) or of its flat
         buffer (``"bucket"``)."""
-        if not params:
-            return
         shapes = [tuple(p.shape) for p in reversed(params)]
         nbytes = [p.numel() * p.element_size() for p in reversed(params)]
         exchanges = [shapes[a:b] if self.merge == "layerwise" else [(sum(math.prod(s) for s in shapes[a:b]),)]

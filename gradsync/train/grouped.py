@@ -38,6 +38,7 @@ __all__ = [
     "DDP_BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "MergedGroups",
+    "ddp_bucket_bytes",
     "ddp_partition",
     "profile_cost_model",
 ]
@@ -156,6 +157,14 @@ def ddp_partition(nbytes: Sequence[int]) -> Partition:
     if count:
         counts.append(count)
     return Partition.from_counts(counts)
+
+
+def ddp_bucket_bytes(params: Sequence[Tensor]) -> list[int]:
+    """The bytes of each bucket of DDP's first backward over ``params`` (the trainable ones, in registration order),
+    in the order it sends them: :func:`ddp_partition` of their sizes in reverse, DDP's default limits. What a DDP
+    hook's runtime prices ahead where it is given the model."""
+    nbytes = [p.numel() * p.element_size() for p in reversed(params)]
+    return [int(n) for n in ddp_partition(nbytes).group_sizes(nbytes)] if nbytes else []
 
 
 #: A lean group at least this large is scaled member by member as it is copied into its buffer (one pass); a smaller

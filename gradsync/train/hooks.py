@@ -13,7 +13,8 @@ step, so buckets travel while backward continues.
 
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations and wants the real
 # ``dist.GradBucket`` and ``Future[Tensor]`` objects, not strings.
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from gradsync.comm.executor import OPS
 from gradsync.comm.runtime import Runtime, get_runtime, is_initialized
 from gradsync.errors import GradsyncError
+from gradsync.sim.choose import AUTO
+from gradsync.train.grouped import ddp_bucket_bytes
 
 __all__ = ["GradsyncHookState", "allreduce_hook"]
 
@@ -36,19 +39,44 @@ class GradsyncHookState:
     * ``op``: ``"avg"`` (DDP's semantics: the mean gradient) or ``"sum"``.
     * ``algorithm``: a synthesizer name to use instead of the runtime's default.
     * ``buckets``: counts buckets reduced (statistics).
+    * ``model``: the model DDP wraps (optional): where the state has a runtime as it is made, the sizes of DDP's first
+      buckets are priced ahead on ``auto`` (:meth:`anticipate_model`), instead of at the first bucket while every
+      rank waits.
     """
 
     runtime: Optional[Runtime] = None  # noqa: UP045 - evaluated at runtime on Python 3.10 too
     op: str = "avg"
     algorithm: Optional[str] = None  # noqa: UP045
     buckets: int = 0
+    model: Optional[torch.nn.Module] = field(default=None, repr=False, compare=False)  # noqa: UP045
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise GradsyncError(f"op={self.op!r} is not one of {OPS}; DDP expects 'avg' for averaged gradients")
+        if self.model is not None and not isinstance(self.model, torch.nn.Module):
+            raise TypeError(f"model must be the torch.nn.Module DDP wraps (or None), got {type(self.model).__name__}")
+        self._anticipated = False
         if self.runtime is None and not (is_initialized() or (dist.is_available() and dist.is_initialized())):
             return  # nothing to run on yet: resolve() at the first bucket
         self.resolve()
+        if self.model is not None:
+            self.anticipate_model(self.model.parameters())
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the runtime has been found (:meth:`resolve`)."""
+        return self.runtime is not None
+
+    def anticipate_model(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Have the runtime price ahead the buckets of DDP's first backward over ``params`` (a model's, in
+        registration order; DDP's default limits), once, where the runtime chooses (``auto``) and this state names no
+        algorithm of its own. Called as the state is made with ``model``, and by
+        :func:`gradsync.integrations.register_comm_hook` with the DDP model's module once a runtime is found."""
+        trainable = [p for p in params if p.requires_grad]
+        if self._anticipated or not trainable or self.algorithm not in (None, AUTO):
+            return
+        self._anticipated = True
+        self.resolve().anticipate(ddp_bucket_bytes(trainable))
 
     def resolve(self) -> Runtime:
         """The runtime, started (``gradsync.get_runtime()``) if none was given, with the algorithm planned: a bad

@@ -39,3 +39,38 @@ dist.destroy_process_group()
 def test_the_hook_state_built_before_the_process_group_starts_its_runtime_at_the_first_bucket(tmp_path):
     p = run_outside_a_launcher(SCRIPT, str(tmp_path / "store"))
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+
+
+def test_a_hook_state_given_the_model_prices_ddps_first_buckets_ahead(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Given the model and a runtime, the planned-allreduce hook state has the runtime price ahead the buckets of DDP's
+    first backward: torch's own bucket assignment over the parameters in reverse (limits small enough for several),
+    once; nothing without the model, nor where the state names an algorithm of its own; a model that is not a module
+    is refused by name."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.comm.local import LocalFabric
+    from gradsync.comm.runtime import Runtime
+    from gradsync.train.hooks import GradsyncHookState
+
+    asked: list[list[float]] = []
+    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
+    monkeypatch.setattr("gradsync.train.grouped.FIRST_BUCKET_BYTES", 256)
+    monkeypatch.setattr("gradsync.train.grouped.DDP_BUCKET_BYTES", 1024)
+    rt = Runtime(LocalFabric(1).transport(0))
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+        params = list(reversed(list(model.parameters())))
+        buckets, _ = dist._compute_bucket_assignment_by_size(params, [256, 1024])
+        assert len(buckets) > 1
+        state = GradsyncHookState(rt, model=model)
+        assert asked == [[sum(params[i].numel() * 4 for i in bucket) for bucket in buckets]]
+        state.anticipate_model(model.parameters())
+        GradsyncHookState(rt)
+        GradsyncHookState(rt, algorithm="ring", model=model)
+        assert len(asked) == 1
+        with pytest.raises(TypeError, match="model must be the torch.nn.Module"):
+            GradsyncHookState(rt, model="net")  # type: ignore[arg-type]
+    finally:
+        rt.shutdown()
