@@ -342,7 +342,7 @@ class Executor:
                 if nbytes == 0 or act.index in due:
                     continue
                 buf = self._take_scratch(sizes[act.chunk], like)
-                early[act.index] = (transport.irecv(buf, act.peer, act.tag), buf)
+                early[act.index] = (self._start(act, buf), buf)
                 window[0] -= nbytes
 
         def post(act: Action, chunk_views: list[torch.Tensor], size: int) -> None:
@@ -351,7 +351,7 @@ class Executor:
                 buf = chunk_views[0] if len(chunk_views) == 1 else torch.cat(chunk_views)
                 if sent is not None:
                     posted[act.index] = clock()
-                handle = transport.isend(buf, act.peer, act.tag)
+                handle = self._start(act, buf)
                 stats.bytes_sent += size * like.element_size()
             elif act.index in early:
                 handle, buf = early.pop(act.index)
@@ -361,7 +361,7 @@ class Executor:
                 due.add(act.index)
                 direct = not act.reduce and len(chunk_views) == 1
                 buf = chunk_views[0] if direct else self._take_scratch(size, like)
-                handle = transport.irecv(buf, act.peer, act.tag)
+                handle = self._start(act, buf)
                 stats.bytes_received += size * like.element_size()
                 if direct:
                     buf = None  # landed in place: nothing to apply
@@ -431,7 +431,7 @@ class Executor:
         receiver's pre-posted receives drain. A phase's receives are applied in key order, as in
         :meth:`_execute`, so results do not depend on arrival order. Every wait is bounded by ``timeout_s``.
         """
-        transport, program, stats = self.transport, self.program, self.stats
+        program, stats = self.program, self.stats
         esize = like.element_size()
         trace, t_start = self.trace, time.perf_counter()
         sent, clock = self.sent, self.clock
@@ -482,7 +482,7 @@ class Executor:
                 if sent is not None:
                     posted[act.index] = clock()
                 # the lane keeps ``buf`` (a packed copy for multi-piece chunks) alive until the send is done
-                lane(act.peer, True).put(transport.isend(buf, act.peer, act.tag), act, done, self.timeout_s, buf,
+                lane(act.peer, True).put(self._start(act, buf), act, done, self.timeout_s, buf,
                                          clock)
                 stats.bytes_sent += size * esize
                 stats.messages += 1
@@ -496,7 +496,7 @@ class Executor:
             if size == 0:
                 continue
             buf = self._take_scratch(size, like)
-            lane(act.peer, False).put(transport.irecv(buf, act.peer, act.tag), act, done, self.timeout_s, buf)
+            lane(act.peer, False).put(self._start(act, buf), act, done, self.timeout_s, buf)
             stats.bytes_received += size * esize
             stats.messages += 1
             outstanding += 1
@@ -539,6 +539,14 @@ class Executor:
         if len(self._scratch) > 16:  # tensor sizes keep changing: do not hoard buffers of old sizes
             self._scratch.clear()
         return torch.empty(size, dtype=like.dtype, device=like.device)
+
+    def _start(self, act: Action, buf: torch.Tensor) -> Handle:
+        """``act``'s send or receive of ``buf``, posted: a peer found gone at once (gloo raises there, not at the wait,
+        where the peer's connection closed before the call) fails as a wait on it does, named in context."""
+        try:
+            return (self.transport.isend if act.send else self.transport.irecv)(buf, act.peer, act.tag)
+        except PeerError as exc:
+            raise self._context(act, exc) from exc
 
     def _context(self, act: Action, exc: PeerError) -> PeerError:
         """Name this rank, the transfer, and the rank that failed first according to the failure board."""

@@ -285,15 +285,21 @@ class TorchTransport:
         if tensor.device != self._device:  # gloo sends from host memory, NCCL from its GPU: stage a copy there
             staged = staging_buffer(tensor, self._device).copy_(tensor)
             tensor = staged
-        work = self._dist.isend(tensor, self._global[peer], group=self.group, tag=tag)
-        return _TorchHandle(work, peer, "send", staged)
+        return _TorchHandle(self._start(self._dist.isend, tensor, peer, tag, "send"), peer, "send", staged)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         if tensor.device == self._device:
-            return _TorchHandle(self._dist.irecv(tensor, self._global[peer], group=self.group, tag=tag), peer, "receive")
+            return _TorchHandle(self._start(self._dist.irecv, tensor, peer, tag, "receive"), peer, "receive")
         staged = staging_buffer(tensor, self._device)  # received there, copied into ``tensor`` by wait()
-        work = self._dist.irecv(staged, self._global[peer], group=self.group, tag=tag)
-        return _TorchHandle(work, peer, "receive", staged, tensor)
+        return _TorchHandle(self._start(self._dist.irecv, staged, peer, tag, "receive"), peer, "receive", staged, tensor)
+
+    def _start(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        """``op`` (isend or irecv) with ``peer``: gloo raises at once where the peer's connection is already closed
+        (a rank that died between two calls), and that names the peer as a failed wait does."""
+        try:
+            return op(tensor, self._global[peer], group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise _classify(exc, peer, what, 0.0) from exc
 
 
 @dataclass(frozen=True)

@@ -343,3 +343,23 @@ def test_two_racks_linked_straight_sum_exactly():
         res = _allreduce_everywhere(schedule, [7, 1009], dtype)
         exp = [sum(_inputs(r, [7, 1009], torch.float64)[i] for r in range(topo.world_size)) for i in range(2)]
         assert all(torch.equal(x[i].to(torch.float64), exp[i]) for x in res for i in range(2)), dtype
+
+
+@pytest.mark.parametrize("progress", ["lanes", "ordered"])
+def test_a_peer_found_gone_as_a_message_is_posted_is_named_as_a_failed_wait_is(progress):
+    """gloo raises at the send or receive itself, not at its wait, where the peer's connection closed before the call
+    (the transport names the peer: TorchTransport._start). The executor gives it the same context as a failed wait:
+    this rank, the transfer, the peer, and the failure board's post."""
+    schedule = synthesize("ring", get_topology("switch:2"))
+    fabric = LocalFabric(2)
+    tr = fabric.transport(0)
+
+    def gone(*_args):  # type: ignore[no-untyped-def]
+        raise PeerError("rank 1 closed its connection (the process exited or crashed): Connection closed by peer", 1)
+
+    tr.isend = gone  # type: ignore[method-assign]
+    tr.irecv = gone  # type: ignore[method-assign]
+    with pytest.raises(PeerError, match=r"rank 0 \(.*\), ring allreduce: (sending|receiving) chunk \d+ .* rank 1 .* "
+                                        r"failed: rank 1 closed its connection") as info:
+        Executor(schedule, tr, timeout_s=2, progress=progress).run(torch.ones(64))
+    assert info.value.peer == 1 and 0 in tr.capabilities.failures.read()
