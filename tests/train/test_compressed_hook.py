@@ -5,8 +5,6 @@ at the first bucket (as :class:`GradsyncHookState` does, tests/train/test_hooks.
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from tests.dist_launch import run_outside_a_launcher
 
@@ -68,26 +66,14 @@ def test_a_fixed_codec_hook_given_the_model_prices_its_first_buckets_ahead(monke
     what DDP's first buckets send (torch's own bucket assignment over the parameters in reverse, here with limits
     small enough for several): per bucket its gradients' payloads (``"none"``: as they are) and one mark each, or its
     flat buffer and one mark (``merge="bucket"``). A cast summed by the process group's own allreduce asks nothing."""
-    from gradsync.comm.local import LocalFabric
-    from gradsync.comm.runtime import Runtime
     from gradsync.train.compressed_hook import CompressionHookState
+    from tests.train.ddp_buckets import first_buckets
 
-    asked: list[list[float]] = []
-    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
-    monkeypatch.setattr("gradsync.train.grouped.FIRST_BUCKET_BYTES", 256)
-    monkeypatch.setattr("gradsync.train.grouped.DDP_BUCKET_BYTES", 1024)
-    rt = Runtime(LocalFabric(1).transport(0))
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
-        params = list(reversed(list(model.parameters())))
-        buckets, _ = dist._compute_bucket_assignment_by_size(params, [256, 1024])
-        assert len(buckets) > 1
-        CompressionHookState("none", runtime=rt, model=model)
-        assert asked == [[sum(params[i].numel() * 4 + 4 for i in bucket) for bucket in buckets]]
-        CompressionHookState("none", runtime=rt, model=model, merge="bucket")
-        assert asked[1] == [sum(params[i].numel() * 4 for i in bucket) + 4 for bucket in buckets]
-        CompressionHookState("fp16", runtime=rt, model=model)
-        CompressionHookState("topk", runtime=rt, model=model)
-        assert len(asked) == 2
-    finally:
-        rt.shutdown()
+    with first_buckets(monkeypatch) as b:
+        CompressionHookState("none", runtime=b.rt, model=b.model)
+        assert b.asked == [[sum(b.params[i].numel() * 4 + 4 for i in bucket) for bucket in b.buckets]]
+        CompressionHookState("none", runtime=b.rt, model=b.model, merge="bucket")
+        assert b.asked[1] == [sum(b.params[i].numel() * 4 for i in bucket) + 4 for bucket in b.buckets]
+        CompressionHookState("fp16", runtime=b.rt, model=b.model)
+        CompressionHookState("topk", runtime=b.rt, model=b.model)
+        assert len(b.asked) == 2

@@ -47,30 +47,16 @@ def test_a_hook_state_given_the_model_prices_ddps_first_buckets_ahead(monkeypatc
     once; nothing without the model, nor where the state names an algorithm of its own; a model that is not a module
     is refused by name."""
     import pytest
-    import torch
-    import torch.distributed as dist
 
-    from gradsync.comm.local import LocalFabric
-    from gradsync.comm.runtime import Runtime
     from gradsync.train.hooks import GradsyncHookState
+    from tests.train.ddp_buckets import first_buckets
 
-    asked: list[list[float]] = []
-    monkeypatch.setattr(Runtime, "anticipate", lambda self, sizes, first=False: asked.append(list(sizes)))
-    monkeypatch.setattr("gradsync.train.grouped.FIRST_BUCKET_BYTES", 256)
-    monkeypatch.setattr("gradsync.train.grouped.DDP_BUCKET_BYTES", 1024)
-    rt = Runtime(LocalFabric(1).transport(0))
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
-        params = list(reversed(list(model.parameters())))
-        buckets, _ = dist._compute_bucket_assignment_by_size(params, [256, 1024])
-        assert len(buckets) > 1
-        state = GradsyncHookState(rt, model=model)
-        assert asked == [[sum(params[i].numel() * 4 for i in bucket) for bucket in buckets]]
-        state.anticipate_model(model.parameters())
-        GradsyncHookState(rt)
-        GradsyncHookState(rt, algorithm="ring", model=model)
-        assert len(asked) == 1
+    with first_buckets(monkeypatch) as b:
+        state = GradsyncHookState(b.rt, model=b.model)
+        assert b.asked == [[sum(b.params[i].numel() * 4 for i in bucket) for bucket in b.buckets]]
+        state.anticipate_model(b.model.parameters())
+        GradsyncHookState(b.rt)
+        GradsyncHookState(b.rt, algorithm="ring", model=b.model)
+        assert len(b.asked) == 1
         with pytest.raises(TypeError, match="model must be the torch.nn.Module"):
-            GradsyncHookState(rt, model="net")  # type: ignore[arg-type]
-    finally:
-        rt.shutdown()
+            GradsyncHookState(b.rt, model="net")  # type: ignore[arg-type]
