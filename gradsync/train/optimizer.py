@@ -232,7 +232,7 @@ class DistributedOptimizer:
         group, size = self._open.get(grad.dtype, ([], 0))
         group.append(grad)
         size += grad.numel() * grad.element_size()
-        if size >= (self.bucket_bytes if self._works else self.first_bucket_bytes):  # nothing sent yet: the first group
+        if self._closes(size, bool(self._works)):
             self._queue(group, size)
             self._open.pop(grad.dtype, None)
         else:
@@ -528,6 +528,11 @@ class DistributedOptimizer:
             w.wait()
         self.wait_seconds += time.perf_counter() - t0
 
+    def _closes(self, size: int, sent: bool) -> bool:
+        """Whether an open group of ``size`` bytes is queued: at ``bucket_bytes`` once the iteration ``sent`` a group,
+        at ``first_bucket_bytes`` before (the first group)."""
+        return size >= (self.bucket_bytes if sent else self.first_bucket_bytes)
+
     def _plain_group_bytes(self) -> list[int]:
         """The bytes of the groups an iteration sends without compression, in the order :meth:`_on_grad` queues them
         where backward produces the gradients in reverse registration order (DDP's assumption for its buckets); the
@@ -536,7 +541,7 @@ class DistributedOptimizer:
         open_: dict[torch.dtype, int] = {}
         for _, p in reversed(self._trainable):
             size = open_.get(p.dtype, 0) + p.numel() * p.element_size()
-            if size >= (self.bucket_bytes if out else self.first_bucket_bytes):
+            if self._closes(size, bool(out)):
                 out.append(size)
                 open_.pop(p.dtype, None)
             else:
