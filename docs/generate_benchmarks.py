@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -652,7 +653,37 @@ def _compression_sweep(rel: str, title: str) -> list[str]:
                                          "(the estimator since 26a1bee)." if "ddp" in refs else
                                          "auto's first steps beyond its median, less `none`'s excess (the estimator "
                                          "before 26a1bee, which charged the steps' skew to auto: DDP alone read 2-7 %).")]
-    return out + ["", *block(j["summary"])]
+    return out + ["", *_sweep_excess(j), *block(j["summary"])]
+
+
+def _sweep_excess(j: dict) -> list[str]:
+    """Each method's first steps beyond its own settled pace (seconds), per configuration: the one-time costs the
+    choosing share is read from, so that what auto pays can be told from what every method on gradsync's runtime
+    pays. Empty for runs that kept no per-step times."""
+    methods = j["args"].get("method_list") or []
+    rows = []
+    for cell in j.get("cells", []):
+        where = f"{cell.get('fabric')} at {cell.get('rate')}" if cell.get("rate") else str(cell.get("topology"))
+        for c in cell.get("configs", []):
+            got = c.get("methods", {})
+            if not all(got.get(m, {}).get("first_steps_s") and got[m].get("samples_s") for m in methods):
+                return []
+            n = {len(got[m]["first_steps_s"]) for m in methods}
+            if len(n) != 1:
+                return []
+            rows.append([where, f"{c['model']}/{c['path']}", *(f"{_excess_s(got[m]):+.2f}" for m in methods)])
+    if not rows:
+        return []
+    steps = len(j["cells"][0]["configs"][0]["methods"][methods[0]]["first_steps_s"])
+    return [f"First {steps} steps' time beyond each method's own settled pace (mean of its timed steps), seconds: "
+            "what starting costs each method, the gradsync runtime's pricing and exploring of new sizes included.",
+            "", *table(["where", "model/path", *methods], rows)]
+
+
+def _excess_s(row: dict) -> float:
+    """A method's first steps beyond as many steps at its settled pace (the compression sweep's own estimator)."""
+    first = row["first_steps_s"]
+    return sum(first) - len(first) * statistics.fmean(row["samples_s"])
 
 
 def _sweep_runtimes(j: dict) -> str:
