@@ -672,7 +672,7 @@ def _sweep_excess(j: dict) -> list[str]:
             if len(n) != 1:
                 return []
             rows.append([where, f"{c['model']}/{c['path']}", *(f"{_excess_s(got[m]):+.2f}" for m in methods)])
-    if not rows:
+    if not rows or not methods:
         return []
     steps = len(j["cells"][0]["configs"][0]["methods"][methods[0]]["first_steps_s"])
     return [f"First {steps} steps' time beyond each method's own settled pace (mean of its timed steps), seconds: "
@@ -681,7 +681,8 @@ def _sweep_excess(j: dict) -> list[str]:
 
 
 def _excess_s(row: dict) -> float:
-    """A method's first steps beyond as many steps at its settled pace (the compression sweep's own estimator)."""
+    """A method's first steps beyond as many steps at its settled pace: ``benchmarks.compression_sweep._excess``, the
+    sweep's own estimator, restated here because this script reads results without importing the benchmarks (torch)."""
     first = row["first_steps_s"]
     return sum(first) - len(first) * statistics.fmean(row["samples_s"])
 
