@@ -115,6 +115,30 @@ class PlanCache:
             return self._planner.schedule(name, pipeline, check=check)
         return self.chooser(collective).schedule(name, pipeline, check=check)
 
+    def shared_schedule(self, name: str, pipeline: int, collective: str = ALLREDUCE) -> Schedule:
+        """``name`` at ``pipeline`` for ``collective`` as every rank runs it: rank 0's plan (kept from its pricing, or
+        planned now), its plain data shared through :meth:`decide` and checked here. Each rank planning its own copy
+        cost every rank the plan's solve (half a second for ``forest`` on six processes of one host, which rank 0 had
+        already made while pricing, so rank 0 waited that long in the plan's first call), and rested on every rank's
+        solver finding the same optimum; a shared plan is the one rank 0 priced and ordered the waits of."""
+        mine: list[Schedule] = []
+
+        def planned() -> bytes:
+            mine.append(self.schedule(name, pipeline, collective, check=True))
+            return json.dumps(mine[0].to_dict()).encode()
+
+        raw = self.decide(f"schedule/{collective}/{name}/{pipeline}", planned)
+        if mine:  # this rank planned it (rank 0, or a transport that decides locally): checked already
+            return mine[0]
+        try:
+            schedule = Schedule.from_dict(json.loads(raw))
+            schedule.check(self.topology)
+        except (ValueError, GradsyncError) as exc:
+            raise PlanError(f"the {name} plan at depth {pipeline} that rank 0 shared for {collective} does not run "
+                            f"on {self.topology.name!r} here: {exc}; every rank must start gradsync with the same "
+                            "topology and options") from exc
+        return schedule
+
     def plannable(self, name: str, pipeline: int) -> bool:
         """Whether allreduce by ``name`` at depth ``pipeline`` may be measured: a depth the cost model prices,
         and one that plans here."""
@@ -239,7 +263,7 @@ class PlanCache:
                                         f"collective {collective!r}")
                 ex = NativeAllreduce(self.transport, native_schedule(self.topology))
             else:
-                schedule = self.schedule(name, pipeline, collective, check=True)
+                schedule = self.shared_schedule(name, pipeline, collective)
                 order = None
                 if schedule.num_transfers <= MAX_ORDERED_TRANSFERS:
                     def ordered() -> bytes:

@@ -259,3 +259,78 @@ def test_an_explorers_neighbours_are_ordered_from_the_child_without_simulating_w
             assert np.array_equal(np.frombuffer(orders[f"g0/order/allreduce/{name}/{depth}/{size}"], "<f8"), fresh)
     finally:
         rt.shutdown()
+
+
+def _sharing(world: int, topology: str) -> tuple[list, dict[str, bytes], list[str]]:
+    """Runtimes of ranks 0 and 1 on local transports whose decisions go through one shared board, as the rendezvous
+    store shares rank 0's: rank 0 computes and posts, rank 1 reads what rank 0 posted (and fails on a key it did not)."""
+    from gradsync.comm import Runtime
+
+    board: dict[str, bytes] = {}
+    asked: list[str] = []
+    runtimes = []
+    for rank in (0, 1):
+        def decide(key, compute, timeout_s, rank=rank):
+            asked.append(f"{rank}:{key}")
+            if rank == 0:
+                board[key] = compute()
+            return board[key]
+
+        transport = LocalFabric(world).transport(rank)
+        transport.capabilities = replace(transport.capabilities, decide=decide)
+        runtimes.append(Runtime(transport, topology, "auto", timeout_s=5))
+    return runtimes, board, asked
+
+
+def test_a_planned_executor_runs_the_plan_rank_0_shared_without_planning_it_again(monkeypatch):
+    """Building a planned executor, rank 0 plans it (or takes the plan its pricing made) and shares the plain data
+    under one key; another rank builds the same schedule from it, checked, without solving it (forest's LP: half a
+    second a rank on six processes of one host, which rank 0 waited for in the plan's first call)."""
+    from gradsync.sim import choose
+
+    (rt0, rt1), board, asked = _sharing(6, "racks:2,3,4")
+    try:
+        size = 4 << 20
+        ex0 = rt0.plans.executor("forest", 2, size)
+        solved: list[tuple[str, int]] = []
+        real = choose._plan.synthesize
+
+        def counted(name, topology, options, **kw):
+            solved.append((name, options.pipeline))
+            return real(name, topology, options, **kw)
+
+        monkeypatch.setattr(choose._plan, "synthesize", counted)
+        ex1 = rt1.plans.executor("forest", 2, size)
+        assert solved == [], solved  # rank 1 planned nothing
+        assert ex1.schedule.digest == ex0.schedule.digest and ex1.schedule.to_dict() == ex0.schedule.to_dict()
+        assert "0:g0/schedule/allreduce/forest/2" in asked and "1:g0/schedule/allreduce/forest/2" in asked
+        with pytest.raises(KeyError, match="g0/schedule/allreduce/forest/4"):
+            rt1.plans.executor("forest", 4, size)  # a depth rank 0 has not shared yet: rank 1 waits for it
+        assert solved == [], solved  # and plans nothing of its own meanwhile
+    finally:
+        rt0.shutdown()
+        rt1.shutdown()
+
+
+def test_a_shared_plan_that_does_not_check_here_is_refused_by_name():
+    """A plan shared by rank 0 that this rank's topology does not run (another topology or options on rank 0, or
+    bytes damaged on the way) fails as the executor is built, naming the plan and the fix, not mid-collective."""
+    import json
+
+    from gradsync.errors import PlanError
+
+    (rt0, rt1), board, _ = _sharing(6, "racks:2,3,4")
+    try:
+        rt0.plans.executor("forest", 2, 4 << 20)
+        key = "g0/schedule/allreduce/forest/2"
+        doc = json.loads(board[key])
+        doc["transfers"]["dst"] = [0 for _ in doc["transfers"]["dst"]]  # every transfer into rank 0
+        board[key] = json.dumps(doc).encode()
+        with pytest.raises(PlanError, match="forest plan at depth 2 that rank 0 shared .* same topology"):
+            rt1.plans.executor("forest", 2, 4 << 20)
+        board[key] = b"not json"
+        with pytest.raises(PlanError, match="rank 0 shared"):
+            rt1.plans.executor("forest", 2, 4 << 20)
+    finally:
+        rt0.shutdown()
+        rt1.shutdown()
