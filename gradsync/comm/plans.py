@@ -118,9 +118,9 @@ class PlanCache:
     def shared_schedule(self, name: str, pipeline: int, collective: str = ALLREDUCE) -> Schedule:
         """``name`` at ``pipeline`` for ``collective`` as every rank runs it: rank 0's plan (kept from its pricing, or
         planned now), its plain data shared through :meth:`decide` and checked here. Each rank planning its own copy
-        cost every rank the plan's solve (half a second for ``forest`` on six processes of one host, which rank 0 had
-        already made while pricing, so rank 0 waited that long in the plan's first call), and rested on every rank's
-        solver finding the same optimum; a shared plan is the one rank 0 priced and ordered the waits of."""
+        cost every other rank the plan's solve (``forest``'s LP), which rank 0 had made already while pricing and then
+        waited for in the plan's first call (docs/runtime.md), and rested on every rank's solver finding the same
+        optimum; a shared plan is the one rank 0 priced and ordered the waits of."""
         mine: list[Schedule] = []
 
         def planned() -> bytes:
