@@ -162,9 +162,10 @@ def ddp_partition(nbytes: Sequence[int]) -> Partition:
 def ddp_bucket_bytes(params: Sequence[Tensor]) -> list[int]:
     """The bytes of each bucket of DDP's first backward over ``params`` (the trainable ones, in registration order),
     in the order it sends them: :func:`ddp_partition` of their sizes in reverse, DDP's default limits. What a DDP
-    hook's runtime prices ahead where it is given the model."""
+    hook's runtime prices ahead where it is given the model; a bucket of empty parameters only sends nothing, and is
+    left out (a size of 0 is no size to price)."""
     nbytes = [p.numel() * p.element_size() for p in reversed(params)]
-    return [int(n) for n in ddp_partition(nbytes).group_sizes(nbytes)] if nbytes else []
+    return [int(n) for n in ddp_partition(nbytes).group_sizes(nbytes) if n > 0] if nbytes else []
 
 
 #: A lean group at least this large is scaled member by member as it is copied into its buffer (one pass); a smaller

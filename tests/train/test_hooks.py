@@ -60,3 +60,23 @@ def test_a_hook_state_given_the_model_prices_ddps_first_buckets_ahead(monkeypatc
         assert len(b.asked) == 1
         with pytest.raises(TypeError, match="model must be the torch.nn.Module"):
             GradsyncHookState(b.rt, model="net")  # type: ignore[arg-type]
+
+
+def test_a_model_whose_buckets_send_nothing_prices_nothing_ahead() -> None:
+    """A trainable parameter with no elements makes a bucket of 0 bytes where it is alone in it (here, the only one):
+    the runtime refuses a size of 0 to price, so the state made with that model asks for nothing and starts."""
+    import torch
+
+    from gradsync.comm.local import LocalFabric
+    from gradsync.comm.runtime import Runtime
+    from gradsync.train.grouped import ddp_bucket_bytes
+    from gradsync.train.hooks import GradsyncHookState
+
+    model = torch.nn.Module()
+    model.empty = torch.nn.Parameter(torch.empty(0))
+    assert ddp_bucket_bytes(list(model.parameters())) == []
+    rt = Runtime(LocalFabric(1).transport(0))
+    try:
+        assert GradsyncHookState(rt, model=model).resolved
+    finally:
+        rt.shutdown()
