@@ -215,6 +215,7 @@ def own_runtimes(rt: Any, start: dict[str, Any] | None, methods: Sequence[str],
             if start is not None:
                 own.tuning.use_tuned(start)
             own.explore = rt.explore
+            own.start_pricing()  # as gradsync.init starts it, once the runtime is set up
     except BaseException:
         for made in out.values():  # every thread we start, we also end
             made.shutdown()

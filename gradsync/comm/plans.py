@@ -207,18 +207,34 @@ class PlanCache:
         once nothing else is asked (None: only those asked for; set when the child starts)."""
         todo = [n for n in sizes if (ALLREDUCE, size_class(n)) not in self._choices]
         with self._ahead_lock:  # callers' threads (a hook's, the optimizer's) and a replan's close
-            if not todo or self.ahead_refused is not None:
-                return
-            if self.pricer is None:
-                self.ahead_refused = self._ahead_refusal()
-                if self.ahead_refused is not None:
-                    return
-                try:
-                    self.pricer = Pricer(self.chooser(), orders_from=orders_from)
-                except (PlanError, OSError) as exc:
-                    self.ahead_refused = f"the pricer did not start: {exc}"
-                    return
-            self.pricer.ask(todo, first=first)
+            if todo and self._started(orders_from):
+                self.pricer.ask(todo, first=first)  # type: ignore[union-attr]  (started: a child runs)
+
+    def start_ahead(self, *, orders_from: int | None = None) -> bool:
+        """Start the child pricing ahead now, before any size is asked, where :meth:`anticipate` would: its
+        interpreter's start and imports take seconds, and a model's optimizer or hook anticipates its sizes about a
+        step before it sends them, so a child started then was still starting at the first call, and rank 0 priced
+        the class itself while every rank waited (docs/runtime.md). Whether a child runs; ``orders_from`` as in
+        :meth:`anticipate`."""
+        with self._ahead_lock:
+            return self._started(orders_from)
+
+    def _started(self, orders_from: int | None) -> bool:
+        """The child pricing ahead, started here if none runs yet and this generation prices ahead (the caller holds
+        the lock); whether one runs."""
+        if self.pricer is not None:
+            return True
+        if self.ahead_refused is not None:
+            return False
+        self.ahead_refused = self._ahead_refusal()
+        if self.ahead_refused is not None:
+            return False
+        try:
+            self.pricer = Pricer(self.chooser(), orders_from=orders_from)
+        except (PlanError, OSError) as exc:
+            self.ahead_refused = f"the pricer did not start: {exc}"
+            return False
+        return True
 
     def prepare_orders(self, size: int) -> None:
         """A size class's explorer starts: have the child pricing ahead (if there is one) prepare the finish times of

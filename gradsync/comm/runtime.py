@@ -303,8 +303,21 @@ class Runtime:
         if any(not (n > 0) for n in todo):
             raise GradsyncError(f"sizes={list(sizes)!r} must be positive byte counts")
         if price_ahead() and self.algorithm == AUTO:
-            # where this runtime explores, the child also orders the neighbours its explorers will time
-            self.plans.anticipate(todo, first=first, orders_from=EXPLORE_MIN_BYTES if self.tuning.explore else None)
+            self.plans.anticipate(todo, first=first, orders_from=self._orders_from)
+
+    def start_pricing(self) -> bool:
+        """Start ``auto``'s child pricing ahead now (:meth:`PlanCache.start_ahead
+        <gradsync.comm.plans.PlanCache.start_ahead>`), before any size is anticipated: :func:`init` does, once the
+        cost model is calibrated and exploring is set, so that the child has started by the time a model's optimizer
+        or hook asks for its sizes. Whether a child runs: not for a named algorithm, with ``GRADSYNC_PRICE_AHEAD=0``,
+        or on a rank or fabric where pricing ahead does not pay."""
+        return price_ahead() and self.algorithm == AUTO and self.plans.start_ahead(orders_from=self._orders_from)
+
+    @property
+    def _orders_from(self) -> int | None:
+        """Where this runtime explores, the child pricing ahead also orders the neighbours its explorers will time,
+        from the smallest class explored."""
+        return EXPLORE_MIN_BYTES if self.tuning.explore else None
 
     def choice(self, nbytes: float) -> tuple[str, int]:
         """The (algorithm, pipeline) ``auto`` runs for ``nbytes`` now: the model's, or what :meth:`tune` or
@@ -859,6 +872,7 @@ def init(
         tuning.load_or_calibrate(quick=not calibrate)
         tuning.load_or_tune(tune=bool(calibrate))
     _RUNTIME.explore = bool(calibrate or quick) if explore is None else bool(explore)
+    _RUNTIME.start_pricing()  # after the calibration: the child prices with the job's cost model
     lifetime.on_exit(shutdown)  # a script may end without shutdown(): stop the thread before the groups go
     return _RUNTIME
 

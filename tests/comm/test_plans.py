@@ -157,6 +157,43 @@ def test_rank_0_prices_anticipated_sizes_in_a_child_and_the_first_call_adopts_th
         rt.shutdown()
 
 
+def test_the_child_starts_before_any_size_is_asked_and_the_first_asks_reach_it():
+    """``start_pricing`` (what ``init`` calls once the runtime is set up) starts rank 0's child before any size is
+    anticipated: its interpreter's start is then not on the clock of the first class asked. The sizes asked later go
+    to that child (one child a generation), and it ends with the runtime."""
+    from gradsync.comm.tuning import EXPLORE_MIN_BYTES
+    from gradsync.sim.cost import size_class
+
+    rt = _declared(6, 0, "racks:2,3,4")
+    try:
+        rt.explore = True
+        assert rt.start_pricing()
+        pricer = rt.plans.pricer
+        assert pricer is not None and pricer.alive and not pricer._asked and rt.plans.ahead_refused is None
+        assert pricer.orders_from == EXPLORE_MIN_BYTES  # an exploring runtime's child orders the neighbours too
+        assert rt.start_pricing() and rt.plans.pricer is pricer
+        rt.anticipate([3 << 20])
+        assert rt.plans.pricer is pricer and pricer._asked == {size_class(3 << 20)}
+    finally:
+        rt.shutdown()
+    assert pricer._proc.poll() is not None
+
+
+def test_init_starts_the_pricing_once_exploring_is_set(monkeypatch):
+    """``init`` starts the child after it calibrates and sets exploring: the child prices with the job's cost model,
+    and orders an explorer's neighbours only where the runtime explores."""
+    from gradsync.comm import runtime as runtime_mod
+
+    seen: list[tuple[bool, object]] = []
+    monkeypatch.setattr(runtime_mod.Runtime, "start_pricing", lambda self: seen.append((self.explore, self.cost_model)))
+    monkeypatch.setattr(runtime_mod, "create_transport", lambda name, **kw: LocalFabric(1).transport(0))
+    rt = runtime_mod.init(topology="switch:1", transport="local", explore=True, timeout_s=5)
+    try:
+        assert seen == [(True, rt.cost_model)]
+    finally:
+        runtime_mod.shutdown()
+
+
 def test_no_child_where_every_rank_prices_its_own():
     from gradsync.comm import Runtime
 
@@ -176,6 +213,7 @@ def test_no_child_where_every_rank_prices_its_own():
 def test_no_child_where_pricing_ahead_would_not_pay(world, rank, topology, algorithm, why):
     rt = _declared(world, rank, topology, algorithm)
     try:
+        assert not rt.start_pricing()
         rt.anticipate([4 << 20])
         assert rt.plans.pricer is None
         if why is None:
@@ -193,6 +231,7 @@ def test_price_ahead_is_switched_by_the_environment(monkeypatch):
         with pytest.raises(GradsyncError, match="GRADSYNC_PRICE_AHEAD=2 must be 0 .off. or 1"):
             rt.anticipate([4 << 20])
         monkeypatch.setenv("GRADSYNC_PRICE_AHEAD", "0")
+        assert not rt.start_pricing()
         rt.anticipate([4 << 20])
         assert rt.plans.pricer is None and rt.plans.ahead_refused is None
         with pytest.raises(GradsyncError, match="must be positive byte counts"):
