@@ -151,7 +151,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     leads = list(out["leads"].values())
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(8.5, 3.5))
     width = 0.8 / len(METHODS)
     for i, method in enumerate(METHODS):
         xs = [j + (i - (len(METHODS) - 1) / 2) * width for j in range(len(leads))]
@@ -163,7 +163,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("stall, median (s)")
     sizes = ", ".join(f"{s / 2**20:g}" for s in out["config"]["sizes"])
     ax.set_title(f"pricing {sizes} MiB on {Path(out['config']['topology']).stem}")
-    ax.legend()
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not on them
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
