@@ -189,12 +189,23 @@ class Compressor(ABC):
             tensor = tensor.detach()
         return self._compress(tensor if len(info.shape) == 1 else tensor.reshape(-1), info)
 
-    def decompress(self, payload: Sequence[Tensor], ctx: Context) -> Tensor:
-        """The tensor a payload stands for, in the input's shape and dtype. Pure: no state changes."""
+    def decompress(self, payload: Sequence[Tensor], ctx: Context, out: Tensor | None = None) -> Tensor:
+        """The tensor a payload stands for, in the input's shape and dtype. Pure: no state changes.
+
+        ``out``: a contiguous buffer of ``info.numel`` elements of the input's dtype the result may be written into
+        (its contents are overwritten; never a payload tensor), the destination the caller copies from anyway.
+        Where the decoded tensor is in another dtype (a cast's payload, fp16 summed), the cast back goes into it, not
+        into a new d-element tensor, whose page faults cost the first steps of a large group more than the cast
+        (docs/mergecomp.md); elsewhere it is not used (a copy into it would be one pass more)."""
         flat = self._decompress(list(payload), ctx)
-        if flat.shape != ctx.info.shape:
-            flat = flat.reshape(ctx.info.shape)
-        return cast(flat, ctx.info.dtype)
+        info = ctx.info
+        if (flat.dtype != info.dtype and (buf := as_buffer(out, info.numel, info.dtype)) is not None
+                and buf.device == flat.device):
+            buf.copy_(flat.reshape(-1))
+            return buf.view(info.shape)
+        if flat.shape != info.shape:
+            flat = flat.reshape(info.shape)
+        return cast(flat, info.dtype)
 
     def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
         """Combine decompressed tensors from all workers (allgather); the sum unless a method says otherwise."""
@@ -483,6 +494,10 @@ class Memory(ABC):
     """
 
     name: ClassVar[str] = ""
+    #: Whether the memory keeps nothing of the tensors it is given (no error feedback): a caller's buffer is then free
+    #: once its payload is made, and a step may decode the aggregate into it (:class:`CompressionStep
+    #: <gradsync.train.communicator.CompressionStep>`, ``reuse=True``).
+    stateless: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._state: dict[str, Any] = {}

@@ -35,6 +35,8 @@ __all__ = ["DEFAULT_MEMORY", "NoMemory", "ResidualMemory", "DGCMemory", "default
 class NoMemory(Memory):
     """No error feedback: what a compressor drops is lost (right for ``none``, ``fp16``, unbiased QSGD)."""
 
+    stateless = True
+
     def compensate(self, tensor: Tensor, info: TensorInfo) -> Tensor:
         if self._pending:
             self._settle(info.name)  # only counts a non-finite step: there is no state

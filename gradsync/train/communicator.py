@@ -220,7 +220,7 @@ class AllreduceCommunicator(Communicator):
         flat = [t for payload, _ in items for t in payload]
         self.reduce_sum(flat if marks is None else [*flat, marks])  # the marks join a payload dtype's collective
         summed = _summed_marks(marks)
-        return [self._decoded(compressor, compressor.decompress(payload, ctx), payload, ctx,
+        return [self._decoded(compressor, compressor.decompress(payload, ctx, outs[i] if outs else None), payload, ctx,
                               None if summed is None else summed[i]) for i, (payload, ctx) in enumerate(items)]
 
     def _decoded(self, compressor: Compressor, result: Tensor, payload: Sequence[Tensor], ctx: Context,
@@ -414,8 +414,11 @@ class CompressionStep:
                 compensated[j] = x
         else:
             compensated = self.memory.compensate_all(tensors, infos)
-        # an input the memory copied is free once compressed (the memory holds x, not t)
-        free = [t if reuse and x is not t and not shares_memory(t, [x]) else None for t, x in zip(tensors, compensated)]
+        # an input is free once compressed where the memory copied it (it holds x, not t), or keeps nothing and the
+        # payload is made here (two rounds make theirs from x on the communication thread)
+        kept = not self.memory.stateless or self.two_rounds
+        free = [t if reuse and (not kept or (x is not t and not shares_memory(t, [x]))) else None
+                for t, x in zip(tensors, compensated)]
         if self.two_rounds:
             return self.communicator.submit(lambda: self._two_rounds(compensated, list(infos), as_is, free, step, slot))
         items: list[Item] = []
@@ -425,7 +428,7 @@ class CompressionStep:
             payload, ctx = self.compressor.compress(x, info)
             self.memory.update(x, info, self.compressor, payload, ctx)
             items.append((payload, ctx))
-            outs.append(None if t is None or shares_memory(t, payload) else t)
+            outs.append(None if t is None or shares_memory(t, [*payload, *ctx.extra]) else t)
         marks = self._marks([[*payload, x] for x, (payload, _) in zip(compensated, items)])
 
         def job() -> list[Tensor]:

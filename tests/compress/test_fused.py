@@ -206,7 +206,7 @@ def test_merged_groups_reuse_their_flat_buffer() -> None:
 
 def test_the_step_writes_the_aggregate_into_a_given_up_buffer_only_when_nothing_needs_it() -> None:
     """reuse=True: top-k with error feedback (the memory holds its own copy) decodes into the caller's buffer
-    from the second step on; with no memory ('none', 'qsgd') the buffer is what was compressed: never reused."""
+    from the second step on; qsgd without memory gives its buffer up too, but its own sum decodes into a new tensor."""
     from gradsync.train.communicator import AllgatherCommunicator, CompressionStep
 
     class Runtime:
@@ -232,6 +232,64 @@ def test_the_step_writes_the_aggregate_into_a_given_up_buffer_only_when_nothing_
             want = ref.step_async([g], [info]).wait()[0]
             assert torch.equal(got, want), (name, s)
             assert (got.data_ptr() == buf.data_ptr()) == reused[s], (name, s)
+
+
+class _Summing:
+    """A runtime of two ranks whose peer sent what this one did: an allreduce doubles in place, work runs at once."""
+
+    world_size = 2
+
+    def submit(self, fn, name=""):  # type: ignore[no-untyped-def]
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(fn())
+        return type("W", (), {"wait": lambda self: fut.wait()})()
+
+    def run_allreduce(self, tensors, op="sum"):  # type: ignore[no-untyped-def]
+        for t in tensors:
+            t.mul_(2)
+        return tensors
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_a_casts_sum_is_decoded_into_the_buffer_given_up_from_the_first_step(name: str) -> None:
+    """A cast without memory keeps nothing of its input once the payload is made: with reuse=True the summed payload
+    is cast back into the caller's buffer from the first step (no new d-element tensor, no copy back), the same bits
+    as a step that keeps its input; with error feedback, from the step its memory first copies the input."""
+    from gradsync.train.communicator import AllreduceCommunicator, CompressionStep
+
+    comm = object.__new__(AllreduceCommunicator)
+    comm.runtime = _Summing()  # type: ignore[assignment]
+    info = TensorInfo("g", (50, 80), torch.float32)
+    for memory, reused in (("none", [True] * 3), ("residual", [False, True, True])):
+        step, ref = CompressionStep(create(name), memory, comm), CompressionStep(create(name), memory, comm)
+        for s in range(3):
+            g = _gradients(s, info.shape)
+            buf = g.clone()
+            got = step.step_async([buf], [info], reuse=True).wait()[0]
+            want = ref.step_async([g], [info]).wait()[0]
+            assert torch.equal(got, want) and got.shape == info.shape, (name, memory, s)
+            assert (got.data_ptr() == buf.data_ptr()) == reused[s], (name, memory, s)
+            assert torch.equal(g, _gradients(s, info.shape))  # a step that keeps its input leaves it as it was
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "qsgd", "none"])
+def test_decompress_writes_into_out_only_where_it_casts_back(name: str) -> None:
+    """``decompress(..., out)`` casts a payload of another dtype back into ``out`` (the same values as without it);
+    a payload decoded in the input's dtype already is returned as it is, ``out`` untouched (copying it there would be
+    a pass more), as is an ``out`` of another size or dtype."""
+    c = create(name)
+    info = TensorInfo("g", (30, 40), torch.float32)
+    payload, ctx = c.compress(_gradients(1, info.shape), info)
+    want = c.decompress(payload, ctx)
+    out = torch.full(info.shape, 7.0)
+    got = c.decompress(payload, ctx, out)
+    assert torch.equal(got, want) and got.shape == info.shape
+    casts = payload[0].dtype != torch.float32
+    assert (got.data_ptr() == out.data_ptr()) == casts, name
+    if not casts:
+        assert torch.equal(out, torch.full(info.shape, 7.0))
+    for wrong in (torch.zeros(info.numel + 1), torch.zeros(info.shape, dtype=torch.float64)):
+        assert c.decompress(payload, ctx, wrong).data_ptr() != wrong.data_ptr()
 
 
 def test_workspaces_are_per_thread() -> None:
