@@ -854,6 +854,14 @@ class AutoCompression:
         steps held against it would be flattered (docs/mergecomp.md)."""
         return self._decide_flag("calibration-stands", lambda: settled == 0)
 
+    def turn_stands(self, settled: int, turn: int) -> bool:
+        """Whether the optimizer's ``turn``-th whole step of :meth:`check_buckets` counts: only where the runtime settled
+        nothing during it (``settled``: how much :attr:`Runtime.settling <gradsync.comm.runtime.Runtime.settling>`
+        grew; rank 0's count decides for every rank), as for the calibration step (:meth:`calibration_stands`). A
+        step in which a size was priced or its depths explored ran slower than its side will, and would be held
+        against the other side's settled ones; the optimizer runs the same side again instead."""
+        return self._decide_flag(f"bucket-turn/{turn}", lambda: settled == 0)
+
     def check_buckets(self, chosen_s: Sequence[float], buckets_s: Sequence[float], buckets: Sequence[int], *,
                       final: bool = True, calibration_s: float | None = None) -> bool | None:
         """The optimizer's last check, once the choices are settled (``merge="auto"``): whole steps with the chosen

@@ -55,6 +55,10 @@ BUCKET_CHECK_STEPS = 3
 #: Steps a side after which that check ends early on a clear gap (every step of one side TRY_GAIN times quicker
 #: than every step of the other: :func:`~gradsync.compress.auto.steps_apart`).
 BUCKET_APART_STEPS = 2
+#: Steps of that check not counted because the runtime settled something in them (a size priced, pipeline depths
+#: explored: slower than the side will run), each run again; past this many, every step counts (a runtime that keeps
+#: settling is what the job runs).
+BUCKET_SETTLING_STEPS = 50
 
 
 class DistributedOptimizer:
@@ -290,6 +294,8 @@ class DistributedOptimizer:
         self._bucket_s: tuple[list[float], list[float]] = ([], [])  # whole steps: the choices', the buckets'
         self._bucket_turn: bool | None = None  # this step runs DDP's buckets (None: no check this step)
         self._step_t0 = 0.0
+        self._turn_settling = 0  # the runtime's settling count when the check's step began
+        self._turns_ended = self._turns_dropped = 0  # the check's steps, and those not counted
         #: compression="auto": the timed calibration step's whole time on auto's clock (DDP's buckets uncompressed, the
         #: bucket check's other side), which may spare that check timing the buckets (:meth:`_next_bucket_turn`); None
         #: where the runtime settled something in it (:meth:`AutoCompression.calibration_stands`)
@@ -364,6 +370,7 @@ class DistributedOptimizer:
             self._buckets = None  # the choices are DDP's buckets uncompressed: nothing to time them against
             return None
         self._step_t0 = auto.clock()
+        self._turn_settling = self.runtime.settling
         chosen, buckets = self._bucket_s
         if self._against_calibration and len(chosen) < BUCKET_APART_STEPS:
             return False
@@ -383,7 +390,13 @@ class DistributedOptimizer:
         if turn is None or self._buckets is None:
             return
         chosen, buckets = self._bucket_s
-        (buckets if turn else chosen).append(self.compression.clock() - self._step_t0)
+        took = self.compression.clock() - self._step_t0
+        self._turns_ended += 1
+        if self._turns_dropped < BUCKET_SETTLING_STEPS and not self.compression.turn_stands(
+                self.runtime.settling - self._turn_settling, self._turns_ended):
+            self._turns_dropped += 1  # the same side runs again
+            return
+        (buckets if turn else chosen).append(took)
         sizes = [g.info.numel * self._dtype.itemsize for g in self._buckets.groups]
         if self._against_calibration and len(chosen) == BUCKET_APART_STEPS:
             if self.compression.check_buckets(chosen, [], sizes, calibration_s=self._calibration_s):

@@ -1735,6 +1735,48 @@ def test_a_calibration_step_in_which_the_runtime_settled_does_not_stand_for_ddps
     assert ("calibration_s" in check) is not settles, check
 
 
+@pytest.mark.parametrize("settles", [False, True])
+def test_a_step_of_the_bucket_check_in_which_the_runtime_settled_runs_again(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, settles: bool) -> None:
+    """The choices 4x slower than DDP's buckets (fake clock as above): the check ends on their gap after two pairs and
+    DDP's buckets run. Where the runtime settles something during the choices' first step of the check (their new
+    sizes explored: a step slower than they will run), that step does not count and the choices run again: one step
+    more of the check, still two times a side, the same verdict."""
+    from gradsync.compress.auto import JointChoice
+    from gradsync.compress.merge_model import Partition
+    from gradsync.train.optimizer import DistributedOptimizer as Opt
+
+    count = [0]
+    monkeypatch.setattr(Runtime, "settling", property(lambda self: count[0]))
+    now, sides = _charged_sides(monkeypatch, 4.0)
+    turns: list[bool | None] = []
+    original = Opt._next_bucket_turn
+
+    def next_turn(self: Opt) -> bool | None:
+        got = original(self)
+        if got is False and settles and False not in turns:
+            count[0] += 1  # the choices' first step of the check: the runtime explores meanwhile
+        turns.append(got)
+        return got
+
+    monkeypatch.setattr(Opt, "_next_bucket_turn", next_turn)
+    auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
+                           clock=lambda: now[0], cache=False)
+    monkeypatch.setattr(auto, "plan_partition", lambda sizes, *a, **k: JointChoice(
+        "none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0}))
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto)
+    for step in range(24):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    check = auto.buckets
+    assert check is not None and check["kept"] is False, check
+    assert check["chosen_s"] == pytest.approx([4.0, 4.0]) and check["buckets_s"] == [1.0, 1.0], check
+    assert [t for t in turns if t is not None] == ([False] * (3 if settles else 2) + [True, True]), turns
+
+
 @pytest.mark.parametrize("chosen_cost, kept", [(4.0, False), (0.1, True)])
 def test_the_next_job_starts_with_the_cached_partition_and_bucket_verdict(
         rt: Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, chosen_cost: float, kept: bool) -> None:
