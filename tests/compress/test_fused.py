@@ -204,19 +204,23 @@ def test_merged_groups_reuse_their_flat_buffer() -> None:
     assert closed == [2, 4, 6]  # each wait() closed its step after both groups were sent
 
 
+class _Immediate:
+    """A runtime of two ranks whose submitted work runs at once, on the caller's thread."""
+
+    world_size = 2
+
+    def submit(self, fn, name=""):  # type: ignore[no-untyped-def]
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(fn())
+        return type("W", (), {"wait": lambda self: fut.wait()})()
+
+
 def test_the_step_writes_the_aggregate_into_a_given_up_buffer_only_when_nothing_needs_it() -> None:
     """reuse=True: top-k with error feedback (the memory holds its own copy) decodes into the caller's buffer
     from the second step on; qsgd without memory gives its buffer up too, but its own sum decodes into a new tensor."""
     from gradsync.train.communicator import AllgatherCommunicator, CompressionStep
 
-    class Runtime:
-        world_size = 2
-
-        def submit(self, fn, name=""):  # type: ignore[no-untyped-def]
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(fn())
-            return type("W", (), {"wait": lambda self: fut.wait()})()
-
+    class Runtime(_Immediate):
         def run_allgather(self, t, equal_sizes=False):  # type: ignore[no-untyped-def]
             return [t.clone(), t.clone()]
 
@@ -234,15 +238,8 @@ def test_the_step_writes_the_aggregate_into_a_given_up_buffer_only_when_nothing_
             assert (got.data_ptr() == buf.data_ptr()) == reused[s], (name, s)
 
 
-class _Summing:
-    """A runtime of two ranks whose peer sent what this one did: an allreduce doubles in place, work runs at once."""
-
-    world_size = 2
-
-    def submit(self, fn, name=""):  # type: ignore[no-untyped-def]
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(fn())
-        return type("W", (), {"wait": lambda self: fut.wait()})()
+class _Summing(_Immediate):
+    """Two ranks whose peer sent what this one did: an allreduce doubles in place."""
 
     def run_allreduce(self, tensors, op="sum"):  # type: ignore[no-untyped-def]
         for t in tensors:

@@ -1701,18 +1701,13 @@ def test_the_choices_are_timed_against_ddps_buckets_and_the_quicker_runs(
     assert "DDP's buckets" in report and ("(the calibration step)" in report) == ("B" not in turns), report
 
 
-@pytest.mark.parametrize("settles", [False, True])
-def test_a_calibration_step_in_which_the_runtime_settled_does_not_stand_for_ddps_buckets(
-        rt: Runtime, monkeypatch: pytest.MonkeyPatch, settles: bool) -> None:
-    """As above with the choices 0.6 of the calibration step: they stay untimed against the buckets, unless the
-    runtime settled something during that step (its sizes priced, depths explored: a slower step than the buckets
-    will run), when the buckets are timed (turns CCBB) and the verdict keeps no calibration time."""
+def _layerwise_auto(rt: Runtime, monkeypatch: pytest.MonkeyPatch,
+                    now: list[float]) -> tuple[AutoCompression, torch.nn.Module, DistributedOptimizer]:
+    """``compression="auto"`` on :func:`_model`'s optimizer whose search settles on "none" layer-wise, on the fake
+    clock ``now``."""
     from gradsync.compress.auto import JointChoice
     from gradsync.compress.merge_model import Partition
 
-    count = [0]
-    monkeypatch.setattr(Runtime, "settling", property(lambda self: count[0]))
-    now, sides = _charged_sides(monkeypatch, 0.6)
     auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
                            clock=lambda: now[0], cache=False)
     monkeypatch.setattr(auto, "plan_partition", lambda sizes, *a, **k: JointChoice(
@@ -1720,6 +1715,20 @@ def test_a_calibration_step_in_which_the_runtime_settled_does_not_stand_for_ddps
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
                                compression=auto)
+    return auto, model, opt
+
+
+@pytest.mark.parametrize("settles", [False, True])
+def test_a_calibration_step_in_which_the_runtime_settled_does_not_stand_for_ddps_buckets(
+        rt: Runtime, monkeypatch: pytest.MonkeyPatch, settles: bool) -> None:
+    """As above with the choices 0.6 of the calibration step: they stay untimed against the buckets, unless the
+    runtime settled something during that step (its sizes priced, depths explored: a slower step than the buckets
+    will run), when the buckets are timed (turns CCBB) and the verdict keeps no calibration time."""
+
+    count = [0]
+    monkeypatch.setattr(Runtime, "settling", property(lambda self: count[0]))
+    now, sides = _charged_sides(monkeypatch, 0.6)
+    auto, model, opt = _layerwise_auto(rt, monkeypatch, now)
     per_step = []
     for step in range(24):
         before = len(sides)
@@ -1742,8 +1751,6 @@ def test_a_step_of_the_bucket_check_in_which_the_runtime_settled_runs_again(
     DDP's buckets run. Where the runtime settles something during the choices' first step of the check (their new
     sizes explored: a step slower than they will run), that step does not count and the choices run again: one step
     more of the check, still two times a side, the same verdict."""
-    from gradsync.compress.auto import JointChoice
-    from gradsync.compress.merge_model import Partition
     from gradsync.train.optimizer import DistributedOptimizer as Opt
 
     count = [0]
@@ -1760,13 +1767,7 @@ def test_a_step_of_the_bucket_check_in_which_the_runtime_settled_runs_again(
         return got
 
     monkeypatch.setattr(Opt, "_next_bucket_turn", next_turn)
-    auto = AutoCompression("lossless", runtime=rt, wire=AlphaBeta(0.0, float("inf")), codec_cost=lambda c, n: 0.0,
-                           clock=lambda: now[0], cache=False)
-    monkeypatch.setattr(auto, "plan_partition", lambda sizes, *a, **k: JointChoice(
-        "none", Partition.layerwise(len(sizes)), 0.0, {"none": 0.0}))
-    model = _model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
-                               compression=auto)
+    auto, model, opt = _layerwise_auto(rt, monkeypatch, now)
     for step in range(24):
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
         opt.step()
