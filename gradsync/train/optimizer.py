@@ -294,13 +294,12 @@ class DistributedOptimizer:
         self._bucket_s: tuple[list[float], list[float]] = ([], [])  # whole steps: the choices', the buckets'
         self._bucket_turn: bool | None = None  # this step runs DDP's buckets (None: no check this step)
         self._step_t0 = 0.0
-        self._turn_settling = 0  # the runtime's settling count when the check's step began
-        self._turns_ended = self._turns_dropped = 0  # the check's steps, and those not counted
+        self._turns_dropped = 0  # the bucket check's steps not counted (the runtime settled something in them)
         #: compression="auto": the timed calibration step's whole time on auto's clock (DDP's buckets uncompressed, the
         #: bucket check's other side), which may spare that check timing the buckets (:meth:`_next_bucket_turn`); None
         #: where the runtime settled something in it (:meth:`AutoCompression.calibration_stands`)
         self._calibration_s: float | None = None
-        self._settling_t0 = 0  # the runtime's settling count when the calibration step began
+        self._settling_t0 = 0  # the runtime's settling count when the calibration step or a check's step began
         self._build_groups(self.partition if self.partition is not None else self._calibration)
         if not _is_auto(compression):  # a fixed codec's first groups are known: their sizes priced meanwhile
             sizes = self.compression.allreduce_bytes(self._groups.exchange_shapes(), self._dtype)
@@ -370,7 +369,7 @@ class DistributedOptimizer:
             self._buckets = None  # the choices are DDP's buckets uncompressed: nothing to time them against
             return None
         self._step_t0 = auto.clock()
-        self._turn_settling = self.runtime.settling
+        self._settling_t0 = self.runtime.settling
         chosen, buckets = self._bucket_s
         if self._against_calibration and len(chosen) < BUCKET_APART_STEPS:
             return False
@@ -391,9 +390,9 @@ class DistributedOptimizer:
             return
         chosen, buckets = self._bucket_s
         took = self.compression.clock() - self._step_t0
-        self._turns_ended += 1
+        turn_index = len(chosen) + len(buckets) + self._turns_dropped + 1  # each step ended is counted or dropped
         if self._turns_dropped < BUCKET_SETTLING_STEPS and not self.compression.turn_stands(
-                self.runtime.settling - self._turn_settling, self._turns_ended):
+                self.runtime.settling - self._settling_t0, turn_index):
             self._turns_dropped += 1  # the same side runs again
             return
         (buckets if turn else chosen).append(took)
