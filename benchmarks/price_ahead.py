@@ -20,9 +20,9 @@ what it prepared (the child started with ``orders_from``, as on an exploring run
 and each order is checked equal to the inline one.
 
 Both price on the two-tier file (``benchmarks/fabrics/two-tier-4to1.yaml``) with the cost model the testbed calibrated
-at 300 Mbit/s (embedded; ``--cost-model FILE`` for another). Each ``ahead`` choice is checked equal, bit for bit, to
-the ``inline`` one. Reported per lead: medians of the stall, and the median of the per-round ratios ahead / inline with
-a bootstrap 95 % interval. ``--leads 0`` is a call that needs its class at once (a DDP hook's first bucket): a child
+at 300 Mbit/s (embedded; ``--cost-model FILE`` for another). Each choice a child made is checked equal, bit for bit, to
+the ``inline`` one. Reported per lead: medians of the stall, and the median of the per-round ratios to ``inline`` of
+each way with a child, with a bootstrap 95 % interval. ``--leads 0`` is a call that needs its class at once (a DDP hook's first bucket): a child
 started then can only cost there, one started at init has had its own start. Writes ``price_ahead.{json,png}`` to ``--out``::
 
     gradsync bench price-ahead                       # about 5 minutes on 2 cores

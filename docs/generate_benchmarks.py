@@ -420,7 +420,7 @@ def price_ahead() -> list[str]:
         cells = []
         for way, prefix in ways:
             lo, hi = r[f"{prefix}{what}ratio_ci95"]
-            cells += [num(r[f"{what}medians_s" if what else "medians_s"][way]), num(r[f"{prefix}{what}ratio_median"]),
+            cells += [num(r[f"{what}medians_s"][way]), num(r[f"{prefix}{what}ratio_median"]),
                       f"{num(lo)}–{num(hi)}"]
         return cells
 
