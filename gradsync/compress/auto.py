@@ -37,7 +37,15 @@ import torch
 
 from gradsync.compress.base import COMMUNICATORS, CompressionError, Compressor, TwoRoundCompressor, create
 from gradsync.compress.merge import MergeError
-from gradsync.compress.merge_model import Cost, MergeCostModel, Partition, ShiftedCost, fit_group_overhead
+from gradsync.compress.merge_model import (
+    Cost,
+    MergeCostModel,
+    Partition,
+    ScaledCost,
+    ShiftedCost,
+    fit_group_overhead,
+    fit_wire_scale,
+)
 from gradsync.compress.merge_search import optimal_per_y
 from gradsync.compress.profile import MeasuredCost, measure_codec
 from gradsync.registry import Registry
@@ -467,18 +475,22 @@ class JointChoice:
     per_codec_s: Mapping[str, float]
     #: seconds each group costs beyond its codec and its collective, fitted to a timed step (``observed``)
     group_overhead_s: float = 0.0
+    #: the timed step's collectives' measured time over the wire model's (``observed_busy_s``), by which every
+    #: codec's collective was priced; 1.0 where none was measured
+    wire_scale: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"codec": self.codec, "counts": list(self.partition.counts), "predicted_s": self.predicted_s,
-                "per_codec_s": dict(self.per_codec_s), "group_overhead_s": self.group_overhead_s}
+                "per_codec_s": dict(self.per_codec_s), "group_overhead_s": self.group_overhead_s,
+                "wire_scale": self.wire_scale}
 
     @classmethod
     def from_dict(cls, doc: Any) -> JointChoice:
-        """:meth:`to_dict` read back (rank 0's decision, or a cache file)."""
+        """:meth:`to_dict` read back (rank 0's decision, or a cache file; one written before ``wire_scale`` reads 1)."""
         try:
             return cls(str(doc["codec"]), Partition.from_counts([int(c) for c in doc["counts"]]),
                        float(doc["predicted_s"]), {str(k): float(v) for k, v in dict(doc["per_codec_s"]).items()},
-                       float(doc["group_overhead_s"]))
+                       float(doc["group_overhead_s"]), float(doc.get("wire_scale", 1.0)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CompressionError(f"the joint choice is malformed ({exc}): {doc!r}") from None
 
@@ -504,7 +516,8 @@ class _GroupCost:
 
 def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s: float, *, policy: str,
                  dtype: torch.dtype, wire: WireModel, codec_cost: Callable[[str, int], float], world: int,
-                 forward_s: float = 0.0, observed: tuple[Partition, float] | None = None) -> JointChoice:
+                 forward_s: float = 0.0, observed: tuple[Partition, float] | None = None,
+                 observed_busy_s: float | None = None) -> JointChoice:
     """The merged partition and the codec together, as MergeComp searches them: for each allowed codec, its
     pipeline (:class:`~gradsync.compress.merge_model.MergeCostModel`: ``h`` the codec's encode + decode, ``g`` its
     collective of each group's payload on ``wire``) and the partition its exact search finds (every group count);
@@ -516,39 +529,51 @@ def choose_joint(sizes: Sequence[int], ready_s: Sequence[float], backward_end_s:
     result -- is in no profile, and priced at zero it makes extra groups look free (a small model's last tensor
     split off into a group of its own, slower than one group). It is fitted to that step
     (:func:`~gradsync.compress.merge_model.fit_group_overhead` on ``"none"``'s model) and added to every codec's
-    ``h``: the same per group whatever the codec."""
+    ``h``: the same per group whatever the codec.
+
+    ``observed_busy_s``: how long that step's collectives were in flight (the union of each group's launch-to-done
+    interval). Where given, the step's miss in proportion to its bytes is fitted first, as a scale on the wire
+    (:func:`~gradsync.compress.merge_model.fit_wire_scale`, every codec's collective priced with it), and only the
+    rest per group: a backend slower than the wire model is not read as a cost of every group (docs/mergecomp.md)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise CompressionError(f"world={world!r} must be an integer >= 1 (ranks the gradients are averaged over)")
 
-    def model_for(option: CodecOption, overhead_s: float) -> MergeCostModel:
+    def model_for(option: CodecOption, overhead_s: float, scale: float = 1.0) -> MergeCostModel:
         comp = option.create()
 
         def comm(x: int) -> float:
             return _wire_seconds(comp, comp.payload_bytes((x,), dtype), wire, world)
 
         h: Cost = _GroupCost(lambda x: codec_cost(option.name, x))
+        g: Cost = _GroupCost(comm)
         return MergeCostModel(tuple(sizes), tuple(ready_s), backward_end_s, h=ShiftedCost(h, overhead_s)
-                              if overhead_s > 0 else h, g=_GroupCost(comm), forward_s=forward_s)
+                              if overhead_s > 0 else h, g=g if scale == 1.0 else ScaledCost(g, scale),
+                              forward_s=forward_s)
 
     options = allowed(policy, dtype)
-    overhead = 0.0
+    overhead, scale = 0.0, 1.0
     if observed is not None:
         partition, seconds = observed
         if not isinstance(partition, Partition) or partition.n != len(sizes):
             raise CompressionError(f"observed={observed!r} must be (a Partition of the {len(sizes)} tensors, the "
                                    f"seconds a step with it took)")
-        _, overhead = fit_group_overhead(model_for(options[0], 0.0), partition, seconds)
+        base = model_for(options[0], 0.0)
+        if observed_busy_s is not None:
+            base, scale = fit_wire_scale(base, partition, observed_busy_s)
+        _, overhead = fit_group_overhead(base, partition, seconds)
+    elif observed_busy_s is not None:
+        raise CompressionError(f"observed_busy_s={observed_busy_s!r} needs observed= (the step and its partition)")
     best: tuple[float, str, Partition] | None = None
     per_codec: dict[str, float] = {}
     for option in options:
-        model = model_for(option, overhead)
+        model = model_for(option, overhead, scale)
         seconds, partition = min(optimal_per_y(model).values(), key=lambda tp: (tp[0], tp[1].num_groups))
         per_codec[option.name] = float(seconds)
         if best is None or seconds < best[0]:  # strictly quicker: a tie stays with the earlier codec
             best = (float(seconds), option.name, partition)
     if best is None:  # pragma: no cover - "none" is always allowed
         raise CompressionError(f"policy {policy!r} allows no codec")
-    return JointChoice(best[1], best[2], best[0], per_codec, overhead)
+    return JointChoice(best[1], best[2], best[0], per_codec, overhead, scale)
 
 
 def quicker_by(seconds: float, than_s: float, factor: float) -> bool:

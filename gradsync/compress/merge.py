@@ -47,8 +47,10 @@ from gradsync.compress.merge_model import (
     MergeError,
     Partition,
     PipelineTrace,
+    ScaledCost,
     ShiftedCost,
     fit_group_overhead,
+    fit_wire_scale,
 )
 from gradsync.compress.merge_search import (
     MergeCompSearch,
@@ -68,9 +70,11 @@ __all__ = [
     "MergeSpec",
     "Partition",
     "PipelineTrace",
+    "ScaledCost",
     "ShiftedCost",
     "equal_partition",
     "fit_group_overhead",
+    "fit_wire_scale",
     "optimal_per_y",
     "probe_sizes",
     "resolve_merge",

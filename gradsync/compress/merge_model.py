@@ -19,8 +19,8 @@ import numpy as np
 
 from gradsync.compress.base import CompressionError
 
-__all__ = ["Cost", "LinearCost", "MergeCostModel", "MergeError", "Partition", "PipelineTrace", "ShiftedCost", "ZERO_COST",
-           "fit_group_overhead", "is_int"]
+__all__ = ["WIRE_SCALE_BOUNDS", "Cost", "LinearCost", "MergeCostModel", "MergeError", "Partition", "PipelineTrace",
+           "ScaledCost", "ShiftedCost", "ZERO_COST", "fit_group_overhead", "fit_wire_scale", "is_int"]
 
 
 class MergeError(CompressionError):
@@ -435,3 +435,46 @@ def fit_group_overhead(model: MergeCostModel, partition: Partition, observed_s: 
         else:
             hi = mid
     return shifted(hi), hi
+
+
+@dataclass(frozen=True)
+class ScaledCost:
+    """``cost(x) * factor``: a cost corrected by a measured-to-modelled ratio (vectorised like ``cost``)."""
+
+    cost: Cost
+    factor: float
+
+    def __call__(self, numel: Any) -> Any:
+        return self.cost(numel) * self.factor
+
+
+#: The range :func:`fit_wire_scale` keeps a step's measured-to-modelled communication ratio in: a ratio beyond it says
+#: the measurement is not of the wire (a rank that joined late, a stall), and is not trusted further.
+WIRE_SCALE_BOUNDS = (0.25, 4.0)
+
+
+def fit_wire_scale(model: MergeCostModel, partition: Partition, busy_s: float,
+                   bounds: tuple[float, float] = WIRE_SCALE_BOUNDS) -> tuple[MergeCostModel, float]:
+    """The model with its communication ``g`` times ``s``, the seconds ``partition``'s collectives kept the wire busy
+    in a timed step (``busy_s``: the union of each group's launch-to-done interval) over what the model puts on it
+    (``Σ g(x_j)``), kept within ``bounds``; and ``s``.
+
+    Why. :func:`fit_group_overhead` reads a step's whole miss against the model as a cost per group. Where the miss
+    is the wire's (a backend's ring slower than the wire model, a fabric's congestion), that charges every extra group
+    a share of the wire's error, and the search merges groups that the wire would overlap with backward. The step's
+    own collectives say how much of the miss is theirs: a miss in proportion to bytes, fitted here first, so that
+    only what remains (launch, bookkeeping, the host) is fitted per group after it."""
+    if not isinstance(model, MergeCostModel):
+        raise MergeError(f"model={model!r} must be a MergeCostModel")
+    busy = _nonneg_float("busy_s", busy_s, "seconds the step's collectives were in flight")
+    low, high = bounds
+    if not (0 < low <= 1 <= high):
+        raise MergeError(f"bounds={bounds!r} must be (low, high) with 0 < low <= 1 <= high")
+    if not isinstance(partition, Partition) or partition.n != model.n:
+        raise MergeError(f"partition={partition!r} must be a Partition of the model's {model.n} tensors")
+    prefix = model._prefix
+    modelled = sum(float(model.g(float(prefix[b] - prefix[a]))) for a, b in partition.bounds)
+    if modelled <= 0.0 or busy <= 0.0:  # a free wire, or no measurement: nothing to scale
+        return model, 1.0
+    scale = min(max(busy / modelled, low), high)
+    return replace(model, g=ScaledCost(model.g, scale)), scale

@@ -1375,12 +1375,14 @@ class AutoCompression:
                 "torch": torch.__version__, "codecs": [repr(o) for o in options], "ladder": list(ladder)}
 
     def plan_partition(self, sizes: Sequence[int], ready_s: Sequence[float], backward_end_s: float,
-                       dtype: torch.dtype, observed: tuple[Partition, float] | None = None) -> JointChoice:
+                       dtype: torch.dtype, observed: tuple[Partition, float] | None = None,
+                       observed_busy_s: float | None = None) -> JointChoice:
         """The merged partition chosen together with the codec (:func:`~gradsync.compress.auto.choose_joint`) from
         one timed step's ready times (tensors in backward order), once for the job: rank 0 computes it and every
         rank gets the same. Each group's codec is then chosen and measured as usual; the partition is priced
         with the best single codec, as MergeComp searches a partition for one compressor. ``observed``: the
-        timed step's partition and seconds (same origin as ``ready_s``), which price each group's own cost."""
+        timed step's partition and seconds (same origin as ``ready_s``), which price each group's own cost;
+        ``observed_busy_s``: how long that step's collectives were in flight, which scales the wire model first."""
         self._load_once()
         cached = self._cached_joint
         if cached is not None and cached.partition.n == len(sizes):  # an earlier job's: every rank read the same
@@ -1390,7 +1392,8 @@ class AutoCompression:
         def compute() -> bytes:
             self._profile(min(sizes), sum(sizes), dtype)
             joint = choose_joint(sizes, ready_s, backward_end_s, policy=self.allow, dtype=dtype, wire=self.wire,
-                                 codec_cost=self.codec_cost, world=self.runtime.world_size, observed=observed)
+                                 codec_cost=self.codec_cost, world=self.runtime.world_size, observed=observed,
+                                 observed_busy_s=observed_busy_s)
             return json.dumps(joint.to_dict()).encode()
 
         self.joint = JointChoice.from_dict(json.loads(self._decide(f"joint/{len(sizes)}", compute)))

@@ -38,6 +38,7 @@ __all__ = [
     "DDP_BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "MergedGroups",
+    "busy_seconds",
     "ddp_bucket_bytes",
     "ddp_partition",
     "profile_cost_model",
@@ -159,6 +160,26 @@ def ddp_partition(nbytes: Sequence[int]) -> Partition:
     return Partition.from_counts(counts)
 
 
+def _close_span(span: list[float | None]) -> None:
+    """End a timeline entry (:attr:`MergedGroups.timeline`) now, unless it has ended."""
+    if span[1] is None:
+        span[1] = time.perf_counter()
+
+
+def busy_seconds(spans: Sequence[Sequence[float | None]]) -> float | None:
+    """How long at least one of ``spans`` (``[start, end]`` seconds, :attr:`MergedGroups.timeline`) was in flight:
+    their union's length, so that collectives a backend runs side by side count once. None where a span has no end
+    (a collective not done: a step that waited for its groups leaves none)."""
+    if any(start is None or end is None for start, end in spans):
+        return None
+    total, reach = 0.0, -math.inf
+    for start, end in sorted((float(start), float(end)) for start, end in spans):  # type: ignore[arg-type]
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def ddp_bucket_bytes(params: Sequence[Tensor]) -> list[int]:
     """The bytes of each bucket of DDP's first backward over ``params`` (the trainable ones, in registration order),
     in the order it sends them: :func:`ddp_partition` of their sizes in reverse, DDP's default limits. What a DDP
@@ -234,6 +255,10 @@ outside auto's choosing (the optimizer's calibration steps).
         #: the dtype plain groups are summed in (a cast, :meth:`AutoCompression.calibration_wire
         #: <gradsync.train.auto_compression.AutoCompression.calibration_wire>`); None: as they are
         self.plain_wire: torch.dtype | None = None
+        #: where a list, each plain group's collective appends ``[launched, done]`` to it (``time.perf_counter``
+        #: seconds, ``done`` None until it is): the optimizer's timed calibration step, whose collectives' time in
+        #: flight (:func:`busy_seconds`) scales auto's wire model before its partition search
+        self.timeline: list[list[float | None]] | None = None
         batched = (compressor is not None and not compressor.merges_flat) or self._auto
         for j, (a, b) in enumerate(partition.bounds):
             members = tuple(range(a, b))
@@ -255,6 +280,7 @@ outside auto's choosing (the optimizer's calibration steps).
         #: on top of the copy): the gradients are concatenated into it, and the aggregate may come back in it.
         self._flat: dict[int, Tensor] = {}
         self._flat_views: dict[int, list[Tensor]] = {}  # each buffer's members in their shapes (:meth:`_views`)
+        self._spans: dict[int, list[float | None]] = {}  # this step's open timeline entries, by group
         #: where the gradients live (the last one added): missing ones are zeros there, merged buffers too
         self._device = torch.device("cpu")
 
@@ -320,8 +346,15 @@ outside auto's choosing (the optimizer's calibration steps).
         buf = self._buffer(g, parts, scale)
         if self.plain:
             tensors, infos = self._members(buf, g)
-            self._works.append((g, self.step.plain_launch(buf, g.info, scaled=scale is not None, tensors=tensors,
-                                                          infos=infos, wire=self.plain_wire)))
+            launched = time.perf_counter()
+            work = self.step.plain_launch(buf, g.info, scaled=scale is not None, tensors=tensors, infos=infos,
+                                          wire=self.plain_wire)
+            if self.timeline is not None:
+                span: list[float | None] = [launched, None]
+                self.timeline.append(span)
+                self._spans[g.index] = span
+                work.future.add_done_callback(lambda _, span=span: _close_span(span))
+            self._works.append((g, work))
             return
         if self._auto and reuse:
             # a settled stateless choice: a plain allreduce
@@ -391,6 +424,9 @@ outside auto's choosing (the optimizer's calibration steps).
         self.step.close_step()  # every group of the step is queued: no exchange joins it any more
         for g, work in works:
             results = work.wait()
+            span = self._spans.pop(g.index, None)
+            if span is not None:  # a future's callbacks may run after its waiter wakes: done by now at the latest
+                _close_span(span)
             if g.parts and len(results) == len(g.members):  # a batch's aggregates (auto's "none" is the flat buffer)
                 for i, r in zip(g.members, results):
                     out[i] = r

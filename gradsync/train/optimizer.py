@@ -40,7 +40,7 @@ from gradsync.comm.executor import OPS
 from gradsync.comm.runtime import Runtime, Work, get_runtime
 from gradsync.errors import GradsyncError
 from gradsync.sim.choose import AUTO
-from gradsync.train.grouped import DDP_BUCKET_BYTES, FIRST_BUCKET_BYTES, ddp_partition
+from gradsync.train.grouped import DDP_BUCKET_BYTES, FIRST_BUCKET_BYTES, busy_seconds, ddp_partition
 
 if TYPE_CHECKING:
     from gradsync.compress import Compressor, Memory, Partition
@@ -425,6 +425,7 @@ class DistributedOptimizer:
             self._untimed_steps -= 1
             self._arrivals, self._inside = [], 0.0
             self._groups.plain_wire = None  # the timed step sends DDP's buckets as DDP does: the buckets' anchor
+            self._groups.timeline = []  # and its collectives' time in flight scales the wire model (_calibrate)
         elif self._calibrating:
             if _is_auto(self.compression):
                 took = self.compression.clock() - self._step_t0
@@ -472,8 +473,10 @@ class DistributedOptimizer:
             # the groups that ran; where backward's order was another, DDP's buckets in that order (near enough)
             ran = self._calibration if order == list(range(n)) else ddp_partition(
                 [p.numel() * p.element_size() for _, p in self._params])
+            timeline, self._groups.timeline = self._groups.timeline, None
             joint = self.compression.plan_partition(sizes, ready, max(end - start - inside, last), self._dtype,
-                                                    observed=(ran, synced - start))
+                                                    observed=(ran, synced - start),
+                                                    observed_busy_s=busy_seconds(timeline) if timeline else None)
             self.partition = joint.partition
             if self.compression.runs_ddp_buckets:  # an earlier job's check on this partition: DDP's buckets won
                 self.partition, self._groups = ran, self._merged(ran, plain=True)

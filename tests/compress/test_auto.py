@@ -20,6 +20,7 @@ from gradsync.compress.auto import (
     AutoChoice,
     CodecProfile,
     GroupSpec,
+    JointChoice,
     allowed,
     choose,
     dense_payloads,
@@ -36,7 +37,7 @@ from gradsync.compress.auto import (
     wide_margin,
 )
 from gradsync.compress.base import CompressionError
-from gradsync.compress.merge_model import LinearCost
+from gradsync.compress.merge_model import WIRE_SCALE_BOUNDS, LinearCost
 
 FAST = AlphaBeta(0.0, math.inf)
 SLOW = AlphaBeta(1e-3, 1e3)  # 1 KB/s: every byte counts
@@ -252,9 +253,9 @@ def test_casts_are_lossless_on_their_own_dtype_and_cast_class_otherwise() -> Non
 
 
 # -- the partition and the codec together ------------------------------------------------------------------------
-def _brute_force_joint(sizes, ready, end, policy, wire, cost, world, overhead=0.0):
+def _brute_force_joint(sizes, ready, end, policy, wire, cost, world, overhead=0.0, wire_scale=1.0):
     """Every codec x every contiguous partition, priced by MergeCostModel.iteration_time with closed-form h and g
-    (``overhead`` seconds added to every group's h)."""
+    (``overhead`` seconds added to every group's h, every collective ``wire_scale`` times the wire's)."""
     import itertools
 
     from gradsync.compress.merge_model import MergeCostModel, Partition
@@ -265,7 +266,7 @@ def _brute_force_joint(sizes, ready, end, policy, wire, cost, world, overhead=0.
         comp = option.create()
         h = lambda x, name=option.name: np.vectorize(lambda v: cost(name, int(v)) + overhead)(x)  # noqa: E731
         g = lambda x, comp=comp: np.vectorize(  # noqa: E731
-            lambda v: wire(comp.communicator, comp.payload_bytes((int(v),), torch.float32), world))(x)
+            lambda v: wire_scale * wire(comp.communicator, comp.payload_bytes((int(v),), torch.float32), world))(x)
         model = MergeCostModel(tuple(sizes), tuple(ready), end, h=h, g=g)
         for k in range(n):
             for cuts in itertools.combinations(range(1, n), k):
@@ -335,6 +336,46 @@ def test_the_joint_search_prices_each_groups_own_cost_from_a_timed_layerwise_ste
     with pytest.raises(CompressionError, match="Partition of the 5 tensors"):
         choose_joint(sizes, ready, end, policy="cast", dtype=torch.float32, wire=wire, codec_cost=cost, world=2,
                      observed=(Partition(4, ()), 1.0))
+
+
+def test_the_joint_search_reads_a_slow_wire_from_the_steps_collectives_not_as_a_cost_per_group() -> None:
+    """A timed step on DDP's buckets whose backend ran 1.4x the wire model: with the time its collectives were in
+    flight, the miss is fitted as the wire's (scale 1.4, the true per-group cost left), and the search finds brute
+    force's optimum of the true model, with more groups than the fit that charges the wire's miss to each group."""
+    from gradsync.compress.auto import choose_joint
+    from gradsync.compress.merge_model import MergeCostModel, Partition
+
+    sizes = [5_000, 1_000_000, 1_000, 1_000_000, 1_000, 1_000_000]
+    ready = list(np.cumsum([1e-3, 30e-3, 1e-3, 30e-3, 1e-3, 30e-3]))
+    end, wire, world = ready[-1] + 2e-3, AlphaBeta(1e-4, 1e8), 4
+    cost = lambda codec, numel: 0.0 if codec == "none" else 1e-4 + 2e-10 * numel  # noqa: E731
+    true_scale, true_overhead = 1.4, 2e-4
+    g = lambda x: np.vectorize(lambda v: true_scale * wire("allreduce", 4 * int(v), world))(x)  # noqa: E731
+    h = lambda x: np.zeros_like(np.asarray(x, dtype=float)) + true_overhead  # noqa: E731
+    buckets = Partition.from_counts([2, 4])
+    seen = MergeCostModel(tuple(sizes), tuple(ready), end, h=h, g=g).iteration_time(buckets)
+    busy = sum(true_scale * wire("allreduce", 4 * sum(sizes[a:b]), world) for a, b in buckets.bounds)
+    kw = dict(policy="cast", dtype=torch.float32, wire=wire, codec_cost=cost, world=world, observed=(buckets, seen))
+    joint = choose_joint(sizes, ready, end, observed_busy_s=busy, **kw)
+    assert joint.wire_scale == pytest.approx(true_scale, rel=1e-9)
+    assert joint.group_overhead_s == pytest.approx(true_overhead, rel=1e-3)
+    t, codec, cuts = _brute_force_joint(sizes, ready, end, "cast", wire, cost, world, overhead=true_overhead,
+                                        wire_scale=true_scale)
+    assert joint.codec == codec and joint.partition == Partition(len(sizes), cuts), (joint, t, codec, cuts)
+    assert joint.predicted_s == pytest.approx(t, rel=1e-3)
+    charged = choose_joint(sizes, ready, end, **kw)  # the whole miss per group: 180x the true cost, fewer groups
+    assert charged.wire_scale == 1.0 and charged.group_overhead_s > 100 * true_overhead
+    assert charged.partition.num_groups < joint.partition.num_groups, (charged, joint)
+    assert JointChoice.from_dict(joint.to_dict()) == joint
+    old = joint.to_dict()
+    del old["wire_scale"]  # a cache written before the scale: read as unscaled
+    assert JointChoice.from_dict(old).wire_scale == 1.0
+    # a wire model far off is not the wire's measure (a late rank, a stall): the scale stops at its bound
+    far = choose_joint(sizes, ready, end, observed_busy_s=busy * 100, **kw)
+    assert far.wire_scale == WIRE_SCALE_BOUNDS[1]
+    with pytest.raises(CompressionError, match="observed_busy_s=.* needs observed="):
+        choose_joint(sizes, ready, end, policy="cast", dtype=torch.float32, wire=wire, codec_cost=cost, world=world,
+                     observed_busy_s=busy)
 
 
 def test_the_joint_search_keeps_none_on_a_free_wire_and_compresses_on_a_slow_one() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,6 +426,71 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(2 + step))).square().sum().backward()
         opt.step()
     assert len(auto.table()) == auto.joint.partition.num_groups and any(k.startswith("first/") for k in keys), keys
+
+
+@pytest.mark.parametrize("backend", [False, True])
+def test_the_timed_calibration_steps_collectives_time_in_flight_reaches_the_joint_search(rt: Runtime, monkeypatch,
+                                                                                          backend) -> None:
+    """The timed calibration step records how long its groups' collectives were in flight (each from its launch to
+    its future's end; here one bucket whose collective is held 80 ms), and the partition's search gets it beside the
+    step's time, to read a slow wire as the wire's (choose_joint's ``observed_busy_s``). The untimed first step is not
+    recorded, and nothing is recorded once the partition is chosen."""
+    import gradsync.train.auto_compression as ac
+    import gradsync.train.optimizer as optimizer_module
+    from gradsync.comm.runtime import Work
+
+    if backend:
+        _with_planned_none(rt, monkeypatch)
+    held: list[float] = []
+    real_launch = AutoCompression.plain_launch
+
+    def held_launch(self, *a, **k):
+        work = real_launch(self, *a, **k)
+        later = torch.futures.Future()
+        hold = 0.08 if held else 0.0  # the untimed step's collective is not held
+        held.append(hold)
+
+        def finish() -> None:
+            time.sleep(hold)
+            later.set_result(work.wait())
+
+        threading.Thread(target=finish, daemon=True).start()
+        return Work(later, work.name)
+
+    monkeypatch.setattr(AutoCompression, "plain_launch", held_launch)
+    spans: list[list] = []
+    real_busy = optimizer_module.busy_seconds
+    monkeypatch.setattr(optimizer_module, "busy_seconds", lambda timeline: (spans.extend(timeline),
+                                                                            real_busy(timeline))[1])
+    searched: list[dict] = []
+    real_joint = ac.choose_joint
+    monkeypatch.setattr(ac, "choose_joint", lambda *a, **k: (searched.append(k), real_joint(*a, **k))[1])
+    auto = AutoCompression("cast", runtime=rt, wire=SLOW, codec_cost=lambda c, n: 0.0 if c == "none" else 1e-6,
+                           cache=False)
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), runtime=rt,
+                               compression=auto, merge="auto")
+    for step in range(4):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert held[:2] == [0.0, 0.08] and len(spans) == 1, (held, spans)  # one bucket, the timed step's
+    (start, end), = spans
+    assert end - start >= 0.08
+    (kw,) = searched
+    seconds = kw["observed"][1]
+    assert kw["observed_busy_s"] == pytest.approx(end - start) and 0.08 <= kw["observed_busy_s"] <= seconds, kw
+    assert opt._groups.timeline is None and (opt._buckets is None or opt._buckets.timeline is None)
+
+
+def test_busy_seconds_is_the_union_of_the_spans() -> None:
+    from gradsync.train.grouped import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([[3.0, 4.0], [0.0, 1.0], [0.5, 2.0]]) == pytest.approx(3.0)  # side by side count once
+    assert busy_seconds([[0.0, 2.0], [0.5, 1.0]]) == pytest.approx(2.0)  # one inside another
+    assert busy_seconds([[0.0, 1.0], [1.0, 1.5]]) == pytest.approx(1.5)
+    assert busy_seconds([[0.0, 1.0], [0.5, None]]) is None  # not done
 
 
 def test_the_codec_profile_is_cached_per_device_and_codecs_and_widened_when_a_group_falls_outside(rt, tmp_path,
