@@ -385,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rt = gradsync.init(args.topology, timeout_s=args.timeout, calibrate=args.calibrate)
     start = tuned_at_init(rt)
+    if not args.share_runtime:  # every method prices on a runtime of its own: init's child would only take CPU
+        rt.plans.stop_ahead("the sweep's methods run on runtimes of their own")
     out: dict[str, Any] = {"topology": rt.topology.name, "world_size": rt.world_size, "torch": torch.__version__,
                            "cost_model": rt.cost_model.to_dict(), "calibrated": args.calibrate,
                            "runtimes": "shared" if args.share_runtime else "one per method and configuration",

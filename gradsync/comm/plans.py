@@ -326,13 +326,19 @@ class PlanCache:
         self.ahead_refused = None
         self.generation += 1
 
-    def close(self) -> None:
-        """Stop every executor's waiting threads and forget the executors (the native one has none); end the child
-        pricing ahead."""
+    def stop_ahead(self, why: str = "stopped") -> None:
+        """End the child pricing ahead, if one runs, and start none again for this generation (``why``: what
+        :attr:`ahead_refused` then says): sizes are priced at their first call from now on, as without it."""
         with self._ahead_lock:
             if self.pricer is not None:
                 self.pricer.close()
                 self.pricer = None
+            self.ahead_refused = why
+
+    def close(self) -> None:
+        """Stop every executor's waiting threads and forget the executors (the native one has none); end the child
+        pricing ahead."""
+        self.stop_ahead("closed")
         for ex in self._executors.values():
             if isinstance(ex, Executor):
                 ex.close()

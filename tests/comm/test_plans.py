@@ -179,6 +179,24 @@ def test_the_child_starts_before_any_size_is_asked_and_the_first_asks_reach_it()
     assert pricer._proc.poll() is not None
 
 
+def test_a_stopped_child_ends_and_no_ask_starts_another_until_a_new_generation():
+    """``stop_ahead`` (the sweep's init runtime, whose methods price on runtimes of their own) ends the child and says
+    why; a later ask is priced at its first call as without a child; a replan's new generation may start one again."""
+    rt = _declared(6, 0, "racks:2,3,4")
+    try:
+        assert rt.start_pricing()
+        pricer = rt.plans.pricer
+        rt.plans.stop_ahead("not needed here")
+        assert rt.plans.pricer is None and rt.plans.ahead_refused == "not needed here"
+        assert pricer is not None and pricer._proc.wait(timeout=30) is not None
+        rt.anticipate([3 << 20])
+        assert not rt.start_pricing() and rt.plans.pricer is None
+        rt.set_cost_model(rt.cost_model)
+        assert rt.start_pricing() and rt.plans.pricer is not None
+    finally:
+        rt.shutdown()
+
+
 def test_init_starts_the_pricing_once_exploring_is_set(monkeypatch):
     """``init`` starts the child after it calibrates and sets exploring: the child prices with the job's cost model,
     and orders an explorer's neighbours only where the runtime explores."""
