@@ -41,6 +41,7 @@ __all__ = [
     "busy_seconds",
     "ddp_bucket_bytes",
     "ddp_partition",
+    "ends_on_host",
     "profile_cost_model",
 ]
 
@@ -160,6 +161,13 @@ def ddp_partition(nbytes: Sequence[int]) -> Partition:
     return Partition.from_counts(counts)
 
 
+def ends_on_host(buf: Tensor) -> bool:
+    """Whether the future of ``buf``'s collective ends when the collective does, so that its host time is the
+    collective's: on host tensors (gloo) yes; on a GPU an NCCL future completes once the work is queued on its
+    stream, and its span would read as almost no time (the wire model then scaled to its lower bound)."""
+    return buf.device.type == "cpu"
+
+
 def _close_span(span: list[float | None]) -> None:
     """End a timeline entry (:attr:`MergedGroups.timeline`) now, unless it has ended."""
     if span[1] is None:
@@ -257,7 +265,8 @@ outside auto's choosing (the optimizer's calibration steps).
         self.plain_wire: torch.dtype | None = None
         #: where a list, each plain group's collective appends ``[launched, done]`` to it (``time.perf_counter``
         #: seconds, ``done`` None until it is): the optimizer's timed calibration step, whose collectives' time in
-        #: flight (:func:`busy_seconds`) scales auto's wire model before its partition search
+        #: flight (:func:`busy_seconds`) scales auto's wire model before its partition search; host buffers only
+        #: (:func:`ends_on_host`)
         self.timeline: list[list[float | None]] | None = None
         batched = (compressor is not None and not compressor.merges_flat) or self._auto
         for j, (a, b) in enumerate(partition.bounds):
@@ -349,7 +358,7 @@ outside auto's choosing (the optimizer's calibration steps).
             launched = time.perf_counter()
             work = self.step.plain_launch(buf, g.info, scaled=scale is not None, tensors=tensors, infos=infos,
                                           wire=self.plain_wire)
-            if self.timeline is not None:
+            if self.timeline is not None and ends_on_host(buf):
                 span: list[float | None] = [launched, None]
                 self.timeline.append(span)
                 self._spans[g.index] = span

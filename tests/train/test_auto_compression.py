@@ -428,17 +428,23 @@ def test_merge_autos_calibration_steps_run_uncompressed_outside_every_choice(rt:
     assert len(auto.table()) == auto.joint.partition.num_groups and any(k.startswith("first/") for k in keys), keys
 
 
-@pytest.mark.parametrize("backend", [False, True])
+@pytest.mark.parametrize("backend, host", [(False, True), (True, True), (True, False)])
 def test_the_timed_calibration_steps_collectives_time_in_flight_reaches_the_joint_search(rt: Runtime, monkeypatch,
-                                                                                          backend) -> None:
+                                                                                          backend, host) -> None:
     """The timed calibration step records how long its groups' collectives were in flight (each from its launch to
     its future's end; here one bucket whose collective is held 80 ms), and the partition's search gets it beside the
     step's time, to read a slow wire as the wire's (choose_joint's ``observed_busy_s``). The untimed first step is not
-    recorded, and nothing is recorded once the partition is chosen."""
+    recorded, and nothing is recorded once the partition is chosen. Where a future's end is not the collective's
+    (``host`` False: a GPU's buffers, whose NCCL futures end once queued), nothing is recorded and the search fits
+    the step as before."""
     import gradsync.train.auto_compression as ac
+    import gradsync.train.grouped as grouped
     import gradsync.train.optimizer as optimizer_module
     from gradsync.comm.runtime import Work
 
+    assert grouped.ends_on_host(torch.zeros(1)) and not grouped.ends_on_host(torch.zeros(1, device="meta"))
+    if not host:
+        monkeypatch.setattr(grouped, "ends_on_host", lambda buf: False)
     if backend:
         _with_planned_none(rt, monkeypatch)
     held: list[float] = []
@@ -474,10 +480,13 @@ def test_the_timed_calibration_steps_collectives_time_in_flight_reaches_the_join
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
         opt.step()
         opt.zero_grad()
+    (kw,) = searched
+    if not host:
+        assert held[:2] == [0.0, 0.08] and not spans and kw["observed_busy_s"] is None, (held, spans, kw)
+        return
     assert held[:2] == [0.0, 0.08] and len(spans) == 1, (held, spans)  # one bucket, the timed step's
     (start, end), = spans
     assert end - start >= 0.08
-    (kw,) = searched
     seconds = kw["observed"][1]
     assert kw["observed_busy_s"] == pytest.approx(end - start) and 0.08 <= kw["observed_busy_s"] <= seconds, kw
     assert opt._groups.timeline is None and (opt._buckets is None or opt._buckets.timeline is None)
