@@ -345,6 +345,12 @@ outside auto's choosing (the optimizer's calibration steps).
             return
         # a merged group's buf is ours: the aggregate may come back in it
         reuse = len(parts) > 1 or self.reuse_inputs
+        if self._auto and self.reuse_inputs and len(parts) > 1 and not self.step.needs_flat(g.info.name):
+            # settled on a codec that encodes each member as it is: the gradients themselves go, and their aggregates
+            # come back in them (no copy into the group's buffer, none back into .grad)
+            self._works.append((g, self.step.step_async([p.detach() for p in parts], list(g.parts), reuse=True,
+                                                        key=g.info.name)))
+            return
         # a lean "none" group (and a plain one) is averaged as DDP averages its bucket: scaled while copied in, not in
         # a pass after the sum
         scale = None

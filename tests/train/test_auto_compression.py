@@ -791,6 +791,42 @@ def test_a_cast_well_ahead_is_kept_without_timing_none_where_the_bucket_check_fo
         assert all(g.times.get("none") for g in fp16), auto.table()
 
 
+@pytest.mark.cast_trust
+def test_a_group_settled_on_a_codec_hands_over_the_gradients_themselves(rt: Runtime, monkeypatch) -> None:
+    """Once a merged group settles on a codec that encodes each member as it is (fp16 on the planned exchange: one
+    rank on a local fabric has no backend to cast on), the optimizer hands over the gradients, not the group's
+    buffer: the aggregates come back in the ``.grad`` tensors themselves, with no copy into the buffer and none back
+    (AutoCompression.needs_flat). Training takes the same bits as through the buffer (needs_flat held True)."""
+    import gradsync.train.communicator as communicator
+
+    def run(flat: bool) -> tuple[list[torch.Tensor], list[int], AutoCompression]:
+        copied: list[int] = []  # per step: the aggregates copied into .grad (not decoded there)
+        real = communicator.write_aggregates
+
+        def spy(dests, results):
+            copied.append(sum(not communicator._in_place(d, r) for d, r in zip(dests, results)))
+            return real(dests, results)
+
+        with monkeypatch.context() as m:
+            m.setattr(communicator, "write_aggregates", spy)
+            if flat:
+                m.setattr(AutoCompression, "needs_flat", lambda self, key: True)
+            auto = _auto(rt, FakeClock({"none": 1e-4, "other": 1e-6}))
+            opt, _ = _train(rt, auto, 2 + 2 * PROBE_STEPS + 8, merge=2)
+        return [p.detach().clone() for _, p in opt._params], copied, auto
+
+    params, copied, auto = run(flat=False)
+    rows = auto.table()
+    assert auto.settled and [r["codec"] for r in rows] == ["fp16", "fp16"], rows
+    merged = [r["group"] for r in rows if len(auto._groups[r["group"]].names) > 1]
+    assert [len(auto._groups[k].names) for k in merged] == [3], rows  # and 0.weight alone, in place already
+    assert not any(auto.needs_flat(r["group"]) for r in rows)
+    assert copied[-3:] == [0, 0, 0], copied  # the settled steps decode into .grad itself
+    through, copied_flat, _ = run(flat=True)
+    assert copied_flat[-1] == 3, copied_flat  # through the buffer: the merged group's members copied back
+    assert all(torch.equal(a, b) for a, b in zip(params, through))
+
+
 def test_a_wide_margin_that_measurement_breaks_times_rivals_then_none_and_reviews(rt: Runtime) -> None:
     """The same wide-margin codec measuring far above its prediction: rival codecs are timed while each is as far
     off (the model missed what codecs cost here), up to MAX_CODECS; all break the margin, so "none" is timed after

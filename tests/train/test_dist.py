@@ -61,6 +61,21 @@ def test_auto_compression_keeps_replicas_bit_identical_through_the_optimizer_and
         assert all(g["record_timeouts"] == 0 for g in got), got  # no decision stalled on another group's exchange
 
 
+def test_a_merged_group_settled_on_a_codec_gets_its_gradients_handed_over_and_replicas_stay_identical(tmp_path):
+    """A merged group settled on a codec the backend does not sum: its later launches hand the gradients themselves
+    to the codec, not the group's buffer (AutoCompression.needs_flat), on every rank alike, and the replicas end
+    bit-identical."""
+    reports = launch(WORKER, ["auto_handed", str(tmp_path)], WORLD, tmp_path, timeout_s=240)
+    assert len(reports) == WORLD and all(rep is not None for rep in reports)
+    first = reports[0]
+    assert all(rep["settled"] for rep in reports), [rep["report"] for rep in reports]
+    (merged,) = first["merged"]
+    assert first["codecs"][merged] not in ("none", "fp16", "bf16"), first["report"]
+    assert first["handed"] and set(first["handed"]) == {merged}, first
+    assert all(rep["handed"] == first["handed"] and rep["codecs"] == first["codecs"] for rep in reports)
+    assert all(rep["hash"] == first["hash"] for rep in reports), [rep["report"] for rep in reports]
+
+
 def test_auto_none_on_a_ddp_bucket_is_ddps_allreduce_and_counts_a_bad_iteration_while_choosing(tmp_path):
     """Issue 40: "none" on a bucket is the backend's own allreduce of the bucket (as DDP without a hook). While
     auto chooses, its sum's finiteness joins the iteration's verdict: a NaN or inf on one rank counts once on

@@ -201,6 +201,63 @@ def scenario_auto() -> dict:
     return out
 
 
+class _StepClock:
+    """The local tests' fake clock (tests/train/test_auto_compression.py): advances on the training thread only, by
+    ``cost[codec]`` a call (the launch's codec), so what auto measures does not depend on this machine's load."""
+
+    def __init__(self, cost: dict[str, float]) -> None:
+        self.cost, self.now, self.auto = cost, 0.0, None
+
+    def __call__(self) -> float:
+        import sys
+        import threading
+
+        if (threading.current_thread() is threading.main_thread() and self.auto is not None
+                and sys._getframe(1).f_code.co_name != "record"):
+            self.now += self.cost.get(self.auto.current, self.cost["other"])
+        return self.now
+
+
+def scenario_auto_handed() -> dict:
+    """compression="auto" through the optimizer with a merged group settled on a codec that encodes each member as it
+    is (allow="any" on a slow fake wire, "none" slow on a fake clock): its gradients are handed to the codec and get
+    their aggregates in place (AutoCompression.needs_flat). Each rank's parameters hashed, the codecs, the launches
+    handed over."""
+    import hashlib
+
+    from gradsync.compress.auto import AlphaBeta
+    from gradsync.train import AutoCompression
+
+    rt = gradsync.init()
+    model = _model()
+    clock = _StepClock({"none": 1e-2, "other": 1e-5})
+    auto = AutoCompression("any", runtime=rt, wire=AlphaBeta(1e-4, 1e6), codec_cost=lambda codec, numel: 0.0,
+                           probe_steps=1, clock=clock, cache=False)
+    clock.auto = auto
+    handed: list[str] = []
+    real = auto.step_async
+
+    def spy(tensors, infos, **kw):
+        if kw.get("flat") is None and len(infos) > 1:
+            handed.append(kw.get("key") or infos[0].name)
+        return real(tensors, infos, **kw)
+
+    auto.step_async = spy  # type: ignore[method-assign]
+    opt = gradsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                        runtime=rt, compression=auto, merge=2)
+    for step in range(12):
+        _loss(model, *_micro(step, RANK, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out = {"hash": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "settled": auto.settled,
+           "codecs": {k: c.codec for k, c in auto.choices.items()},
+           "merged": [k for k, g in auto._groups.items() if len(g.names) > 1], "handed": handed,
+           "report": auto.report()}
+    gradsync.shutdown()
+    return out
+
+
 _HOOK_SHAPES = {"w1": (32, 16), "b1": (32,), "w2": (16, 32), "b2": (16,), "w3": (4, 16), "b3": (4,)}
 #: (compressor, merge, the bad value, the parameter that gets it): NaN and inf, in a weight's bucket or a bias's
 HOOK_CASES = (("topk", "layerwise", "nan", "w2"), ("powersgd", "layerwise", "inf", "b1"),
@@ -315,7 +372,7 @@ def scenario_auto_native_nonfinite() -> dict:
     return out
 
 
-SCENARIOS = {"auto": scenario_auto, "auto_native_nonfinite": scenario_auto_native_nonfinite, "accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast,
+SCENARIOS = {"auto": scenario_auto, "auto_handed": scenario_auto_handed, "auto_native_nonfinite": scenario_auto_native_nonfinite, "accumulate": scenario_accumulate, "too_many_passes": scenario_too_many_passes, "broadcast": scenario_broadcast,
              "nonfinite_hook": scenario_nonfinite_hook}
 
 
