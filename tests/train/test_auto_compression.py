@@ -4,7 +4,6 @@ codec slower than none, the choices are cached for the next job and ignored when
 from __future__ import annotations
 
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from gradsync.compress.base import CompressionError, TensorInfo
 from gradsync.errors import GradsyncError
 from gradsync.train.auto_compression import PLANNED, PROBE_STEPS, AutoCompression, param_signature
 from gradsync.train.optimizer import DistributedOptimizer
+from tests.train.fake_clock import FakeClock
 
 
 @dataclass(frozen=True)
@@ -65,23 +65,6 @@ def _two_launches_a_trial(monkeypatch: pytest.MonkeyPatch, request: pytest.Fixtu
         from gradsync.train import auto_compression
 
         monkeypatch.setattr(auto_compression, "wants_another", lambda times_s, probe_steps, **_: False)
-
-
-class FakeClock:
-    """Advances on the training thread only, by ``cost[codec]`` per call, ``codec`` being the launch's.
-
-    A launch's timing callback (``record``) that runs at once on the training thread, because its exchange finished
-    before the callback was attached (a busy machine), reads the clock without advancing it, as it would on the
-    communication thread: else whether a launch cost one call more would depend on the machine's load."""
-
-    def __init__(self, cost: dict[str, float]) -> None:
-        self.cost, self.now, self.auto = cost, 0.0, None
-
-    def __call__(self) -> float:
-        if (threading.current_thread() is threading.main_thread() and self.auto is not None
-                and sys._getframe(1).f_code.co_name != "record"):
-            self.now += self.cost.get(self.auto.current, self.cost["other"])
-        return self.now
 
 
 @pytest.fixture

@@ -201,36 +201,20 @@ def scenario_auto() -> dict:
     return out
 
 
-class _StepClock:
-    """The local tests' fake clock (tests/train/test_auto_compression.py): advances on the training thread only, by
-    ``cost[codec]`` a call (the launch's codec), so what auto measures does not depend on this machine's load."""
-
-    def __init__(self, cost: dict[str, float]) -> None:
-        self.cost, self.now, self.auto = cost, 0.0, None
-
-    def __call__(self) -> float:
-        import sys
-        import threading
-
-        if (threading.current_thread() is threading.main_thread() and self.auto is not None
-                and sys._getframe(1).f_code.co_name != "record"):
-            self.now += self.cost.get(self.auto.current, self.cost["other"])
-        return self.now
-
-
 def scenario_auto_handed() -> dict:
     """compression="auto" through the optimizer with a merged group settled on a codec that encodes each member as it
-    is (allow="any" on a slow fake wire, "none" slow on a fake clock): its gradients are handed to the codec and get
+    is (allow="any" on a slow fake wire, "none" slow on the local tests' fake clock): its gradients are handed to the codec and get
     their aggregates in place (AutoCompression.needs_flat). Each rank's parameters hashed, the codecs, the launches
     handed over."""
     import hashlib
 
     from gradsync.compress.auto import AlphaBeta
     from gradsync.train import AutoCompression
+    from tests.train.fake_clock import FakeClock
 
     rt = gradsync.init()
     model = _model()
-    clock = _StepClock({"none": 1e-2, "other": 1e-5})
+    clock = FakeClock({"none": 1e-2, "other": 1e-5})
     auto = AutoCompression("any", runtime=rt, wire=AlphaBeta(1e-4, 1e6), codec_cost=lambda codec, numel: 0.0,
                            probe_steps=1, clock=clock, cache=False)
     clock.auto = auto
