@@ -472,8 +472,7 @@ def fit_wire_scale(model: MergeCostModel, partition: Partition, busy_s: float,
         raise MergeError(f"bounds={bounds!r} must be (low, high) with 0 < low <= 1 <= high")
     if not isinstance(partition, Partition) or partition.n != model.n:
         raise MergeError(f"partition={partition!r} must be a Partition of the model's {model.n} tensors")
-    prefix = model._prefix
-    modelled = sum(float(model.g(float(prefix[b] - prefix[a]))) for a, b in partition.bounds)
+    modelled = sum(float(model.g(float(x))) for x in partition.group_sizes(model.sizes))
     if modelled <= 0.0 or busy <= 0.0:  # a free wire, or no measurement: nothing to scale
         return model, 1.0
     scale = min(max(busy / modelled, low), high)

@@ -664,8 +664,12 @@ class AutoCompression:
         if group is None or not group.final or key in self._turn:
             return True
         codec = group.priced().codec
-        if codec == "none":
-            return True
+        return codec == "none" or self._backend_casts(group, codec)
+
+    def _backend_casts(self, group: _Group, codec: str) -> bool:
+        """Whether ``codec`` is a cast that ``group`` sends as its whole buffer on the backend's allreduce (where it was
+        timed there, or where the runtime runs the cast's payload natively): a launch that needs the group's flat
+        buffer, and one that may run lean (:meth:`_lean_groups`)."""
         wire = self._step(codec).cast_dtype
         return wire is not None and (self._casts_natively(group, wire)
                                      or self.runtime.runs_natively(group.spec.numel * wire.itemsize))
@@ -948,11 +952,8 @@ class AutoCompression:
         for key in keys:
             group = self._groups[key]
             codec = group.priced().codec
-            if codec != "none":  # a cast takes the backend's allreduce where it was timed there
-                wire = self._step(codec).cast_dtype
-                if wire is None or not (self._casts_natively(group, wire)
-                                        or self.runtime.runs_natively(group.spec.numel * wire.itemsize)):
-                    return None
+            if codec != "none" and not self._backend_casts(group, codec):  # a cast takes the backend's allreduce
+                return None
         if self._owes(n for key in keys for n in self._groups[key].names):
             return None  # a codec's debt goes out with a launch of step_async (a step that repaid it was rolled back)
         return frozenset(keys)
